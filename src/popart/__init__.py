@@ -1,0 +1,42 @@
+"""popart: PopART's Python API (Builder, sessions, training, popxl) on XLA devices via JAX."""
+from __future__ import annotations
+
+from .devices import configure_host_devices as _configure_host_devices
+
+_configure_host_devices()  # before JAX creates its CPU backend: several virtual host devices
+
+from . import ops as _ops  # noqa: E402,F401  (registers every op lowering)
+from .builder import Builder  # noqa: E402
+from .dataflow import *  # noqa: E402,F401,F403
+from .devices import (DeviceConnectionType, DeviceInfo, DeviceManager,  # noqa: E402,F401
+                      DeviceSelectionCriterion, DeviceType, SyncPattern)
+from .errors import *  # noqa: E402,F401,F403
+from .logging import getLogger  # noqa: E402,F401
+from .optimizers import *  # noqa: E402,F401,F403
+from .options import *  # noqa: E402,F401,F403
+from .session import InferenceSession, TrainingSession  # noqa: E402,F401
+from .tensorinfo import DataType, TensorInfo  # noqa: E402,F401
+
+__version__ = "0.1.0"
+
+# PopART's reserved tensor-name prefixes.
+_PREFIXES = {
+    "Gradient": "Gradient___", "Accum": "Accum___", "Accl": "Accl___", "Accl1": "Accl1___",
+    "Accl2": "Accl2___", "Accl3": "Accl3___", "Step": "Step___", "UpdatedVar": "UpdatedVar___",
+    "LossScaling": "lossScaling_", "Restored": "Restored___", "RandomSeed": "randomSeed___",
+    "InitialValue": "InitialValue___", "Stash": "Stash___", "Concat": "Concat___",
+}
+
+
+def _prefix_fn(value: str):
+    def fn() -> str:
+        return value
+    return fn
+
+
+for _name, _value in _PREFIXES.items():
+    globals()[f"reserved{_name}Prefix"] = _prefix_fn(_value)
+
+
+def reservedPrefixes() -> list[str]:
+    return list(_PREFIXES.values())

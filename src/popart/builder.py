@@ -1,0 +1,1407 @@
+"""popart.Builder: writes ONNX models (ModelProto) through ``onnx.helper``.
+
+Op interfaces
+-------------
+* ``builder.aiOnnx`` / ``builder.aiOnnxOpset6`` .. ``aiOnnxOpset<onnx.defs.onnx_opset_version()>``
+  and ``builder.aiOnnxMl``: methods derived from the ``onnx.defs`` schemas at that version.
+  Method name = op type lower-cased (``And``/``Or``/``Not``/``Xor``/``If`` are ``logical_and``,
+  ``logical_or``, ``logical_not``, ``logical_xor``, ``logical_if``). Signature::
+
+      op(args, [num_outputs,] <required attributes>, <optional attributes (alphabetical)>,
+         debugContext="")
+
+  ``num_outputs`` is present only when the schema's output count is variable (Split, Dropout,
+  BatchNormalization, MaxPool, LSTM, If, Loop, Scan, ...). Returns one id for single-output
+  ops, else a list. Only attributes that are given (not ``None``, not ``[]``) are written;
+  ONNX's defaults apply to the rest. ``to`` / ``dtype`` accept PopART dtype strings.
+  One ai.onnx version per model: the one in ``opsets``, else the first ``aiOnnxOpsetN`` used,
+  else 11.
+* ``builder.aiGraphcore`` (= ``aiGraphcoreOpset1``): nodes in domain ``"ai.graphcore"``,
+  opset 1, from the table ``_GRAPHCORE_OPS`` (method -> op type, attributes, outputs). The
+  full list of op types and attribute names is appended to this docstring at import time.
+
+Attribute encodings of ai.graphcore nodes (for the op lowerings)
+----------------------------------------------------------------
+* Attribute names are the method's keyword names (``reduction``, ``ignoreIndex``, ``axes``,
+  ``sizes``, ``noOverlap``, ``scale0``, ...). Unset optional attributes (default ``None``) are
+  not written. Booleans are INT 0/1. Lists are INTS / FLOATS / STRINGS.
+* ``reduction`` (losses: Nll, L1, IdentityLoss, Ctc): STRING "Sum" | "Mean" | "NoReduction".
+* ``reduction`` (ScatterReduce, GroupedScatterReduce): STRING "Sum" | "Max" | "Min" | "Mul" |
+  "NoReduction".
+* ``collectiveOperator`` (ReplicatedAllReduce / ReplicatedReduceScatter): STRING, one of
+  Undefined, Add, Mean, Mul, Min, Max, LogicalAnd, LogicalOr, SquareAdd, Local (absent = Add).
+* ``commGroup``: INTS [type, replicaGroupSize] with type 0=All 1=Consecutive 2=Orthogonal
+  3=Ungrouped (absent = all replicas).
+* Ctc ``outDataType``: STRING PopART dtype name ("UNDEFINED" = same as input).
+* Init / Zeros ``data_type`` / ``dtype``: INT ONNX TensorProto dtype; Init ``init_type``:
+  INT 0=NoInit 1=Zero.
+* Call ``callee``, PackedDataBlock ``callback``: GRAPH.
+* MultiConv: inputs flattened as [data0, weight0, bias0 or "", data1, ...]; per-conv list
+  attributes (``strides``, ``pads``, ``outPads``, ``dilations``, ``inDilations``) are the
+  concatenation of each conv's list (each conv has 2*spatial entries for pads / outPads,
+  spatial for the others; all absent = defaults); ``availableMemoryProportions`` FLOATS,
+  ``partialsTypes`` STRINGS, ``enableConvDithering`` INTS, ``planType`` STRING,
+  ``perConvReservedTiles`` INT, ``cycleBackOff`` FLOAT. One output per conv.
+
+Annotations (node attributes on any node, names in the constants below)
+----------------------------------------------------------------------
+``__ipu_number`` INT (virtualGraph), ``__pipeline_stage`` INT, ``__execution_phase`` INT,
+``__recompute_output`` INT (RecomputeType: 0 Undefined, 1 Checkpoint, 2 Recompute,
+3 Recomputed), ``__schedule_priority`` FLOAT, ``__outline_attributes`` STRINGS "key:value",
+``__partials_type`` STRING, ``__available_memory_proportion`` FLOAT,
+``__serialize_matmul_mode`` STRING / ``__serialize_matmul_factor`` INT /
+``__serialize_matmul_precision`` INT, ``__exclude_patterns`` STRINGS,
+``__inplace_op_names`` STRINGS + ``__inplace_op_priorities`` FLOATS,
+``__enable_conv_dithering`` INT, ``__output_tensor_location`` INTS [storage (0 OnChip,
+1 OffChip), loadTileSet, storageTileSet (0 Compute, 1 IO), replicatedTensorSharding (0/1)],
+``__comm_group_type`` / ``__comm_group_size`` INT.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import operator
+import os
+import re
+import tempfile
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import onnx
+import onnx.defs
+from onnx import AttributeProto, helper, numpy_helper
+
+from .errors import ModelError, UnsupportedOperatorError, popart_exception
+from .ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, ONNX_ML_DOMAIN
+from .tensorinfo import DataType, TensorInfo, np_dtype, onnx_dtype, to_datatype
+
+# Annotation attribute names
+VIRTUAL_GRAPH = "__ipu_number"
+PIPELINE_STAGE = "__pipeline_stage"
+EXECUTION_PHASE = "__execution_phase"
+RECOMPUTE_OUTPUT = "__recompute_output"
+SCHEDULE_PRIORITY = "__schedule_priority"
+OUTLINE_ATTRIBUTES = "__outline_attributes"
+PARTIALS_TYPE = "__partials_type"
+AVAILABLE_MEMORY_PROPORTION = "__available_memory_proportion"
+SERIALIZE_MATMUL_MODE = "__serialize_matmul_mode"
+SERIALIZE_MATMUL_FACTOR = "__serialize_matmul_factor"
+SERIALIZE_MATMUL_PRECISION = "__serialize_matmul_precision"
+EXCLUDE_PATTERNS = "__exclude_patterns"
+INPLACE_OP_NAMES = "__inplace_op_names"
+INPLACE_OP_PRIORITIES = "__inplace_op_priorities"
+ENABLE_CONV_DITHERING = "__enable_conv_dithering"
+OUTPUT_TENSOR_LOCATION = "__output_tensor_location"
+COMM_GROUP_TYPE = "__comm_group_type"
+COMM_GROUP_SIZE = "__comm_group_size"
+
+DEFAULT_AI_ONNX_OPSET = 11
+DEFAULT_AI_GRAPHCORE_OPSET = 1
+MIN_AI_ONNX_OPSET = 6
+MAX_AI_ONNX_OPSET = onnx.defs.onnx_opset_version()
+
+
+class RecomputeType(enum.IntEnum):
+    Undefined = 0
+    Checkpoint = 1
+    Recompute = 2
+    Recomputed = 3
+
+
+_REDUCTIONS = ("Sum", "Mean", "NoReduction")
+_SCATTER_REDUCTIONS = ("Sum", "Max", "Min", "Mul", "NoReduction")
+_COLLECTIVE_OPS = ("Undefined", "Add", "Mean", "Mul", "Min", "Max", "LogicalAnd", "LogicalOr",
+                   "SquareAdd", "Local")
+_COMM_GROUP_TYPES = ("All", "Consecutive", "Orthogonal", "Ungrouped")
+_DEBUG_KEYWORDS = ("debugContext", "debugPrefix", "debugName", "debug_context", "name")
+_DTYPE_ATTRIBUTES = ("to", "dtype")
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                onnx.TensorProto.DOUBLE}
+
+I, F, S = AttributeProto.INT, AttributeProto.FLOAT, AttributeProto.STRING
+INTS, FLOATS, STRINGS = AttributeProto.INTS, AttributeProto.FLOATS, AttributeProto.STRINGS
+T, G = AttributeProto.TENSOR, AttributeProto.GRAPH
+REQUIRED = object()  # marks a required attribute in the tables
+
+
+# ---------------------------------------------------------------------------------------
+# Small helpers
+
+def _enum_index(value: Any, names: Sequence[str], what: str) -> int:
+    """Index of an enum given as a member (by its ``.name``), a member name, or an index."""
+    name = value if isinstance(value, str) else getattr(value, "name", None)
+    if isinstance(name, str):
+        if name in names:
+            return names.index(name)
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if 0 <= int(value) < len(names):
+            return int(value)
+    raise popart_exception(f"Invalid {what} {value!r}: expected one of {', '.join(names)} "
+                           f"(or its index)")
+
+
+def _debug_name(value: Any) -> str:
+    """The name of a debug context given as a str, a DebugContext-like object or None."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    name = getattr(value, "name", "")
+    return name() if callable(name) else str(name or "")
+
+
+def _as_id_set(names: Union[str, Iterable[str]]) -> list[str]:
+    return [names] if isinstance(names, str) else list(names)
+
+
+def _is_unset(value: Any) -> bool:
+    return value is None or (isinstance(value, (list, tuple)) and len(value) == 0)
+
+
+def _make_attr(op: str, name: str, value: Any, attr_type: Optional[int] = None) -> AttributeProto:
+    """An AttributeProto from a Python / NumPy value, coerced to ``attr_type`` when known.
+    A sub-graph Builder becomes a GraphProto; a NumPy array a TensorProto."""
+    try:
+        if isinstance(value, Builder):
+            value, attr_type = value._subgraph_proto(), G
+        elif isinstance(value, onnx.GraphProto):
+            attr_type = G
+        elif attr_type == T or isinstance(value, np.ndarray):
+            value, attr_type = numpy_helper.from_array(np.asarray(value)), T
+        elif attr_type == I and name in _DTYPE_ATTRIBUTES and not isinstance(value, (int, np.integer)):
+            value = onnx_dtype(value)
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, enum.Enum) and attr_type in (S, None):
+            value = value.name
+        if attr_type == I:
+            value = operator.index(value)
+        elif attr_type == F:
+            value = float(value)
+        elif attr_type == S:
+            if not isinstance(value, (str, bytes)):
+                raise TypeError(f"expected a string, got {type(value).__name__}")
+        elif attr_type == INTS:
+            value = [operator.index(v) for v in value]
+        elif attr_type == FLOATS:
+            value = [float(v) for v in value]
+        elif attr_type == STRINGS:
+            value = [v if isinstance(v, (str, bytes)) else str(v) for v in value]
+        elif attr_type is None:
+            if isinstance(value, bool):
+                value = int(value)
+            elif isinstance(value, (list, tuple)):
+                value = [v.item() if isinstance(v, np.generic) else v for v in value]
+                if value and all(isinstance(v, bool) for v in value):
+                    value = [int(v) for v in value]
+        return helper.make_attribute(name, value, attr_type=attr_type)
+    except popart_exception:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:
+        kind = AttributeProto.AttributeType.Name(attr_type) if attr_type else "attribute"
+        raise popart_exception(f"Op {op}: invalid value {value!r} for attribute '{name}' "
+                               f"(expected {kind}): {e}") from None
+
+
+def _bind(what: str, params: Sequence[str], required: set, str_params: set,
+          positional: Sequence[Any], keywords: dict) -> dict:
+    """Bind an op method's arguments (after ``args``) to ``params``; ``debugContext`` is
+    one of them. Accepts ``debugPrefix`` / ``name`` / ``debugName`` for the debug name and a
+    trailing positional string as the debug name."""
+    positional = list(positional)
+    values: dict[str, Any] = {}
+    if (positional and isinstance(positional[-1], str) and len(positional) <= len(params)
+            and params[len(positional) - 1] not in str_params):
+        values["debugContext"] = positional.pop()
+    if len(positional) > len(params):
+        raise popart_exception(f"{what} takes at most {len(params)} argument(s) after the "
+                               f"inputs ({', '.join(params)}), got {len(positional)}")
+    values.update(zip(params, positional))
+    for key, value in keywords.items():
+        if key not in params and key in _DEBUG_KEYWORDS:
+            key = "debugContext"
+        if key not in params:
+            raise popart_exception(f"{what} has no attribute '{key}'; its attributes are: "
+                                   f"{', '.join(p for p in params if p != 'debugContext') or 'none'}")
+        if key in values:
+            raise popart_exception(f"{what} got more than one value for '{key}'")
+        values[key] = value
+    for name in params:
+        if name in required and values.get(name) is None:
+            raise popart_exception(f"{what} requires attribute '{name}', which was not given")
+    return values
+
+
+def _signature(params: Sequence[str], defaults: dict, with_args: bool = True) -> inspect.Signature:
+    p = [inspect.Parameter("args", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if with_args else []
+    for name in params:
+        d = defaults.get(name, inspect.Parameter.empty)
+        p.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   default=inspect.Parameter.empty if d is REQUIRED else d))
+    return inspect.Signature(p)
+
+
+# ---------------------------------------------------------------------------------------
+# ai.onnx / ai.onnx.ml interfaces derived from onnx.defs
+
+_ONNX_METHOD_NAMES = {"If": "logical_if", "And": "logical_and", "Or": "logical_or",
+                      "Not": "logical_not", "Xor": "logical_xor"}
+_LATE_ATTRIBUTES = ("auto_pad",)  # after the others, so positional calls match PopART
+
+
+class _UnknownOpError(UnsupportedOperatorError, AttributeError):
+    """An op that does not exist at the interface's opset version."""
+
+
+@functools.lru_cache(maxsize=None)
+def _all_schemas() -> tuple:
+    return tuple(onnx.defs.get_all_schemas_with_history())
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_table(domain: str, version: int) -> dict:
+    """Method name -> newest schema of ``domain`` with since_version <= ``version``."""
+    best: dict[str, Any] = {}
+    for s in _all_schemas():
+        if s.domain == domain and s.since_version <= version:
+            name = _ONNX_METHOD_NAMES.get(s.name, s.name.lower())
+            if name not in best or best[name].since_version < s.since_version:
+                best[name] = s
+    return {k: s for k, s in best.items() if not s.deprecated}
+
+
+class Opset:
+    """Minimal base class for the opsets."""
+
+    def __init__(self, builder: "Builder", version: int) -> None:
+        self._builder = builder
+        self.version = int(version)
+
+
+class _SchemaOpset(Opset):
+    """Methods generated from the ONNX schemas of ``_domain`` at ``version``."""
+
+    _domain = ""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        schema = _schema_table(self._domain, self.version).get(name)
+        if schema is None:
+            raise _UnknownOpError(f"Operator '{name}' does not exist in "
+                                  f"{self._domain or ONNX_DOMAIN} opset {self.version}")
+        method = self._make_method(schema)
+        self.__dict__[name] = method
+        return method
+
+    def __dir__(self) -> list:
+        return sorted(set(super().__dir__()) | set(_schema_table(self._domain, self.version)))
+
+    def _make_method(self, schema: Any) -> Any:
+        op = f"{schema.domain or ONNX_DOMAIN}::{schema.name}-{schema.since_version}"
+        attrs = sorted(schema.attributes.values(),
+                       key=lambda a: (not a.required, a.name in _LATE_ATTRIBUTES, a.name))
+        types = {a.name: int(a.type) for a in attrs}
+        defaults = {a.name: (REQUIRED if a.required else
+                             helper.get_attribute_value(a.default_value)
+                             if a.default_value.type else None) for a in attrs}
+        variadic = schema.min_output != schema.max_output
+        params = (["num_outputs"] if variadic else []) + [a.name for a in attrs] + ["debugContext"]
+        required = {a.name for a in attrs if a.required} | ({"num_outputs"} if variadic else set())
+        str_params = {n for n, t in types.items() if t in (S, STRINGS)
+                      or n in _DTYPE_ATTRIBUTES} | {"debugContext"}
+        builder = self._builder
+
+        def method(args: Sequence[str], *positional: Any, **keywords: Any) -> Any:
+            v = _bind(op, params, required, str_params, positional, keywords)
+            args = list(args)
+            if not schema.min_input <= len(args) <= schema.max_input:
+                raise popart_exception(f"Op {op} takes {schema.min_input}..{schema.max_input} "
+                                       f"inputs, got {len(args)}: {args}")
+            n_out = schema.min_output
+            if variadic:
+                n_out = int(v["num_outputs"])
+                if not schema.min_output <= n_out <= schema.max_output:
+                    raise popart_exception(f"Op {op}: num_outputs must be in "
+                                           f"{schema.min_output}..{schema.max_output}, got {n_out}")
+            attributes = [_make_attr(op, k, v[k], types[k]) for k in types if not _is_unset(v.get(k))]
+            outs = builder._add_node(schema.name, schema.domain, args, attributes, n_out,
+                                     v.get("debugContext"))
+            return outs[0] if schema.max_output == 1 else outs
+
+        method.__name__ = schema.name.lower()
+        method.__doc__ = f"Add an {op} node (see the ONNX operator documentation)."
+        method.__signature__ = _signature(params, {**defaults, "debugContext": ""})
+        return method
+
+
+class AiOnnx(_SchemaOpset):
+    """The ai.onnx operators at one opset version (methods derived from onnx.defs)."""
+
+    def __init__(self, builder: "Builder", version: int) -> None:
+        if not MIN_AI_ONNX_OPSET <= int(version) <= MAX_AI_ONNX_OPSET:
+            raise ValueError(f"Unsupported or unrecognized ai.onnx version: {version} "
+                             f"(supported: {MIN_AI_ONNX_OPSET}..{MAX_AI_ONNX_OPSET})")
+        super().__init__(builder, version)
+
+    def __str__(self) -> str:
+        return f"AiOnnx{self.version}"
+
+    def constant(self, value: Any, is_value_sparse: bool = False, debugContext: Any = "") -> str:
+        """Add a Constant node holding the NumPy value ``value``."""
+        if is_value_sparse:
+            raise UnsupportedOperatorError("Constant: sparse values (is_value_sparse=True) are "
+                                           "not supported")
+        attr = _make_attr("Constant", "value", np.asarray(value), T)
+        return self._builder._add_node("Constant", "", [], [attr], 1, debugContext)[0]
+
+
+class AiOnnxMl(_SchemaOpset):
+    """The ai.onnx.ml operators at one opset version."""
+
+    _domain = ONNX_ML_DOMAIN
+
+
+# PopART's class names: AiOnnx6 .. AiOnnxN (and AiOnnxOpsetN aliases).
+for _v in range(MIN_AI_ONNX_OPSET, MAX_AI_ONNX_OPSET + 1):
+    globals()[f"AiOnnx{_v}"] = globals()[f"AiOnnxOpset{_v}"] = type(
+        f"AiOnnx{_v}", (AiOnnx,), {"__doc__": f"Builder interface for ai.onnx version {_v}."})
+del _v
+
+
+# ---------------------------------------------------------------------------------------
+# ai.graphcore interface, table-driven
+
+def _loss_reduction(v: Any) -> str:
+    return _REDUCTIONS[_enum_index(v, _REDUCTIONS, "ReductionType")]
+
+
+def _scatter_reduction(v: Any) -> str:
+    return _SCATTER_REDUCTIONS[_enum_index(v, _SCATTER_REDUCTIONS, "ScatterReduction")]
+
+
+def _collective_op(v: Any) -> str:
+    return _COLLECTIVE_OPS[_enum_index(v, _COLLECTIVE_OPS, "CollectiveOperator")]
+
+
+def _comm_group(v: Any) -> list:
+    """CommGroup-like (``.type``, ``.replicaGroupSize``) or (type, size) -> [type, size]."""
+    kind, size = (v if isinstance(v, (tuple, list)) else
+                  (getattr(v, "type"), getattr(v, "replicaGroupSize")))
+    return [_enum_index(kind, _COMM_GROUP_TYPES, "CommGroupType"), int(size)]
+
+
+def _dtype_name(v: Any) -> str:
+    return to_datatype(v).value
+
+
+# Encoders for attributes whose Python value is an enum or an object: name -> (type, encode).
+_ENC = {
+    "reduction": (S, _loss_reduction),
+    "scatter_reduction": (S, _scatter_reduction),
+    "collectiveOperator": (S, _collective_op),
+    "commGroup": (INTS, _comm_group),
+    "outDataType": (S, _dtype_name),
+}
+
+# method -> (op type, [(attribute, type or encoder key, default or REQUIRED)], outputs)
+# outputs: number of outputs, or "n" for a leading ``num_outputs`` argument. An entry
+# ("debugContext", None, "") places the debug name among the positional arguments.
+_GRAPHCORE_OPS: dict[str, tuple] = {
+    "abort": ("Abort", [], 0),
+    "atan2": ("Atan2", [], 1),
+    "batchnormalization": ("BatchNormalization", [("epsilon", F, 1e-5), ("momentum", F, 0.9)], "n"),
+    "bitwiseand": ("BitwiseAnd", [], 1),
+    "bitwisenot": ("BitwiseNot", [], 1),
+    "bitwiseor": ("BitwiseOr", [], 1),
+    "bitwisexnor": ("BitwiseXnor", [], 1),
+    "bitwisexor": ("BitwiseXor", [], 1),
+    "bucketize": ("Bucketize", [("right", I, 0)], 1),
+    "call": ("Call", [("callee", G, REQUIRED)], "n"),
+    "copyvarupdate": ("CopyVarUpdate", [], 1),
+    "ctcbeamsearchdecoder": ("CtcBeamSearchDecoder", [("blank", I, 0), ("beam_width", I, 100),
+                                                      ("top_paths", I, 1)], 3),
+    "ctcloss": ("Ctc", [("reduction", "reduction", "Mean"), ("blank", I, 0),
+                        ("outDataType", "outDataType", "UNDEFINED"), ("zeroInfinity", I, 0)], 1),
+    "depthtospace": ("DepthToSpace", [("blocksize", I, REQUIRED), ("mode", S, "DCR")], 1),
+    "detach": ("Detach", [], 1),
+    "dynamicadd": ("DynamicAdd", [("axes", INTS, REQUIRED), ("sizes", INTS, REQUIRED)], 1),
+    "dynamicslice": ("DynamicSlice", [("axes", INTS, REQUIRED), ("sizes", INTS, REQUIRED),
+                                      ("noOverlap", I, 0)], 1),
+    "dynamicupdate": ("DynamicUpdate", [("axes", INTS, REQUIRED), ("sizes", INTS, REQUIRED),
+                                        ("noOverlap", I, 0)], 1),
+    "dynamiczero": ("DynamicZero", [("axes", INTS, REQUIRED), ("sizes", INTS, REQUIRED)], 1),
+    "expm1": ("Expm1", [], 1),
+    "fmod": ("Fmod", [], 1),
+    "gelu": ("Gelu", [], 1),
+    "geluerf": ("GeluErf", [], 1),
+    "groupedgather": ("GroupedGather", [("axis", I, 0), ("group_size", I, 1)], 1),
+    "groupedscatterreduce": ("GroupedScatterReduce", [
+        ("axis_size", I, REQUIRED), ("axis", I, -1), ("reduction", "scatter_reduction", "Sum"),
+        ("group_size", I, 1), ("enable_index_broadcast", I, 1)], 1),
+    "groupnormalization": ("GroupNormalization", [("num_groups", I, REQUIRED),
+                                                  ("epsilon", F, 1e-5)], 3),
+    "histogram": ("Histogram", [("levels", FLOATS, REQUIRED), ("absoluteOfInput", I, 0)], 1),
+    "identityloss": ("IdentityLoss", [("reduction", "reduction", "Mean")], 1),
+    "incrementmod": ("IncrementMod", [("increment", F, REQUIRED), ("modulus", F, REQUIRED)], 1),
+    "l1loss": ("L1", [("lambda", F, REQUIRED), ("reduction", "reduction", "Mean")], 1),
+    "log1p": ("Log1p", [], 1),
+    "lstm": ("LSTM", [("outputFullSequence", I, 1)], 2),
+    "nearbyint": ("NearbyInt", [], 1),
+    "nllloss": ("Nll", [("reduction", "reduction", "Mean"), ("ignoreIndex", I, None),
+                        ("inputIsLogProbability", I, 0)], 1),
+    "nop": ("Nop", [], 1),
+    "normalize_image": ("Normalize_Image", [("scale", F, 1.0)], 1),
+    "packedDataBlock": ("PackedDataBlock", [
+        ("maxSequenceLengths", INTS, REQUIRED), ("resultSize", I, REQUIRED),
+        ("callbackBatchSize", I, REQUIRED), ("callback", G, REQUIRED)], 1),
+    "printtensor": ("PrintTensor", [
+        ("print_gradient", I, 1), ("debugContext", None, ""), ("title", S, ""),
+        ("summariseThreshold", I, 1000), ("edgeItems", I, 3), ("maxLineWidth", I, 75),
+        ("digits", I, 8), ("floatFormat", I, 0), ("separator", S, " "),
+        ("openBracket", S, "["), ("closeBracket", S, "]")], 1),
+    "reducemedian": ("ReduceMedian", [("axes", INTS, None), ("keepdims", I, 1)], 2),
+    "remainder": ("Remainder", [], 1),
+    "replicatedallgather": ("ReplicatedAllGather", [("commGroup", "commGroup", None)], 1),
+    "replicatedallreduce": ("ReplicatedAllReduce", [
+        ("collectiveOperator", "collectiveOperator", None), ("commGroup", "commGroup", None)], 1),
+    "replicatedreducescatter": ("ReplicatedReduceScatter", [
+        ("collectiveOperator", "collectiveOperator", None), ("commGroup", "commGroup", None)], 1),
+    "reshape": ("Reshape", [("shape", INTS, REQUIRED)], 1),
+    "reverse": ("Reverse", [("dimensions", INTS, REQUIRED)], 1),
+    "round": ("Round", [], 1),
+    "scale": ("Scale", [("scale", F, REQUIRED)], 1),
+    "scaledadd": ("ScaledAdd", [("scale0", F, 1.0), ("scale1", F, 1.0)], 1),
+    "scatterreduce": ("ScatterReduce", [
+        ("axis_size", I, REQUIRED), ("axis", I, -1), ("reduction", "scatter_reduction", "Sum"),
+        ("enable_index_broadcast", I, 1)], 1),
+    "sequenceslice": ("SequenceSlice", [("zeroUnused", I, 0)], 1),
+    "shapeddropout": ("ShapedDropout", [("shape", INTS, REQUIRED), ("ratio", F, 0.5)], 1),
+    "slice": ("Slice", [("ends", INTS, REQUIRED), ("starts", INTS, REQUIRED),
+                        ("axes", INTS, REQUIRED)], 1),
+    "sort": ("Sort", [("axis", I, -1), ("descending", I, 0), ("stable", I, 0)], 2),
+    "splinebasis": ("SplineBasis", [("degree", I, REQUIRED)], 2),
+    "splineweighting": ("SplineWeighting", [], 1),
+    "square": ("Square", [], 1),
+    "subsample": ("Subsample", [("strides", INTS, REQUIRED)], 1),
+    "swish": ("Swish", [], 1),
+    "tensorremap": ("TensorRemap", [("remap_type", I, 0)], 1),
+    "zeroslike": ("ZerosLike", [], 1),
+}
+
+
+class AiGraphcore(Opset):
+    """The ai.graphcore operators (opset 1); methods come from ``_GRAPHCORE_OPS``."""
+
+    def __init__(self, builder: "Builder", version: int = DEFAULT_AI_GRAPHCORE_OPSET) -> None:
+        if int(version) != 1:
+            raise ValueError(f"Unsupported or unrecognized ai.graphcore version: {version}")
+        super().__init__(builder, version)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _GRAPHCORE_OPS:
+            raise _UnknownOpError(f"Operator '{name}' does not exist in ai.graphcore opset "
+                                  f"{self.version}")
+        method = self._make_method(name, *_GRAPHCORE_OPS[name])
+        self.__dict__[name] = method
+        return method
+
+    def __dir__(self) -> list:
+        return sorted(set(super().__dir__()) | set(_GRAPHCORE_OPS))
+
+    def _make_method(self, name: str, op_type: str, attrs: list, n_out: Any) -> Any:
+        op = f"{GRAPHCORE_DOMAIN}::{op_type}"
+        params = (["num_outputs"] if n_out == "n" else []) + [a[0] for a in attrs]
+        if "debugContext" not in params:
+            params.append("debugContext")
+        specs = {a[0]: a[1:] for a in attrs if a[0] != "debugContext"}
+        required = {k for k, (_, d) in specs.items() if d is REQUIRED} | (
+            {"num_outputs"} if n_out == "n" else set())
+        str_params = {k for k, (t, _) in specs.items() if t in (S, STRINGS)} | {"debugContext"}
+        builder = self._builder
+
+        def method(args: Sequence[str] = (), *positional: Any, **keywords: Any) -> Any:
+            v = _bind(op, params, required, str_params, positional, keywords)
+            attributes = []
+            for key, (kind, default) in specs.items():
+                value = v.get(key, default)
+                if _is_unset(value) or value is REQUIRED:
+                    continue
+                if kind in _ENC:
+                    kind, encode = _ENC[kind]
+                    value = encode(value)
+                attributes.append(_make_attr(op, key, value, kind))
+            count = int(v["num_outputs"]) if n_out == "n" else n_out
+            outs = builder._add_node(op_type, GRAPHCORE_DOMAIN, list(args), attributes,
+                                     count, v.get("debugContext"))
+            return outs[0] if n_out == 1 else (None if n_out == 0 else outs)
+
+        method.__name__ = name
+        method.__doc__ = f"Add an {op} node."
+        method.__signature__ = _signature(
+            params, {"debugContext": "", **{k: d for k, (_, d) in specs.items()}})
+        return method
+
+    def init(self, shape: Sequence[int], data_type: Any, init_type: Any,
+             batch_axis: Optional[int] = None, debugContext: Any = "") -> str:
+        """Add an Init node: a new tensor of ``shape`` / ``data_type``, zeroed or not."""
+        if isinstance(batch_axis, str):  # init(shape, dtype, init_type, debugContext)
+            batch_axis, debugContext = None, batch_axis
+        attrs = [_make_attr("Init", "shape", list(shape), INTS),
+                 _make_attr("Init", "data_type", data_type, I) if isinstance(data_type, int)
+                 else _make_attr("Init", "data_type", onnx_dtype(data_type), I),
+                 _make_attr("Init", "init_type", _enum_index(init_type, ("NoInit", "Zero"),
+                                                             "InitType"), I)]
+        if batch_axis is not None:
+            attrs.append(_make_attr("Init", "batch_axis", batch_axis, I))
+        return self._builder._add_node("Init", GRAPHCORE_DOMAIN, [], attrs, 1, debugContext)[0]
+
+    def zeros(self, shape: Sequence[int], dtype: Any = "FLOAT", debugContext: Any = "") -> str:
+        """Add a Zeros node: a zero tensor of ``shape`` / ``dtype``."""
+        attrs = [_make_attr("Zeros", "shape", list(shape), INTS),
+                 _make_attr("Zeros", "dtype", onnx_dtype(dtype), I)]
+        return self._builder._add_node("Zeros", GRAPHCORE_DOMAIN, [], attrs, 1, debugContext)[0]
+
+    def multiconv(self, args: Sequence[Sequence[str]], dilations: Sequence = (),
+                  inDilations: Sequence = (), pads: Sequence = (), outPads: Sequence = (),
+                  strides: Sequence = (), availableMemoryProportions: Sequence[float] = (),
+                  partialsTypes: Sequence[str] = (), planType: Optional[str] = None,
+                  perConvReservedTiles: Optional[int] = None,
+                  cycleBackOff: Optional[float] = None,
+                  enableConvDithering: Sequence[int] = (), debugContext: Any = "") -> list[str]:
+        """Add a MultiConv node: one convolution per entry of ``args`` ([data, weight, bias?])."""
+        n = len(args)
+        inputs: list[str] = []
+        for conv in args:
+            if not 2 <= len(conv) <= 3:
+                raise popart_exception(f"MultiConv: each convolution takes [data, weight] or "
+                                       f"[data, weight, bias], got {list(conv)}")
+            inputs += list(conv) + [""] * (3 - len(conv))
+        attrs = []
+        for key, value in (("dilations", dilations), ("inDilations", inDilations),
+                           ("pads", pads), ("outPads", outPads), ("strides", strides)):
+            if value:
+                if len(value) != n:
+                    raise popart_exception(f"MultiConv: '{key}' needs one list per convolution "
+                                           f"({n}), got {len(value)}")
+                attrs.append(_make_attr("MultiConv", key, [x for c in value for x in c], INTS))
+        for key, value, kind in (("availableMemoryProportions", availableMemoryProportions, FLOATS),
+                                 ("partialsTypes", partialsTypes, STRINGS),
+                                 ("enableConvDithering", enableConvDithering, INTS),
+                                 ("planType", planType, S),
+                                 ("perConvReservedTiles", perConvReservedTiles, I),
+                                 ("cycleBackOff", cycleBackOff, F)):
+            if not _is_unset(value):
+                attrs.append(_make_attr("MultiConv", key, value, kind))
+        return self._builder._add_node("MultiConv", GRAPHCORE_DOMAIN, inputs, attrs, n,
+                                       debugContext)
+
+
+class AiGraphcoreOpset1(AiGraphcore):
+    """Sub-class for backwards compatibility; same as AiGraphcore."""
+
+
+def _describe_graphcore_ops() -> str:
+    lines = ["", "ai.graphcore ops (method: OpType(attribute:type=default, ...) -> outputs)",
+             "-" * 72]
+    for name, (op_type, attrs, n_out) in sorted(_GRAPHCORE_OPS.items()):
+        parts = []
+        for key, kind, default in attrs:
+            if key == "debugContext":
+                continue
+            kind = (AttributeProto.AttributeType.Name(_ENC[kind][0]) if kind in _ENC
+                    else AttributeProto.AttributeType.Name(kind))
+            parts.append(f"{key}:{kind}" + ("" if default is REQUIRED else f"={default!r}"))
+        lines.append(f"* {name}: {op_type}({', '.join(parts)}) -> "
+                     f"{'num_outputs' if n_out == 'n' else n_out}")
+    lines += ["* init: Init(shape:INTS, data_type:INT, init_type:INT, batch_axis:INT) -> 1",
+              "* zeros: Zeros(shape:INTS, dtype:INT) -> 1",
+              "* multiconv: MultiConv(see above) -> one per convolution"]
+    return "\n".join(lines) + "\n"
+
+
+if __doc__ is not None:
+    __doc__ += _describe_graphcore_ops()
+
+
+# ---------------------------------------------------------------------------------------
+# Context managers
+
+class _AttributeContext:
+    """Applies node attributes to every node created inside a ``with`` block."""
+
+    def __init__(self, builder: "Builder", values: dict) -> None:
+        self._builder, self._values = builder, values
+
+    def __enter__(self) -> "_AttributeContext":
+        for key, value in self._values.items():
+            self._builder._context.setdefault(key, []).append(value)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for key in self._values:
+            stack = self._builder._context[key]
+            stack.pop()
+            if not stack:
+                del self._builder._context[key]
+
+
+class _NameScope:
+    def __init__(self, builder: "Builder", name: str) -> None:
+        self._builder, self._name = builder, name
+
+    def __enter__(self) -> "_NameScope":
+        self._builder._scope.append(self._name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._builder._scope.pop()
+
+
+# ---------------------------------------------------------------------------------------
+# Builder
+
+class _Model:
+    """What the root builder and its sub-graph builders share."""
+
+    def __init__(self) -> None:
+        self.template = onnx.ModelProto()      # metadata, producer, opset imports of a loaded model
+        self.onnx_version: Optional[int] = None
+        self.opsets: dict[str, int] = {}       # other domains
+        self.used_ids: set[str] = set()
+        self.node_names: set[str] = set()
+        self.id_counts: dict[tuple, int] = {}
+        self.external: dict[str, str] = {}     # initializer id -> external data file
+        self.revision = 0                      # bumped on every change (shape cache key)
+        self.shape_cache: tuple = (-1, {})
+        self.shape_error = ""                  # why the engine's inference failed, if it did
+        self.subgraph_count = 0
+
+
+class Builder:
+    """Build an ONNX model: inputs, weights, ops (``aiOnnx``, ``aiGraphcore``), outputs and
+    PopART's annotations. ``Builder(model)`` extends an existing model (file path, bytes or
+    ModelProto)."""
+
+    def __init__(self, modelProtoOrFilename: Union[str, bytes, onnx.ModelProto, None] = None,
+                 opsets: Optional[dict] = None, builderCore: Optional["Builder"] = None) -> None:
+        if builderCore is not None:  # share the state of an existing builder
+            self.__dict__ = builderCore.__dict__
+            return
+        self._shared = _Model()
+        self._parent: Optional[Builder] = None
+        self._graph = onnx.GraphProto(name="BuilderGraph")
+        self._known: set[str] = set()
+        self._context: dict[str, list] = {}
+        self._scope: list[str] = []
+        self._scope_prefix = ""
+        if modelProtoOrFilename is not None:
+            self._load(modelProtoOrFilename)
+        for domain, version in (opsets or {}).items():
+            if domain in ("ai.onnx", ""):
+                self._select_onnx_version(int(version))
+            else:
+                self._shared.opsets[domain] = int(version)
+        if GRAPHCORE_DOMAIN in self._shared.opsets:
+            AiGraphcore(self, self._shared.opsets[GRAPHCORE_DOMAIN])  # validates the version
+
+    def _load(self, source: Union[str, bytes, onnx.ModelProto]) -> None:
+        try:
+            if isinstance(source, onnx.ModelProto):
+                model = source
+            elif isinstance(source, (bytes, bytearray)):
+                model = onnx.ModelProto()
+                model.ParseFromString(bytes(source))
+            elif os.path.exists(str(source)):
+                model = onnx.load(str(source))
+            else:
+                raise ModelError(f"Builder: '{source}' is neither an existing ONNX file nor a "
+                                 f"serialized ModelProto")
+        except ModelError:
+            raise
+        except Exception as e:
+            raise ModelError(f"Builder: cannot read ONNX model from {str(source)[:200]!r}: {e}") \
+                from None
+        shared = self._shared
+        shared.template.CopyFrom(model)
+        shared.template.ClearField("graph")
+        self._graph.CopyFrom(model.graph)
+        for op in model.opset_import:
+            if op.domain in ("", ONNX_DOMAIN):
+                shared.onnx_version = op.version
+            else:
+                shared.opsets[op.domain] = op.version
+        g = self._graph
+        self._known = ({v.name for v in g.input} | {t.name for t in g.initializer}
+                       | {o for n in g.node for o in n.output if o})
+        shared.used_ids |= _all_names(g)
+        shared.node_names |= {n.name for sub in _all_graphs(g) for n in sub.node}
+
+    # -- opsets -------------------------------------------------------------------------
+
+    def _select_onnx_version(self, version: int) -> None:
+        chosen = self._shared.onnx_version
+        if chosen is not None and chosen != version:
+            raise popart_exception(f"Invalid opset 'aiOnnxOpset{version}' selected: the ai.onnx "
+                                   f"opset of this model is already {chosen}")
+        AiOnnx(self, version)  # validates the version
+        self._shared.onnx_version = version
+
+    @property
+    def aiOnnx(self) -> AiOnnx:
+        return self._onnx_opset(self._shared.onnx_version or DEFAULT_AI_ONNX_OPSET)
+
+    def _onnx_opset(self, version: int) -> AiOnnx:
+        self._select_onnx_version(version)
+        key = f"_aiOnnx{version}"
+        if key not in self.__dict__:
+            self.__dict__[key] = globals()[f"AiOnnx{version}"](self, version)
+        return self.__dict__[key]
+
+    def __getattr__(self, name: str) -> Any:
+        m = re.fullmatch(r"aiOnnxOpset(\d+)", name)
+        if m:
+            return self._onnx_opset(int(m.group(1)))
+        raise AttributeError(f"'Builder' object has no attribute '{name}'")
+
+    @property
+    def aiGraphcore(self) -> AiGraphcore:
+        if "_aiGraphcore" not in self.__dict__:
+            version = self._shared.opsets.get(GRAPHCORE_DOMAIN, DEFAULT_AI_GRAPHCORE_OPSET)
+            self.__dict__["_aiGraphcore"] = AiGraphcoreOpset1(self, version)
+        return self.__dict__["_aiGraphcore"]
+
+    aiGraphcoreOpset1 = aiGraphcore
+
+    @property
+    def aiOnnxMl(self) -> AiOnnxMl:
+        if "_aiOnnxMl" not in self.__dict__:
+            version = self._shared.opsets.setdefault(ONNX_ML_DOMAIN, 1)
+            self.__dict__["_aiOnnxMl"] = AiOnnxMl(self, version)
+        return self.__dict__["_aiOnnxMl"]
+
+    aiOnnxMlOpset1 = aiOnnxMl
+
+    # -- tensors ------------------------------------------------------------------------
+
+    def _has_tensor(self, tensor_id: str) -> bool:
+        b: Optional[Builder] = self
+        while b is not None:
+            if tensor_id in b._known:
+                return True
+            b = b._parent
+        return False
+
+    def _new_id(self, base: str, used: Optional[set] = None) -> str:
+        """``base``, or ``base/1``, ``base/2``, ... : the first not in ``used`` (tensor ids)."""
+        shared = self._shared
+        used = shared.used_ids if used is None else used
+        uid, n = base, shared.id_counts.get((id(used), base), 0)
+        while uid in used:
+            n += 1
+            uid = f"{base}/{n}"
+        shared.id_counts[(id(used), base)] = n
+        used.add(uid)
+        return uid
+
+    def _changed(self) -> None:
+        self._shared.revision += 1
+
+    def addInputTensor(self, tensorInfo: Any, *args: Any, **kwargs: Any) -> str:
+        """Add a graph input: ``(TensorInfo, [settings], debugContext='')`` or
+        ``(dtype, shape, [settings], debugContext='')``."""
+        args = list(args)
+        if isinstance(tensorInfo, TensorInfo):
+            info = tensorInfo
+        else:
+            shape = kwargs.pop("shape", None)
+            if shape is None:
+                if not args:
+                    raise popart_exception(f"addInputTensor: a shape is needed with data type "
+                                           f"{tensorInfo!r}")
+                shape = args.pop(0)
+            info = TensorInfo(tensorInfo, shape)
+        kwargs.pop("settings", None)
+        debug = next((kwargs.pop(k) for k in _DEBUG_KEYWORDS if k in kwargs), "")
+        if kwargs:
+            raise popart_exception(f"addInputTensor: unexpected argument(s) {sorted(kwargs)}")
+        for a in args:  # optional InputSettings (ignored), then a debug name
+            if isinstance(a, str) or type(a).__name__ == "DebugContext":
+                debug = a
+        tid = self._new_id(self.getNameScope(_debug_name(debug) or "input"))
+        self._graph.input.append(helper.make_tensor_value_info(tid, info.onnx_dtype(),
+                                                               info.shape()))
+        self._known.add(tid)
+        self._changed()
+        return tid
+
+    def addUntypedInputTensor(self, debugContext: Any = "") -> str:
+        """Add an input without type or shape (for sub-graphs)."""
+        tid = self._new_id(self.getNameScope(_debug_name(debugContext) or "input"))
+        self._graph.input.append(onnx.ValueInfoProto(name=tid))
+        self._known.add(tid)
+        self._changed()
+        return tid
+
+    def addInputTensorFromParentGraph(self, tensorId: str) -> None:
+        """Add an input of this sub-graph named as the parent graph's tensor ``tensorId``."""
+        if self._parent is None or not self._parent._has_tensor(tensorId):
+            raise popart_exception(f"addInputTensorFromParentGraph: tensor '{tensorId}' is not "
+                                   f"in a parent graph of this builder")
+        value = onnx.ValueInfoProto(name=tensorId)
+        found = self._parent._find_value_info(tensorId)
+        if found is not None:
+            value.CopyFrom(found)
+        self._graph.input.append(value)
+        self._known.add(tensorId)
+        self._changed()
+
+    def addInitializedInputTensor(self, initVal: Any, *args: Any, **kwargs: Any) -> str:
+        """Add a weight initialised to the NumPy array ``initVal``:
+        ``(initVal, [variableSettings], debugContext='')``."""
+        kwargs.pop("variableSettings", None)
+        debug = next((kwargs.pop(k) for k in _DEBUG_KEYWORDS if k in kwargs), "")
+        if kwargs:
+            raise popart_exception(f"addInitializedInputTensor: unexpected argument(s) "
+                                   f"{sorted(kwargs)}")
+        for a in args:
+            if isinstance(a, str) or type(a).__name__ == "DebugContext":
+                debug = a
+        array = np.asarray(initVal)
+        if array.dtype == np.float64 and not isinstance(initVal, np.ndarray):
+            array = array.astype(np.float32)
+        tid = self._new_id(self.getNameScope(_debug_name(debug) or "init_input"))
+        try:
+            tensor = numpy_helper.from_array(array, tid)
+        except Exception as e:
+            raise popart_exception(f"addInitializedInputTensor: cannot store an array of dtype "
+                                   f"{array.dtype} ({e})") from None
+        self._graph.initializer.append(tensor)
+        self._known.add(tid)
+        self._changed()
+        return tid
+
+    def addOutputTensor(self, outputName: str) -> None:
+        """Mark ``outputName`` as an output of this graph."""
+        if not self._has_tensor(outputName):
+            raise popart_exception(f"addOutputTensor: tensor '{outputName}' does not exist in "
+                                   f"this graph")
+        if outputName in {o.name for o in self._graph.output}:
+            return
+        value = self._find_value_info(outputName)
+        self._graph.output.append(value if value is not None
+                                  else onnx.ValueInfoProto(name=outputName))
+        self._changed()
+
+    def _find_value_info(self, tensor_id: str) -> Optional[onnx.ValueInfoProto]:
+        b: Optional[Builder] = self
+        while b is not None:
+            for v in list(b._graph.input) + list(b._graph.output) + list(b._graph.value_info):
+                if v.name == tensor_id and v.type.HasField("tensor_type"):
+                    return v
+            for t in b._graph.initializer:
+                if t.name == tensor_id:
+                    return helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+            b = b._parent
+        return None
+
+    # -- nodes --------------------------------------------------------------------------
+
+    def _add_node(self, op_type: str, domain: str, inputs: Sequence[str],
+                  attributes: Sequence[AttributeProto], num_outputs: int,
+                  debug: Any = "") -> list[str]:
+        """Append a node; returns its output ids. ``attributes`` are AttributeProtos."""
+        domain = "" if domain in ("", ONNX_DOMAIN) else domain
+        what = f"{domain or ONNX_DOMAIN}::{op_type}"
+        if isinstance(inputs, str):
+            raise popart_exception(f"Op {what}: inputs must be a list of tensor ids, got the "
+                                   f"string '{inputs}'")
+        for tid in inputs:
+            if not isinstance(tid, str):
+                raise popart_exception(f"Op {what}: inputs must be tensor ids (str), got "
+                                       f"{tid!r}")
+            if tid and not self._has_tensor(tid):
+                raise popart_exception(f"Op {what}: input tensor '{tid}' does not exist in this "
+                                       f"graph or an enclosing one")
+        base = self.getNameScope(_debug_name(debug) or op_type)
+        outputs = [self._new_id(f"{base}:{i}") for i in range(num_outputs)]
+        name = self._new_id(base, self._shared.node_names)
+        node = helper.make_node(op_type, list(inputs), outputs, name=name, domain=domain)
+        node.attribute.extend(attributes)
+        names = {a.name for a in attributes}
+        for key, stack in self._context.items():
+            if key not in names:
+                value = ([f"{k}:{v}" for d in stack for k, v in d.items()]
+                         if key == OUTLINE_ATTRIBUTES else stack[-1])
+                node.attribute.append(helper.make_attribute(key, value))
+        self._graph.node.append(node)
+        self._known.update(outputs)
+        self._changed()
+        return outputs
+
+    def customOp(self, opName: str, opVersion: int, domain: str, inputs: Sequence[str],
+                 attributes: Optional[dict] = None, numOutputs: int = 1,
+                 name: str = "") -> list[str]:
+        """Add a node of any op type / domain; attribute types are inferred from the values."""
+        domain = "" if domain in ("", ONNX_DOMAIN) else domain
+        if domain:
+            self._shared.opsets[domain] = max(self._shared.opsets.get(domain, 0), int(opVersion))
+        attrs = [_make_attr(opName, k, v) for k, v in (attributes or {}).items()
+                 if not _is_unset(v)]
+        return self._add_node(opName, domain, list(inputs), attrs, int(numOutputs), name)
+
+    def reshape_const(self, aiOnnx: Opset, args: Sequence[str], shape: Iterable[int],
+                      debugContext: str = "") -> str:
+        """Reshape ``args[0]`` to ``shape`` through a Constant shape tensor."""
+        debug = _debug_name(debugContext)
+        new_shape = aiOnnx.constant(np.array(list(shape), dtype=np.int64),
+                                    debug + "_const" if debug else "")
+        return aiOnnx.reshape([args[0], new_shape], debugContext)
+
+    def createSubgraphBuilder(self) -> "Builder":
+        """A child builder whose graph becomes a GraphProto attribute (If / Loop / Scan /
+        Call); it can read this graph's tensors."""
+        child = Builder.__new__(Builder)
+        child.__dict__.update(_shared=self._shared, _parent=self, _known=set(), _context={},
+                              _scope=[], _scope_prefix=self.getNameScope())
+        self._shared.subgraph_count += 1
+        child._graph = onnx.GraphProto(name=f"subgraph_{self._shared.subgraph_count}")
+        return child
+
+    def _subgraph_proto(self) -> onnx.GraphProto:
+        if self._parent is None:
+            raise popart_exception("A main graph builder cannot be used as a sub-graph: "
+                                   "use createSubgraphBuilder()")
+        g = onnx.GraphProto()
+        g.CopyFrom(self._graph)
+        return g
+
+    # -- the model ----------------------------------------------------------------------
+
+    def _root(self) -> "Builder":
+        b = self
+        while b._parent is not None:
+            b = b._parent
+        return b
+
+    def _model(self, external: bool = True, typed: bool = True) -> onnx.ModelProto:
+        """The ModelProto; ``typed``: give untyped graph outputs their inferred types;
+        ``external``: move initializers marked by saveInitializersExternally to their file."""
+        shared = self._shared
+        model = onnx.ModelProto()
+        model.CopyFrom(shared.template)
+        model.graph.CopyFrom(self._root()._graph)
+        versions = {"": shared.onnx_version or DEFAULT_AI_ONNX_OPSET}
+        for domain in sorted(_node_domains(model.graph)):
+            if domain not in versions:
+                versions[domain] = shared.opsets.get(domain, 1)
+        for op in model.opset_import:  # keep the loaded model's other imports
+            if op.domain not in ("", ONNX_DOMAIN):
+                versions.setdefault(op.domain, op.version)
+        del model.opset_import[:]
+        model.opset_import.extend(helper.make_opsetid(d, v) for d, v in versions.items())
+        model.ir_version = max(model.ir_version,
+                               helper.find_min_ir_version_for(list(model.opset_import), True))
+        if not model.producer_name:
+            model.producer_name = "popart-xla"
+        if typed:
+            self._type_outputs(model)
+        if external:
+            self._apply_external_data(model)
+        return model
+
+    def _type_outputs(self, model: onnx.ModelProto) -> None:
+        untyped = [v for g in _all_graphs(model.graph) for v in g.output
+                   if not v.type.HasField("tensor_type")]
+        if not untyped:
+            return
+        types = self._inferred_types()
+        for v in untyped:
+            if v.name in types:
+                elem, shape = types[v.name]
+                v.CopyFrom(helper.make_tensor_value_info(
+                    v.name, elem, [d if d >= 0 else None for d in shape]))
+
+    def _apply_external_data(self, model: onnx.ModelProto) -> None:
+        by_file: dict[str, list[str]] = {}
+        for tid, filename in self._shared.external.items():
+            by_file.setdefault(filename, []).append(tid)
+        tensors = {t.name: t for t in model.graph.initializer}
+        for filename, ids in by_file.items():
+            offset, chunks = 0, []
+            for tid in ids:
+                tensor = tensors[tid]
+                data = numpy_helper.to_array(tensor).tobytes()
+                onnx.external_data_helper.set_external_data(tensor, filename, offset, len(data))
+                for field in ("raw_data", "float_data", "int32_data", "int64_data",
+                              "double_data", "uint64_data", "string_data"):
+                    tensor.ClearField(field)
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                chunks.append(data)
+                offset += len(data)
+            _atomic_write(filename, b"".join(chunks))
+
+    def getModelProto(self, humanReadable: bool = False) -> bytes:
+        """The serialized ModelProto (bytes)."""
+        model = self._model()
+        return str(model).encode() if humanReadable else model.SerializeToString()
+
+    def saveModelProto(self, filename: str) -> None:
+        """Check the model with ``onnx.checker`` and write it to ``filename`` atomically."""
+        model = self._model()
+        try:
+            onnx.checker.check_model(model)
+        except onnx.checker.ValidationError as e:
+            raise ModelError(f"saveModelProto: the model is not valid ONNX: {e}") from None
+        _atomic_write(filename, model.SerializeToString())
+
+    def saveInitializersExternally(self, ids: Sequence[str], filename: str) -> None:
+        """Store the data of the initializers ``ids`` in ``filename`` (relative to the working
+        directory) when the model is produced (getModelProto / saveModelProto)."""
+        existing = {t.name for t in self._root()._graph.initializer}
+        for tid in ids:
+            if tid not in existing:
+                raise popart_exception(f"saveInitializersExternally: '{tid}' is not an "
+                                       f"initializer of the model")
+            self._shared.external[tid] = str(filename)
+
+    def embedReplicationFactor(self, replicationFactor: int) -> None:
+        """Record the replication factor in the model's metadata ("replicationFactor")."""
+        helper.set_model_props(self._shared.template, {
+            **{p.key: p.value for p in self._shared.template.metadata_props},
+            "replicationFactor": str(int(replicationFactor))})
+
+    def setGraphName(self, name: str) -> None:
+        self._graph.name = name
+
+    def getInputTensorIds(self) -> list[str]:
+        inits = {t.name for t in self._graph.initializer}
+        return [v.name for v in self._graph.input if v.name not in inits]
+
+    def getOutputTensorIds(self) -> list[str]:
+        return [v.name for v in self._graph.output]
+
+    def getValueTensorIds(self) -> list[str]:
+        """Ids of the intermediate tensors (node outputs that are not graph outputs)."""
+        outs = set(self.getOutputTensorIds())
+        return [o for n in self._graph.node for o in n.output if o and o not in outs]
+
+    def getTrainableTensorIds(self) -> list[str]:
+        """Initializers of a floating-point type."""
+        return [t.name for t in self._graph.initializer if t.data_type in _FLOAT_TYPES]
+
+    def isInitializer(self, id: str) -> bool:
+        return any(t.name == id for t in self._graph.initializer)
+
+    def _inferred_types(self) -> dict:
+        """Tensor id -> (ONNX elem type, shape) for every tensor whose type is known, from
+        declarations, ONNX shape inference and (for ops ONNX does not know) the engine."""
+        shared = self._shared
+        if shared.shape_cache[0] == shared.revision:
+            return shared.shape_cache[1]
+        cache: dict = {}
+        shared.shape_error = ""
+        model = self._model(external=False, typed=False)
+        try:
+            model = onnx.shape_inference.infer_shapes(model)
+        except Exception:
+            pass
+        for g in _all_graphs(model.graph):
+            for t in g.initializer:
+                cache[t.name] = (t.data_type, list(t.dims))
+            for v in list(g.input) + list(g.output) + list(g.value_info):
+                tt = v.type.tensor_type
+                if tt.elem_type and tt.HasField("shape"):
+                    cache[v.name] = (tt.elem_type, [d.dim_value if d.HasField("dim_value")
+                                                    else -1 for d in tt.shape.dim])
+        if any(o not in cache for g in _all_graphs(model.graph) for n in g.node
+               for o in n.output if o):
+            try:  # best effort: the engine may not lower every op
+                from .engine.shapes import infer_tensor_infos
+                for tid, info in infer_tensor_infos(model).items():
+                    cache.setdefault(tid, (info.onnx_dtype(), info.shape()))
+            except Exception as e:
+                shared.shape_error = f"{type(e).__name__}: {e}"
+        shared.shape_cache = (shared.revision, cache)
+        return cache
+
+    def _tensor_type(self, tensor_id: str) -> tuple[int, list[int]]:
+        if not self._has_tensor(tensor_id):
+            raise popart_exception(f"Tensor '{tensor_id}' does not exist in this graph")
+        cache = self._inferred_types()
+        if tensor_id not in cache:
+            raise popart_exception(f"The type and shape of tensor '{tensor_id}' are not known: "
+                                   f"shape inference could not determine them "
+                                   f"{self._shared.shape_error}".rstrip())
+        return cache[tensor_id]
+
+    def getTensorShape(self, id: str) -> list[int]:
+        return list(self._tensor_type(id)[1])
+
+    def getTensorDtypeString(self, id: str) -> str:
+        """Lower-case dtype name as PopART: "float32", "float16", "int32", "bool", ..."""
+        dtype = to_datatype(self._tensor_type(id)[0])
+        return "string" if dtype == DataType.STRING else np_dtype(dtype).name
+
+    # -- name scopes and annotations -----------------------------------------------------
+
+    def nameScope(self, name: str) -> _NameScope:
+        """Context manager: node names and new tensor ids get the prefix ``name/``."""
+        return _NameScope(self, name)
+
+    def getNameScope(self, name: str = "") -> str:
+        return self._scope_prefix + "".join(s + "/" for s in self._scope) + name
+
+    def _find_node(self, nodeOutputNames: Union[str, Iterable[str]]) -> onnx.NodeProto:
+        names = _as_id_set(nodeOutputNames)
+        found = [n for n in self._graph.node if names and all(o in n.output for o in names)]
+        if len(found) != 1:
+            raise popart_exception(f"Could not find a unique node with output(s) {names} "
+                                   f"(found {len(found)})")
+        return found[0]
+
+    def addNodeAttribute(self, attributeName: str, attributeValue: Any,
+                         nodeOutputNames: Union[str, Iterable[str]]) -> None:
+        """Set (or replace) an attribute of the node producing ``nodeOutputNames``."""
+        node = self._find_node(nodeOutputNames)
+        attr = _make_attr(node.op_type, attributeName, attributeValue)
+        kept = [a for a in node.attribute if a.name != attributeName]
+        del node.attribute[:]
+        node.attribute.extend(kept + [attr])
+        self._changed()
+
+    def nodeHasAttribute(self, attributeName: str,
+                         nodeOutputNames: Union[str, Iterable[str]]) -> bool:
+        return any(a.name == attributeName for a in self._find_node(nodeOutputNames).attribute)
+
+    def _get_attr(self, name: str, names: Union[str, Iterable[str]], kind: Optional[int]) -> Any:
+        node = self._find_node(names)
+        for a in node.attribute:
+            if a.name == name:
+                if kind is not None and a.type != kind:
+                    raise popart_exception(
+                        f"Attribute '{name}' of node '{node.name}' is "
+                        f"{AttributeProto.AttributeType.Name(a.type)}, not "
+                        f"{AttributeProto.AttributeType.Name(kind)}")
+                value = helper.get_attribute_value(a)
+                return ([v.decode() for v in value] if a.type == STRINGS
+                        else value.decode() if a.type == S else
+                        list(value) if a.type in (INTS, FLOATS) else value)
+        raise popart_exception(f"Node '{node.name}' ({node.op_type}) has no attribute '{name}'")
+
+    def getInt64NodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> int:
+        return self._get_attr(attributeName, nodeOutputNames, I)
+
+    def getInt64VectorNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> list[int]:
+        return self._get_attr(attributeName, nodeOutputNames, INTS)
+
+    def getFloatNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> float:
+        return self._get_attr(attributeName, nodeOutputNames, F)
+
+    def getFloatVectorNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> list[float]:
+        return self._get_attr(attributeName, nodeOutputNames, FLOATS)
+
+    def getStringNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> str:
+        return self._get_attr(attributeName, nodeOutputNames, S)
+
+    def getStringVectorNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> list[str]:
+        return self._get_attr(attributeName, nodeOutputNames, STRINGS)
+
+    def getBoolNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> bool:
+        return bool(self._get_attr(attributeName, nodeOutputNames, I))
+
+    def removeNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> None:
+        node = self._find_node(nodeOutputNames)
+        kept = [a for a in node.attribute if a.name != attributeName]
+        if len(kept) == len(node.attribute):
+            raise popart_exception(f"Node '{node.name}' has no attribute '{attributeName}' "
+                                   f"to remove")
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        self._changed()
+
+    def getAllNodeAttributeNames(self, nodeOutputNames: Any) -> list[str]:
+        return [a.name for a in self._find_node(nodeOutputNames).attribute]
+
+    def _annotate(self, attr: str, target: Any, value: Any, encode: Any) -> Optional[_AttributeContext]:
+        """Setter on nodes (``target`` = output id(s)) or context manager (``target`` = value)."""
+        if isinstance(target, (str, list, tuple, set, frozenset)):
+            for tid in _as_id_set(target):
+                self.addNodeAttribute(attr, encode(value), tid)
+            return None
+        return _AttributeContext(self, {attr: encode(value if target is None else target)})
+
+    def virtualGraph(self, nodeOutputNames: Any = None, value: int = 0) -> Optional[_AttributeContext]:
+        """``virtualGraph(ids, n)`` places nodes on virtual graph n; ``with virtualGraph(n)``."""
+        return self._annotate(VIRTUAL_GRAPH, nodeOutputNames, value, int)
+
+    def pipelineStage(self, nodeOutputNames: Any = None, value: int = 0) -> Optional[_AttributeContext]:
+        return self._annotate(PIPELINE_STAGE, nodeOutputNames, value, int)
+
+    def executionPhase(self, nodeOutputNames: Any = None, value: int = 0) -> Optional[_AttributeContext]:
+        return self._annotate(EXECUTION_PHASE, nodeOutputNames, value, int)
+
+    def schedulePriority(self, nodeOutputNames: Any = None, value: float = 0.0) -> Optional[_AttributeContext]:
+        return self._annotate(SCHEDULE_PRIORITY, nodeOutputNames, value, float)
+
+    def recomputeOutput(self, nodeOutputNames: Any = None,
+                        value: Any = RecomputeType.Undefined) -> Optional[_AttributeContext]:
+        return self._annotate(RECOMPUTE_OUTPUT, nodeOutputNames, value, _recompute_value)
+
+    def recomputeOutputInBackwardPass(self, nodeOutputNames: Any,
+                                      value: Any = RecomputeType.Recompute) -> None:
+        self._annotate(RECOMPUTE_OUTPUT, _as_id_set(nodeOutputNames), value, _recompute_value)
+
+    def getRecomputeOutputInBackwardPass(self, nodeOutputNames: Any) -> bool:
+        return (self.nodeHasAttribute(RECOMPUTE_OUTPUT, nodeOutputNames) and
+                self.getInt64NodeAttribute(RECOMPUTE_OUTPUT, nodeOutputNames)
+                == RecomputeType.Recompute)
+
+    def checkpointOutput(self, nodeOutputNames: Sequence[str]) -> list[str]:
+        """Add an Identity marked Checkpoint after each tensor; returns the new ids."""
+        with self.recomputeOutput(RecomputeType.Checkpoint):
+            return [self._add_node("Identity", "", [t], [], 1, "Checkpoint")[0]
+                    for t in _as_id_set(nodeOutputNames)]
+
+    def outputTensorLocation(self, nodeOutputNames: Any = None,
+                             value: Any = None) -> Optional[_AttributeContext]:
+        """Where the output is stored: INTS [storage, loadTileSet, storageTileSet, rts]."""
+        return self._annotate(OUTPUT_TENSOR_LOCATION, nodeOutputNames, value, _tensor_location)
+
+    def commGroup(self, type: Any = 0, groupSize: int = 0) -> _AttributeContext:
+        return _AttributeContext(self, {
+            COMM_GROUP_TYPE: _enum_index(type, _COMM_GROUP_TYPES, "CommGroupType"),
+            COMM_GROUP_SIZE: int(groupSize)})
+
+    def outlineAttributes(self, attributes: dict) -> _AttributeContext:
+        """Context manager adding "key:value" strings to ``__outline_attributes``."""
+        return _AttributeContext(self, {OUTLINE_ATTRIBUTES: {str(k): str(v)
+                                                             for k, v in attributes.items()}})
+
+    def _context_value(self, attr: str, nodeOutputNames: Any, what: str) -> int:
+        if nodeOutputNames is not None:
+            return self.getInt64NodeAttribute(attr, nodeOutputNames)
+        if attr not in self._context:
+            raise popart_exception(f"No {what} is set: call it inside a 'with builder.{what}(n)' "
+                                   f"block or pass node output names")
+        return self._context[attr][-1]
+
+    def getVirtualGraph(self, nodeOutputNames: Any = None) -> int:
+        return self._context_value(VIRTUAL_GRAPH, nodeOutputNames, "virtualGraph")
+
+    def getPipelineStage(self, nodeOutputNames: Any = None) -> int:
+        return self._context_value(PIPELINE_STAGE, nodeOutputNames, "pipelineStage")
+
+    def getExecutionPhase(self, nodeOutputNames: Any = None) -> int:
+        return self._context_value(EXECUTION_PHASE, nodeOutputNames, "executionPhase")
+
+    def _has(self, attr: str, nodeOutputNames: Any) -> bool:
+        if nodeOutputNames is not None:
+            return self.nodeHasAttribute(attr, nodeOutputNames)
+        return attr in self._context
+
+    def hasVirtualGraph(self, nodeOutputNames: Any = None) -> bool:
+        return self._has(VIRTUAL_GRAPH, nodeOutputNames)
+
+    def hasPipelineStage(self, nodeOutputNames: Any = None) -> bool:
+        return self._has(PIPELINE_STAGE, nodeOutputNames)
+
+    def hasExecutionPhase(self, nodeOutputNames: Any = None) -> bool:
+        return self._has(EXECUTION_PHASE, nodeOutputNames)
+
+    def setPartialsType(self, nodeOutputName: Any, partialsType: str) -> None:
+        self._annotate(PARTIALS_TYPE, _as_id_set(nodeOutputName), partialsType, str)
+
+    def getPartialsType(self, nodeOutputName: Any) -> str:
+        if not self.nodeHasAttribute(PARTIALS_TYPE, nodeOutputName):
+            return ""
+        return self.getStringNodeAttribute(PARTIALS_TYPE, nodeOutputName)
+
+    def setAvailableMemoryProportion(self, nodeOutputName: Any,
+                                     availableMemoryProportion: float) -> None:
+        if not 0.0 <= float(availableMemoryProportion) <= 1.0:
+            raise popart_exception(f"setAvailableMemoryProportion: the proportion must be in "
+                                   f"[0, 1], got {availableMemoryProportion}")
+        self._annotate(AVAILABLE_MEMORY_PROPORTION, _as_id_set(nodeOutputName),
+                       availableMemoryProportion, float)
+
+    def setSerializeMatMul(self, nodeOutputName: Any, mode: str, factor: int = 0,
+                           keep_precision: bool = False) -> None:
+        modes = ("none", "input_channels", "reducing_dim", "output_channels")
+        if mode not in modes:
+            raise popart_exception(f"setSerializeMatMul: mode must be one of {modes}, got "
+                                   f"{mode!r}")
+        ids = _as_id_set(nodeOutputName)
+        self._annotate(SERIALIZE_MATMUL_MODE, ids, mode, str)
+        self._annotate(SERIALIZE_MATMUL_FACTOR, ids, factor, int)
+        self._annotate(SERIALIZE_MATMUL_PRECISION, ids, keep_precision, int)
+
+    def excludePatterns(self, nodeOutputName: Any, patternNames: Sequence[str]) -> None:
+        self._annotate(EXCLUDE_PATTERNS, _as_id_set(nodeOutputName), patternNames,
+                       lambda v: [str(p) for p in v])
+
+    def setInplacePreferences(self, nodeOutputName: Any, prefs: dict) -> None:
+        ids = _as_id_set(nodeOutputName)
+        self._annotate(INPLACE_OP_NAMES, ids, list(prefs), lambda v: [str(p) for p in v])
+        self._annotate(INPLACE_OP_PRIORITIES, ids, list(prefs.values()),
+                       lambda v: [float(p) for p in v])
+
+    def setEnableConvDithering(self, nodeOutputName: Any, enableConvDithering: int) -> None:
+        self._annotate(ENABLE_CONV_DITHERING, _as_id_set(nodeOutputName), enableConvDithering, int)
+
+
+# ---------------------------------------------------------------------------------------
+# Module helpers used by the Builder
+
+def _recompute_value(value: Any) -> int:
+    if isinstance(value, bool):  # the old API: True = recompute, False = checkpoint
+        return int(RecomputeType.Recompute if value else RecomputeType.Checkpoint)
+    return _enum_index(value, tuple(RecomputeType.__members__), "RecomputeType")
+
+
+def _tensor_location(loc: Any) -> list[int]:
+    if isinstance(loc, (list, tuple)):
+        return [int(v) for v in loc]
+    if loc is None:
+        return [0, 0, 0, 0]
+    return [_enum_index(getattr(loc, "storage", 0), ("OnChip", "OffChip"), "TensorStorage"),
+            _enum_index(getattr(loc, "loadTileSet", 0), ("Compute", "IO"), "TileSet"),
+            _enum_index(getattr(loc, "storageTileSet", 0), ("Compute", "IO"), "TileSet"),
+            _enum_index(getattr(loc, "replicatedTensorSharding", 0), ("Off", "On"),
+                        "ReplicatedTensorSharding")]
+
+
+def _all_graphs(graph: onnx.GraphProto) -> Iterable[onnx.GraphProto]:
+    """``graph`` and every sub-graph nested in its nodes' attributes."""
+    yield graph
+    for node in graph.node:
+        for a in node.attribute:
+            for g in ([a.g] if a.type == G else list(a.graphs)):
+                yield from _all_graphs(g)
+
+
+def _all_names(graph: onnx.GraphProto) -> set[str]:
+    names: set[str] = set()
+    for g in _all_graphs(graph):
+        names |= {v.name for v in g.input} | {t.name for t in g.initializer}
+        names |= {o for n in g.node for o in n.output}
+    return names
+
+
+def _node_domains(graph: onnx.GraphProto) -> set[str]:
+    return {n.domain for g in _all_graphs(graph) for n in g.node if n.domain not in ("", ONNX_DOMAIN)}
+
+
+def _atomic_write(filename: str, data: bytes) -> None:
+    """Write ``data`` to ``filename`` through a temporary file and os.replace."""
+    directory = os.path.dirname(os.path.abspath(filename))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=os.path.basename(filename))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, filename)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,332 @@
+"""DeviceManager and DeviceInfo (API reference 13.7, user guide 4.2) mapped onto JAX devices.
+
+A DeviceInfo for n IPUs owns ``jax_devices``: n accelerators when the machine has that many,
+else n of the host CPU's virtual devices (see :func:`configure_host_devices`), else one CPU
+device repeated (replicas then run side by side; ``distinct_devices`` is False).
+Devices acquired from the manager ("hardware" devices) are exclusive while attached.
+"""
+from __future__ import annotations
+
+import os
+
+
+def configure_host_devices(n: int = 8) -> None:
+    """Make XLA's host platform present ``n`` CPU devices, if JAX has no backend yet.
+
+    Appends ``--xla_force_host_platform_device_count=n`` to ``XLA_FLAGS`` unless the user set
+    it already. Must run before anything initializes JAX."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return
+    try:
+        from jax._src import xla_bridge
+        if xla_bridge._backends:  # a backend exists: too late, changing flags does nothing
+            return
+    except Exception:  # private API moved: set the flag anyway, harmless if too late
+        pass
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+import random  # noqa: E402
+import time  # noqa: E402
+import weakref  # noqa: E402
+from typing import Any, Optional, Sequence  # noqa: E402
+
+from .errors import popart_exception  # noqa: E402
+from .options import _enum  # noqa: E402
+
+__all__ = ["DeviceType", "DeviceConnectionType", "SyncPattern", "DeviceSelectionCriterion",
+           "DeviceInfo", "DeviceManager", "configure_host_devices"]
+
+DeviceType = _enum("DeviceType", "IpuModel Cpu Ipu OfflineIpu Sim")
+DeviceConnectionType = _enum("DeviceConnectionType", "Always OnDemand Never")
+SyncPattern = _enum("SyncPattern", "Full SinglePipeline ReplicaAndLadder")
+DeviceSelectionCriterion = _enum("DeviceSelectionCriterion", "First Random")
+
+_ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+_DEFAULT_TILES = 1472  # tiles of a Mk2 IPU
+# jax device -> the DeviceInfo attached to it (entries vanish when that DeviceInfo is freed)
+_ATTACHED: "weakref.WeakValueDictionary[Any, DeviceInfo]" = weakref.WeakValueDictionary()
+
+
+def _platform_devices() -> tuple[list, list]:
+    """(accelerators, host CPU devices) that JAX presents."""
+    import jax
+    accel = list(jax.devices()) if jax.default_backend() in _ACCELERATORS else []
+    try:
+        cpu = list(jax.devices("cpu"))
+    except RuntimeError:  # CPU backend disabled (JAX_PLATFORMS)
+        cpu = []
+    return accel, cpu
+
+
+def _jax_devices_for(n: int) -> list:
+    """n devices: accelerators if enough, else distinct CPU devices if enough, else repeats."""
+    accel, cpu = _platform_devices()
+    for pool in (accel, cpu):
+        if len(pool) >= n:
+            return pool[:n]
+    pool = cpu or accel
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def _device_groups() -> list[tuple]:
+    """Every acquirable group of devices; a group's index is its device id.
+
+    As with ``gc-info -l``: single devices first, then pairs, fours, ... (then other sizes),
+    each size as consecutive chunks. Sizes an accelerator pool cannot supply come from the
+    host CPU devices."""
+    accel, cpu = _platform_devices()
+    groups = []
+    for pool, sizes in ((accel, range(1, len(accel) + 1)),
+                        (cpu, range(len(accel) + 1, len(cpu) + 1))):
+        for k in sorted(sizes, key=lambda k: (k & (k - 1) != 0, k)):  # powers of two first
+            groups += [tuple(pool[i * k:(i + 1) * k]) for i in range(len(pool) // k)]
+    return groups
+
+
+def _opt(opts: Optional[dict], *names: str, default: Any) -> Any:
+    """The first of ``names`` present in ``opts`` (PopART accepts several spellings)."""
+    for name in names:
+        if opts and name in opts:
+            return opts[name]
+    return default
+
+
+class DeviceInfo:
+    """A device (group of IPUs) for a session; owns ``jax_devices``."""
+
+    def __init__(self, type: Any, jax_devices: Sequence[Any], *, id: int = 0,
+                 tilesPerIPU: int = _DEFAULT_TILES, version: str = "ipu2",
+                 connectionType: Any = DeviceConnectionType.Always,
+                 pattern: Any = SyncPattern.Full, exclusive: bool = False,
+                 options: Optional[dict] = None) -> None:
+        self._type = DeviceType(type)
+        self.jax_devices = list(jax_devices)
+        self._id, self._tiles, self._version = int(id), int(tilesPerIPU), str(version)
+        self._connection = DeviceConnectionType(connectionType)
+        self.pattern = SyncPattern(pattern)
+        self._exclusive = exclusive
+        self.options = dict(options or {})
+        self._attached = False
+
+    # --- properties (pybind names) ---
+    @property
+    def type(self) -> Any:
+        return self._type
+
+    @property
+    def numIpus(self) -> int:
+        return len(self.jax_devices)
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def tilesPerIPU(self) -> int:
+        return self._tiles
+
+    @property
+    def version(self) -> str:
+        return self._version
+
+    @property
+    def connectionType(self) -> Any:
+        return self._connection
+
+    @property
+    def driverIds(self) -> list[int]:
+        return [d.id for d in self.jax_devices] if self._exclusive else []
+
+    @property
+    def isAttached(self) -> bool:
+        return self._attached
+
+    @property
+    def offline(self) -> bool:
+        """True for offline devices: sessions compile for them but refuse to run."""
+        return self._type == DeviceType.OfflineIpu
+
+    @property
+    def distinct_devices(self) -> bool:
+        """False when one JAX device stands in for several IPUs."""
+        return len(set(self.jax_devices)) == len(self.jax_devices)
+
+    # --- attach / detach ---
+    def attach(self) -> bool:
+        """Attach to the device; False if another attached DeviceInfo holds one of its devices
+        or the device is offline."""
+        if self.offline or self._connection == DeviceConnectionType.Never:
+            return False
+        if self._exclusive:
+            if any(_ATTACHED.get(d, self) is not self for d in self.jax_devices):
+                return False
+            for d in self.jax_devices:
+                _ATTACHED[d] = self
+        self._attached = True
+        return True
+
+    def tryAttachUntilTimeout(self) -> bool:
+        """Retry :meth:`attach` until the manager's on-demand attach timeout has passed."""
+        deadline = time.monotonic() + DeviceManager._attach_timeout
+        while not self.attach():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def detach(self) -> None:
+        for d in self.jax_devices:
+            if _ATTACHED.get(d) is self:
+                del _ATTACHED[d]
+        self._attached = False
+
+    def __enter__(self) -> "DeviceInfo":
+        if not self._attached and not self.offline and not self.attach():
+            raise popart_exception(f"Could not attach to device {self._id} "
+                                   f"({self.numIpus} IPUs): it is attached elsewhere")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return (f"DeviceInfo(type={self._type.name}, id={self._id}, numIpus={self.numIpus}, "
+                f"tilesPerIPU={self._tiles}, version={self._version}, "
+                f"connectionType={self._connection.name}, attached={self._attached}, "
+                f"jax_devices={self.jax_devices})")
+
+
+class DeviceManager:
+    """Creates and acquires devices. Stateless apart from the on-demand attach timeout."""
+
+    _attach_timeout: float = 0.0
+
+    # --- simulated / host devices (never exclusive) ---
+    def createCpuDevice(self) -> DeviceInfo:
+        """The host CPU as a one-IPU device."""
+        return self._simulated(DeviceType.Cpu, {"numIPUs": 1, "tilesPerIPU": 1})
+
+    def createIpuModelDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
+        """An IPU model with ``opts["numIPUs"]`` IPUs (default 1); other options are kept."""
+        return self._simulated(DeviceType.IpuModel, opts)
+
+    def createSimDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
+        return self._simulated(DeviceType.Sim, opts)
+
+    def createOfflineIPUDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
+        """A device to compile for without running (sessions refuse to run on it)."""
+        return self._simulated(DeviceType.OfflineIpu, opts, DeviceConnectionType.Never)
+
+    def createOfflineIpuFromDeviceInfo(self, deviceInfo: DeviceInfo) -> DeviceInfo:
+        return self.createOfflineIPUDevice({"numIPUs": deviceInfo.numIpus,
+                                            "tilesPerIPU": deviceInfo.tilesPerIPU,
+                                            "ipuVersion": deviceInfo.version})
+
+    def createOfflineIpuFromSystemString(self, system: str, numIpus: int) -> DeviceInfo:
+        return self.createOfflineIPUDevice({"numIPUs": numIpus, "ipuVersion": system})
+
+    def _simulated(self, type: Any, opts: Optional[dict],
+                   connection: Any = DeviceConnectionType.Always) -> DeviceInfo:
+        n = int(_opt(opts, "numIPUs", "numIpus", default=1))
+        if n < 1:
+            raise popart_exception(f"{DeviceType(type).name} device: numIPUs must be >= 1, "
+                                   f"got {n}")
+        info = DeviceInfo(type, _jax_devices_for(n),
+                          tilesPerIPU=_opt(opts, "tilesPerIPU", "tilesPerIpu",
+                                           default=_DEFAULT_TILES),
+                          version=_opt(opts, "ipuVersion", default="ipu2"),
+                          connectionType=connection, options=opts)
+        info.attach()
+        return info
+
+    # --- "hardware" devices (exclusive while attached) ---
+    def enumerateDevices(self, pattern: Any = SyncPattern.Full, numIpus: int = 1,
+                         deviceType: Any = DeviceType.Ipu,
+                         connectionType: Any = DeviceConnectionType.Always,
+                         tilesPerIPU: int = 0) -> list[DeviceInfo]:
+        """All devices of ``numIpus`` IPUs, attached or not (none are attached by this call)."""
+        if DeviceType(deviceType) != DeviceType.Ipu:
+            return []
+        return [self._hardware(i, g, pattern, connectionType, tilesPerIPU)
+                for i, g in enumerate(_device_groups()) if len(g) == numIpus]
+
+    def tryAcquireAvailableDevice(self, numIpus: int = 1, tilesPerIpu: int = 0,
+                                  pattern: Any = SyncPattern.Full,
+                                  connectionType: Any = DeviceConnectionType.Always,
+                                  selectionCriterion: Any = DeviceSelectionCriterion.First
+                                  ) -> Optional[DeviceInfo]:
+        """A free device of ``numIpus`` IPUs, or None. Attaches if connectionType is Always."""
+        free = [d for d in self.enumerateDevices(pattern, numIpus, DeviceType.Ipu,
+                                                 connectionType, tilesPerIpu)
+                if not any(j in _ATTACHED for j in d.jax_devices)]
+        if not free:
+            return None
+        if DeviceSelectionCriterion(selectionCriterion) == DeviceSelectionCriterion.Random:
+            random.shuffle(free)
+        return self._connect(free[0])
+
+    def acquireAvailableDevice(self, numIpus: int = 1, tilesPerIpu: int = 0,
+                               pattern: Any = SyncPattern.Full,
+                               connectionType: Any = DeviceConnectionType.Always,
+                               selectionCriterion: Any = DeviceSelectionCriterion.First
+                               ) -> DeviceInfo:
+        """Like :meth:`tryAcquireAvailableDevice` but raises when no device is free."""
+        device = self.tryAcquireAvailableDevice(numIpus, tilesPerIpu, pattern,
+                                                connectionType, selectionCriterion)
+        if device is None:
+            raise popart_exception(self._unavailable(numIpus))
+        return device
+
+    def tryAcquireDeviceById(self, id: int, pattern: Any = SyncPattern.Full,
+                             connectionType: Any = DeviceConnectionType.Always
+                             ) -> Optional[DeviceInfo]:
+        groups = _device_groups()
+        if not 0 <= id < len(groups):
+            return None
+        device = self._hardware(id, groups[id], pattern, connectionType, 0)
+        if any(j in _ATTACHED for j in device.jax_devices):
+            return None
+        return self._connect(device)
+
+    def acquireDeviceById(self, id: int, pattern: Any = SyncPattern.Full,
+                          connectionType: Any = DeviceConnectionType.Always) -> DeviceInfo:
+        groups = _device_groups()
+        if not 0 <= id < len(groups):
+            raise popart_exception(f"No device with id {id}: valid ids are 0 to "
+                                   f"{len(groups) - 1} (see DeviceManager.enumerateDevices)")
+        device = self.tryAcquireDeviceById(id, pattern, connectionType)
+        if device is None:
+            raise popart_exception(f"Device {id} ({len(groups[id])} IPUs) is attached to "
+                                   "another DeviceInfo; detach it first")
+        return device
+
+    def setOnDemandAttachTimeout(self, attachTimeout: int) -> None:
+        """Seconds that :meth:`DeviceInfo.tryAttachUntilTimeout` keeps retrying."""
+        DeviceManager._attach_timeout = float(attachTimeout)
+
+    @staticmethod
+    def _hardware(id: int, group: tuple, pattern: Any, connectionType: Any,
+                  tilesPerIPU: int) -> DeviceInfo:
+        return DeviceInfo(DeviceType.Ipu, group, id=id, tilesPerIPU=tilesPerIPU or
+                          _DEFAULT_TILES, connectionType=connectionType, pattern=pattern,
+                          exclusive=True)
+
+    @staticmethod
+    def _connect(device: DeviceInfo) -> DeviceInfo:
+        if device.connectionType == DeviceConnectionType.Always and not device.attach():
+            raise popart_exception(f"Could not attach to device {device.id}")
+        return device
+
+    @staticmethod
+    def _unavailable(numIpus: int) -> str:
+        accel, cpu = _platform_devices()
+        total = max(len(accel), len(cpu))
+        if numIpus > total:
+            return (f"Failed to acquire a device with {numIpus} IPUs: this machine presents "
+                    f"{len(accel)} accelerator(s) and {len(cpu)} host CPU device(s), so at "
+                    f"most {total} IPUs can be acquired (createIpuModelDevice accepts any "
+                    "numIPUs)")
+        return (f"Failed to acquire a device with {numIpus} IPUs: every such device is "
+                "attached; detach one first (DeviceInfo.detach())")

@@ -1,0 +1,268 @@
+"""The step program: one compiled XLA program per session.
+
+A ``run()`` is one call into it. Inside: a ``lax.scan`` over batchesPerStep, within each batch a
+``lax.scan`` over the accumulationFactor micro-batches, replicas side by side (``vmap`` with a
+named axis, so collectives work), the forward pass, and for training the backward pass
+(``jax.value_and_grad``), gradient accumulation, the replica reduction and the optimizer update.
+Weights, optimizer state and the RNG key live on the device between runs (donated buffers);
+the host moves only the step's inputs and anchors.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import popart_exception
+from ..ir.graph import Graph
+from ..tensorinfo import TensorInfo
+from .lower import TraceState, execute
+
+GRAD_PREFIX = "Gradient___"
+REPLICA_AXIS = "replica"
+
+
+@dataclass
+class StepConfig:
+    """Everything that shapes the compiled step."""
+    batches_per_step: int
+    accumulation_factor: int = 1
+    replication_factor: int = 1
+    anchors: dict = field(default_factory=dict)     # id -> (kind: "ALL"|"EVERYN"|"FINAL"|"SUM", N)
+    training: bool = False
+    loss: Optional[str] = None
+    optimizer: Any = None
+    mean_reduction: bool = False                    # accumulation/replication reduction is Mean
+    running_mean: bool = False                      # MeanReductionStrategy.Running
+    options: Any = None
+
+
+def split_variables(graph: Graph) -> tuple[dict, dict]:
+    """(variables, constants): float initializers are device-resident variables; the rest
+    (integer shape tensors and declared constants) are compile-time constants."""
+    variables, constants = {}, {}
+    for tid, v in graph.initializers.items():
+        if np.issubdtype(v.dtype, np.floating) and tid not in graph.constants or \
+                v.dtype.name in ("bfloat16", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+            variables[tid] = v
+        else:
+            constants[tid] = v
+    return variables, constants
+
+
+class StepProgram:
+    """Builds, compiles and runs the step of one session."""
+
+    def __init__(self, graph: Graph, cfg: StepConfig, input_infos: Mapping[str, TensorInfo],
+                 device: Any = None):
+        self.graph, self.cfg, self.input_infos, self.device = graph, cfg, dict(input_infos), device
+        self.variables, self.constants = split_variables(graph)
+        self.graph_consts = Graph(**{**graph.__dict__, "initializers": self.constants})
+        self.trainable: list[str] = []
+        self.assigned: list[str] = []
+        self.anchor_ids = list(cfg.anchors)
+        self.compiled = None
+        self.compile_seconds = 0.0
+
+    # ------------------------------------------------------------------ tracing helpers
+    def _trace(self, weights, feeds, key, probes=None, training=False):
+        state = TraceState(training=training, rng_key=key, replica_axis=REPLICA_AXIS,
+                           replication_factor=self.cfg.replication_factor,
+                           options=self.cfg.options, probes=probes or {})
+        env = execute(self.graph_consts, feeds, state, weights=weights)
+        return env, state
+
+    def _value(self, env, tid):
+        if tid not in env or env[tid] is None:
+            raise popart_exception(f"Anchor '{tid}' names no tensor of the model (known tensors "
+                                   f"include: {', '.join(list(env)[:12])}, ...)")
+        return jnp.asarray(env[tid])
+
+    def plan(self) -> None:
+        """Decide trainable variables and gradient anchors (abstract trace, no compile)."""
+        cfg = self.cfg
+        specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype()) for k, i in self.input_infos.items()}
+        wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
+        out = {}
+
+        def probe(weights, feeds):
+            env, state = self._trace(weights, feeds, jax.random.key(0), training=cfg.training)
+            out["ids"] = set(env)
+            out["assigned"] = list(state.assignments)
+            if cfg.training:
+                if cfg.loss not in env:
+                    raise popart_exception(f"The loss tensor '{cfg.loss}' is not a tensor of the model")
+                out["loss_shape"] = jnp.shape(env[cfg.loss])
+            shapes = {}
+            for a in self.anchor_ids:
+                base = a[len(GRAD_PREFIX):] if a.startswith(GRAD_PREFIX) else a
+                if base in env and env[base] is not None:
+                    shapes[a] = jax.ShapeDtypeStruct(jnp.shape(env[base]), jnp.result_type(env[base]))
+            return shapes
+
+        self.anchor_specs = jax.eval_shape(probe, wspecs, specs)
+        self.assigned = out["assigned"]
+        if cfg.training:
+            if out["loss_shape"] != ():
+                raise popart_exception(f"The loss tensor '{cfg.loss}' must be a scalar after "
+                                       f"reduction, but its shape is {list(out['loss_shape'])}; "
+                                       f"use a loss op with reduction Sum or Mean")
+            self.trainable = [k for k in self.variables if k not in self.assigned]
+        opt_ids = set(self.opt_state_ids())
+        for a in self.anchor_ids:
+            if a in self.anchor_specs or a in opt_ids:
+                continue
+            base = a[len(GRAD_PREFIX):] if a.startswith(GRAD_PREFIX) else a
+            if a.startswith(GRAD_PREFIX) and not cfg.training:
+                raise popart_exception(f"Anchor '{a}' is a gradient, which exists only in a TrainingSession")
+            raise popart_exception(f"Anchor '{a}' names no tensor of the model (it has "
+                                   f"{len(out['ids'])} tensors, e.g. "
+                                   f"{', '.join(sorted(out['ids'])[:8])})")
+
+    # ------------------------------------------------------------------ optimizer state
+    def init_opt_state(self) -> dict:
+        if not self.cfg.training:
+            return {}
+        state = {}
+        for w in self.trainable:
+            state.update(self.cfg.optimizer.init_state(w, self.variables[w]))
+        return {k: np.asarray(v) for k, v in state.items()}
+
+    def opt_state_ids(self) -> list[str]:
+        if not self.cfg.training:
+            return []
+        return list(self.init_opt_state_shapes())
+
+    def init_opt_state_shapes(self) -> dict:
+        if not hasattr(self, "_opt_shapes"):
+            self._opt_shapes = self.init_opt_state() if self.cfg.training else {}
+        return self._opt_shapes
+
+    # ------------------------------------------------------------------ the step
+    def _micro_fn(self):
+        """(weights, feeds_per_replica, key) -> (anchor values, grads, assignments)."""
+        cfg = self.cfg
+        grad_ids = [a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)]
+        fwd_ids = [a for a in self.anchor_ids if a in self.anchor_specs and not a.startswith(GRAD_PREFIX)]
+
+        if not cfg.training:
+            def micro(weights, feeds, key, hyper):
+                env, state = self._trace(weights, feeds, key)
+                return {a: self._value(env, a) for a in fwd_ids}, {}, {}
+            return micro
+
+        trainable = self.trainable
+        probe_ids = [g for g in grad_ids if g not in trainable]
+
+        def micro(weights, feeds, key, hyper):
+            train_w = {k: weights[k] for k in trainable}
+            other_w = {k: v for k, v in weights.items() if k not in train_w}
+            probe_shapes = {p: self.anchor_specs[GRAD_PREFIX + p] for p in probe_ids}
+            probes0 = {p: jnp.zeros(s.shape, s.dtype) for p, s in probe_shapes.items()}
+
+            def loss_fn(tw, probes):
+                env, state = self._trace({**other_w, **tw}, feeds, key, probes, training=True)
+                loss = env[cfg.loss]
+                ls = self._hyper(hyper, "lossScaling")
+                scaled = loss * jnp.asarray(ls, loss.dtype)
+                return scaled, ({a: self._value(env, a) for a in fwd_ids}, dict(state.assignments))
+
+            (_, (vals, assigns)), (gw, gp) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1), has_aux=True)(train_w, probes0)
+            for g in grad_ids:
+                vals[GRAD_PREFIX + g] = gw[g] if g in gw else gp[g]
+            return vals, gw, assigns
+        return micro
+
+    def _hyper(self, hyper, name):
+        if name in hyper:
+            return hyper[name]
+        return self.cfg.optimizer.loss_scaling().val() if self.cfg.optimizer is not None else 1.0
+
+    def _step_fn(self):
+        cfg = self.cfg
+        R, A, B = cfg.replication_factor, cfg.accumulation_factor, cfg.batches_per_step
+        replicas = jax.vmap(self._micro_fn(), in_axes=(None, 0, 0, None), axis_name=REPLICA_AXIS)
+        anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
+
+        def accumulate(grads_acc, count, grads):
+            g = {k: jnp.sum(v, axis=0) for k, v in grads.items()}          # replica reduction
+            if cfg.mean_reduction and cfg.running_mean:
+                n = count + 1.0
+                return {k: grads_acc[k] * (count / n) + g[k] / (R * n) for k in g}
+            return {k: grads_acc[k] + g[k] for k in g}
+
+        def step(weights, opt_state, key, feeds, hyper):
+            def batch(carry, xs):
+                weights, opt_state = carry
+                feeds, bkey = xs                                          # feeds: [A, R, ...]
+
+                def micro_batch(acc, xa):
+                    grads_acc, count, w_assign = acc
+                    f, akey = xa                                          # f: [R, ...]
+                    vals, grads, assigns = replicas(weights, f, jax.random.split(akey, R), hyper)
+                    if cfg.training:
+                        grads_acc = accumulate(grads_acc, count, grads)
+                        w_assign = {k: jnp.mean(v, axis=0).astype(weights[k].dtype)
+                                    for k, v in assigns.items() if k in weights}
+                    return (grads_acc, count + 1.0, w_assign), vals
+
+                zeros = {k: jnp.zeros_like(weights[k]) for k in self.trainable}
+                assign0 = {k: weights[k] for k in self.assigned if k in weights and cfg.training}
+                (grads, _, w_assign), vals = jax.lax.scan(
+                    micro_batch, (zeros, 0.0, assign0), (feeds, jax.random.split(bkey, A)))
+                if cfg.training:
+                    if cfg.mean_reduction and not cfg.running_mean:
+                        grads = {k: v / (A * R) for k, v in grads.items()}
+                    new_w, opt_state = cfg.optimizer.apply(
+                        {k: weights[k] for k in self.trainable}, grads, opt_state, hyper)
+                    weights = {**weights, **w_assign, **new_w}
+                    for a in anchor_opt:   # optimizer state after this batch's update
+                        vals[a] = jnp.broadcast_to(opt_state[a], (A, R) + jnp.shape(opt_state[a]))
+                return (weights, opt_state), vals
+
+            key, sub = jax.random.split(key)
+            (weights, opt_state), vals = jax.lax.scan(
+                batch, (weights, opt_state), (feeds, jax.random.split(sub, B)))
+            return weights, opt_state, key, self._reduce_anchors(vals)
+
+        return step
+
+    def _reduce_anchors(self, vals: dict) -> dict:
+        out = {}
+        for a, v in vals.items():               # v: [B, A, R, *shape]
+            kind, n = self.cfg.anchors[a]
+            if kind == "ALL":
+                out[a] = v
+            elif kind == "EVERYN":
+                out[a] = v[n - 1::n]
+            elif kind == "FINAL":
+                out[a] = v[-1, -1]
+            elif kind == "SUM":
+                out[a] = jnp.sum(v, axis=(0, 1))
+            else:
+                raise popart_exception(f"Anchor '{a}': unknown AnchorReturnType '{kind}'")
+        return out
+
+    # ------------------------------------------------------------------ compile and run
+    def compile(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
+                hyper: Mapping[str, Any]) -> None:
+        """Ahead-of-time compile the step for these argument shapes."""
+        cfg = self.cfg
+        feed_specs = {k: jax.ShapeDtypeStruct((cfg.batches_per_step, cfg.accumulation_factor,
+                                               cfg.replication_factor, *i.shape()), i.np_dtype())
+                      for k, i in self.input_infos.items()}
+        fn = jax.jit(self._step_fn(), donate_argnums=(0, 1, 2))
+        t0 = time.perf_counter()
+        spec = lambda tree: jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+        lowered = fn.lower(spec(dict(weights)), spec(dict(opt_state)), key, feed_specs, spec(dict(hyper)))
+        self.compiled = lowered.compile()
+        self.compile_seconds = time.perf_counter() - t0
+
+    def run(self, weights, opt_state, key, feeds, hyper):
+        return self.compiled(weights, opt_state, key, feeds, hyper)

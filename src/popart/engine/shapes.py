@@ -1,0 +1,66 @@
+"""Shape / dtype inference and one-shot execution of IR graphs (no session)."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import popart_exception
+from ..ir.graph import Graph
+from ..ir.onnx_import import ModelLike, import_model
+from ..tensorinfo import TensorInfo, to_datatype
+from .lower import TraceState, execute
+
+
+def input_specs(graph: Graph, overrides: Optional[Mapping[str, TensorInfo]] = None) -> dict:
+    """jax.ShapeDtypeStruct of every stream input; unknown dimensions are an error."""
+    specs = {}
+    for tid in graph.inputs:
+        info = (overrides or {}).get(tid) or graph.tensor_info.get(tid)
+        shape = None if info is None else info._shape
+        if info is None or shape is None or any(d is None or d < 0 for d in shape):
+            given = "no type" if info is None else f"shape {shape}"
+            raise popart_exception(
+                f"Input tensor '{tid}' has {given}: every input needs a fully specified shape "
+                f"and type; give it with inputShapeInfo (popart.InputShapeInfo().add('{tid}', "
+                f"popart.TensorInfo(dtype, shape)))")
+        specs[tid] = jax.ShapeDtypeStruct(tuple(shape), info.np_dtype())
+    return specs
+
+
+def infer_graph(graph: Graph, ids: Optional[Iterable[str]] = None,
+                overrides: Optional[Mapping[str, TensorInfo]] = None) -> dict[str, TensorInfo]:
+    """TensorInfo of ``ids`` (default: every tensor) by tracing the graph abstractly."""
+    specs = input_specs(graph, overrides)
+    wanted = list(ids) if ids is not None else graph.all_tensor_ids()
+
+    def fn(feeds):
+        env = execute(graph, feeds, TraceState(rng_key=jax.random.key(0)))
+        return {k: env[k] for k in wanted if k in env and env[k] is not None}
+
+    out = jax.eval_shape(fn, specs)
+    return {k: TensorInfo(to_datatype(v.dtype), list(v.shape)) for k, v in out.items()}
+
+
+def infer_tensor_infos(model: ModelLike) -> dict[str, TensorInfo]:
+    """TensorInfo of every tensor of an ONNX model (ops of any registered domain)."""
+    graph, _ = import_model(model)
+    return infer_graph(graph)
+
+
+def run_model(model: Any, feeds: Mapping[str, np.ndarray], outputs: Optional[list[str]] = None,
+              training: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
+    """Compile and run a model once on ``feeds`` (tests, the ONNX backend). ``model`` is
+    anything ``import_model`` takes, or an IR Graph."""
+    graph = model if isinstance(model, Graph) else import_model(model)[0]
+    outputs = list(outputs or graph.outputs)
+
+    @jax.jit
+    def fn(feeds, key):
+        env = execute(graph, feeds, TraceState(training=training, rng_key=key))
+        return {k: env[k] for k in outputs}
+
+    res = fn({k: jnp.asarray(v) for k, v in feeds.items()}, jax.random.key(seed))
+    return {k: np.asarray(v) for k, v in res.items()}

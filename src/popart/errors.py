@@ -1,0 +1,101 @@
+"""PopART's error hierarchy (user guide 4.7).
+
+Every user mistake raises a subclass of :class:`popart_exception` whose message names the
+tensor, op, option or file, what was expected and what was given.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class popart_exception(RuntimeError):
+    """Base of all errors raised by PopART."""
+
+
+class popart_internal_exception(popart_exception):
+    """A bug in the runtime rather than in the user's program."""
+
+
+class popart_runtime_error(popart_exception):
+    """An error found while running a compiled program."""
+
+
+class poplibs_exception(popart_exception):
+    """Kept for API compatibility; raised for errors inside op lowerings."""
+
+
+class poplar_exception(popart_exception):
+    """Kept for API compatibility; base of the backend's errors."""
+
+
+class poplar_runtime_error(poplar_exception):
+    pass
+
+
+class poplar_application_runtime_error(poplar_runtime_error):
+    pass
+
+
+class poplar_system_runtime_error(poplar_runtime_error):
+    pass
+
+
+class RecoveryAction(enum.Enum):
+    IPU_RESET = 0
+    PARTITION_RESET = 1
+    POWER_CYCLE = 2
+
+
+class poplar_recoverable_runtime_error(poplar_system_runtime_error):
+    def __init__(self, msg: str = "", recoveryAction: RecoveryAction = RecoveryAction.IPU_RESET):
+        super().__init__(msg)
+        self.recoveryAction = recoveryAction
+
+
+class poplar_unrecoverable_runtime_error(poplar_system_runtime_error):
+    pass
+
+
+class poplar_unknown_runtime_error(poplar_runtime_error):
+    pass
+
+
+# Aliases under the spellings used in the user guide's prose.
+poplar_recoverable_error = poplar_recoverable_runtime_error
+poplar_unrecoverable_error = poplar_unrecoverable_runtime_error
+unknown_runtime_error = poplar_unknown_runtime_error
+
+
+class OutOfMemoryException(popart_exception):
+    """Raised when compilation or execution runs out of device memory."""
+
+    def __init__(self, e: object = "") -> None:
+        super().__init__(str(e))
+        self._summary = str(e)
+
+    def getSummaryReport(self) -> str:
+        return self._summary
+
+    def getProfilePath(self) -> str:
+        return ""
+
+
+# Finer-grained user errors: all are popart_exception, so `except popart.popart_exception` works.
+class UnsupportedOperatorError(popart_exception):
+    """An operator, opset version, dtype or attribute value the runtime does not implement."""
+
+
+class StepIOError(popart_exception):
+    """A StepIO input or output buffer that does not fit the session."""
+
+
+class ModelError(popart_exception):
+    """A model file or proto that cannot be read or is invalid."""
+
+
+class OptionError(popart_exception):
+    """A SessionOptions value or combination that cannot be honoured."""
+
+
+class OptimizerError(popart_exception):
+    """An optimizer that is invalid or incompatible with the session."""

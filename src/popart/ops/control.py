@@ -1,0 +1,148 @@
+"""Control flow: If, Loop, Scan (ai.onnx) and Call (ai.graphcore), lowered to lax.cond /
+lax.scan / lax.while_loop. Subgraphs are IR Graphs held in node attributes and run through
+``ctx.run_subgraph`` (which makes tensors of enclosing scopes visible)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .registry import GRAPHCORE_DOMAIN, register
+
+
+def _static_value(x):
+    return x is not None and isinstance(x, (np.ndarray, np.generic, bool, int))
+
+
+def _struct(v):
+    return jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v))
+
+
+def _same_types(ctx, what, a, b):
+    sa, sb = [_struct(v) for v in a], [_struct(v) for v in b]
+    if sa != sb:
+        raise ctx.error(f"{what} must have the same shapes and dtypes, got "
+                        + "; ".join(f"{x.shape}/{x.dtype} vs {y.shape}/{y.dtype}"
+                                    for x, y in zip(sa, sb) if x != y))
+
+
+@register("If")
+def if_(ctx, cond, then_branch, else_branch, **_):
+    if _static_value(cond):
+        return ctx.run_subgraph(then_branch if bool(np.asarray(cond).reshape(())) else else_branch, [])
+    run_t = lambda: [jnp.asarray(v) for v in ctx.run_subgraph(then_branch, [])]
+    run_e = lambda: [jnp.asarray(v) for v in ctx.run_subgraph(else_branch, [])]
+    _same_types(ctx, "If's then_branch and else_branch outputs", jax.eval_shape(run_t),
+                jax.eval_shape(run_e))
+    return lax.cond(jnp.asarray(cond, bool).reshape(()), run_t, run_e)
+
+
+def _cond_passthrough(body):
+    """True when the body's condition output is its condition input (maybe via Identity)."""
+    prod, t = body.producer(), body.outputs[0]
+    while t in prod and prod[t].op_type == "Identity":
+        t = prod[t].inputs[0]
+    return t == body.inputs[1]
+
+
+@register("Loop")
+def loop(ctx, m=None, cond=None, *v_init, body, **_):
+    n_carry = len(v_init)
+    n_scan = len(body.outputs) - 1 - n_carry
+    v_init = [jnp.asarray(v) for v in v_init]
+    static_m = _static_value(m)
+    cond_init = True if cond is None else cond
+    cond_static_true = _static_value(cond_init) and bool(np.asarray(cond_init).reshape(()))
+
+    def step(i, c, vals):
+        outs = ctx.run_subgraph(body, [jnp.asarray(i, jnp.int64), jnp.asarray(c, bool)] + list(vals))
+        new = [jnp.asarray(o).astype(v.dtype) for o, v in zip(outs[1:1 + n_carry], vals)]
+        for o, v in zip(new, vals):
+            if o.shape != v.shape:
+                raise ctx.error(f"loop-carried value changes shape from {v.shape} to {o.shape} "
+                                f"across iterations; only fixed shapes are supported")
+        return jnp.asarray(outs[0], bool).reshape(()), new, [jnp.asarray(o) for o in outs[1 + n_carry:]]
+
+    if static_m:
+        trips = int(np.asarray(m).reshape(()))
+        exact = cond_static_true and _cond_passthrough(body)
+        if n_scan and not exact:
+            raise ctx.error("scan outputs need a trip count known at compile time, but this "
+                            "loop's condition is computed at run time")
+
+        def scan_body(carry, i):
+            c, vals = carry
+            c2, new, scans = step(i, c, vals)
+            if exact:
+                return (c2, new), scans
+            keep = c  # once the condition is false the remaining iterations do nothing
+            new = [jnp.where(keep, a, b) for a, b in zip(new, vals)]
+            return (jnp.where(keep, c2, c), new), scans
+        (c_fin, vals), scans = lax.scan(scan_body, (jnp.asarray(cond_init, bool).reshape(()), v_init),
+                                        jnp.arange(trips, dtype=jnp.int64))
+        return list(vals) + list(scans)
+    if n_scan:
+        raise ctx.error("scan outputs need a trip count known at compile time (input M is "
+                        "absent or computed at run time)")
+    trips = None if m is None else jnp.asarray(m, jnp.int64).reshape(())
+
+    def w_cond(carry):
+        i, c, _v = carry
+        return c if trips is None else c & (i < trips)
+
+    def w_body(carry):
+        i, c, vals = carry
+        c2, new, _s = step(i, c, vals)
+        return i + 1, c2, new
+    _i, _c, vals = lax.while_loop(w_cond, w_body, (jnp.int64(0), jnp.asarray(cond_init, bool).reshape(()), v_init))
+    return list(vals)
+
+
+def _scan_core(ctx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, out_dirs):
+    xs = [jnp.moveaxis(jnp.asarray(x), a % jnp.ndim(x), 0) for x, a in zip(xs, in_axes)]
+    xs = [jnp.flip(x, 0) if d else x for x, d in zip(xs, in_dirs)]
+    states = [jnp.asarray(s) for s in states]
+
+    def f(carry, sl):
+        outs = ctx.run_subgraph(body, list(carry) + list(sl))
+        new = [jnp.asarray(o).astype(c.dtype) for o, c in zip(outs, carry)]
+        return new, [jnp.asarray(o) for o in outs[len(carry):]]
+    fin, ys = lax.scan(f, states, xs)
+    ys = [jnp.flip(y, 0) if d else y for y, d in zip(ys, out_dirs)]
+    ys = [jnp.moveaxis(y, 0, a % y.ndim) for y, a in zip(ys, out_axes)]
+    return list(fin) + ys
+
+
+@register("Scan", since=9)
+def scan(ctx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_directions=None,
+         scan_output_axes=None, scan_output_directions=None, **_):
+    n_state = len(ins) - num_scan_inputs
+    n_out_scan = len(body.outputs) - n_state
+    return _scan_core(ctx, body, ins[:n_state], ins[n_state:], n_out_scan,
+                      scan_input_axes or [0] * num_scan_inputs,
+                      scan_input_directions or [0] * num_scan_inputs,
+                      scan_output_axes or [0] * n_out_scan,
+                      scan_output_directions or [0] * n_out_scan)
+
+
+@register("Scan", since=8)
+def scan8(ctx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
+    """Scan-8: every input has a leading batch axis; scan axis 1."""
+    n_state = len(ins) - num_scan_inputs
+    n_out_scan = len(body.outputs) - n_state
+    seq = ins[n_state].shape[1] if num_scan_inputs else 0
+    if seq_lens is not None:
+        if not _static_value(seq_lens) or (np.asarray(seq_lens) != seq).any():
+            raise ctx.error("Scan-8 sequence_lens shorter than the sequence are not supported")
+    dirs = directions or [0] * num_scan_inputs
+
+    def one(*args):
+        return tuple(_scan_core(ctx, body, args[:n_state], args[n_state:], n_out_scan,
+                                [0] * num_scan_inputs, dirs, [0] * n_out_scan, [0] * n_out_scan))
+    return list(jax.vmap(one)(*[jnp.asarray(x) for x in ins]))
+
+
+@register("Call", domain=GRAPHCORE_DOMAIN)
+def call(ctx, *ins, callee, **_):
+    return list(ctx.run_subgraph(callee, list(ins)))

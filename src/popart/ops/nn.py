@@ -1,0 +1,362 @@
+"""Neural-network ops of ai.onnx: convolution, pooling, normalization, dropout, softmax."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .registry import register
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+# ---------------------------------------------------------------------------------------
+# Shared window helpers (Conv, ConvTranspose, pools)
+
+def _list(v, n, fill):
+    return list(v) if v else [fill] * n
+
+
+def window_pads(ctx, auto_pad, in_sp, k_sp, strides, dil, pads, ceil_mode=0):
+    """[(lo, hi)] per spatial axis and the output sizes, as ONNX defines them for Conv and
+    pools; ``ceil_mode`` extends ``hi`` so the last partial window is kept."""
+    n = len(in_sp)
+    eff = [(k - 1) * d + 1 for k, d in zip(k_sp, dil)]
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        out = [-(-i // s) for i, s in zip(in_sp, strides)]
+        tot = [max(0, (o - 1) * s + e - i) for o, s, e, i in zip(out, strides, eff, in_sp)]
+        lo = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in tot]
+        return [(l, t - l) for l, t in zip(lo, tot)], out
+    if auto_pad == "VALID":
+        pads = [0] * (2 * n)
+    elif auto_pad not in ("NOTSET", "", None):
+        raise ctx.error(f"auto_pad '{auto_pad}' is not one of NOTSET, SAME_UPPER, SAME_LOWER, VALID")
+    pads = _list(pads, 2 * n, 0)
+    pp, out = [], []
+    for a in range(n):
+        lo, hi = pads[a], pads[a + n]
+        span = in_sp[a] + lo + hi - eff[a]
+        o = (-(-span // strides[a]) if ceil_mode else span // strides[a]) + 1
+        if ceil_mode and (o - 1) * strides[a] >= in_sp[a] + lo:
+            o -= 1  # the last window must start inside the input or left padding
+        pp.append((lo, max(hi, (o - 1) * strides[a] + eff[a] - in_sp[a] - lo)))
+        out.append(o)
+    return pp, out
+
+
+def _spatial_attrs(x, kernel_shape, strides, dilations):
+    n = x.ndim - 2
+    return _list(strides, n, 1), _list(dilations, n, 1), list(kernel_shape)
+
+
+@register("Conv")
+def conv(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
+         pads=None, strides=None, **_):
+    n = x.ndim - 2
+    strides, dil, k = _spatial_attrs(x, w.shape[2:], strides, dilations)
+    if kernel_shape and list(kernel_shape) != list(w.shape[2:]):
+        raise ctx.error(f"kernel_shape {list(kernel_shape)} does not match the weight's "
+                        f"spatial shape {list(w.shape[2:])}")
+    pp, _o = window_pads(ctx, auto_pad, x.shape[2:], k, strides, dil, pads)
+    y = lax.conv_general_dilated(x, w.astype(x.dtype), strides, pp, rhs_dilation=dil,
+                                 feature_group_count=group, precision=HIGHEST)
+    return y if b is None else y + b.reshape((1, -1) + (1,) * n)
+
+
+@register("ConvTranspose")
+def conv_transpose(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1,
+                   kernel_shape=None, output_padding=None, output_shape=None, pads=None,
+                   strides=None, **_):
+    n = x.ndim - 2
+    strides, dil, k = _spatial_attrs(x, w.shape[2:], strides, dilations)
+    in_sp = x.shape[2:]
+    opad = _list(output_padding, n, 0)
+    full = [s * (i - 1) + op + (kk - 1) * d + 1 for s, i, op, kk, d in zip(strides, in_sp, opad, k, dil)]
+    if output_shape or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        target = list(output_shape)[-n:] if output_shape else [i * s for i, s in zip(in_sp, strides)]
+        tot = [f - t for f, t in zip(full, target)]
+        if auto_pad == "SAME_UPPER":
+            lo = [t // 2 for t in tot]
+        else:
+            lo = [t - t // 2 for t in tot]
+        pads = lo + [t - l for t, l in zip(tot, lo)]
+    elif auto_pad == "VALID" or not pads:
+        pads = [0] * (2 * n)
+    c, m = w.shape[0], w.shape[1] * group
+    # [C, M/g, k] -> [M, C/g, k] with flipped spatial axes.
+    wt = w.reshape((group, c // group, m // group) + tuple(k)).swapaxes(1, 2)
+    wt = jnp.flip(wt.reshape((m, c // group) + tuple(k)), axis=tuple(range(2, 2 + n)))
+    pp = [((kk - 1) * d - pads[a], (kk - 1) * d - pads[a + n] + opad[a])
+          for a, (kk, d) in enumerate(zip(k, dil))]
+    y = lax.conv_general_dilated(x, wt.astype(x.dtype), [1] * n, pp, lhs_dilation=strides,
+                                 rhs_dilation=dil, feature_group_count=group, precision=HIGHEST)
+    return y if b is None else y + b.reshape((1, -1) + (1,) * n)
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling
+
+def _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
+    strides, dil, k = _spatial_attrs(x, kernel_shape, strides, dilations)
+    pp, out = window_pads(ctx, auto_pad, x.shape[2:], k, strides, dil, pads, ceil_mode)
+    return (1, 1, *k), (1, 1, *strides), ((0, 0), (0, 0), *pp), (1, 1, *dil)
+
+
+@register("MaxPool")
+def max_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=(),
+             pads=None, storage_order=0, strides=None, **_):
+    win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad,
+                                    ceil_mode)
+    lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    y = lax.reduce_window(x, jnp.array(lowest, x.dtype), lax.max, win, st, pp, window_dilation=dil)
+    if ctx.num_outputs < 2 or not ctx.output_ids[1]:
+        return y
+    sp = x.shape[2:]
+    if storage_order:  # column-major over the spatial axes
+        idx = np.arange(math.prod(sp)).reshape(sp[::-1]).T
+    else:
+        idx = np.arange(math.prod(sp)).reshape(sp)
+    base = (np.arange(x.shape[0] * x.shape[1]) * math.prod(sp)).reshape(x.shape[:2] + (1,) * len(sp))
+    idx = jnp.asarray(np.broadcast_to(idx + base, x.shape), jnp.int64)
+
+    def pick(a, b):
+        take = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
+        return jnp.where(take, b[0], a[0]), jnp.where(take, b[1], a[1])
+    xs = lax.stop_gradient(x)
+    _y, i = lax.reduce_window((xs, idx), (jnp.array(lowest, x.dtype), jnp.array(2**62, jnp.int64)),
+                              pick, win, st, pp, window_dilation=dil)
+    return y, i
+
+
+def _avg(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad):
+    win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    s = lax.reduce_window(x, jnp.array(0, x.dtype), lax.add, win, st, pp, window_dilation=dil)
+    ones = jnp.ones((1, 1) + x.shape[2:], x.dtype)
+    if count_include_pad:  # explicit pads count, the ceil_mode extension does not
+        _, _, explicit, _ = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, 0)
+        ones = jnp.pad(ones, explicit, constant_values=1)
+        pp = tuple((0, hi - e_hi) for (_lo, hi), (_e, e_hi) in zip(pp, explicit))
+    cnt = lax.reduce_window(ones, jnp.array(0, x.dtype), lax.add, win, st, pp, window_dilation=dil)
+    return s / cnt
+
+
+@register("AveragePool")
+def average_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None,
+                 kernel_shape=(), pads=None, strides=None, **_):
+    return _avg(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad)
+
+
+@register("LpPool")
+def lp_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=(), p=2,
+            pads=None, strides=None, **_):
+    win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    s = lax.reduce_window(jnp.abs(x) ** p, jnp.array(0, x.dtype), lax.add, win, st, pp,
+                          window_dilation=dil)
+    return s ** (1.0 / p)
+
+
+def _spatial(x):
+    return tuple(range(2, x.ndim))
+
+
+register("GlobalAveragePool")(lambda ctx, x, **_: jnp.mean(x, _spatial(x), keepdims=True))
+register("GlobalMaxPool")(lambda ctx, x, **_: jnp.max(x, _spatial(x), keepdims=True))
+register("GlobalLpPool")(
+    lambda ctx, x, p=2, **_: jnp.sum(jnp.abs(x) ** p, _spatial(x), keepdims=True) ** (1.0 / p))
+
+
+@register("MaxRoiPool")
+def max_roi_pool(ctx, x, rois, pooled_shape=(), spatial_scale=1.0, **_):
+    ph, pw = pooled_shape
+    h, w = x.shape[2:]
+
+    def one(roi):
+        b = roi[0].astype(jnp.int32)
+        x1, y1, x2, y2 = [jnp.round(v * spatial_scale).astype(jnp.int32) for v in roi[1:]]
+        rh = jnp.maximum(y2 - y1 + 1, 1).astype(x.dtype) / ph
+        rw = jnp.maximum(x2 - x1 + 1, 1).astype(x.dtype) / pw
+        img = x[b]
+        ys, xs = jnp.arange(h), jnp.arange(w)
+
+        def cell(i, j):
+            hs = jnp.clip(jnp.floor(i * rh).astype(jnp.int32) + y1, 0, h)
+            he = jnp.clip(jnp.ceil((i + 1) * rh).astype(jnp.int32) + y1, 0, h)
+            ws = jnp.clip(jnp.floor(j * rw).astype(jnp.int32) + x1, 0, w)
+            we = jnp.clip(jnp.ceil((j + 1) * rw).astype(jnp.int32) + x1, 0, w)
+            m = ((ys >= hs) & (ys < he))[:, None] & ((xs >= ws) & (xs < we))[None, :]
+            v = jnp.max(jnp.where(m, img, -jnp.inf), axis=(1, 2))
+            return jnp.where(jnp.any(m), v, 0).astype(x.dtype)
+        ii, jj = jnp.meshgrid(jnp.arange(ph), jnp.arange(pw), indexing="ij")
+        return jax.vmap(jax.vmap(cell))(ii, jj).transpose(2, 0, 1)
+    return jax.vmap(one)(rois)
+
+
+@register("MaxUnpool", since=9)
+def max_unpool(ctx, x, idx, output_shape=None, kernel_shape=(), pads=None, strides=None, **_):
+    n = x.ndim - 2
+    strides, pads = _list(strides, n, 1), _list(pads, 2 * n, 0)
+    if output_shape is not None:
+        out = tuple(int(v) for v in ctx.static(output_shape, "MaxUnpool output_shape"))
+    else:
+        out = x.shape[:2] + tuple((i - 1) * s + k - pads[a] - pads[a + n]
+                                  for a, (i, s, k) in enumerate(zip(x.shape[2:], strides, kernel_shape)))
+    flat = jnp.zeros((math.prod(out),), x.dtype).at[idx.reshape(-1)].set(x.reshape(-1))
+    return flat.reshape(out)
+
+
+# ---------------------------------------------------------------------------------------
+# Normalization
+
+def _bcast(v, x, axis=1):
+    return v.reshape((1,) * axis + v.shape + (1,) * (x.ndim - axis - v.ndim))
+
+
+def batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, training, unbiased_running=False):
+    """Normalize over every axis but 1; in training use batch statistics and return
+    (y, new running mean, new running var, batch mean, batch var)."""
+    axes = (0,) + tuple(range(2, x.ndim))
+    if not training:
+        y = (x - _bcast(mean, x)) * lax.rsqrt(_bcast(var, x) + epsilon) * _bcast(scale, x) + _bcast(b, x)
+        return y, mean, var, None, None
+    bm = jnp.mean(x, axes)
+    bv = jnp.var(x, axes)
+    y = (x - _bcast(bm, x)) * lax.rsqrt(_bcast(bv, x) + epsilon) * _bcast(scale, x) + _bcast(b, x)
+    n = x.size // x.shape[1]
+    rv = bv * (n / max(n - 1, 1)) if unbiased_running else bv
+    new_m = (mean * momentum + lax.stop_gradient(bm) * (1 - momentum)).astype(mean.dtype)
+    new_v = (var * momentum + lax.stop_gradient(rv) * (1 - momentum)).astype(var.dtype)
+    ctx.assign(ctx.input_ids[3], new_m)
+    ctx.assign(ctx.input_ids[4], new_v)
+    return y, new_m, new_v, bm, bv
+
+
+@register("BatchNormalization")
+def batch_normalization(ctx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, spatial=1,
+                        training_mode=0, **_):
+    training = bool(ctx.training or training_mode)
+    if not spatial:  # statistics per (C, D1, ...) element: fold the spatial axes into C
+        shp = x.shape
+        x2 = x.reshape(shp[0], -1)
+        outs = batch_norm(ctx, x2, scale.reshape(-1), b.reshape(-1), mean.reshape(-1),
+                          var.reshape(-1), epsilon, momentum, training)
+        outs = (outs[0].reshape(shp),) + tuple(None if o is None else o.reshape(shp[1:]) for o in outs[1:])
+    else:
+        outs = batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, training)
+    if ctx.version >= 14:
+        return outs[:3] if training else outs[0]
+    return outs if training else outs[0]
+
+
+@register("InstanceNormalization")
+def instance_normalization(ctx, x, scale, b, epsilon=1e-5, **_):
+    ax = _spatial(x)
+    m = jnp.mean(x, ax, keepdims=True)
+    v = jnp.var(x, ax, keepdims=True)
+    return (x - m) * lax.rsqrt(v + epsilon) * _bcast(scale, x) + _bcast(b, x)
+
+
+def _stash(x, stash_type):
+    return x.astype(jnp.float32) if stash_type == 1 and x.dtype in (jnp.float16, jnp.bfloat16) else x
+
+
+@register("LayerNormalization", since=17)
+def layer_normalization(ctx, x, scale, b=None, axis=-1, epsilon=1e-5, stash_type=1, **_):
+    axis = axis % x.ndim
+    ax = tuple(range(axis, x.ndim))
+    xs = _stash(x, stash_type)
+    m = jnp.mean(xs, ax, keepdims=True)
+    inv = lax.rsqrt(jnp.var(xs, ax, keepdims=True) + epsilon)
+    y = ((xs - m) * inv).astype(x.dtype) * scale
+    y = y if b is None else y + b
+    return y, m, inv
+
+
+def _group_norm(x, num_groups, epsilon, stash_type=1):
+    n, c = x.shape[:2]
+    g = _stash(x, stash_type).reshape((n, num_groups, -1))
+    m = jnp.mean(g, -1, keepdims=True)
+    inv = lax.rsqrt(jnp.var(g, -1, keepdims=True) + epsilon)
+    return ((g - m) * inv).reshape(x.shape).astype(x.dtype), m[..., 0], inv[..., 0]
+
+
+@register("GroupNormalization", since=18)
+def group_normalization(ctx, x, scale, b, epsilon=1e-5, num_groups=None, stash_type=1, **_):
+    y, _m, _i = _group_norm(x, num_groups, epsilon, stash_type)
+    c = x.shape[1]
+    if ctx.version < 21:  # scale and bias per group
+        scale, b = jnp.repeat(scale, c // num_groups), jnp.repeat(b, c // num_groups)
+    return y * _bcast(scale, x) + _bcast(b, x)
+
+
+@register("LRN")
+def lrn(ctx, x, size, alpha=1e-4, beta=0.75, bias=1.0, **_):
+    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
+    sq = lax.reduce_window(x * x, jnp.array(0, x.dtype), lax.add, (1, size) + (1,) * (x.ndim - 2),
+                           (1,) * x.ndim, ((0, 0), (lo, hi)) + ((0, 0),) * (x.ndim - 2))
+    return x / (bias + alpha / size * sq) ** beta
+
+
+@register("MeanVarianceNormalization", since=9)
+def mvn(ctx, x, axes=(0, 2, 3), **_):
+    ax = tuple(a % x.ndim for a in axes)
+    m = jnp.mean(x, ax, keepdims=True)
+    sd = jnp.sqrt(jnp.mean(x * x, ax, keepdims=True) - m * m)
+    return (x - m) / (sd + 1e-9)
+
+
+@register("LpNormalization")
+def lp_normalization(ctx, x, axis=-1, p=2, **_):
+    if p not in (1, 2):
+        raise ctx.error(f"p must be 1 or 2, got {p}")
+    nrm = jnp.sum(jnp.abs(x), axis, keepdims=True) if p == 1 else jnp.sqrt(jnp.sum(x * x, axis, keepdims=True))
+    return x / nrm
+
+
+# ---------------------------------------------------------------------------------------
+# Dropout
+
+@register("Dropout", random=True)
+def dropout(ctx, x, ratio_in=None, training_mode=None, ratio=0.5, is_test=0, seed=None, **_):
+    """Active in a training session's forward pass, or when the training_mode input is true
+    (a run-time training_mode selects at run time). Kept elements are scaled by 1/(1-ratio)."""
+    r = ratio if ratio_in is None else ratio_in
+    active = bool(ctx.training and not is_test)
+    if training_mode is not None:
+        active = bool(training_mode) if isinstance(training_mode, (np.ndarray, np.generic, bool)) \
+            else jnp.asarray(training_mode, bool)
+    mask_dtype = x.dtype if ctx.version < 10 else jnp.bool_
+    if active is False:
+        return x, jnp.ones(x.shape, mask_dtype)
+    key = ctx.rng() if seed is None else jax.random.fold_in(ctx.rng(), seed)
+    keep = jax.random.uniform(key, x.shape, jnp.float32) >= r
+    scale = (1 / (1 - jnp.asarray(r, jnp.float32))).astype(x.dtype)
+    if active is not True:
+        keep, scale = keep | ~active, jnp.where(active, scale, jnp.ones((), x.dtype))
+    return jnp.where(keep, x * scale, jnp.zeros((), x.dtype)), keep.astype(mask_dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Softmax family: before opset 13 the input is flattened to 2D at ``axis`` (default 1).
+
+def _softmax_family(fn):
+    def old(ctx, x, axis=1, **_):
+        axis %= max(x.ndim, 1)
+        return fn(x.reshape(math.prod(x.shape[:axis]), -1), 1).reshape(x.shape)
+
+    def new(ctx, x, axis=-1, **_):
+        return fn(x, axis)
+    return old, new
+
+
+def _hardmax(x, axis):
+    return jax.nn.one_hot(jnp.argmax(x, axis), x.shape[axis], dtype=x.dtype, axis=axis)
+
+
+for _name, _fn in {"Softmax": jax.nn.softmax, "LogSoftmax": jax.nn.log_softmax,
+                   "Hardmax": _hardmax}.items():
+    _old, _new = _softmax_family(_fn)
+    register(_name, since=1)(_old)
+    register(_name, since=13)(_new)

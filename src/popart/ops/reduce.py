@@ -1,0 +1,75 @@
+"""Reductions: one table. Axes are an attribute before ReduceSum-13 / other Reduce*-18 and an
+optional input from then on (with noop_with_empty_axes)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .registry import add
+
+
+def _lowest(x, sign):
+    dt = jnp.result_type(x)
+    if dt == jnp.bool_:
+        return sign < 0
+    if jnp.issubdtype(dt, jnp.integer):
+        i = jnp.iinfo(dt)
+        return i.max if sign > 0 else i.min
+    return sign * np.inf
+
+
+def _sum(x, ax, kd):
+    return jnp.sum(x, axis=ax, keepdims=kd, dtype=jnp.result_type(x))
+
+
+def _logsumexp(x, ax, kd):
+    m = lax.stop_gradient(jnp.max(x, axis=ax, keepdims=True, initial=-np.inf))
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+    y = jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True)) + m
+    return y if kd else jnp.squeeze(y, ax)
+
+
+REDUCE = {  # name: (fn(x, axes, keepdims), opset where axes became an input)
+    "ReduceSum": (_sum, 13),
+    "ReduceMean": (lambda x, ax, kd: jnp.mean(x, axis=ax, keepdims=kd, dtype=jnp.result_type(x)), 18),
+    "ReduceMax": (lambda x, ax, kd: jnp.max(x, axis=ax, keepdims=kd, initial=_lowest(x, -1)), 18),
+    "ReduceMin": (lambda x, ax, kd: jnp.min(x, axis=ax, keepdims=kd, initial=_lowest(x, 1)), 18),
+    "ReduceProd": (lambda x, ax, kd: jnp.prod(x, axis=ax, keepdims=kd, dtype=jnp.result_type(x)), 18),
+    "ReduceL1": (lambda x, ax, kd: _sum(jnp.abs(x), ax, kd), 18),
+    "ReduceL2": (lambda x, ax, kd: jnp.sqrt(_sum(x * x, ax, kd)).astype(jnp.result_type(x)), 18),
+    "ReduceLogSum": (lambda x, ax, kd: jnp.log(_sum(x, ax, kd)), 18),
+    "ReduceLogSumExp": (_logsumexp, 18),
+    "ReduceSumSquare": (lambda x, ax, kd: _sum(x * x, ax, kd), 18),
+}
+
+
+def reduce_axes(ctx, x, axes, noop_with_empty_axes):
+    """Normalized axes tuple, or None for 'leave x unchanged'."""
+    axes = [] if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+    if not axes:
+        return None if noop_with_empty_axes else tuple(range(jnp.ndim(x)))
+    r = jnp.ndim(x)
+    if any(not -r <= a < max(r, 1) for a in axes):
+        raise ctx.error(f"axes {axes} out of range for an input of rank {r}")
+    return tuple(sorted({a % max(r, 1) for a in axes}))
+
+
+def _attr_form(fn):
+    def lower(ctx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
+        ax = reduce_axes(ctx, x, axes, noop_with_empty_axes)
+        return x if ax is None else fn(x, ax, bool(keepdims))
+    return lower
+
+
+def _input_form(fn):
+    def lower(ctx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
+        axes = None if axes is None else ctx.static(axes, "axes")
+        ax = reduce_axes(ctx, x, axes, noop_with_empty_axes)
+        return x if ax is None else fn(x, ax, bool(keepdims))
+    return lower
+
+
+for _name, (_fn, _since) in REDUCE.items():
+    add(_name, _attr_form(_fn), since=1)
+    add(_name, _input_form(_fn), since=_since, static_inputs=(1,))

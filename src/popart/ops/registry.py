@@ -1,0 +1,166 @@
+"""The one op registry: (domain, op type, opset range) -> lowering to jax.numpy / jax.lax.
+
+A lowering is ``fn(ctx, *inputs, **attrs)`` returning one array or a tuple of arrays (one per
+node output). ``inputs`` are jax arrays, NumPy arrays (constants, folded at trace time) or
+``None`` for an omitted optional input. ``attrs`` are the node's attributes as Python values,
+with ONNX's defaults filled in from ``onnx.defs`` for ai.onnx ops (so a lowering only names
+the attributes it reads and may take ``**_`` for the rest). ``ctx`` is a :class:`LowerCtx`.
+
+Register with the decorator::
+
+    @register("Relu", since=6)
+    def relu(ctx, x):
+        return jax.nn.relu(x)
+
+or, for a family, one table row per op (see ``elementwise.py``). Shapes and dtypes are never
+written by hand: they come from tracing the lowering (``jax.eval_shape``).
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+import onnx
+import onnx.defs
+
+from ..errors import UnsupportedOperatorError
+
+ONNX_DOMAIN = "ai.onnx"
+GRAPHCORE_DOMAIN = "ai.graphcore"
+ONNX_ML_DOMAIN = "ai.onnx.ml"
+
+
+def canonical_domain(domain: str) -> str:
+    return ONNX_DOMAIN if domain in ("", "ai.onnx", None) else domain
+
+
+class LowerCtx(Protocol):
+    """What a lowering may ask of the engine while it is traced."""
+
+    op_type: str          # e.g. "Conv"
+    domain: str
+    version: int          # opset version the model imports for this op's domain
+    name: str             # node name (for error messages)
+    num_outputs: int      # how many outputs the node declares
+    output_ids: list      # the node's output tensor ids
+    input_ids: list       # the node's input tensor ids ("" for omitted optional inputs)
+    training: bool        # True inside a TrainingSession's forward pass
+    replica_axis: Optional[str]   # vmap / shard_map axis name of replicas, or None
+    replication_factor: int
+    options: Any          # the session's SessionOptions (or None)
+
+    def rng(self) -> Any:
+        """A fresh jax PRNG key derived from the session seed (for random ops)."""
+
+    def static(self, x: Any, what: str) -> np.ndarray:
+        """``x`` as a NumPy array; raises a popart error naming ``what`` if ``x`` is only
+        known at run time (for inputs such as Reshape's shape that must be constant)."""
+
+    def assign(self, tensor_id: str, value: Any) -> None:
+        """Write ``value`` to variable ``tensor_id`` at the end of the step (training-mode
+        BatchNormalization running statistics, in-place variable updates). Ignored in
+        inference and for tensors that are not variables."""
+
+    def run_subgraph(self, graph: Any, inputs: list) -> list:
+        """Lower an IR subgraph (attribute of If / Loop / Scan / Call) on ``inputs``;
+        tensors of enclosing scopes are visible inside it. Returns its outputs."""
+
+    def error(self, msg: str) -> Exception:
+        """An UnsupportedOperatorError whose message names this node."""
+
+
+@dataclass
+class OpDef:
+    op_type: str
+    domain: str
+    since: int
+    lower: Callable[..., Any]
+    # Inputs whose values must be known at compile time (documentation and import checks).
+    static_inputs: tuple = ()
+    # True for ops that draw random numbers (never constant-folded).
+    random: bool = False
+
+
+_REGISTRY: dict[tuple[str, str], list[OpDef]] = {}
+
+
+def register(op_type: str, *, domain: str = ONNX_DOMAIN, since: int = 1,
+             static_inputs: tuple = (), random: bool = False) -> Callable:
+    """Decorator registering ``fn`` as the lowering of ``op_type`` from opset ``since`` on
+    (until the next registered version of the same op)."""
+    def deco(fn: Callable) -> Callable:
+        add(op_type, fn, domain=domain, since=since, static_inputs=static_inputs, random=random)
+        return fn
+    return deco
+
+
+def add(op_type: str, fn: Callable, *, domain: str = ONNX_DOMAIN, since: int = 1,
+        static_inputs: tuple = (), random: bool = False) -> None:
+    """Register ``fn`` (non-decorator form, for tables)."""
+    domain = canonical_domain(domain)
+    defs = _REGISTRY.setdefault((domain, op_type), [])
+    defs[:] = [d for d in defs if d.since != since]
+    bisect.insort(defs, OpDef(op_type, domain, since, fn, tuple(static_inputs), random),
+                  key=lambda d: d.since)
+
+
+def lookup(domain: str, op_type: str, version: int) -> OpDef:
+    """The lowering for ``op_type`` as of opset ``version`` of ``domain``."""
+    domain = canonical_domain(domain)
+    defs = _REGISTRY.get((domain, op_type))
+    if not defs:
+        raise UnsupportedOperatorError(
+            f"Operator {domain}::{op_type} is not supported by this runtime "
+            f"(requested at opset {version})")
+    usable = [d for d in defs if d.since <= version]
+    if not usable:
+        raise UnsupportedOperatorError(
+            f"Operator {domain}::{op_type} at opset {version} is not supported: "
+            f"the earliest supported version is {defs[0].since}")
+    return usable[-1]
+
+
+def is_registered(domain: str, op_type: str) -> bool:
+    return (canonical_domain(domain), op_type) in _REGISTRY
+
+
+def registered_ops() -> list[tuple[str, str, list[int]]]:
+    """(domain, op type, registered since-versions) for every op."""
+    return sorted((d, t, [o.since for o in defs]) for (d, t), defs in _REGISTRY.items())
+
+
+# ---------------------------------------------------------------------------------------
+# Attribute defaults from the ONNX schemas
+
+@functools.lru_cache(maxsize=None)
+def onnx_schema(op_type: str, version: int, domain: str = ONNX_DOMAIN) -> Optional[onnx.defs.OpSchema]:
+    d = "" if canonical_domain(domain) == ONNX_DOMAIN else domain
+    try:
+        return onnx.defs.get_schema(op_type, version, d)
+    except Exception:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def attribute_defaults(op_type: str, version: int, domain: str = ONNX_DOMAIN) -> dict:
+    """ONNX's default attribute values for ``op_type`` at opset ``version``."""
+    schema = onnx_schema(op_type, version, domain)
+    if schema is None:
+        return {}
+    out = {}
+    for name, attr in schema.attributes.items():
+        if attr.default_value is not None and attr.default_value.type != 0:
+            out[name] = decode_attr(onnx.helper.get_attribute_value(attr.default_value))
+    return out
+
+
+def decode_attr(value: Any) -> Any:
+    """ONNX attribute values as plain Python: bytes -> str, repeated -> list."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, (list, tuple)):
+        return [decode_attr(v) for v in value]
+    return value

@@ -1,0 +1,67 @@
+"""Sequence and Optional ops. A sequence is a Python list of arrays (its length is static);
+an empty optional is ``None``."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .registry import add, register
+from .shape import ints, np_type, _split
+
+
+def _pos(ctx, seq, pos, insert=False):
+    p = int(ctx.static(pos, "position").reshape(-1)[0])
+    n = len(seq) + (1 if insert else 0)
+    if not -n <= p < n:
+        raise ctx.error(f"position {p} is out of range for a sequence of length {len(seq)}")
+    return p % n
+
+
+add("SequenceConstruct", lambda ctx, *xs, **_: list(xs), since=11)
+add("SequenceEmpty", lambda ctx, dtype=None, **_: [], since=11)
+add("SequenceLength", lambda ctx, seq, **_: np.array(len(seq), np.int64), since=11)
+add("SequenceAt", lambda ctx, seq, pos, **_: seq[_pos(ctx, seq, pos)], since=11,
+    static_inputs=(1,))
+
+
+@register("SequenceErase", since=11, static_inputs=(1,))
+def sequence_erase(ctx, seq, pos=None, **_):
+    p = len(seq) - 1 if pos is None else _pos(ctx, seq, pos)
+    return seq[:p] + seq[p + 1:]
+
+
+@register("SequenceInsert", since=11, static_inputs=(2,))
+def sequence_insert(ctx, seq, x, pos=None, **_):
+    p = len(seq) if pos is None else _pos(ctx, seq, pos, insert=True)
+    return seq[:p] + [x] + seq[p:]
+
+
+@register("SplitToSequence", since=11, static_inputs=(1,))
+def split_to_sequence(ctx, x, split=None, axis=0, keepdims=1, **_):
+    ax = axis % x.ndim
+    if split is None:
+        parts = [jnp.take(x, i, axis=ax) for i in range(x.shape[ax])]
+        return parts if not keepdims else [jnp.expand_dims(p, ax) for p in parts]
+    s = ints(ctx, split, "split")
+    if np.ndim(ctx.static(split, "split")) == 0:
+        n = x.shape[ax]
+        s = [min(s[0], n - i) for i in range(0, n, s[0])]
+    return list(_split(ctx, x, s, ax))
+
+
+@register("ConcatFromSequence", since=11)
+def concat_from_sequence(ctx, seq, axis=0, new_axis=0, **_):
+    if not seq:
+        raise ctx.error("cannot concatenate an empty sequence")
+    return jnp.stack(seq, axis=axis) if new_axis else jnp.concatenate(seq, axis=axis)
+
+
+add("Optional", lambda ctx, x=None, type=None, **_: x, since=15)
+add("OptionalHasElement", lambda ctx, x=None, **_: np.array(x is not None), since=15)
+
+
+@register("OptionalGetElement", since=15)
+def optional_get_element(ctx, x=None, **_):
+    if x is None:
+        raise ctx.error("the optional is empty")
+    return x

@@ -1,0 +1,413 @@
+"""Shape, indexing, layout and type ops. Inputs that decide an output's shape (Reshape's
+shape, Slice's starts, Pad's pads, ...) must be compile-time constants: ``ctx.static``."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+from jax import lax
+
+from .math import saturate_cast
+from .registry import add, register
+
+I64 = np.int64
+
+
+def ints(ctx, x, what):
+    """A static input as a list of Python ints (None stays None)."""
+    return None if x is None else [int(v) for v in ctx.static(x, what).reshape(-1)]
+
+
+def np_type(ctx, onnx_type):
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(onnx_type)))
+    except Exception:
+        raise ctx.error(f"ONNX data type {onnx_type} is not supported") from None
+
+
+def _norm_axes(ctx, axes, rank):
+    if any(not -rank <= a < rank for a in axes):
+        raise ctx.error(f"axes {list(axes)} out of range for rank {rank}")
+    return [a % rank for a in axes]
+
+
+# ---------------------------------------------------------------------------------------
+# Reshaping
+
+def _reshape(ctx, x, shape, allowzero=0):
+    shape = list(shape)
+    if not allowzero:
+        shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+    if shape.count(-1) > 1:
+        raise ctx.error(f"shape {shape} has more than one -1")
+    if -1 in shape:
+        known = int(np.prod([d for d in shape if d != -1]))
+        shape[shape.index(-1)] = jnp.size(x) // known if known else 0
+    if int(np.prod(shape)) != jnp.size(x):
+        raise ctx.error(f"cannot reshape a tensor of shape {list(jnp.shape(x))} to {shape}")
+    return jnp.reshape(x, shape)
+
+
+add("Reshape", lambda ctx, x, shape=(), **_: _reshape(ctx, x, shape), since=1)
+add("Reshape", lambda ctx, x, shape, allowzero=0, **_:
+    _reshape(ctx, x, ints(ctx, shape, "shape"), allowzero), since=5, static_inputs=(1,))
+
+
+@register("Transpose")
+def transpose(ctx, x, perm=None, **_):
+    return jnp.transpose(x, perm)
+
+
+@register("Flatten")
+def flatten(ctx, x, axis=1, **_):
+    ax = axis % (x.ndim + 1) if axis < 0 else axis
+    return jnp.reshape(x, (int(np.prod(x.shape[:ax])), int(np.prod(x.shape[ax:]))))
+
+
+def _squeeze(ctx, x, axes):
+    if axes is None or len(axes) == 0:
+        return jnp.squeeze(x, [i for i, d in enumerate(x.shape) if d == 1])
+    axes = _norm_axes(ctx, axes, x.ndim)
+    if any(x.shape[a] != 1 for a in axes):
+        raise ctx.error(f"cannot squeeze axes {axes} of shape {list(x.shape)}: not all have size 1")
+    return jnp.squeeze(x, axes)
+
+
+def _unsqueeze(ctx, x, axes):
+    axes = sorted(_norm_axes(ctx, axes, jnp.ndim(x) + len(axes)))
+    return jnp.expand_dims(x, axes)
+
+
+add("Squeeze", lambda ctx, x, axes=None, **_: _squeeze(ctx, x, axes), since=1)
+add("Squeeze", lambda ctx, x, axes=None, **_: _squeeze(ctx, x, ints(ctx, axes, "axes")),
+    since=13, static_inputs=(1,))
+add("Unsqueeze", lambda ctx, x, axes=(), **_: _unsqueeze(ctx, x, axes), since=1)
+add("Unsqueeze", lambda ctx, x, axes, **_: _unsqueeze(ctx, x, ints(ctx, axes, "axes")),
+    since=13, static_inputs=(1,))
+
+
+@register("Concat")
+def concat(ctx, *xs, axis=1, **_):
+    return jnp.concatenate(xs, axis=axis)
+
+
+def _split(ctx, x, split, axis, num_outputs=None):
+    ax = axis % x.ndim
+    n, dim = num_outputs or ctx.num_outputs, x.shape[ax]
+    if split is None or len(split) == 0:
+        if num_outputs is not None:          # opset 18: last chunk may be smaller
+            size = -(-dim // n)
+            split = [min(size, dim - i * size) for i in range(n)]
+        elif dim % n:
+            raise ctx.error(f"cannot split axis {axis} of size {dim} into {n} equal parts")
+        else:
+            split = [dim // n] * n
+    if sum(split) != dim:
+        raise ctx.error(f"split {list(split)} does not add up to the size {dim} of axis {axis}")
+    return tuple(jnp.split(x, np.cumsum(split)[:-1].tolist(), axis=ax))
+
+
+add("Split", lambda ctx, x, split_in=None, split=None, axis=0, **_:
+    _split(ctx, x, ints(ctx, split_in, "split") if split_in is not None else split, axis), since=1)
+add("Split", lambda ctx, x, split=None, axis=0, **_: _split(ctx, x, split, axis), since=2)
+add("Split", lambda ctx, x, split=None, axis=0, **_:
+    _split(ctx, x, ints(ctx, split, "split"), axis), since=13, static_inputs=(1,))
+add("Split", lambda ctx, x, split=None, axis=0, num_outputs=None, **_:
+    _split(ctx, x, ints(ctx, split, "split"), axis, num_outputs), since=18, static_inputs=(1,))
+
+
+def _slice(ctx, x, starts, ends, axes=None, steps=None):
+    axes = list(range(len(starts))) if axes is None else _norm_axes(ctx, axes, x.ndim)
+    steps = [1] * len(starts) if steps is None else steps
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        raise ctx.error("starts, ends, axes and steps must have the same length")
+    idx = [slice(None)] * x.ndim
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        if st == 0:
+            raise ctx.error("slice step must not be 0")
+        idx[a] = slice(*slice(s, e, st).indices(x.shape[a]))
+        if idx[a].stop < 0:                   # negative step down to and including index 0
+            idx[a] = slice(idx[a].start, None, st)
+    return x[tuple(idx)]
+
+
+add("Slice", lambda ctx, x, starts=(), ends=(), axes=None, **_:
+    _slice(ctx, x, starts, ends, axes), since=1)
+add("Slice", lambda ctx, x, starts, ends, axes=None, steps=None, **_: _slice(
+    ctx, x, ints(ctx, starts, "starts"), ints(ctx, ends, "ends"), ints(ctx, axes, "axes"),
+    ints(ctx, steps, "steps")), since=10, static_inputs=(1, 2, 3, 4))
+
+
+@register("Expand", since=8, static_inputs=(1,))
+def expand(ctx, x, shape, **_):
+    shape = ints(ctx, shape, "shape")
+    try:
+        return jnp.broadcast_to(x, np.broadcast_shapes(jnp.shape(x), tuple(shape)))
+    except ValueError:
+        raise ctx.error(f"cannot expand shape {list(jnp.shape(x))} to {shape}") from None
+
+
+add("Tile", lambda ctx, x, tiles, axis, **_: jnp.tile(x, [int(ctx.static(tiles, "tiles")) if i == int(
+    ctx.static(axis, "axis")) else 1 for i in range(x.ndim)]), since=1, static_inputs=(1, 2))
+add("Tile", lambda ctx, x, repeats, **_: jnp.tile(x, ints(ctx, repeats, "repeats")),
+    since=6, static_inputs=(1,))
+
+
+def _pad(ctx, x, pads, mode="constant", value=0.0, axes=None):
+    r = x.ndim
+    axes = list(range(r)) if axes is None else _norm_axes(ctx, axes, r)
+    if len(pads) != 2 * len(axes):
+        raise ctx.error(f"pads has {len(pads)} values; expected {2 * len(axes)}")
+    width = [[0, 0] for _ in range(r)]
+    for i, a in enumerate(axes):
+        width[a] = [pads[i], pads[i + len(axes)]]
+    # Negative pads crop.
+    x = x[tuple(slice(max(-b, 0), x.shape[d] - max(-e, 0)) for d, (b, e) in enumerate(width))]
+    width = [(max(b, 0), max(e, 0)) for b, e in width]
+    if mode == "constant":
+        v = jnp.zeros((), x.dtype) if value is None else jnp.asarray(value).reshape(()).astype(x.dtype)
+        return lax.pad(x, v, [(b, e, 0) for b, e in width])
+    if mode not in ("reflect", "edge", "wrap"):
+        raise ctx.error(f"mode must be constant, reflect, edge or wrap; got {mode!r}")
+    return jnp.pad(x, width, mode=mode)
+
+
+add("Pad", lambda ctx, x, paddings=(), mode="constant", value=0.0, **_:
+    _pad(ctx, x, paddings, mode, value), since=1)
+add("Pad", lambda ctx, x, pads=(), mode="constant", value=0.0, **_:
+    _pad(ctx, x, pads, mode, value), since=2)
+add("Pad", lambda ctx, x, pads, constant_value=None, axes=None, mode="constant", **_:
+    _pad(ctx, x, ints(ctx, pads, "pads"), mode, constant_value, ints(ctx, axes, "axes")),
+    since=11, static_inputs=(1, 3))
+
+
+@register("DepthToSpace")
+def depth_to_space(ctx, x, blocksize=1, mode="DCR", **_):
+    b, ch, h, w = x.shape
+    bs = blocksize
+    if mode == "DCR":
+        y = x.reshape(b, bs, bs, ch // bs ** 2, h, w).transpose(0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        y = x.reshape(b, ch // bs ** 2, bs, bs, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:
+        raise ctx.error(f"mode must be DCR or CRD, got {mode!r}")
+    return y.reshape(b, ch // bs ** 2, h * bs, w * bs)
+
+
+@register("SpaceToDepth")
+def space_to_depth(ctx, x, blocksize=1, **_):
+    b, ch, h, w = x.shape
+    bs = blocksize
+    y = x.reshape(b, ch, h // bs, bs, w // bs, bs).transpose(0, 3, 5, 1, 2, 4)
+    return y.reshape(b, ch * bs * bs, h // bs, w // bs)
+
+
+@register("CenterCropPad", since=18, static_inputs=(1,))
+def center_crop_pad(ctx, x, shape, axes=None, **_):
+    shape = ints(ctx, shape, "shape")
+    axes = _norm_axes(ctx, axes if axes is not None else range(x.ndim), x.ndim)
+    for a, t in zip(axes, shape):
+        d = x.shape[a]
+        if t < d:
+            x = lax.slice_in_dim(x, (d - t) // 2, (d - t) // 2 + t, axis=a)
+        elif t > d:
+            cfg = [(0, 0, 0)] * x.ndim
+            cfg[a] = ((t - d) // 2, t - d - (t - d) // 2, 0)
+            x = lax.pad(x, jnp.zeros((), x.dtype), cfg)
+    return x
+
+
+# ---------------------------------------------------------------------------------------
+# Indexing
+
+def _wrap(idx, n):
+    idx = jnp.asarray(idx)
+    return jnp.where(idx < 0, idx + n, idx)
+
+
+@register("Gather")
+def gather(ctx, x, idx, axis=0, **_):
+    ax = axis % x.ndim
+    return jnp.take(x, _wrap(idx, x.shape[ax]), axis=ax, mode="clip")
+
+
+@register("GatherElements", since=11)
+def gather_elements(ctx, x, idx, axis=0, **_):
+    ax = axis % x.ndim
+    idx = jnp.asarray(idx)
+    x = x[tuple(slice(None) if d == ax else slice(0, idx.shape[d]) for d in range(x.ndim))]
+    return jnp.take_along_axis(x, _wrap(idx, x.shape[ax]), axis=ax, mode="clip")
+
+
+@register("GatherND", since=11)
+def gather_nd(ctx, x, idx, batch_dims=0, **_):
+    idx = jnp.asarray(idx)
+    m = idx.shape[-1]
+
+    def g(d, i):
+        i = _wrap(i, jnp.asarray(d.shape[:m]))
+        return d[tuple(i[..., j] for j in range(m))]
+    for _ in range(batch_dims):
+        g = jax.vmap(g)
+    return g(x, idx)
+
+
+_SCATTER = {"none": "set", "add": "add", "mul": "multiply", "max": "max", "min": "min"}
+
+
+def _scatter_at(ctx, x, coords, updates, reduction):
+    if reduction not in _SCATTER:
+        raise ctx.error(f"reduction must be one of {list(_SCATTER)}, got {reduction!r}")
+    return getattr(x.at[coords], _SCATTER[reduction])(updates, mode="drop")
+
+
+def scatter_elements(ctx, x, idx, updates, axis=0, reduction="none", **_):
+    ax = axis % x.ndim
+    idx = jnp.asarray(idx)
+    grid = list(jnp.indices(idx.shape, sparse=True))
+    grid[ax] = _wrap(idx, x.shape[ax])
+    return _scatter_at(ctx, x, tuple(grid), updates, reduction)
+
+
+add("Scatter", scatter_elements, since=9)
+add("ScatterElements", scatter_elements, since=11)
+
+
+@register("ScatterND", since=11)
+def scatter_nd(ctx, x, idx, updates, reduction="none", **_):
+    idx = jnp.asarray(idx)
+    m = idx.shape[-1]
+    idx = _wrap(idx, jnp.asarray(x.shape[:m]))
+    return _scatter_at(ctx, x, tuple(idx[..., j] for j in range(m)), updates, reduction)
+
+
+@register("TensorScatter", since=24)
+def tensor_scatter(ctx, past, update, write_indices=None, mode="linear", axis=-2, **_):
+    """Write ``update`` into the cache ``past`` at per-batch offsets along ``axis``."""
+    ax = axis % past.ndim
+    n, s = past.shape[ax], update.shape[ax]
+    wi = jnp.zeros((past.shape[0],), I64) if write_indices is None else jnp.asarray(write_indices)
+    pos = wi[:, None] + jnp.arange(s)[None, :]                       # [batch, s]
+    if mode == "circular":
+        pos = pos % n
+    elif mode != "linear":
+        raise ctx.error(f"mode must be 'linear' or 'circular', got {mode!r}")
+    shape = [1] * past.ndim
+    shape[0], shape[ax] = past.shape[0], s
+    grid = list(jnp.indices(update.shape, sparse=True))
+    grid[ax] = pos.reshape(shape)
+    return past.at[tuple(grid)].set(update, mode="drop")
+
+
+@register("Compress", since=9, static_inputs=(1,))
+def compress(ctx, x, cond, axis=None, **_):
+    keep = np.nonzero(ctx.static(cond, "condition (Compress has a data-dependent output shape)"))[0]
+    if axis is None:
+        return jnp.take(jnp.reshape(x, -1), keep)
+    return jnp.take(x, keep, axis=axis % x.ndim)
+
+
+@register("ReverseSequence", since=10)
+def reverse_sequence(ctx, x, lens, batch_axis=1, time_axis=0, **_):
+    t = jnp.arange(x.shape[time_axis]).reshape([-1 if d == time_axis else 1 for d in range(x.ndim)])
+    n = jnp.asarray(lens).reshape([-1 if d == batch_axis else 1 for d in range(x.ndim)])
+    src = jnp.where(t < n, n - 1 - t, t)
+    return jnp.take_along_axis(x, jnp.broadcast_to(src, x.shape), axis=time_axis)
+
+
+@register("OneHot", since=9, static_inputs=(1,))
+def one_hot(ctx, idx, depth, values, axis=-1, **_):
+    d = int(ctx.static(depth, "depth").reshape(-1)[0])
+    idx = jnp.asarray(idx).astype(I64)
+    idx = jnp.where(idx < 0, idx + d, idx)
+    hot = jnp.expand_dims(idx, -1) == jnp.arange(d)
+    y = jnp.where(hot, values[1], values[0])
+    return jnp.moveaxis(y, -1, axis % y.ndim)
+
+
+@register("NonZero", since=9)
+def nonzero(ctx, x, **_):
+    x = ctx.static(x, "the input of NonZero (its output shape depends on the data; "
+                      "data-dependent shapes are unsupported)")
+    return np.array(np.nonzero(x), dtype=I64).reshape(x.ndim, -1)
+
+
+@register("Unique", since=11)
+def unique(ctx, x, sorted=1, axis=None, **_):
+    x = ctx.static(x, "the input of Unique (its output shape depends on the data; "
+                      "data-dependent shapes are unsupported)")
+    y, first, inv, counts = np.unique(x, return_index=True, return_inverse=True,
+                                      return_counts=True, axis=axis)
+    if not sorted:
+        order = np.argsort(first, kind="stable")
+        y = np.take(y, order, axis=0 if axis is None else axis)
+        first, counts = first[order], counts[order]
+        inv = np.argsort(order)[inv]
+    return y, first.astype(I64), inv.reshape(-1).astype(I64), counts.astype(I64)
+
+
+# ---------------------------------------------------------------------------------------
+# Constants, shapes, types
+
+@register("Shape")
+def shape(ctx, x, start=0, end=None, **_):
+    return np.array(jnp.shape(x)[slice(start, end)], dtype=I64)
+
+
+@register("Size")
+def size(ctx, x, **_):
+    return np.array(jnp.size(x), dtype=I64)
+
+
+_CONST_ATTRS = {"value_float": np.float32, "value_floats": np.float32, "value_int": I64,
+                "value_ints": I64, "value_string": object, "value_strings": object}
+
+
+@register("Constant")
+def constant(ctx, value=None, **attrs):
+    if value is not None:
+        return np.asarray(value)
+    given = {k: v for k, v in attrs.items() if k in _CONST_ATTRS and v is not None}
+    if "sparse_value" in attrs or len(given) != 1:
+        raise ctx.error("Constant needs exactly one of value, value_float(s), value_int(s), "
+                        "value_string(s) (sparse_value is unsupported)")
+    (k, v), = given.items()
+    return np.array(v, dtype=_CONST_ATTRS[k])
+
+
+@register("ConstantOfShape", since=9, static_inputs=(0,))
+def constant_of_shape(ctx, shape, value=None, **_):
+    v = np.zeros((1,), np.float32) if value is None else np.asarray(value)
+    return np.full(ints(ctx, shape, "shape"), v.reshape(-1)[0], dtype=v.dtype)
+
+
+def cast_to(ctx, x, dt, saturate=1):
+    if dt == np.object_ or jnp.result_type(x) == np.object_:
+        if isinstance(x, np.ndarray):
+            return x.astype(dt if dt != np.object_ else str).astype(dt)
+        raise ctx.error("string tensors are only supported as compile-time constants")
+    if dt == np.bool_:
+        return x != 0
+    if dt.name.startswith("float8") or dt.name.startswith("float4"):
+        return saturate_cast(jnp.asarray(x).astype(jnp.float32) if jnp.result_type(x) != jnp.float64
+                             else x, dt, saturate)
+    return jnp.asarray(x).astype(dt)
+
+
+add("Cast", lambda ctx, x, to=None, saturate=1, **_: cast_to(ctx, x, np_type(ctx, to), saturate))
+add("CastLike", lambda ctx, x, like, saturate=1, **_:
+    cast_to(ctx, x, np.dtype(jnp.result_type(like)), saturate), since=15)
+
+
+@register("EyeLike", since=9)
+def eye_like(ctx, x, dtype=None, k=0, **_):
+    dt = np_type(ctx, dtype) if dtype is not None else jnp.result_type(x)
+    return jnp.eye(x.shape[0], x.shape[1], k, dtype=dt)
+
+
+@register("Range", since=11, static_inputs=(0, 1, 2))
+def range_(ctx, start, limit, delta, **_):
+    s, l, d = (ctx.static(v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
+    n = max(int(np.ceil((float(l) - float(s)) / float(d))), 0)
+    return (np.arange(n).astype(s.dtype) * d + s).astype(s.dtype)

@@ -1,0 +1,557 @@
+"""PopART's optimizers (API reference 13.4) and their weight updates in pure jax.numpy.
+
+Every hyper-parameter is an :class:`OptimizerValue` ``(val, isConst)``. Const values are baked
+into the compiled program as Python floats; non-const ones are runtime inputs (see
+:meth:`Optimizer.non_const_feed`), so ``updateOptimizerFromHost`` needs no recompilation.
+
+``apply`` receives the gradient of ``loss * ls``; it first divides by ``ls`` and clips each
+:class:`ClipNormSettings` group by ``min(1, maxNorm / ||g_group||)`` (global L2 norm of the
+unscaled gradients). Then, with ``g`` that gradient, ``w`` the weight:
+
+=====================  ==================================================================
+SGD                    ``v' = mm*v + (1-dm)*(g + wd*w)``  (``v`` starts at 0; stored as
+                       ``vs*v``; no state when momentum is const 0, i.e. ``v = 0``)
+                       nesterov: ``w' = w - lr*(g + wd*w + mm*v')`` else ``w' = w - lr*v'``
+Adam (all modes)       ``gt = g`` (Decay) or ``g + wd*w`` (L2Regularization)
+                       ``m' = b1*m + (1-b1)*gt``;  ``t' = t + 1``
+                       ``v' = b2*v + (1-b2)*gt^2``; AdaMax: ``v' = max(b2*v, |gt|)``
+                       ``mh = m'/(1-b1^t')`` (Adam/Lamb/AdaMax) else ``m'`` (NoBias)
+                       ``vh = v'/(1-b2^t')`` (Adam/Lamb) else ``v'`` (NoBias, AdaMax)
+                       ``u = mh/(sqrt(vh) + eps)``; AdaMax: ``u = mh/(vh + eps)``
+                       ``u += wd*w`` (Decay only)
+                       Lamb/LambNoBias: ``u *= min(||w||, mwn) / ||u||`` (1 if either is 0)
+                       ``w' = w - lr*u``
+Adaptive (all modes)   ``gt`` as for Adam
+                       AdaGrad: ``v1' = v1 + gt^2``; others: ``v1' = a*v1 + (1-a)*gt^2``
+                       CenteredRMSProp: ``v2' = a*v2 + (1-a)*gt``, ``d = v1' - v2'^2``, else
+                       ``d = v1'``; ``x = gt/(sqrt(d) + eps)`` (TF variant: ``gt/sqrt(d+eps)``)
+                       AdaDelta: ``x = gt*sqrt(v2+eps)/sqrt(v1'+eps)``, ``v2' = a*v2 + (1-a)*x^2``
+                       momentum (state ``v3`` when ``m`` is non-const or > 0):
+                       ``v3' = m*v3 + x``, ``w' = w - lr*(v3' + wd*w)`` (``wd`` only for Decay);
+                       TF variant: ``v3' = m*v3 + lr*x``, ``w' = w*(1-wd) - v3'``
+                       no momentum: ``w' = w - lr*(x + wd*w)``; TF variant starts ``v1`` at 1
+=====================  ==================================================================
+
+Two places follow PopART's implementation where the reference's prose differs:
+AdaMax divides by ``vh + eps`` with no sqrt and no bias correction of ``v`` (PopART's
+AdamUpdater, as in Kingma & Ba); and Adam's ``scaled_optimizer_state`` keeps ``m`` and ``v``
+scaled by ``ls`` and ``ls^2`` (AdaMax: ``ls``), with ``eps`` scaled by ``ls``, which leaves the
+update unchanged.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import OptimizerError
+from .tensorinfo import DataType, np_dtype, to_datatype
+
+try:
+    from .options import AdamMode, AdaptiveMode, SGDAccumulatorAndMomentum, WeightDecayMode
+except ImportError:  # options.py does not define them (yet): identical stand-ins
+    import enum
+
+    class WeightDecayMode(enum.IntEnum):
+        Decay = 0
+        L2Regularization = 1
+
+    class AdamMode(enum.IntEnum):
+        Adam = 0
+        AdamNoBias = 1
+        Lamb = 2
+        LambNoBias = 3
+        AdaMax = 4
+
+    class AdaptiveMode(enum.IntEnum):
+        AdaGrad = 0
+        RMSProp = 1
+        CenteredRMSProp = 2
+        AdaDelta = 3
+
+    class SGDAccumulatorAndMomentum(enum.IntEnum):
+        Combined = 0
+        Separate = 1
+
+__all__ = ["OptimizerValue", "OptimizerValueMap", "ClipNormSettings", "Optimizer", "SGD",
+           "ConstSGD", "Adam", "Adaptive", "WeightDecayMode", "AdamMode", "AdaptiveMode",
+           "SGDAccumulatorAndMomentum"]
+
+Array = Any  # jax.Array or np.ndarray
+
+
+class OptimizerValue:
+    """A hyper-parameter value and whether it is constant for the session's lifetime."""
+
+    def __init__(self, val: "float | tuple[float, bool] | OptimizerValue" = 0.0,
+                 isConst: bool = True) -> None:
+        if isinstance(val, OptimizerValue):
+            val, isConst = val.val(), val.isConst()
+        elif isinstance(val, (tuple, list)):
+            if len(val) != 2:
+                raise OptimizerError(f"OptimizerValue expects a (value, isConst) pair, got {val!r}")
+            val, isConst = val
+        try:
+            self._val = float(val)
+        except (TypeError, ValueError):
+            raise OptimizerError(f"OptimizerValue expects a float value, got {val!r}") from None
+        self._const = bool(isConst)
+
+    def val(self) -> float:
+        return self._val
+
+    def isConst(self) -> bool:
+        return self._const
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, OptimizerValue)
+                and (self._val, self._const) == (other._val, other._const))
+
+    def __hash__(self) -> int:
+        return hash((self._val, self._const))
+
+    def __repr__(self) -> str:
+        return f"OptimizerValue({self._val}, isConst={self._const})"
+
+
+class OptimizerValueMap:
+    """A default OptimizerValue plus weight-specific overrides."""
+
+    def __init__(self, default: OptimizerValue) -> None:
+        self._default = default
+        self._specifics: dict[str, OptimizerValue] = {}
+
+    def getDefault(self) -> OptimizerValue:
+        return self._default
+
+    def get(self, weightId: str) -> OptimizerValue:
+        return self._specifics.get(weightId, self._default)
+
+    __getitem__ = get
+
+    def hasSpecific(self, weightId: str | None = None) -> bool:
+        return bool(self._specifics) if weightId is None else weightId in self._specifics
+
+    def insertSpecific(self, weightId: str, value: OptimizerValue) -> None:
+        self._specifics[weightId] = value
+
+    def keys(self) -> list[str]:
+        """Ids of the weights with specific values."""
+        return list(self._specifics)
+
+    def getSpecifics(self) -> dict[str, OptimizerValue]:
+        return dict(self._specifics)
+
+
+class ClipNormSettings:
+    """Clip a group's gradients so that their global L2 norm is at most ``maxNorm``."""
+
+    def __init__(self, weightIds: Iterable[str] | None, maxNorm: float) -> None:
+        self.weightIds = None if weightIds is None else list(weightIds)  # None: all weights
+        self.maxNorm = float(maxNorm)
+        if self.maxNorm <= 0:
+            raise OptimizerError(f"ClipNormSettings: maxNorm must be > 0, got {maxNorm}")
+
+    @staticmethod
+    def clipAllWeights(maxNorm: float) -> "ClipNormSettings":
+        return ClipNormSettings(None, maxNorm)
+
+    @staticmethod
+    def clipWeights(weightIds: list[str], maxNorm: float) -> "ClipNormSettings":
+        return ClipNormSettings(weightIds, maxNorm)
+
+    def getWeightIds(self) -> list[str]:
+        return list(self.weightIds or [])
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, ClipNormSettings)
+                and (self.weightIds, self.maxNorm) == (other.weightIds, other.maxNorm))
+
+    def __repr__(self) -> str:
+        which = "all weights" if self.weightIds is None else self.weightIds
+        return f"ClipNormSettings({which}, maxNorm={self.maxNorm})"
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()
+
+
+def _dtype(t: Any, weight_dtype: Any) -> np.dtype:
+    """NumPy dtype of an accumulator DataType; UNDEFINED / None means the weight's dtype."""
+    if t is None or to_datatype(t) == DataType.UNDEFINED:
+        return np.dtype(weight_dtype)
+    return np_dtype(t)
+
+
+def _getter(name: str):
+    def get(self: "Optimizer") -> OptimizerValueMap:
+        return self._maps[name]
+    get.__doc__ = f"The {name} values (default and weight-specific)."
+    return get
+
+
+class Optimizer:
+    """Base of PopART's optimizers: hyper-parameter maps, loss scaling, clip norms and the
+    engine-facing interface (``non_const_feed``, ``check_compatible``, ``init_state``, ``apply``).
+    """
+
+    _UNSET: dict[str, float] = {}          # per-weight hyper-parameter -> PopART's default
+    _KEY_ALIASES: dict[str, str] = {}      # extra constructor keys -> hyper-parameter
+
+    def __init__(self, values: Mapping[str, Any] | float | None,
+                 clip_norm_settings: Iterable[ClipNormSettings] = (),
+                 **kwargs: Any) -> None:
+        self._maps = {n: OptimizerValueMap(OptimizerValue(v)) for n, v in self._UNSET.items()}
+        self._ls = OptimizerValue(1.0)
+        self.clip_norm_settings = list(clip_norm_settings)
+        if values is None:
+            values = {}
+        elif not isinstance(values, Mapping):  # popart.SGD(stepLr): a changeable learning rate
+            values = {"defaultLearningRate": (values, False)}
+        keys = {"default" + n[0].upper() + n[1:]: n for n in self._UNSET}
+        keys.update(self._KEY_ALIASES, lossScaling="lossScaling")
+        snake = {_snake(n): k for k, n in keys.items()}
+        given = dict(values)
+        for k, v in kwargs.items():
+            given[snake.get(k, k)] = v
+        for key, v in given.items():
+            if key not in keys:
+                raise OptimizerError(f"{self.type_name()}: unknown hyper-parameter key '{key}'; "
+                                     f"valid keys are {sorted(keys)}")
+            ov = self._value(keys[key], v)
+            if keys[key] == "lossScaling":
+                self._ls = ov
+            else:
+                self._maps[keys[key]] = OptimizerValueMap(ov)
+
+    # ---------------------------------------------------------------- PopART's Python API
+    def _value(self, name: str, v: Any) -> OptimizerValue:
+        ov = OptimizerValue(v)
+        x = ov.val()
+        positive = name in ("eps", "velocityScaling", "lossScaling")
+        if x < 0 or (positive and x == 0) or (name == "learningRate" and x == 0 and ov.isConst()):
+            need = "> 0" if positive or name == "learningRate" else ">= 0"
+            raise OptimizerError(f"{self.type_name()}: {name} must be {need}, got {ov}")
+        return ov
+
+    def insertSpecific(self, weightId: str, values: Mapping[str, Any]) -> None:
+        """Give weight ``weightId`` its own values, e.g. ``{"learningRate": (0.01, False)}``;
+        hyper-parameters not named take the current defaults."""
+        for key in values:
+            if key not in self._maps:
+                raise OptimizerError(f"{self.type_name()}.insertSpecific('{weightId}'): unknown "
+                                     f"key '{key}'; valid keys are {list(self._maps)}")
+        for name, m in self._maps.items():
+            v = values.get(name, m.getDefault())
+            m.insertSpecific(weightId, self._value(name, v))
+
+    def getLossScalingVal(self) -> float:
+        return self._ls.val()
+
+    def lossScaling(self) -> OptimizerValue:
+        return self._ls
+
+    # ------------------------------------------------------------- engine-facing interface
+    def type_name(self) -> str:
+        return type(self).__name__
+
+    def hyper_names(self) -> list[str]:
+        return list(self._UNSET)
+
+    def hyper_value(self, weight_id: str, name: str) -> OptimizerValue:
+        return self._maps[name].get(weight_id)
+
+    def loss_scaling(self) -> OptimizerValue:
+        return self._ls
+
+    def settings(self) -> dict[str, Any]:
+        """Structural settings; a replacement optimizer must have the same."""
+        return {"clip_norm_settings": self.clip_norm_settings}
+
+    def non_const_feed(self, weight_ids: Iterable[str]) -> dict[str, np.float32]:
+        """Runtime values of every non-const hyper-parameter, keyed ``"<name>/<weight_id>"``
+        (and ``"lossScaling"``)."""
+        feed = {f"{n}/{w}": np.float32(self.hyper_value(w, n).val())
+                for w in weight_ids for n in self.hyper_names()
+                if not self.hyper_value(w, n).isConst()}
+        if not self._ls.isConst():
+            feed["lossScaling"] = np.float32(self._ls.val())
+        return feed
+
+    def check_compatible(self, new: "Optimizer", weight_ids: Iterable[str]) -> None:
+        """Raise OptimizerError unless ``new`` may replace ``self`` in a compiled session."""
+        where = "updateOptimizerFromHost"
+        if new.type_name() != self.type_name():
+            raise OptimizerError(f"{where}: the session was compiled with a {self.type_name()} "
+                                 f"optimizer, got a {new.type_name()} optimizer")
+        mine, theirs = self.settings(), new.settings()
+        for k in mine:
+            if mine[k] != theirs[k]:
+                raise OptimizerError(f"{where}: {self.type_name()} setting '{k}' cannot change "
+                                     f"after compilation: was {mine[k]!r}, got {theirs[k]!r}")
+        pairs = [("lossScaling", "", self._ls, new._ls)]
+        pairs += [(n, w, self.hyper_value(w, n), new.hyper_value(w, n))
+                  for w in weight_ids for n in self.hyper_names()]
+        for name, w, old, nv in pairs:
+            what = f"{self.type_name()} {name}" + (f" of weight '{w}'" if w else "")
+            if old.isConst() != nv.isConst():
+                raise OptimizerError(f"{where}: {what} was compiled with isConst="
+                                     f"{old.isConst()}, got isConst={nv.isConst()}")
+            if old.isConst() and old.val() != nv.val():
+                raise OptimizerError(f"{where}: {what} is const ({old.val()}) and cannot "
+                                     f"change; got {nv.val()}")
+
+    def accum_dtype(self, weight_dtype: Any) -> np.dtype:
+        """dtype of the gradient accumulator (``Accum___``) of a weight of ``weight_dtype``."""
+        return _dtype(getattr(self, "accum_type", None), weight_dtype)
+
+    def init_state(self, weight_id: str, w: np.ndarray) -> dict[str, np.ndarray]:
+        """Initial optimizer state of one weight, keyed by PopART's reserved names."""
+        return {p + weight_id: np.full(() if p == "Step___" else np.shape(w), fill, dtype)
+                for p, (dtype, fill) in self._state_spec(weight_id, w).items()}
+
+    def apply(self, weights: Mapping[str, Array], grads: Mapping[str, Array],
+              state: Mapping[str, Array], hyper: Mapping[str, Array]
+              ) -> tuple[dict[str, Array], dict[str, Array]]:
+        """One update of ``weights`` from the loss-scaled ``grads``; returns (weights, state).
+
+        ``hyper`` holds the non-const values keyed as in :meth:`non_const_feed`."""
+        def value(ov: OptimizerValue, key: str) -> Any:
+            if ov.isConst():
+                return ov.val()
+            if key not in hyper:
+                raise OptimizerError(f"{self.type_name()}.apply: no runtime value for the "
+                                     f"non-const hyper-parameter '{key}'")
+            return jnp.asarray(hyper[key], jnp.float32)
+
+        ls = value(self._ls, "lossScaling")
+        g = {k: jnp.asarray(grads[k], jnp.result_type(grads[k], jnp.float32)) / ls
+             for k in weights}
+        for c in self.clip_norm_settings:
+            ids = list(weights) if c.weightIds is None else c.weightIds
+            missing = [i for i in ids if i not in g]
+            if missing:
+                raise OptimizerError(f"ClipNormSettings: weights {missing} are not trainable "
+                                     f"weights of the model (have {sorted(weights)})")
+            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g[i])) for i in ids))
+            factor = c.maxNorm / jnp.maximum(norm, c.maxNorm)
+            g.update({i: g[i] * factor for i in ids})
+        new_w, new_s = {}, {}
+        for wid, w in weights.items():
+            h = {n: value(self.hyper_value(wid, n), f"{n}/{wid}") for n in self.hyper_names()}
+            spec = self._state_spec(wid, w)
+            s = {p: jnp.asarray(state[p + wid], g[wid].dtype) for p in spec}
+            w2, s2 = self._update(jnp.asarray(w, g[wid].dtype), g[wid], s, h, ls)
+            new_w[wid] = w2.astype(jnp.asarray(w).dtype)
+            new_s.update({p + wid: s2[p].astype(spec[p][0]) for p in spec})
+        return new_w, new_s
+
+    # ------------------------------------------------------------- implemented per optimizer
+    def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
+        """State tensor prefix -> (dtype, initial value) for one weight."""
+        raise NotImplementedError
+
+    def _update(self, w: Array, g: Array, s: dict[str, Array], h: dict[str, Any],
+                ls: Any) -> tuple[Array, dict[str, Array]]:
+        """New weight and state from the unscaled, clipped gradient ``g``."""
+        raise NotImplementedError
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, dampening, nesterov and velocity scaling.
+
+    ``SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, True)})``,
+    ``SGD(0.05)`` (a non-const learning rate) or ``SGD(learning_rate=0.05)``."""
+
+    _UNSET = {"learningRate": 0.1, "weightDecay": 0.0, "momentum": 0.0, "dampening": 0.0,
+              "velocityScaling": 1.0, "nesterov": 0.0}
+    _KEY_ALIASES = {"nesterov": "nesterov"}
+
+    learningRates = _getter("learningRate")
+    weightDecays = _getter("weightDecay")
+    momentums = _getter("momentum")
+    dampenings = _getter("dampening")
+    velocityScalings = _getter("velocityScaling")
+    nesterov = _getter("nesterov")
+
+    def __init__(self, values: Mapping[str, Any] | float | None = None,
+                 clip_norm_settings: Iterable[ClipNormSettings] = (),
+                 accumulatorAndMomentum: SGDAccumulatorAndMomentum =
+                 SGDAccumulatorAndMomentum.Combined,
+                 accumType: Any = DataType.UNDEFINED, accl1Type: Any = DataType.UNDEFINED,
+                 **hyper: Any) -> None:
+        super().__init__(values, clip_norm_settings, **hyper)
+        self.accumulatorAndMomentum = SGDAccumulatorAndMomentum(accumulatorAndMomentum)
+        self.accum_type, self.accl1_type = to_datatype(accumType), to_datatype(accl1Type)
+
+    def type_name(self) -> str:
+        return "SGD"
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "accumulatorAndMomentum": self.accumulatorAndMomentum,
+                "accumType": self.accum_type, "accl1Type": self.accl1_type}
+
+    def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
+        mm = self.hyper_value(weight_id, "momentum")
+        has_momentum = not mm.isConst() or mm.val() != 0.0
+        return {"Accl___": (_dtype(self.accl1_type, w.dtype), 0.0)} if has_momentum else {}
+
+    def _update(self, w, g, s, h, ls):
+        mm, dm, wd, lr, vs = (h[k] for k in ("momentum", "dampening", "weightDecay",
+                                             "learningRate", "velocityScaling"))
+        # The stored velocity is vs * v (PopART's velocity scaling): V' = mm*V + vs*(1-dm)*(g+wd*w).
+        vel = mm * s.get("Accl___", 0.0) + vs * (1 - dm) * (g + wd * w)
+        step = jnp.where(h["nesterov"] != 0, g + wd * w + mm * vel / vs, vel / vs)
+        return w - lr * step, ({"Accl___": vel} if "Accl___" in s else {})
+
+
+class ConstSGD(SGD):
+    """SGD with a constant learning rate, weight decay and loss scaling."""
+
+    def __init__(self, learning_rate: float, weight_decay: float = 0.0,
+                 loss_scaling: float = 1.0,
+                 clip_norm_settings: Iterable[ClipNormSettings] = ()) -> None:
+        super().__init__({"defaultLearningRate": (learning_rate, True),
+                          "defaultWeightDecay": (weight_decay, True),
+                          "lossScaling": (loss_scaling, True)}, clip_norm_settings)
+
+
+class Adam(Optimizer):
+    """Adam, AdamW, AdamNoBias, Lamb, LambNoBias and AdaMax (see the module's table)."""
+
+    _UNSET = {"learningRate": 0.1, "weightDecay": 0.0, "beta1": 0.9, "beta2": 0.999,
+              "eps": 1e-6, "maxWeightNorm": 10.0}
+    _KEY_ALIASES = {"maxWeightNorm": "maxWeightNorm"}
+
+    learningRates = _getter("learningRate")
+    weightDecays = _getter("weightDecay")
+    beta1s = _getter("beta1")
+    beta2s = _getter("beta2")
+    epss = _getter("eps")
+    maxWeightNorms = _getter("maxWeightNorm")
+
+    def __init__(self, values: Mapping[str, Any] | float | None = None,
+                 mode: AdamMode = AdamMode.Adam,
+                 weight_decay_mode: WeightDecayMode = WeightDecayMode.Decay,
+                 accum_type: Any = DataType.UNDEFINED, accl1_type: Any = DataType.FLOAT,
+                 accl2_type: Any = DataType.FLOAT,
+                 clip_norm_settings: Iterable[ClipNormSettings] = (),
+                 scaled_optimizer_state: bool = False, **hyper: Any) -> None:
+        super().__init__(values, clip_norm_settings, **hyper)
+        self.mode, self.weight_decay_mode = AdamMode(mode), WeightDecayMode(weight_decay_mode)
+        self.accum_type, self.accl1_type, self.accl2_type = (
+            to_datatype(accum_type), to_datatype(accl1_type), to_datatype(accl2_type))
+        self.scaled_optimizer_state = bool(scaled_optimizer_state)
+
+    def type_name(self) -> str:
+        return "Adam"
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "mode": self.mode,
+                "weight_decay_mode": self.weight_decay_mode, "accum_type": self.accum_type,
+                "accl1_type": self.accl1_type, "accl2_type": self.accl2_type,
+                "scaled_optimizer_state": self.scaled_optimizer_state}
+
+    def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
+        return {"Accl1___": (_dtype(self.accl1_type, w.dtype), 0.0),
+                "Accl2___": (_dtype(self.accl2_type, w.dtype), 0.0),
+                "Step___": (np.dtype(np.float32), 0.0)}
+
+    def _update(self, w, g, s, h, ls):
+        M = AdamMode
+        b1, b2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weightDecay"]
+        sc = ls if self.scaled_optimizer_state else 1.0   # state kept scaled by ls (and ls^2)
+        l2 = self.weight_decay_mode == WeightDecayMode.L2Regularization
+        gt = sc * (g + wd * w) if l2 else sc * g
+        m = b1 * s["Accl1___"] + (1 - b1) * gt
+        if self.mode == M.AdaMax:
+            v = jnp.maximum(b2 * s["Accl2___"], jnp.abs(gt))
+        else:
+            v = b2 * s["Accl2___"] + (1 - b2) * jnp.square(gt)
+        t = s["Step___"] + 1
+        mh = m / (1 - b1 ** t) if self.mode in (M.Adam, M.Lamb, M.AdaMax) else m
+        vh = v / (1 - b2 ** t) if self.mode in (M.Adam, M.Lamb) else v
+        u = mh / ((vh if self.mode == M.AdaMax else jnp.sqrt(vh)) + eps * sc)
+        if not l2:
+            u = u + wd * w
+        if self.mode in (M.Lamb, M.LambNoBias):
+            r1 = jnp.minimum(jnp.sqrt(jnp.sum(jnp.square(w))), h["maxWeightNorm"])
+            r2 = jnp.sqrt(jnp.sum(jnp.square(u)))
+            ok = (r1 > 0) & (r2 > 0)
+            u = u * jnp.where(ok, r1 / jnp.where(ok, r2, 1.0), 1.0)
+        return w - h["learningRate"] * u, {"Accl1___": m, "Accl2___": v, "Step___": t}
+
+
+class Adaptive(Optimizer):
+    """AdaGrad, RMSProp, CenteredRMSProp and AdaDelta (see the module's table)."""
+
+    _UNSET = {"learningRate": 0.01, "weightDecay": 0.0, "alpha": 0.99, "momentum": 0.0,
+              "eps": 1e-6}
+
+    learningRates = _getter("learningRate")
+    weightDecays = _getter("weightDecay")
+    alphas = _getter("alpha")
+    momentums = _getter("momentum")
+    epss = _getter("eps")
+
+    def __init__(self, values: Mapping[str, Any] | float | None = None,
+                 mode: AdaptiveMode = AdaptiveMode.RMSProp,
+                 weight_decay_mode: WeightDecayMode = WeightDecayMode.Decay,
+                 accum_type: Any = DataType.UNDEFINED, accl1_type: Any = DataType.FLOAT,
+                 accl2_type: Any = DataType.FLOAT, accl3_type: Any = DataType.UNDEFINED,
+                 rmsprop_tf_variant: bool = False, **hyper: Any) -> None:
+        super().__init__(values, (), **hyper)
+        self.mode, self.weight_decay_mode = AdaptiveMode(mode), WeightDecayMode(weight_decay_mode)
+        self.accum_type, self.accl1_type, self.accl2_type, self.accl3_type = (
+            to_datatype(t) for t in (accum_type, accl1_type, accl2_type, accl3_type))
+        self.rmsprop_tf_variant = bool(rmsprop_tf_variant)
+
+    def type_name(self) -> str:
+        return "Adaptive"
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "mode": self.mode,
+                "weight_decay_mode": self.weight_decay_mode, "accum_type": self.accum_type,
+                "accl1_type": self.accl1_type, "accl2_type": self.accl2_type,
+                "accl3_type": self.accl3_type, "rmsprop_tf_variant": self.rmsprop_tf_variant}
+
+    def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
+        spec = {"Accl1___": (_dtype(self.accl1_type, w.dtype),
+                             1.0 if self.rmsprop_tf_variant else 0.0)}
+        if self.mode in (AdaptiveMode.CenteredRMSProp, AdaptiveMode.AdaDelta):
+            spec["Accl2___"] = (_dtype(self.accl2_type, w.dtype), 0.0)
+        mm = self.hyper_value(weight_id, "momentum")
+        if not mm.isConst() or mm.val() > 0.0:
+            spec["Accl3___"] = (_dtype(self.accl3_type, w.dtype), 0.0)
+        return spec
+
+    def _update(self, w, g, s, h, ls):
+        A = AdaptiveMode
+        a, eps, wd, lr = h["alpha"], h["eps"], h["weightDecay"], h["learningRate"]
+        l2 = self.weight_decay_mode == WeightDecayMode.L2Regularization
+        tf = self.rmsprop_tf_variant
+        gt = g + wd * w if l2 else g
+        out = dict(s)
+        if self.mode == A.AdaGrad:
+            out["Accl1___"] = s["Accl1___"] + jnp.square(gt)
+        else:
+            out["Accl1___"] = a * s["Accl1___"] + (1 - a) * jnp.square(gt)
+        if self.mode == A.AdaDelta:
+            x = gt * jnp.sqrt(s["Accl2___"] + eps) / jnp.sqrt(out["Accl1___"] + eps)
+            out["Accl2___"] = a * s["Accl2___"] + (1 - a) * jnp.square(x)
+        else:
+            d = out["Accl1___"]
+            if self.mode == A.CenteredRMSProp:
+                out["Accl2___"] = a * s["Accl2___"] + (1 - a) * gt
+                d = d - jnp.square(out["Accl2___"])
+            x = gt / jnp.sqrt(d + eps) if tf else gt / (jnp.sqrt(d) + eps)
+        decay = 0.0 if l2 else wd
+        if "Accl3___" not in s:
+            return w - lr * (x + decay * w), out
+        if tf:  # PopART's TF variant accumulates lr into the momentum buffer
+            out["Accl3___"] = h["momentum"] * s["Accl3___"] + lr * x
+            return w * (1 - decay) - out["Accl3___"], out
+        out["Accl3___"] = h["momentum"] * s["Accl3___"] + x
+        return w - lr * (out["Accl3___"] + decay * w), out

@@ -1,0 +1,484 @@
+"""InferenceSession and TrainingSession: compile a graph once, run many batches per call."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any, Iterable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from . import dataflow as _df
+from . import logging as _log
+from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
+from .engine.shapes import infer_graph, input_specs
+from .errors import OptimizerError, StepIOError, popart_exception
+from .ir.onnx_import import ModelLike, import_model, load_model, tensor_to_numpy
+from .options import MeanReductionStrategy, ReductionType, SessionOptions
+from .tensorinfo import TensorInfo, shape_str, to_datatype
+
+_logger = _log.getLogger("session")
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a
+    partial one."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+_ART_KIND = {"All": "ALL", "EveryN": "EVERYN", "Final": "FINAL", "Sum": "SUM"}
+
+
+def _anchor_kind(art: Any) -> tuple[str, int]:
+    kind = _ART_KIND[art.id().name]
+    return kind, int(art.rp()) if kind == "EVERYN" else 0
+
+
+class _Session:
+    """What InferenceSession and TrainingSession share."""
+
+    _training = False
+
+    def __init__(self, fnModel: ModelLike, dataFlow: _df.DataFlow, deviceInfo: Any,
+                 inputShapeInfo: Optional[_df.InputShapeInfo] = None, patterns: Any = None,
+                 userOptions: Optional[SessionOptions] = None, name: str = "session",
+                 loss: Optional[str] = None, optimizer: Any = None) -> None:
+        if deviceInfo is None:
+            raise popart_exception("No device given: pass deviceInfo, for example "
+                                   "popart.DeviceManager().createCpuDevice()")
+        if not isinstance(dataFlow, _df.DataFlow):
+            raise popart_exception(f"dataFlow must be a popart.DataFlow, got {type(dataFlow).__name__}")
+        self.name, self.patterns, self._device = name, patterns, deviceInfo
+        self._dataFlow = dataFlow
+        self.options = userOptions if userOptions is not None else SessionOptions()
+        self._graph, self._proto = import_model(fnModel, inputShapeInfo)
+        self._input_infos = self._resolve_inputs(inputShapeInfo)
+        self._loss, self._optimizer = loss, optimizer
+        self._program: Optional[StepProgram] = None
+        self._host_weights: dict[str, np.ndarray] = {}
+        self._host_in_sync = True
+        self._dev = None          # (weights, opt_state) on device
+        self._seed = 0
+        self._key = None
+        self._summary: dict[str, Any] = {}
+        self._stream_callbacks: dict[str, Any] = {}
+        if self._training:
+            self._check_training_args()
+        _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
+                     f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
+
+    # ------------------------------------------------------------------ set-up
+    def _resolve_inputs(self, isi: Any) -> dict[str, TensorInfo]:
+        overrides = {}
+        if isi is not None:
+            for tid in self._graph.inputs:
+                if isi.has(tid):
+                    overrides[tid] = isi.get(tid)
+        specs = input_specs(self._graph, overrides)
+        return {k: TensorInfo(to_datatype(v.dtype), list(v.shape)) for k, v in specs.items()}
+
+    def _check_training_args(self) -> None:
+        if not isinstance(self._loss, str) or not self._loss:
+            raise popart_exception(f"TrainingSession needs the id of the loss tensor, got {self._loss!r}")
+        if self._optimizer is None or not hasattr(self._optimizer, "apply"):
+            raise OptimizerError(f"TrainingSession needs a popart optimizer (SGD, ConstSGD, Adam, "
+                                 f"Adaptive), got {type(self._optimizer).__name__}")
+
+    @property
+    def replicationFactor(self) -> int:
+        o = self.options
+        return int(o.replicatedGraphCount) if o.enableReplicatedGraphs else 1
+
+    @property
+    def accumulationFactor(self) -> int:
+        o = self.options
+        return int(o.accumulationFactor) if o.enableGradientAccumulation else 1
+
+    @property
+    def dataFlow(self) -> _df.DataFlow:
+        return self._dataFlow
+
+    def _config(self) -> StepConfig:
+        o = self.options
+        anchors = {a: _anchor_kind(self._dataFlow.art(a)) for a in self._dataFlow.anchors()}
+        bps = self._dataFlow.batchesPerStep()
+        for a, (kind, n) in anchors.items():
+            if kind == "EVERYN" and (n < 1 or bps % n):
+                raise popart_exception(f"Anchor '{a}': AnchorReturnType EVERYN period {n} must "
+                                       f"divide batchesPerStep ({bps})")
+        return StepConfig(
+            batches_per_step=bps, accumulation_factor=self.accumulationFactor,
+            replication_factor=self.replicationFactor, anchors=anchors, training=self._training,
+            loss=self._loss, optimizer=self._optimizer,
+            mean_reduction=o.accumulationAndReplicationReductionType == ReductionType.Mean,
+            running_mean=o.meanAccumulationAndReplicationReductionStrategy == MeanReductionStrategy.Running,
+            options=o)
+
+    def _jax_device(self):
+        devs = getattr(self._device, "jax_devices", None)
+        return devs[0] if devs else jax.devices()[0]
+
+    # ------------------------------------------------------------------ compile
+    def prepareDevice(self, loadEngine: bool = True) -> None:
+        """Trace the whole step and compile it once with XLA."""
+        program = StepProgram(self._graph, self._config(), self._input_infos, self._device)
+        program.plan()
+        self._host_weights = {k: np.array(v) for k, v in program.variables.items()}
+        opt_state = program.init_opt_state()
+        self._program = program
+        with jax.default_device(self._jax_device()):
+            if self._key is None:
+                self._key = jax.random.key(self._seed)
+            _logger.info(f"Compiling '{self.name}' ...")
+            program.compile(self._host_weights, opt_state, self._key, self._hyper())
+        _logger.info(f"Compiled '{self.name}' in {program.compile_seconds:.2f} s")
+        self._summary["compile_seconds"] = program.compile_seconds
+        self._dev = (self._put(self._host_weights), self._put(opt_state))
+        self._host_in_sync = True
+
+    def _put(self, tree: Mapping[str, Any]) -> dict:
+        return {k: jax.device_put(v, self._jax_device()) for k, v in tree.items()}
+
+    def _hyper(self) -> dict:
+        if not self._training:
+            return {}
+        return {k: np.float32(v) for k, v in
+                self._optimizer.non_const_feed(self._program.trainable).items()}
+
+    def _require_prepared(self, what: str) -> StepProgram:
+        if self._program is None:
+            raise popart_exception(f"{what}: the session is not prepared; call prepareDevice() first")
+        return self._program
+
+    # ------------------------------------------------------------------ run
+    def initAnchorArrays(self) -> dict[str, np.ndarray]:
+        """One NumPy array per anchor, in the shape the AnchorReturnType docs give."""
+        program = self._require_prepared("initAnchorArrays")
+        out = {}
+        for a in self._dataFlow.anchors():
+            shape, dtype = self._anchor_tensor_info(a)
+            host = _df.anchor_host_shape(shape, self._dataFlow.art(a), self._dataFlow.batchesPerStep(),
+                                         self.accumulationFactor, self.replicationFactor)
+            out[a] = np.zeros(host, dtype=dtype)
+        return out
+
+    def _anchor_tensor_info(self, a: str) -> tuple[list, np.dtype]:
+        program = self._program
+        if a in program.anchor_specs:
+            s = program.anchor_specs[a]
+            return list(s.shape), np.dtype(s.dtype)
+        v = program.init_opt_state_shapes()[a]
+        return list(v.shape), v.dtype
+
+    def _gather_inputs(self, stepio: Any) -> dict[str, np.ndarray]:
+        bps, A, R = self._dataFlow.batchesPerStep(), self.accumulationFactor, self.replicationFactor
+        if isinstance(stepio, _df.PyStepIOCallback):
+            return self._gather_callback_inputs(stepio)
+        inputs = getattr(stepio, "inputs", None)
+        if inputs is None:
+            raise StepIOError(f"run() expects a popart.PyStepIO or PyStepIOCallback, got "
+                              f"{type(stepio).__name__}")
+        strict = bool(getattr(stepio, "runtime_asserts", True))
+        feeds = {}
+        for tid, info in self._input_infos.items():
+            if tid not in inputs:
+                raise StepIOError(
+                    f"Input tensor '{tid}' is missing from the StepIO: expected an array of shape "
+                    f"{shape_str(_df.input_host_shape(info.shape(), bps, A, R))} and dtype "
+                    f"{info.data_type()}; the StepIO has inputs {sorted(inputs)}")
+            feeds[tid] = _df.validate_input(tid, inputs[tid], info, bps, A, R, strict)
+        extra = set(inputs) - set(self._input_infos)
+        if extra:
+            raise StepIOError(f"StepIO inputs {sorted(extra)} are not inputs of the model "
+                              f"(its inputs are {sorted(self._input_infos)})")
+        return feeds
+
+    def _gather_callback_inputs(self, cb: Any) -> dict[str, np.ndarray]:
+        bps, A, R = self._dataFlow.batchesPerStep(), self.accumulationFactor, self.replicationFactor
+        feeds = {}
+        for tid, info in self._input_infos.items():
+            parts = []
+            for _ in range(bps * A):
+                arr = np.asarray(cb.input_callback(tid, False))
+                cb.input_complete_callback(tid)
+                parts.append(_df.validate_input(tid, arr, info, 1, 1, R, False)[0, 0])
+            feeds[tid] = np.stack(parts).reshape((bps, A, R, *info.shape()))
+        return feeds
+
+    def run(self, stepio: Any, debugName: str = "") -> None:
+        """Run batchesPerStep batches: one call into the compiled program."""
+        if isinstance(stepio, str):  # run(programHandle, stepio, debugName) overload
+            raise popart_exception("Named programs are not supported; call run(stepio)")
+        if self._program is None:
+            self.prepareDevice()
+        if getattr(self._device, "offline", False):
+            raise popart_exception(f"Session '{self.name}' was compiled for an offline device, "
+                                   f"which cannot run programs; use createCpuDevice(), "
+                                   f"createIpuModelDevice() or acquireAvailableDevice()")
+        feeds = self._gather_inputs(stepio)
+        outs = self._check_outputs(stepio)
+        weights, opt_state = self._dev
+        with jax.default_device(self._jax_device()):
+            t0 = time.perf_counter()
+            weights, opt_state, self._key, anchors = self._program.run(
+                weights, opt_state, self._key, feeds, self._hyper())
+            self._dev = (weights, opt_state)
+            self._write_anchors(stepio, outs, anchors)
+            self._summary["last_run_seconds"] = time.perf_counter() - t0
+        if self._training:
+            self._host_in_sync = False
+        _logger.debug(f"run {debugName!r} done")
+
+    def _check_outputs(self, stepio: Any) -> dict:
+        if isinstance(stepio, _df.PyStepIOCallback):
+            return {}
+        outs = getattr(stepio, "outputs", {}) or {}
+        for a in self._dataFlow.anchors():
+            if a not in outs:
+                raise StepIOError(f"Anchor '{a}' has no output array in the StepIO; use "
+                                  f"session.initAnchorArrays() to create them")
+        return outs
+
+    def _write_anchors(self, stepio: Any, outs: dict, anchors: dict) -> None:
+        bps, A, R = self._dataFlow.batchesPerStep(), self.accumulationFactor, self.replicationFactor
+        for a, val in anchors.items():
+            art = self._dataFlow.art(a)
+            val = np.asarray(val)
+            host = _df.anchor_host_shape(list(val.shape[_lead(art):]), art, bps, A, R)
+            val = val.reshape(host)
+            if a in self._stream_callbacks:
+                self._stream_callbacks[a](val)
+            if isinstance(stepio, _df.PyStepIOCallback):
+                self._write_callback_anchor(stepio, a, val)
+                continue
+            dst = outs[a]
+            if not isinstance(dst, np.ndarray) or dst.size != val.size:
+                raise StepIOError(f"Output array for anchor '{a}' has shape "
+                                  f"{shape_str(np.shape(dst))}; expected {shape_str(host)}")
+            np.copyto(dst, val.reshape(dst.shape), casting="unsafe")
+
+    def _write_callback_anchor(self, cb: Any, a: str, val: np.ndarray) -> None:
+        flat = val.reshape((-1,) + val.shape[-len(self._anchor_tensor_info(a)[0]):]) \
+            if self._anchor_tensor_info(a)[0] else val.reshape(-1)
+        for part in flat:
+            dst = cb.output_callback(a)
+            np.copyto(dst, np.asarray(part).reshape(np.shape(dst)), casting="unsafe")
+            cb.output_complete_callback(a)
+
+    # ------------------------------------------------------------------ weights
+    def weightsFromHost(self) -> None:
+        """Copy the host weights to the device."""
+        self._require_prepared("weightsFromHost")
+        self._dev = (self._put(self._host_weights), self._dev[1])
+        self._host_in_sync = True
+
+    def weightsToHost(self) -> None:
+        """Copy the device weights to the host."""
+        self._require_prepared("weightsToHost")
+        self._host_weights = {k: np.asarray(v) for k, v in self._dev[0].items()}
+        self._host_opt_state = {k: np.asarray(v) for k, v in self._dev[1].items()}
+        self._host_in_sync = True
+
+    def areHostWeightsInSync(self) -> bool:
+        return self._host_in_sync
+
+    def readWeights(self, weightsIo: Any) -> None:
+        """Copy host weights (and optimizer state) into the arrays of a PyWeightsIO."""
+        self._require_prepared("readWeights")
+        state = getattr(self, "_host_opt_state", None) or {k: np.asarray(v) for k, v in self._dev[1].items()}
+        for tid, dst in _weights_dict(weightsIo).items():
+            src = self._host_weights.get(tid, state.get(tid))
+            if src is None:
+                raise popart_exception(f"readWeights: '{tid}' is not a weight or optimizer state "
+                                       f"tensor of the session (weights: {sorted(self._host_weights)})")
+            _copy_checked(tid, dst, src)
+
+    def writeWeights(self, weightsIo: Any) -> None:
+        """Write the arrays of a PyWeightsIO to the host weights (and the device)."""
+        self._require_prepared("writeWeights")
+        opt = {k: np.asarray(v) for k, v in self._dev[1].items()}
+        for tid, src in _weights_dict(weightsIo).items():
+            target = self._host_weights if tid in self._host_weights else opt if tid in opt else None
+            if target is None:
+                raise popart_exception(f"writeWeights: '{tid}' is not a weight of the session")
+            if np.shape(src) != target[tid].shape:
+                raise popart_exception(f"writeWeights: '{tid}' has shape {shape_str(target[tid].shape)}, "
+                                       f"given {shape_str(np.shape(src))}")
+            target[tid] = np.asarray(src, dtype=target[tid].dtype).copy()
+        self._dev = (self._put(self._host_weights), self._put(opt))
+
+    def resetHostWeights(self, modelProtoOrFilename: ModelLike,
+                         ignoreWeightsInModelWithoutCorrespondingHostWeight: bool = False) -> None:
+        """Replace host weights with the initializers of another model (then weightsFromHost)."""
+        self._require_prepared("resetHostWeights")
+        proto, base = load_model(modelProtoOrFilename)
+        for t in proto.graph.initializer:
+            if t.name not in self._host_weights:
+                if t.name in self._program.constants or ignoreWeightsInModelWithoutCorrespondingHostWeight:
+                    continue
+                raise popart_exception(f"resetHostWeights: initializer '{t.name}' of the given model "
+                                       f"has no corresponding weight in the session")
+            val = tensor_to_numpy(t, base)
+            cur = self._host_weights[t.name]
+            if val.shape != cur.shape or val.dtype != cur.dtype:
+                raise popart_exception(f"resetHostWeights: '{t.name}' is {val.dtype}{shape_str(val.shape)} "
+                                       f"in the given model, expected {cur.dtype}{shape_str(cur.shape)}")
+            self._host_weights[t.name] = val.copy()
+        self._host_in_sync = False
+
+    def modelToHost(self, fn: str) -> None:
+        """Write the model with the current weights to an ONNX file (atomically)."""
+        self._require_prepared("modelToHost")
+        self.weightsToHost()
+        atomic_write(fn, self.model_proto().SerializeToString())
+
+    def model_proto(self) -> onnx.ModelProto:
+        """The session's model with the host weights as initializers."""
+        model = onnx.ModelProto()
+        model.CopyFrom(self._proto)
+        for t in model.graph.initializer:
+            if t.name in self._host_weights:
+                new = numpy_helper.from_array(self._host_weights[t.name], t.name)
+                t.CopyFrom(new)
+        return model
+
+    # ------------------------------------------------------------------ info
+    def getInfo(self, id: str) -> TensorInfo:
+        if id in self._input_infos:
+            return self._input_infos[id]
+        infos = infer_graph(self._graph, [id], self._input_infos)
+        if id not in infos:
+            raise popart_exception(f"getInfo: '{id}' is not a tensor of the model")
+        return infos[id]
+
+    def getTensorIds(self) -> set[str]:
+        ids = set(self._graph.all_tensor_ids())
+        if self._training and self._program is not None:
+            ids |= {GRAD_PREFIX + w for w in self._program.trainable}
+            ids |= set(self._program.init_opt_state_shapes())
+        return ids
+
+    getAllTensorIds = getTensorIds
+
+    def setRandomSeed(self, seedValue: int) -> None:
+        self._seed = int(seedValue)
+        self._key = jax.random.key(self._seed)
+
+    def getRandomSeed(self) -> int:
+        return self._seed
+
+    def getRNGState(self) -> list[int]:
+        key = self._key if self._key is not None else jax.random.key(self._seed)
+        return [int(v) for v in np.asarray(jax.random.key_data(key)).ravel()]
+
+    def setRNGState(self, rngValue: Iterable[int]) -> None:
+        data = np.asarray(list(rngValue), dtype=np.uint32)
+        self._key = jax.random.wrap_key_data(data.reshape(jax.random.key_data(jax.random.key(0)).shape))
+
+    @property
+    def constantWeights(self) -> bool:
+        return bool(getattr(self.options, "constantWeights", True))
+
+    def getSummaryReport(self, resetProfile: bool = True) -> str:
+        lines = [f"Session '{self.name}' ({type(self).__name__})",
+                 f"  device: {self._device!r}",
+                 f"  batchesPerStep={self._dataFlow.batchesPerStep()} accumulationFactor="
+                 f"{self.accumulationFactor} replicationFactor={self.replicationFactor}",
+                 f"  ops: {len(self._graph.nodes)}  variables: {len(self._host_weights)}"]
+        for k, v in self._summary.items():
+            lines.append(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
+        summary = getattr(self.options, "summary", None)
+        if callable(summary):
+            lines.append(f"  options differing from default: {summary()}")
+        lines.append("Execution profiling not enabled")
+        return "\n".join(lines)
+
+    def getCycleCount(self, id: str = "") -> int:
+        raise popart_exception("getCycleCount: there is no cycle counter on XLA devices; "
+                               "use getSummaryReport() for timings")
+
+    def __enter__(self) -> "_Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        detach = getattr(self._device, "detach", None)
+        if callable(detach):
+            detach()
+
+
+def _lead(art: Any) -> int:
+    """Number of leading [B, A, R] dims the engine returns for an anchor kind."""
+    return 3 if _ART_KIND[art.id().name] in ("ALL", "EVERYN") else 1
+
+
+def _weights_dict(weightsIo: Any) -> dict:
+    d = getattr(weightsIo, "weights", weightsIo)
+    if not isinstance(d, dict):
+        raise popart_exception(f"Expected a popart.PyWeightsIO, got {type(weightsIo).__name__}")
+    return d
+
+
+def _copy_checked(tid: str, dst: np.ndarray, src: np.ndarray) -> None:
+    if not isinstance(dst, np.ndarray) or dst.size != src.size:
+        raise popart_exception(f"Weight '{tid}': destination array has shape "
+                               f"{shape_str(np.shape(dst))}, expected {shape_str(src.shape)}")
+    np.copyto(dst, src.reshape(dst.shape), casting="unsafe")
+
+
+class InferenceSession(_Session):
+    """Session for running inference (reference 13.1.2)."""
+
+    def __init__(self, fnModel: ModelLike, dataFlow: _df.DataFlow, deviceInfo: Any,
+                 inputShapeInfo: Optional[_df.InputShapeInfo] = None, patterns: Any = None,
+                 userOptions: Optional[SessionOptions] = None, name: str = "inference") -> None:
+        super().__init__(fnModel, dataFlow, deviceInfo, inputShapeInfo, patterns, userOptions, name)
+
+
+class TrainingSession(_Session):
+    """Session for training: forward, backward and optimizer update in one program."""
+
+    _training = True
+
+    def __init__(self, fnModel: ModelLike, dataFlow: _df.DataFlow, loss: str, optimizer: Any,
+                 deviceInfo: Any, inputShapeInfo: Optional[_df.InputShapeInfo] = None,
+                 patterns: Any = None, userOptions: Optional[SessionOptions] = None,
+                 name: str = "training") -> None:
+        super().__init__(fnModel, dataFlow, deviceInfo, inputShapeInfo, patterns, userOptions,
+                         name, loss=loss, optimizer=optimizer)
+
+    def updateOptimizerFromHost(self, optimizer: Any) -> None:
+        """Replace the optimizer's non-const hyper-parameters; no recompilation."""
+        trainable = self._program.trainable if self._program else []
+        self._optimizer.check_compatible(optimizer, trainable)
+        # The compiled program keeps the original optimizer for its const values (which the
+        # check guarantees are unchanged); the non-const ones are fed from this one each run.
+        self._optimizer = optimizer
+
+    def broadcastWeights(self, rootRank: int = 0) -> None:
+        """Broadcast weights from instance rootRank; with one instance there is nothing to do."""
+        if rootRank != 0:
+            raise popart_exception(f"broadcastWeights: rootRank {rootRank} does not exist "
+                                   f"(this is a single-instance session)")
+
+    def connectStreamToCallback(self, streamHandle: str, callback: Any, index: int = 0) -> None:
+        """Call ``callback(array)`` with each value of anchor ``streamHandle`` after every run."""
+        if streamHandle not in self._dataFlow.anchors():
+            raise popart_exception(f"connectStreamToCallback: '{streamHandle}' is not an anchor "
+                                   f"(anchors: {self._dataFlow.anchors()})")
+        self._stream_callbacks[streamHandle] = callback

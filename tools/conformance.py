@@ -1,0 +1,67 @@
+"""Run ONNX's node conformance cases through popart's ONNX backend and print pass counts.
+
+    PYTHONPATH=src python tools/conformance.py [--filter SUBSTR] [--write-expected FILE] [-v]
+
+Rows: the case model's ai.onnx opset range; "tensor, opset<=18" counts the cases whose graph
+inputs and outputs are all tensors (no sequences / optionals) with opset <= 18.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from popart.onnx_backend import case_is_tensor_typed, case_opset, check_case, node_cases  # noqa: E402
+
+RANGES = [("opset <= 11", 0, 11), ("opset 12-13", 12, 13), ("opset 14-18", 14, 18),
+          ("opset >= 19", 19, 10 ** 9)]
+
+
+def reason(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg}"[:160]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--filter", default="", help="only cases whose name contains this")
+    ap.add_argument("--write-expected", metavar="FILE", help="write failing cases with reasons")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every failure")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    cases = [c for c in node_cases() if args.filter in c.name]
+    results, t0 = {}, time.time()
+    for c in cases:
+        try:
+            check_case(c)
+            results[c.name] = None
+        except Exception as e:  # noqa: BLE001 - every failure is a result here
+            results[c.name] = reason(e)
+            if args.verbose:
+                print(f"FAIL {c.name}: {results[c.name]}", flush=True)
+    rows = [(label, [c for c in cases if lo <= case_opset(c) <= hi]) for label, lo, hi in RANGES]
+    rows.append(("tensor, opset <= 18", [c for c in cases if case_opset(c) <= 18
+                                          and case_is_tensor_typed(c)]))
+    rows.append(("overall", cases))
+    print(f"\n{'cases':<22}{'passed':>8}{'total':>8}{'rate':>8}")
+    for label, cs in rows:
+        ok = sum(results[c.name] is None for c in cs)
+        print(f"{label:<22}{ok:>8}{len(cs):>8}{(ok / len(cs) if cs else 0):>8.1%}")
+    print(f"({time.time() - t0:.0f} s)")
+    if args.write_expected:
+        with open(args.write_expected, "w") as f:
+            f.write("# ONNX node conformance cases this runtime does not pass yet: name | reason.\n"
+                    "# Regenerate: PYTHONPATH=src python tools/conformance.py --write-expected "
+                    "tests/onnx_node_expected_failures.txt\n")
+            for name, r in sorted(results.items()):
+                if r is not None:
+                    f.write(f"{name} | {r}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
