@@ -61,6 +61,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import keyword
 import operator
 import os
 import re
@@ -221,6 +222,8 @@ def _bind(what: str, params: Sequence[str], required: set, str_params: set,
     for key, value in keywords.items():
         if key not in params and key in _DEBUG_KEYWORDS:
             key = "debugContext"
+        elif key not in params and key.endswith("_") and key[:-1] in params:
+            key = key[:-1]  # e.g. lambda_ for the attribute "lambda"
         if key not in params:
             raise popart_exception(f"{what} has no attribute '{key}'; its attributes are: "
                                    f"{', '.join(p for p in params if p != 'debugContext') or 'none'}")
@@ -237,7 +240,8 @@ def _signature(params: Sequence[str], defaults: dict, with_args: bool = True) ->
     p = [inspect.Parameter("args", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if with_args else []
     for name in params:
         d = defaults.get(name, inspect.Parameter.empty)
-        p.append(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        p.append(inspect.Parameter(name + "_" if keyword.iskeyword(name) else name,
+                                   inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                    default=inspect.Parameter.empty if d is REQUIRED else d))
     return inspect.Signature(p)
 

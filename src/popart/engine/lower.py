@@ -127,7 +127,7 @@ def run_graph(graph: Graph, inputs: list, state: TraceState, outer: Optional[Map
               keep: Optional[Callable[[str], bool]] = None) -> list:
     """Execute ``graph`` on positional ``inputs``; returns the graph's outputs.
 
-    ``weights`` override initializer values (they are traced arguments in a session);
+    ``weights`` add to / override initializer values (traced arguments in a session);
     ``outer`` is the enclosing scope for subgraphs."""
     env = execute(graph, dict(zip(graph.inputs, inputs)), state, outer, weights)
     try:
@@ -142,8 +142,8 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
     evaluated by XLA: only what is returned from the traced function is computed)."""
     local: dict[str, Any] = {}
     env = ChainMap(local, outer) if outer is not None else local
-    for tid, val in graph.initializers.items():
-        local[tid] = weights[tid] if weights is not None and tid in weights else val
+    local.update(graph.initializers)
+    local.update(weights or {})
     local.update(feeds)
     for tid in list(local):
         if tid in state.probes:

@@ -1,0 +1,61 @@
+"""Replicated collectives (ai.graphcore). Identity without replication; otherwise lax
+collectives over ``ctx.replica_axis``. ``collectiveOperator`` follows popart.CollectiveOperator
+(Add=0, Mean=1, Mul=2, Min=3, Max=4, LogicalAnd/Or=5/6, SquareAdd=7, Local=8) or its name.
+Reduce-scatter flattens the input, pads it to a multiple of the replication factor and returns
+this replica's 1-D shard; all-gather concatenates the replicas' flattened shards."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from .registry import GRAPHCORE_DOMAIN, register
+
+_OPS = ["add", "mean", "mul", "min", "max", "logicaland", "logicalor", "squareadd", "local"]
+
+
+def _op(ctx, op):
+    name = _OPS[int(op)] if isinstance(op, int) or str(op).isdigit() else str(op).lower()
+    if name not in ("add", "mean", "min", "max", "local"):
+        raise ctx.error(f"collectiveOperator '{op}' is not supported (Add, Mean, Min, Max, Local)")
+    return name
+
+
+def _inactive(ctx):
+    return ctx.replica_axis is None or ctx.replication_factor == 1
+
+
+def _allreduce(ctx, x, op):
+    a = ctx.replica_axis
+    return {"add": lax.psum, "mean": lax.pmean, "min": lax.pmin, "max": lax.pmax,
+            "local": lambda v, _a: v}[op](x, a)
+
+
+@register("ReplicatedAllReduce", domain=GRAPHCORE_DOMAIN)
+def all_reduce(ctx, x, collectiveOperator=0, commGroup=None, **_):
+    op = _op(ctx, collectiveOperator)
+    return x if _inactive(ctx) else _allreduce(ctx, x, op)
+
+
+register("ReplicatedAllReduceInplace", domain=GRAPHCORE_DOMAIN)(all_reduce)
+
+
+@register("ReplicatedReduceScatter", domain=GRAPHCORE_DOMAIN)
+def reduce_scatter(ctx, x, collectiveOperator=0, commGroup=None, **_):
+    op = _op(ctx, collectiveOperator)
+    flat = x.reshape(-1)
+    if _inactive(ctx):
+        return flat
+    r = ctx.replication_factor
+    flat = jnp.pad(flat, (0, -flat.size % r))
+    if op in ("add", "mean"):
+        y = lax.psum_scatter(flat, ctx.replica_axis, scatter_dimension=0, tiled=True)
+        return y / r if op == "mean" else y
+    full = _allreduce(ctx, flat, op).reshape(r, -1)
+    return full[lax.axis_index(ctx.replica_axis)]
+
+
+@register("ReplicatedAllGather", domain=GRAPHCORE_DOMAIN)
+def all_gather(ctx, x, commGroup=None, **_):
+    if _inactive(ctx):
+        return x
+    return lax.all_gather(x.reshape(-1), ctx.replica_axis, axis=0, tiled=True)

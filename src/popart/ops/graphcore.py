@@ -1,0 +1,479 @@
+"""PopART's own ops (domain ai.graphcore, opset 1), as the API reference's aiGraphcore builder
+methods document them. Attribute names are the reference's keyword names."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..tensorinfo import np_dtype
+from . import nn
+from .registry import GRAPHCORE_DOMAIN, add, register
+
+
+def _g(name, **kw):
+    return register(name, domain=GRAPHCORE_DOMAIN, **kw)
+
+
+def _cast(v, x):
+    return jnp.asarray(v).astype(jnp.result_type(x))
+
+
+# ---------------------------------------------------------------------------------------
+# Elementwise: one row each
+
+UNARY = {
+    "Gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "GeluErf": lambda x: jax.nn.gelu(x, approximate=False),
+    "Detach": lax.stop_gradient,
+    "UnaryZeroGrad": lax.stop_gradient,
+    "Nop": lambda x: x,
+    "TensorRemap": lambda x: x,
+    "AutoLossScaleProxy": lambda x: x,
+    "Expm1": jnp.expm1,
+    "Log1p": jnp.log1p,
+    "Swish": lambda x: x * jax.nn.sigmoid(x),
+    "Square": lambda x: x * x,
+    "Round": jnp.round,       # half to even, like ai.onnx Round-11
+    "NearbyInt": jnp.round,   # rint: the default rounding mode rounds half to even
+    "BitwiseNot": jnp.bitwise_not,
+    "ZerosLike": jnp.zeros_like,
+}
+BINARY = {
+    "Atan2": jnp.arctan2,
+    "Remainder": lambda a, b: jnp.remainder(a, _cast(b, a)),  # sign of the divisor
+    "Fmod": lambda a, b: jnp.fmod(a, _cast(b, a)),            # sign of the dividend
+    "BitwiseAnd": jnp.bitwise_and,
+    "BitwiseOr": jnp.bitwise_or,
+    "BitwiseXor": jnp.bitwise_xor,
+    "BitwiseXnor": lambda a, b: jnp.bitwise_not(jnp.bitwise_xor(a, b)),
+    "AddLhsInplace": jnp.add,
+}
+_INT_ONLY = {"BitwiseNot", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseXnor"}
+
+
+def _row(name, fn, arity):
+    def lower(ctx, *xs, **_):
+        if name in _INT_ONLY and not all(jnp.issubdtype(jnp.result_type(x), jnp.integer) for x in xs):
+            raise ctx.error(f"inputs must be integer tensors, got {[str(jnp.result_type(x)) for x in xs]}")
+        return fn(*xs[:arity])
+    add(name, lower, domain=GRAPHCORE_DOMAIN)
+
+
+for _n, _f in UNARY.items():
+    _row(_n, _f, 1)
+for _n, _f in BINARY.items():
+    _row(_n, _f, 2)
+
+
+@_g("Scale")
+def scale(ctx, x, scale=1.0, **_):
+    return x * _cast(scale, x)
+
+
+@_g("ScaledAdd")
+def scaled_add(ctx, a, b, s0=None, s1=None, scale0=1.0, scale1=1.0, **_):
+    s0 = scale0 if s0 is None else s0
+    s1 = scale1 if s1 is None else s1
+    return a * _cast(s0, a) + b * _cast(s1, a)
+
+
+_BCS_OPS = {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": jnp.divide,
+            "pow": jnp.power}
+
+
+@_g("BinaryConstScalar")
+def binary_const_scalar(ctx, x, value=0.0, op="Add", scalar_in_lhs=0, **_):
+    fn = _BCS_OPS.get(str(op).lower())
+    if fn is None:
+        raise ctx.error(f"op '{op}' is not one of Add, Sub, Mul, Div, Pow")
+    v = _cast(value, x)
+    return fn(v, x) if scalar_in_lhs else fn(x, v)
+
+
+@_g("IncrementMod")
+def increment_mod(ctx, x, increment=1.0, modulus=1.0, **_):
+    return jnp.remainder(x + _cast(increment, x), _cast(modulus, x))
+
+
+@_g("Bucketize")
+def bucketize(ctx, x, boundaries, right=0, **_):
+    """right=0: boundaries[i-1] < x <= boundaries[i]; right=1: boundaries[i-1] <= x < boundaries[i]."""
+    return jnp.searchsorted(boundaries, x, side="right" if right else "left").astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# Shape-like ops with attributes
+
+@_g("Reshape")
+def reshape(ctx, x, shape=(), **_):
+    shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+    return jnp.reshape(x, shape)
+
+
+@_g("Reverse")
+def reverse(ctx, x, dimensions=(), **_):
+    return jnp.flip(x, tuple(dimensions)) if dimensions else x
+
+
+@_g("Slice")
+def slice_(ctx, x, starts=(), ends=(), axes=None, **_):
+    idx = [slice(None)] * x.ndim
+    for s, e, a in zip(starts, ends, axes if axes else range(len(starts))):
+        idx[a] = slice(s, e)
+    return x[tuple(idx)]
+
+
+@_g("Subsample")
+def subsample(ctx, x, strides=(), **_):
+    return x[tuple(slice(None, None, s) for s in strides)]
+
+
+@_g("DepthToSpace")
+def depth_to_space(ctx, x, blocksize=1, mode="DCR", **_):
+    n, c, h, w = x.shape
+    b = blocksize
+    if mode == "DCR":
+        y = x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        y = x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:
+        raise ctx.error(f"mode '{mode}' is not DCR or CRD")
+    return y.reshape(n, c // (b * b), h * b, w * b)
+
+
+@_g("Zeros")
+def zeros(ctx, shape=(), dtype=1, **_):
+    return jnp.zeros(tuple(shape), np_dtype(dtype))
+
+
+@_g("Init")
+def init(ctx, shape=(), data_type=1, tensor_type=None, init_type=1, batch_axis=None, **_):
+    """InitType Zero (1) and NoInit (0) both give zeros (NoInit's content is undefined)."""
+    return jnp.zeros(tuple(shape), np_dtype(data_type))
+
+
+# ---------------------------------------------------------------------------------------
+# Dynamic slicing: ``offset`` holds one start per entry of ``axes``
+
+def _dyn_starts(x, offset, axes):
+    starts = [jnp.zeros((), jnp.int32)] * x.ndim
+    off = jnp.asarray(offset).reshape(-1).astype(jnp.int32)
+    for i, a in enumerate(axes):
+        starts[a % x.ndim] = off[i]
+    return starts
+
+
+def _dyn_sizes(x, axes, sizes):
+    full = list(x.shape)
+    for a, s in zip(axes, sizes):
+        full[a % x.ndim] = s
+    return full
+
+
+@_g("DynamicSlice")
+def dynamic_slice(ctx, x, offset, axes=(), sizes=(), noOverlap=0, **_):
+    return lax.dynamic_slice(x, _dyn_starts(x, offset, axes), _dyn_sizes(x, axes, sizes))
+
+
+@_g("DynamicUpdate")
+def dynamic_update(ctx, x, offset, upd, axes=(), sizes=(), noOverlap=0, **_):
+    return lax.dynamic_update_slice(x, upd.astype(x.dtype), _dyn_starts(x, offset, axes))
+
+
+@_g("DynamicAdd")
+def dynamic_add(ctx, x, offset, upd, axes=(), sizes=(), **_):
+    st = _dyn_starts(x, offset, axes)
+    cur = lax.dynamic_slice(x, st, upd.shape)
+    return lax.dynamic_update_slice(x, cur + upd.astype(x.dtype), st)
+
+
+@_g("DynamicZero")
+def dynamic_zero(ctx, x, offset, axes=(), sizes=(), **_):
+    return lax.dynamic_update_slice(x, jnp.zeros(_dyn_sizes(x, axes, sizes), x.dtype),
+                                    _dyn_starts(x, offset, axes))
+
+
+@_g("SequenceSlice")
+def sequence_slice(ctx, src, dst, n, src_off, dst_off, zeroUnused=0, **_):
+    """dst[dOff:dOff+N] = src[sOff:sOff+N] for each (N, sOff, dOff); entries after the first
+    N == 0 are ignored."""
+    s2, d2 = src.reshape(src.shape[0], -1), dst.reshape(dst.shape[0], -1)
+    n, so, do = (jnp.asarray(v).reshape(-1).astype(jnp.int32) for v in (n, src_off, dst_off))
+    live = jnp.cumprod(n != 0) > 0
+    r = jnp.arange(d2.shape[0])[:, None]
+    hit = live[None] & (r >= do[None]) & (r < (do + n)[None])          # [R, K]
+    k = jnp.argmax(hit, 1)
+    any_hit = jnp.any(hit, 1)
+    rows = jnp.clip(so[k] + r[:, 0] - do[k], 0, s2.shape[0] - 1)
+    base = jnp.zeros_like(d2) if zeroUnused else d2
+    return jnp.where(any_hit[:, None], s2[rows].astype(dst.dtype), base).reshape(dst.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Normalization, convolution
+
+@_g("GroupNormalization")
+def group_normalization(ctx, x, scale, bias, num_groups=1, epsilon=1e-5, **_):
+    """Outputs y, mean and inverse standard deviation, the last two of shape [N * groups]."""
+    y, m, inv = nn._group_norm(x, num_groups, epsilon)
+    y = y * nn._bcast(scale, x) + nn._bcast(bias, x)
+    return y, m.reshape(-1).astype(x.dtype), inv.reshape(-1).astype(x.dtype)
+
+
+@_g("BatchNormalization")
+def batch_normalization(ctx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, **_):
+    """ONNX's BatchNormalization, except the running variance uses the unbiased (N-1)
+    batch variance, like PyTorch."""
+    outs = nn.batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, ctx.training,
+                         unbiased_running=True)
+    return outs if ctx.training else outs[0]
+
+
+@_g("MultiConv")
+def multi_conv(ctx, *ins, dilations=(), inDilations=(), pads=(), outPads=(), strides=(), **_):
+    """Independent convolutions; inputs [X0, W0, B0, X1, W1, B1, ...] (or pairs without
+    biases); list attributes are per convolution, nested or flattened."""
+    n = ctx.num_outputs
+    per = len(ins) // n
+    outs = []
+    for i in range(n):
+        x, w, b = (list(ins[i * per:(i + 1) * per]) + [None])[:3]
+        sp = x.ndim - 2
+
+        def pick(v, k):
+            if not v:
+                return None
+            if isinstance(v[0], (list, tuple)):
+                return list(v[i]) or None
+            return list(v[i * k:(i + 1) * k]) or None
+        ind, op = pick(inDilations, sp), pick(outPads, 2 * sp)
+        if (ind and any(d != 1 for d in ind)) or (op and any(p != 0 for p in op)):
+            raise ctx.error("inDilations / outPads other than 1 / 0 are not supported")
+        g = x.shape[1] // w.shape[1]
+        outs.append(nn.conv(ctx, x, w, b, dilations=pick(dilations, sp), group=g,
+                            pads=pick(pads, 2 * sp), strides=pick(strides, sp)))
+    return outs
+
+
+@_g("NormalizeImage")
+def normalize_image(ctx, img, offsets, scales, scale=1.0, **_):
+    """(img * scale - offsets) * scales on the 3 channels of a (B, H, W, 3) image, padded
+    with a zero fourth channel; uint8 images give float16."""
+    dt = jnp.float16 if img.dtype == jnp.uint8 else img.dtype
+    y = (img.astype(dt) * _cast(scale, jnp.zeros((), dt)) - offsets.astype(dt)) * scales.astype(dt)
+    return jnp.concatenate([y, jnp.zeros(y.shape[:-1] + (4 - y.shape[-1],), dt)], -1)
+
+
+# ---------------------------------------------------------------------------------------
+# Sorting, selection, scatter / gather
+
+@_g("Sort")
+def sort(ctx, x, axis=-1, descending=0, stable=0, **_):
+    idx = jnp.argsort(x, axis=axis, stable=True, descending=bool(descending))
+    return jnp.take_along_axis(x, idx, axis), idx.astype(jnp.int32)
+
+
+@_g("TopK")
+def topk(ctx, x, k, axis=-1, largest=1, sorted=1, **_):
+    k = int(ctx.static(k, "TopK k").reshape(()))
+    idx = jnp.argsort(x, axis=axis, stable=True, descending=bool(largest))
+    idx = lax.slice_in_dim(idx, 0, k, axis=axis % x.ndim)
+    return jnp.take_along_axis(x, idx, axis), idx.astype(jnp.int64)
+
+
+@_g("ReduceMedian")
+def reduce_median(ctx, x, axes=None, keepdims=1, **_):
+    """Lower median; indices flattened over the reduced axes."""
+    axes = sorted(a % x.ndim for a in (axes if axes else range(x.ndim)))
+    keep = [a for a in range(x.ndim) if a not in axes]
+    t = jnp.transpose(x, keep + axes).reshape([x.shape[a] for a in keep] + [-1])
+    order = jnp.argsort(t, -1, stable=True)
+    mid = (t.shape[-1] - 1) // 2
+    i = order[..., mid]
+    v = jnp.take_along_axis(t, i[..., None], -1)[..., 0]
+    if keepdims:
+        shp = [1 if a in axes else x.shape[a] for a in range(x.ndim)]
+        v, i = v.reshape(shp), i.reshape(shp)
+    return v, i.astype(jnp.int32)
+
+
+_SCATTER = {"sum": 0, "max": 1, "min": 2, "mul": 3, "none": 4, "noreduction": 4}
+
+
+def _scatter_reduction(ctx, r):
+    k = _SCATTER.get(r.lower()) if isinstance(r, str) else int(r)
+    if k is None or not 0 <= k <= 4:
+        raise ctx.error(f"reduction '{r}' is not one of Sum, Max, Min, Mul, None")
+    return k
+
+
+def _scatter(ctx, src, index, init, axis_size, axis, reduction, enable_index_broadcast):
+    axis %= src.ndim
+    red = _scatter_reduction(ctx, reduction)
+    if index.ndim == 1 and src.ndim > 1 and enable_index_broadcast:
+        index = index.reshape((1,) * axis + (-1,) + (1,) * (src.ndim - axis - 1))
+    index = jnp.broadcast_to(index, src.shape).astype(jnp.int32)
+    s = jnp.moveaxis(src, axis, -1)
+    ix = jnp.moveaxis(index, axis, -1)
+    lead = s.shape[:-1]
+    s2, ix2 = s.reshape(-1, s.shape[-1]), ix.reshape(-1, s.shape[-1])
+    rows = jnp.arange(s2.shape[0])[:, None]
+    out_shape = (s2.shape[0], axis_size)
+    touched = jnp.zeros(out_shape, bool).at[rows, ix2].set(True, mode="drop")
+    if init is not None:
+        base = jnp.moveaxis(jnp.asarray(init), axis, -1).reshape(out_shape).astype(src.dtype)
+    if red == 0:
+        out = (base if init is not None else jnp.zeros(out_shape, src.dtype)).at[rows, ix2].add(s2, mode="drop")
+    elif red == 3:
+        out = (base if init is not None else jnp.ones(out_shape, src.dtype)).at[rows, ix2].multiply(s2, mode="drop")
+    elif red == 4:
+        out = (base if init is not None else jnp.zeros(out_shape, src.dtype)).at[rows, ix2].set(s2, mode="drop")
+    else:
+        big = jnp.finfo(src.dtype).max if jnp.issubdtype(src.dtype, jnp.floating) else jnp.iinfo(src.dtype).max
+        fill = jnp.full(out_shape, -big if red == 1 else big, src.dtype)
+        start = base if init is not None else fill
+        out = start.at[rows, ix2].max(s2, mode="drop") if red == 1 else start.at[rows, ix2].min(s2, mode="drop")
+        if init is None:
+            out = jnp.where(touched, out, jnp.zeros((), src.dtype))
+    if red == 3 and init is None:
+        out = jnp.where(touched, out, jnp.zeros((), src.dtype))
+    return jnp.moveaxis(out.reshape(lead + (axis_size,)), -1, axis)
+
+
+@_g("ScatterReduce")
+def scatter_reduce(ctx, src, index, init=None, axis_size=None, axis=-1, reduction="Sum",
+                   enable_index_broadcast=1, **_):
+    """out[i] = reduce(src[index == i]) along ``axis``; outputs nobody writes are 0 (or the
+    optional initial_values input)."""
+    return _scatter(ctx, src, index, init, axis_size, axis, reduction, enable_index_broadcast)
+
+
+@_g("GroupedScatterReduce")
+def grouped_scatter_reduce(ctx, src, index, init=None, axis_size=None, axis=-1, reduction="Sum",
+                           group_size=1, enable_index_broadcast=1, **_):
+    ax = axis % src.ndim - 1
+    f = lambda s, i, b: _scatter(ctx, s, i, b, axis_size, ax, reduction, enable_index_broadcast)
+    if init is None:
+        return jax.vmap(lambda s, i: f(s, i, None))(src, index)
+    return jax.vmap(f)(src, index, init)
+
+
+@_g("GroupedGather")
+def grouped_gather(ctx, data, indices, axis=0, group_size=1, **_):
+    """Gather within each group: the leading axis of ``data`` and ``indices`` is the group;
+    ``axis`` counts axes of ``data`` including it."""
+    ax = axis % data.ndim
+    if ax == 0:
+        raise ctx.error("axis must not be the group axis 0")
+    return jax.vmap(lambda d, i: jnp.take(d, i, axis=ax - 1))(data, indices)
+
+
+@_g("Histogram")
+def histogram(ctx, x, levels=(), absoluteOfInput=0, **_):
+    """Counts of x in (-inf, l0), [l0, l1), ..., [l_last, inf): len(levels)+1 uint32 bins."""
+    v = jnp.abs(x) if absoluteOfInput else x
+    b = jnp.searchsorted(jnp.asarray(levels, v.dtype), v.reshape(-1), side="right")
+    return jnp.zeros(len(levels) + 1, jnp.uint32).at[b].add(1)
+
+
+# ---------------------------------------------------------------------------------------
+# Random
+
+@_g("ShapedDropout", random=True)
+def shaped_dropout(ctx, x, shape=(), ratio=0.5, **_):
+    """Dropout with one mask of ``shape`` broadcast over x; only active in training."""
+    if not ctx.training:
+        return x
+    keep = jax.random.uniform(ctx.rng(), tuple(shape), jnp.float32) >= ratio
+    return jnp.where(keep, x * _cast(1 / (1 - ratio), x), jnp.zeros((), x.dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# Side effects
+
+def _print(title, x, print_gradient):
+    @jax.custom_vjp
+    def f(x):
+        jax.debug.print(title + "{}", x)
+        return x
+
+    def fwd(x):
+        return f(x), None
+
+    def bwd(_, g):
+        if print_gradient:
+            jax.debug.print("Gradient of " + title + "{}", g)
+        return (g,)
+    f.defvjp(fwd, bwd)
+    return f(x)
+
+
+@_g("PrintTensor")
+def print_tensor(ctx, x, print_gradient=1, title="", **_):
+    """Identity that prints the tensor (and its gradient, when print_gradient) at run time."""
+    head = (title or ctx.input_ids[0]) + ": "
+    return _print(head.replace("{", "{{").replace("}", "}}"), x, print_gradient)
+
+
+@_g("Abort")
+def abort(ctx, cond=None, **_):
+    """Raises at run time (XLA reports a runtime error from the host callback) when the
+    condition input is true, or always without one."""
+    def host(c):
+        if np.any(c):
+            raise RuntimeError(f"{ctx.name}: Abort op reached with a true condition")
+    jax.debug.callback(host, jnp.asarray(True if cond is None else cond))
+    return []
+
+
+@_g("CopyVarUpdate")
+def copy_var_update(ctx, var, updater, **_):
+    """Write ``updater`` to the variable ``var`` at the end of the step; returns the new value."""
+    new = updater.astype(var.dtype)
+    ctx.assign(ctx.input_ids[0], new)
+    return new
+
+
+# ---------------------------------------------------------------------------------------
+# Splines (torch_spline_conv semantics)
+
+@_g("SplineBasis")
+def spline_basis(ctx, pseudo, kernel_size, is_open_spline, degree=1, **_):
+    """B-spline basis [E, S] and weight indices [E, S], S = (degree+1)^D."""
+    e, d = pseudo.shape
+    s = (degree + 1) ** d
+    ks = jnp.asarray(kernel_size).astype(jnp.int32)
+    op = jnp.asarray(is_open_spline).astype(jnp.int32)
+    basis = jnp.ones((e, s), pseudo.dtype)
+    wi = jnp.zeros((e, s), jnp.int32)
+    offset = 1
+    for dd in range(d):
+        v = pseudo[:, dd] * (ks[dd] - degree * op[dd]).astype(pseudo.dtype)
+        fl = jnp.floor(v)
+        frac = v - fl
+        for si in range(s):
+            k_mod = (si // ((degree + 1) ** dd)) % (degree + 1)
+            if degree == 1:
+                b = 1 - frac - k_mod + 2 * frac * k_mod
+            elif degree == 2:
+                b = [0.5 * (1 - frac) ** 2, -frac * frac + frac + 0.5, 0.5 * frac * frac][k_mod]
+            elif degree == 3:
+                b = [(1 - frac) ** 3 / 6, (3 * frac ** 3 - 6 * frac ** 2 + 4) / 6,
+                     (-3 * frac ** 3 + 3 * frac ** 2 + 3 * frac + 1) / 6, frac ** 3 / 6][k_mod]
+            else:
+                raise ctx.error(f"degree must be 1, 2 or 3, got {degree}")
+            basis = basis.at[:, si].multiply(b.astype(pseudo.dtype))
+            wi = wi.at[:, si].add(((fl.astype(jnp.int32) + k_mod) % ks[dd]) * offset)
+        offset = offset * ks[dd]
+    return basis, wi
+
+
+@_g("SplineWeighting")
+def spline_weighting(ctx, x, weight, basis, weight_index, **_):
+    """out[e] = sum_s basis[e, s] * (x[e] @ weight[weight_index[e, s]])."""
+    w = weight[weight_index]                      # [E, S, Cin, Cout]
+    return jnp.einsum("es,ei,esio->eo", basis, x, w, precision=lax.Precision.HIGHEST)
