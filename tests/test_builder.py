@@ -60,8 +60,27 @@ def test_debug_names_relu_and_gather():
     assert node_of(model_of(b), g).name == "My-Gather"
 
 
-def test_conv_with_attributes_matches_torch():
-    torch = pytest.importorskip("torch")
+def conv2d_ref(x, w, bias, pads, strides, dilations, group):
+    """Direct NumPy convolution (NCHW, OIHW weights, pads = [top, left, bottom, right])."""
+    x = np.pad(x, [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])])
+    (sh, sw), (dh, dw) = strides, dilations
+    o_ch, i_per_g, kh, kw = w.shape
+    oh = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    out = np.zeros([x.shape[0], o_ch, oh, ow], np.float32)
+    o_per_g = o_ch // group
+    for g in range(group):
+        xg = x[:, g * i_per_g:(g + 1) * i_per_g]
+        wg = w[g * o_per_g:(g + 1) * o_per_g]
+        for i in range(kh):
+            for j in range(kw):
+                patch = xg[:, :, i * dh:i * dh + sh * oh:sh, j * dw:j * dw + sw * ow:sw]
+                out[:, g * o_per_g:(g + 1) * o_per_g] += np.einsum("nchw,oc->nohw", patch,
+                                                                    wg[:, :, i, j])
+    return out + bias[None, :, None, None]
+
+
+def test_conv_with_attributes_matches_numpy():
     b = Builder()
     x = b.addInputTensor(TensorInfo("FLOAT", [1, 4, 9, 9]))
     wv = np.random.randn(6, 2, 3, 3).astype(np.float32)
@@ -73,9 +92,7 @@ def test_conv_with_attributes_matches_torch():
     assert {a.name for a in node.attribute} == {"dilations", "group", "pads", "strides"}
     xv = np.random.randn(1, 4, 9, 9).astype(np.float32)
     (out,) = run(b, {x: xv})
-    padded = torch.nn.functional.pad(torch.tensor(xv), (2, 1, 1, 0))
-    ref = torch.nn.functional.conv2d(padded, torch.tensor(wv), torch.tensor(bv), stride=(2, 1),
-                                     dilation=(2, 1), groups=2).numpy()
+    ref = conv2d_ref(xv, wv, bv, [1, 2, 0, 1], [2, 1], [2, 1], 2)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
     assert b.getTensorShape(o) == list(ref.shape)
 
@@ -436,3 +453,28 @@ def test_graphcore_shape_via_engine():
     except popart_exception as e:
         pytest.skip(f"the engine cannot infer Scale yet: {e}")
     assert b.getTensorShape(y) == [2, 3] and b.getTensorDtypeString(y) == "float32"
+
+
+def test_scan_opset8_and_onnx_ml():
+    class Settings:  # InputSettings-like objects are accepted and ignored
+        pass
+
+    b = Builder(opsets={"ai.onnx": 8})
+    x = b.addInputTensor(TensorInfo("FLOAT", [1, 3, 2]), Settings(), "xs")
+    body = b.createSubgraphBuilder()
+    acc, elem = body.addInputTensor("FLOAT", [2]), body.addInputTensor("FLOAT", [2])
+    assert body.getTensorShape(elem) == [2]
+    total = body.aiOnnx.add([acc, elem])
+    body.addOutputTensor(total)
+    body.addOutputTensor(body.aiOnnx.identity([total]))
+    init = b.addInitializedInputTensor(np.zeros([1, 2], np.float32))
+    final, partial = b.aiOnnx.scan(["", init, x], 2, body, num_scan_inputs=1, directions=[0])
+    binary = b.aiOnnxMl.binarizer([final], threshold=7.0)
+    for t in (final, partial, binary):
+        b.addOutputTensor(t)
+    assert ("ai.onnx.ml", 1) in {(op.domain, op.version) for op in model_of(b).opset_import}
+    xv = np.arange(6, dtype=np.float32).reshape(1, 3, 2)
+    out_final, out_partial, out_bin = run(b, {x: xv})
+    np.testing.assert_allclose(out_partial, np.cumsum(xv, axis=1))
+    np.testing.assert_allclose(out_final, [[6, 9]])
+    np.testing.assert_allclose(out_bin, [[0, 1]])

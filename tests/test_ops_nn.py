@@ -287,3 +287,166 @@ def test_softmax_family(op, opset, axis):
 def test_softmax_grad():
     x = rnd(2, 5)
     fd_grad_check(one_node("LogSoftmax", {"x": x}, opset=13), {"x": x}, "x")
+
+
+# ---------------------------------------------------------------------------------------
+# Recurrent
+
+def _rnn_inputs(kind, T=4, B=3, I=2, H=3, nd=1, lens=None, peep=False):
+    g = {"LSTM": 4, "GRU": 3, "RNN": 1}[kind]
+    f = {"x": rnd(T, B, I), "w": rnd(nd, g * H, I), "r": rnd(nd, g * H, H), "b": rnd(nd, 2 * g * H),
+         "lens": np.array(lens if lens else [T] * B, np.int32), "h0": rnd(nd, B, H)}
+    if kind == "LSTM":
+        f["c0"] = rnd(nd, B, H)
+        if peep:
+            f["p"] = rnd(nd, 3 * H)
+    return f
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_rnn_vs_ort(kind, direction):
+    nd = 2 if direction == "bidirectional" else 1
+    f = _rnn_inputs(kind, nd=nd, lens=[4, 2, 3], peep=True)
+    extra = {"linear_before_reset": 1} if kind == "GRU" else {}
+    n_out = 3 if kind == "LSTM" else 2
+    check(one_node(kind, f, n_out=n_out, direction=direction, hidden_size=3, opset=14, **extra), f)
+
+
+def test_lstm_options_vs_reference():
+    f = _rnn_inputs("LSTM")
+    check(one_node("LSTM", f, n_out=3, hidden_size=3, clip=0.5, input_forget=1), f, ref="ref")
+    fx = dict(f, x=f["x"].swapaxes(0, 1).copy(), h0=f["h0"].swapaxes(0, 1).copy(),
+              c0=f["c0"].swapaxes(0, 1).copy())
+    check(one_node("LSTM", fx, n_out=3, hidden_size=3, layout=1, opset=14), fx, ref="ref")
+    g = _rnn_inputs("GRU")
+    check(one_node("GRU", g, n_out=2, hidden_size=3,
+                   activations=["HardSigmoid", "LeakyRelu"], activation_alpha=[0.3, 0.1],
+                   activation_beta=[0.4]), g)
+
+
+def test_lstm_vs_torch_and_grad():
+    import torch
+    T, B, I, H = 5, 2, 3, 4
+    x = rnd(T, B, I)
+    lstm = torch.nn.LSTM(I, H)
+    wi, wh = lstm.weight_ih_l0.detach().numpy(), lstm.weight_hh_l0.detach().numpy()
+    bi, bh = lstm.bias_ih_l0.detach().numpy(), lstm.bias_hh_l0.detach().numpy()
+    reorder = lambda a: np.concatenate([a[0:H], a[3 * H:4 * H], a[H:2 * H], a[2 * H:3 * H]])  # ifgo -> iofc
+    f = {"x": x, "w": reorder(wi)[None], "r": reorder(wh)[None],
+         "b": np.concatenate([reorder(bi), reorder(bh)])[None]}
+    y, yh, yc = ours(one_node("LSTM", f, n_out=3, hidden_size=H), f)
+    ty, (th, tc) = lstm(torch.from_numpy(x))
+    np.testing.assert_allclose(y[:, 0], ty.detach().numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(yc[0], tc[0].detach().numpy(), rtol=1e-4, atol=1e-5)
+    fd_grad_check(one_node("LSTM", f, n_out=3, hidden_size=H), f, "r")
+    g = _rnn_inputs("GRU")
+    fd_grad_check(one_node("GRU", g, n_out=2, hidden_size=3), g, "x")
+
+
+def test_gru_vs_torch():
+    import torch
+    T, B, I, H = 4, 2, 3, 2
+    x = rnd(T, B, I)
+    gru = torch.nn.GRU(I, H)
+    p = lambda t: t.detach().numpy()
+    reorder = lambda a: np.concatenate([a[H:2 * H], a[0:H], a[2 * H:]])  # rzn -> zrh
+    f = {"x": x, "w": reorder(p(gru.weight_ih_l0))[None], "r": reorder(p(gru.weight_hh_l0))[None],
+         "b": np.concatenate([reorder(p(gru.bias_ih_l0)), reorder(p(gru.bias_hh_l0))])[None]}
+    y, yh = ours(one_node("GRU", f, n_out=2, hidden_size=H, linear_before_reset=1), f)
+    np.testing.assert_allclose(y[:, 0], p(gru(torch.from_numpy(x))[0]), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Image
+
+RESIZE_CASES = [
+    ({"mode": "nearest"}, [1, 1, 2, 1.5], None),
+    ({"mode": "nearest", "nearest_mode": "floor", "coordinate_transformation_mode": "asymmetric"}, [1, 1, 0.6, 2], None),
+    ({"mode": "nearest", "nearest_mode": "round_prefer_ceil", "coordinate_transformation_mode": "align_corners"}, None, [2, 3, 7, 3]),
+    ({"mode": "linear"}, [1, 1, 1.7, 0.5], None),
+    ({"mode": "linear", "coordinate_transformation_mode": "align_corners"}, None, [2, 3, 8, 2]),
+    ({"mode": "linear", "coordinate_transformation_mode": "pytorch_half_pixel"}, None, [2, 3, 1, 9]),
+    ({"mode": "cubic"}, [1, 1, 2, 0.75], None),
+    ({"mode": "cubic", "exclude_outside": 1, "cubic_coeff_a": -0.5}, [1, 1, 1.5, 2.5], None),
+    ({"mode": "cubic", "coordinate_transformation_mode": "asymmetric"}, None, [2, 3, 3, 6]),
+    ({"mode": "linear", "coordinate_transformation_mode": "half_pixel_symmetric"}, [1, 1, 1.6, 0.7], None),
+]
+
+
+@pytest.mark.parametrize("attrs,scales,sizes", RESIZE_CASES)
+@pytest.mark.parametrize("opset", [13, 19])
+def test_resize(attrs, scales, sizes, opset):
+    if opset < 18 and attrs.get("coordinate_transformation_mode") == "half_pixel_symmetric":
+        pytest.skip("half_pixel_symmetric is opset 18+")
+    x = rnd(2, 3, 5, 4)
+    consts = {"roi": np.zeros(0, np.float32),
+              "scales": np.array(scales or [], np.float32)}
+    if sizes:
+        consts["sizes"] = np.array(sizes, np.int64)
+    m = one_node("Resize", {"x": x}, opset=opset, consts=consts, **attrs)
+    check(m, {"x": x}, ref="ref", rtol=1e-4, atol=1e-5)
+
+
+def test_resize_18_axes_antialias_aspect():
+    x = rnd(1, 2, 8, 6)
+    m = one_node("Resize", {"x": x}, opset=18, mode="linear", antialias=1, axes=[2, 3],
+                 consts={"roi": np.zeros(0, np.float32), "scales": np.array([0.5, 0.6], np.float32)})
+    check(m, {"x": x}, ref="ref")
+    m = one_node("Resize", {"x": x}, opset=18, mode="cubic", antialias=1,
+                 consts={"roi": np.zeros(0, np.float32), "scales": np.array([1, 1, 0.4, 0.5], np.float32)})
+    check(m, {"x": x}, ref="ref")
+    m = one_node("Resize", {"x": x}, opset=18, mode="nearest", axes=[2, 3],
+                 keep_aspect_ratio_policy="not_larger",
+                 consts={"roi": np.zeros(0, np.float32), "scales": np.zeros(0, np.float32),
+                         "sizes": np.array([5, 5], np.int64)})
+    check(m, {"x": x}, ref="ref")
+    roi = np.array([0, 0, 0.1, 0.2, 1, 1, 0.9, 1.1], np.float32)
+    m = one_node("Resize", {"x": x}, opset=13, mode="linear", extrapolation_value=-3.0,
+                 coordinate_transformation_mode="tf_crop_and_resize",
+                 consts={"roi": roi, "scales": np.zeros(0, np.float32), "sizes": np.array([1, 2, 5, 7], np.int64)})
+    check(m, {"x": x}, ref="ref")
+
+
+def test_resize_uint8_nearest_and_grad():
+    x = (np.arange(24).reshape(1, 1, 4, 6) * 10).astype(np.uint8)
+    m = one_node("Resize", {"x": x}, opset=13, mode="nearest",
+                 consts={"roi": np.zeros(0, np.float32), "scales": np.array([1, 1, 2, 0.5], np.float32)})
+    check(m, {"x": x})
+    x = rnd(1, 1, 3, 3)
+    fd_grad_check(one_node("Resize", {"x": x}, opset=13, mode="cubic",
+                           consts={"roi": np.zeros(0, np.float32),
+                                   "scales": np.array([1, 1, 1.5, 2], np.float32)}), {"x": x}, "x")
+
+
+def test_upsample_and_resize10():
+    x = rnd(1, 2, 3, 4)
+    sc = np.array([1, 1, 2, 1.5], np.float32)
+    check(one_node("Upsample", {"x": x}, opset=9, mode="nearest", consts={"s": sc}), {"x": x})
+    check(one_node("Upsample", {"x": x}, opset=9, mode="linear", consts={"s": sc}), {"x": x})
+    check(one_node("Upsample", {"x": x}, opset=7, mode="nearest", scales=[1.0, 1.0, 2.0, 3.0]), {"x": x})
+    check(one_node("Resize", {"x": x}, opset=10, mode="nearest", consts={"s": sc}), {"x": x})
+    check(one_node("Resize", {"x": x}, opset=10, mode="linear", consts={"s": sc}), {"x": x})
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest", "cubic"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align", [0, 1])
+def test_grid_sample(mode, padding_mode, align):
+    x = rnd(2, 2, 4, 5)
+    grid = (RNG.uniform(-1.3, 1.3, (2, 3, 4, 2))).astype(np.float32)
+    check(one_node("GridSample", {"x": x, "g": grid}, opset=20, mode=mode, padding_mode=padding_mode,
+                   align_corners=align), {"x": x, "g": grid}, ref="ref", rtol=1e-4, atol=1e-4)
+
+
+def test_affine_grid_and_roi_align():
+    theta = rnd(2, 2, 3)
+    for align in (0, 1):
+        check(one_node("AffineGrid", {"t": theta}, opset=20, align_corners=align,
+                       consts={"size": np.array([2, 3, 4, 5], np.int64)}), {"t": theta}, ref="ref")
+    x = rnd(2, 2, 8, 8)
+    rois = np.array([[0, 0, 4, 4], [1, 2, 7, 6], [0.5, 0.5, 3.2, 6.1]], np.float32)
+    bi = np.array([0, 1, 1], np.int64)
+    for attrs in ({}, {"sampling_ratio": 2, "mode": "avg"}, {"coordinate_transformation_mode": "output_half_pixel"},
+                  {"spatial_scale": 0.5, "output_height": 3, "output_width": 2}):
+        check(one_node("RoiAlign", {"x": x, "rois": rois, "bi": bi}, **attrs), {"x": x, "rois": rois, "bi": bi})

@@ -74,7 +74,7 @@ import onnx.defs
 from onnx import AttributeProto, helper, numpy_helper
 
 from .errors import ModelError, UnsupportedOperatorError, popart_exception
-from .ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, ONNX_ML_DOMAIN
+from .ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, ONNX_ML_DOMAIN, decode_attr
 from .tensorinfo import DataType, TensorInfo, np_dtype, onnx_dtype, to_datatype
 
 # Annotation attribute names
@@ -308,7 +308,7 @@ class _SchemaOpset(Opset):
                        key=lambda a: (not a.required, a.name in _LATE_ATTRIBUTES, a.name))
         types = {a.name: int(a.type) for a in attrs}
         defaults = {a.name: (REQUIRED if a.required else
-                             helper.get_attribute_value(a.default_value)
+                             decode_attr(helper.get_attribute_value(a.default_value))
                              if a.default_value.type else None) for a in attrs}
         variadic = schema.min_output != schema.max_output
         params = (["num_outputs"] if variadic else []) + [a.name for a in attrs] + ["debugContext"]
@@ -1005,7 +1005,8 @@ class Builder:
                 versions.setdefault(op.domain, op.version)
         del model.opset_import[:]
         model.opset_import.extend(helper.make_opsetid(d, v) for d, v in versions.items())
-        model.ir_version = max(model.ir_version,
+        # IR >= 4: initializers need not be graph inputs (7 = ONNX 1.8, read by every runtime)
+        model.ir_version = max(model.ir_version, 7,
                                helper.find_min_ir_version_for(list(model.opset_import), True))
         if not model.producer_name:
             model.producer_name = "popart-xla"
@@ -1133,6 +1134,11 @@ class Builder:
     def _tensor_type(self, tensor_id: str) -> tuple[int, list[int]]:
         if not self._has_tensor(tensor_id):
             raise popart_exception(f"Tensor '{tensor_id}' does not exist in this graph")
+        declared = self._find_value_info(tensor_id)
+        if declared is not None and declared.type.tensor_type.HasField("shape"):
+            tt = declared.type.tensor_type
+            return tt.elem_type, [d.dim_value if d.HasField("dim_value") else -1
+                                  for d in tt.shape.dim]
         cache = self._inferred_types()
         if tensor_id not in cache:
             raise popart_exception(f"The type and shape of tensor '{tensor_id}' are not known: "

@@ -1,0 +1,323 @@
+"""Image ops: Resize / Upsample (separable interpolation matrices built at compile time),
+GridSample, RoiAlign, AffineGrid."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .registry import register
+
+HI = lax.Precision.HIGHEST
+
+
+def _coord(mode, x, scale, n_in, n_out, roi_start=0.0, roi_end=1.0):
+    """Input coordinate of output positions ``x`` (NumPy float64) per ONNX's
+    coordinate_transformation_mode."""
+    if mode == "half_pixel":
+        return (x + 0.5) / scale - 0.5
+    if mode == "half_pixel_symmetric":
+        adj = n_out / (n_in * scale)
+        return n_in / 2 * (1 - adj) + (x + 0.5) / scale - 0.5
+    if mode == "pytorch_half_pixel":
+        return (x + 0.5) / scale - 0.5 if n_out > 1 else np.zeros_like(x)
+    if mode == "align_corners":
+        return x * (n_in - 1) / (n_out - 1) if n_out > 1 else np.zeros_like(x)
+    if mode == "asymmetric":
+        return x / scale
+    if mode == "tf_half_pixel_for_nearest":
+        return (x + 0.5) / scale
+    if mode == "tf_crop_and_resize":
+        if n_out > 1:
+            return roi_start * (n_in - 1) + x * (roi_end - roi_start) * (n_in - 1) / (n_out - 1)
+        return np.full_like(x, 0.5 * (roi_start + roi_end) * (n_in - 1))
+    raise ValueError(mode)
+
+
+_NEAREST = {
+    "round_prefer_floor": lambda v: np.where(v - np.floor(v) == 0.5, np.floor(v), np.round(v)),
+    "round_prefer_ceil": lambda v: np.floor(v + 0.5),
+    "floor": np.floor, "ceil": np.ceil,
+    "simple": np.floor,
+}
+
+
+def _cubic(a):
+    def k(d):
+        d = np.abs(d)
+        return np.where(d <= 1, (a + 2) * d**3 - (a + 3) * d**2 + 1,
+                        np.where(d < 2, a * d**3 - 5 * a * d**2 + 8 * a * d - 4 * a, 0.0))
+    return k
+
+
+def interp_matrix(ctx, mode, coord_mode, nearest_mode, n_in, n_out, scale, cubic_a,
+                  exclude_outside, antialias, roi=(0.0, 1.0)):
+    """[n_out, n_in] weights of one axis, and the mask of output positions that fall
+    outside the input (only used by tf_crop_and_resize)."""
+    x = _coord(coord_mode, np.arange(n_out, dtype=np.float64), scale, n_in, n_out, *roi)
+    outside = (x < 0) | (x > n_in - 1)
+    m = np.zeros((n_out, n_in))
+    if mode == "nearest":
+        if nearest_mode not in _NEAREST:
+            raise ctx.error(f"nearest_mode '{nearest_mode}' is not supported")
+        idx = np.clip(_NEAREST[nearest_mode](x).astype(np.int64), 0, n_in - 1)
+        m[np.arange(n_out), idx] = 1
+        return m, outside
+    if mode == "linear":
+        kern, radius = (lambda d: np.clip(1 - np.abs(d), 0, 1)), 1
+    elif mode == "cubic":
+        kern, radius = _cubic(cubic_a), 2
+    else:
+        raise ctx.error(f"mode '{mode}' is not nearest, linear or cubic")
+    s = min(scale, 1.0) if antialias else 1.0
+    start = int(np.floor(-radius / s)) + 1
+    ks = np.arange(start, 1 - start + 1)
+    fl = np.floor(x)
+    taps = fl[:, None] + ks[None]                           # [n_out, K]
+    w = kern((taps - x[:, None]) * s)
+    if exclude_outside:
+        w = np.where((taps < 0) | (taps > n_in - 1), 0.0, w)
+    w = w / w.sum(1, keepdims=True)
+    np.add.at(m, (np.repeat(np.arange(n_out), len(ks)), np.clip(taps, 0, n_in - 1).astype(np.int64).ravel()),
+              w.ravel())
+    return m, outside
+
+
+def resize_core(ctx, x, out_shape, scales, mode, coord_mode, nearest_mode, cubic_a=-0.75,
+                exclude_outside=0, antialias=0, roi=None, extrapolation_value=0.0):
+    y = x
+    is_int = not jnp.issubdtype(x.dtype, jnp.floating)
+    work = jnp.float32 if is_int else x.dtype
+    valid = None
+    for ax, (n_in, n_out, sc) in enumerate(zip(x.shape, out_shape, scales)):
+        if n_in == n_out and sc == 1.0 and coord_mode != "tf_crop_and_resize":
+            continue
+        r = (roi[ax], roi[ax + x.ndim]) if roi is not None else (0.0, 1.0)
+        m, outside = interp_matrix(ctx, mode, coord_mode, nearest_mode, n_in, n_out, sc, cubic_a,
+                                   exclude_outside, antialias, r)
+        if mode == "nearest":  # a gather keeps every dtype exact
+            y = jnp.take(y, jnp.asarray(m.argmax(1)), axis=ax)
+        else:
+            y = jnp.moveaxis(jnp.tensordot(y.astype(work), jnp.asarray(m, work), ((ax,), (1,)),
+                                           precision=HI), -1, ax)
+        if coord_mode == "tf_crop_and_resize" and outside.any():
+            shp = [1] * x.ndim
+            shp[ax] = n_out
+            v = jnp.asarray(~outside).reshape(shp)
+            valid = v if valid is None else valid & v
+    if valid is not None:
+        y = jnp.where(valid, y, jnp.asarray(extrapolation_value, y.dtype))
+    if is_int and mode != "nearest":
+        info = jnp.iinfo(x.dtype)
+        y = jnp.clip(jnp.round(y), info.min, info.max)
+    return y.astype(x.dtype)
+
+
+def _opt_static(ctx, v, what):
+    if v is None:
+        return None
+    a = ctx.static(v, what)
+    return None if a.size == 0 else a
+
+
+@register("Resize", since=10)
+def resize(ctx, x, roi=None, scales=None, sizes=None, mode="nearest", antialias=0, axes=None,
+           coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0,
+           extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", nearest_mode="round_prefer_floor",
+           **_):
+    if ctx.version < 11:  # Resize-10: inputs (X, scales), asymmetric coordinates
+        scales, roi = roi, None
+        coordinate_transformation_mode, nearest_mode = "asymmetric", "floor"
+    r = x.ndim
+    axes = [a % r for a in axes] if axes else list(range(r))
+    scales = _opt_static(ctx, scales, "Resize scales")
+    sizes = _opt_static(ctx, sizes, "Resize sizes")
+    roi = _opt_static(ctx, roi, "Resize roi")
+    sc = [1.0] * r
+    out = list(x.shape)
+    if sizes is not None:
+        sz = [int(v) for v in sizes]
+        if keep_aspect_ratio_policy != "stretch":
+            pick = min if keep_aspect_ratio_policy == "not_larger" else max
+            s = pick(sz[i] / x.shape[a] for i, a in enumerate(axes))
+            sz = [int(math.floor(s * x.shape[a] + 0.5)) for a in axes]
+            for a, n in zip(axes, sz):
+                sc[a], out[a] = s, n
+        else:
+            for a, n in zip(axes, sz):
+                sc[a], out[a] = n / x.shape[a], n
+    elif scales is not None:
+        for a, s in zip(axes, scales):
+            sc[a], out[a] = float(s), int(math.floor(x.shape[a] * float(s)))
+    else:
+        raise ctx.error("one of scales or sizes is required")
+    if roi is not None and len(axes) != r:
+        full = [0.0] * r + [1.0] * r
+        for i, a in enumerate(axes):
+            full[a], full[a + r] = roi[i], roi[i + len(axes)]
+        roi = full
+    return resize_core(ctx, x, out, sc, mode, coordinate_transformation_mode, nearest_mode,
+                       cubic_coeff_a, exclude_outside, antialias,
+                       None if roi is None else [float(v) for v in roi], extrapolation_value)
+
+
+@register("Upsample")
+def upsample(ctx, x, scales_in=None, mode="nearest", scales=None, **_):
+    sc = [float(v) for v in (scales if scales_in is None else ctx.static(scales_in, "Upsample scales"))]
+    out = [int(math.floor(n * s)) for n, s in zip(x.shape, sc)]
+    return resize_core(ctx, x, out, sc, "linear" if mode in ("linear", "bilinear") else mode,
+                       "asymmetric", "floor")
+
+
+# ---------------------------------------------------------------------------------------
+# GridSample (2-D spatial), RoiAlign, AffineGrid
+
+def _unnormalize(g, n, align):
+    return (g + 1) / 2 * (n - 1) if align else ((g + 1) * n - 1) / 2
+
+
+def _reflect(c, lo, hi):
+    span = hi - lo
+    if span <= 0:
+        return jnp.zeros_like(c)
+    d = jnp.abs(c - lo)
+    flips = jnp.floor(d / span)
+    extra = d - flips * span
+    return jnp.where(flips % 2 == 0, lo + extra, hi - extra)
+
+
+@register("GridSample", since=16)
+def grid_sample(ctx, x, grid, align_corners=0, mode="linear", padding_mode="zeros", **_):
+    if x.ndim != 4:
+        raise ctx.error("only 2-D spatial inputs (N, C, H, W) are supported")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    N, C, H, W = x.shape
+    gx = _unnormalize(grid[..., 0], W, align_corners)
+    gy = _unnormalize(grid[..., 1], H, align_corners)
+    if padding_mode == "border":
+        gx, gy = jnp.clip(gx, 0, W - 1), jnp.clip(gy, 0, H - 1)
+    elif padding_mode == "reflection":
+        if align_corners:
+            gx, gy = _reflect(gx, 0, W - 1), _reflect(gy, 0, H - 1)
+        else:
+            gx, gy = _reflect(gx, -0.5, W - 0.5), _reflect(gy, -0.5, H - 0.5)
+        gx, gy = jnp.clip(gx, 0, W - 1), jnp.clip(gy, 0, H - 1)
+    elif padding_mode != "zeros":
+        raise ctx.error(f"padding_mode '{padding_mode}' is not zeros, border or reflection")
+
+    def tap(iy, ix):  # [N, Ho, Wo] int -> [N, C, Ho, Wo]; zero outside (or clamped)
+        inside = (iy >= 0) & (iy < H) & (ix >= 0) & (ix < W)
+        if padding_mode != "zeros":
+            inside = jnp.ones_like(inside)
+        v = jax.vmap(lambda img, yy, xx: img[:, jnp.clip(yy, 0, H - 1), jnp.clip(xx, 0, W - 1)])(x, iy, ix)
+        return jnp.where(inside[:, None], v, jnp.zeros((), x.dtype))
+    if mode == "nearest":
+        r = lambda v: jnp.round(v).astype(jnp.int32)  # half to even, as the reference
+        return tap(r(gy), r(gx))
+    x0, y0 = jnp.floor(gx), jnp.floor(gy)
+    fx, fy = gx - x0, gy - y0
+    x0, y0 = x0.astype(jnp.int32), y0.astype(jnp.int32)
+    if mode == "linear":
+        out = 0
+        for dy in (0, 1):
+            for dx in (0, 1):
+                w = (fx if dx else 1 - fx) * (fy if dy else 1 - fy)
+                out = out + w[:, None] * tap(y0 + dy, x0 + dx)
+        return out.astype(x.dtype)
+    if mode == "cubic":
+        wx, wy = ([_jk(f - d) for d in (-1, 0, 1, 2)] for f in (fx, fy))
+        out = 0
+        for i, dy in enumerate((-1, 0, 1, 2)):
+            for j, dx in enumerate((-1, 0, 1, 2)):
+                iy, ix = y0 + dy, x0 + dx
+                if padding_mode == "border":
+                    iy, ix = jnp.clip(iy, 0, H - 1), jnp.clip(ix, 0, W - 1)
+                elif padding_mode == "reflection":
+                    iy = _reflect(iy.astype(x.dtype), 0, H - 1).astype(jnp.int32) if align_corners else \
+                        _reflect(iy.astype(x.dtype), -0.5, H - 0.5).astype(jnp.int32)
+                    ix = _reflect(ix.astype(x.dtype), 0, W - 1).astype(jnp.int32) if align_corners else \
+                        _reflect(ix.astype(x.dtype), -0.5, W - 0.5).astype(jnp.int32)
+                out = out + (wx[j] * wy[i])[:, None] * tap(iy, ix)
+        return out.astype(x.dtype)
+    raise ctx.error(f"mode '{mode}' is not supported")
+
+
+def _jk(d, a=-0.75):
+    d = jnp.abs(d)
+    return jnp.where(d <= 1, (a + 2) * d**3 - (a + 3) * d**2 + 1,
+                     jnp.where(d < 2, a * d**3 - 5 * a * d**2 + 8 * a * d - 4 * a, 0.0))
+
+
+@register("AffineGrid", since=20)
+def affine_grid(ctx, theta, size, align_corners=0, **_):
+    shp = [int(v) for v in ctx.static(size, "AffineGrid size")]
+    sp = shp[2:][::-1]  # W, H(, D)
+
+    def lin(n):
+        v = np.linspace(-1, 1, n) if align_corners else (np.arange(n) * 2 + 1) / n - 1
+        return v if n > 1 or align_corners else np.zeros(1)
+    grids = np.meshgrid(*[lin(n) for n in shp[2:]], indexing="ij")  # (H, W) order
+    coords = np.stack(grids[::-1] + [np.ones_like(grids[0])], -1)      # [..., (x, y, 1)]
+    base = jnp.asarray(coords, theta.dtype).reshape(-1, len(sp) + 1)
+    out = jnp.einsum("pk,njk->npj", base, theta, precision=HI)
+    return out.reshape([shp[0]] + shp[2:] + [len(sp)])
+
+
+@register("RoiAlign", since=10)
+def roi_align(ctx, x, rois, batch_indices, coordinate_transformation_mode="half_pixel",
+              mode="avg", output_height=1, output_width=1, sampling_ratio=0, spatial_scale=1.0, **_):
+    N, C, H, W = x.shape
+    off = 0.5 if (ctx.version >= 16 and coordinate_transformation_mode == "half_pixel") else 0.0
+    if sampling_ratio <= 0:
+        # adaptive sampling counts depend on the data: bound them by the static image size
+        ratio = None
+    else:
+        ratio = int(sampling_ratio)
+
+    def one(roi, b):
+        x1, y1, x2, y2 = roi * spatial_scale - off
+        rw, rh = x2 - x1, y2 - y1
+        if off == 0.0:
+            rw, rh = jnp.maximum(rw, 1.0), jnp.maximum(rh, 1.0)
+        bh, bw = rh / output_height, rw / output_width
+        gh = ratio or int(math.ceil(H / output_height))
+        gw = ratio or int(math.ceil(W / output_width))
+        nh = jnp.asarray(ratio, jnp.int32) if ratio else jnp.ceil(rh / output_height).astype(jnp.int32)
+        nw = jnp.asarray(ratio, jnp.int32) if ratio else jnp.ceil(rw / output_width).astype(jnp.int32)
+        iy = jnp.arange(gh)
+        ix = jnp.arange(gw)
+        ys = y1 + jnp.arange(output_height)[:, None] * bh + (iy[None] + 0.5) * bh / nh   # [oh, gh]
+        xs = x1 + jnp.arange(output_width)[:, None] * bw + (ix[None] + 0.5) * bw / nw    # [ow, gw]
+        my, mx = iy < nh, ix < nw
+        img = x[b]
+
+        def bil(yy, xx):
+            out_of = (yy < -1) | (yy > H) | (xx < -1) | (xx > W)
+            yy, xx = jnp.maximum(yy, 0), jnp.maximum(xx, 0)
+            y0 = jnp.minimum(jnp.floor(yy).astype(jnp.int32), H - 1)
+            x0 = jnp.minimum(jnp.floor(xx).astype(jnp.int32), W - 1)
+            y1_, x1_ = jnp.minimum(y0 + 1, H - 1), jnp.minimum(x0 + 1, W - 1)
+            yy = jnp.where(y0 >= H - 1, y0.astype(yy.dtype), yy)
+            xx = jnp.where(x0 >= W - 1, x0.astype(xx.dtype), xx)
+            ly, lx = yy - y0, xx - x0
+            hy, hx = 1 - ly, 1 - lx
+            terms = [hy * hx * img[:, y0, x0], hy * lx * img[:, y0, x1_],
+                     ly * hx * img[:, y1_, x0], ly * lx * img[:, y1_, x1_]]
+            return terms, out_of
+        Y = ys[:, None, :, None]   # [oh, 1, gh, 1]
+        X = xs[None, :, None, :]   # [1, ow, 1, gw]
+        Y, X = jnp.broadcast_arrays(Y, X)
+        terms, oob = bil(Y, X)      # each term [C, oh, ow, gh, gw]
+        valid = (my[None, None, :, None] & mx[None, None, None, :]) & ~oob
+        cnt = jnp.maximum(nh * nw, 1).astype(x.dtype)
+        if mode == "avg":
+            v = sum(terms)
+            return jnp.sum(jnp.where(valid, v, 0), (-2, -1)) / cnt
+        if mode == "max":
+            v = jnp.max(jnp.stack(terms), 0)
+            return jnp.max(jnp.where(valid, v, -jnp.inf), (-2, -1)).astype(x.dtype)
+        raise ctx.error(f"mode '{mode}' is not avg or max")
+    return jax.vmap(one)(rois, batch_indices.astype(jnp.int32))
