@@ -318,7 +318,7 @@ def test_adadelta_matches_torch(grad_fn):
 @pytest.mark.parametrize("mm", [(0.0, True), (0.0, False), (0.7, False)])
 def test_adaptive_modes_match_reference_formula(grad_fn, mode, wdmode, mm, tf):
     # A momentum buffer exists when momentum is non-const or > 0 (PopART's rule).
-    hp = dict(lr=0.02, alpha=0.9, eps=1e-4, wd=0.03, mm=mm[0], use_momentum=not mm[1])
+    hp = dict(lr=0.02, alpha=0.9, eps=0.05, wd=0.03, mm=mm[0], use_momentum=not mm[1])
     opt = Adaptive({"defaultLearningRate": (hp["lr"], False), "defaultAlpha": (hp["alpha"], True),
                     "defaultEps": (hp["eps"], True), "defaultWeightDecay": (hp["wd"], False),
                     "defaultMomentum": mm, "lossScaling": (4.0, True)},

@@ -170,7 +170,8 @@ def _make_attr(op: str, name: str, value: Any, attr_type: Optional[int] = None) 
             attr_type = G
         elif attr_type == T or isinstance(value, np.ndarray):
             value, attr_type = numpy_helper.from_array(np.asarray(value)), T
-        elif attr_type == I and name in _DTYPE_ATTRIBUTES and not isinstance(value, (int, np.integer)):
+        elif (attr_type == I and name in _DTYPE_ATTRIBUTES
+              and not isinstance(value, (int, np.integer))):
             value = onnx_dtype(value)
         if isinstance(value, np.generic):
             value = value.item()
@@ -225,8 +226,9 @@ def _bind(what: str, params: Sequence[str], required: set, str_params: set,
         elif key not in params and key.endswith("_") and key[:-1] in params:
             key = key[:-1]  # e.g. lambda_ for the attribute "lambda"
         if key not in params:
+            known = ", ".join(p for p in params if p != "debugContext") or "none"
             raise popart_exception(f"{what} has no attribute '{key}'; its attributes are: "
-                                   f"{', '.join(p for p in params if p != 'debugContext') or 'none'}")
+                                   f"{known}")
         if key in values:
             raise popart_exception(f"{what} got more than one value for '{key}'")
         values[key] = value
@@ -329,7 +331,8 @@ class _SchemaOpset(Opset):
                 if not schema.min_output <= n_out <= schema.max_output:
                     raise popart_exception(f"Op {op}: num_outputs must be in "
                                            f"{schema.min_output}..{schema.max_output}, got {n_out}")
-            attributes = [_make_attr(op, k, v[k], types[k]) for k in types if not _is_unset(v.get(k))]
+            attributes = [_make_attr(op, k, v[k], types[k]) for k in types
+                          if not _is_unset(v.get(k))]
             outs = builder._add_node(schema.name, schema.domain, args, attributes, n_out,
                                      v.get("debugContext"))
             return outs[0] if schema.max_output == 1 else outs
@@ -1234,7 +1237,8 @@ class Builder:
     def getAllNodeAttributeNames(self, nodeOutputNames: Any) -> list[str]:
         return [a.name for a in self._find_node(nodeOutputNames).attribute]
 
-    def _annotate(self, attr: str, target: Any, value: Any, encode: Any) -> Optional[_AttributeContext]:
+    def _annotate(self, attr: str, target: Any, value: Any,
+                  encode: Any) -> Optional[_AttributeContext]:
         """Setter on nodes (``target`` = output id(s)) or context manager (``target`` = value)."""
         if isinstance(target, (str, list, tuple, set, frozenset)):
             for tid in _as_id_set(target):
@@ -1242,17 +1246,21 @@ class Builder:
             return None
         return _AttributeContext(self, {attr: encode(value if target is None else target)})
 
-    def virtualGraph(self, nodeOutputNames: Any = None, value: int = 0) -> Optional[_AttributeContext]:
+    def virtualGraph(self, nodeOutputNames: Any = None,
+                     value: int = 0) -> Optional[_AttributeContext]:
         """``virtualGraph(ids, n)`` places nodes on virtual graph n; ``with virtualGraph(n)``."""
         return self._annotate(VIRTUAL_GRAPH, nodeOutputNames, value, int)
 
-    def pipelineStage(self, nodeOutputNames: Any = None, value: int = 0) -> Optional[_AttributeContext]:
+    def pipelineStage(self, nodeOutputNames: Any = None,
+                      value: int = 0) -> Optional[_AttributeContext]:
         return self._annotate(PIPELINE_STAGE, nodeOutputNames, value, int)
 
-    def executionPhase(self, nodeOutputNames: Any = None, value: int = 0) -> Optional[_AttributeContext]:
+    def executionPhase(self, nodeOutputNames: Any = None,
+                       value: int = 0) -> Optional[_AttributeContext]:
         return self._annotate(EXECUTION_PHASE, nodeOutputNames, value, int)
 
-    def schedulePriority(self, nodeOutputNames: Any = None, value: float = 0.0) -> Optional[_AttributeContext]:
+    def schedulePriority(self, nodeOutputNames: Any = None,
+                         value: float = 0.0) -> Optional[_AttributeContext]:
         return self._annotate(SCHEDULE_PRIORITY, nodeOutputNames, value, float)
 
     def recomputeOutput(self, nodeOutputNames: Any = None,
@@ -1400,7 +1408,8 @@ def _all_names(graph: onnx.GraphProto) -> set[str]:
 
 
 def _node_domains(graph: onnx.GraphProto) -> set[str]:
-    return {n.domain for g in _all_graphs(graph) for n in g.node if n.domain not in ("", ONNX_DOMAIN)}
+    return {n.domain for g in _all_graphs(graph) for n in g.node
+            if n.domain not in ("", ONNX_DOMAIN)}
 
 
 def _atomic_write(filename: str, data: bytes) -> None:

@@ -1,8 +1,8 @@
 """``popart demo``: train a small CNN, written with the popart Builder, on 8x8 hand-written digits.
 
 The data (scikit-learn's copy of the UCI digits, see ``data/LICENSE-digits.txt``) ships with
-the package. The network is conv -> relu -> maxpool -> conv -> relu -> maxpool -> matmul ->
-softmax, trained with nllloss and SGD (momentum) in a TrainingSession that runs
+the package. The network is conv -> relu -> strided conv -> relu -> strided conv -> relu ->
+matmul -> softmax, trained with nllloss and SGD (momentum) in a TrainingSession that runs
 ``batchesPerStep`` batches per ``run()``. The trained model is saved with ``modelToHost``,
 reloaded into an InferenceSession and evaluated again.
 """
@@ -21,6 +21,7 @@ import popart
 
 BATCH = 50            # micro-batch size
 BATCHES_PER_STEP = 10  # batches per session.run()
+EVAL_BATCHES_PER_STEP = 3
 LEARNING_RATE = 0.05
 MOMENTUM = 0.9
 
@@ -75,12 +76,13 @@ def build_model(batch: int, seed: int = 0) -> tuple[popart.Builder, str, str, st
     x = b.addInputTensor(popart.TensorInfo("FLOAT", [batch, 1, 8, 8]), "image")
     labels = b.addInputTensor(popart.TensorInfo("INT32", [batch]), "label")
     h = x
-    for i, (cin, cout) in enumerate([(1, 16), (16, 32)]):
+    # 8x8 -> 8x8 -> 4x4 -> 2x2: the strided convolutions do the down-sampling.
+    for i, (cin, cout, stride) in enumerate([(1, 16, 1), (16, 32, 2), (32, 32, 2)]):
         w = b.addInitializedInputTensor(he(cout, cin, 3, 3), f"conv{i}/weight")
         bias = b.addInitializedInputTensor(np.zeros(cout, np.float32), f"conv{i}/bias")
-        h = b.aiOnnx.conv([h, w, bias], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+        h = b.aiOnnx.conv([h, w, bias], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                          strides=[stride, stride])
         h = b.aiOnnx.relu([h])
-        h = b.aiOnnx.maxpool([h], num_outputs=1, kernel_shape=[2, 2], strides=[2, 2])[0]
     h = b.reshape_const(b.aiOnnx, [h], [batch, 32 * 2 * 2])
     w = b.addInitializedInputTensor(he(128, 10), "fc/weight")
     bias = b.addInitializedInputTensor(np.zeros(10, np.float32), "fc/bias")
@@ -115,62 +117,84 @@ def evaluate(session: popart.InferenceSession, image: str, label: str, probs: st
     return float((pred == y).mean()), float(per_batch.mean())
 
 
+def _eval_session(model: str | bytes, probs: str, loss: str, device: popart.DeviceInfo,
+                  name: str) -> popart.InferenceSession:
+    flow = popart.DataFlow(EVAL_BATCHES_PER_STEP, {probs: popart.AnchorReturnType("ALL"),
+                                                   loss: popart.AnchorReturnType("ALL")})
+    session = popart.InferenceSession(model, flow, device, name=name)
+    session.prepareDevice()
+    return session
+
+
 def run_demo(epochs: int = 10, output: str = ".", device: Optional[popart.DeviceInfo] = None,
              log: Callable[[str], None] = print, progress: bool = True) -> dict:
     """Train, save ``output/digits.onnx``, reload it for inference; returns the results."""
     data = load_digits()
     batch, bps = BATCH, BATCHES_PER_STEP
     builder, image, label, probs, loss = build_model(batch)
+    proto = builder.getModelProto()
     device = device or popart.DeviceManager().createCpuDevice()
     steps_per_epoch = len(data.x_train) // (batch * bps)
-    log(f"digits: {len(data.x_train)} train / {len(data.x_test)} test samples; CNN with "
-        f"batch {batch}, {bps} batches per step, {steps_per_epoch} steps per epoch, SGD lr "
-        f"{LEARNING_RATE} momentum {MOMENTUM}; device {device.type.name}")
+    log(f"digits: {len(data.x_train)} train / {len(data.x_test)} test samples; CNN, batch "
+        f"{batch}, {bps} batches per step, {steps_per_epoch} steps per epoch, SGD lr "
+        f"{LEARNING_RATE} (linear decay) momentum {MOMENTUM}; device {device.type.name}")
 
     opt = popart.SGD({"defaultLearningRate": (LEARNING_RATE, False),
                       "defaultMomentum": (MOMENTUM, True)})
     flow = popart.DataFlow(bps, {loss: popart.AnchorReturnType("ALL")})
-    train = popart.TrainingSession(builder.getModelProto(), flow, loss, opt, device,
-                                   name="digits-train")
+    train = popart.TrainingSession(proto, flow, loss, opt, device, name="digits-train")
     t0 = time.perf_counter()
     train.prepareDevice()
     train.weightsFromHost()
-    log(f"compiled the training step in {time.perf_counter() - t0:.2f} s")
+    infer = _eval_session(proto, probs, loss, device, "digits-eval")
+    log(f"compiled the training and evaluation programs in {time.perf_counter() - t0:.2f} s")
+    weights = {w: np.zeros(builder.getTensorShape(w), np.float32)
+               for w in builder.getTrainableTensorIds()}
+
+    def test_accuracy(session: popart.InferenceSession) -> tuple[float, float]:
+        return evaluate(session, image, label, probs, loss, data.x_test, data.y_test, batch,
+                        EVAL_BATCHES_PER_STEP)
+
     anchors = train.initAnchorArrays()
     rng = np.random.default_rng(1)
     bar = ProgressBar(epochs * steps_per_epoch, "train") if progress else None
-    t_train = time.perf_counter()
-    epoch_losses = []
+    train_seconds, epoch_losses, acc = 0.0, [], 0.0
     for epoch in range(epochs):
         perm = rng.permutation(len(data.x_train))[:steps_per_epoch * batch * bps]
         xs, ys = _steps(data.x_train[perm], data.y_train[perm], batch, bps)
         losses = []
+        if epoch:  # linear decay; the learning rate is non-const, so no recompilation
+            lr = LEARNING_RATE * (1 - epoch / epochs)
+            train.updateOptimizerFromHost(popart.SGD({"defaultLearningRate": (lr, False),
+                                                      "defaultMomentum": (MOMENTUM, True)}))
+        t0 = time.perf_counter()
         for xb, yb in zip(xs, ys):
             train.run(popart.PyStepIO({image: xb, label: yb}, anchors))
             losses.append(anchors[loss].copy())
             if bar:
                 bar.update(1, f"loss {losses[-1].mean():.4f}")
+        train_seconds += time.perf_counter() - t0
+        train.weightsToHost()
+        train.readWeights(popart.PyWeightsIO(weights))
+        infer.writeWeights(popart.PyWeightsIO(weights))
+        acc, _ = test_accuracy(infer)
         epoch_losses.append(float(np.mean(losses)))
-        log(f"epoch {epoch + 1}/{epochs}: loss {epoch_losses[-1]:.4f}")
-    train_seconds = time.perf_counter() - t_train
+        log(f"epoch {epoch + 1}/{epochs}: train loss {epoch_losses[-1]:.4f}, "
+            f"test accuracy {100 * acc:.2f}%")
     samples = epochs * steps_per_epoch * bps * batch
-    log(f"trained {samples} samples in {train_seconds:.2f} s ({samples / train_seconds:.0f} "
-        f"samples/s)")
+    log(f"trained on {samples} samples in {train_seconds:.2f} s "
+        f"({samples / max(train_seconds, 1e-9):.0f} samples/s)")
 
     os.makedirs(output, exist_ok=True)
     path = os.path.join(output, "digits.onnx")
     train.modelToHost(path)
     log(f"saved the trained model to {path}")
-
-    # Evaluate the saved model in a fresh InferenceSession.
-    eval_bps = 3
-    flow = popart.DataFlow(eval_bps, {probs: popart.AnchorReturnType("ALL"),
-                                      loss: popart.AnchorReturnType("ALL")})
-    infer = popart.InferenceSession(path, flow, device, name="digits-infer")
-    infer.prepareDevice()
-    acc, test_loss = evaluate(infer, image, label, probs, loss, data.x_test, data.y_test,
-                              batch, eval_bps)
-    log(f"test accuracy: {100 * acc:.2f}% (test loss {test_loss:.4f}, reloaded {path} into an "
-        f"InferenceSession)")
-    return {"loss": epoch_losses, "accuracy": acc, "test_loss": test_loss, "model": path,
+    reloaded = _eval_session(path, probs, loss, device, "digits-reloaded")
+    acc2, test_loss = test_accuracy(reloaded)
+    log(f"test accuracy: {100 * acc2:.2f}% (test loss {test_loss:.4f}) from {path} reloaded "
+        f"into an InferenceSession")
+    if abs(acc2 - acc) > 1e-9:
+        log(f"warning: the reloaded model's accuracy differs from the trained session's "
+            f"({100 * acc:.2f}%)")
+    return {"loss": epoch_losses, "accuracy": acc2, "test_loss": test_loss, "model": path,
             "train_seconds": train_seconds}

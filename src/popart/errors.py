@@ -7,6 +7,15 @@ from __future__ import annotations
 
 import enum
 
+__all__ = [
+    "popart_exception", "popart_internal_exception", "popart_runtime_error", "poplibs_exception",
+    "poplar_exception", "poplar_runtime_error", "poplar_application_runtime_error",
+    "poplar_system_runtime_error", "RecoveryAction", "poplar_recoverable_runtime_error",
+    "poplar_unrecoverable_runtime_error", "poplar_unknown_runtime_error", "poplar_recoverable_error",
+    "poplar_unrecoverable_error", "unknown_runtime_error", "OutOfMemoryException",
+    "UnsupportedOperatorError", "StepIOError", "ModelError", "OptionError", "OptimizerError",
+]
+
 
 class popart_exception(RuntimeError):
     """Base of all errors raised by PopART."""

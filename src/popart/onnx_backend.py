@@ -99,7 +99,8 @@ class PopartBackendRep(BackendRep):
         if missing:
             raise UnsupportedOperatorError(f"missing model inputs: {missing}")
         rng = jax.random.key(int(kwargs.get("seed", 0)))
-        static = set(self.static)
+        static = set(self.static) | {k for k, v in feeds.items()      # XLA has no strings
+                                     if isinstance(v, np.ndarray) and v.dtype.kind in "OUS"}
         while True:
             st = {k: v for k, v in feeds.items() if k in static}
             dyn = {k: _to_device(v, self.device) for k, v in feeds.items() if k not in static}

@@ -197,14 +197,14 @@ def grid_sample(ctx, x, grid, align_corners=0, mode="linear", padding_mode="zero
     N, C, H, W = x.shape
     gx = _unnormalize(grid[..., 0], W, align_corners)
     gy = _unnormalize(grid[..., 1], H, align_corners)
+    if mode == "nearest":  # rounded (half to even) before the padding rule, as PyTorch
+        gx, gy = jnp.round(gx), jnp.round(gy)
+    lo_x, hi_x, lo_y, hi_y = (0, W - 1, 0, H - 1) if align_corners else (-0.5, W - 0.5, -0.5, H - 0.5)
     if padding_mode == "border":
-        gx, gy = jnp.clip(gx, 0, W - 1), jnp.clip(gy, 0, H - 1)
+        gx = jnp.where((gx < lo_x) | (gx > hi_x), jnp.clip(gx, 0, W - 1), gx)
+        gy = jnp.where((gy < lo_y) | (gy > hi_y), jnp.clip(gy, 0, H - 1), gy)
     elif padding_mode == "reflection":
-        if align_corners:
-            gx, gy = _reflect(gx, 0, W - 1), _reflect(gy, 0, H - 1)
-        else:
-            gx, gy = _reflect(gx, -0.5, W - 0.5), _reflect(gy, -0.5, H - 0.5)
-        gx, gy = jnp.clip(gx, 0, W - 1), jnp.clip(gy, 0, H - 1)
+        gx, gy = _reflect(gx, lo_x, hi_x), _reflect(gy, lo_y, hi_y)
     elif padding_mode != "zeros":
         raise ctx.error(f"padding_mode '{padding_mode}' is not zeros, border or reflection")
 
@@ -236,10 +236,8 @@ def grid_sample(ctx, x, grid, align_corners=0, mode="linear", padding_mode="zero
                 if padding_mode == "border":
                     iy, ix = jnp.clip(iy, 0, H - 1), jnp.clip(ix, 0, W - 1)
                 elif padding_mode == "reflection":
-                    iy = _reflect(iy.astype(x.dtype), 0, H - 1).astype(jnp.int32) if align_corners else \
-                        _reflect(iy.astype(x.dtype), -0.5, H - 0.5).astype(jnp.int32)
-                    ix = _reflect(ix.astype(x.dtype), 0, W - 1).astype(jnp.int32) if align_corners else \
-                        _reflect(ix.astype(x.dtype), -0.5, W - 0.5).astype(jnp.int32)
+                    iy = _reflect(iy.astype(x.dtype), lo_y, hi_y).astype(jnp.int32)
+                    ix = _reflect(ix.astype(x.dtype), lo_x, hi_x).astype(jnp.int32)
                 out = out + (wx[j] * wy[i])[:, None] * tap(iy, ix)
         return out.astype(x.dtype)
     raise ctx.error(f"mode '{mode}' is not supported")
@@ -260,7 +258,7 @@ def affine_grid(ctx, theta, size, align_corners=0, **_):
         v = np.linspace(-1, 1, n) if align_corners else (np.arange(n) * 2 + 1) / n - 1
         return v if n > 1 or align_corners else np.zeros(1)
     grids = np.meshgrid(*[lin(n) for n in shp[2:]], indexing="ij")  # (H, W) order
-    coords = np.stack(grids[::-1] + [np.ones_like(grids[0])], -1)      # [..., (x, y, 1)]
+    coords = np.stack(list(grids[::-1]) + [np.ones_like(grids[0])], -1)      # [..., (x, y, 1)]
     base = jnp.asarray(coords, theta.dtype).reshape(-1, len(sp) + 1)
     out = jnp.einsum("pk,njk->npj", base, theta, precision=HI)
     return out.reshape([shp[0]] + shp[2:] + [len(sp)])

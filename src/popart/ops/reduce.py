@@ -12,7 +12,7 @@ from .registry import add
 def _lowest(x, sign):
     dt = jnp.result_type(x)
     if dt == jnp.bool_:
-        return sign < 0
+        return sign > 0
     if jnp.issubdtype(dt, jnp.integer):
         i = jnp.iinfo(dt)
         return i.max if sign > 0 else i.min

@@ -28,6 +28,8 @@ ACTIVATIONS = {
 def activations(ctx, names, alphas, betas, defaults, num_dirs):
     """Per direction, the list of activation callables (alpha / beta consumed in order)."""
     names = list(names) if names else defaults * num_dirs
+    if len(names) == 2 * len(defaults) and num_dirs == 1:  # RNN's schema default lists both
+        names = names[:len(defaults)]
     if len(names) != len(defaults) * num_dirs:
         raise ctx.error(f"expected {len(defaults) * num_dirs} activations, got {names}")
     alphas, betas = list(alphas or []), list(betas or [])

@@ -1,5 +1,6 @@
 """Sequence and Optional ops. A sequence is a Python list of arrays (its length is static);
-an empty optional is ``None``."""
+an empty optional is ``None``. Ops whose output may be a sequence return ``(value,)``
+(a bare list would read as several outputs)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -17,23 +18,23 @@ def _pos(ctx, seq, pos, insert=False):
     return p % n
 
 
-add("SequenceConstruct", lambda ctx, *xs, **_: list(xs), since=11)
-add("SequenceEmpty", lambda ctx, dtype=None, **_: [], since=11)
+add("SequenceConstruct", lambda ctx, *xs, **_: (list(xs),), since=11)
+add("SequenceEmpty", lambda ctx, dtype=None, **_: ([],), since=11)
 add("SequenceLength", lambda ctx, seq, **_: np.array(len(seq), np.int64), since=11)
-add("SequenceAt", lambda ctx, seq, pos, **_: seq[_pos(ctx, seq, pos)], since=11,
+add("SequenceAt", lambda ctx, seq, pos, **_: (seq[_pos(ctx, seq, pos)],), since=11,
     static_inputs=(1,))
 
 
 @register("SequenceErase", since=11, static_inputs=(1,))
 def sequence_erase(ctx, seq, pos=None, **_):
     p = len(seq) - 1 if pos is None else _pos(ctx, seq, pos)
-    return seq[:p] + seq[p + 1:]
+    return (seq[:p] + seq[p + 1:],)
 
 
 @register("SequenceInsert", since=11, static_inputs=(2,))
 def sequence_insert(ctx, seq, x, pos=None, **_):
     p = len(seq) if pos is None else _pos(ctx, seq, pos, insert=True)
-    return seq[:p] + [x] + seq[p:]
+    return (seq[:p] + [x] + seq[p:],)
 
 
 @register("SplitToSequence", since=11, static_inputs=(1,))
@@ -41,12 +42,12 @@ def split_to_sequence(ctx, x, split=None, axis=0, keepdims=1, **_):
     ax = axis % x.ndim
     if split is None:
         parts = [jnp.take(x, i, axis=ax) for i in range(x.shape[ax])]
-        return parts if not keepdims else [jnp.expand_dims(p, ax) for p in parts]
+        return (parts if not keepdims else [jnp.expand_dims(p, ax) for p in parts],)
     s = ints(ctx, split, "split")
     if np.ndim(ctx.static(split, "split")) == 0:
         n = x.shape[ax]
         s = [min(s[0], n - i) for i in range(0, n, s[0])]
-    return list(_split(ctx, x, s, ax))
+    return (list(_split(ctx, x, s, ax)),)
 
 
 @register("ConcatFromSequence", since=11)
@@ -56,7 +57,7 @@ def concat_from_sequence(ctx, seq, axis=0, new_axis=0, **_):
     return jnp.stack(seq, axis=axis) if new_axis else jnp.concatenate(seq, axis=axis)
 
 
-add("Optional", lambda ctx, x=None, type=None, **_: x, since=15)
+add("Optional", lambda ctx, x=None, type=None, **_: (x,), since=15)
 add("OptionalHasElement", lambda ctx, x=None, **_: np.array(x is not None), since=15)
 
 
@@ -64,4 +65,12 @@ add("OptionalHasElement", lambda ctx, x=None, **_: np.array(x is not None), sinc
 def optional_get_element(ctx, x=None, **_):
     if x is None:
         raise ctx.error("the optional is empty")
-    return x
+    return (x,)
+
+
+@register("SequenceMap", since=17)
+def sequence_map(ctx, seq, *extra, body=None, **_):
+    """``body`` on each element (sequences among ``extra`` are walked in step)."""
+    outs = [ctx.run_subgraph(body, [seq[i]] + [e[i] if isinstance(e, list) else e for e in extra])
+            for i in range(len(seq))]
+    return tuple(list(o) for o in zip(*outs)) if outs else tuple([] for _ in range(ctx.num_outputs))

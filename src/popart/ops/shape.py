@@ -61,7 +61,7 @@ def transpose(ctx, x, perm=None, **_):
 
 @register("Flatten")
 def flatten(ctx, x, axis=1, **_):
-    ax = axis % (x.ndim + 1) if axis < 0 else axis
+    ax = axis + x.ndim if axis < 0 else axis
     return jnp.reshape(x, (int(np.prod(x.shape[:ax])), int(np.prod(x.shape[ax:]))))
 
 
@@ -196,10 +196,13 @@ def depth_to_space(ctx, x, blocksize=1, mode="DCR", **_):
 
 
 @register("SpaceToDepth")
-def space_to_depth(ctx, x, blocksize=1, **_):
+def space_to_depth(ctx, x, blocksize=1, mode="DCR", **_):
     b, ch, h, w = x.shape
     bs = blocksize
-    y = x.reshape(b, ch, h // bs, bs, w // bs, bs).transpose(0, 3, 5, 1, 2, 4)
+    y = x.reshape(b, ch, h // bs, bs, w // bs, bs)
+    if mode not in ("DCR", "CRD"):
+        raise ctx.error(f"mode must be DCR or CRD, got {mode!r}")
+    y = y.transpose((0, 3, 5, 1, 2, 4) if mode == "DCR" else (0, 1, 3, 5, 2, 4))
     return y.reshape(b, ch * bs * bs, h // bs, w // bs)
 
 

@@ -1,0 +1,267 @@
+"""The ``popart`` command: run an ONNX model, train the digits demo, list devices.
+
+    popart run MODEL.onnx [--batches-per-step N] [--input NAME=FILE.npy ...]
+                          [--device cpu|ipumodel:N|gpu] [--output DIR] [--runs N] [--verbose]
+    popart demo [--epochs N] [--output DIR]
+    popart devices
+
+Errors print one line, ``popart: error: <message>``, and exit with status 1 (``--verbose``
+shows the traceback instead).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+import traceback
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+class CliError(ValueError):
+    """A bad command-line argument (reported like a runtime error)."""
+
+
+# --------------------------------------------------------------------------------- helpers
+def _device(spec: str) -> Any:
+    """The DeviceInfo for ``cpu``, ``ipumodel:N`` or ``gpu``."""
+    import jax
+
+    import popart
+    dm = popart.DeviceManager()
+    if spec == "cpu":
+        return dm.createCpuDevice()
+    m = re.fullmatch(r"ipumodel(?::(\d+))?", spec)
+    if m:
+        return dm.createIpuModelDevice({"numIPUs": int(m.group(1) or 1)})
+    if spec == "gpu":
+        if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+            raise CliError(f"--device gpu: JAX sees no GPU (its backend is '{jax.default_backend()}')")
+        return dm.acquireAvailableDevice(1)
+    raise CliError(f"--device '{spec}' is not one of cpu, ipumodel:N, gpu")
+
+
+def _parse_inputs(specs: Sequence[str]) -> dict[str, np.ndarray]:
+    """``NAME=FILE.npy`` pairs -> arrays (the name may contain '='; the last one splits)."""
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.rpartition("=")
+        if not sep or not name or not path:
+            raise CliError(f"--input '{spec}' is not of the form NAME=FILE.npy")
+        try:
+            out[name] = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise CliError(f"--input {name}: file '{path}' does not exist") from None
+        except (OSError, ValueError) as e:
+            raise CliError(f"--input {name}: cannot read '{path}' as a .npy file: {e}") from None
+    return out
+
+
+def _model_inputs(model: Any) -> dict[str, tuple[np.dtype, list[int]]]:
+    """Graph inputs that are not initializers: name -> (dtype, shape; -1 for unknown dims)."""
+    from onnx import helper
+    init = {t.name for t in model.graph.initializer}
+    out = {}
+    for vi in model.graph.input:
+        if vi.name in init:
+            continue
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
+        out[vi.name] = (np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims)
+    return out
+
+
+def _feed(name: str, dtype: np.dtype, shape: list[int], given: Optional[np.ndarray], bps: int,
+          rng: np.random.Generator) -> np.ndarray:
+    """The step's array for one input: the given one (repeated bps times if it has just the
+    tensor's shape, cast within its kind) or random data of the tensor's shape."""
+    if given is None:
+        if -1 in shape:
+            raise CliError(f"Input '{name}' has unknown dimensions {shape}: give its data with "
+                           f"--input {name}=FILE.npy")
+        full = [bps, *shape] if bps > 1 else shape
+        if np.issubdtype(dtype, np.floating):
+            return rng.standard_normal(full).astype(dtype)
+        return np.zeros(full, dtype)  # integer / bool inputs are often indices: zero is valid
+    if given.dtype != dtype and np.can_cast(given.dtype, dtype, "same_kind"):
+        given = given.astype(dtype)
+    if bps > 1 and _matches(given.shape, shape):
+        given = np.broadcast_to(given, (bps, *given.shape)).copy()
+    return given
+
+
+def _matches(have: Sequence[int], want: Sequence[int]) -> bool:
+    return len(have) == len(want) and all(w in (-1, h) for h, w in zip(have, want))
+
+
+def sanitize(name: str) -> str:
+    """A tensor name as a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".") or "tensor"
+
+
+def _preview(a: np.ndarray, n: int = 5) -> str:
+    flat = np.asarray(a).reshape(-1)[:n]
+    more = ", ..." if np.size(a) > n else ""
+    return "[" + ", ".join(f"{v:.6g}" if isinstance(v, float) else str(v)
+                           for v in flat.tolist()) + more + "]"
+
+
+# --------------------------------------------------------------------------------- commands
+def cmd_run(args: argparse.Namespace) -> int:
+    import popart
+    from popart.ir.onnx_import import load_model
+
+    if args.batches_per_step < 1 or args.runs < 1:
+        raise CliError("--batches-per-step and --runs must be >= 1")
+    model, _ = load_model(args.model)
+    inputs = _model_inputs(model)
+    given = _parse_inputs(args.input or [])
+    unknown = set(given) - set(inputs)
+    if unknown:
+        raise CliError(f"--input {sorted(unknown)}: not inputs of the model (its inputs are "
+                       f"{sorted(inputs)})")
+    bps = args.batches_per_step
+    rng = np.random.default_rng(0)
+    feeds = {n: _feed(n, dt, sh, given.get(n), bps, rng) for n, (dt, sh) in inputs.items()}
+    shape_info = popart.InputShapeInfo()
+    for n, (dt, sh) in inputs.items():
+        if -1 in sh:  # take unknown dims from the given data
+            data_shape = list(feeds[n].shape[1:] if bps > 1 else feeds[n].shape)
+            shape_info.add(n, popart.TensorInfo(dt, data_shape))
+    outputs = [o.name for o in model.graph.output]
+    if not outputs:
+        raise CliError(f"Model '{args.model}' declares no outputs to anchor")
+    flow = popart.DataFlow(bps, {o: popart.AnchorReturnType("ALL") for o in outputs})
+    device = _device(args.device)
+    session = popart.InferenceSession(args.model, flow, device, inputShapeInfo=shape_info)
+    t0 = time.perf_counter()
+    session.prepareDevice()
+    compile_s = time.perf_counter() - t0
+    anchors = session.initAnchorArrays()
+    stepio = popart.PyStepIO(feeds, anchors)
+    session.run(stepio)  # the first run also moves the weights; it is not timed
+    t0 = time.perf_counter()
+    for _ in range(args.runs):
+        session.run(stepio)
+    run_s = (time.perf_counter() - t0) / args.runs
+
+    print(f"model {args.model}: {len(inputs)} input(s), {len(outputs)} output(s); device "
+          f"{device.type.name} ({device.numIpus} IPU); batchesPerStep {bps}")
+    for n, a in feeds.items():
+        print(f"  input  {n}: {a.dtype} {list(a.shape)}")
+    for o in outputs:
+        a = anchors[o]
+        print(f"  output {o}: {a.dtype} {list(a.shape)} {_preview(a)}")
+    first = next(iter(inputs), None)
+    first_shape = session.getInfo(first).shape() if first else []
+    batch = first_shape[0] if first_shape else 1
+    print(f"compile time: {compile_s:.3f} s")
+    print(f"run time: {1e3 * run_s:.3f} ms per run() of {bps} batch(es) (mean of {args.runs}); "
+          f"{bps / run_s:.1f} batches/s, {bps * batch / run_s:.1f} samples/s "
+          f"(batch size {batch}: the first input's first dimension)")
+    if args.output:
+        os.makedirs(args.output, exist_ok=True)
+        for o in outputs:
+            path = os.path.join(args.output, sanitize(o) + ".npy")
+            np.save(path, anchors[o])
+            print(f"saved {o} to {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from popart.demo import run_demo
+    if args.epochs < 1:
+        raise CliError("--epochs must be >= 1")
+    run_demo(args.epochs, args.output, device=_device(args.device),
+             progress=not args.no_progress)
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    import jax
+
+    import popart
+    dm = popart.DeviceManager()
+    print(f"JAX {jax.__version__}, default backend '{jax.default_backend()}'")
+    for d in jax.devices():
+        print(f"  jax device {d.id}: {d.platform} {d.device_kind}")
+    if jax.default_backend() != "cpu":
+        print(f"  host CPU devices: {len(jax.devices('cpu'))}")
+    print("DeviceManager().enumerateDevices():")
+    total = len(jax.devices()) + (len(jax.devices("cpu")) if jax.default_backend() != "cpu" else 0)
+    for n in range(1, total + 1):
+        for info in dm.enumerateDevices(numIpus=n):
+            ids = ", ".join(f"{d.platform}:{d.id}" for d in info.jax_devices)
+            print(f"  id {info.id:3d}: {info.numIpus} IPU(s) -> {ids}")
+    return 0
+
+
+# --------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="popart", description="PopART on XLA: run ONNX models, "
+                                "train a demo, list devices.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="compile and run inference on an ONNX model")
+    r.add_argument("model", help="path to an .onnx file")
+    r.add_argument("--batches-per-step", "-b", type=int, default=1, metavar="N")
+    r.add_argument("--input", "-i", action="append", metavar="NAME=FILE.npy",
+                   help="data for an input (shape = the tensor's, or [N, *tensor shape]); "
+                        "random data for inputs not given")
+    r.add_argument("--device", "-d", default="cpu", help="cpu (default), ipumodel:N or gpu")
+    r.add_argument("--output", "-o", metavar="DIR", help="save every output as DIR/<name>.npy")
+    r.add_argument("--runs", type=int, default=5, help="timed runs after the first (default 5)")
+    r.set_defaults(func=cmd_run)
+
+    d = sub.add_parser("demo", help="train a CNN on the 8x8 digits with a TrainingSession")
+    d.add_argument("--epochs", "-e", type=int, default=8)
+    d.add_argument("--output", "-o", default=".", metavar="DIR",
+                   help="where to write digits.onnx (default: the current folder)")
+    d.add_argument("--device", "-d", default="cpu", help="cpu (default), ipumodel:N or gpu")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=cmd_demo)
+
+    v = sub.add_parser("devices", help="list the devices the DeviceManager sees")
+    v.set_defaults(func=cmd_devices)
+    for s in (r, d, v):
+        s.add_argument("--verbose", "-v", action="store_true",
+                       help="INFO logging and full tracebacks on errors")
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``popart`` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help or a usage error (argparse printed it)
+        return int(e.code or 0)
+    try:
+        if args.verbose:
+            import popart
+            popart.getLogger().setLevel("INFO")
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("popart: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        popart = sys.modules.get("popart")
+        known = (OSError, ValueError) + ((popart.popart_exception,) if popart else ())
+        if args.verbose:
+            traceback.print_exc()
+        if isinstance(e, known):
+            print(f"popart: error: {_one_line(e)}", file=sys.stderr)
+            return 1
+        print(f"popart: error: internal error: {type(e).__name__}: {_one_line(e)} (rerun with "
+              f"--verbose for the traceback)", file=sys.stderr)
+        return 2
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""popxl.Graph: a popxl view of one IR Graph (src/popart/ir/graph.py).
+
+Tensors are SSA values of the IR. An in-place op gives its tensor a new IR id (a new
+version); the popxl Tensor object then names that version, so later ops read the new value.
+A subgraph input passed by reference returns its last version as an extra output of the
+call, and the caller's tensor moves to it. Host streams use the same mechanism: their
+buffers and counters are hidden inputs of every graph that loads or stores them.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional
+
+import jax
+import numpy as np
+
+from popart.engine.lower import TraceState, lower_node
+from popart.engine.program import REPLICA_AXIS
+from popart.ir.graph import Graph as IRGraph
+from popart.ir.graph import Node
+
+from . import context
+from .tensor import Constant, Tensor, Variable
+
+if TYPE_CHECKING:
+    from .ir import Ir
+
+# Opsets every popxl graph imports: the op versions popxl's ops are written against.
+OPSETS = {"ai.onnx": 18, "ai.graphcore": 1, "ai.popxl": 1}
+
+
+def _free_ids(g: IRGraph) -> set[str]:
+    """Ids a graph (or graphs nested in its nodes' attributes) reads from enclosing scopes."""
+    defined = set(g.inputs) | set(g.initializers)
+    free: set[str] = set()
+    for n in g.nodes:
+        free |= {i for i in n.inputs if i and i not in defined}
+        for v in n.attrs.values():
+            if isinstance(v, IRGraph):
+                free |= _free_ids(v) - defined
+        defined |= {o for o in n.outputs if o}
+    return free
+
+
+class Graph:
+    """A graph of the IR: the main graph or a subgraph. ``with graph:`` adds ops to it."""
+
+    def __init__(self, ir: "Ir", name: str, parent: Optional["Graph"] = None) -> None:
+        self._ir = ir
+        self._g = IRGraph(name=name, opsets=dict(OPSETS), parent=None if parent is None else parent._g)
+        self._specs: dict[str, jax.ShapeDtypeStruct] = {}
+        self._tensors: dict[str, Tensor] = {}
+        self._inputs: list[Tensor] = []
+        self._outputs: list[Tensor] = []
+        self._by_ref_inputs: list[Tensor] = []
+        self._hidden: dict[Hashable, Tensor] = {}      # key -> hidden input (or main-graph state)
+        self._hidden_by_ref: set[Hashable] = set()
+        self._entry: dict[Tensor, str] = {}            # input tensor -> its IR input id
+        self._stream_inputs: list = []                 # main graph: (kind, stream, buffer tensor)
+        self._counter = itertools.count()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def ir(self) -> "Ir":
+        return self._ir
+
+    @property
+    def name(self) -> str:
+        return self._g.name
+
+    @property
+    def id(self) -> str:
+        return self._g.name
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return tuple(self._inputs)
+
+    @property
+    def outputs(self) -> tuple[Tensor, ...]:
+        return tuple(self._outputs)
+
+    @property
+    def variables(self) -> tuple[Variable, ...]:
+        return tuple(t for t in self._tensors.values() if isinstance(t, Variable))
+
+    @property
+    def constants(self) -> tuple[Constant, ...]:
+        return tuple(t for t in self._tensors.values() if isinstance(t, Constant))
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        return tuple(self._tensors.values())
+
+    def get_tensor(self, tensor_id: str) -> Tensor:
+        return self._tensors[tensor_id]
+
+    def __contains__(self, t: Any) -> bool:
+        return isinstance(t, Tensor) and t._graph is self
+
+    def __call__(self) -> "Graph":
+        """``ir.main_graph()`` (popart.ir's spelling) returns the graph itself."""
+        return self
+
+    def __enter__(self) -> "Graph":
+        context._CTX.graphs.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        context._CTX.graphs.pop()
+
+    def __repr__(self) -> str:
+        return f"Graph[id={self.id} inputs={[t.id for t in self._inputs]} " \
+               f"outputs={[t.id for t in self._outputs]}]"
+
+    @property
+    def _is_main(self) -> bool:
+        return self is self._ir._main
+
+    # ------------------------------------------------------------------ tensors
+    def _new_id(self, name: str) -> str:
+        base = context.scope_prefix() + (name or "t")
+        tid = base
+        while tid in self._specs:
+            tid = f"{base}_{next(self._counter)}"
+        return tid
+
+    def _add_tensor(self, tid: str, spec: jax.ShapeDtypeStruct, cls: type = Tensor,
+                    **kw: Any) -> Tensor:
+        self._specs[tid] = jax.ShapeDtypeStruct(tuple(spec.shape), np.dtype(spec.dtype))
+        t = cls(self, tid, **kw)
+        self._tensors[tid] = t
+        return t
+
+    def _add_constant(self, data: np.ndarray, name: str, cls: type = Constant, **kw: Any) -> Tensor:
+        tid = self._new_id(name)
+        self._g.initializers[tid] = data
+        if cls is Constant:
+            self._g.constants.add(tid)
+        return self._add_tensor(tid, jax.ShapeDtypeStruct(data.shape, data.dtype), cls, **kw)
+
+    def _add_input(self, spec: jax.ShapeDtypeStruct, name: str, by_ref: bool = False,
+                   hidden: Optional[Hashable] = None) -> Tensor:
+        if self._is_main and hidden is None:
+            raise ValueError("The main graph has no graph inputs: use popxl.h2d_stream and "
+                             "ops.host_load to feed it")
+        t = self._add_tensor(self._new_id(name), spec)
+        self._entry[t] = t._ir_id
+        if hidden is None:
+            self._inputs.append(t)
+            if by_ref:
+                self._by_ref_inputs.append(t)
+        else:
+            self._hidden[hidden] = t
+            if by_ref:
+                self._hidden_by_ref.add(hidden)
+        return t
+
+    def _state(self, key: Hashable, make: Callable[["Graph"], Tensor], by_ref: bool) -> Tensor:
+        """The tensor of hidden state ``key`` in this graph: created by ``make`` in the main
+        graph, a hidden input of subgraphs (by reference when the state changes)."""
+        if key not in self._hidden:
+            if self._is_main:
+                self._hidden[key] = make(self)
+            else:
+                spec = self._ir._main._state(key, make, by_ref)._spec
+                parts = key if isinstance(key, tuple) else (key,)
+                name = "_".join(str(getattr(k, "name", k)) for k in parts)
+                self._add_input(spec, name, by_ref, hidden=key)
+        if by_ref and not self._is_main:
+            self._hidden_by_ref.add(key)
+        return self._hidden[key]
+
+    # ------------------------------------------------------------------ IR
+    def _all_inputs(self) -> list[Tensor]:
+        return list(self._inputs) + list(self._hidden.values())
+
+    def _by_ref_list(self) -> list[Tensor]:
+        """Inputs whose last version the graph returns after its outputs, in input order."""
+        refs = set(self._by_ref_inputs) | {self._hidden[k] for k in self._hidden_by_ref}
+        return [t for t in self._all_inputs() if t in refs]
+
+    def _finalize(self) -> IRGraph:
+        """Bring the IR graph's inputs / outputs up to date; returns the IR graph."""
+        if not self._is_main:
+            self._g.inputs = [self._entry[t] for t in self._all_inputs()]
+            self._g.outputs = [t._ir_id for t in self._outputs] + \
+                              [t._ir_id for t in self._by_ref_list()]
+        return self._g
+
+    def _infer(self, node: Node) -> list[Optional[jax.ShapeDtypeStruct]]:
+        """Output shapes / dtypes of ``node`` by tracing its lowering abstractly."""
+        ids = [i for i in node.inputs if i]
+        for v in node.attrs.values():
+            if isinstance(v, IRGraph):
+                ids += sorted(_free_ids(v))
+        static, specs = {}, {}
+        for i in dict.fromkeys(ids):
+            if i in self._g.constants:
+                static[i] = self._g.initializers[i]
+            else:
+                specs[i] = self._specs[i]
+        r = self._ir.replication_factor
+
+        def run(env: dict) -> list:
+            state = TraceState(rng_key=jax.random.key(0), replica_axis=REPLICA_AXIS if r > 1 else None,
+                               replication_factor=r)
+            return lower_node(node, self._g, {**static, **env}, state)
+
+        try:
+            if r > 1:
+                rspecs = {k: jax.ShapeDtypeStruct((r,) + tuple(s.shape), s.dtype) for k, s in specs.items()}
+                out = jax.eval_shape(jax.vmap(run, axis_name=REPLICA_AXIS, axis_size=r), rspecs)
+                out = [None if o is None else jax.ShapeDtypeStruct(o.shape[1:], o.dtype) for o in out]
+            else:
+                out = jax.eval_shape(run, specs)
+        except Exception as e:
+            shapes = {i: (tuple(s.shape), str(s.dtype)) for i, s in specs.items()}
+            raise type(e)(f"popxl: {node.describe()} with inputs {shapes}: {e}") from e
+        return list(out)
+
+    def _add_node(self, op_type: str, inputs: Iterable[Optional[Tensor]], attrs: Optional[dict] = None,
+                  domain: str = "ai.onnx", num_outputs: int = 1, name: Optional[str] = None) -> list[Tensor]:
+        """Append one IR node; returns its output tensors (shapes from the lowering)."""
+        ins = []
+        for t in inputs:
+            if t is None:
+                ins.append("")
+                continue
+            if t._graph is not self:
+                raise ValueError(f"Tensor '{t.id}' belongs to graph '{t._graph.name}', not to "
+                                 f"graph '{self.name}' that is being built: pass it to the "
+                                 f"subgraph as an input")
+            ins.append(t._ir_id)
+        base = name or op_type.lower()
+        outs = []
+        for _ in range(num_outputs):
+            outs.append(self._new_id(base))
+            self._specs[outs[-1]] = None  # reserve the id
+        node = Node(op_type, ins, outs, dict(attrs or {}), domain, name=base,
+                    annotations=context.current_annotations())
+        try:
+            specs = self._infer(node)
+        except Exception:
+            for o in outs:
+                del self._specs[o]
+            raise
+        self._g.nodes.append(node)
+        result = []
+        for o, s in zip(outs, specs):
+            if s is None:
+                del self._specs[o]
+                continue
+            result.append(self._add_tensor(o, s))
+        return result

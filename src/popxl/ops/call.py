@@ -1,0 +1,286 @@
+"""Subgraph calls (call, repeat, conditional) and host transfers (host_load, host_store).
+
+A call is an ai.graphcore Call node; repeat is an ai.onnx Loop (static trip count) whose body
+calls the graph; conditional is an ai.onnx If whose branches call the graphs. Inputs passed by
+reference (and the hidden stream state of graphs that use host streams) come back as extra
+outputs, and the caller's tensors move to them."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from popart.ir.graph import Graph as IRGraph
+from popart.ir.graph import Node
+
+from ..context import get_current_graph
+from ..graph import OPSETS, Graph
+from ..streams import DeviceToHostStream, HostToDeviceStream
+from ..tensor import Tensor, constant
+from ._base import GC, ONNX, POPXL, inplace, node
+
+
+class CallSiteInfo:
+    """A call site: the called graph, the parent tensors passed in and the outputs."""
+
+    def __init__(self, graph: Graph, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+        self._graph, self._inputs, self._outputs = graph, list(inputs), list(outputs)
+
+    @property
+    def called_graph(self) -> Graph:
+        return self._graph
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return tuple(self._inputs)
+
+    @property
+    def outputs(self) -> tuple[Tensor, ...]:
+        return tuple(self._outputs)
+
+    def parent_input(self, idx: int) -> Tensor:
+        return self._inputs[idx]
+
+    def parent_output(self, idx: int) -> Tensor:
+        return self._outputs[idx]
+
+    def graph_to_parent_input_index(self, idx: int) -> int:
+        return idx
+
+    def parent_to_graph_input_index(self, idx: int) -> int:
+        return idx
+
+    def graph_to_parent_output_index(self, idx: int) -> int:
+        return idx
+
+    def parent_to_graph_output_index(self, idx: int) -> int:
+        return idx
+
+    def graph_to_parent(self, graph_tensor: Tensor) -> Tensor:
+        """The parent tensor connected to an input or output of the called graph."""
+        g = self._graph
+        if graph_tensor in g._inputs:
+            return self._inputs[g._inputs.index(graph_tensor)]
+        if graph_tensor in g._outputs:
+            return self._outputs[g._outputs.index(graph_tensor)]
+        raise ValueError(f"Tensor {graph_tensor.id} is not an input or output of the called graph(s).")
+
+    def parent_to_graph(self, parent_tensor: Tensor) -> Tensor:
+        for i, t in enumerate(self._inputs):
+            if t is parent_tensor:
+                return self._graph._inputs[i]
+        raise ValueError(f"Tensor {parent_tensor.id} is not a parent graph input of the call site.")
+
+    def set_parent_input_modified(self, parent_tensor: Tensor, infer_modified_regions: bool = True) -> None:
+        """Accepted for compatibility: pass inputs by reference (TensorByRef) when creating the
+        graph to make the graph's in-place changes reach the caller."""
+
+
+def _prep_inputs(parent: Graph, graph: Graph, inputs: Sequence[Any],
+                 inputs_dict: Optional[Mapping[Tensor, Any]], check: bool = True) -> list[Tensor]:
+    flat: list[Any] = []
+    for x in inputs:
+        if isinstance(x, (list, tuple)):
+            flat.extend(x)
+        else:
+            flat.append(x)
+    n = len(graph._inputs)
+    if len(flat) > n:
+        raise ValueError(f"Too many inputs have been provided to the called graph '{graph.name}': "
+                         f"{len(flat)} > {n}")
+    slots: list[Any] = flat + [None] * (n - len(flat))
+    for gt, pt in (inputs_dict or {}).items():
+        if gt not in graph._inputs:
+            raise ValueError(f"The graph input tensor {gt!r} is not an input of graph '{graph.name}'")
+        i = graph._inputs.index(gt)
+        if i < len(flat):
+            raise ValueError(f"Graph input tensor is specified twice, in `inputs_dict` and positionally: {gt}")
+        slots[i] = pt
+    out = []
+    for i, (gt, pt) in enumerate(zip(graph._inputs, slots)):
+        if pt is None:
+            raise ValueError(f"No input was given for input {i} ('{gt.id}') of graph '{graph.name}'")
+        if not isinstance(pt, Tensor):
+            pt = constant(pt, gt.dtype)
+        if pt._graph is not parent:
+            raise ValueError(f"Parent input tensor '{pt.id}' is not in the calling graph '{parent.name}'")
+        if check and (pt.shape != gt.shape or pt.dtype != gt.dtype):
+            raise ValueError(f"Input {i} of graph '{graph.name}' ('{gt.id}') is "
+                             f"{gt.dtype.name}{list(gt.shape)}, but {pt.dtype.name}{list(pt.shape)} "
+                             f"('{pt.id}') was given")
+        out.append(pt)
+    return out
+
+
+def _hidden_inputs(parent: Graph, graph: Graph) -> list[Tensor]:
+    """The caller's tensors for the callee's hidden state (stream buffers and counters)."""
+    return [parent._state(k, _maker(k), k in graph._hidden_by_ref) for k in graph._hidden]
+
+
+def _connect_by_ref(graph: Graph, all_in: list[Tensor], extra: list[Tensor]) -> None:
+    """Move the caller's by-reference tensors to their values after the call."""
+    refs = graph._by_ref_list()
+    pos = {id(t): i for i, t in enumerate(graph._all_inputs())}
+    for t, new in zip(refs, extra):
+        inplace(all_in[pos[id(t)]], new)
+
+
+def call_with_info(graph: Graph, *inputs: Any, inputs_dict: Optional[Mapping[Tensor, Any]] = None,
+                   check_inputs: bool = True) -> CallSiteInfo:
+    """Call ``graph`` (ai.graphcore Call) and return the call site's information."""
+    parent = get_current_graph()
+    user_in = _prep_inputs(parent, graph, inputs, inputs_dict, check_inputs)
+    all_in = user_in + _hidden_inputs(parent, graph)
+    ir_graph = graph._finalize()
+    n_out = len(graph._outputs)
+    outs = node("Call", all_in, {"callee": ir_graph}, GC, len(ir_graph.outputs),
+                name=f"call_{graph.name}")
+    _connect_by_ref(graph, all_in, outs[n_out:])
+    return CallSiteInfo(graph, user_in, outs[:n_out])
+
+
+def call(graph: Graph, *inputs: Any, inputs_dict: Optional[Mapping[Tensor, Any]] = None,
+         check_inputs: bool = True) -> tuple[Tensor, ...]:
+    """Call ``graph``; returns its outputs in the calling graph."""
+    return call_with_info(graph, *inputs, inputs_dict=inputs_dict, check_inputs=check_inputs).outputs
+
+
+def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any,
+                     inputs_dict: Optional[Mapping[Tensor, Any]] = None,
+                     check_inputs: bool = True) -> CallSiteInfo:
+    """Call ``graph`` ``repeat_count`` times; its N outputs feed its first N inputs."""
+    if repeat_count < 0:
+        raise ValueError(f"Repeat count must be >= 0. Repeat count: {repeat_count}. Graph: {graph}")
+    n_out = len(graph._outputs)
+    if len(graph._inputs) < n_out:
+        raise ValueError(f"To repeat the subgraph ({graph.id}) the number of inputs must be greater "
+                         f"than or equal to the number of outputs. {len(graph._inputs)} < {n_out}")
+    parent = get_current_graph()
+    user_in = _prep_inputs(parent, graph, inputs, inputs_dict, check_inputs)
+    for i in range(n_out):
+        o, t = graph._outputs[i], graph._inputs[i]
+        if (o.shape, o.dtype) != (t.shape, t.dtype):
+            raise ValueError(f"Repeated graph '{graph.name}': output {i} ({o.dtype.name}{list(o.shape)}) "
+                             f"must match input {i} ({t.dtype.name}{list(t.shape)}) it is carried into")
+    all_in = user_in + _hidden_inputs(parent, graph)
+    ir_graph = graph._finalize()
+    refs = graph._by_ref_list()
+    ref_pos = {id(t): n_out + k for k, t in enumerate(refs)}
+    # The loop body: (iteration, condition, carried...) -> (condition, carried...).
+    body = IRGraph(name=f"{graph.name}__loop_wrapper", opsets=dict(OPSETS), parent=parent._g)
+    carried = [f"{body.name}/in{i}" for i in range(len(all_in))]
+    results = [f"{body.name}/out{i}" for i in range(len(ir_graph.outputs))]
+    body.inputs = [f"{body.name}/iter", f"{body.name}/cond"] + carried
+    body.nodes = [Node("Call", list(carried), results, {"callee": ir_graph}, GC, name=f"call_{graph.name}")]
+    new = []
+    for i, t in enumerate(graph._all_inputs()):
+        j = i if i < n_out else ref_pos.get(id(t))
+        new.append(carried[i] if j is None else results[j])
+    body.outputs = [body.inputs[1]] + new
+    trip = constant(np.array(repeat_count, np.int64), name="trip_count")
+    keep_going = constant(np.array(True), name="cond")
+    outs = node("Loop", [trip, keep_going] + all_in, {"body": body}, ONNX, len(all_in),
+                name=f"repeat_{graph.name}")
+    for i, t in enumerate(graph._all_inputs()):
+        if id(t) in ref_pos:
+            inplace(all_in[i], outs[i])
+    return CallSiteInfo(graph, user_in, outs[:n_out])
+
+
+def repeat(graph: Graph, repeat_count: int, *inputs: Any,
+           inputs_dict: Optional[Mapping[Tensor, Any]] = None) -> tuple[Tensor, ...]:
+    """Call ``graph`` ``repeat_count`` times; returns the final loop-carried outputs."""
+    return repeat_with_info(graph, repeat_count, *inputs, inputs_dict=inputs_dict).outputs
+
+
+def _branch(parent: Graph, graph: Graph, ins: list[Tensor], tag: str) -> IRGraph:
+    """An If branch (no inputs) that calls ``graph`` on the parent's tensors ``ins``."""
+    if graph._hidden or graph._by_ref_inputs:
+        raise NotImplementedError("conditional: branches that use host streams or by-reference "
+                                  "inputs are not supported")
+    ir_graph = graph._finalize()
+    br = IRGraph(name=f"{graph.name}__{tag}", opsets=dict(OPSETS), parent=parent._g)
+    br.outputs = [f"{br.name}/out{i}" for i in range(len(ir_graph.outputs))]
+    br.nodes = [Node("Call", [t._ir_id for t in ins], list(br.outputs), {"callee": ir_graph}, GC)]
+    return br
+
+
+def conditional_with_info(cond: Tensor, then_branch: Graph, else_branch: Graph,
+                          then_inputs: Optional[Iterable[Any]] = None,
+                          else_inputs: Optional[Iterable[Any]] = None,
+                          then_inputs_dict: Optional[Mapping[Tensor, Any]] = None,
+                          else_inputs_dict: Optional[Mapping[Tensor, Any]] = None) -> CallSiteInfo:
+    """Run ``then_branch`` when ``cond`` is true, else ``else_branch`` (ai.onnx If); both must
+    have outputs of the same shapes and dtypes."""
+    parent = get_current_graph()
+    t_in = _prep_inputs(parent, then_branch, list(then_inputs or []), then_inputs_dict)
+    e_in = _prep_inputs(parent, else_branch, list(else_inputs or []), else_inputs_dict)
+    if [(o.shape, o.dtype) for o in then_branch._outputs] != [(o.shape, o.dtype) for o in else_branch._outputs]:
+        raise ValueError("conditional: then_branch and else_branch outputs must have the same shapes and dtypes")
+    attrs = {"then_branch": _branch(parent, then_branch, t_in, "then"),
+             "else_branch": _branch(parent, else_branch, e_in, "else")}
+    outs = node("If", [cond], attrs, ONNX, len(then_branch._outputs), name="conditional")
+    return CallSiteInfo(then_branch, t_in, outs)
+
+
+def conditional(cond: Tensor, then_branch: Graph, else_branch: Graph, then_inputs: Any = None,
+                else_inputs: Any = None, then_inputs_dict: Any = None, else_inputs_dict: Any = None
+                ) -> tuple[Tensor, ...]:
+    return conditional_with_info(cond, then_branch, else_branch, then_inputs, else_inputs,
+                                 then_inputs_dict, else_inputs_dict).outputs
+
+
+# ---------------------------------------------------------------------------------------
+# Host streams. Main-graph state: an h2d buffer [transfers, *shape] is a graph input, a d2h
+# buffer is a graph input the session fills with zeros; each has an int32 counter.
+
+def _maker(key: tuple):
+    """Creates the main-graph tensor of hidden state ``key`` = (kind, stream)."""
+    kind, stream = key
+    if kind.endswith("#"):
+        return lambda main: main._add_constant(np.array(0, np.int32), f"{stream.name}_counter")
+
+    def make(main: Graph) -> Tensor:
+        import jax
+        spec = jax.ShapeDtypeStruct((1,) + stream.shape, stream.dtype.as_numpy())
+        t = main._add_tensor(main._new_id(stream.name), spec)
+        main._stream_inputs.append((kind, stream, t))
+        return t
+    return make
+
+
+def _stream_state(kind: str, stream: Any, by_ref: bool) -> Tensor:
+    return get_current_graph()._state((kind, stream), _maker((kind, stream)), by_ref)
+
+
+def host_load(h2d_stream: HostToDeviceStream, name: Optional[str] = None) -> Tensor:
+    """The next element of a host-to-device stream."""
+    if not isinstance(h2d_stream, HostToDeviceStream):
+        raise TypeError(f"host_load expects a HostToDeviceStream, got {type(h2d_stream).__name__}")
+    g = get_current_graph()
+    ir = g.ir
+    if h2d_stream not in ir._h2d:
+        ir._h2d.append(h2d_stream)
+    buf = _stream_state("h2d", h2d_stream, False)
+    count = _stream_state("h2d#", h2d_stream, True)
+    value, new_count = node("HostLoad", [buf, count], {}, POPXL, 2, name=name or h2d_stream.name)
+    inplace(count, new_count)
+    return value
+
+
+def host_store(d2h_stream: DeviceToHostStream, t: Tensor) -> None:
+    """Write ``t`` as the next element of a device-to-host stream."""
+    if not isinstance(d2h_stream, DeviceToHostStream):
+        raise TypeError(f"host_store expects a DeviceToHostStream, got {type(d2h_stream).__name__}")
+    if tuple(t.shape) != d2h_stream.shape or t.dtype != d2h_stream.dtype:
+        raise ValueError(f"host_store: tensor '{t.id}' is {t.dtype.name}{list(t.shape)} but stream "
+                         f"'{d2h_stream.name}' is {d2h_stream.dtype.name}{list(d2h_stream.shape)}")
+    g = get_current_graph()
+    ir = g.ir
+    if d2h_stream not in ir._d2h:
+        ir._d2h.append(d2h_stream)
+    buf = _stream_state("d2h", d2h_stream, True)
+    count = _stream_state("d2h#", d2h_stream, True)
+    new_buf, new_count = node("HostStore", [buf, count, t], {}, POPXL, 2, name=f"store_{d2h_stream.name}")
+    inplace(buf, new_buf)
+    inplace(count, new_count)
