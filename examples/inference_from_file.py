@@ -7,6 +7,7 @@ onnxruntime. Set POPART_EXAMPLE_SMALL=1 for fewer batches per step.
 """
 import os
 import tempfile
+import warnings
 
 import numpy as np
 import torch
@@ -43,8 +44,9 @@ input_ = torch.FloatTensor(torch.randn(4, 3, 224, 224))
 model = AlexNetLike().eval()
 
 output_name = "output"
-tmp = tempfile.mkdtemp()
-model_path = os.path.join(tmp, "alexnet.onnx")
+tmp = tempfile.TemporaryDirectory()  # removed at exit
+model_path = os.path.join(tmp.name, "alexnet.onnx")
+warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export")
 torch.onnx.export(model, input_, model_path, input_names=["input"], output_names=[output_name],
                   opset_version=11, dynamo=False)
 

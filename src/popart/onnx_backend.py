@@ -79,12 +79,18 @@ class PopartBackendRep(BackendRep):
     def _fn(self, static_feeds: dict):
         key = tuple(sorted((k, _key(v)) for k, v in static_feeds.items()))
         if key not in self._cache:
-            graph, outs = self.graph, list(self.graph.outputs)
+            graph, outs, consts = self.graph, list(self.graph.outputs), {}
 
             @jax.jit
-            def fn(feeds, rng):
+            def traced(feeds, rng):
                 env = execute(graph, {**feeds, **static_feeds}, TraceState(rng_key=rng))
-                return [env[o] for o in outs]
+                # Outputs known at trace time (strings among them) bypass XLA.
+                consts.update({i: env[o] for i, o in enumerate(outs) if isinstance(env[o], np.ndarray)})
+                return [None if i in consts else env[o] for i, o in enumerate(outs)]
+
+            def fn(feeds, rng):
+                res = traced(feeds, rng)
+                return [consts[i] if i in consts else r for i, r in enumerate(res)]
             self._cache[key] = fn
         return self._cache[key]
 
@@ -108,9 +114,11 @@ class PopartBackendRep(BackendRep):
                 out = self._fn(st)(dyn, rng)
                 break
             except UnsupportedOperatorError as e:
-                # Specialize on small integer / scalar inputs (shapes, axes, counts) and retry.
+                # Specialize on shape-like inputs (integer tensors, short vectors, scalars:
+                # shapes, axes, counts, scales) and retry.
                 more = {k for k, v in feeds.items() if isinstance(v, np.ndarray) and (
-                    v.ndim == 0 or (v.dtype.kind in "iub" and v.size <= 4096))} - static
+                    v.ndim == 0 or (v.ndim == 1 and v.size <= 16)
+                    or (v.dtype.kind in "iub" and v.size <= 4096))} - static
                 if _STATIC_MSG not in str(e) or not more:
                     raise
                 static |= more

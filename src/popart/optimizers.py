@@ -197,8 +197,10 @@ class Optimizer:
     engine-facing interface (``non_const_feed``, ``check_compatible``, ``init_state``, ``apply``).
     """
 
+    _TYPE = "Optimizer"
     _UNSET: dict[str, float] = {}          # per-weight hyper-parameter -> PopART's default
     _KEY_ALIASES: dict[str, str] = {}      # extra constructor keys -> hyper-parameter
+    _SETTINGS: tuple[str, ...] = ()        # structural attributes, fixed once compiled
 
     def __init__(self, values: Mapping[str, Any] | float | None,
                  clip_norm_settings: Iterable[ClipNormSettings] = (),
@@ -206,6 +208,7 @@ class Optimizer:
         self._maps = {n: OptimizerValueMap(OptimizerValue(v)) for n, v in self._UNSET.items()}
         self._ls = OptimizerValue(1.0)
         self.clip_norm_settings = list(clip_norm_settings)
+        self.accum_type = DataType.UNDEFINED
         if values is None:
             values = {}
         elif not isinstance(values, Mapping):  # popart.SGD(stepLr): a changeable learning rate
@@ -255,7 +258,7 @@ class Optimizer:
 
     # ------------------------------------------------------------- engine-facing interface
     def type_name(self) -> str:
-        return type(self).__name__
+        return self._TYPE
 
     def hyper_names(self) -> list[str]:
         return list(self._UNSET)
@@ -268,7 +271,7 @@ class Optimizer:
 
     def settings(self) -> dict[str, Any]:
         """Structural settings; a replacement optimizer must have the same."""
-        return {"clip_norm_settings": self.clip_norm_settings}
+        return {k: getattr(self, k) for k in ("clip_norm_settings",) + self._SETTINGS}
 
     def non_const_feed(self, weight_ids: Iterable[str]) -> dict[str, np.float32]:
         """Runtime values of every non-const hyper-parameter, keyed ``"<name>/<weight_id>"``
@@ -305,7 +308,7 @@ class Optimizer:
 
     def accum_dtype(self, weight_dtype: Any) -> np.dtype:
         """dtype of the gradient accumulator (``Accum___``) of a weight of ``weight_dtype``."""
-        return _dtype(getattr(self, "accum_type", None), weight_dtype)
+        return _dtype(self.accum_type, weight_dtype)
 
     def init_state(self, weight_id: str, w: np.ndarray) -> dict[str, np.ndarray]:
         """Initial optimizer state of one weight, keyed by PopART's reserved names."""
@@ -365,9 +368,11 @@ class SGD(Optimizer):
     ``SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, True)})``,
     ``SGD(0.05)`` (a non-const learning rate) or ``SGD(learning_rate=0.05)``."""
 
+    _TYPE = "SGD"
     _UNSET = {"learningRate": 0.1, "weightDecay": 0.0, "momentum": 0.0, "dampening": 0.0,
               "velocityScaling": 1.0, "nesterov": 0.0}
     _KEY_ALIASES = {"nesterov": "nesterov"}
+    _SETTINGS = ("accumulatorAndMomentum", "accum_type", "accl1_type")
 
     learningRates = _getter("learningRate")
     weightDecays = _getter("weightDecay")
@@ -385,13 +390,6 @@ class SGD(Optimizer):
         super().__init__(values, clip_norm_settings, **hyper)
         self.accumulatorAndMomentum = SGDAccumulatorAndMomentum(accumulatorAndMomentum)
         self.accum_type, self.accl1_type = to_datatype(accumType), to_datatype(accl1Type)
-
-    def type_name(self) -> str:
-        return "SGD"
-
-    def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "accumulatorAndMomentum": self.accumulatorAndMomentum,
-                "accumType": self.accum_type, "accl1Type": self.accl1_type}
 
     def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
         mm = self.hyper_value(weight_id, "momentum")
@@ -421,9 +419,12 @@ class ConstSGD(SGD):
 class Adam(Optimizer):
     """Adam, AdamW, AdamNoBias, Lamb, LambNoBias and AdaMax (see the module's table)."""
 
+    _TYPE = "Adam"
     _UNSET = {"learningRate": 0.1, "weightDecay": 0.0, "beta1": 0.9, "beta2": 0.999,
               "eps": 1e-6, "maxWeightNorm": 10.0}
     _KEY_ALIASES = {"maxWeightNorm": "maxWeightNorm"}
+    _SETTINGS = ("mode", "weight_decay_mode", "accum_type", "accl1_type", "accl2_type",
+                 "scaled_optimizer_state")
 
     learningRates = _getter("learningRate")
     weightDecays = _getter("weightDecay")
@@ -444,15 +445,6 @@ class Adam(Optimizer):
         self.accum_type, self.accl1_type, self.accl2_type = (
             to_datatype(accum_type), to_datatype(accl1_type), to_datatype(accl2_type))
         self.scaled_optimizer_state = bool(scaled_optimizer_state)
-
-    def type_name(self) -> str:
-        return "Adam"
-
-    def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "mode": self.mode,
-                "weight_decay_mode": self.weight_decay_mode, "accum_type": self.accum_type,
-                "accl1_type": self.accl1_type, "accl2_type": self.accl2_type,
-                "scaled_optimizer_state": self.scaled_optimizer_state}
 
     def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
         return {"Accl1___": (_dtype(self.accl1_type, w.dtype), 0.0),
@@ -487,8 +479,11 @@ class Adam(Optimizer):
 class Adaptive(Optimizer):
     """AdaGrad, RMSProp, CenteredRMSProp and AdaDelta (see the module's table)."""
 
+    _TYPE = "Adaptive"
     _UNSET = {"learningRate": 0.01, "weightDecay": 0.0, "alpha": 0.99, "momentum": 0.0,
               "eps": 1e-6}
+    _SETTINGS = ("mode", "weight_decay_mode", "accum_type", "accl1_type", "accl2_type",
+                 "accl3_type", "rmsprop_tf_variant")
 
     learningRates = _getter("learningRate")
     weightDecays = _getter("weightDecay")
@@ -507,15 +502,6 @@ class Adaptive(Optimizer):
         self.accum_type, self.accl1_type, self.accl2_type, self.accl3_type = (
             to_datatype(t) for t in (accum_type, accl1_type, accl2_type, accl3_type))
         self.rmsprop_tf_variant = bool(rmsprop_tf_variant)
-
-    def type_name(self) -> str:
-        return "Adaptive"
-
-    def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "mode": self.mode,
-                "weight_decay_mode": self.weight_decay_mode, "accum_type": self.accum_type,
-                "accl1_type": self.accl1_type, "accl2_type": self.accl2_type,
-                "accl3_type": self.accl3_type, "rmsprop_tf_variant": self.rmsprop_tf_variant}
 
     def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
         spec = {"Accl1___": (_dtype(self.accl1_type, w.dtype),

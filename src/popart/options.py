@@ -80,7 +80,7 @@ MergeVarUpdateType = _enum("MergeVarUpdateType", "Off All AutoTight AutoLoose")
 RecomputationType = _enum(
     "RecomputationType", "NoRecompute Standard NormOnly RecomputeAll Pipeline")
 RecomputeType = _enum("RecomputeType", "Undefined Checkpoint Recompute Recomputed")
-ReductionType = _enum("ReductionType", "Mean NoReduction Sum")
+ReductionType = _enum("ReductionType", "Sum Mean NoReduction")  # PopART values: Sum=0, Mean=1, NoReduction=2
 ReplicatedTensorSharding = _enum("ReplicatedTensorSharding", "Off On")
 SubgraphCopyingStrategy = _enum("SubgraphCopyingStrategy", "OnEnterAndExit JustInTime")
 SyntheticDataMode = _enum("SyntheticDataMode", "Off Zeros RandomNormal RandomUniform")

@@ -129,7 +129,8 @@ class TensorInfo:
         return self._dtype.value
 
     def data_type_lcase(self) -> str:
-        return self._dtype.value.lower()
+        """PopART's lower-case name: "float32", "float16", "int32", "bool", ..."""
+        return "bool" if self._dtype == DataType.BOOL else str(self.np_dtype())
 
     def dataType(self) -> DataType:
         return self._dtype

@@ -11,6 +11,7 @@ class ReplicaGrouping:
     def __init__(self, num_replicas: int, stride: int = 1, group_size: Optional[int] = None,
                  assignment: Optional[Sequence[int]] = None) -> None:
         self._num_replicas = int(num_replicas)
+        self._stride, self._group_size, self._assignment = None, 0, []
         if assignment is not None:
             self._assignment = [int(a) for a in assignment]
             if len(self._assignment) != self._num_replicas:

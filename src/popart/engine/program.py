@@ -54,6 +54,12 @@ def split_variables(graph: Graph) -> tuple[dict, dict]:
     return variables, constants
 
 
+def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 22) -> int:
+    """The largest divisor of ``n`` whose chunk of inputs stays within ``budget`` bytes."""
+    cap = max(1, budget // max(1, bytes_per_item))
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= cap)
+
+
 class StepProgram:
     """Builds, compiles and runs the step of one session."""
 
@@ -66,11 +72,13 @@ class StepProgram:
         self.assigned: list[str] = []
         self.anchor_ids = list(cfg.anchors)
         self.compiled = None
+        self.uses_rng = True
         self.compile_seconds = 0.0
 
     # ------------------------------------------------------------------ tracing helpers
     def _trace(self, weights, feeds, key, probes=None, training=False):
-        state = TraceState(training=training, rng_key=key, replica_axis=REPLICA_AXIS,
+        axis = REPLICA_AXIS if self.cfg.replication_factor > 1 else None
+        state = TraceState(training=training, rng_key=key, replica_axis=axis,
                            replication_factor=self.cfg.replication_factor,
                            options=self.cfg.options, probes=probes or {})
         env = execute(self.graph_consts, feeds, state, weights=weights)
@@ -93,6 +101,7 @@ class StepProgram:
             env, state = self._trace(weights, feeds, jax.random.key(0), training=cfg.training)
             out["ids"] = set(env)
             out["assigned"] = list(state.assignments)
+            out["rng"] = next(state._counter) > 0
             if cfg.training:
                 if cfg.loss not in env:
                     raise popart_exception(f"The loss tensor '{cfg.loss}' is not a tensor of the model")
@@ -106,6 +115,7 @@ class StepProgram:
 
         self.anchor_specs = jax.eval_shape(probe, wspecs, specs)
         self.assigned = out["assigned"]
+        self.uses_rng = out["rng"]
         if cfg.training:
             if out["loss_shape"] != ():
                 raise popart_exception(f"The loss tensor '{cfg.loss}' must be a scalar after "
@@ -183,10 +193,54 @@ class StepProgram:
             return hyper[name]
         return self.cfg.optimizer.loss_scaling().val() if self.cfg.optimizer is not None else 1.0
 
-    def _step_fn(self):
+    def _split(self, key, n: int):
+        """``n`` keys from ``key``; when the graph draws no random numbers, ``n`` copies
+        (no threefry work in the compiled program)."""
+        if self.uses_rng:
+            return jax.random.split(key, n)
+        return jax.random.wrap_key_data(jnp.broadcast_to(jax.random.key_data(key),
+                                                         (n,) + jax.random.key_data(key).shape))
+
+    def _replicated(self, micro):
+        """Run ``micro`` for every replica: side by side with a named vmap axis (collectives
+        work over it); with one replica, directly (no extra dimension for XLA to carry)."""
+        if self.cfg.replication_factor > 1:
+            return jax.vmap(micro, in_axes=(None, 0, 0, None), axis_name=REPLICA_AXIS)
+
+        def single(weights, feeds, keys, hyper):
+            out = micro(weights, jax.tree_util.tree_map(lambda a: a[0], feeds), keys[0], hyper)
+            return jax.tree_util.tree_map(lambda a: a[None], out)
+        return single
+
+    def _inference_step_fn(self):
+        """Inference has no state between micro-batches, so they are vectorised: chunks of
+        micro-batches run as one wider batch (vmap), the chunks in a scan. Bigger matmuls and
+        convolutions are what XLA's CPU and GPU backends run fastest."""
         cfg = self.cfg
         R, A, B = cfg.replication_factor, cfg.accumulation_factor, cfg.batches_per_step
-        replicas = jax.vmap(self._micro_fn(), in_axes=(None, 0, 0, None), axis_name=REPLICA_AXIS)
+        n = B * A
+        chunk = vector_chunk(n, sum(i.nbytes() for i in self.input_infos.values()) * R)
+        replicas = self._replicated(self._micro_fn())
+
+        def step(weights, opt_state, key, feeds, hyper):
+            def one(f, k):
+                return replicas(weights, f, self._split(k, R), hyper)[0]
+
+            key, sub = self._split(key, 2)
+            flat = jax.tree_util.tree_map(lambda a: a.reshape((n // chunk, chunk) + a.shape[2:]), feeds)
+            keys = self._split(sub, n).reshape((n // chunk, chunk))
+            _, vals = jax.lax.scan(lambda c, xs: (c, jax.vmap(one)(*xs)), None, (flat, keys))
+            vals = jax.tree_util.tree_map(lambda v: v.reshape((B, A) + v.shape[2:]), vals)
+            return weights, opt_state, key, self._reduce_anchors(vals)
+
+        return step
+
+    def _step_fn(self):
+        cfg = self.cfg
+        if not cfg.training:
+            return self._inference_step_fn()
+        R, A, B = cfg.replication_factor, cfg.accumulation_factor, cfg.batches_per_step
+        replicas = self._replicated(self._micro_fn())
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
 
         def accumulate(grads_acc, count, grads):
@@ -204,7 +258,7 @@ class StepProgram:
                 def micro_batch(acc, xa):
                     grads_acc, count, w_assign = acc
                     f, akey = xa                                          # f: [R, ...]
-                    vals, grads, assigns = replicas(weights, f, jax.random.split(akey, R), hyper)
+                    vals, grads, assigns = replicas(weights, f, self._split(akey, R), hyper)
                     if cfg.training:
                         grads_acc = accumulate(grads_acc, count, grads)
                         w_assign = {k: jnp.mean(v, axis=0).astype(weights[k].dtype)
@@ -214,7 +268,7 @@ class StepProgram:
                 zeros = {k: jnp.zeros_like(weights[k]) for k in self.trainable}
                 assign0 = {k: weights[k] for k in self.assigned if k in weights and cfg.training}
                 (grads, _, w_assign), vals = jax.lax.scan(
-                    micro_batch, (zeros, 0.0, assign0), (feeds, jax.random.split(bkey, A)))
+                    micro_batch, (zeros, 0.0, assign0), (feeds, self._split(bkey, A)))
                 if cfg.training:
                     if cfg.mean_reduction and not cfg.running_mean:
                         grads = {k: v / (A * R) for k, v in grads.items()}
@@ -225,9 +279,9 @@ class StepProgram:
                         vals[a] = jnp.broadcast_to(opt_state[a], (A, R) + jnp.shape(opt_state[a]))
                 return (weights, opt_state), vals
 
-            key, sub = jax.random.split(key)
+            key, sub = self._split(key, 2)
             (weights, opt_state), vals = jax.lax.scan(
-                batch, (weights, opt_state), (feeds, jax.random.split(sub, B)))
+                batch, (weights, opt_state), (feeds, self._split(sub, B)))
             return weights, opt_state, key, self._reduce_anchors(vals)
 
         return step

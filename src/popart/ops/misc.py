@@ -32,8 +32,9 @@ add("BlackmanWindow", _window(lambda t: 0.42 - 0.5 * np.cos(t) + 0.08 * np.cos(2
 
 
 def _complex(x):
-    return x[..., 0] + 1j * x[..., 1] if x.shape[-1] == 2 else x[..., 0].astype(
-        jnp.complex128 if x.dtype == jnp.float64 else jnp.complex64)
+    """[..., 1] real or [..., 2] (re, im) -> complex128 (computed in double, like onnx)."""
+    x = jnp.asarray(x).astype(jnp.float64)
+    return x[..., 0] + 1j * x[..., 1] if x.shape[-1] == 2 else x[..., 0].astype(jnp.complex128)
 
 
 def _real_pair(y, dtype):
@@ -44,11 +45,10 @@ def _dft(ctx, x, n, axis, inverse, onesided):
     ax = axis % x.ndim
     if ax == x.ndim - 1:
         raise ctx.error("axis must not be the last (real / imaginary) dimension")
-    if onesided and x.shape[-1] == 2:
-        raise ctx.error("onesided=1 needs a real input")
-    if onesided and inverse:
-        raise ctx.error("onesided and inverse together are not supported")
-    y = (jnp.fft.ifft if inverse else jnp.fft.fft)(_complex(x), n=n, axis=ax)
+    c = _complex(x)
+    if onesided and inverse:                     # irfft: one-sided spectrum -> real signal
+        return jnp.fft.irfft(c, n=n, axis=ax)[..., None].astype(x.dtype)
+    y = (jnp.fft.ifft if inverse else jnp.fft.fft)(c, n=n, axis=ax)
     if onesided:
         y = lax.slice_in_dim(y, 0, y.shape[ax] // 2 + 1, axis=ax)
     return _real_pair(y, x.dtype)
@@ -113,8 +113,10 @@ def mel_weight_matrix(ctx, num_mel_bins, dft_length, sample_rate, lower_edge_her
 @register("BitCast", since=26)
 def bitcast(ctx, x, to=None, **_):
     dt = np_type(ctx, to)
-    if dt.itemsize != jnp.result_type(x).itemsize or dt == np.bool_ or x.dtype == np.bool_:
+    if dt.itemsize != jnp.result_type(x).itemsize:
         raise ctx.error(f"BitCast needs types of the same bit width; got {x.dtype} -> {dt}")
+    if np.bool_ in (dt, jnp.result_type(x)):       # bool is one byte 0 / 1
+        return x != 0 if dt == np.bool_ else x.astype(dt)
     return lax.bitcast_convert_type(x, dt)
 
 

@@ -21,8 +21,18 @@ def _pos(ctx, seq, pos, insert=False):
 add("SequenceConstruct", lambda ctx, *xs, **_: (list(xs),), since=11)
 add("SequenceEmpty", lambda ctx, dtype=None, **_: ([],), since=11)
 add("SequenceLength", lambda ctx, seq, **_: np.array(len(seq), np.int64), since=11)
-add("SequenceAt", lambda ctx, seq, pos, **_: (seq[_pos(ctx, seq, pos)],), since=11,
-    static_inputs=(1,))
+
+
+@register("SequenceAt", since=11)
+def sequence_at(ctx, seq, pos, **_):
+    """A run-time position works when all elements have the same shape and dtype."""
+    from ..engine.lower import is_static
+    if is_static(pos) or not seq:
+        return (seq[_pos(ctx, seq, pos)],)
+    if len({(jnp.shape(x), jnp.result_type(x)) for x in seq}) != 1:
+        raise ctx.error("a position computed at run time needs elements of one shape and dtype")
+    p = jnp.asarray(pos).reshape(())
+    return jnp.stack(seq)[jnp.where(p < 0, p + len(seq), p)]
 
 
 @register("SequenceErase", since=11, static_inputs=(1,))

@@ -67,3 +67,7 @@ def reduction_name(r: Any) -> str:
     if hasattr(r, "name"):
         return str(r.name)
     return ["Sum", "Mean", "NoReduction"][int(r)]
+
+
+def reshape_(t: Tensor, shape: Any) -> Tensor:
+    return one("Reshape", t, domain=GC, shape=[int(d) for d in shape])

@@ -1,0 +1,89 @@
+"""The benchmark models, built in PyTorch and exported to ONNX (opset 11, TorchScript
+exporter): an MLP, a small CNN with BatchNorm and a small transformer encoder.
+
+Each model maps an input ``x`` to class logits ``logits`` [batch, 10].
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+NUM_CLASSES = 10
+
+
+@dataclass
+class BenchModel:
+    name: str
+    make: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]   # including the batch dimension
+
+    @property
+    def batch(self) -> int:
+        return self.input_shape[0]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, NUM_CLASSES))
+
+
+def cnn() -> nn.Module:
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+    return nn.Sequential(*block(3, 32), nn.MaxPool2d(2), *block(32, 64), nn.MaxPool2d(2),
+                         *block(64, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(128, NUM_CLASSES))
+
+
+class Transformer(nn.Module):
+    """2 encoder layers (d_model 128, 4 heads, feed-forward 256), mean pooling, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(128, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+MODELS = [
+    BenchModel("mlp", mlp, (64, 784)),
+    BenchModel("cnn", cnn, (32, 3, 32, 32)),
+    BenchModel("transformer", Transformer, (16, 32, 128)),
+]
+
+
+def build(spec: BenchModel, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return spec.make()
+
+
+def export(spec: BenchModel, model: nn.Module, folder: str, training: bool = False) -> str:
+    """Write ``model`` to ``folder/<name>[-train].onnx``. ``training`` keeps BatchNormalization
+    in training mode (an inference export folds it into the convolutions)."""
+    path = os.path.join(folder, f"{spec.name}{'-train' if training else ''}.onnx")
+    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+    model.train(training)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, torch.randn(spec.input_shape), path, input_names=["x"],
+                          output_names=["logits"], opset_version=11, dynamo=False,
+                          training=mode, do_constant_folding=not training)
+    return path
+
+
+if __name__ == "__main__":
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        for spec in MODELS:
+            m = build(spec)
+            for t in (False, True):
+                p = export(spec, m, d, t)
+                print(p, os.path.getsize(p))

@@ -1,0 +1,31 @@
+"""Every script in examples/ runs to completion (small sizes) and reports OK."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def test_examples_exist():
+    names = {p.stem for p in EXAMPLES}
+    assert {"inference_from_file", "builder_add", "training_nll_sgd", "distributed_training",
+            "replication", "pipelining", "sharding", "custom_op"} <= names
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(script: Path):
+    if script.stem.startswith("popxl") and importlib.util.find_spec("popxl") is None:
+        pytest.skip("popxl is not available")
+    env = dict(os.environ, POPART_EXAMPLE_SMALL="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert f"{script.stem}: OK" in proc.stdout
