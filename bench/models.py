@@ -40,14 +40,37 @@ def cnn() -> nn.Module:
                          nn.Linear(128, NUM_CLASSES))
 
 
+class EncoderLayer(nn.Module):
+    """nn.TransformerEncoderLayer's computation (post-norm, ReLU feed-forward, no dropout),
+    written out: torch's own layer exports ops that need opset 13-14 (unflatten,
+    scaled_dot_product_attention)."""
+
+    def __init__(self, d_model: int, nhead: int, dim_ff: int) -> None:
+        super().__init__()
+        self.nhead = nhead
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ff = nn.Sequential(nn.Linear(d_model, dim_ff), nn.ReLU(), nn.Linear(dim_ff, d_model))
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h, dh = self.nhead, d // self.nhead
+        q, k, v = (z.reshape(b, t, h, dh).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        att = torch.softmax(q @ k.transpose(-2, -1) / dh ** 0.5, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = self.norm1(x + self.proj(y))
+        return self.norm2(x + self.ff(x))
+
+
 class Transformer(nn.Module):
     """2 encoder layers (d_model 128, 4 heads, feed-forward 256), mean pooling, a linear head."""
 
-    def __init__(self) -> None:
+    def __init__(self, d_model: int = 128, nhead: int = 4, dim_ff: int = 256,
+                 layers: int = 2) -> None:
         super().__init__()
-        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(128, NUM_CLASSES)
+        self.encoder = nn.Sequential(*[EncoderLayer(d_model, nhead, dim_ff) for _ in range(layers)])
+        self.head = nn.Linear(d_model, NUM_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(x).mean(dim=1))

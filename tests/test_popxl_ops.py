@@ -170,7 +170,7 @@ def test_graph_building_context_annotations_and_errors(tmp_path):
             return a * factor
 
     g = ir.create_graph(Scale(), popxl.TensorSpec((3,), popxl.float32), factor=4.0)
-    assert g.name.startswith("Scale") and g.inputs[0].shape == (3,)
+    assert "Scale" in g.name and g.inputs[0].shape == (3,)
     ir.dot_checkpoint("check", tmp_path)
     assert "ai.onnx::Relu" in (tmp_path / "check.dot").read_text()
     assert z.shape == (3,)

@@ -144,8 +144,9 @@ def test_gradient_anchors_match_autograd():
         np.testing.assert_allclose(out[anchor], ref.numpy(), rtol=1e-4, atol=1e-6, err_msg=anchor)
 
 
-@pytest.mark.parametrize("mode", ["accumulation", "replication", "both"])
+@pytest.mark.parametrize("mode", ["accumulation", "replication", "replication_one_device", "both"])
 def test_accumulation_and_replication_equal_one_big_batch(mode):
+    """Replicas on distinct devices (shard_map) or side by side on one device (vmap)."""
     k = 2 if mode != "both" else 4
     big_b, big_ids, w0 = mlp(batch=B * k)
     bps = 2
@@ -159,20 +160,21 @@ def test_accumulation_and_replication_equal_one_big_batch(mode):
     if mode in ("accumulation", "both"):
         opts.enableGradientAccumulation, opts.accumulationFactor = True, 2
         lead.append(2)
-    if mode in ("replication", "both"):
+    if mode in ("replication", "replication_one_device", "both"):
         opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, 2
         lead.append(2)
-        device = popart.DeviceManager().acquireAvailableDevice(2)
+        if mode != "replication_one_device":
+            device = popart.DeviceManager().acquireAvailableDevice(2)
     X = Xb.reshape(bps, *lead, B, I)
     L = Lb.reshape(bps, *lead, B)
     s, out = train(b, ids, opt(), bps, X, L, opts=opts, device=device)
+    assert len(s._program.replica_devices()) == (2 if mode in ("replication", "both") else 0)
     assert out[ids["loss"]].shape == (bps, *lead)
     np.testing.assert_allclose(out[ids["loss"]].reshape(bps, -1).mean(1), out_big[big_ids["loss"]], rtol=1e-5)
     a, c = read(s, ids), read(s_big, big_ids)
     for n in a:
         np.testing.assert_allclose(a[n], c[n], rtol=1e-5, atol=1e-6)
-    if device is not CPU:
-        device.detach()
+    device.detach()
 
 
 def test_running_mean_strategy_equals_post():

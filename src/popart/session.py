@@ -150,10 +150,11 @@ class _Session:
         _logger.info(f"Compiled '{self.name}' in {program.compile_seconds:.2f} s")
         self._summary["compile_seconds"] = program.compile_seconds
         self._dev = (self._put(self._host_weights), self._put(opt_state))
+        self._key = self._program.put(self._key)
         self._host_in_sync = True
 
     def _put(self, tree: Mapping[str, Any]) -> dict:
-        return {k: jax.device_put(v, self._jax_device()) for k, v in tree.items()}
+        return self._program.put(dict(tree))
 
     def _hyper(self) -> dict:
         if not self._training:
@@ -378,7 +379,10 @@ class _Session:
 
     def setRandomSeed(self, seedValue: int) -> None:
         self._seed = int(seedValue)
-        self._key = jax.random.key(self._seed)
+        self._set_key(jax.random.key(self._seed))
+
+    def _set_key(self, key: Any) -> None:
+        self._key = self._program.put(key) if self._program is not None else key
 
     def getRandomSeed(self) -> int:
         return self._seed
@@ -389,7 +393,7 @@ class _Session:
 
     def setRNGState(self, rngValue: Iterable[int]) -> None:
         data = np.asarray(list(rngValue), dtype=np.uint32)
-        self._key = jax.random.wrap_key_data(data.reshape(jax.random.key_data(jax.random.key(0)).shape))
+        self._set_key(jax.random.wrap_key_data(data.reshape(jax.random.key_data(jax.random.key(0)).shape)))
 
     @property
     def constantWeights(self) -> bool:

@@ -201,9 +201,28 @@ class StepProgram:
         return jax.random.wrap_key_data(jnp.broadcast_to(jax.random.key_data(key),
                                                          (n,) + jax.random.key_data(key).shape))
 
+    def replica_devices(self) -> list:
+        """Distinct jax devices for the replicas, or [] to run them side by side."""
+        R = self.cfg.replication_factor
+        devs = list(getattr(self.device, "jax_devices", None) or [])
+        if R > 1 and len(set(devs)) >= R:
+            return devs[:R]
+        return []
+
     def _replicated(self, micro):
-        """Run ``micro`` for every replica: side by side with a named vmap axis (collectives
-        work over it); with one replica, directly (no extra dimension for XLA to carry)."""
+        """Run ``micro`` for every replica: one replica per device (shard_map over a mesh
+        axis) when the session's device has enough distinct devices, else side by side (vmap
+        with the same axis name); collectives work over the axis either way. With one replica,
+        directly (no extra dimension for XLA to carry)."""
+        if self.replica_devices():
+            mesh = jax.sharding.Mesh(np.array(self.replica_devices()), (REPLICA_AXIS,))
+            P = jax.sharding.PartitionSpec
+
+            def per_device(weights, feeds, keys, hyper):   # feeds / keys: this replica's [1, ...]
+                out = micro(weights, jax.tree_util.tree_map(lambda a: a[0], feeds), keys[0], hyper)
+                return jax.tree_util.tree_map(lambda a: a[None], out)
+            return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(REPLICA_AXIS), P(REPLICA_AXIS), P()),
+                                 out_specs=P(REPLICA_AXIS), check_vma=False)
         if self.cfg.replication_factor > 1:
             return jax.vmap(micro, in_axes=(None, 0, 0, None), axis_name=REPLICA_AXIS)
 
@@ -302,6 +321,28 @@ class StepProgram:
                 raise popart_exception(f"Anchor '{a}': unknown AnchorReturnType '{kind}'")
         return out
 
+    # ------------------------------------------------------------------ placement
+    def _shardings(self):
+        """(state sharding, feeds sharding): replicated / split along the replica axis over
+        the replicas' devices, or the session's one device."""
+        devs = self.replica_devices()
+        if devs:
+            mesh = jax.sharding.Mesh(np.array(devs), (REPLICA_AXIS,))
+            P = jax.sharding.PartitionSpec
+            return (jax.sharding.NamedSharding(mesh, P()),
+                    jax.sharding.NamedSharding(mesh, P(None, None, REPLICA_AXIS)))
+        dev = (getattr(self.device, "jax_devices", None) or jax.devices())[0]
+        one = jax.sharding.SingleDeviceSharding(dev)
+        return one, one
+
+    def put(self, tree: Any) -> Any:
+        """Place weights / optimizer state / the RNG key on the device(s)."""
+        return jax.device_put(tree, self._shardings()[0])
+
+    def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
+        """Move a step's inputs to the device(s): one transfer per input."""
+        return jax.device_put(dict(feeds), self._shardings()[1])
+
     # ------------------------------------------------------------------ compile and run
     def compile(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
                 hyper: Mapping[str, Any]) -> None:
@@ -310,7 +351,10 @@ class StepProgram:
         feed_specs = {k: jax.ShapeDtypeStruct((cfg.batches_per_step, cfg.accumulation_factor,
                                                cfg.replication_factor, *i.shape()), i.np_dtype())
                       for k, i in self.input_infos.items()}
-        fn = jax.jit(self._step_fn(), donate_argnums=(0, 1, 2))
+        state_s, feed_s = self._shardings()
+        fn = jax.jit(self._step_fn(), donate_argnums=(0, 1, 2),
+                     in_shardings=(state_s, state_s, state_s, feed_s, state_s),
+                     out_shardings=(state_s, state_s, state_s, state_s))
         t0 = time.perf_counter()
         spec = lambda tree: jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
@@ -319,4 +363,4 @@ class StepProgram:
         self.compile_seconds = time.perf_counter() - t0
 
     def run(self, weights, opt_state, key, feeds, hyper):
-        return self.compiled(weights, opt_state, key, feeds, hyper)
+        return self.compiled(weights, opt_state, key, self.put_feeds(feeds), self.put(hyper))

@@ -39,7 +39,7 @@ def as_tensor(x: Any, like: Optional[Tensor] = None, dtype: Any = None) -> Tenso
 
 def ints(values: Union[int, Iterable[int]]) -> Tensor:
     """An int64 constant (axes, sizes and other compile-time operands)."""
-    return constant(np.asarray(values, np.int64).reshape(-1), name="const_i64")
+    return constant(np.asarray(values, np.int64).reshape(-1), "int64", name="const_i64")
 
 
 def inplace(t: Tensor, new: Tensor) -> Tensor:

@@ -1,0 +1,224 @@
+"""Side-by-side benchmark: popart-xla vs onnxruntime (inference) and PyTorch eager (training).
+
+    python bench/bench.py [--quick] [--models mlp,cnn,transformer]
+
+Prints two markdown tables of samples/second (higher is better), each the median of a few
+timed repeats after a warm-up; compile time is reported separately. CPU only: JAX, PyTorch
+and onnxruntime all use os.cpu_count() threads.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compare like with like: all on the CPU
+
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import models as bench_models  # noqa: E402
+import popart  # noqa: E402
+
+THREADS = os.cpu_count() or 1
+LR = 0.01
+
+
+@dataclass
+class Config:
+    infer_batches: int   # batches timed per repeat (inference)
+    train_batches: int   # batches (optimizer steps) timed per repeat (training)
+    repeats: int
+    bps: int = 10
+
+
+def timed(fn: Callable[[], None], repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` calls (after the caller's warm-up)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _data(spec: bench_models.BenchModel, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(spec.input_shape).astype(np.float32)
+    y = rng.integers(0, bench_models.NUM_CLASSES, spec.batch).astype(np.int32)
+    return x, y
+
+
+# --------------------------------------------------------------------------------- inference
+def popart_inference(path: str, x: np.ndarray, bps: int, cfg: Config) -> tuple[float, float, np.ndarray]:
+    """(samples/s, compile seconds, output of the first batch)."""
+    flow = popart.DataFlow(bps, {"logits": popart.AnchorReturnType("ALL")})
+    session = popart.InferenceSession(path, flow, popart.DeviceManager().createCpuDevice())
+    t0 = time.perf_counter()
+    session.prepareDevice()
+    compile_s = time.perf_counter() - t0
+    feed = np.broadcast_to(x, (bps, *x.shape)).copy() if bps > 1 else x
+    anchors = session.initAnchorArrays()
+    stepio = popart.PyStepIO({"x": feed}, anchors)
+    session.run(stepio)  # warm-up
+    first = anchors["logits"].reshape(-1, *anchors["logits"].shape[-2:])[0].copy()
+    runs = max(1, cfg.infer_batches // bps)
+
+    def loop() -> None:
+        for _ in range(runs):
+            session.run(stepio)
+    t = timed(loop, cfg.repeats)
+    return runs * bps * x.shape[0] / t, compile_s, first
+
+
+def ort_inference(path: str, x: np.ndarray, cfg: Config) -> tuple[float, np.ndarray]:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = THREADS
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    out = sess.run(None, {"x": x})[0]  # warm-up
+    for _ in range(3):
+        sess.run(None, {"x": x})
+
+    def loop() -> None:
+        for _ in range(cfg.infer_batches):
+            sess.run(None, {"x": x})
+    t = timed(loop, cfg.repeats)
+    return cfg.infer_batches * x.shape[0] / t, out
+
+
+# --------------------------------------------------------------------------------- training
+def popart_training(path: str, x: np.ndarray, y: np.ndarray, cfg: Config) -> tuple[float, float, float]:
+    """(samples/s, compile seconds, loss of the first batch)."""
+    builder = popart.Builder(path)
+    probs = builder.aiOnnx.softmax(["logits"], axis=1)
+    label = builder.addInputTensor(popart.TensorInfo("INT32", [x.shape[0]]), "label")
+    loss = builder.aiGraphcore.nllloss([probs, label], reduction=popart.ReductionType.Mean)
+    bps = cfg.bps
+    session = popart.TrainingSession(builder.getModelProto(),
+                                     popart.DataFlow(bps, {loss: popart.AnchorReturnType("ALL")}),
+                                     loss, popart.SGD({"defaultLearningRate": (LR, False)}),
+                                     popart.DeviceManager().createCpuDevice())
+    t0 = time.perf_counter()
+    session.prepareDevice()
+    compile_s = time.perf_counter() - t0
+    session.weightsFromHost()
+    anchors = session.initAnchorArrays()
+    stepio = popart.PyStepIO({"x": np.broadcast_to(x, (bps, *x.shape)).copy(),
+                              label: np.broadcast_to(y, (bps, *y.shape)).copy()}, anchors)
+    session.run(stepio)  # warm-up
+    first_loss = float(anchors[loss][0])
+    runs = max(1, cfg.train_batches // bps)
+
+    def loop() -> None:
+        for _ in range(runs):
+            session.run(stepio)
+    t = timed(loop, cfg.repeats)
+    return runs * bps * x.shape[0] / t, compile_s, first_loss
+
+
+def torch_training(spec: bench_models.BenchModel, x: np.ndarray, y: np.ndarray,
+                   cfg: Config) -> tuple[float, float]:
+    """(samples/s, loss of the first batch) of PyTorch eager with torch.optim.SGD."""
+    model = bench_models.build(spec).train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xt), yt)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    first_loss = step()  # warm-up
+    for _ in range(3):
+        step()
+
+    def loop() -> None:
+        for _ in range(cfg.train_batches):
+            step()
+    t = timed(loop, cfg.repeats)
+    return cfg.train_batches * x.shape[0] / t, first_loss
+
+
+# --------------------------------------------------------------------------------- tables
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer batches and repeats")
+    p.add_argument("--models", default="mlp,cnn,transformer")
+    args = p.parse_args(argv)
+    cfg = Config(20, 10, 3) if args.quick else Config(100, 50, 5)
+    torch.set_num_threads(THREADS)
+    import jax
+    print(f"CPU: {platform.processor() or platform.machine()}, {THREADS} threads; jax "
+          f"{jax.__version__} ({jax.default_backend()}), onnxruntime {ort.__version__}, "
+          f"torch {torch.__version__}; {'quick' if args.quick else 'full'} run: median of "
+          f"{cfg.repeats} repeats", flush=True)
+    wanted = args.models.split(",")
+    specs = [s for s in bench_models.MODELS if s.name in wanted]
+    infer_rows, train_rows, failures = [], [], []
+    with tempfile.TemporaryDirectory() as folder:
+        for spec in specs:
+            x, y = _data(spec)
+            model = bench_models.build(spec)
+            path = bench_models.export(spec, model, folder)
+            ref, ref_out = ort_inference(path, x, cfg)
+            try:
+                pa10, c10, out = popart_inference(path, x, cfg.bps, cfg)
+                pa1, c1, _ = popart_inference(path, x, 1, cfg)
+                diff = float(np.abs(out - ref_out).max())
+                infer_rows.append([spec.name, str(spec.batch), f"{pa10:,.0f}", f"{pa1:,.0f}",
+                                   f"{ref:,.0f}", f"{pa10 / ref:.2f}", f"{pa1 / ref:.2f}",
+                                   f"{c10:.2f} / {c1:.2f}", f"{diff:.1e}"])
+            except Exception as e:
+                failures.append(f"inference {spec.name}: {type(e).__name__}: {_first_line(e)}")
+                infer_rows.append([spec.name, str(spec.batch), "failed", "failed", f"{ref:,.0f}",
+                                   "-", "-", "-", "-"])
+            print(f"inference {spec.name}: done", file=sys.stderr, flush=True)
+
+            train_path = bench_models.export(spec, bench_models.build(spec), folder, training=True)
+            tt, loss_t = torch_training(spec, x, y, cfg)
+            try:
+                pt, ct, loss_p = popart_training(train_path, x, y, cfg)
+                train_rows.append([spec.name, str(spec.batch), f"{pt:,.0f}", f"{tt:,.0f}",
+                                   f"{pt / tt:.2f}", f"{ct:.2f}", f"{abs(loss_p - loss_t):.1e}"])
+            except Exception as e:  # report the failure in the table, go on with the others
+                failures.append(f"training {spec.name}: {type(e).__name__}: {_first_line(e)}")
+                train_rows.append([spec.name, str(spec.batch), "failed", f"{tt:,.0f}", "-", "-",
+                                   "-"])
+            print(f"training {spec.name}: done", file=sys.stderr, flush=True)
+
+    print(f"\n### Inference, samples/s (popart InferenceSession vs onnxruntime CPU, "
+          f"{cfg.infer_batches} batches per repeat)\n")
+    print(table(["model", "batch", f"popart bps={cfg.bps}", "popart bps=1", "onnxruntime",
+                 f"ratio bps={cfg.bps}", "ratio bps=1", "compile s (bps=10 / 1)",
+                 "max abs diff"], infer_rows))
+    print(f"\n### Training, samples/s (popart TrainingSession bps={cfg.bps}, SGD, softmax + "
+          f"nllloss vs PyTorch eager, {cfg.train_batches} steps per repeat)\n")
+    print(table(["model", "batch", "popart", "pytorch", "ratio", "compile s",
+                 "first-loss diff"], train_rows))
+    for f in failures:
+        print(f"\nfailed: {f}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
