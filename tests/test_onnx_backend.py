@@ -2,8 +2,8 @@
 
 Cases listed in tests/onnx_node_expected_failures.txt (name | reason) are xfail (non-strict):
 every other case must pass, so a regression fails the suite. By default a representative subset
-runs (the first case of every distinct set of op types, plus every expected failure's neighbours
-are skipped); POPART_FULL_CONFORMANCE=1 runs all of them. Regenerate the list with
+runs: the first case of every distinct (op types, opset, attribute names) combination;
+POPART_FULL_CONFORMANCE=1 runs all of them. Regenerate the list with
 ``PYTHONPATH=src python tools/conformance.py --write-expected tests/onnx_node_expected_failures.txt``.
 """
 from __future__ import annotations
@@ -40,7 +40,9 @@ def _selected(cases: list) -> list:
         return cases
     seen, out = set(), []
     for c in cases:
-        ops = frozenset(n.op_type for n in c.model.graph.node)
+        nodes = c.model.graph.node
+        ops = (frozenset(n.op_type for n in nodes), onnx_backend.case_opset(c),
+               frozenset(a.name for n in nodes for a in n.attribute))
         if ops not in seen:
             seen.add(ops)
             out.append(c)

@@ -265,7 +265,7 @@ def test_variables_persist_between_runs_and_host_data_round_trips():
         popxl.ops.var_updates.accumulate_(v, c, 2.0)     # v += 2 * c, on every run
         d = popxl.d2h_stream((3,), popxl.float32, "v_now")
         ops.host_store(d, v)
-    with popxl.Session(ir, "cpu") as s:
+    with popxl.Session(ir, "ipu_hw") as s:
         np.testing.assert_allclose(s.run()[d], [2, 4, 6])
         np.testing.assert_allclose(s.run()[d], [4, 8, 12])
         np.testing.assert_allclose(s.get_tensor_data(v), [4, 8, 12])
@@ -337,6 +337,13 @@ def test_replicated_all_reduce_and_grouped_variables():
         v = popxl.variable(np.array([[1.0], [2.0]], np.float32), name="v",
                            replica_grouping=ir.replica_grouping(1, 1))  # one value per replica
         s_ = popxl.d2h_stream((3,), popxl.float32, "sum")
+        c = popxl.constant(np.arange(4, dtype=np.float32))
+        rs = ops.collectives.replicated_reduce_scatter(c * v, "add")     # [2]: this replica's shard
+        ag = ops.collectives.replicated_all_gather(rs, output_shape="new_axis")
+        assert rs.shape == (2,) and ag.shape == (2, 2)
+        d_rs, d_ag = popxl.d2h_stream((2,), popxl.float32, "rs"), popxl.d2h_stream((2, 2), popxl.float32, "ag")
+        ops.host_store(d_rs, rs)
+        ops.host_store(d_ag, ag)
         g = ir.create_graph(lambda x, v: ops.collectives.replicated_all_reduce(x * v, "add"),
                             popxl.TensorSpec((3,), popxl.float32), v)
 
@@ -350,6 +357,9 @@ def test_replicated_all_reduce_and_grouped_variables():
         assert s.get_tensor_data(v).shape == (2, 1)
     want = X[:, 0] * 1.0 + X[:, 1] * 2.0
     np.testing.assert_allclose(out[s_], np.stack([want, want], 1))  # [transfers, replicas, 3]
+    full = np.arange(4) * 1.0 + np.arange(4) * 2.0
+    np.testing.assert_allclose(out[d_rs][0], [full[:2], full[2:]])  # transfer 0, per replica
+    np.testing.assert_allclose(out[d_ag][0, 1], full.reshape(2, 2))
     with pytest.raises(ValueError, match="shape"):
         with s:
             s.run({xs: X[0]})

@@ -181,3 +181,48 @@ def test_custom_jvp_op_on_a_constant_folds():
     the session's replica vmap is active; the folded value must still come out right."""
     got, _ = _run(lambda ir: {"r": ops.relu(popxl.constant(A)), "v": popxl.variable(A) * 1.0})
     np.testing.assert_allclose(got["r"], np.maximum(A, 0))
+
+
+def test_more_ops_match_numpy():
+    import torch
+    lab = np.array([1, 0], np.int32)
+
+    def build(ir):
+        a = popxl.variable(A, name="a")
+        lb = popxl.constant(lab)
+        w, bias = popxl.constant(np.full(3, 2.0, np.float32)), popxl.constant(np.full(3, 0.5, np.float32))
+        loss, dx = ops.nll_loss_with_softmax_grad(a, lb)
+        v, i = ops.topk(a, 2, axis=1)
+        upd = ops.dynamic_update(a, popxl.constant(np.array([1], np.uint32)),
+                                 popxl.constant(np.zeros((1, 3), np.float32)), [0], [1])
+        return {"loss": loss, "dx": dx, "topv": v, "topi": i, "upd": upd,
+                "onehot": ops.onehot(lb, 3, popxl.constant(np.array([0.0, 1.0], np.float32))),
+                "cumsum": ops.cumsum(a, 1), "lse": ops.logsumexp(a, 1), "lsm": ops.log_softmax(a, 1),
+                "median": ops.median(a, 1), "ln": ops.layer_norm(a, w, bias),
+                "gn": ops.group_norm(a, w, bias, 1),
+                "scatter": ops.scatter(a, popxl.constant(np.array([[0, 1, 2]], np.int32)),
+                                       popxl.constant(np.full((1, 3), 9.0, np.float32))),
+                "split": ops.split(a, 3, axis=1)[2], "prod": ops.prod(a, 0), "l2": ops.l2(a)}
+    got, _ = _run(build)
+    at = torch.tensor(A, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(at, torch.tensor(lab).long())
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(got["dx"], at.grad.numpy(), rtol=1e-5, atol=1e-6)
+    srt = np.sort(A, 1)[:, ::-1]
+    np.testing.assert_allclose(got["topv"], srt[:, :2], rtol=1e-6)
+    np.testing.assert_array_equal(got["topi"], np.argsort(-A, 1)[:, :2])
+    np.testing.assert_allclose(got["upd"], np.stack([A[0], np.zeros(3)]))
+    np.testing.assert_allclose(got["onehot"], np.eye(3)[lab])
+    np.testing.assert_allclose(got["cumsum"], np.cumsum(A, 1), rtol=1e-5)
+    lse = np.log(np.exp(A).sum(1))
+    np.testing.assert_allclose(got["lse"], lse, rtol=1e-5)
+    np.testing.assert_allclose(got["lsm"], A - lse[:, None], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["median"], np.median(A, 1), rtol=1e-6)
+    norm = (A - A.mean(1, keepdims=True)) / np.sqrt(A.var(1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(got["ln"], norm * 2 + 0.5, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["gn"], norm * 2 + 0.5, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["scatter"], np.stack([np.full(3, 9.0), A[1]]))
+    np.testing.assert_allclose(got["split"], A[:, 2:])
+    np.testing.assert_allclose(got["prod"], A.prod(0), rtol=1e-6)
+    np.testing.assert_allclose(got["l2"], np.sqrt((A * A).sum()), rtol=1e-6)

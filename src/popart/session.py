@@ -15,6 +15,7 @@ from onnx import numpy_helper
 from . import dataflow as _df
 from . import logging as _log
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
+from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
 from .errors import OptimizerError, StepIOError, popart_exception
 from .ir.onnx_import import ModelLike, import_model, load_model, tensor_to_numpy
@@ -40,6 +41,17 @@ def atomic_write(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _enable_engine_cache(options: Any) -> None:
+    """SessionOptions.enableEngineCaching + cachePath: XLA's persistent compilation cache, so a
+    later process compiling the same program loads the executable instead."""
+    path = getattr(options, "cachePath", "")
+    if getattr(options, "enableEngineCaching", False) and path:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 _ART_KIND = {"All": "ALL", "EveryN": "EVERYN", "Final": "FINAL", "Sum": "SUM"}
@@ -146,7 +158,9 @@ class _Session:
             if self._key is None:
                 self._key = jax.random.key(self._seed)
             _logger.info(f"Compiling '{self.name}' ...")
-            program.compile(self._host_weights, opt_state, self._key, self._hyper())
+            _enable_engine_cache(self.options)
+            with compile_progress(f"'{self.name}'"):
+                program.compile(self._host_weights, opt_state, self._key, self._hyper())
         _logger.info(f"Compiled '{self.name}' in {program.compile_seconds:.2f} s")
         self._summary["compile_seconds"] = program.compile_seconds
         self._dev = (self._put(self._host_weights), self._put(opt_state))

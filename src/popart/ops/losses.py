@@ -70,6 +70,15 @@ def identity_loss(ctx, x, reduction="Mean", **_):
 # ---------------------------------------------------------------------------------------
 # CTC
 
+def _lae(a, b):
+    """logaddexp whose gradient is 0 (not NaN) where both arguments are -inf."""
+    m = jnp.maximum(a, b)
+    ms = jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+    s = jnp.exp(a - ms) + jnp.exp(b - ms)
+    ok = s > 0
+    return jnp.where(ok, ms + jnp.log(jnp.where(ok, s, jnp.ones((), s.dtype))), -jnp.inf)
+
+
 def ctc_nll(log_probs, targets, in_lens, tgt_lens, blank):
     """Per-sample negative log-likelihood. log_probs [T, N, C], targets [N, S]."""
     T, N, C = log_probs.shape
@@ -87,14 +96,14 @@ def ctc_nll(log_probs, targets, in_lens, tgt_lens, blank):
         e, t = xs
         a1 = jnp.concatenate([jnp.full((N, 1), ninf), alpha[:, :-1]], 1)
         a2 = jnp.where(skip, jnp.concatenate([jnp.full((N, 2), ninf), alpha[:, :-2]], 1), ninf)
-        new = jnp.logaddexp(jnp.logaddexp(alpha, a1), a2) + e
+        new = _lae(_lae(alpha, a1), a2) + e
         new = jnp.where((t < in_lens)[:, None], new, alpha)  # frozen past each input length
         return new, None
     alpha, _ = lax.scan(step, alpha0, (emit[1:], jnp.arange(1, T)))
     end = 2 * tgt_lens.astype(jnp.int32)
     last = jnp.take_along_axis(alpha, end[:, None], 1)[:, 0]
     prev = jnp.take_along_axis(alpha, jnp.maximum(end - 1, 0)[:, None], 1)[:, 0]
-    return -jnp.logaddexp(last, jnp.where(end > 0, prev, ninf))
+    return -_lae(last, jnp.where(end > 0, prev, ninf))
 
 
 @_g("Ctc")
