@@ -315,3 +315,41 @@ def test_float16_training_with_loss_scaling():
     g = X.astype(np.float32).T @ np.sign(X.astype(np.float32) @ w0.astype(np.float32))
     np.testing.assert_allclose(got.astype(np.float32), w0.astype(np.float32) - 0.01 * g, rtol=2e-3, atol=2e-3)
     assert got.dtype == np.float16
+
+
+def test_automatic_loss_scaling_adjusts_the_scale():
+    """With tiny gradients the scale doubles every update; with huge ones it halves; weights
+    follow the unscaled gradients either way (equal to a run without automatic scaling)."""
+    rs = np.random.RandomState(0)
+    w0 = rs.randn(4, 3).astype(np.float32)
+    X = rs.randn(3, 2, 4).astype(np.float32)
+    scale_id = popart.reservedLossScalingPrefix() + "FLOAT"
+    for mult, direction in ((1.0, 2.0), (3000.0, 0.5)):
+        weights = []
+        for als in (True, False):
+            b = popart.Builder()
+            x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]))
+            w = b.addInitializedInputTensor(w0)
+            loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([x, w])], mult, reduction=popart.ReductionType.Sum)
+            opts = popart.SessionOptions()
+            opts.automaticLossScalingSettings.enabled = als
+            opt = popart.SGD({"defaultLearningRate": (1e-5, True), "lossScaling": (8.0, False)})
+            anchors = {loss: popart.AnchorReturnType("ALL")}
+            if als:
+                anchors[scale_id] = popart.AnchorReturnType("ALL")
+            s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(3, anchors), loss, opt, CPU(), userOptions=opts)
+            s.prepareDevice()
+            out = s.initAnchorArrays()
+            s.run(popart.PyStepIO({x: X}, out))
+            if als:
+                np.testing.assert_allclose(out[scale_id], 8.0 * direction ** np.arange(1, 4))
+            weights.append(read_one(s, w))
+        np.testing.assert_allclose(weights[0], weights[1], rtol=1e-6)
+        assert np.abs(weights[0] - w0).max() > 1e-6
+
+
+def read_one(s, tid):
+    s.weightsToHost()
+    v = np.zeros(s.getInfo(tid).shape(), np.float32)
+    s.readWeights(popart.PyWeightsIO({tid: v}))
+    return v

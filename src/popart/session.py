@@ -140,6 +140,7 @@ class _Session:
             loss=self._loss, optimizer=self._optimizer,
             mean_reduction=o.accumulationAndReplicationReductionType == ReductionType.Mean,
             running_mean=o.meanAccumulationAndReplicationReductionStrategy == MeanReductionStrategy.Running,
+            als=o.automaticLossScalingSettings if self._training and o.automaticLossScalingSettings.enabled else None,
             options=o)
 
     def _jax_device(self):

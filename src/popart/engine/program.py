@@ -23,6 +23,9 @@ from ..tensorinfo import TensorInfo
 from .lower import TraceState, execute
 
 GRAD_PREFIX = "Gradient___"
+ALS_SCALE = "lossScaling_FLOAT"          # the automatic loss scale (optimizer state, anchorable)
+ALS_STEP = "lossScaling_updateCounter"
+FP16_MAX = 65504.0
 REPLICA_AXIS = "replica"
 
 
@@ -38,6 +41,7 @@ class StepConfig:
     optimizer: Any = None
     mean_reduction: bool = False                    # accumulation/replication reduction is Mean
     running_mean: bool = False                      # MeanReductionStrategy.Running
+    als: Any = None                                 # AutomaticLossScalingSettings when enabled
     options: Any = None
 
 
@@ -140,6 +144,9 @@ class StepProgram:
         state = {}
         for w in self.trainable:
             state.update(self.cfg.optimizer.init_state(w, self.variables[w]))
+        if self.cfg.als is not None:
+            state[ALS_SCALE] = np.float32(self.cfg.optimizer.loss_scaling().val())
+            state[ALS_STEP] = np.int32(0)
         return {k: np.asarray(v) for k, v in state.items()}
 
     def opt_state_ids(self) -> list[str]:
@@ -177,7 +184,7 @@ class StepProgram:
             def loss_fn(tw, probes):
                 env, state = self._trace({**other_w, **tw}, feeds, key, probes, training=True)
                 loss = env[cfg.loss]
-                ls = self._hyper(hyper, "lossScaling")
+                ls = hyper["__als"] if "__als" in hyper else self._hyper(hyper, "lossScaling")
                 scaled = loss * jnp.asarray(ls, loss.dtype)
                 return scaled, ({a: self._value(env, a) for a in fwd_ids}, dict(state.assignments))
 
@@ -187,6 +194,25 @@ class StepProgram:
                 vals[GRAD_PREFIX + g] = gw[g] if g in gw else gp[g]
             return vals, gw, assigns
         return micro
+
+    def _auto_loss_scale(self, grads: dict, opt_state: dict, hyper: dict) -> tuple[dict, dict]:
+        """Automatic loss scaling: gradients were computed with the dynamic scale; rescale them
+        to the optimizer's static scale, then every ``updatePeriod`` batches halve the scale if
+        more than ``thresholdUpperCountProportion`` of the gradient values lie above
+        ``binEdgeLocation`` * max(float16) (or are not finite), else double it."""
+        als = self.cfg.als
+        scale = opt_state[ALS_SCALE]
+        static = jnp.asarray(self._hyper(hyper, "lossScaling"), jnp.float32)
+        flat = [jnp.abs(g.astype(jnp.float32)).ravel() for g in grads.values()]
+        total = sum(f.size for f in flat)
+        upper = sum(jnp.sum((f > als.binEdgeLocation * FP16_MAX) | ~jnp.isfinite(f)) for f in flat)
+        too_big = upper.astype(jnp.float32) / max(total, 1) > als.thresholdUpperCountProportion
+        step = opt_state[ALS_STEP] + 1
+        update = step % max(int(als.updatePeriod), 1) == 0
+        new_scale = jnp.where(update, jnp.where(too_big, scale / 2, scale * 2), scale)
+        new_scale = jnp.clip(new_scale, 2.0 ** -14, 2.0 ** 24)
+        grads = {k: g * (static / scale).astype(g.dtype) for k, g in grads.items()}
+        return grads, {**opt_state, ALS_SCALE: new_scale.astype(jnp.float32), ALS_STEP: step}
 
     def _hyper(self, hyper, name):
         if name in hyper:
@@ -277,7 +303,8 @@ class StepProgram:
                 def micro_batch(acc, xa):
                     grads_acc, count, w_assign = acc
                     f, akey = xa                                          # f: [R, ...]
-                    vals, grads, assigns = replicas(weights, f, self._split(akey, R), hyper)
+                    h = {**hyper, "__als": opt_state[ALS_SCALE]} if cfg.als is not None else hyper
+                    vals, grads, assigns = replicas(weights, f, self._split(akey, R), h)
                     if cfg.training:
                         grads_acc = accumulate(grads_acc, count, grads)
                         w_assign = {k: jnp.mean(v, axis=0).astype(weights[k].dtype)
@@ -291,8 +318,11 @@ class StepProgram:
                 if cfg.training:
                     if cfg.mean_reduction and not cfg.running_mean:
                         grads = {k: v / (A * R) for k, v in grads.items()}
-                    new_w, opt_state = cfg.optimizer.apply(
+                    if cfg.als is not None:
+                        grads, opt_state = self._auto_loss_scale(grads, opt_state, hyper)
+                    new_w, new_state = cfg.optimizer.apply(
                         {k: weights[k] for k in self.trainable}, grads, opt_state, hyper)
+                    opt_state = {**opt_state, **new_state}
                     weights = {**weights, **w_assign, **new_w}
                     for a in anchor_opt:   # optimizer state after this batch's update
                         vals[a] = jnp.broadcast_to(opt_state[a], (A, R) + jnp.shape(opt_state[a]))
