@@ -213,7 +213,7 @@ def test_batchnorm_training_session_assigns_running_stats():
     np.testing.assert_allclose(st.assignments["m"], 0.1 * bm, rtol=1e-6)
     np.testing.assert_allclose(st.assignments["v"], 0.9 + 0.1 * bv, rtol=1e-6)
     assert env["y0"].dtype == np.float64
-    fd_grad_check(model, {"x": x}, "x") if False else None
+    fd_grad_check(model, {"x": x}, "x")  # batch statistics are differentiated through
 
 
 def test_norms():
@@ -453,3 +453,34 @@ def test_affine_grid_and_roi_align():
     for attrs in ({}, {"sampling_ratio": 2, "mode": "avg"}, {"coordinate_transformation_mode": "output_half_pixel"},
                   {"spatial_scale": 0.5, "output_height": 3, "output_width": 2}):
         check(one_node("RoiAlign", {"x": x, "rois": rois, "bi": bi}, **attrs), {"x": x, "rois": rois, "bi": bi})
+
+
+# ---------------------------------------------------------------------------------------
+# Random
+
+def test_random_ops_dtype_shape_and_moments():
+    n = one_node("RandomNormal", {}, shape=[200, 50], mean=2.0, scale=0.5, dtype=TensorProto.DOUBLE)
+    y = ours(n, {})[0]
+    assert y.dtype == np.float64 and y.shape == (200, 50)
+    assert abs(y.mean() - 2) < 0.03 and abs(y.std() - 0.5) < 0.03
+    u = ours(one_node("RandomUniform", {}, shape=[10000], low=-1.0, high=3.0), {})[0]
+    assert u.dtype == np.float32 and u.min() >= -1 and u.max() < 3 and abs(u.mean() - 1) < 0.05
+    x = np.zeros((100, 100), np.float16)
+    y = ours(one_node("RandomUniformLike", {"x": x}), {"x": x})[0]
+    assert y.dtype == np.float16 and 0.45 < y.mean() < 0.55
+    y = ours(one_node("RandomNormalLike", {"x": x}, dtype=TensorProto.FLOAT), {"x": x})[0]
+    assert y.dtype == np.float32 and abs(y.mean()) < 0.05
+    p = np.full((100, 100), 0.3, np.float32)
+    b = ours(one_node("Bernoulli", {"p": p}), {"p": p})[0]
+    assert b.dtype == np.float32 and abs(b.mean() - 0.3) < 0.03 and set(np.unique(b)) <= {0, 1}
+    logits = np.log(np.array([[0.1, 0.9], [0.8, 0.2]], np.float32))
+    s = ours(one_node("Multinomial", {"l": logits}, sample_size=2000), {"l": logits})[0]
+    assert s.shape == (2, 2000) and s.dtype == np.int32
+    np.testing.assert_allclose(s.mean(1), [0.9, 0.2], atol=0.04)
+
+
+def test_random_seed_attribute_is_deterministic():
+    m = one_node("RandomUniform", {}, shape=[5], seed=3.0)
+    a = run_model(m, {}, seed=0)["y0"]
+    np.testing.assert_array_equal(a, run_model(m, {}, seed=0)["y0"])
+    assert not np.array_equal(a, run_model(one_node("RandomUniform", {}, shape=[5], seed=4.0), {}, seed=0)["y0"])

@@ -353,3 +353,27 @@ def read_one(s, tid):
     v = np.zeros(s.getInfo(tid).shape(), np.float32)
     s.readWeights(popart.PyWeightsIO({tid: v}))
     return v
+
+
+def test_save_and_load_executable_resumes_training(tmp_path):
+    b, ids, _ = mlp()
+    X, L = data(2)
+    opt = lambda: popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, True)})
+    s, out = train(b, ids, opt(), 2, X, L)
+    path = str(tmp_path / "exe.popef")
+    s.saveExecutable(path)
+    df = popart.DataFlow(2, {ids["loss"]: popart.AnchorReturnType("ALL")})
+    s2 = popart.TrainingSession(b.getModelProto(), df, ids["loss"], opt(), CPU())
+    s2.loadExecutable(path)
+    out2 = s2.initAnchorArrays()
+    s.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
+    s2.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out2))
+    np.testing.assert_allclose(out2[ids["loss"]], out[ids["loss"]], rtol=1e-6)
+    a, c = read(s, ids), read(s2, ids)
+    for n in a:
+        np.testing.assert_allclose(a[n], c[n], rtol=1e-6)
+    b3, ids3, _ = mlp(seed=5)
+    b3.aiOnnx.relu([ids3["p"]])  # a different model
+    s3 = popart.TrainingSession(b3.getModelProto(), popart.DataFlow(2, [ids3["loss"]]), ids3["loss"], opt(), CPU())
+    with pytest.raises(popart.popart_exception, match="model_sha256"):
+        s3.loadExecutable(path)

@@ -1,6 +1,9 @@
 """InferenceSession and TrainingSession: compile a graph once, run many batches per call."""
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
 import tempfile
 import time
@@ -41,6 +44,11 @@ def atomic_write(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _key_data(seed: int) -> np.ndarray:
+    """The raw state of the session's PRNG key for ``seed`` (what getRNGState returns)."""
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
 def _enable_engine_cache(options: Any) -> None:
@@ -90,6 +98,7 @@ class _Session:
         self._key = None
         self._summary: dict[str, Any] = {}
         self._stream_callbacks: dict[str, Any] = {}
+        self._loaded: Optional[dict] = None   # contents of a loadExecutable() file
         if self._training:
             self._check_training_args()
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
@@ -149,7 +158,10 @@ class _Session:
 
     # ------------------------------------------------------------------ compile
     def prepareDevice(self, loadEngine: bool = True) -> None:
-        """Trace the whole step and compile it once with XLA."""
+        """Trace the whole step and compile it once with XLA (once per session: a second call
+        does nothing)."""
+        if self._program is not None:
+            return
         program = StepProgram(self._graph, self._config(), self._input_infos, self._device)
         program.plan()
         self._host_weights = {k: np.array(v) for k, v in program.variables.items()}
@@ -157,13 +169,17 @@ class _Session:
         self._program = program
         with jax.default_device(self._jax_device()):
             if self._key is None:
-                self._key = jax.random.key(self._seed)
+                self._key = _key_data(self._seed)
             _logger.info(f"Compiling '{self.name}' ...")
             _enable_engine_cache(self.options)
             with compile_progress(f"'{self.name}'"):
-                program.compile(self._host_weights, opt_state, self._key, self._hyper())
+                program.compile(self._host_weights, opt_state, self._key, self._hyper(),
+                                exported=self._loaded.get("executable") if self._loaded else None)
         _logger.info(f"Compiled '{self.name}' in {program.compile_seconds:.2f} s")
         self._summary["compile_seconds"] = program.compile_seconds
+        if self._loaded and "variables" in self._loaded:
+            self._host_weights.update(self._loaded["variables"])
+            opt_state.update(self._loaded["optimizer_state"])
         self._dev = (self._put(self._host_weights), self._put(opt_state))
         self._key = self._program.put(self._key)
         self._host_in_sync = True
@@ -374,6 +390,66 @@ class _Session:
                 t.CopyFrom(new)
         return model
 
+    # ------------------------------------------------------------------ executables
+    def _signature(self) -> dict:
+        """What a saved executable must agree on with the session loading it."""
+        cfg = self._config()
+        return {"model_sha256": hashlib.sha256(self._proto.SerializeToString()).hexdigest(),
+                "session": type(self).__name__, "batchesPerStep": cfg.batches_per_step,
+                "accumulationFactor": cfg.accumulation_factor,
+                "replicationFactor": cfg.replication_factor,
+                "anchors": {k: list(v) for k, v in cfg.anchors.items()},
+                "inputs": {k: [v.data_type(), v.shape()] for k, v in self._input_infos.items()},
+                "loss": cfg.loss, "optimizer": None if cfg.optimizer is None else cfg.optimizer.type_name(),
+                "jax": jax.__version__, "backend": jax.default_backend()}
+
+    def saveExecutable(self, path: str, savePopartMetadata: bool = True, saveVariables: bool = True) -> None:
+        """Save the compiled step (StableHLO), its metadata and (optionally) the variables to
+        one file, written atomically; a directory gets ``<path>/executable.popef``."""
+        program = self._require_prepared("saveExecutable")
+        if os.path.isdir(path):
+            path = os.path.join(path, "executable.popef")
+        entries = {"executable": np.frombuffer(program.export(), np.uint8),
+                   "metadata": np.frombuffer(json.dumps(self._signature()).encode(), np.uint8)}
+        if saveVariables:
+            self.weightsToHost()
+            entries.update({"var/" + k: v for k, v in self._host_weights.items()})
+            entries.update({"opt/" + k: v for k, v in self._host_opt_state.items()})
+        buf = io.BytesIO()
+        np.savez(buf, **entries)
+        atomic_write(path, buf.getvalue())
+
+    def compileAndExport(self, filename: str) -> None:
+        """Compile the step and export it (with metadata and variables) to ``filename``."""
+        if self._program is None:
+            self.prepareDevice(loadEngine=False)
+        self.saveExecutable(filename)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Use the executable saved by saveExecutable / compileAndExport for this session
+        (same model and configuration) instead of compiling from the IR; its variables, if
+        saved, become the session's weights. Call before (or instead of) prepareDevice."""
+        if os.path.isdir(filename):
+            filename = os.path.join(filename, "executable.popef")
+        try:
+            with np.load(filename) as z:
+                data = {k: z[k] for k in z.files}
+        except (OSError, ValueError) as e:
+            raise popart_exception(f"loadExecutable: cannot read '{filename}': {e}") from None
+        if "executable" not in data or "metadata" not in data:
+            raise popart_exception(f"loadExecutable: '{filename}' is not a saved executable")
+        meta = json.loads(bytes(data["metadata"]).decode())
+        mine = self._signature()
+        diff = [k for k in mine if meta.get(k) != mine[k]]
+        if diff:
+            raise popart_exception(f"loadExecutable: '{filename}' was saved for a different "
+                                   f"session: {', '.join(f'{k} (file: {meta.get(k)}, session: {mine[k]})' for k in diff)}")
+        self._loaded = {"executable": bytes(data["executable"])}
+        if any(k.startswith("var/") for k in data):
+            self._loaded["variables"] = {k[4:]: v for k, v in data.items() if k.startswith("var/")}
+            self._loaded["optimizer_state"] = {k[4:]: v for k, v in data.items() if k.startswith("opt/")}
+        self.prepareDevice()
+
     # ------------------------------------------------------------------ info
     def getInfo(self, id: str) -> TensorInfo:
         if id in self._input_infos:
@@ -394,7 +470,7 @@ class _Session:
 
     def setRandomSeed(self, seedValue: int) -> None:
         self._seed = int(seedValue)
-        self._set_key(jax.random.key(self._seed))
+        self._set_key(_key_data(self._seed))
 
     def _set_key(self, key: Any) -> None:
         self._key = self._program.put(key) if self._program is not None else key
@@ -403,12 +479,16 @@ class _Session:
         return self._seed
 
     def getRNGState(self) -> list[int]:
-        key = self._key if self._key is not None else jax.random.key(self._seed)
-        return [int(v) for v in np.asarray(jax.random.key_data(key)).ravel()]
+        key = self._key if self._key is not None else _key_data(self._seed)
+        return [int(v) for v in np.asarray(key).ravel()]
 
     def setRNGState(self, rngValue: Iterable[int]) -> None:
         data = np.asarray(list(rngValue), dtype=np.uint32)
-        self._set_key(jax.random.wrap_key_data(data.reshape(jax.random.key_data(jax.random.key(0)).shape)))
+        expected = _key_data(0).shape
+        if data.size != int(np.prod(expected)):
+            raise popart_exception(f"setRNGState: expected {int(np.prod(expected))} values (as "
+                                   f"getRNGState returns), got {data.size}")
+        self._set_key(data.reshape(expected))
 
     @property
     def constantWeights(self) -> bool:

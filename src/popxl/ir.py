@@ -8,8 +8,6 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-import numpy as np
-
 from .graph import Graph
 from .replica_grouping import ReplicaGrouping
 from .streams import DeviceToHostStream, HostToDeviceStream

@@ -16,10 +16,9 @@ import popart
 from popart.engine.lower import TraceState, execute
 from popart.engine.program import REPLICA_AXIS
 
-from .dtypes import dtype as _dtype
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
-from .tensor import Constant, Tensor, Variable
+from .tensor import Constant, Variable
 
 
 def _device(desc: Any, replicas: int) -> Any:

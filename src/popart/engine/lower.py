@@ -108,7 +108,8 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
         if not opdef.random and all(is_static(x) for x in inputs):
             with jax.ensure_compile_time_eval():
                 outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
-            outs = [None if o is None else np.asarray(o) for o in outs]
+            # Some lowerings (custom_jvp functions under vmap) stay traced: keep those as they are.
+            outs = [o if o is None or isinstance(o, jax.core.Tracer) else np.asarray(o) for o in outs]
         else:
             outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
     except popart_exception:

@@ -267,7 +267,9 @@ class StepProgram:
         chunk = vector_chunk(n, sum(i.nbytes() for i in self.input_infos.values()) * R)
         replicas = self._replicated(self._micro_fn())
 
-        def step(weights, opt_state, key, feeds, hyper):
+        def step(weights, opt_state, key_data, feeds, hyper):
+            key = jax.random.wrap_key_data(key_data)
+
             def one(f, k):
                 return replicas(weights, f, self._split(k, R), hyper)[0]
 
@@ -276,7 +278,7 @@ class StepProgram:
             keys = self._split(sub, n).reshape((n // chunk, chunk))
             _, vals = jax.lax.scan(lambda c, xs: (c, jax.vmap(one)(*xs)), None, (flat, keys))
             vals = jax.tree_util.tree_map(lambda v: v.reshape((B, A) + v.shape[2:]), vals)
-            return weights, opt_state, key, self._reduce_anchors(vals)
+            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
 
         return step
 
@@ -295,7 +297,9 @@ class StepProgram:
                 return {k: grads_acc[k] * (count / n) + g[k] / (R * n) for k in g}
             return {k: grads_acc[k] + g[k] for k in g}
 
-        def step(weights, opt_state, key, feeds, hyper):
+        def step(weights, opt_state, key_data, feeds, hyper):
+            key = jax.random.wrap_key_data(key_data)
+
             def batch(carry, xs):
                 weights, opt_state = carry
                 feeds, bkey = xs                                          # feeds: [A, R, ...]
@@ -331,7 +335,7 @@ class StepProgram:
             key, sub = self._split(key, 2)
             (weights, opt_state), vals = jax.lax.scan(
                 batch, (weights, opt_state), (feeds, self._split(sub, B)))
-            return weights, opt_state, key, self._reduce_anchors(vals)
+            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
 
         return step
 
@@ -374,23 +378,37 @@ class StepProgram:
         return jax.device_put(dict(feeds), self._shardings()[1])
 
     # ------------------------------------------------------------------ compile and run
-    def compile(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
-                hyper: Mapping[str, Any]) -> None:
-        """Ahead-of-time compile the step for these argument shapes."""
+    def _jit(self, fn):
+        state_s, feed_s = self._shardings()
+        return jax.jit(fn, donate_argnums=(0, 1, 2),
+                       in_shardings=(state_s, state_s, state_s, feed_s, state_s),
+                       out_shardings=(state_s, state_s, state_s, state_s))
+
+    def _arg_specs(self, weights, opt_state, key, hyper) -> tuple:
         cfg = self.cfg
         feed_specs = {k: jax.ShapeDtypeStruct((cfg.batches_per_step, cfg.accumulation_factor,
                                                cfg.replication_factor, *i.shape()), i.np_dtype())
                       for k, i in self.input_infos.items()}
-        state_s, feed_s = self._shardings()
-        fn = jax.jit(self._step_fn(), donate_argnums=(0, 1, 2),
-                     in_shardings=(state_s, state_s, state_s, feed_s, state_s),
-                     out_shardings=(state_s, state_s, state_s, state_s))
-        t0 = time.perf_counter()
         spec = lambda tree: jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
-        lowered = fn.lower(spec(dict(weights)), spec(dict(opt_state)), key, feed_specs, spec(dict(hyper)))
-        self.compiled = lowered.compile()
+        return spec(dict(weights)), spec(dict(opt_state)), spec(key), feed_specs, spec(dict(hyper))
+
+    def compile(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
+                hyper: Mapping[str, Any], exported: Optional[bytes] = None) -> None:
+        """Ahead-of-time compile the step for these argument shapes, from the IR or from a
+        serialized executable (``exported``, see :meth:`export`)."""
+        self._specs = self._arg_specs(weights, opt_state, key, hyper)
+        t0 = time.perf_counter()
+        if exported is None:
+            self._jitted = self._jit(self._step_fn())
+        else:
+            self._jitted = self._jit(jax.export.deserialize(bytearray(exported)).call)
+        self.compiled = self._jitted.lower(*self._specs).compile()
         self.compile_seconds = time.perf_counter() - t0
+
+    def export(self) -> bytes:
+        """The compiled step as a serialized StableHLO module (``jax.export``)."""
+        return bytes(jax.export.export(self._jitted)(*self._specs).serialize())
 
     def run(self, weights, opt_state, key, feeds, hyper):
         return self.compiled(weights, opt_state, key, self.put_feeds(feeds), self.put(hyper))

@@ -6,7 +6,7 @@ import importlib as _importlib
 
 # Families written in parallel; each registers its ops on import.
 for _name in ("math", "reduce", "shape", "nn", "rnn", "image", "control", "random",
-              "graphcore", "losses", "collectives", "sequence", "misc"):
+              "graphcore", "losses", "collectives", "sequence", "misc", "popxl_ops"):
     try:
         _importlib.import_module(f"{__name__}.{_name}")
     except ModuleNotFoundError as _e:

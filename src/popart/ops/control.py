@@ -27,7 +27,7 @@ def _same_types(ctx, what, a, b):
                                     for x, y in zip(sa, sb) if x != y))
 
 
-@register("If")
+@register("If", random=True)  # random=True: never constant-folded (bodies may read traced outer tensors)
 def if_(ctx, cond, then_branch, else_branch, **_):
     if _static_value(cond):
         return ctx.run_subgraph(then_branch if bool(np.asarray(cond).reshape(())) else else_branch, [])
@@ -46,7 +46,7 @@ def _cond_passthrough(body):
     return t == body.inputs[1]
 
 
-@register("Loop")
+@register("Loop", random=True)
 def loop(ctx, m=None, cond=None, *v_init, body, **_):
     n_carry = len(v_init)
     n_scan = len(body.outputs) - 1 - n_carry
@@ -114,7 +114,7 @@ def _scan_core(ctx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, ou
     return list(fin) + ys
 
 
-@register("Scan", since=9)
+@register("Scan", since=9, random=True)
 def scan(ctx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_directions=None,
          scan_output_axes=None, scan_output_directions=None, **_):
     n_state = len(ins) - num_scan_inputs
@@ -126,7 +126,7 @@ def scan(ctx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_dire
                       scan_output_directions or [0] * n_out_scan)
 
 
-@register("Scan", since=8)
+@register("Scan", since=8, random=True)
 def scan8(ctx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
     """Scan-8: every input has a leading batch axis; scan axis 1."""
     n_state = len(ins) - num_scan_inputs
@@ -143,6 +143,6 @@ def scan8(ctx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
     return list(jax.vmap(one)(*[jnp.asarray(x) for x in ins]))
 
 
-@register("Call", domain=GRAPHCORE_DOMAIN)
+@register("Call", domain=GRAPHCORE_DOMAIN, random=True)
 def call(ctx, *ins, callee, **_):
     return list(ctx.run_subgraph(callee, list(ins)))

@@ -4,7 +4,7 @@ version, so later reads of it see the new value."""
 from __future__ import annotations
 
 import builtins
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 

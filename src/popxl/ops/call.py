@@ -6,7 +6,7 @@ reference (and the hidden stream state of graphs that use host streams) come bac
 outputs, and the caller's tensors move to them."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 

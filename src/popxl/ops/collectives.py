@@ -2,7 +2,7 @@
 the session's replica axis)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..tensor import Tensor
 from ._base import GC, inplace, node, one, reshape_

@@ -2,7 +2,7 @@
 Each updates ``t`` (it names the new value afterwards) and returns it."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from ..tensor import Tensor, constant
 from ._base import GC, as_tensor, inplace, node, one
