@@ -60,7 +60,8 @@ def _data(spec: bench_models.BenchModel, seed: int = 0) -> tuple[np.ndarray, np.
 
 
 # --------------------------------------------------------------------------------- inference
-def popart_inference(path: str, x: np.ndarray, bps: int, cfg: Config) -> tuple[float, float, np.ndarray]:
+def popart_inference(path: str, x: np.ndarray, bps: int,
+                     cfg: Config) -> tuple[float, float, np.ndarray]:
     """(samples/s, compile seconds, output of the first batch)."""
     flow = popart.DataFlow(bps, {"logits": popart.AnchorReturnType("ALL")})
     session = popart.InferenceSession(path, flow, popart.DeviceManager().createCpuDevice())
@@ -97,7 +98,8 @@ def ort_inference(path: str, x: np.ndarray, cfg: Config) -> tuple[float, np.ndar
 
 
 # --------------------------------------------------------------------------------- training
-def popart_training(path: str, x: np.ndarray, y: np.ndarray, cfg: Config) -> tuple[float, float, float]:
+def popart_training(path: str, x: np.ndarray, y: np.ndarray,
+                    cfg: Config) -> tuple[float, float, float]:
     """(samples/s, compile seconds, loss of the first batch)."""
     builder = popart.Builder(path)
     probs = builder.aiOnnx.softmax(["logits"], axis=1)

@@ -68,5 +68,6 @@ with tempfile.TemporaryDirectory() as tmp:
     # Run the inference session. The PyStepIO defines the inputs and outputs for the run
     session.run(popart.PyStepIO({"x": x, "y": y}, anchors))
     assert np.allclose(anchors["sum"], x + y)
-    print(f"sum from add.onnx: shape {anchors['sum'].shape}, first values {anchors['sum'].ravel()[:3]}")
+    print(f"sum from add.onnx: shape {anchors['sum'].shape}, "
+          f"first values {anchors['sum'].ravel()[:3]}")
 print("builder_add: OK")

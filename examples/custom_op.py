@@ -52,8 +52,8 @@ x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
 expected = np.where(x >= 0, x, alpha * x)
 
 # Inference
-session = popart.InferenceSession(builder.getModelProto(),
-                                  popart.DataFlow(1, {output_tensor: popart.AnchorReturnType("ALL")}),
+dataFlow = popart.DataFlow(1, {output_tensor: popart.AnchorReturnType("ALL")})
+session = popart.InferenceSession(builder.getModelProto(), dataFlow,
                                   popart.DeviceManager().createCpuDevice())
 session.prepareDevice()
 anchors = session.initAnchorArrays()
@@ -67,7 +67,8 @@ loss = builder.aiGraphcore.identityloss([output_tensor], reduction=popart.Reduct
 grad_w = popart.reservedGradientPrefix() + w
 session = popart.TrainingSession(builder.getModelProto(),
                                  popart.DataFlow(1, {grad_w: popart.AnchorReturnType("FINAL")}),
-                                 loss, popart.ConstSGD(0.01), popart.DeviceManager().createCpuDevice())
+                                 loss, popart.ConstSGD(0.01),
+                                 popart.DeviceManager().createCpuDevice())
 session.prepareDevice()
 session.weightsFromHost()
 anchors = session.initAnchorArrays()

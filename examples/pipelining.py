@@ -58,10 +58,9 @@ def train(pipelined: bool):
         device = popart.DeviceManager().acquireAvailableDevice(2)
     else:
         device = popart.DeviceManager().createCpuDevice()
-    session = popart.TrainingSession(proto, popart.DataFlow(BPS, {loss: popart.AnchorReturnType("ALL")}),
-                                     loss, popart.SGD({"defaultLearningRate": (0.1, False),
-                                                       "defaultMomentum": (0.9, True)}),
-                                     device, userOptions=opts)
+    flow = popart.DataFlow(BPS, {loss: popart.AnchorReturnType("ALL")})
+    sgd = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, True)})
+    session = popart.TrainingSession(proto, flow, loss, sgd, device, userOptions=opts)
     session.prepareDevice()
     session.weightsFromHost()
     anchors = session.initAnchorArrays()

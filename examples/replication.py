@@ -35,14 +35,15 @@ options = popart.SessionOptions()
 options.enableReplicatedGraphs = True
 options.replicatedGraphCount = REPLICAS
 device = popart.DeviceManager().acquireAvailableDevice(REPLICAS)
-session = popart.InferenceSession(proto, popart.DataFlow(BPS, {probs: popart.AnchorReturnType("ALL")}),
-                                  device, userOptions=options)
+flow = popart.DataFlow(BPS, {probs: popart.AnchorReturnType("ALL")})
+session = popart.InferenceSession(proto, flow, device, userOptions=options)
 session.prepareDevice()
 anchors = session.initAnchorArrays()
 session.run(popart.PyStepIO({x: data, label: labels}, anchors))
-print(f"replicated inference: input {list(data.shape)}, anchor {probs} {list(anchors[probs].shape)}")
-single = popart.InferenceSession(proto, popart.DataFlow(BPS * REPLICAS, {probs: popart.AnchorReturnType("ALL")}),
-                                 popart.DeviceManager().createCpuDevice())
+print(f"replicated inference: input {list(data.shape)}, "
+      f"anchor {probs} {list(anchors[probs].shape)}")
+flow = popart.DataFlow(BPS * REPLICAS, {probs: popart.AnchorReturnType("ALL")})
+single = popart.InferenceSession(proto, flow, popart.DeviceManager().createCpuDevice())
 single.prepareDevice()
 ref = single.initAnchorArrays()
 single.run(popart.PyStepIO({x: data.reshape(-1, MICRO, IN), label: labels.reshape(-1, MICRO)}, ref))
@@ -58,7 +59,8 @@ def train(opts, device, feed_shape):
     s.prepareDevice()
     s.weightsFromHost()
     a = s.initAnchorArrays()
-    s.run(popart.PyStepIO({x: data.reshape(feed_shape + [IN]), label: labels.reshape(feed_shape)}, a))
+    feeds = {x: data.reshape(feed_shape + [IN]), label: labels.reshape(feed_shape)}
+    s.run(popart.PyStepIO(feeds, a))
     s.weightsToHost()
     out = {w: np.zeros_like(W0)}
     s.readWeights(popart.PyWeightsIO(out))
@@ -79,8 +81,10 @@ options.enableGradientAccumulation = True
 options.accumulationFactor = REPLICAS
 options.accumulationAndReplicationReductionType = popart.ReductionType.Mean
 acc_loss, acc_w = train(options, popart.DeviceManager().createCpuDevice(), [BPS, REPLICAS, MICRO])
-print(f"accumulated training: loss anchor shape {list(acc_loss.shape)} (batchesPerStep, accumulation)")
-print(f"max |replicated - accumulated| weights after {BPS} updates: {np.abs(rep_w - acc_w).max():.2e}")
+print(f"accumulated training: loss anchor shape {list(acc_loss.shape)} "
+      f"(batchesPerStep, accumulation)")
+print(f"max |replicated - accumulated| weights after {BPS} updates: "
+      f"{np.abs(rep_w - acc_w).max():.2e}")
 assert np.allclose(rep_loss, acc_loss, atol=1e-5) and np.allclose(rep_w, acc_w, atol=1e-5)
 assert not np.allclose(rep_w, W0)
 print("replication: OK")

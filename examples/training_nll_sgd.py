@@ -18,7 +18,8 @@ import torch
 
 import popart
 
-BATCH, STEPS, BPS = 4, 6, 2
+SMALL = os.environ.get("POPART_EXAMPLE_SMALL") == "1"
+BATCH, STEPS, BPS = 4, 3 if SMALL else 6, 2
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(
@@ -77,7 +78,8 @@ for step in range(STEPS):
         g["lr"] = stepLr
     for x, y in zip(data[step], label_data[step]):
         torch_opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y).long())
+        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)),
+                                                 torch.from_numpy(y).long())
         loss.backward()
         torch_opt.step()
         torch_losses.append(loss.item())
@@ -96,6 +98,7 @@ fresh.weightsFromHost()
 out = fresh.initAnchorArrays()
 fresh.run(popart.PyStepIO({"input": data[0, 0]}, out))
 expected = model(torch.from_numpy(data[0, 0])).detach().numpy()
-print(f"reloaded weights: max |popart - PyTorch| on the output = {np.abs(out[output_name] - expected).max():.2e}")
+err = np.abs(out[output_name] - expected).max()
+print(f"reloaded weights: max |popart - PyTorch| on the output = {err:.2e}")
 assert np.allclose(out[output_name], expected, atol=1e-4)
 print("training_nll_sgd: OK")

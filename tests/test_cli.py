@@ -109,7 +109,8 @@ def test_usage_error_returns_2(capsys):
 
 
 def test_devices_console_entry():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-m", "popart.cli", "devices"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -27,5 +27,6 @@ def test_example_runs(script: Path):
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, \
+        f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert f"{script.stem}: OK" in proc.stdout

@@ -21,8 +21,7 @@ def model(nodes, inputs, outputs, opset=16, inits=(), extra_opsets=()):
 
 
 def body(nodes, inputs, outputs, name="body"):
-    return helper.make_graph(nodes, name, inputs, [vi(o, 0, None) if False else onnx.ValueInfoProto(name=o)
-                                                   for o in outputs])
+    return helper.make_graph(nodes, name, inputs, [onnx.ValueInfoProto(name=o) for o in outputs])
 
 
 def branches():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from popart.engine.lower import TraceState, execute
 from popart.ir.onnx_import import import_model
-from test_ops_nn import check, fd_grad_check, one_node, ours, rnd
+from test_ops_nn import fd_grad_check, one_node, ours, rnd
 
 GC = "ai.graphcore"
 

@@ -62,15 +62,15 @@ def fd_grad_check(model, feeds, wrt, eps=1e-6, tol=1e-5):
     graph, _ = import_model(model)
     feeds = {k: np.asarray(v, np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
     out0 = model.graph.output[0].name
-    w = None
-
-    def f(x):
-        env = execute(graph, {**feeds, wrt: x}, TraceState(rng_key=jax.random.key(0)))
-        return jnp.sum(env[out0] * w)
     x0 = feeds[wrt]
     w = np.random.default_rng(1).standard_normal(
         np.shape(execute(graph, feeds, TraceState())[out0]))
-    g = np.asarray(jax.grad(f)(jnp.asarray(x0)))
+
+    @jax.jit
+    def f(x):
+        env = execute(graph, {**feeds, wrt: x}, TraceState(rng_key=jax.random.key(0)))
+        return jnp.sum(env[out0] * w)
+    g = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(x0)))
     flat = x0.reshape(-1)
     for i in np.random.default_rng(2).choice(flat.size, min(flat.size, 6), replace=False):
         d = np.zeros_like(flat); d[i] = eps

@@ -5,6 +5,10 @@ from .devices import configure_host_devices as _configure_host_devices
 
 _configure_host_devices()  # before JAX creates its CPU backend: several virtual host devices
 
+from . import distributed  # noqa: E402
+
+distributed.initialize_from_env()  # a process started by `popart launch` joins its job
+
 from . import ops as _ops  # noqa: E402,F401  (registers every op lowering)
 from .builder import Builder  # noqa: E402
 from .dataflow import *  # noqa: E402,F401,F403

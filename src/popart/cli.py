@@ -39,7 +39,8 @@ def _device(spec: str) -> Any:
         return dm.createIpuModelDevice({"numIPUs": int(m.group(1) or 1)})
     if spec == "gpu":
         if jax.default_backend() not in ("gpu", "cuda", "rocm"):
-            raise CliError(f"--device gpu: JAX sees no GPU (its backend is '{jax.default_backend()}')")
+            raise CliError(f"--device gpu: JAX sees no GPU (its backend is "
+                           f"'{jax.default_backend()}')")
         return dm.acquireAvailableDevice(1)
     raise CliError(f"--device '{spec}' is not one of cpu, ipumodel:N, gpu")
 
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     d = sub.add_parser("demo", help="train a CNN on the 8x8 digits with a TrainingSession")
-    d.add_argument("--epochs", "-e", type=int, default=8)
+    d.add_argument("--epochs", "-e", type=int, default=8, help="training epochs (default 8)")
     d.add_argument("--output", "-o", default=".", metavar="DIR",
                    help="where to write digits.onnx (default: the current folder)")
     d.add_argument("--device", "-d", default="cpu", help="cpu (default), ipumodel:N or gpu")

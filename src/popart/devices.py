@@ -52,9 +52,9 @@ _ATTACHED: "weakref.WeakValueDictionary[Any, DeviceInfo]" = weakref.WeakValueDic
 def _platform_devices() -> tuple[list, list]:
     """(accelerators, host CPU devices) that JAX presents."""
     import jax
-    accel = list(jax.devices()) if jax.default_backend() in _ACCELERATORS else []
+    accel = list(jax.local_devices()) if jax.default_backend() in _ACCELERATORS else []
     try:
-        cpu = list(jax.devices("cpu"))
+        cpu = list(jax.local_devices(backend="cpu"))
     except RuntimeError:  # CPU backend disabled (JAX_PLATFORMS)
         cpu = []
     return accel, cpu

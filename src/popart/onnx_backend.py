@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType

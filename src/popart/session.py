@@ -16,6 +16,7 @@ import onnx
 from onnx import numpy_helper
 
 from . import dataflow as _df
+from . import distributed
 from . import logging as _log
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
 from .engine.progress import compile_progress
@@ -48,7 +49,8 @@ def atomic_write(path: str, data: bytes) -> None:
 
 def _key_data(seed: int) -> np.ndarray:
     """The raw state of the session's PRNG key for ``seed`` (what getRNGState returns)."""
-    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
 def _enable_engine_cache(options: Any) -> None:
@@ -145,7 +147,8 @@ class _Session:
                                        f"divide batchesPerStep ({bps})")
         return StepConfig(
             batches_per_step=bps, accumulation_factor=self.accumulationFactor,
-            replication_factor=self.replicationFactor, anchors=anchors, training=self._training,
+            replication_factor=distributed.check_options(o, self.replicationFactor),
+            anchors=anchors, training=self._training,
             loss=self._loss, optimizer=self._optimizer,
             mean_reduction=o.accumulationAndReplicationReductionType == ReductionType.Mean,
             running_mean=o.meanAccumulationAndReplicationReductionStrategy == MeanReductionStrategy.Running,
@@ -154,7 +157,7 @@ class _Session:
 
     def _jax_device(self):
         devs = getattr(self._device, "jax_devices", None)
-        return devs[0] if devs else jax.devices()[0]
+        return devs[0] if devs else jax.local_devices()[0]
 
     # ------------------------------------------------------------------ compile
     def prepareDevice(self, loadEngine: bool = True) -> None:
@@ -289,9 +292,13 @@ class _Session:
 
     def _write_anchors(self, stepio: Any, outs: dict, anchors: dict) -> None:
         bps, A, R = self._dataFlow.batchesPerStep(), self.accumulationFactor, self.replicationFactor
+        offset = distributed.process_index() * R
         for a, val in anchors.items():
             art = self._dataFlow.art(a)
-            val = np.asarray(val)
+            val = self._program.to_host(val)
+            if self._program.cfg.replication_factor != R:   # global replication: our replicas
+                axis = _lead(art) - 1
+                val = np.take(val, range(offset, offset + R), axis=axis)
             host = _df.anchor_host_shape(list(val.shape[_lead(art):]), art, bps, A, R)
             val = val.reshape(host)
             if a in self._stream_callbacks:
@@ -323,8 +330,9 @@ class _Session:
     def weightsToHost(self) -> None:
         """Copy the device weights to the host."""
         self._require_prepared("weightsToHost")
-        self._host_weights = {k: np.asarray(v) for k, v in self._dev[0].items()}
-        self._host_opt_state = {k: np.asarray(v) for k, v in self._dev[1].items()}
+        to_host = self._program.to_host
+        self._host_weights = {k: to_host(v) for k, v in self._dev[0].items()}
+        self._host_opt_state = {k: to_host(v) for k, v in self._dev[1].items()}
         self._host_in_sync = True
 
     def areHostWeightsInSync(self) -> bool:
@@ -333,7 +341,8 @@ class _Session:
     def readWeights(self, weightsIo: Any) -> None:
         """Copy host weights (and optimizer state) into the arrays of a PyWeightsIO."""
         self._require_prepared("readWeights")
-        state = getattr(self, "_host_opt_state", None) or {k: np.asarray(v) for k, v in self._dev[1].items()}
+        state = getattr(self, "_host_opt_state", None) or \
+            {k: self._program.to_host(v) for k, v in self._dev[1].items()}
         for tid, dst in _weights_dict(weightsIo).items():
             src = self._host_weights.get(tid, state.get(tid))
             if src is None:
@@ -344,7 +353,7 @@ class _Session:
     def writeWeights(self, weightsIo: Any) -> None:
         """Write the arrays of a PyWeightsIO to the host weights (and the device)."""
         self._require_prepared("writeWeights")
-        opt = {k: np.asarray(v) for k, v in self._dev[1].items()}
+        opt = {k: self._program.to_host(v) for k, v in self._dev[1].items()}
         for tid, src in _weights_dict(weightsIo).items():
             target = self._host_weights if tid in self._host_weights else opt if tid in opt else None
             if target is None:
@@ -570,10 +579,19 @@ class TrainingSession(_Session):
         self._optimizer = optimizer
 
     def broadcastWeights(self, rootRank: int = 0) -> None:
-        """Broadcast weights from instance rootRank; with one instance there is nothing to do."""
-        if rootRank != 0:
+        """Copy the weights of instance (process) ``rootRank`` to every instance; with one
+        instance there is nothing to do."""
+        n = distributed.process_count()
+        if not 0 <= rootRank < n:
             raise popart_exception(f"broadcastWeights: rootRank {rootRank} does not exist "
-                                   f"(this is a single-instance session)")
+                                   f"(there are {n} instance(s))")
+        if n == 1:
+            return
+        from jax.experimental import multihost_utils
+        self.weightsToHost()
+        self._host_weights = {k: np.asarray(v) for k, v in multihost_utils.broadcast_one_to_all(
+            self._host_weights, is_source=distributed.process_index() == rootRank).items()}
+        self.weightsFromHost()
 
     def connectStreamToCallback(self, streamHandle: str, callback: Any, index: int = 0) -> None:
         """Call ``callback(array)`` with each value of anchor ``streamHandle`` after every run."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import distributed
 from ..errors import popart_exception
 from ..ir.graph import Graph
 from ..tensorinfo import TensorInfo
@@ -228,8 +229,17 @@ class StepProgram:
                                                          (n,) + jax.random.key_data(key).shape))
 
     def replica_devices(self) -> list:
-        """Distinct jax devices for the replicas, or [] to run them side by side."""
+        """Distinct jax devices for the replicas, or [] to run them side by side. In a
+        distributed job, each process's replicas are its first local devices."""
         R = self.cfg.replication_factor
+        n = distributed.process_count()
+        if n > 1:
+            local = R // n
+            devs = [d for p in range(n) for d in [d for d in jax.devices() if d.process_index == p][:local]]
+            if len(devs) != R:
+                raise popart_exception(f"Global replication needs {local} device(s) in each of "
+                                       f"the {n} processes; some process has fewer")
+            return devs
         devs = list(getattr(self.device, "jax_devices", None) or [])
         if R > 1 and len(set(devs)) >= R:
             return devs[:R]
@@ -365,17 +375,32 @@ class StepProgram:
             P = jax.sharding.PartitionSpec
             return (jax.sharding.NamedSharding(mesh, P()),
                     jax.sharding.NamedSharding(mesh, P(None, None, REPLICA_AXIS)))
-        dev = (getattr(self.device, "jax_devices", None) or jax.devices())[0]
+        dev = (getattr(self.device, "jax_devices", None) or jax.local_devices())[0]
         one = jax.sharding.SingleDeviceSharding(dev)
         return one, one
 
     def put(self, tree: Any) -> Any:
         """Place weights / optimizer state / the RNG key on the device(s)."""
-        return jax.device_put(tree, self._shardings()[0])
+        return self._place(tree, self._shardings()[0])
 
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
-        """Move a step's inputs to the device(s): one transfer per input."""
-        return jax.device_put(dict(feeds), self._shardings()[1])
+        """Move a step's inputs to the device(s): one transfer per input. In a distributed
+        job each process gives its local replicas' data ([B, A, R_local, ...])."""
+        return self._place(dict(feeds), self._shardings()[1])
+
+    @staticmethod
+    def _place(tree: Any, sharding: Any) -> Any:
+        if distributed.process_count() > 1:
+            return jax.tree_util.tree_map(
+                lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+        return jax.device_put(tree, sharding)
+
+    @staticmethod
+    def to_host(x: Any) -> np.ndarray:
+        """A program output as a NumPy array (outputs are replicated on every process)."""
+        if getattr(x, "is_fully_addressable", True):
+            return np.asarray(x)
+        return np.asarray(x.addressable_data(0))
 
     # ------------------------------------------------------------------ compile and run
     def _jit(self, fn):

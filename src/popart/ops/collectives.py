@@ -1,6 +1,7 @@
 """Replicated collectives (ai.graphcore). Identity without replication; otherwise lax
 collectives over ``ctx.replica_axis``. ``collectiveOperator`` follows popart.CollectiveOperator
-(Add=0, Mean=1, Mul=2, Min=3, Max=4, LogicalAnd/Or=5/6, SquareAdd=7, Local=8) or its name.
+name (Undefined = Add, Add, Mean, Mul, Min, Max, LogicalAnd, LogicalOr, SquareAdd, Local)
+or its index in that list. ``commGroup`` [type, size] other than all replicas is an error.
 Reduce-scatter flattens the input, pads it to a multiple of the replication factor and returns
 this replica's 1-D shard; all-gather concatenates the replicas' flattened shards."""
 from __future__ import annotations
@@ -10,18 +11,22 @@ from jax import lax
 
 from .registry import GRAPHCORE_DOMAIN, register
 
-_OPS = ["add", "mean", "mul", "min", "max", "logicaland", "logicalor", "squareadd", "local"]
+_OPS = ["undefined", "add", "mean", "mul", "min", "max", "logicaland", "logicalor", "squareadd", "local"]
 
 
 def _op(ctx, op):
     name = _OPS[int(op)] if isinstance(op, int) or str(op).isdigit() else str(op).lower()
+    name = "add" if name == "undefined" else name
     if name not in ("add", "mean", "min", "max", "local"):
         raise ctx.error(f"collectiveOperator '{op}' is not supported (Add, Mean, Min, Max, Local)")
     return name
 
 
-def _inactive(ctx):
-    return ctx.replica_axis is None or ctx.replication_factor == 1
+def _inactive(ctx, comm_group=None):
+    off = ctx.replica_axis is None or ctx.replication_factor == 1
+    if not off and comm_group and comm_group[0] != 0 and comm_group[1] not in (0, ctx.replication_factor):
+        raise ctx.error(f"commGroup {list(comm_group)} (a subset of the replicas) is not supported")
+    return off
 
 
 def _allreduce(ctx, x, op):
@@ -33,7 +38,7 @@ def _allreduce(ctx, x, op):
 @register("ReplicatedAllReduce", domain=GRAPHCORE_DOMAIN)
 def all_reduce(ctx, x, collectiveOperator=0, commGroup=None, **_):
     op = _op(ctx, collectiveOperator)
-    return x if _inactive(ctx) else _allreduce(ctx, x, op)
+    return x if _inactive(ctx, commGroup) else _allreduce(ctx, x, op)
 
 
 register("ReplicatedAllReduceInplace", domain=GRAPHCORE_DOMAIN)(all_reduce)
@@ -43,7 +48,7 @@ register("ReplicatedAllReduceInplace", domain=GRAPHCORE_DOMAIN)(all_reduce)
 def reduce_scatter(ctx, x, collectiveOperator=0, commGroup=None, **_):
     op = _op(ctx, collectiveOperator)
     flat = x.reshape(-1)
-    if _inactive(ctx):
+    if _inactive(ctx, commGroup):
         return flat
     r = ctx.replication_factor
     flat = jnp.pad(flat, (0, -flat.size % r))
@@ -56,6 +61,6 @@ def reduce_scatter(ctx, x, collectiveOperator=0, commGroup=None, **_):
 
 @register("ReplicatedAllGather", domain=GRAPHCORE_DOMAIN)
 def all_gather(ctx, x, commGroup=None, **_):
-    if _inactive(ctx):
+    if _inactive(ctx, commGroup):
         return x
     return lax.all_gather(x.reshape(-1), ctx.replica_axis, axis=0, tiled=True)

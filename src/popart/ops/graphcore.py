@@ -2,7 +2,6 @@
 methods document them. Attribute names are the reference's keyword names."""
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -259,6 +258,7 @@ def multi_conv(ctx, *ins, dilations=(), inDilations=(), pads=(), outPads=(), str
     return outs
 
 
+@_g("Normalize_Image")  # the Builder's op type for normalize_image
 @_g("NormalizeImage")
 def normalize_image(ctx, img, offsets, scales, scale=1.0, **_):
     """(img * scale - offsets) * scales on the 3 channels of a (B, H, W, 3) image, padded

@@ -1,7 +1,6 @@
 """Matrix, scan, selection and quantization ops."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -12,25 +11,20 @@ from .registry import add, register
 
 I64 = jnp.int64
 
-
 def _dt(x):
     return jnp.result_type(x)
 
-
 def _static_int(ctx, x, what):
     return int(ctx.static(x, what).reshape(-1)[0])
-
 
 @register("MatMul")
 def matmul(ctx, a, b, **_):
     return jnp.matmul(a, b)
 
-
 def _zp_rows(zp, ndim_is_matrix):
     """A's zero point may be per row ([M]): align it with A's rows."""
     zp = jnp.asarray(zp).astype(jnp.int32)
     return zp[:, None] if zp.ndim == 1 and ndim_is_matrix else zp
-
 
 @register("MatMulInteger", since=10)
 def matmul_integer(ctx, a, b, a_zero_point=None, b_zero_point=None, **_):
@@ -41,7 +35,6 @@ def matmul_integer(ctx, a, b, a_zero_point=None, b_zero_point=None, **_):
         b = b - jnp.asarray(b_zero_point).astype(jnp.int32)
     return jnp.matmul(a, b, preferred_element_type=jnp.int32)
 
-
 @register("Gemm")
 def gemm(ctx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
     a, b = (a.T if transA else a), (b.T if transB else b)
@@ -51,14 +44,12 @@ def gemm(ctx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
         y = y + (cc if beta == 1.0 else c(y, beta) * cc)
     return y
 
-
 @register("Einsum", since=12)
 def einsum(ctx, *xs, equation="", **_):
     try:
         return jnp.einsum(equation.replace(" ", ""), *xs)
     except ValueError as e:
         raise ctx.error(f"invalid equation {equation!r}: {e}") from None
-
 
 def _cumulative(fn, init):
     def lower(ctx, x, axis, exclusive=0, reverse=0, **_):
@@ -71,10 +62,8 @@ def _cumulative(fn, init):
         return jnp.flip(y, ax) if reverse else y
     return lower
 
-
 add("CumSum", _cumulative(jnp.cumsum, 0), since=11)
 add("CumProd", _cumulative(jnp.cumprod, 1), since=26)
-
 
 def _topk(ctx, x, k, axis, largest, sorted_):
     ax = axis % jnp.ndim(x)
@@ -89,13 +78,11 @@ def _topk(ctx, x, k, axis, largest, sorted_):
         vals = jnp.take_along_axis(xt, idx, -1)
     return jnp.moveaxis(vals, -1, ax), jnp.moveaxis(idx.astype(I64), -1, ax)
 
-
 add("TopK", lambda ctx, x, axis=-1, k=None, **_: _topk(ctx, x, k, axis, 1, 1), since=1)
 add("TopK", lambda ctx, x, k, axis=-1, **_:
     _topk(ctx, x, _static_int(ctx, k, "k"), axis, 1, 1), since=10)
 add("TopK", lambda ctx, x, k, axis=-1, largest=1, sorted=1, **_:
     _topk(ctx, x, _static_int(ctx, k, "k"), axis, largest, sorted), since=11)
-
 
 def _arg(fn):
     def lower(ctx, x, axis=0, keepdims=1, select_last_index=0, **_):
@@ -107,21 +94,17 @@ def _arg(fn):
         return i.astype(I64)
     return lower
 
-
 add("ArgMax", _arg(jnp.argmax))
 add("ArgMin", _arg(jnp.argmin))
-
 
 @register("Det", since=11)
 def det(ctx, x, **_):
     return jnp.linalg.det(x)
 
-
 @register("Trilu", since=14)
 def trilu(ctx, x, k=None, upper=1, **_):
     k = 0 if k is None else _static_int(ctx, k, "k")
     return jnp.triu(x, k) if upper else jnp.tril(x, k)
-
 
 # ---------------------------------------------------------------------------------------
 # Quantization
@@ -132,7 +115,6 @@ def _qrange(dt):
         i = ml_dtypes.iinfo(dt)
         return int(i.min), int(i.max)
     return None
-
 
 def _expand_param(ctx, p, x, axis, block_size):
     """Scale / zero point broadcast against ``x``: scalar, per-axis 1-D, or blocked."""
@@ -149,7 +131,6 @@ def _expand_param(ctx, p, x, axis, block_size):
                         f"(axis {axis}), got shape {p.shape}")
     return p.reshape([-1 if d == ax else 1 for d in range(x.ndim)])
 
-
 def saturate_cast(y, dt, saturate=1):
     """Round-half-even and clamp to an integer type, or (saturate=1) clamp to a float8's
     finite range; other float types are a plain cast."""
@@ -162,10 +143,8 @@ def saturate_cast(y, dt, saturate=1):
         y = jnp.where(jnp.isfinite(y) | (dt.name != "float8_e5m2"), jnp.clip(y, -m, m), y)
     return y.astype(dt)
 
-
 def _calc_dtype(dt):
     return jnp.float64 if np.dtype(dt) == np.float64 else jnp.float32
-
 
 @register("QuantizeLinear", since=10)
 def quantize_linear(ctx, x, y_scale, y_zero_point=None, axis=1, saturate=1, block_size=0,
@@ -182,7 +161,6 @@ def quantize_linear(ctx, x, y_scale, y_zero_point=None, axis=1, saturate=1, bloc
         y = y + _expand_param(ctx, y_zero_point, x, axis, block_size).astype(cd)
     return saturate_cast(y, dt, saturate)
 
-
 @register("DequantizeLinear", since=10)
 def dequantize_linear(ctx, x, x_scale, x_zero_point=None, axis=1, block_size=0,
                       output_dtype=0, **_):
@@ -195,7 +173,6 @@ def dequantize_linear(ctx, x, x_scale, x_zero_point=None, axis=1, block_size=0,
         xf = xf - _expand_param(ctx, x_zero_point, x, axis, block_size).astype(cd)
     return (xf * s.astype(cd)).astype(out)
 
-
 @register("DynamicQuantizeLinear", since=11)
 def dynamic_quantize_linear(ctx, x, **_):
     lo = jnp.minimum(jnp.min(x), 0.0)
@@ -204,7 +181,6 @@ def dynamic_quantize_linear(ctx, x, **_):
     zp = jnp.clip(jnp.round((0.0 - lo) / scale), 0, 255)
     y = jnp.clip(jnp.round(x / scale) + zp, 0, 255).astype(jnp.uint8)
     return y, scale, zp.astype(jnp.uint8)
-
 
 @register("QLinearMatMul", since=10)
 def qlinear_matmul(ctx, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp, **_):

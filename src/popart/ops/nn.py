@@ -111,7 +111,7 @@ def max_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shap
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad,
                                     ceil_mode)
     lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-    y = lax.reduce_window(x, jnp.array(lowest, x.dtype), lax.max, win, st, pp, window_dilation=dil)
+    y = lax.reduce_window(x, np.array(lowest, x.dtype), lax.max, win, st, pp, window_dilation=dil)
     if ctx.num_outputs < 2 or not ctx.output_ids[1]:
         return y
     sp = x.shape[2:]
@@ -126,20 +126,22 @@ def max_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shap
         take = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
         return jnp.where(take, b[0], a[0]), jnp.where(take, b[1], a[1])
     xs = lax.stop_gradient(x)
-    _y, i = lax.reduce_window((xs, idx), (jnp.array(lowest, x.dtype), jnp.array(2**62, jnp.int64)),
+    _y, i = lax.reduce_window((xs, idx), (np.array(lowest, x.dtype), jnp.array(2**62, jnp.int64)),
                               pick, win, st, pp, window_dilation=dil)
     return y, i
 
 
 def _avg(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad):
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
-    s = lax.reduce_window(x, jnp.array(0, x.dtype), lax.add, win, st, pp, window_dilation=dil)
-    ones = jnp.ones((1, 1) + x.shape[2:], x.dtype)
-    if count_include_pad:  # explicit pads count, the ceil_mode extension does not
-        _, _, explicit, _ = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, 0)
-        ones = jnp.pad(ones, explicit, constant_values=1)
-        pp = tuple((0, hi - e_hi) for (_lo, hi), (_e, e_hi) in zip(pp, explicit))
-    cnt = lax.reduce_window(ones, jnp.array(0, x.dtype), lax.add, win, st, pp, window_dilation=dil)
+    s = lax.reduce_window(x, np.array(0, x.dtype), lax.add, win, st, pp, window_dilation=dil)
+    with jax.ensure_compile_time_eval():  # window element counts are constants
+        ones = jnp.ones((1, 1) + x.shape[2:], x.dtype)
+        if count_include_pad:  # explicit pads count, the ceil_mode extension does not
+            _, _, explicit, _ = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, 0)
+            ones = jnp.pad(ones, explicit, constant_values=1)
+            pp = tuple((0, hi - e_hi) for (_lo, hi), (_e, e_hi) in zip(pp, explicit))
+        cnt = np.asarray(lax.reduce_window(ones, np.array(0, x.dtype), lax.add, win, st, pp,
+                                           window_dilation=dil))
     return s / cnt
 
 
@@ -153,7 +155,7 @@ def average_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, di
 def lp_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=(), p=2,
             pads=None, strides=None, **_):
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
-    s = lax.reduce_window(jnp.abs(x) ** p, jnp.array(0, x.dtype), lax.add, win, st, pp,
+    s = lax.reduce_window(jnp.abs(x) ** p, np.array(0, x.dtype), lax.add, win, st, pp,
                           window_dilation=dil)
     return s ** (1.0 / p)
 
@@ -294,7 +296,7 @@ def group_normalization(ctx, x, scale, b, epsilon=1e-5, num_groups=None, stash_t
 @register("LRN")
 def lrn(ctx, x, size, alpha=1e-4, beta=0.75, bias=1.0, **_):
     lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
-    sq = lax.reduce_window(x * x, jnp.array(0, x.dtype), lax.add, (1, size) + (1,) * (x.ndim - 2),
+    sq = lax.reduce_window(x * x, np.array(0, x.dtype), lax.add, (1, size) + (1,) * (x.ndim - 2),
                            (1,) * x.ndim, ((0, 0), (lo, hi)) + ((0, 0),) * (x.ndim - 2))
     return x / (bias + alpha / size * sq) ** beta
 

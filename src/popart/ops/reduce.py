@@ -45,10 +45,11 @@ REDUCE = {  # name: (fn(x, axes, keepdims), opset where axes became an input)
 
 
 def reduce_axes(ctx, x, axes, noop_with_empty_axes):
-    """Normalized axes tuple, or None for 'leave x unchanged'."""
+    """Normalized axes tuple. Empty axes reduce everything, or with noop_with_empty_axes
+    nothing (``()``: the op's elementwise part still applies, as onnx's reference does)."""
     axes = [] if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
     if not axes:
-        return None if noop_with_empty_axes else tuple(range(jnp.ndim(x)))
+        return () if noop_with_empty_axes else tuple(range(jnp.ndim(x)))
     r = jnp.ndim(x)
     if any(not -r <= a < max(r, 1) for a in axes):
         raise ctx.error(f"axes {axes} out of range for an input of rank {r}")
@@ -58,7 +59,7 @@ def reduce_axes(ctx, x, axes, noop_with_empty_axes):
 def _attr_form(fn):
     def lower(ctx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
         ax = reduce_axes(ctx, x, axes, noop_with_empty_axes)
-        return x if ax is None else fn(x, ax, bool(keepdims))
+        return fn(x, ax, bool(keepdims))
     return lower
 
 
@@ -66,7 +67,7 @@ def _input_form(fn):
     def lower(ctx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
         axes = None if axes is None else ctx.static(axes, "axes")
         ax = reduce_axes(ctx, x, axes, noop_with_empty_axes)
-        return x if ax is None else fn(x, ax, bool(keepdims))
+        return fn(x, ax, bool(keepdims))
     return lower
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .registry import add, register
-from .shape import ints, np_type, _split
+from .shape import ints, _split
 
 
 def _pos(ctx, seq, pos, insert=False):

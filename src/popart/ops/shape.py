@@ -262,7 +262,7 @@ _SCATTER = {"none": "set", "add": "add", "mul": "multiply", "max": "max", "min":
 def _scatter_at(ctx, x, coords, updates, reduction):
     if reduction not in _SCATTER:
         raise ctx.error(f"reduction must be one of {list(_SCATTER)}, got {reduction!r}")
-    return getattr(x.at[coords], _SCATTER[reduction])(updates, mode="drop")
+    return getattr(jnp.asarray(x).at[coords], _SCATTER[reduction])(updates, mode="drop")
 
 
 def scatter_elements(ctx, x, idx, updates, axis=0, reduction="none", **_):
@@ -300,7 +300,7 @@ def tensor_scatter(ctx, past, update, write_indices=None, mode="linear", axis=-2
     shape[0], shape[ax] = past.shape[0], s
     grid = list(jnp.indices(update.shape, sparse=True))
     grid[ax] = pos.reshape(shape)
-    return past.at[tuple(grid)].set(update, mode="drop")
+    return jnp.asarray(past).at[tuple(grid)].set(update, mode="drop")
 
 
 @register("Compress", since=9, static_inputs=(1,))

@@ -1,0 +1,54 @@
+"""Global replication across processes (jax.distributed) equals local replication."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import numpy as np
+
+import popart
+from popart import distributed
+
+from test_training import data, mlp, read, train
+
+HERE = os.path.dirname(__file__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_like_two_local_replicas(tmp_path):
+    code = distributed.launch([os.path.join(HERE, "helpers", "dist_train.py"), str(tmp_path)], 2,
+                              port=free_port(), timeout=300)
+    assert code == 0
+    got = [np.load(tmp_path / f"{p}.npz") for p in range(2)]
+    b, ids, _ = mlp()
+    X, L = data(2, lead=(2,))
+    opts = popart.SessionOptions()
+    opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, 2
+    opts.accumulationAndReplicationReductionType = popart.ReductionType.Mean
+    opt = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.5, True)})
+    s, out = train(b, ids, opt, 2, X, L, opts=opts, device=popart.DeviceManager().acquireAvailableDevice(2))
+    ref = read(s, ids)
+    for p in range(2):
+        np.testing.assert_allclose(got[p]["loss"], out[ids["loss"]][:, p], rtol=1e-5)
+        for k in ref:
+            np.testing.assert_allclose(got[p][k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_global_replication_options_are_checked():
+    b, ids, _ = mlp()
+    opts = popart.SessionOptions()
+    opts.enableDistributedReplicatedGraphs = True
+    opts.globalReplicationFactor = 4
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [ids["loss"]]), ids["loss"],
+                               popart.ConstSGD(0.1), popart.DeviceManager().createCpuDevice(), userOptions=opts)
+    try:
+        s.prepareDevice()
+        raise AssertionError("expected an error")
+    except popart.popart_exception as e:
+        assert "globalReplicationFactor" in str(e) and "4" in str(e)
