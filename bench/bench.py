@@ -4,7 +4,8 @@
 
 Prints two markdown tables of samples/second (higher is better), each the median of a few
 timed repeats after a warm-up; compile time is reported separately. CPU only: JAX, PyTorch
-and onnxruntime all use os.cpu_count() threads.
+and onnxruntime all use os.cpu_count() threads (``--threads 1``: one thread each, which
+gives steadier figures on a busy machine).
 """
 from __future__ import annotations
 
@@ -21,6 +22,22 @@ from typing import Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compare like with like: all on the CPU
 
+
+def _threads_from_argv(argv: list[str]) -> int:
+    """--threads N (read before JAX starts: XLA's thread count is fixed at start-up)."""
+    for i, a in enumerate(argv):
+        if a == "--threads" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return os.cpu_count() or 1
+
+
+THREADS = _threads_from_argv(sys.argv[1:])
+if THREADS == 1:  # XLA: no Eigen thread pool
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_multi_thread_eigen=false").strip()
+
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
@@ -30,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import models as bench_models  # noqa: E402
 import popart  # noqa: E402
 
-THREADS = os.cpu_count() or 1
 LR = 0.01
 
 
@@ -166,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer batches and repeats")
     p.add_argument("--models", default="mlp,cnn,transformer")
+    p.add_argument("--threads", type=int, default=THREADS,
+                   help="threads for PyTorch, onnxruntime and (if 1) XLA; default: all CPUs")
     args = p.parse_args(argv)
+    global THREADS
+    THREADS = args.threads
     cfg = Config(20, 10, 3) if args.quick else Config(100, 50, 5)
     torch.set_num_threads(THREADS)
     import jax

@@ -60,6 +60,7 @@ class NodeCtx:
         self.replica_axis = state.replica_axis
         self.replication_factor = state.replication_factor
         self.options = state.options
+        self._loop_key = None
 
     def rng(self) -> Any:
         return self.state.next_key()
@@ -79,8 +80,17 @@ class NodeCtx:
     def assign(self, tensor_id: str, value: Any) -> None:
         self.state.assignments[tensor_id] = value
 
-    def run_subgraph(self, graph: Graph, inputs: list) -> list:
-        return run_graph(graph, inputs, self.state, outer=self.env)
+    def run_subgraph(self, graph: Graph, inputs: list, iteration: Any = None) -> list:
+        state = self.state
+        if iteration is not None:  # a loop body: fresh random numbers in every iteration
+            if self._loop_key is None:
+                self._loop_key = self.state.next_key()
+            state = TraceState(training=state.training,
+                               rng_key=jax.random.fold_in(self._loop_key, iteration),
+                               replica_axis=state.replica_axis,
+                               replication_factor=state.replication_factor,
+                               options=state.options, probes=state.probes)
+        return run_graph(graph, inputs, state, outer=self.env)
 
     def error(self, msg: str) -> Exception:
         return UnsupportedOperatorError(f"{self.node.describe()}: {msg}")
@@ -104,8 +114,10 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
         raise popart_exception(f"{node.describe()}: input tensor {e} is not produced by any "
                                f"node, graph input or initializer") from None
     ctx = NodeCtx(node, version, env, state)
+    has_body = any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
+                   for v in node.attrs.values())   # bodies may read traced outer tensors
     try:
-        if not opdef.random and all(is_static(x) for x in inputs):
+        if not opdef.random and not has_body and all(is_static(x) for x in inputs):
             with jax.ensure_compile_time_eval():
                 outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
             # Some lowerings (custom_jvp functions under vmap) stay traced: keep those as they are.

@@ -27,7 +27,7 @@ def _same_types(ctx, what, a, b):
                                     for x, y in zip(sa, sb) if x != y))
 
 
-@register("If", random=True)  # random=True: never constant-folded (bodies may read traced outer tensors)
+@register("If")
 def if_(ctx, cond, then_branch, else_branch, **_):
     if _static_value(cond):
         return ctx.run_subgraph(then_branch if bool(np.asarray(cond).reshape(())) else else_branch, [])
@@ -46,7 +46,7 @@ def _cond_passthrough(body):
     return t == body.inputs[1]
 
 
-@register("Loop", random=True)
+@register("Loop")
 def loop(ctx, m=None, cond=None, *v_init, body, **_):
     n_carry = len(v_init)
     n_scan = len(body.outputs) - 1 - n_carry
@@ -56,7 +56,8 @@ def loop(ctx, m=None, cond=None, *v_init, body, **_):
     cond_static_true = _static_value(cond_init) and bool(np.asarray(cond_init).reshape(()))
 
     def step(i, c, vals):
-        outs = ctx.run_subgraph(body, [jnp.asarray(i, jnp.int64), jnp.asarray(c, bool)] + list(vals))
+        outs = ctx.run_subgraph(body, [jnp.asarray(i, jnp.int64), jnp.asarray(c, bool)] + list(vals),
+                                iteration=i)
         new = [jnp.asarray(o).astype(v.dtype) for o, v in zip(outs[1:1 + n_carry], vals)]
         for o, v in zip(new, vals):
             if o.shape != v.shape:
@@ -104,17 +105,19 @@ def _scan_core(ctx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, ou
     xs = [jnp.flip(x, 0) if d else x for x, d in zip(xs, in_dirs)]
     states = [jnp.asarray(s) for s in states]
 
-    def f(carry, sl):
-        outs = ctx.run_subgraph(body, list(carry) + list(sl))
+    def f(carry, xs_i):
+        i, sl = xs_i
+        outs = ctx.run_subgraph(body, list(carry) + list(sl), iteration=i)
         new = [jnp.asarray(o).astype(c.dtype) for o, c in zip(outs, carry)]
         return new, [jnp.asarray(o) for o in outs[len(carry):]]
-    fin, ys = lax.scan(f, states, xs)
+    n = xs[0].shape[0] if xs else 0
+    fin, ys = lax.scan(f, states, (jnp.arange(n), xs), length=n)
     ys = [jnp.flip(y, 0) if d else y for y, d in zip(ys, out_dirs)]
     ys = [jnp.moveaxis(y, 0, a % y.ndim) for y, a in zip(ys, out_axes)]
     return list(fin) + ys
 
 
-@register("Scan", since=9, random=True)
+@register("Scan", since=9)
 def scan(ctx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_directions=None,
          scan_output_axes=None, scan_output_directions=None, **_):
     n_state = len(ins) - num_scan_inputs
@@ -126,7 +129,7 @@ def scan(ctx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_dire
                       scan_output_directions or [0] * n_out_scan)
 
 
-@register("Scan", since=8, random=True)
+@register("Scan", since=8)
 def scan8(ctx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
     """Scan-8: every input has a leading batch axis; scan axis 1."""
     n_state = len(ins) - num_scan_inputs
@@ -143,6 +146,6 @@ def scan8(ctx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
     return list(jax.vmap(one)(*[jnp.asarray(x) for x in ins]))
 
 
-@register("Call", domain=GRAPHCORE_DOMAIN, random=True)
+@register("Call", domain=GRAPHCORE_DOMAIN)
 def call(ctx, *ins, callee, **_):
     return list(ctx.run_subgraph(callee, list(ins)))

@@ -64,9 +64,11 @@ class LowerCtx(Protocol):
         BatchNormalization running statistics, in-place variable updates). Ignored in
         inference and for tensors that are not variables."""
 
-    def run_subgraph(self, graph: Any, inputs: list) -> list:
+    def run_subgraph(self, graph: Any, inputs: list, iteration: Any = None) -> list:
         """Lower an IR subgraph (attribute of If / Loop / Scan / Call) on ``inputs``;
-        tensors of enclosing scopes are visible inside it. Returns its outputs."""
+        tensors of enclosing scopes are visible inside it. Returns its outputs. Loop bodies
+        pass their ``iteration`` index so random ops draw new numbers each iteration
+        (``ctx.assign`` inside such a body is ignored)."""
 
     def error(self, msg: str) -> Exception:
         """An UnsupportedOperatorError whose message names this node."""
