@@ -4,8 +4,8 @@
 
 Prints two markdown tables of samples/second (higher is better), each the median of a few
 timed repeats after a warm-up; compile time is reported separately. CPU only: JAX, PyTorch
-and onnxruntime all use os.cpu_count() threads (``--threads 1``: one thread each, which
-gives steadier figures on a busy machine).
+and onnxruntime all use os.cpu_count() threads (``--threads N``: N threads each, the
+process pinned to N cores; steadier figures on a busy machine).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compare like with like: all on 
 
 
 def _threads_from_argv(argv: list[str]) -> int:
-    """--threads N (read before JAX starts: XLA's thread count is fixed at start-up)."""
+    """--threads N, read before JAX starts (XLA's thread pool is sized at start-up)."""
     for i, a in enumerate(argv):
         if a == "--threads" and i + 1 < len(argv):
             return int(argv[i + 1])
@@ -34,9 +34,9 @@ def _threads_from_argv(argv: list[str]) -> int:
 
 
 THREADS = _threads_from_argv(sys.argv[1:])
-if THREADS == 1:  # XLA: no Eigen thread pool
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_cpu_multi_thread_eigen=false").strip()
+if THREADS < (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
+    # Pin the process to THREADS cores: XLA sizes its thread pool from the affinity mask.
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:THREADS])
 
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
@@ -179,13 +179,13 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global THREADS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer batches and repeats")
     p.add_argument("--models", default="mlp,cnn,transformer")
     p.add_argument("--threads", type=int, default=THREADS,
-                   help="threads for PyTorch, onnxruntime and (if 1) XLA; default: all CPUs")
+                   help="threads (and cores) for PyTorch, onnxruntime and XLA; default: all")
     args = p.parse_args(argv)
-    global THREADS
     THREADS = args.threads
     cfg = Config(20, 10, 3) if args.quick else Config(100, 50, 5)
     torch.set_num_threads(THREADS)
