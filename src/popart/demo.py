@@ -1,8 +1,8 @@
 """``popart demo``: train a small CNN, written with the popart Builder, on 8x8 hand-written digits.
 
 The data (scikit-learn's copy of the UCI digits, see ``data/LICENSE-digits.txt``) ships with
-the package. The network is conv -> relu -> strided conv -> relu -> strided conv -> relu ->
-matmul -> softmax, trained with nllloss and SGD (momentum) in a TrainingSession that runs
+the package. The network is conv -> relu -> maxpool -> conv -> relu -> maxpool -> matmul ->
+softmax, trained with nllloss and SGD (momentum) in a TrainingSession that runs
 ``batchesPerStep`` batches per ``run()``. The trained model is saved with ``modelToHost``,
 reloaded into an InferenceSession and evaluated again.
 """
@@ -76,13 +76,12 @@ def build_model(batch: int, seed: int = 0) -> tuple[popart.Builder, str, str, st
     x = b.addInputTensor(popart.TensorInfo("FLOAT", [batch, 1, 8, 8]), "image")
     labels = b.addInputTensor(popart.TensorInfo("INT32", [batch]), "label")
     h = x
-    # 8x8 -> 8x8 -> 4x4 -> 2x2: the strided convolutions do the down-sampling.
-    for i, (cin, cout, stride) in enumerate([(1, 16, 1), (16, 32, 2), (32, 32, 2)]):
+    for i, (cin, cout) in enumerate([(1, 16), (16, 32)]):  # 8x8 -> 4x4 -> 2x2
         w = b.addInitializedInputTensor(he(cout, cin, 3, 3), f"conv{i}/weight")
         bias = b.addInitializedInputTensor(np.zeros(cout, np.float32), f"conv{i}/bias")
-        h = b.aiOnnx.conv([h, w, bias], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
-                          strides=[stride, stride])
+        h = b.aiOnnx.conv([h, w, bias], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
         h = b.aiOnnx.relu([h])
+        h = b.aiOnnx.maxpool([h], num_outputs=1, kernel_shape=[2, 2], strides=[2, 2])[0]
     h = b.reshape_const(b.aiOnnx, [h], [batch, 32 * 2 * 2])
     w = b.addInitializedInputTensor(he(128, 10), "fc/weight")
     bias = b.addInitializedInputTensor(np.zeros(10, np.float32), "fc/bias")

@@ -31,6 +31,15 @@ class DataType(enum.Enum):
     COMPLEX128 = "COMPLEX128"
     STRING = "STRING"
     UNDEFINED = "UNDEFINED"
+    # Newer ONNX element types PopART never had (for models of newer exporters).
+    FLOAT8_E4M3FN = "FLOAT8_E4M3FN"
+    FLOAT8_E5M2 = "FLOAT8_E5M2"
+    FLOAT8_E8M0 = "FLOAT8_E8M0"
+    FLOAT4_E2M1 = "FLOAT4_E2M1"
+    INT4 = "INT4"
+    UINT4 = "UINT4"
+    INT2 = "INT2"
+    UINT2 = "UINT2"
 
     @property
     def name_(self) -> str:  # pybind-style `.name` is the enum's own name
@@ -58,6 +67,14 @@ _TABLE: dict[DataType, tuple[Any, int]] = {
     DataType.COMPLEX64: (np.complex64, TensorProto.COMPLEX64),
     DataType.COMPLEX128: (np.complex128, TensorProto.COMPLEX128),
     DataType.STRING: (np.object_, TensorProto.STRING),
+    DataType.FLOAT8_E4M3FN: (ml_dtypes.float8_e4m3fn, TensorProto.FLOAT8E4M3FN),
+    DataType.FLOAT8_E5M2: (ml_dtypes.float8_e5m2, TensorProto.FLOAT8E5M2),
+    DataType.FLOAT8_E8M0: (ml_dtypes.float8_e8m0fnu, TensorProto.FLOAT8E8M0),
+    DataType.FLOAT4_E2M1: (ml_dtypes.float4_e2m1fn, TensorProto.FLOAT4E2M1),
+    DataType.INT4: (ml_dtypes.int4, TensorProto.INT4),
+    DataType.UINT4: (ml_dtypes.uint4, TensorProto.UINT4),
+    DataType.INT2: (ml_dtypes.int2, TensorProto.INT2),
+    DataType.UINT2: (ml_dtypes.uint2, TensorProto.UINT2),
 }
 _FROM_NP = {np.dtype(v[0]): k for k, v in _TABLE.items()}
 _FROM_ONNX = {v[1]: k for k, v in _TABLE.items()}

@@ -96,6 +96,16 @@ class NodeCtx:
         return UnsupportedOperatorError(f"{self.node.describe()}: {msg}")
 
 
+def _to_static(o: Any) -> Any:
+    """A folded output as NumPy (a sequence element by element). Some lowerings (custom_jvp
+    functions under vmap) stay traced: those are kept as they are."""
+    if o is None or isinstance(o, jax.core.Tracer):
+        return o
+    if isinstance(o, list):
+        return [_to_static(e) for e in o]
+    return np.asarray(o)
+
+
 def _as_output_list(out: Any) -> list:
     if isinstance(out, (tuple, list)):
         return list(out)
@@ -120,8 +130,7 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
         if not opdef.random and not has_body and all(is_static(x) for x in inputs):
             with jax.ensure_compile_time_eval():
                 outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
-            # Some lowerings (custom_jvp functions under vmap) stay traced: keep those as they are.
-            outs = [o if o is None or isinstance(o, jax.core.Tracer) else np.asarray(o) for o in outs]
+            outs = [_to_static(o) for o in outs]
         else:
             outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
     except popart_exception:

@@ -14,7 +14,7 @@ from ..tensorinfo import TensorInfo, to_datatype
 from .graph import Graph, Node
 
 ModelLike = Union[str, bytes, onnx.ModelProto, os.PathLike]
-MIN_ONNX_OPSET = 6
+MIN_ONNX_OPSET = 1   # PopART started at 6; older models import too
 
 
 def load_model(model: ModelLike) -> tuple[onnx.ModelProto, Optional[str]]:
@@ -121,8 +121,10 @@ def graph_from_onnx(g: onnx.GraphProto, opsets: dict, base_dir: Optional[str] = 
 def model_opsets(model: onnx.ModelProto) -> dict[str, int]:
     opsets = {canonical_domain(o.domain): int(o.version) for o in model.opset_import}
     opsets.setdefault(GRAPHCORE_DOMAIN, 1)
-    if ONNX_DOMAIN not in opsets:
-        raise ModelError("The model imports no ai.onnx opset (opset_import is empty)")
+    if not opsets.keys() - {GRAPHCORE_DOMAIN} and not model.opset_import:
+        raise ModelError("The model imports no opset (opset_import is empty)")
+    # A model of other domains only (ai.onnx.ml, ...) has no ai.onnx nodes to version.
+    opsets.setdefault(ONNX_DOMAIN, onnx.defs.onnx_opset_version())
     if opsets[ONNX_DOMAIN] < MIN_ONNX_OPSET:
         raise UnsupportedOperatorError(
             f"The model imports ai.onnx opset {opsets[ONNX_DOMAIN]}; opsets {MIN_ONNX_OPSET} "
