@@ -69,8 +69,9 @@ def loop(ctx, m=None, cond=None, *v_init, body, **_):
         trips = int(np.asarray(m).reshape(()))
         exact = cond_static_true and _cond_passthrough(body)
         if n_scan and not exact:
-            raise ctx.error("scan outputs need a trip count known at compile time, but this "
-                            "loop's condition is computed at run time")
+            raise ctx.error("scan outputs need a trip count known at compile time: the "
+                            "condition must be known at compile time and passed through "
+                            "the body unchanged, but this loop's is computed at run time")
 
         def scan_body(carry, i):
             c, vals = carry
@@ -84,8 +85,8 @@ def loop(ctx, m=None, cond=None, *v_init, body, **_):
                                         jnp.arange(trips, dtype=jnp.int64))
         return list(vals) + list(scans)
     if n_scan:
-        raise ctx.error("scan outputs need a trip count known at compile time (input M is "
-                        "absent or computed at run time)")
+        raise ctx.error("scan outputs need a trip count: input M must be known at compile "
+                        "time, but it is absent or computed at run time")
     trips = None if m is None else jnp.asarray(m, jnp.int64).reshape(())
 
     def w_cond(carry):

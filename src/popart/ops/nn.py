@@ -1,6 +1,7 @@
 """Neural-network ops of ai.onnx: convolution, pooling, normalization, dropout, softmax."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -20,13 +21,57 @@ def conv_nc(x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups
     pass cannot pick that layout for weights carried through the step program's loops, so the
     transposes are explicit (they fuse into neighbouring ops)."""
     n = x.ndim - 2
-    sp = "DHW"[3 - n:]
     to_last, to_first = (0, *range(2, n + 2), 1), (0, n + 1, *range(1, n + 1))
-    y = lax.conv_general_dilated(
-        x.transpose(to_last), w.astype(x.dtype).transpose(*range(2, n + 2), 1, 0), strides, padding,
-        lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, feature_group_count=groups,
-        dimension_numbers=(f"N{sp}C", f"{sp}IO", f"N{sp}C"), precision=HIGHEST)
+    ones = (1,) * n
+    y = conv_last(x.transpose(to_last), w.astype(x.dtype).transpose(*range(2, n + 2), 1, 0),
+                  tuple(strides), tuple(map(tuple, padding)), tuple(lhs_dilation or ones),
+                  tuple(rhs_dilation or ones), int(groups))
     return y.transpose(to_first)
+
+
+def _conv(x, w, strides, padding, lhs_dil, rhs_dil, groups=1, batch_groups=1):
+    sp = "DHW"[3 - (x.ndim - 2):]
+    return lax.conv_general_dilated(
+        x, w, strides, padding, lhs_dilation=lhs_dil, rhs_dilation=rhs_dil,
+        feature_group_count=groups, batch_group_count=batch_groups,
+        dimension_numbers=(f"N{sp}C", f"{sp}IO", f"N{sp}C"), precision=HIGHEST)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def conv_last(x, w, strides, padding, lhs_dil, rhs_dil, groups):
+    """Channels-last convolution (x: N,*sp,C; w: *k,I,O) whose gradients are channels-last
+    convolutions too. JAX's own gradient of the filter has the batch as its contraction
+    dimension, a layout XLA's CPU backend only runs fast outside loops."""
+    return _conv(x, w, strides, padding, lhs_dil, rhs_dil, groups)
+
+
+def _conv_fwd(x, w, strides, padding, lhs_dil, rhs_dil, groups):
+    return _conv(x, w, strides, padding, lhs_dil, rhs_dil, groups), (x, w)
+
+
+def _conv_bwd(strides, padding, lhs_dil, rhs_dil, groups, res, dy):
+    x, w = res
+    n = x.ndim - 2
+    sp_in, k, sp_out = x.shape[1:1 + n], w.shape[:n], dy.shape[1:1 + n]
+    dil_in = [(h - 1) * d + 1 for h, d in zip(sp_in, lhs_dil)]
+    k_eff = [(kk - 1) * d + 1 for kk, d in zip(k, rhs_dil)]
+    cin_g, cout = w.shape[n], w.shape[n + 1]
+    # d/dx: a transposed convolution with the flipped kernel, its I and O swapped per group.
+    wt = jnp.flip(w, tuple(range(n))).reshape(*k, cin_g, groups, cout // groups)
+    wt = wt.transpose(*range(n), n + 2, n + 1, n).reshape(*k, cout // groups, groups * cin_g)
+    pads = [(ke - 1 - lo, di - 1 + lo - (o - 1) * s)
+            for ke, (lo, _), di, o, s in zip(k_eff, padding, dil_in, sp_out, strides)]
+    dx = _conv(dy, wt, (1,) * n, pads, strides, rhs_dil, groups)
+    dx = dx[(slice(None), *(slice(None, None, d) for d in lhs_dil))]
+    # d/dw: the input (channels as batch) convolved with dy (batch as contraction).
+    lhs = x.transpose(n + 1, *range(1, n + 1), 0)
+    rhs = dy.transpose(*range(1, n + 1), 0, n + 1)
+    dw = _conv(lhs, rhs, rhs_dil, list(padding), lhs_dil, strides, batch_groups=groups)
+    dw = dw.transpose(*range(1, n + 1), 0, n + 1)[tuple(slice(0, kk) for kk in k)]
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+conv_last.defvjp(_conv_fwd, _conv_bwd)
 
 
 # ---------------------------------------------------------------------------------------
