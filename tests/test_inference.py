@@ -309,3 +309,21 @@ def test_step_io_callback():
     s.run(cb)
     assert len(done) == 3
     np.testing.assert_allclose(np.stack(got), 2 * np.arange(3)[:, None] * np.ones(3))
+
+
+def test_init_anchor_arrays_before_prepare_device_and_saved_file_mode(tmp_path):
+    """The talk's order: initAnchorArrays() first; the session compiles on the first run."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]))
+    y = b.aiOnnx.exp([x])
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(2, [y]), CPU())
+    out = s.initAnchorArrays()
+    assert out[y].shape == (2, 2)
+    s.run(popart.PyStepIO({x: np.zeros((2, 2), np.float32)}, out))
+    np.testing.assert_allclose(out[y], np.ones((2, 2)))
+    path = tmp_path / "model.onnx"
+    s.modelToHost(str(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (path.stat().st_mode & 0o777) == 0o666 & ~umask
+    assert all(d.platform == "cpu" for d in CPU().jax_devices)

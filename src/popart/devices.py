@@ -60,9 +60,12 @@ def _platform_devices() -> tuple[list, list]:
     return accel, cpu
 
 
-def _jax_devices_for(n: int) -> list:
-    """n devices: accelerators if enough, else distinct CPU devices if enough, else repeats."""
+def _jax_devices_for(n: int, cpu_only: bool = False) -> list:
+    """n devices: accelerators if enough, else distinct CPU devices if enough, else repeats
+    (``cpu_only``: the host CPU's devices whatever accelerators there are)."""
     accel, cpu = _platform_devices()
+    if cpu_only and cpu:
+        accel = []
     for pool in (accel, cpu):
         if len(pool) >= n:
             return pool[:n]
@@ -233,7 +236,7 @@ class DeviceManager:
         if n < 1:
             raise popart_exception(f"{DeviceType(type).name} device: numIPUs must be >= 1, "
                                    f"got {n}")
-        info = DeviceInfo(type, _jax_devices_for(n),
+        info = DeviceInfo(type, _jax_devices_for(n, cpu_only=type == DeviceType.Cpu),
                           tilesPerIPU=_opt(opts, "tilesPerIPU", "tilesPerIpu",
                                            default=_DEFAULT_TILES),
                           version=_opt(opts, "ipuVersion", default="ipu2"),

@@ -40,6 +40,9 @@ def atomic_write(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)   # mkstemp's 0600 is not what a saved model should get
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -163,13 +166,11 @@ class _Session:
     def prepareDevice(self, loadEngine: bool = True) -> None:
         """Trace the whole step and compile it once with XLA (once per session: a second call
         does nothing)."""
-        if self._program is not None:
+        if self._prepared:
             return
-        program = StepProgram(self._graph, self._config(), self._input_infos, self._device)
-        program.plan()
+        program = self._plan()
         self._host_weights = {k: np.array(v) for k, v in program.variables.items()}
         opt_state = program.init_opt_state()
-        self._program = program
         with jax.default_device(self._jax_device()):
             if self._key is None:
                 self._key = _key_data(self._seed)
@@ -187,6 +188,19 @@ class _Session:
         self._key = self._program.put(self._key)
         self._host_in_sync = True
 
+    def _plan(self) -> StepProgram:
+        """The session's step program, planned (anchors, trainable weights) but maybe not
+        compiled yet."""
+        if self._program is None:
+            program = StepProgram(self._graph, self._config(), self._input_infos, self._device)
+            program.plan()
+            self._program = program
+        return self._program
+
+    @property
+    def _prepared(self) -> bool:
+        return self._program is not None and self._program.compiled is not None
+
     def _put(self, tree: Mapping[str, Any]) -> dict:
         return self._program.put(dict(tree))
 
@@ -197,14 +211,14 @@ class _Session:
                 self._optimizer.non_const_feed(self._program.trainable).items()}
 
     def _require_prepared(self, what: str) -> StepProgram:
-        if self._program is None:
+        if not self._prepared:
             raise popart_exception(f"{what}: the session is not prepared; call prepareDevice() first")
         return self._program
 
     # ------------------------------------------------------------------ run
     def initAnchorArrays(self) -> dict[str, np.ndarray]:
         """One NumPy array per anchor, in the shape the AnchorReturnType docs give."""
-        program = self._require_prepared("initAnchorArrays")
+        self._plan()
         out = {}
         for a in self._dataFlow.anchors():
             shape, dtype = self._anchor_tensor_info(a)
@@ -260,7 +274,7 @@ class _Session:
         """Run batchesPerStep batches: one call into the compiled program."""
         if isinstance(stepio, str):  # run(programHandle, stepio, debugName) overload
             raise popart_exception("Named programs are not supported; call run(stepio)")
-        if self._program is None:
+        if not self._prepared:
             self.prepareDevice()
         if getattr(self._device, "offline", False):
             raise popart_exception(f"Session '{self.name}' was compiled for an offline device, "
@@ -430,8 +444,7 @@ class _Session:
 
     def compileAndExport(self, filename: str) -> None:
         """Compile the step and export it (with metadata and variables) to ``filename``."""
-        if self._program is None:
-            self.prepareDevice(loadEngine=False)
+        self.prepareDevice(loadEngine=False)
         self.saveExecutable(filename)
 
     def loadExecutable(self, filename: str) -> None:
@@ -482,7 +495,7 @@ class _Session:
         self._set_key(_key_data(self._seed))
 
     def _set_key(self, key: Any) -> None:
-        self._key = self._program.put(key) if self._program is not None else key
+        self._key = self._program.put(key) if self._prepared else key
 
     def getRandomSeed(self) -> int:
         return self._seed
