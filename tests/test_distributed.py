@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
 import numpy as np
 
 import popart
-from popart import distributed
 
 from test_training import data, mlp, read, train
 
@@ -22,8 +20,9 @@ def free_port() -> int:
 
 
 def test_two_processes_train_like_two_local_replicas(tmp_path):
-    code = distributed.launch([os.path.join(HERE, "helpers", "dist_train.py"), str(tmp_path)], 2,
-                              port=free_port(), timeout=300)
+    from popart.cli import main
+    code = main(["launch", "-n", "2", "--port", str(free_port()),
+                 os.path.join(HERE, "helpers", "dist_train.py"), str(tmp_path)])
     assert code == 0
     got = [np.load(tmp_path / f"{p}.npz") for p in range(2)]
     b, ids, _ = mlp()

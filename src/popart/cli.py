@@ -201,6 +201,15 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------- main
+def cmd_launch(args: argparse.Namespace) -> int:
+    from popart import distributed
+    if args.num_processes < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if not os.path.isfile(args.script):
+        raise OSError(f"script '{args.script}' does not exist")
+    return distributed.launch([args.script, *args.args], args.num_processes, port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="popart", description="PopART on XLA: run ONNX models, "
                                 "train a demo, list devices.")
@@ -227,7 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("devices", help="list the devices the DeviceManager sees")
     v.set_defaults(func=cmd_devices)
-    for s in (r, d, v):
+
+    la = sub.add_parser("launch", help="run a script as N processes of one distributed job "
+                        "(global replication; PopRun-style)")
+    la.add_argument("--num-processes", "-n", type=int, required=True, metavar="N")
+    la.add_argument("--port", type=int, default=12355, help="coordinator port on 127.0.0.1")
+    la.add_argument("script", help="the Python script")
+    la.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    la.set_defaults(func=cmd_launch)
+    for s in (r, d, v, la):
         s.add_argument("--verbose", "-v", action="store_true",
                        help="INFO logging and full tracebacks on errors")
     return p
