@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-import models as bench_models  # noqa: E402
+import bench_models  # noqa: E402
 import popart  # noqa: E402
 
 LR = 0.01

@@ -5,6 +5,7 @@ Each model maps an input ``x`` to class logits ``logits`` [batch, 10].
 """
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from dataclasses import dataclass
@@ -27,17 +28,17 @@ class BenchModel:
         return self.input_shape[0]
 
 
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                         nn.Linear(512, NUM_CLASSES))
+def mlp(inputs: int = 784, hidden: int = 512) -> nn.Module:
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, NUM_CLASSES))
 
 
-def cnn() -> nn.Module:
+def cnn(width: int = 32) -> nn.Module:
     def block(cin: int, cout: int) -> list[nn.Module]:
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
-    return nn.Sequential(*block(3, 32), nn.MaxPool2d(2), *block(32, 64), nn.MaxPool2d(2),
-                         *block(64, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(128, NUM_CLASSES))
+    return nn.Sequential(*block(3, width), nn.MaxPool2d(2), *block(width, 2 * width), nn.MaxPool2d(2),
+                         *block(2 * width, 4 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4 * width, NUM_CLASSES))
 
 
 class EncoderLayer(nn.Module):
@@ -92,14 +93,24 @@ def export(spec: BenchModel, model: nn.Module, folder: str, training: bool = Fal
     """Write ``model`` to ``folder/<name>[-train].onnx``. ``training`` keeps BatchNormalization
     in training mode (an inference export folds it into the convolutions)."""
     path = os.path.join(folder, f"{spec.name}{'-train' if training else ''}.onnx")
+    with open(path, "wb") as f:
+        f.write(to_onnx(model, spec.input_shape, training=training, fold=not training))
+    return path
+
+
+def to_onnx(model: nn.Module, input_shape: tuple, training: bool = False, fold: bool = True,
+            output: str = "logits") -> bytes:
+    """ONNX bytes of ``model`` (opset 11, TorchScript exporter, input 'x'). ``fold=False``
+    keeps BatchNormalization as an op in an inference export."""
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     model.train(training)
+    f = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, torch.randn(spec.input_shape), path, input_names=["x"],
-                          output_names=["logits"], opset_version=11, dynamo=False,
-                          training=mode, do_constant_folding=not training)
-    return path
+        torch.onnx.export(model, torch.randn(*input_shape), f, input_names=["x"],
+                          output_names=[output], opset_version=11, dynamo=False,
+                          training=mode, do_constant_folding=fold)
+    return f.getvalue()
 
 
 if __name__ == "__main__":
