@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--filter", default="", help="only cases whose name contains this")
     ap.add_argument("--write-expected", metavar="FILE", help="write failing cases with reasons")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every failure")
+    ap.add_argument("--compare-onnxruntime", action="store_true",
+                    help="also run every case through onnxruntime and print its counts")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     cases = [c for c in node_cases() if args.filter in c.name]
@@ -43,14 +45,24 @@ def main() -> int:
             results[c.name] = reason(e)
             if args.verbose:
                 print(f"FAIL {c.name}: {results[c.name]}", flush=True)
+    ort = {}
+    if args.compare_onnxruntime:
+        for c in cases:
+            try:
+                check_case(c, runtime="onnxruntime")
+                ort[c.name] = True
+            except Exception:  # noqa: BLE001
+                ort[c.name] = False
     rows = [(label, [c for c in cases if lo <= case_opset(c) <= hi]) for label, lo, hi in RANGES]
     rows.append(("tensor, opset <= 18", [c for c in cases if case_opset(c) <= 18
                                           and case_is_tensor_typed(c)]))
     rows.append(("overall", cases))
-    print(f"\n{'cases':<22}{'passed':>8}{'total':>8}{'rate':>8}")
+    extra = f"{'onnxruntime':>13}" if ort else ""
+    print(f"\n{'cases':<22}{'passed':>8}{'total':>8}{'rate':>8}{extra}")
     for label, cs in rows:
         ok = sum(results[c.name] is None for c in cs)
-        print(f"{label:<22}{ok:>8}{len(cs):>8}{(ok / len(cs) if cs else 0):>8.1%}")
+        col = f"{sum(ort[c.name] for c in cs):>13}" if ort else ""
+        print(f"{label:<22}{ok:>8}{len(cs):>8}{(ok / len(cs) if cs else 0):>8.1%}{col}")
     print(f"({time.time() - t0:.0f} s)")
     if args.write_expected:
         with open(args.write_expected, "w") as f:

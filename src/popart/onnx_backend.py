@@ -189,11 +189,25 @@ def case_is_tensor_typed(case: Any) -> bool:
     return all(v.type.HasField("tensor_type") for v in list(g.input) + list(g.output))
 
 
-def check_case(case: Any, device: str = "CPU") -> None:
-    """Run one case and compare as onnx's backend test runner does; raises on mismatch."""
+def check_case(case: Any, device: str = "CPU", runtime: str = "popart") -> None:
+    """Run one case and compare as onnx's backend test runner does; raises on mismatch.
+    ``runtime="onnxruntime"`` runs the case through onnxruntime instead (for comparison)."""
     from onnx.backend.test.runner import Runner, _normalize_tensor
-    rep = prepare(case.model, device)
+    rep = prepare(case.model, device) if runtime == "popart" else _OrtRep(case.model)
     for inputs, ref in case.data_sets:
         outs = rep.run([_normalize_tensor(x) for x in inputs])
         Runner.assert_similar_outputs([_normalize_tensor(x) for x in ref], list(outs),
                                       rtol=case.rtol, atol=case.atol)
+
+
+class _OrtRep:
+    """onnxruntime behind the BackendRep interface (the comparison column of the
+    conformance tool)."""
+
+    def __init__(self, model: Any) -> None:
+        import onnxruntime as ort
+        self.sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        self.names = [i.name for i in self.sess.get_inputs()]
+
+    def run(self, inputs: list) -> list:
+        return self.sess.run(None, dict(zip(self.names, inputs)))
