@@ -118,7 +118,7 @@ ENUM_MEMBERS = {
     "MergeVarUpdateType": "Off All AutoTight AutoLoose",
     "RecomputationType": "NoRecompute Standard NormOnly RecomputeAll Pipeline",
     "RecomputeType": "Undefined Checkpoint Recompute Recomputed",
-    "ReductionType": "Mean NoReduction Sum",
+    "ReductionType": "Sum Mean NoReduction",  # PopART's values (the reference lists them A-Z)
     "ReplicatedTensorSharding": "Off On",
     "SubgraphCopyingStrategy": "OnEnterAndExit JustInTime",
     "SyntheticDataMode": "Off Zeros RandomNormal RandomUniform",

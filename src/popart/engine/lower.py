@@ -35,6 +35,7 @@ class TraceState:
     options: Any = None
     probes: Mapping[str, Any] = field(default_factory=dict)  # id -> zero probe (intermediate grads)
     assignments: dict = field(default_factory=dict)  # variable id -> new value (e.g. BN stats)
+    remote_buffers: dict = field(default_factory=dict)  # RemoteStore / RemoteLoad, one execution
     _counter: itertools.count = field(default_factory=itertools.count)
 
     def next_key(self) -> Any:
