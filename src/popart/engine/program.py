@@ -59,6 +59,16 @@ def split_variables(graph: Graph) -> tuple[dict, dict]:
     return variables, constants
 
 
+def _scan(f, init, xs):
+    """``lax.scan``, or a direct call for a single step (XLA optimises straight-line code
+    better than a loop of one iteration)."""
+    n = jax.tree_util.tree_leaves(xs)[0].shape[0]
+    if n != 1:
+        return jax.lax.scan(f, init, xs)
+    carry, y = f(init, jax.tree_util.tree_map(lambda a: a[0], xs))
+    return carry, jax.tree_util.tree_map(lambda a: a[None], y)
+
+
 def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 22) -> int:
     """The largest divisor of ``n`` whose chunk of inputs stays within ``budget`` bytes."""
     cap = max(1, budget // max(1, bytes_per_item))
@@ -286,7 +296,7 @@ class StepProgram:
             key, sub = self._split(key, 2)
             flat = jax.tree_util.tree_map(lambda a: a.reshape((n // chunk, chunk) + a.shape[2:]), feeds)
             keys = self._split(sub, n).reshape((n // chunk, chunk))
-            _, vals = jax.lax.scan(lambda c, xs: (c, jax.vmap(one)(*xs)), None, (flat, keys))
+            _, vals = _scan(lambda c, xs: (c, jax.vmap(one)(*xs)), None, (flat, keys))
             vals = jax.tree_util.tree_map(lambda v: v.reshape((B, A) + v.shape[2:]), vals)
             return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
 
@@ -327,7 +337,7 @@ class StepProgram:
 
                 zeros = {k: jnp.zeros_like(weights[k]) for k in self.trainable}
                 assign0 = {k: weights[k] for k in self.assigned if k in weights and cfg.training}
-                (grads, _, w_assign), vals = jax.lax.scan(
+                (grads, _, w_assign), vals = _scan(
                     micro_batch, (zeros, 0.0, assign0), (feeds, self._split(bkey, A)))
                 if cfg.training:
                     if cfg.mean_reduction and not cfg.running_mean:
@@ -343,7 +353,7 @@ class StepProgram:
                 return (weights, opt_state), vals
 
             key, sub = self._split(key, 2)
-            (weights, opt_state), vals = jax.lax.scan(
+            (weights, opt_state), vals = _scan(
                 batch, (weights, opt_state), (feeds, self._split(sub, B)))
             return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
 
