@@ -64,8 +64,9 @@ def test_if_with_constant_condition_reads_traced_outer_tensor():
 
 def test_vector_chunk():
     assert vector_chunk(10, 1000) == 10
-    assert vector_chunk(10, 1 << 21) == 2
+    assert vector_chunk(10, 1 << 21, budget=1 << 22) == 2
     assert vector_chunk(7, 1 << 30) == 1
+    assert vector_chunk(10, 1000, budget=1) == 1
 
 
 def test_channels_last_conv_gradients_equal_jax_autodiff():

@@ -9,6 +9,7 @@ the host moves only the step's inputs and anchors.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -69,8 +70,9 @@ def _scan(f, init, xs):
     return carry, jax.tree_util.tree_map(lambda a: a[None], y)
 
 
-def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 22) -> int:
-    """The largest divisor of ``n`` whose chunk of inputs stays within ``budget`` bytes."""
+def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 26) -> int:
+    """The largest divisor of ``n`` whose chunk of micro-batches keeps its activations within
+    ``budget`` bytes."""
     cap = max(1, budget // max(1, bytes_per_item))
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= cap)
 
@@ -117,6 +119,8 @@ class StepProgram:
             out["ids"] = set(env)
             out["assigned"] = list(state.assignments)
             out["rng"] = next(state._counter) > 0
+            out["act"] = sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
+                             for v in env.values() if isinstance(v, jax.core.Tracer))
             if cfg.training:
                 if cfg.loss not in env:
                     raise popart_exception(f"The loss tensor '{cfg.loss}' is not a tensor of the model")
@@ -131,6 +135,7 @@ class StepProgram:
         self.anchor_specs = jax.eval_shape(probe, wspecs, specs)
         self.assigned = out["assigned"]
         self.uses_rng = out["rng"]
+        self.activation_bytes = out["act"]   # every traced tensor of one micro-batch
         if cfg.training:
             if out["loss_shape"] != ():
                 raise popart_exception(f"The loss tensor '{cfg.loss}' must be a scalar after "
@@ -284,7 +289,7 @@ class StepProgram:
         cfg = self.cfg
         R, A, B = cfg.replication_factor, cfg.accumulation_factor, cfg.batches_per_step
         n = B * A
-        chunk = vector_chunk(n, sum(i.nbytes() for i in self.input_infos.values()) * R)
+        chunk = vector_chunk(n, self.activation_bytes * R, self._vector_budget())
         replicas = self._replicated(self._micro_fn())
 
         def step(weights, opt_state, key_data, feeds, hyper):
@@ -301,6 +306,16 @@ class StepProgram:
             return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
 
         return step
+
+    def _vector_budget(self) -> int:
+        """Activation bytes a vectorised chunk may hold. XLA's CPU convolutions run slower on
+        wider batches (cache), so conv nets on the CPU run micro-batch by micro-batch; matmul
+        models gain from wider batches everywhere. POPART_VECTOR_BYTES overrides."""
+        if "POPART_VECTOR_BYTES" in os.environ:
+            return int(os.environ["POPART_VECTOR_BYTES"])
+        on_cpu = self._shardings()[0].device_set.pop().platform == "cpu"
+        convs = any(n.op_type in ("Conv", "ConvTranspose", "MultiConv") for n in self.graph.nodes)
+        return 1 if on_cpu and convs else 1 << 26
 
     def _step_fn(self):
         cfg = self.cfg
