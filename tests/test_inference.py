@@ -327,3 +327,23 @@ def test_init_anchor_arrays_before_prepare_device_and_saved_file_mode(tmp_path):
     os.umask(umask)
     assert (path.stat().st_mode & 0o777) == 0o666 & ~umask
     assert all(d.platform == "cpu" for d in CPU().jax_devices)
+
+
+def test_external_data_is_loaded_and_confined_to_the_model_folder(tmp_path):
+    w0 = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 2]))
+    w = b.addInitializedInputTensor(w0)
+    y = b.aiOnnx.matmul([x, w])
+    model = onnx.load_from_string(b.getModelProto())
+    onnx.external_data_helper.convert_model_to_external_data(model, location="weights.bin", size_threshold=0)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    out, _ = infer(str(tmp_path / "m.onnx"), {x: np.ones((1, 2), np.float32)}, [y])
+    np.testing.assert_allclose(out[y], np.ones((1, 2)) @ w0)
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../outside.bin"
+    onnx.save(model, str(tmp_path / "bad.onnx"))
+    with pytest.raises(popart.popart_exception, match="leaves the model's folder"):
+        popart.InferenceSession(str(tmp_path / "bad.onnx"), popart.DataFlow(1, [y]), CPU())
