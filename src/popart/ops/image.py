@@ -24,8 +24,8 @@ def _coord(mode, x, scale, n_in, n_out, roi_start=0.0, roi_end=1.0):
         return n_in / 2 * (1 - adj) + (x + 0.5) / scale - 0.5
     if mode == "pytorch_half_pixel":
         return (x + 0.5) / scale - 0.5 if n_out > 1 else np.zeros_like(x)
-    if mode == "align_corners":
-        return x * (n_in - 1) / (n_out - 1) if n_out > 1 else np.zeros_like(x)
+    if mode == "align_corners":   # the resized length is n_in * scale, not rounded (as onnx's)
+        return x * (n_in - 1) / (n_in * scale - 1) if n_in * scale > 1 else np.zeros_like(x)
     if mode == "asymmetric":
         return x / scale
     if mode == "tf_half_pixel_for_nearest":

@@ -139,8 +139,8 @@ def saturate_cast(y, dt, saturate=1):
     if r is not None:
         return jnp.clip(jnp.round(y), r[0], r[1]).astype(dt)
     if saturate and dt.name.startswith("float8"):
-        m = float(ml_dtypes.finfo(dt).max)     # +-inf saturate too, except where dt has inf
-        y = jnp.where(jnp.isfinite(y) | (dt.name != "float8_e5m2"), jnp.clip(y, -m, m), y)
+        m = float(ml_dtypes.finfo(dt).max)     # +-inf saturate too (Cast's table), NaN stays
+        y = jnp.clip(y, -m, m)
     return y.astype(dt)
 
 def _calc_dtype(dt):

@@ -392,6 +392,10 @@ def cast_to(ctx, x, dt, saturate=1):
         raise ctx.error("string tensors are only supported as compile-time constants")
     if dt == np.bool_:
         return x != 0
+    if dt.name in ("int4", "uint4", "int2", "uint2"):   # truncate, then wrap as the bits do
+        bits, lo = int(dt.name[-1]), (-(1 << (int(dt.name[-1]) - 1)) if dt.name[0] == "i" else 0)
+        v = jnp.asarray(x).astype(jnp.int64)
+        return (jnp.mod(v - lo, 1 << bits) + lo).astype(dt)
     if dt.name.startswith("float8") or dt.name.startswith("float4"):
         return saturate_cast(jnp.asarray(x).astype(jnp.float32) if jnp.result_type(x) != jnp.float64
                              else x, dt, saturate)
