@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..errors import UnsupportedOperatorError
 from .registry import GRAPHCORE_DOMAIN, register
 
 
@@ -31,10 +32,18 @@ def _same_types(ctx, what, a, b):
 def if_(ctx, cond, then_branch, else_branch, **_):
     if _static_value(cond):
         return ctx.run_subgraph(then_branch if bool(np.asarray(cond).reshape(())) else else_branch, [])
-    run_t = lambda: [jnp.asarray(v) for v in ctx.run_subgraph(then_branch, [])]
-    run_e = lambda: [jnp.asarray(v) for v in ctx.run_subgraph(else_branch, [])]
-    _same_types(ctx, "If's then_branch and else_branch outputs", jax.eval_shape(run_t),
-                jax.eval_shape(run_e))
+    not_tensors = []
+
+    def branch(g):
+        outs = ctx.run_subgraph(g, [])
+        not_tensors.extend(v is None or isinstance(v, list) for v in outs)
+        return [jnp.asarray(v) for v in outs if v is not None and not isinstance(v, list)]
+    run_t, run_e = (lambda: branch(then_branch)), (lambda: branch(else_branch))
+    shapes = jax.eval_shape(run_t), jax.eval_shape(run_e)
+    if any(not_tensors):
+        raise ctx.error("branches that return sequences or optional values need a condition "
+                        "that must be known at compile time")
+    _same_types(ctx, "If's then_branch and else_branch outputs", *shapes)
     return lax.cond(jnp.asarray(cond, bool).reshape(()), run_t, run_e)
 
 
@@ -46,8 +55,45 @@ def _cond_passthrough(body):
     return t == body.inputs[1]
 
 
+UNROLL_LIMIT = 64   # Loops whose body needs a static iteration count run unrolled up to this
+
+
 @register("Loop")
 def loop(ctx, m=None, cond=None, *v_init, body, **_):
+    """A device loop (lax.scan / while_loop); a loop with a static trip count whose body
+    cannot be traced with a run-time iteration index (a Slice starting at the index, sequences
+    that grow) runs unrolled instead, up to UNROLL_LIMIT iterations."""
+    try:
+        return _loop(ctx, m, cond, *v_init, body=body)
+    except (UnsupportedOperatorError, TypeError, ValueError, AttributeError) as e:
+        if not (_static_value(m) and int(np.asarray(m).reshape(())) <= UNROLL_LIMIT):
+            raise
+        ctx._loop_key = None   # the failed attempt may have made it inside its own trace
+        try:
+            return _loop_unrolled(ctx, int(np.asarray(m).reshape(())), cond, list(v_init), body)
+        except Exception:
+            raise e from None
+
+
+def _loop_unrolled(ctx, trips, cond, vals, body):
+    n_carry = len(vals)
+    c = np.bool_(True) if cond is None else cond
+    scans = []
+    for i in range(trips):
+        if _static_value(c) and not bool(np.asarray(c).reshape(())):
+            break
+        if not _static_value(c):
+            raise ctx.error("an unrolled loop needs a condition known at compile time")
+        outs = ctx.run_subgraph(body, [np.int64(i), np.bool_(c)] + vals, iteration=i)
+        c, vals = outs[0], list(outs[1:1 + n_carry])
+        scans.append(outs[1 + n_carry:])
+    n_scan = len(body.outputs) - 1 - n_carry
+    if n_scan and not scans:
+        raise ctx.error("a loop with scan outputs ran no iteration")
+    return vals + [jnp.stack([jnp.asarray(s[k]) for s in scans]) for k in range(n_scan)]
+
+
+def _loop(ctx, m=None, cond=None, *v_init, body):
     n_carry = len(v_init)
     n_scan = len(body.outputs) - 1 - n_carry
     v_init = [jnp.asarray(v) for v in v_init]
