@@ -87,3 +87,22 @@ def test_channels_last_conv_gradients_equal_jax_autodiff():
         _, vjp = jax.vjp(lambda x, w: conv_last(x, w, *args), x, w)
         for a, b in zip(vjp(dy), vjp_ref(dy)):
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_compile_progress_shows_for_slow_compiles_only(capsys, monkeypatch):
+    import time
+
+    from popart.engine.progress import compile_progress
+
+    monkeypatch.delenv("POPART_PROGRESS", raising=False)
+    with compile_progress("'fast'", delay=1.0):
+        pass
+    assert capsys.readouterr().err == ""
+    with compile_progress("'slow'", delay=0.01):
+        time.sleep(0.1)
+    err = capsys.readouterr().err
+    assert "Compiled 'slow' in" in err
+    monkeypatch.setenv("POPART_PROGRESS", "0")
+    with compile_progress("'quiet'", delay=0.0):
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""
