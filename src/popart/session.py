@@ -170,7 +170,7 @@ class _Session:
             return
         program = self._plan()
         self._host_weights = {k: np.array(v) for k, v in program.variables.items()}
-        opt_state = program.init_opt_state()
+        opt_state = dict(program.init_opt_state())
         with jax.default_device(self._jax_device()):
             if self._key is None:
                 self._key = _key_data(self._seed)
@@ -232,7 +232,7 @@ class _Session:
         if a in program.anchor_specs:
             s = program.anchor_specs[a]
             return list(s.shape), np.dtype(s.dtype)
-        v = program.init_opt_state_shapes()[a]
+        v = program.init_opt_state()[a]
         return list(v.shape), v.dtype
 
     def _gather_inputs(self, stepio: Any) -> dict[str, np.ndarray]:
@@ -485,7 +485,7 @@ class _Session:
         ids = set(self._graph.all_tensor_ids())
         if self._training and self._program is not None:
             ids |= {GRAD_PREFIX + w for w in self._program.trainable}
-            ids |= set(self._program.init_opt_state_shapes())
+            ids |= set(self._program.init_opt_state())
         return ids
 
     getAllTensorIds = getTensorIds

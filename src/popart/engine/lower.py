@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -146,8 +146,7 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
 
 
 def run_graph(graph: Graph, inputs: list, state: TraceState, outer: Optional[Mapping] = None,
-              weights: Optional[Mapping[str, Any]] = None,
-              keep: Optional[Callable[[str], bool]] = None) -> list:
+              weights: Optional[Mapping[str, Any]] = None) -> list:
     """Execute ``graph`` on positional ``inputs``; returns the graph's outputs.
 
     ``weights`` add to / override initializer values (traced arguments in a session);

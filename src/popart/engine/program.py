@@ -89,6 +89,7 @@ class StepProgram:
         self.assigned: list[str] = []
         self.anchor_ids = list(cfg.anchors)
         self.compiled = None
+        self._opt_state: Optional[dict] = None
         self.uses_rng = True
         self.compile_seconds = 0.0
 
@@ -101,11 +102,9 @@ class StepProgram:
         env = execute(self.graph_consts, feeds, state, weights=weights)
         return env, state
 
-    def _value(self, env, tid):
-        if tid not in env or env[tid] is None:
-            raise popart_exception(f"Anchor '{tid}' names no tensor of the model (known tensors "
-                                   f"include: {', '.join(list(env)[:12])}, ...)")
-        return jnp.asarray(env[tid])
+    @staticmethod
+    def _value(env, tid):
+        return jnp.asarray(env[tid])   # plan() has checked every anchor names a tensor
 
     def plan(self) -> None:
         """Decide trainable variables and gradient anchors (abstract trace, no compile)."""
@@ -155,25 +154,21 @@ class StepProgram:
 
     # ------------------------------------------------------------------ optimizer state
     def init_opt_state(self) -> dict:
-        if not self.cfg.training:
-            return {}
-        state = {}
-        for w in self.trainable:
-            state.update(self.cfg.optimizer.init_state(w, self.variables[w]))
-        if self.cfg.als is not None:
-            state[ALS_SCALE] = np.float32(self.cfg.optimizer.loss_scaling().val())
-            state[ALS_STEP] = np.int32(0)
-        return {k: np.asarray(v) for k, v in state.items()}
+        """The initial optimizer state, keyed by PopART's reserved names (computed once; the
+        caller copies it before changing it)."""
+        if self._opt_state is None:
+            state = {}
+            if self.cfg.training:
+                for w in self.trainable:
+                    state.update(self.cfg.optimizer.init_state(w, self.variables[w]))
+                if self.cfg.als is not None:
+                    state[ALS_SCALE] = np.float32(self.cfg.optimizer.loss_scaling().val())
+                    state[ALS_STEP] = np.int32(0)
+            self._opt_state = {k: np.asarray(v) for k, v in state.items()}
+        return self._opt_state
 
     def opt_state_ids(self) -> list[str]:
-        if not self.cfg.training:
-            return []
-        return list(self.init_opt_state_shapes())
-
-    def init_opt_state_shapes(self) -> dict:
-        if not hasattr(self, "_opt_shapes"):
-            self._opt_shapes = self.init_opt_state() if self.cfg.training else {}
-        return self._opt_shapes
+        return list(self.init_opt_state())
 
     # ------------------------------------------------------------------ the step
     def _micro_fn(self):
