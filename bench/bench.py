@@ -115,8 +115,8 @@ def ort_inference(path: str, x: np.ndarray, cfg: Config) -> tuple[float, np.ndar
 
 # --------------------------------------------------------------------------------- training
 def popart_training(path: str, x: np.ndarray, y: np.ndarray,
-                    cfg: Config) -> tuple[float, float, float]:
-    """(samples/s, compile seconds, loss of the first batch)."""
+                    cfg: Config) -> tuple[float, float, float, float]:
+    """(samples/s, compile seconds, loss of the first batch, FLOPs per micro-batch step)."""
     builder = popart.Builder(path)
     probs = builder.aiOnnx.softmax(["logits"], axis=1)
     label = builder.addInputTensor(popart.TensorInfo("INT32", [x.shape[0]]), "label")
@@ -141,7 +141,39 @@ def popart_training(path: str, x: np.ndarray, y: np.ndarray,
         for _ in range(runs):
             session.run(stepio)
     t = timed(loop, cfg.repeats)
-    return runs * bps * x.shape[0] / t, compile_s, first_loss
+    return runs * bps * x.shape[0] / t, compile_s, first_loss, step_flops(session)
+
+
+def step_flops(session: popart.TrainingSession) -> float:
+    """XLA's FLOP count of one micro-batch step (its cost analysis counts a loop body once)."""
+    try:
+        cost = session._program.compiled.cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost).get("flops", 0.0))
+    except Exception:  # cost analysis is best effort
+        return 0.0
+
+
+def matmul_peak(n: int = 1024, reps: int = 20) -> tuple[float, float]:
+    """GFLOP/s of an n x n float32 matmul in JAX and in PyTorch: the machine's roofline."""
+    import jax
+    import jax.numpy as jnp
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda u, v: u @ v)
+    f(a, a).block_until_ready()
+
+    def jax_run() -> None:
+        r = a
+        for _ in range(reps):
+            r = f(a, a)
+        r.block_until_ready()
+    ta = torch.ones(n, n)
+
+    def torch_run() -> None:
+        for _ in range(reps):
+            ta @ ta
+    torch_run()
+    flops = 2.0 * n ** 3 * reps
+    return flops / timed(jax_run, 5) / 1e9, flops / timed(torch_run, 5) / 1e9
 
 
 def torch_training(spec: bench_models.BenchModel, x: np.ndarray, y: np.ndarray,
@@ -219,13 +251,16 @@ def main(argv: list[str] | None = None) -> int:
             train_path = bench_models.export(spec, bench_models.build(spec), folder, training=True)
             tt, loss_t = torch_training(spec, x, y, cfg)
             try:
-                pt, ct, loss_p = popart_training(train_path, x, y, cfg)
+                pt, ct, loss_p, flops = popart_training(train_path, x, y, cfg)
+                per_sample = flops / spec.batch / 1e9
                 train_rows.append([spec.name, str(spec.batch), f"{pt:,.0f}", f"{tt:,.0f}",
-                                   f"{pt / tt:.2f}", f"{ct:.2f}", f"{abs(loss_p - loss_t):.1e}"])
+                                   f"{pt / tt:.2f}", f"{pt * per_sample:.0f}",
+                                   f"{1.5 * tt * per_sample:.0f}", f"{ct:.2f}",
+                                   f"{abs(loss_p - loss_t):.1e}"])
             except Exception as e:  # report the failure in the table, go on with the others
                 failures.append(f"training {spec.name}: {type(e).__name__}: {_first_line(e)}")
-                train_rows.append([spec.name, str(spec.batch), "failed", f"{tt:,.0f}", "-", "-",
-                                   "-"])
+                train_rows.append([spec.name, str(spec.batch), "failed", f"{tt:,.0f}",
+                                   *["-"] * 5])
             print(f"training {spec.name}: done", file=sys.stderr, flush=True)
 
     print(f"\n### Inference, samples/s (popart InferenceSession vs onnxruntime CPU, "
@@ -235,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
                  "max abs diff"], infer_rows))
     print(f"\n### Training, samples/s (popart TrainingSession bps={cfg.bps}, SGD, softmax + "
           f"nllloss vs PyTorch eager, {cfg.train_batches} steps per repeat)\n")
-    print(table(["model", "batch", "popart", "pytorch", "ratio", "compile s",
-                 "first-loss diff"], train_rows))
+    print(table(["model", "batch", "popart", "pytorch", "ratio", "popart GFLOP/s",
+                 "GFLOP/s for 1.5x", "compile s", "first-loss diff"], train_rows))
+    jax_peak, torch_peak = matmul_peak()
+    print(f"\nRoofline: a 1024x1024 float32 matmul runs at {jax_peak:.0f} GFLOP/s in JAX and "
+          f"{torch_peak:.0f} GFLOP/s in PyTorch on these {THREADS} threads (GFLOP/s of a "
+          f"training step: XLA's FLOP count of the step x steps/s).")
     for f in failures:
         print(f"\nfailed: {f}")
     return 1 if failures else 0

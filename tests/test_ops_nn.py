@@ -121,6 +121,31 @@ def test_conv_grad():
     fd_grad_check(one_node("ConvTranspose", {"x": x, "w": w}, strides=[2, 2]), {"x": x, "w": w}, "w")
 
 
+@pytest.mark.parametrize("xs,ws,strides,pads,dil", [
+    ((2, 3, 8, 8), (4, 3, 3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1)),
+    ((2, 3, 9, 7), (5, 3, 3, 2), (2, 1), ((1, 0), (0, 2)), (1, 1)),
+    ((2, 3, 11, 10), (4, 3, 3, 3), (2, 3), ((2, 1), (1, 1)), (2, 1)),
+    ((2, 3, 10), (4, 3, 4), (3,), ((1, 2),), (1,)),
+    ((1, 2, 5, 6, 6), (3, 2, 2, 3, 1), (1, 2, 1), ((0, 1), (1, 1), (0, 0)), (1, 1, 2)),
+    ((2, 4, 6, 6), (3, 4, 1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1)),
+])
+def test_conv_patches_matches_xla_conv_and_its_vjp(xs, ws, strides, pads, dil):
+    """The CPU's patches-matmul convolution and its hand-written gradient equal XLA's
+    convolution and JAX's gradient of it (float64)."""
+    from popart.ops.nn import conv_patches
+    x, w = jnp.asarray(rnd(*xs, dtype=np.float64)), jnp.asarray(rnd(*ws, dtype=np.float64))
+
+    def ref(x, w):
+        return jax.lax.conv_general_dilated(x, w, strides, pads, rhs_dilation=dil,
+                                            precision="highest")
+    y, vjp = jax.vjp(lambda a, b: conv_patches(a, b, strides, pads, dil), x, w)
+    y_ref, vjp_ref = jax.vjp(ref, x, w)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    dy = jnp.asarray(rnd(*y.shape, dtype=np.float64))
+    for g, g_ref in zip(vjp(dy), vjp_ref(dy)):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------
 # Pooling
 
@@ -169,6 +194,24 @@ def test_pool_grads():
     fd_grad_check(one_node("MaxPool", {"x": x}, kernel_shape=[2, 2]), {"x": x}, "x")
 
 
+@pytest.mark.parametrize("shape,k", [((2, 3, 8, 8), (2, 2)), ((2, 3, 9, 7), (2, 3)),
+                                     ((2, 3, 10), (3,)), ((1, 2, 4, 6, 6), (2, 2, 3))])
+def test_max_pool_tiles_gradient_to_first_maximum(shape, k):
+    """Max pools whose windows tile the input avoid select-and-scatter; with ties (rounded
+    inputs) the gradient still goes to each window's first maximum, as with XLA's."""
+    from popart.ops.nn import max_blocks
+    x = jnp.asarray(np.round(rnd(*shape), 1))
+    win = (1, 1, *k)
+
+    def ref(v):
+        return jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, win, win, "VALID")
+    y, vjp = jax.vjp(lambda v: max_blocks(v, k), x)
+    y_ref, vjp_ref = jax.vjp(ref, x)
+    np.testing.assert_array_equal(y, y_ref)
+    dy = jnp.asarray(rnd(*y.shape))
+    np.testing.assert_array_equal(vjp(dy)[0], vjp_ref(dy)[0])
+
+
 def test_max_roi_pool_and_unpool():
     x = rnd(1, 2, 6, 6)
     rois = np.array([[0, 0, 0, 3, 3], [0, 1, 2, 5, 4]], np.float32)
@@ -197,6 +240,29 @@ def test_batchnorm_training_mode():
     got = check(model, feeds, ref="ref")
     bm = x.mean((0, 2, 3))
     np.testing.assert_allclose(got[1], m * 0.8 + bm * 0.2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_batchnorm_training_vjp(dtype):
+    """Training batch norm's hand-written gradient (output, batch mean and variance
+    cotangents) equals JAX's gradient of the textbook formula; dtypes are kept."""
+    from popart.ops.nn import batch_norm_train
+    x, s, b = rnd(4, 3, 5, 6, dtype=dtype), rnd(3, dtype=dtype), rnd(3, dtype=dtype)
+
+    def ref(x, s, b):
+        m, v = x.mean((0, 2, 3)), x.var((0, 2, 3))
+        y = (x - m[:, None, None]) / jnp.sqrt(v[:, None, None] + 1e-5) * s[:, None, None]
+        return y + b[:, None, None], m, v
+    outs, vjp = jax.vjp(lambda *a: batch_norm_train(*a, 1e-5), x, s, b)
+    refs, vjp_ref = jax.vjp(ref, *(jnp.asarray(a, np.float64) for a in (x, s, b)))
+    tol = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 1e-2}[dtype]
+    for o, r in zip(outs, refs):
+        assert o.dtype == dtype
+        np.testing.assert_allclose(np.asarray(o, np.float64), r, rtol=tol, atol=tol)
+    cts = tuple(rnd(*o.shape, dtype=dtype) for o in outs)
+    for g, r in zip(vjp(cts), vjp_ref(tuple(np.asarray(c, np.float64) for c in cts))):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, rtol=10 * tol, atol=10 * tol)
 
 
 def test_batchnorm_training_session_assigns_running_stats():

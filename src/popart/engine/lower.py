@@ -33,6 +33,7 @@ class TraceState:
     replica_axis: Optional[str] = None
     replication_factor: int = 1
     options: Any = None
+    platform: str = field(default_factory=jax.default_backend)  # where the program runs
     probes: Mapping[str, Any] = field(default_factory=dict)  # id -> zero probe (intermediate grads)
     assignments: dict = field(default_factory=dict)  # variable id -> new value (e.g. BN stats)
     remote_buffers: dict = field(default_factory=dict)  # RemoteStore / RemoteLoad, one execution
@@ -90,7 +91,8 @@ class NodeCtx:
                                rng_key=jax.random.fold_in(self._loop_key, iteration),
                                replica_axis=state.replica_axis,
                                replication_factor=state.replication_factor,
-                               options=state.options, probes=state.probes)
+                               options=state.options, probes=state.probes,
+                               platform=state.platform)
         return run_graph(graph, inputs, state, outer=self.env)
 
     def error(self, msg: str) -> Exception:

@@ -98,7 +98,8 @@ class StepProgram:
         axis = REPLICA_AXIS if self.cfg.replication_factor > 1 else None
         state = TraceState(training=training, rng_key=key, replica_axis=axis,
                            replication_factor=self.cfg.replication_factor,
-                           options=self.cfg.options, probes=probes or {})
+                           options=self.cfg.options, probes=probes or {},
+                           platform=self._platform())
         env = execute(self.graph_consts, feeds, state, weights=weights)
         return env, state
 
@@ -302,13 +303,16 @@ class StepProgram:
 
         return step
 
+    def _platform(self) -> str:
+        return next(iter(self._shardings()[0].device_set)).platform
+
     def _vector_budget(self) -> int:
         """Activation bytes a vectorised chunk may hold. XLA's CPU convolutions run slower on
         wider batches (cache), so conv nets on the CPU run micro-batch by micro-batch; matmul
         models gain from wider batches everywhere. POPART_VECTOR_BYTES overrides."""
         if "POPART_VECTOR_BYTES" in os.environ:
             return int(os.environ["POPART_VECTOR_BYTES"])
-        on_cpu = self._shardings()[0].device_set.pop().platform == "cpu"
+        on_cpu = self._platform() == "cpu"
         convs = any(n.op_type in ("Conv", "ConvTranspose", "MultiConv") for n in self.graph.nodes)
         return 1 if on_cpu and convs else 1 << 26
 

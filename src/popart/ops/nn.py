@@ -14,19 +14,93 @@ from .registry import register
 HIGHEST = lax.Precision.HIGHEST
 
 
-def conv_nc(x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
-    """ONNX's channels-first convolution (x: N,C,*sp; w: O,I,*k), computed channels-last.
+def conv_nc(ctx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
+    """ONNX's channels-first convolution (x: N,C,*sp; w: O,I,*k).
 
-    XLA's CPU convolutions are several times faster on channels-last operands, and its layout
-    pass cannot pick that layout for weights carried through the step program's loops, so the
-    transposes are explicit (they fuse into neighbouring ops)."""
+    On the CPU, as matmuls over patches (``conv_patches``) where that applies. Otherwise as an
+    XLA convolution on channels-last operands: XLA's CPU convolutions are several times faster
+    so, and its layout pass cannot pick that layout for weights carried through the step
+    program's loops, so the transposes are explicit (they fuse into neighbouring ops)."""
     n = x.ndim - 2
     to_last, to_first = (0, *range(2, n + 2), 1), (0, n + 1, *range(1, n + 1))
     ones = (1,) * n
-    y = conv_last(x.transpose(to_last), w.astype(x.dtype).transpose(*range(2, n + 2), 1, 0),
-                  tuple(strides), tuple(map(tuple, padding)), tuple(lhs_dilation or ones),
-                  tuple(rhs_dilation or ones), int(groups))
+    strides, padding = tuple(strides), tuple(map(tuple, padding))
+    lhs_dilation, rhs_dilation = tuple(lhs_dilation or ones), tuple(rhs_dilation or ones)
+    w = w.astype(x.dtype)
+    if ctx.state.platform == "cpu" and _use_patches(x, w, lhs_dilation, groups):
+        return conv_patches(x, w, strides, padding, rhs_dilation)
+    y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,
+                  lhs_dilation, rhs_dilation, int(groups))
     return y.transpose(to_first)
+
+
+PATCH_BYTES = 1 << 28  # 256 MiB
+
+
+def _use_patches(x, w, lhs_dilation, groups) -> bool:
+    """Whether a CPU convolution runs as a matmul over its input's patches (im2col): XLA's CPU
+    matmuls (and their gradients) outrun its convolutions. For ungrouped, input-undilated
+    convolutions whose patch matrix fits PATCH_BYTES."""
+    if groups != 1 or any(d != 1 for d in lhs_dilation):
+        return False
+    return x.size * math.prod(w.shape[2:]) * x.dtype.itemsize <= PATCH_BYTES
+
+
+def _patches(xc, k, strides, padding, rhs_dil, lhs_dil):
+    """Patch matrix [C*K, N*out] of xc (C, N, *sp): strided slices of the padded (and
+    lhs-dilated) input, one per kernel offset, stacked after C; and the output sizes."""
+    n = xc.ndim - 2
+    xp = lax.pad(xc, np.array(0, xc.dtype), [(0, 0, 0), (0, 0, 0),
+                                             *((lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dil))])
+    out = [(xp.shape[2 + a] - (k[a] - 1) * rhs_dil[a] - 1) // strides[a] + 1 for a in range(n)]
+    starts = [[i * d for i, d in zip(off, rhs_dil)] for off in np.ndindex(*k)]
+    cols = [lax.slice(xp, (0, 0, *st), (*xp.shape[:2], *(b + (m - 1) * s + 1 for b, m, s in
+                                                         zip(st, out, strides))), (1, 1, *strides))
+            for st in starts]
+    cols = cols[0][:, None] if len(cols) == 1 else jnp.stack(cols, axis=1)
+    return cols.reshape(xc.shape[0] * len(starts), -1), out
+
+
+def _conv_cn(xc, w, strides, padding, rhs_dil, lhs_dil):
+    """Convolution of xc (C, N, *sp) by w (O, C, *k) as one matmul, y: (O, N, *out); also
+    returns the patch matrix."""
+    cols, out = _patches(xc, w.shape[2:], strides, padding, rhs_dil, lhs_dil)
+    y = jnp.dot(w.reshape(w.shape[0], -1), cols, precision=HIGHEST)
+    return y.reshape(w.shape[0], xc.shape[1], *out), cols
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def conv_patches(x, w, strides, padding, rhs_dil):
+    """Channels-first convolution (x: N,C,*sp; w: O,C,*k) computed in the (C, N, *sp) layout,
+    where patches @ weights lands in (O, N, *out) and moving N is a copy of whole rows. The
+    gradients are matmuls of the same kinds: dW = dy @ patches^T, dx = the convolution of dy
+    by the flipped kernel (no scatter of patch gradients)."""
+    return _conv_patches_fwd(x, w, strides, padding, rhs_dil)[0]
+
+
+def _conv_patches_fwd(x, w, strides, padding, rhs_dil):
+    ones = (1,) * (x.ndim - 2)
+    y, _ = _conv_cn(x.swapaxes(0, 1), w, strides, padding, rhs_dil, ones)
+    return y.swapaxes(0, 1), (x, w)
+
+
+def _conv_patches_bwd(strides, padding, rhs_dil, res, dy):
+    x, w = res
+    n = w.ndim - 2
+    in_sp = x.shape[2:]
+    cols, _ = _patches(x.swapaxes(0, 1), w.shape[2:], strides, padding, rhs_dil, (1,) * n)
+    dyc = dy.swapaxes(0, 1)                                               # O, N, *out
+    dw = lax.dot_general(dyc.reshape(w.shape[0], -1), cols, (((1,), (1,)), ((), ())),
+                         precision=HIGHEST).reshape(w.shape)
+    k_eff = [(k - 1) * d + 1 for k, d in zip(w.shape[2:], rhs_dil)]
+    pads = [(ke - 1 - lo, i - 1 + lo - (o - 1) * s) for ke, (lo, _), i, o, s in
+            zip(k_eff, padding, in_sp, dy.shape[2:], strides)]
+    wt = jnp.flip(w, tuple(range(2, n + 2))).swapaxes(0, 1)              # C, O, *k
+    dxc, _ = _conv_cn(dyc, wt, (1,) * n, pads, rhs_dil, strides)
+    return dxc.swapaxes(0, 1), dw
+
+
+conv_patches.defvjp(_conv_patches_fwd, _conv_patches_bwd)
 
 
 def _conv(x, w, strides, padding, lhs_dil, rhs_dil, groups=1, batch_groups=1):
@@ -122,7 +196,7 @@ def conv(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1, kernel_s
         raise ctx.error(f"kernel_shape {list(kernel_shape)} does not match the weight's "
                         f"spatial shape {list(w.shape[2:])}")
     pp, _o = window_pads(ctx, auto_pad, x.shape[2:], k, strides, dil, pads)
-    y = conv_nc(x, w, strides, pp, rhs_dilation=dil, groups=group)
+    y = conv_nc(ctx, x, w, strides, pp, rhs_dilation=dil, groups=group)
     return y if b is None else y + b.reshape((1, -1) + (1,) * n)
 
 
@@ -151,7 +225,7 @@ def conv_transpose(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1
     wt = jnp.flip(wt.reshape((m, c // group) + tuple(k)), axis=tuple(range(2, 2 + n)))
     pp = [((kk - 1) * d - pads[a], (kk - 1) * d - pads[a + n] + opad[a])
           for a, (kk, d) in enumerate(zip(k, dil))]
-    y = conv_nc(x, wt, [1] * n, pp, lhs_dilation=strides, rhs_dilation=dil, groups=group)
+    y = conv_nc(ctx, x, wt, [1] * n, pp, lhs_dilation=strides, rhs_dilation=dil, groups=group)
     return y if b is None else y + b.reshape((1, -1) + (1,) * n)
 
 
@@ -164,13 +238,48 @@ def _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_
     return (1, 1, *k), (1, 1, *strides), ((0, 0), (0, 0), *pp), (1, 1, *dil)
 
 
+def _blocks(x, k):
+    """x (N, C, *sp) cut into non-overlapping windows k: (N, C, *out, K), a trailing partial
+    window dropped."""
+    n, out = len(k), [d // kk for d, kk in zip(x.shape[2:], k)]
+    x = x[(slice(None), slice(None), *(slice(0, o * kk) for o, kk in zip(out, k)))]
+    x = x.reshape(*x.shape[:2], *(d for o, kk in zip(out, k) for d in (o, kk)))
+    perm = (0, 1, *range(2, 2 + 2 * n, 2), *range(3, 3 + 2 * n, 2))
+    return x.transpose(perm).reshape(*x.shape[:2], *out, math.prod(k))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def max_blocks(x, k):
+    """Max pool whose windows tile the input (stride == kernel, no padding). Its gradient goes
+    to the first maximum of each window, as XLA's select-and-scatter does, without
+    select-and-scatter, which XLA's CPU backend runs slowly."""
+    return jnp.max(_blocks(x, k), axis=-1)
+
+
+def _max_blocks_fwd(x, k):
+    return max_blocks(x, k), x
+
+
+def _max_blocks_bwd(k, x, dy):
+    blocks, unblock = jax.vjp(lambda v: _blocks(v, k), x)
+    first = jnp.argmax(blocks, axis=-1)[..., None] == np.arange(blocks.shape[-1])
+    return unblock(jnp.where(first, dy[..., None], jnp.zeros((), dy.dtype)))
+
+
+max_blocks.defvjp(_max_blocks_fwd, _max_blocks_bwd)
+
+
 @register("MaxPool")
 def max_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=(),
              pads=None, storage_order=0, strides=None, **_):
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad,
                                     ceil_mode)
     lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-    y = lax.reduce_window(x, np.array(lowest, x.dtype), lax.max, win, st, pp, window_dilation=dil)
+    if win == st and all(p == (0, 0) for p in pp) and all(d == 1 for d in dil):
+        y = max_blocks(x, win[2:])
+    else:
+        y = lax.reduce_window(x, np.array(lowest, x.dtype), lax.max, win, st, pp,
+                              window_dilation=dil)
     if ctx.num_outputs < 2 or not ctx.output_ids[1]:
         return y
     sp = x.shape[2:]
@@ -275,6 +384,53 @@ def _bcast(v, x, axis=1):
     return v.reshape((1,) * axis + v.shape + (1,) * (x.ndim - axis - v.ndim))
 
 
+def _channel_sums(x):
+    """Sums over every axis but 1, in at least float32, as matrix-vector products: XLA's CPU
+    backend runs these multithreaded, and its reductions to few outputs on one thread."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    x3 = x.reshape(x.shape[0], x.shape[1], -1)
+    rows = lax.dot_general(x3, jnp.ones(x3.shape[2], x.dtype), (((2,), (0,)), ((), ())),
+                           precision=HIGHEST, preferred_element_type=acc)
+    return rows.sum(0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def batch_norm_train(x, scale, b, epsilon):
+    """(y, batch mean, batch variance) of batch normalization over every axis but 1, with the
+    textbook gradient (two channel sums of the output gradient)."""
+    return _bn_fwd(x, scale, b, epsilon)[0]
+
+
+def _bn_fwd(x, scale, b, epsilon):
+    n = x.size // x.shape[1]
+    mean = _channel_sums(x) / n
+    centered = x - _bcast(mean.astype(x.dtype), x)
+    var = _channel_sums(jnp.square(centered.astype(mean.dtype))) / n
+    rstd = lax.rsqrt(var + epsilon)
+    y = centered * _bcast((rstd * scale).astype(x.dtype), x) + _bcast(b, x)
+    out = (y, mean.astype(x.dtype), var.astype(x.dtype))
+    return out, (x, mean, rstd, scale)
+
+
+def _bn_bwd(epsilon, res, cts):
+    x, mean, rstd, scale = res
+    dy, dmean, dvar = cts
+    dy = lax.optimization_barrier(dy)  # computed once, not once per channel sum
+    n = x.size // x.shape[1]
+    centered = x - _bcast(mean.astype(x.dtype), x)
+    xhat = centered * _bcast(rstd.astype(x.dtype), x)
+    db, dscale = _channel_sums(dy), _channel_sums(dy * xhat)
+    k = rstd * scale
+    dx = (dy * _bcast(k.astype(x.dtype), x)
+          - _bcast((k * db / n - dmean / n).astype(x.dtype), x)
+          - xhat * _bcast((k * dscale / n).astype(x.dtype), x)
+          + centered * _bcast((2 * dvar / n).astype(x.dtype), x))
+    return dx, dscale.astype(scale.dtype), db.astype(scale.dtype)
+
+
+batch_norm_train.defvjp(_bn_fwd, _bn_bwd)
+
+
 def batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, training, unbiased_running=False):
     """Normalize over every axis but 1; in training use batch statistics and return
     (y, new running mean, new running var, batch mean, batch var)."""
@@ -282,9 +438,7 @@ def batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, training, unbiase
     if not training:
         y = (x - _bcast(mean, x)) * lax.rsqrt(_bcast(var, x) + epsilon) * _bcast(scale, x) + _bcast(b, x)
         return y, mean, var, None, None
-    bm = jnp.mean(x, axes)
-    bv = jnp.var(x, axes)
-    y = (x - _bcast(bm, x)) * lax.rsqrt(_bcast(bv, x) + epsilon) * _bcast(scale, x) + _bcast(b, x)
+    y, bm, bv = batch_norm_train(x, scale, b, float(epsilon))
     n = x.size // x.shape[1]
     rv = bv * (n / max(n - 1, 1)) if unbiased_running else bv
     new_m = (mean * momentum + lax.stop_gradient(bm) * (1 - momentum)).astype(mean.dtype)
