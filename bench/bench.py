@@ -3,7 +3,9 @@
     python bench/bench.py [--quick] [--models mlp,cnn,transformer]
 
 Prints two markdown tables of samples/second (higher is better), each the median of a few
-timed repeats after a warm-up; compile time is reported separately. CPU only: JAX, PyTorch
+repeats after a warm-up, the runtimes compared taking turns within each repeat (so both see
+the same load); compile time is reported separately, and the GFLOP/s of training steps beside
+the machine's matmul roofline. CPU only: JAX, PyTorch
 and onnxruntime all use os.cpu_count() threads (``--threads N``: N threads each, the
 process pinned to N cores; steadier figures on a busy machine).
 """
@@ -58,14 +60,23 @@ class Config:
     bps: int = 10
 
 
-def timed(fn: Callable[[], None], repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` calls (after the caller's warm-up)."""
-    times = []
+@dataclass
+class Runner:
+    """A warmed-up workload: ``loop()`` processes ``samples`` samples."""
+    loop: Callable[[], None]
+    samples: int
+
+
+def interleaved(runners: dict[str, Runner], repeats: int) -> dict[str, float]:
+    """Samples/s of each runner, the median over ``repeats`` rounds in which every runner is
+    timed once: the runtimes compared see the same load of a shared machine."""
+    times: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k, r in runners.items():
+            t0 = time.perf_counter()
+            r.loop()
+            times[k].append(time.perf_counter() - t0)
+    return {k: runners[k].samples / statistics.median(v) for k, v in times.items()}
 
 
 def _data(spec: bench_models.BenchModel, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -77,8 +88,8 @@ def _data(spec: bench_models.BenchModel, seed: int = 0) -> tuple[np.ndarray, np.
 
 # --------------------------------------------------------------------------------- inference
 def popart_inference(path: str, x: np.ndarray, bps: int,
-                     cfg: Config) -> tuple[float, float, np.ndarray]:
-    """(samples/s, compile seconds, output of the first batch)."""
+                     cfg: Config) -> tuple[Runner, float, np.ndarray]:
+    """(runner, compile seconds, output of the first batch)."""
     flow = popart.DataFlow(bps, {"logits": popart.AnchorReturnType("ALL")})
     session = popart.InferenceSession(path, flow, popart.DeviceManager().createCpuDevice())
     t0 = time.perf_counter()
@@ -94,11 +105,10 @@ def popart_inference(path: str, x: np.ndarray, bps: int,
     def loop() -> None:
         for _ in range(runs):
             session.run(stepio)
-    t = timed(loop, cfg.repeats)
-    return runs * bps * x.shape[0] / t, compile_s, first
+    return Runner(loop, runs * bps * x.shape[0]), compile_s, first
 
 
-def ort_inference(path: str, x: np.ndarray, cfg: Config) -> tuple[float, np.ndarray]:
+def ort_inference(path: str, x: np.ndarray, cfg: Config) -> tuple[Runner, np.ndarray]:
     so = ort.SessionOptions()
     so.intra_op_num_threads = THREADS
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
@@ -109,14 +119,13 @@ def ort_inference(path: str, x: np.ndarray, cfg: Config) -> tuple[float, np.ndar
     def loop() -> None:
         for _ in range(cfg.infer_batches):
             sess.run(None, {"x": x})
-    t = timed(loop, cfg.repeats)
-    return cfg.infer_batches * x.shape[0] / t, out
+    return Runner(loop, cfg.infer_batches * x.shape[0]), out
 
 
 # --------------------------------------------------------------------------------- training
 def popart_training(path: str, x: np.ndarray, y: np.ndarray,
-                    cfg: Config) -> tuple[float, float, float, float]:
-    """(samples/s, compile seconds, loss of the first batch, FLOPs per micro-batch step)."""
+                    cfg: Config) -> tuple[Runner, float, float, float]:
+    """(runner, compile seconds, loss of the first batch, FLOPs per micro-batch step)."""
     builder = popart.Builder(path)
     probs = builder.aiOnnx.softmax(["logits"], axis=1)
     label = builder.addInputTensor(popart.TensorInfo("INT32", [x.shape[0]]), "label")
@@ -140,8 +149,7 @@ def popart_training(path: str, x: np.ndarray, y: np.ndarray,
     def loop() -> None:
         for _ in range(runs):
             session.run(stepio)
-    t = timed(loop, cfg.repeats)
-    return runs * bps * x.shape[0] / t, compile_s, first_loss, step_flops(session)
+    return Runner(loop, runs * bps * x.shape[0]), compile_s, first_loss, step_flops(session)
 
 
 def step_flops(session: popart.TrainingSession) -> float:
@@ -153,7 +161,7 @@ def step_flops(session: popart.TrainingSession) -> float:
         return 0.0
 
 
-def matmul_peak(n: int = 1024, reps: int = 20) -> tuple[float, float]:
+def matmul_peak(n: int = 1024, reps: int = 20) -> dict[str, float]:
     """GFLOP/s of an n x n float32 matmul in JAX and in PyTorch: the machine's roofline."""
     import jax
     import jax.numpy as jnp
@@ -172,13 +180,13 @@ def matmul_peak(n: int = 1024, reps: int = 20) -> tuple[float, float]:
         for _ in range(reps):
             ta @ ta
     torch_run()
-    flops = 2.0 * n ** 3 * reps
-    return flops / timed(jax_run, 5) / 1e9, flops / timed(torch_run, 5) / 1e9
+    rates = interleaved({"jax": Runner(jax_run, reps), "torch": Runner(torch_run, reps)}, 5)
+    return {k: v * 2.0 * n ** 3 / 1e9 for k, v in rates.items()}
 
 
 def torch_training(spec: bench_models.BenchModel, x: np.ndarray, y: np.ndarray,
-                   cfg: Config) -> tuple[float, float]:
-    """(samples/s, loss of the first batch) of PyTorch eager with torch.optim.SGD."""
+                   cfg: Config) -> tuple[Runner, float]:
+    """(runner, loss of the first batch) of PyTorch eager with torch.optim.SGD."""
     model = bench_models.build(spec).train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
@@ -196,8 +204,7 @@ def torch_training(spec: bench_models.BenchModel, x: np.ndarray, y: np.ndarray,
     def loop() -> None:
         for _ in range(cfg.train_batches):
             step()
-    t = timed(loop, cfg.repeats)
-    return cfg.train_batches * x.shape[0] / t, first_loss
+    return Runner(loop, cfg.train_batches * x.shape[0]), first_loss
 
 
 # --------------------------------------------------------------------------------- tables
@@ -234,24 +241,29 @@ def main(argv: list[str] | None = None) -> int:
             x, y = _data(spec)
             model = bench_models.build(spec)
             path = bench_models.export(spec, model, folder)
-            ref, ref_out = ort_inference(path, x, cfg)
+            ort_run, ref_out = ort_inference(path, x, cfg)
             try:
-                pa10, c10, out = popart_inference(path, x, cfg.bps, cfg)
-                pa1, c1, _ = popart_inference(path, x, 1, cfg)
+                run10, c10, out = popart_inference(path, x, cfg.bps, cfg)
+                run1, c1, _ = popart_inference(path, x, 1, cfg)
+                r = interleaved({"ort": ort_run, "pa10": run10, "pa1": run1}, cfg.repeats)
+                ref, pa10, pa1 = r["ort"], r["pa10"], r["pa1"]
                 diff = float(np.abs(out - ref_out).max())
                 infer_rows.append([spec.name, str(spec.batch), f"{pa10:,.0f}", f"{pa1:,.0f}",
                                    f"{ref:,.0f}", f"{pa10 / ref:.2f}", f"{pa1 / ref:.2f}",
                                    f"{c10:.2f} / {c1:.2f}", f"{diff:.1e}"])
             except Exception as e:
                 failures.append(f"inference {spec.name}: {type(e).__name__}: {_first_line(e)}")
+                ref = interleaved({"ort": ort_run}, cfg.repeats)["ort"]
                 infer_rows.append([spec.name, str(spec.batch), "failed", "failed", f"{ref:,.0f}",
                                    "-", "-", "-", "-"])
             print(f"inference {spec.name}: done", file=sys.stderr, flush=True)
 
             train_path = bench_models.export(spec, bench_models.build(spec), folder, training=True)
-            tt, loss_t = torch_training(spec, x, y, cfg)
+            torch_run, loss_t = torch_training(spec, x, y, cfg)
             try:
-                pt, ct, loss_p, flops = popart_training(train_path, x, y, cfg)
+                pa_run, ct, loss_p, flops = popart_training(train_path, x, y, cfg)
+                r = interleaved({"torch": torch_run, "popart": pa_run}, cfg.repeats)
+                pt, tt = r["popart"], r["torch"]
                 per_sample = flops / spec.batch / 1e9
                 train_rows.append([spec.name, str(spec.batch), f"{pt:,.0f}", f"{tt:,.0f}",
                                    f"{pt / tt:.2f}", f"{pt * per_sample:.0f}",
@@ -259,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{abs(loss_p - loss_t):.1e}"])
             except Exception as e:  # report the failure in the table, go on with the others
                 failures.append(f"training {spec.name}: {type(e).__name__}: {_first_line(e)}")
+                tt = interleaved({"torch": torch_run}, cfg.repeats)["torch"]
                 train_rows.append([spec.name, str(spec.batch), "failed", f"{tt:,.0f}",
                                    *["-"] * 5])
             print(f"training {spec.name}: done", file=sys.stderr, flush=True)
@@ -272,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
           f"nllloss vs PyTorch eager, {cfg.train_batches} steps per repeat)\n")
     print(table(["model", "batch", "popart", "pytorch", "ratio", "popart GFLOP/s",
                  "GFLOP/s for 1.5x", "compile s", "first-loss diff"], train_rows))
-    jax_peak, torch_peak = matmul_peak()
-    print(f"\nRoofline: a 1024x1024 float32 matmul runs at {jax_peak:.0f} GFLOP/s in JAX and "
-          f"{torch_peak:.0f} GFLOP/s in PyTorch on these {THREADS} threads (GFLOP/s of a "
+    peak = matmul_peak()
+    print(f"\nRoofline: a 1024x1024 float32 matmul runs at {peak['jax']:.0f} GFLOP/s in JAX and "
+          f"{peak['torch']:.0f} GFLOP/s in PyTorch on these {THREADS} threads (GFLOP/s of a "
           f"training step: XLA's FLOP count of the step x steps/s).")
     for f in failures:
         print(f"\nfailed: {f}")
