@@ -146,6 +146,20 @@ def test_conv_patches_matches_xla_conv_and_its_vjp(xs, ws, strides, pads, dil):
         np.testing.assert_allclose(g, g_ref, rtol=1e-12, atol=1e-12)
 
 
+def test_conv_patches_only_where_patch_matrices_fit():
+    """Patch matrices (the forward's, and the input gradient's: output gradient dilated by the
+    strides) stay under PATCH_BYTES; grouped and transposed convolutions use XLA's."""
+    from popart.ops import nn
+    x = jax.ShapeDtypeStruct((32, 64, 56, 56), np.float32)                  # 25.7 MB
+    w = jax.ShapeDtypeStruct((64, 64, 3, 3), np.float32)
+    assert nn._use_patches(x, w, (1, 1), (1, 1), 1)                          # 231 MB
+    assert not nn._use_patches(x, jax.ShapeDtypeStruct((128, 64, 3, 3), np.float32),
+                               (2, 2), (1, 1), 1)                            # backward 1.8 GB
+    assert not nn._use_patches(x, jax.ShapeDtypeStruct((64, 32, 3, 3), np.float32),
+                               (1, 1), (1, 1), 2)
+    assert not nn._use_patches(x, w, (1, 1), (2, 2), 1)
+
+
 # ---------------------------------------------------------------------------------------
 # Pooling
 

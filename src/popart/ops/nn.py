@@ -27,7 +27,7 @@ def conv_nc(ctx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, g
     strides, padding = tuple(strides), tuple(map(tuple, padding))
     lhs_dilation, rhs_dilation = tuple(lhs_dilation or ones), tuple(rhs_dilation or ones)
     w = w.astype(x.dtype)
-    if ctx.state.platform == "cpu" and _use_patches(x, w, lhs_dilation, groups):
+    if ctx.state.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
     y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,
                   lhs_dilation, rhs_dilation, int(groups))
@@ -37,13 +37,16 @@ def conv_nc(ctx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, g
 PATCH_BYTES = 1 << 28  # 256 MiB
 
 
-def _use_patches(x, w, lhs_dilation, groups) -> bool:
+def _use_patches(x, w, strides, lhs_dilation, groups) -> bool:
     """Whether a CPU convolution runs as a matmul over its input's patches (im2col): XLA's CPU
     matmuls (and their gradients) outrun its convolutions. For ungrouped, input-undilated
-    convolutions whose patch matrix fits PATCH_BYTES."""
+    convolutions whose patch matrices, the forward's and the input gradient's (the output
+    gradient dilated by the strides, convolved), fit PATCH_BYTES."""
     if groups != 1 or any(d != 1 for d in lhs_dilation):
         return False
-    return x.size * math.prod(w.shape[2:]) * x.dtype.itemsize <= PATCH_BYTES
+    forward = x.size * math.prod(w.shape[2:]) * x.dtype.itemsize
+    backward = forward * w.shape[0] / w.shape[1] * math.prod(strides)
+    return max(forward, backward) <= PATCH_BYTES
 
 
 def _patches(xc, k, strides, padding, rhs_dil, lhs_dil):
