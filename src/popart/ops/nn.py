@@ -65,11 +65,10 @@ def _patches(xc, k, strides, padding, rhs_dil, lhs_dil):
 
 
 def _conv_cn(xc, w, strides, padding, rhs_dil, lhs_dil):
-    """Convolution of xc (C, N, *sp) by w (O, C, *k) as one matmul, y: (O, N, *out); also
-    returns the patch matrix."""
+    """Convolution of xc (C, N, *sp) by w (O, C, *k) as one matmul, y: (O, N, *out)."""
     cols, out = _patches(xc, w.shape[2:], strides, padding, rhs_dil, lhs_dil)
     y = jnp.dot(w.reshape(w.shape[0], -1), cols, precision=HIGHEST)
-    return y.reshape(w.shape[0], xc.shape[1], *out), cols
+    return y.reshape(w.shape[0], xc.shape[1], *out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -83,7 +82,7 @@ def conv_patches(x, w, strides, padding, rhs_dil):
 
 def _conv_patches_fwd(x, w, strides, padding, rhs_dil):
     ones = (1,) * (x.ndim - 2)
-    y, _ = _conv_cn(x.swapaxes(0, 1), w, strides, padding, rhs_dil, ones)
+    y = _conv_cn(x.swapaxes(0, 1), w, strides, padding, rhs_dil, ones)
     return y.swapaxes(0, 1), (x, w)
 
 
@@ -99,7 +98,7 @@ def _conv_patches_bwd(strides, padding, rhs_dil, res, dy):
     pads = [(ke - 1 - lo, i - 1 + lo - (o - 1) * s) for ke, (lo, _), i, o, s in
             zip(k_eff, padding, in_sp, dy.shape[2:], strides)]
     wt = jnp.flip(w, tuple(range(2, n + 2))).swapaxes(0, 1)              # C, O, *k
-    dxc, _ = _conv_cn(dyc, wt, (1,) * n, pads, rhs_dil, strides)
+    dxc = _conv_cn(dyc, wt, (1,) * n, pads, rhs_dil, strides)
     return dxc.swapaxes(0, 1), dw
 
 
@@ -418,7 +417,6 @@ def _bn_fwd(x, scale, b, epsilon):
 def _bn_bwd(epsilon, res, cts):
     x, mean, rstd, scale = res
     dy, dmean, dvar = cts
-    dy = lax.optimization_barrier(dy)  # computed once, not once per channel sum
     n = x.size // x.shape[1]
     centered = x - _bcast(mean.astype(x.dtype), x)
     xhat = centered * _bcast(rstd.astype(x.dtype), x)
@@ -437,7 +435,6 @@ batch_norm_train.defvjp(_bn_fwd, _bn_bwd)
 def batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, training, unbiased_running=False):
     """Normalize over every axis but 1; in training use batch statistics and return
     (y, new running mean, new running var, batch mean, batch var)."""
-    axes = (0,) + tuple(range(2, x.ndim))
     if not training:
         y = (x - _bcast(mean, x)) * lax.rsqrt(_bcast(var, x) + epsilon) * _bcast(scale, x) + _bcast(b, x)
         return y, mean, var, None, None
