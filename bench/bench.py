@@ -65,6 +65,7 @@ class Runner:
     """A warmed-up workload: ``loop()`` processes ``samples`` samples."""
     loop: Callable[[], None]
     samples: int
+    session: object = None   # the popart session behind ``loop``, if any (for profiling)
 
 
 def interleaved(runners: dict[str, Runner], repeats: int) -> dict[str, float]:
@@ -149,7 +150,8 @@ def popart_training(path: str, x: np.ndarray, y: np.ndarray,
     def loop() -> None:
         for _ in range(runs):
             session.run(stepio)
-    return Runner(loop, runs * bps * x.shape[0]), compile_s, first_loss, step_flops(session)
+    return (Runner(loop, runs * bps * x.shape[0], session), compile_s, first_loss,
+            step_flops(session))
 
 
 def step_flops(session: popart.TrainingSession) -> float:

@@ -500,6 +500,15 @@ def test_range_cast_eyelike():
           opset=11, consts=["a", "b", "c"])
     check("Range", {"a": np.array(1.0, F32), "b": np.array(-2.0, F32), "c": np.array(-0.5, F32)},
           opset=11, consts=["a", "b", "c"])
+    # one-element limits (a sliced Shape, as AffineGrid's function body has) are accepted
+    for limit, err in ((np.array([4], I64), None), (np.array([4, 5], I64), "'limit' must be a scalar")):
+        ins = {"a": np.array(0, I64), "b": limit, "c": np.array(1, I64)}
+        m = model("Range", ins, opset=11, consts=ins)
+        if err:
+            with pytest.raises(popart_exception, match=err):
+                ours(m, {})
+        else:
+            np.testing.assert_array_equal(ours(m, {})[0], np.arange(4))
     x = np.array([-1.7, 0.0, 0.3, 2.5, 300.0], F32)
     for to in (TensorProto.BOOL, TensorProto.FLOAT16, TensorProto.INT32, TensorProto.DOUBLE,
                TensorProto.UINT8, TensorProto.BFLOAT16):

@@ -416,5 +416,9 @@ def eye_like(ctx, x, dtype=None, k=0, **_):
 @register("Range", since=11, static_inputs=(0, 1, 2))
 def range_(ctx, start, limit, delta, **_):
     s, l, d = (ctx.static(v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
+    for v, name in ((s, "start"), (l, "limit"), (d, "delta")):
+        if v.size != 1:   # scalars by the spec; one-element tensors (sliced shapes) are accepted
+            raise ctx.error(f"input '{name}' must be a scalar, got shape {v.shape}")
+    s, l, d = s.reshape(()), l.reshape(()), d.reshape(())
     n = max(int(np.ceil((float(l) - float(s)) / float(d))), 0)
     return (np.arange(n).astype(s.dtype) * d + s).astype(s.dtype)

@@ -1,0 +1,104 @@
+"""Where a training step's time goes: XLA's CPU profile of one bench model's TrainingSession.
+
+    python bench/profile_step.py transformer [--threads 2]
+
+Prints the step time, the thread time of each kind of XLA kernel per step, and each matmul
+(YNNPACK fusion) with its shape and GFLOP/s. Thread time counts every thread: when two
+kernels run side by side each gets one core, and their GFLOP/s halve.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _fusion_dots(hlo: str) -> dict[str, tuple[list[int], list[int], float]]:
+    """YNNPACK fusion name -> (lhs shape, rhs shape, FLOPs) from the compiled HLO text."""
+    bodies = dict(re.findall(r"^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S | re.M))
+    out = {}
+    for name, body_name in re.findall(r"%(ynn_fusion[\w.]*) = \S+ fusion\([^)]*\).*?calls=(%[\w.\-]+)", hlo):
+        body = bodies.get(body_name, "")
+        dot = re.search(r"= \w+\[([\d,]*)\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\), lhs_contracting_dims=\{([\d,]*)\}", body)
+        if not dot:
+            continue
+        shapes = {n: [int(v) for v in s.split(",") if v]
+                  for n, s in re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", body)}
+        lhs, rhs = shapes[dot.group(2)], shapes[dot.group(3)]
+        out_elems = 1
+        for v in dot.group(1).split(","):
+            out_elems *= int(v) if v else 1
+        k = 1
+        for i in dot.group(4).split(","):
+            k *= lhs[int(i)]
+        out[name] = (lhs, rhs, 2.0 * out_elems * k)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", choices=["mlp", "cnn", "transformer"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--bps", type=int, default=10)
+    args = ap.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench  # noqa: E402  (the bench's TrainingSession set-up, shared)
+    import bench_models  # noqa: E402
+    import jax  # noqa: E402
+    from jax._src.lib import _profile_data  # noqa: E402
+
+    spec = next(s for s in bench_models.MODELS if s.name == args.model)
+    x, y = bench._data(spec)
+    with tempfile.TemporaryDirectory() as folder:
+        path = bench_models.export(spec, bench_models.build(spec), folder, training=True)
+        cfg = bench.Config(0, 10 * args.bps, 1, bps=args.bps)
+        runner, *_ = bench.popart_training(path, x, y, cfg)
+        session = runner.session
+        runner.loop()
+        t0 = time.perf_counter()
+        runner.loop()
+        step_s = (time.perf_counter() - t0) / (runner.samples / spec.batch)
+        print(f"{args.model}: {step_s * 1e3:.2f} ms per step, {spec.batch / step_s:,.0f} samples/s")
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                runner.loop()
+            prof = _profile_data.ProfileData.from_file(
+                glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    steps = runner.samples / spec.batch
+    per_kernel: collections.Counter = collections.Counter()
+    for plane in prof.planes:
+        for line in plane.lines:
+            if line.name.startswith("tf_XLAEigen"):
+                for ev in line.events:
+                    per_kernel[ev.name] += ev.duration_ns / steps / 1e3
+    kinds: collections.Counter = collections.Counter()
+    for name, us in per_kernel.items():
+        if name != "ThunkExecutor::Execute" and not name.startswith("end:"):
+            kinds[re.sub(r"\.\d+$", "", name)] += us
+    print("\nthread time per step by kernel kind (us):")
+    for kind, us in kinds.most_common(12):
+        print(f"{us:10.0f}  {kind}")
+    dots = _fusion_dots(session._program.compiled.as_text())
+    print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
+    rows = sorted(((per_kernel[n], n, *d) for n, d in dots.items()), reverse=True)
+    for us, name, lhs, rhs, flops in rows:
+        print(f"{us:10.0f} {flops / max(us, 1e-9) / 1e3:7.1f}  {name:16s} {lhs} x {rhs}")
+    total_us = sum(r[0] for r in rows)
+    total_flops = sum(r[4] for r in rows)
+    print(f"{total_us:10.0f} {total_flops / max(total_us, 1e-9) / 1e3:7.1f}  all matmuls "
+          f"({total_flops / 1e9:.3f} GFLOP)")
+
+
+if __name__ == "__main__":
+    main()
