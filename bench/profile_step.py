@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import math
 import os
 import re
 import sys
@@ -34,12 +35,8 @@ def _fusion_dots(hlo: str) -> dict[str, tuple[list[int], list[int], float]]:
         shapes = {n: [int(v) for v in s.split(",") if v]
                   for n, s in re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", body)}
         lhs, rhs = shapes[dot.group(2)], shapes[dot.group(3)]
-        out_elems = 1
-        for v in dot.group(1).split(","):
-            out_elems *= int(v) if v else 1
-        k = 1
-        for i in dot.group(4).split(","):
-            k *= lhs[int(i)]
+        out_elems = math.prod(int(v) for v in dot.group(1).split(",") if v)
+        k = math.prod(lhs[int(i)] for i in dot.group(4).split(","))
         out[name] = (lhs, rhs, 2.0 * out_elems * k)
     return out
 

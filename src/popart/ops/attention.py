@@ -26,10 +26,11 @@ import numpy as np
 import onnx
 
 from .registry import register
+from .shape import np_type
 
 # softmax_precision values (TensorProto data types) the ops accept.
-_PRECISIONS = {onnx.TensorProto.FLOAT: jnp.float32, onnx.TensorProto.FLOAT16: jnp.float16,
-               onnx.TensorProto.DOUBLE: jnp.float64, onnx.TensorProto.BFLOAT16: jnp.bfloat16}
+_PRECISIONS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+               onnx.TensorProto.BFLOAT16)
 
 
 # ---------------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ def _precision(ctx, softmax_precision: Optional[int], default: Any) -> Any:
     if softmax_precision not in _PRECISIONS:
         raise ctx.error(f"softmax_precision must be one of {sorted(_PRECISIONS)} (FLOAT, "
                         f"FLOAT16, DOUBLE, BFLOAT16), got {softmax_precision}")
-    return _PRECISIONS[softmax_precision]
+    return np_type(ctx, softmax_precision)
 
 
 # ---------------------------------------------------------------------------------------

@@ -86,6 +86,14 @@ def _conv_patches_fwd(x, w, strides, padding, rhs_dil):
     return y.swapaxes(0, 1), (x, w)
 
 
+def _input_grad_pads(k, rhs_dil, padding, in_sp, out_sp, strides) -> list:
+    """Padding of the output gradient (dilated by the strides) whose convolution by the
+    flipped kernel gives the input gradient over ``in_sp`` (the lhs-dilated input sizes)."""
+    k_eff = [(kk - 1) * d + 1 for kk, d in zip(k, rhs_dil)]
+    return [(ke - 1 - lo, i - 1 + lo - (o - 1) * s)
+            for ke, (lo, _), i, o, s in zip(k_eff, padding, in_sp, out_sp, strides)]
+
+
 def _conv_patches_bwd(strides, padding, rhs_dil, res, dy):
     x, w = res
     n = w.ndim - 2
@@ -94,9 +102,7 @@ def _conv_patches_bwd(strides, padding, rhs_dil, res, dy):
     dyc = dy.swapaxes(0, 1)                                               # O, N, *out
     dw = lax.dot_general(dyc.reshape(w.shape[0], -1), cols, (((1,), (1,)), ((), ())),
                          precision=HIGHEST).reshape(w.shape)
-    k_eff = [(k - 1) * d + 1 for k, d in zip(w.shape[2:], rhs_dil)]
-    pads = [(ke - 1 - lo, i - 1 + lo - (o - 1) * s) for ke, (lo, _), i, o, s in
-            zip(k_eff, padding, in_sp, dy.shape[2:], strides)]
+    pads = _input_grad_pads(w.shape[2:], rhs_dil, padding, in_sp, dy.shape[2:], strides)
     wt = jnp.flip(w, tuple(range(2, n + 2))).swapaxes(0, 1)              # C, O, *k
     dxc = _conv_cn(dyc, wt, (1,) * n, pads, rhs_dil, strides)
     return dxc.swapaxes(0, 1), dw
@@ -130,13 +136,11 @@ def _conv_bwd(strides, padding, lhs_dil, rhs_dil, groups, res, dy):
     n = x.ndim - 2
     sp_in, k, sp_out = x.shape[1:1 + n], w.shape[:n], dy.shape[1:1 + n]
     dil_in = [(h - 1) * d + 1 for h, d in zip(sp_in, lhs_dil)]
-    k_eff = [(kk - 1) * d + 1 for kk, d in zip(k, rhs_dil)]
     cin_g, cout = w.shape[n], w.shape[n + 1]
     # d/dx: a transposed convolution with the flipped kernel, its I and O swapped per group.
     wt = jnp.flip(w, tuple(range(n))).reshape(*k, cin_g, groups, cout // groups)
     wt = wt.transpose(*range(n), n + 2, n + 1, n).reshape(*k, cout // groups, groups * cin_g)
-    pads = [(ke - 1 - lo, di - 1 + lo - (o - 1) * s)
-            for ke, (lo, _), di, o, s in zip(k_eff, padding, dil_in, sp_out, strides)]
+    pads = _input_grad_pads(k, rhs_dil, padding, dil_in, sp_out, strides)
     dx = _conv(dy, wt, (1,) * n, pads, strides, rhs_dil, groups)
     dx = dx[(slice(None), *(slice(None, None, d) for d in lhs_dil))]
     # d/dw: the input (channels as batch) convolved with dy (batch as contraction).
