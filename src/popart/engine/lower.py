@@ -8,6 +8,7 @@ inputs must be static.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import ChainMap
 from dataclasses import dataclass, field
@@ -87,12 +88,11 @@ class NodeCtx:
         if iteration is not None:  # a loop body: fresh random numbers in every iteration
             if self._loop_key is None:
                 self._loop_key = self.state.next_key()
-            state = TraceState(training=state.training,
-                               rng_key=jax.random.fold_in(self._loop_key, iteration),
-                               replica_axis=state.replica_axis,
-                               replication_factor=state.replication_factor,
-                               options=state.options, probes=state.probes,
-                               platform=state.platform)
+            # Everything of the enclosing trace but its per-execution records, which a loop
+            # body does not share (its assignments are ignored).
+            state = dataclasses.replace(
+                state, rng_key=jax.random.fold_in(self._loop_key, iteration), assignments={},
+                remote_buffers={}, _counter=itertools.count())
         return run_graph(graph, inputs, state, outer=self.env)
 
     def error(self, msg: str) -> Exception:
