@@ -3,6 +3,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
+import torch.nn.functional as F
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
@@ -409,7 +411,6 @@ def test_lstm_options():
 
 
 def test_lstm_vs_torch_and_grad():
-    import torch
     T, B, I, H = 5, 2, 3, 4
     x = rnd(T, B, I)
     lstm = torch.nn.LSTM(I, H)
@@ -428,7 +429,6 @@ def test_lstm_vs_torch_and_grad():
 
 
 def test_gru_vs_torch():
-    import torch
     T, B, I, H = 4, 2, 3, 2
     x = rnd(T, B, I)
     gru = torch.nn.GRU(I, H)
@@ -564,3 +564,98 @@ def test_random_seed_attribute_is_deterministic():
     a = run_model(m, {}, seed=0)["y0"]
     np.testing.assert_array_equal(a, run_model(m, {}, seed=0)["y0"])
     assert not np.array_equal(a, run_model(one_node("RandomUniform", {}, shape=[5], seed=4.0), {}, seed=0)["y0"])
+
+
+# ---------------------------------------------------------------------------------------
+# Volumetric GridSample, LpNormalization of zero slices, MaxUnpool with output_shape
+
+def _grads(model, feeds, w):
+    """Our gradients of sum(output0 * w) w.r.t. every input (float64 where float32)."""
+    graph, _ = import_model(model)
+    vals = [np.asarray(v, np.float64) if v.dtype == np.float32 else v for v in feeds.values()]
+
+    def f(*args):
+        return jnp.sum(execute(graph, dict(zip(feeds, args)), TraceState())["y0"] * w)
+    return [np.asarray(g) for g in jax.grad(f, tuple(range(len(vals))))(*vals)]
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest", "cubic"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align", [0, 1])
+def test_grid_sample_volumetric_session(mode, padding_mode, align):
+    """5-D GridSample (x, y, z grid coordinates) in a Builder model run by an
+    InferenceSession, against ONNX's reference evaluator."""
+    from test_ops_transformer import build, run_session
+    x, grid = rnd(2, 2, 3, 4, 5), RNG.uniform(-1.3, 1.3, (2, 2, 3, 4, 3)).astype(np.float32)
+    proto, feeds, outs = build("GridSample", [x, grid], opset=22, mode=mode,
+                               padding_mode=padding_mode, align_corners=align)
+    (got,) = run_session(proto, feeds, outs)
+    (exp,) = ReferenceEvaluator(proto).run(None, feeds)
+    assert got.shape == (2, 2, 2, 3, 4) and got.dtype == np.float32
+    np.testing.assert_allclose(got, exp, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align", [0, 1])
+def test_grid_sample_volumetric_grads_vs_torch(mode, padding_mode, align):
+    """Values and gradients (w.r.t. the input and the grid) of 5-D GridSample equal PyTorch's."""
+    x, grid = rnd(2, 2, 3, 4, 5), RNG.uniform(-1.3, 1.3, (2, 2, 3, 4, 3)).astype(np.float32)
+    model = one_node("GridSample", {"x": x, "g": grid}, opset=20, mode=mode,
+                     padding_mode=padding_mode, align_corners=align)
+    w = rnd(2, 2, 2, 3, 4)
+    xt, gt = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (x, grid))
+    yt = F.grid_sample(xt, gt, mode="bilinear" if mode == "linear" else mode,
+                       padding_mode=padding_mode, align_corners=bool(align))
+    (yt * torch.tensor(w, dtype=torch.float64)).sum().backward()
+    np.testing.assert_allclose(ours(model, {"x": x, "g": grid})[0], yt.detach().numpy(),
+                               rtol=1e-5, atol=1e-5)
+    for g, t in zip(_grads(model, {"x": x, "g": grid}, w), (xt.grad, gt.grad)):
+        np.testing.assert_allclose(g, t.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+def test_grid_sample_volumetric_cubic_grads(padding_mode):
+    x, grid = rnd(1, 2, 3, 4, 4), RNG.uniform(-1.2, 1.2, (1, 2, 2, 3, 3)).astype(np.float32)
+    model = one_node("GridSample", {"x": x, "g": grid}, opset=20, mode="cubic", padding_mode=padding_mode)
+    for wrt in ("x", "g"):
+        fd_grad_check(model, {"x": x, "g": grid}, wrt)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference's 0 / 0
+@pytest.mark.parametrize("p", [1, 2])
+def test_lp_normalization_zero_slice(p):
+    """Slices of norm 0 give 0 (as ONNX's reference) with a finite gradient; the others the
+    plain x / |x|_p and its gradient."""
+    x = rnd(3, 4)
+    x[1] = 0
+    model = one_node("LpNormalization", {"x": x}, axis=1, p=p)
+    nrm = np.linalg.norm(x, ord=p, axis=1, keepdims=True)
+    (y,) = check(model, {"x": x}, ref="ref") if p == 2 else ours(model, {"x": x})
+    np.testing.assert_allclose(y, np.divide(x, nrm, out=np.zeros_like(x), where=nrm > 0), rtol=1e-6)
+    w = rnd(3, 4).astype(np.float64)
+    (g,) = _grads(model, {"x": x}, w)
+    rows = [0, 2]
+    exp = jax.grad(lambda v: jnp.sum(v / jnp.linalg.norm(v, ord=p, axis=1, keepdims=True) * w[rows]))(
+        jnp.asarray(x[rows], jnp.float64))
+    assert np.isfinite(g).all() and not g[1].any()
+    np.testing.assert_allclose(g[rows], exp, rtol=1e-10)
+
+
+def test_max_unpool_output_shape():
+    """MaxPool of an odd-sized input, then MaxUnpool to its shape: the indices address
+    output_shape (onnxruntime and PyTorch), so every maximum goes back in place."""
+    x = rnd(2, 3, 5, 7)
+    y, i = ours(one_node("MaxPool", {"x": x}, n_out=2, kernel_shape=[2, 2], strides=[2, 2]), {"x": x})
+    m = one_node("MaxUnpool", {"y": y, "i": i}, kernel_shape=[2, 2], strides=[2, 2],
+                 consts={"s": np.array(x.shape, np.int64)})
+    (got,) = check(m, {"y": y, "i": i}, ref="ort", rtol=0, atol=0)
+    pooled = torch.nn.functional.max_pool2d(torch.tensor(x), 2, 2, return_indices=True)
+    exp = torch.nn.functional.max_unpool2d(*pooled, 2, 2, output_size=x.shape[2:]).numpy()
+    np.testing.assert_array_equal(got, exp)
+    assert np.count_nonzero(got) == y.size and set(got[got != 0]) == set(y.ravel())
+    m = one_node("MaxUnpool", {"y": y, "i": i}, kernel_shape=[2, 2], strides=[2, 2],
+                 consts={"s": np.array([2, 4, 5, 7], np.int64)})
+    with pytest.raises(Exception, match=r"output_shape must be \(N, C, \*spatial\) with N, C = "
+                                        r"\(2, 3\) of input 'X', got \(2, 4, 5, 7\)"):
+        ours(m, {"y": y, "i": i})

@@ -377,3 +377,34 @@ def test_save_and_load_executable_resumes_training(tmp_path):
     s3 = popart.TrainingSession(b3.getModelProto(), popart.DataFlow(2, [ids3["loss"]]), ids3["loss"], opt(), CPU())
     with pytest.raises(popart.popart_exception, match="model_sha256"):
         s3.loadExecutable(path)
+
+
+def test_stream_callback_gets_one_replica_and_broadcast_weights_keeps_one_instance():
+    """connectStreamToCallback(anchor, cb, index) hands cb replica ``index``'s values after
+    each run; broadcastWeights with one instance leaves the weights as they are."""
+    b, ids, _ = mlp()
+    opts = popart.SessionOptions()
+    opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, 2
+    df = popart.DataFlow(3, {ids["loss"]: popart.AnchorReturnType("ALL")})
+    s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.ConstSGD(0.1), CPU(),
+                               userOptions=opts)
+    seen = []
+    s.connectStreamToCallback(ids["loss"], lambda a: seen.append(a.copy()), 1)
+    with pytest.raises(popart.popart_exception, match="replica index 2 for"):
+        s.connectStreamToCallback(ids["loss"], print, 2)
+    with pytest.raises(popart.popart_exception, match="'w1' is not an anchor"):
+        s.connectStreamToCallback("w1", print)
+    s.prepareDevice()
+    s.weightsFromHost()
+    out = s.initAnchorArrays()
+    X, L = data(3, lead=(2,))
+    s.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
+    assert len(seen) == 1 and seen[0].shape == (3,)
+    np.testing.assert_array_equal(seen[0], out[ids["loss"]][:, 1])
+    before = read(s, ids)
+    s.broadcastWeights(0)
+    after = read(s, ids)
+    for n in before:
+        np.testing.assert_array_equal(before[n], after[n])
+    with pytest.raises(popart.popart_exception, match="rootRank 1 does not exist"):
+        s.broadcastWeights(1)

@@ -313,10 +313,13 @@ class _Session:
             if self._program.cfg.replication_factor != R:   # global replication: our replicas
                 axis = _lead(art) - 1
                 val = np.take(val, range(offset, offset + R), axis=axis)
+            if a in self._stream_callbacks:   # one replica's values, as PopART streams them
+                callback, index = self._stream_callbacks[a]
+                one = np.take(val, index, axis=_lead(art) - 1) if R > 1 else val
+                callback(one.reshape(_df.anchor_host_shape(list(val.shape[_lead(art):]), art,
+                                                           bps, A, 1)))
             host = _df.anchor_host_shape(list(val.shape[_lead(art):]), art, bps, A, R)
             val = val.reshape(host)
-            if a in self._stream_callbacks:
-                self._stream_callbacks[a](val)
             if isinstance(stepio, _df.PyStepIOCallback):
                 self._write_callback_anchor(stepio, a, val)
                 continue
@@ -607,8 +610,13 @@ class TrainingSession(_Session):
         self.weightsFromHost()
 
     def connectStreamToCallback(self, streamHandle: str, callback: Any, index: int = 0) -> None:
-        """Call ``callback(array)`` with each value of anchor ``streamHandle`` after every run."""
+        """After every run, call ``callback(array)`` with replica ``index``'s values of anchor
+        ``streamHandle``, shaped as that anchor's host array of one replica."""
         if streamHandle not in self._dataFlow.anchors():
             raise popart_exception(f"connectStreamToCallback: '{streamHandle}' is not an anchor "
                                    f"(anchors: {self._dataFlow.anchors()})")
-        self._stream_callbacks[streamHandle] = callback
+        if not 0 <= index < self.replicationFactor:
+            raise popart_exception(f"connectStreamToCallback: replica index {index} for "
+                                   f"'{streamHandle}' does not exist (replicas: 0 to "
+                                   f"{self.replicationFactor - 1})")
+        self._stream_callbacks[streamHandle] = (callback, index)

@@ -83,6 +83,12 @@ class NodeCtx:
     def assign(self, tensor_id: str, value: Any) -> None:
         self.state.assignments[tensor_id] = value
 
+    def discard_subgraph_traces(self) -> None:
+        """Forget what earlier run_subgraph calls derived (the loop's random key), before the
+        lowering traces its subgraph again in another way: an abandoned trace's values are
+        tracers of that trace."""
+        self._loop_key = None
+
     def run_subgraph(self, graph: Graph, inputs: list, iteration: Any = None) -> list:
         state = self.state
         if iteration is not None:  # a loop body: fresh random numbers in every iteration

@@ -68,7 +68,7 @@ def loop(ctx, m=None, cond=None, *v_init, body, **_):
     except (UnsupportedOperatorError, TypeError, ValueError, AttributeError) as e:
         if not (_static_value(m) and int(np.asarray(m).reshape(())) <= UNROLL_LIMIT):
             raise
-        ctx._loop_key = None   # the failed attempt may have made it inside its own trace
+        ctx.discard_subgraph_traces()
         try:
             return _loop_unrolled(ctx, int(np.asarray(m).reshape(())), cond, list(v_init), body)
         except Exception:

@@ -3,6 +3,7 @@ GridSample, RoiAlign, AffineGrid."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -173,7 +174,7 @@ def upsample(ctx, x, scales_in=None, mode="nearest", scales=None, **_):
 
 
 # ---------------------------------------------------------------------------------------
-# GridSample (2-D spatial), RoiAlign, AffineGrid
+# GridSample, RoiAlign, AffineGrid
 
 def _unnormalize(g, n, align):
     return (g + 1) / 2 * (n - 1) if align else ((g + 1) * n - 1) / 2
@@ -191,56 +192,67 @@ def _reflect(c, lo, hi):
 
 @register("GridSample", since=16)
 def grid_sample(ctx, x, grid, align_corners=0, mode="linear", padding_mode="zeros", **_):
-    if x.ndim != 4:
-        raise ctx.error("only 2-D spatial inputs (N, C, H, W) are supported")
+    """Samples X (N, C, D1, ..., Dr) at the normalized positions in grid (N, D1_out, ...,
+    Dr_out, r), whose last axis lists the coordinates innermost axis first (x, y, z, ...)."""
+    r = x.ndim - 2
+    if r < 1 or grid.ndim != r + 2 or grid.shape[0] != x.shape[0] or grid.shape[-1] != r:
+        raise ctx.error(f"expected X (N, C, D1, ..., Dr) and grid (N, D1_out, ..., Dr_out, r), "
+                        f"got X {x.shape} and grid {grid.shape}")
     mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
-    N, C, H, W = x.shape
-    gx = _unnormalize(grid[..., 0], W, align_corners)
-    gy = _unnormalize(grid[..., 1], H, align_corners)
-    if mode == "nearest":  # rounded (half to even) before the padding rule, as PyTorch
-        gx, gy = jnp.round(gx), jnp.round(gy)
-    lo_x, hi_x, lo_y, hi_y = (0, W - 1, 0, H - 1) if align_corners else (-0.5, W - 0.5, -0.5, H - 0.5)
-    if padding_mode == "border":
-        gx = jnp.where((gx < lo_x) | (gx > hi_x), jnp.clip(gx, 0, W - 1), gx)
-        gy = jnp.where((gy < lo_y) | (gy > hi_y), jnp.clip(gy, 0, H - 1), gy)
-    elif padding_mode == "reflection":
-        gx, gy = _reflect(gx, lo_x, hi_x), _reflect(gy, lo_y, hi_y)
-    elif padding_mode != "zeros":
+    if mode not in ("nearest", "linear", "cubic"):
+        raise ctx.error(f"mode '{mode}' is not nearest, linear or cubic")
+    if padding_mode not in ("zeros", "border", "reflection"):
         raise ctx.error(f"padding_mode '{padding_mode}' is not zeros, border or reflection")
+    coords, bounds = [], []
+    for a, n in enumerate(x.shape[2:]):
+        c = _unnormalize(grid[..., r - 1 - a], n, align_corners)
+        lo, hi = (0, n - 1) if align_corners else (-0.5, n - 0.5)
+        if mode == "nearest":  # rounded (half to even) before the padding rule, as PyTorch
+            c = jnp.round(c)
+        if padding_mode == "border":
+            c = jnp.where((c < lo) | (c > hi), jnp.clip(c, 0, n - 1), c)
+        elif padding_mode == "reflection":
+            c = _reflect(c, lo, hi)
+        coords.append(c)
+        bounds.append((lo, hi))
+    return sample(x, coords, mode, padding_mode, bounds)
 
-    def tap(iy, ix):  # [N, Ho, Wo] int -> [N, C, Ho, Wo]; zero outside (or clamped)
-        inside = (iy >= 0) & (iy < H) & (ix >= 0) & (ix < W)
-        if padding_mode != "zeros":
-            inside = jnp.ones_like(inside)
-        v = jax.vmap(lambda img, yy, xx: img[:, jnp.clip(yy, 0, H - 1), jnp.clip(xx, 0, W - 1)])(x, iy, ix)
-        return jnp.where(inside[:, None], v, jnp.zeros((), x.dtype))
+
+def sample(x, coords: list, mode: str = "linear", padding_mode: str = "zeros",
+           bounds: Optional[list] = None) -> jax.Array:
+    """Samples ``x`` [N, C, *sp] at pixel coordinates (one [N, *P] array per spatial axis):
+    [N, C, *P]. Taps outside the input read zero (``zeros``), the nearest edge (``border``)
+    or their reflection in ``bounds`` (``reflection``: (lo, hi) per axis). One gather of every
+    tap (1, 2 or 4 per axis for nearest, linear and cubic) for any number of axes."""
+    r = len(coords)
+    flat, weight, inside = 0, 1, True   # over the taps: [N, K1, ..., Kr, *P]
+    for a, (c, n) in enumerate(zip(coords, x.shape[2:])):
+        if mode == "nearest":
+            taps = c[:, None]
+        else:
+            c0 = jnp.floor(c)
+            f = c - c0
+            offsets = (0, 1) if mode == "linear" else (-1, 0, 1, 2)
+            taps = jnp.stack([c0 + d for d in offsets], 1)
+            w = jnp.stack([1 - f, f] if mode == "linear" else [_jk(f - d) for d in offsets], 1)
+            weight = weight * _tap_axis(w, a, r)
+        if padding_mode == "zeros":
+            inside = inside & _tap_axis((taps >= 0) & (taps <= n - 1), a, r)
+        elif padding_mode == "reflection":
+            taps = _reflect(taps, *bounds[a])
+        flat = flat * n + _tap_axis(jnp.clip(taps, 0, n - 1).astype(jnp.int32), a, r)
+    v = jnp.take_along_axis(x.reshape(x.shape[:2] + (-1,)), flat.reshape(len(flat), 1, -1), -1)
+    v = v.reshape(x.shape[:2] + flat.shape[1:])       # [N, C, K1, ..., Kr, *P]
+    if padding_mode == "zeros":
+        v = jnp.where(inside[:, None], v, jnp.zeros((), x.dtype))
     if mode == "nearest":
-        r = lambda v: jnp.round(v).astype(jnp.int32)  # half to even, as the reference
-        return tap(r(gy), r(gx))
-    x0, y0 = jnp.floor(gx), jnp.floor(gy)
-    fx, fy = gx - x0, gy - y0
-    x0, y0 = x0.astype(jnp.int32), y0.astype(jnp.int32)
-    if mode == "linear":
-        out = 0
-        for dy in (0, 1):
-            for dx in (0, 1):
-                w = (fx if dx else 1 - fx) * (fy if dy else 1 - fy)
-                out = out + w[:, None] * tap(y0 + dy, x0 + dx)
-        return out.astype(x.dtype)
-    if mode == "cubic":
-        wx, wy = ([_jk(f - d) for d in (-1, 0, 1, 2)] for f in (fx, fy))
-        out = 0
-        for i, dy in enumerate((-1, 0, 1, 2)):
-            for j, dx in enumerate((-1, 0, 1, 2)):
-                iy, ix = y0 + dy, x0 + dx
-                if padding_mode == "border":
-                    iy, ix = jnp.clip(iy, 0, H - 1), jnp.clip(ix, 0, W - 1)
-                elif padding_mode == "reflection":
-                    iy = _reflect(iy.astype(x.dtype), lo_y, hi_y).astype(jnp.int32)
-                    ix = _reflect(ix.astype(x.dtype), lo_x, hi_x).astype(jnp.int32)
-                out = out + (wx[j] * wy[i])[:, None] * tap(iy, ix)
-        return out.astype(x.dtype)
-    raise ctx.error(f"mode '{mode}' is not supported")
+        return v.reshape(x.shape[:2] + coords[0].shape[1:])
+    return jnp.sum(v * weight[:, None], tuple(range(2, 2 + r))).astype(x.dtype)
+
+
+def _tap_axis(v, a, r):
+    """``v`` ([N, K, *out]) with its K taps on tap axis ``a`` of ``r``: [N, 1.., K, ..1, *out]."""
+    return v.reshape(v.shape[:1] + (1,) * a + v.shape[1:2] + (1,) * (r - 1 - a) + v.shape[2:])
 
 
 def _jk(d, a=-0.75):

@@ -372,10 +372,17 @@ def max_roi_pool(ctx, x, rois, pooled_shape=(), spatial_scale=1.0, **_):
 
 @register("MaxUnpool", since=9)
 def max_unpool(ctx, x, idx, output_shape=None, kernel_shape=(), pads=None, strides=None, **_):
+    """Scatters x to the flat positions ``idx`` of the output. With ``output_shape`` the
+    indices address that shape, as in onnxruntime and PyTorch, so MaxPool's indices of an
+    odd-sized input put every maximum back in place; ONNX's reference instead addresses the
+    shape inferred from kernel_shape, strides and pads and zero-pads it to output_shape."""
     n = x.ndim - 2
     strides, pads = _list(strides, n, 1), _list(pads, 2 * n, 0)
     if output_shape is not None:
         out = tuple(int(v) for v in ctx.static(output_shape, "MaxUnpool output_shape"))
+        if len(out) != x.ndim or out[:2] != tuple(x.shape[:2]):
+            raise ctx.error(f"output_shape must be (N, C, *spatial) with N, C = "
+                            f"{tuple(x.shape[:2])} of input 'X', got {out}")
     else:
         out = x.shape[:2] + tuple((i - 1) * s + k - pads[a] - pads[a + n]
                                   for a, (i, s, k) in enumerate(zip(x.shape[2:], strides, kernel_shape)))
@@ -528,10 +535,14 @@ def mvn(ctx, x, axes=(0, 2, 3), **_):
 
 @register("LpNormalization")
 def lp_normalization(ctx, x, axis=-1, p=2, **_):
+    """x divided by its L1 or L2 norm along ``axis``; slices of norm 0 give 0 (as ONNX's
+    reference), with a finite (zero) gradient: the norm is taken of 1 there."""
     if p not in (1, 2):
         raise ctx.error(f"p must be 1 or 2, got {p}")
-    nrm = jnp.sum(jnp.abs(x), axis, keepdims=True) if p == 1 else jnp.sqrt(jnp.sum(x * x, axis, keepdims=True))
-    return x / nrm
+    s = jnp.sum(jnp.abs(x) if p == 1 else x * x, axis, keepdims=True)
+    zero = s == 0
+    s = jnp.where(zero, jnp.ones((), s.dtype), s)
+    return jnp.where(zero, jnp.zeros((), x.dtype), x / (s if p == 1 else jnp.sqrt(s)))
 
 
 # ---------------------------------------------------------------------------------------

@@ -70,6 +70,10 @@ class LowerCtx(Protocol):
         pass their ``iteration`` index so random ops draw new numbers each iteration
         (``ctx.assign`` inside such a body is ignored)."""
 
+    def discard_subgraph_traces(self) -> None:
+        """Forget what earlier ``run_subgraph`` calls derived, before tracing the subgraph
+        again another way (a Loop that falls back to unrolling)."""
+
     def error(self, msg: str) -> Exception:
         """An UnsupportedOperatorError whose message names this node."""
 
