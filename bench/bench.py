@@ -5,9 +5,10 @@
 Prints two markdown tables of samples/second (higher is better), each the median of a few
 repeats after a warm-up, the runtimes compared taking turns within each repeat (so both see
 the same load); compile time is reported separately, and the GFLOP/s of training steps beside
-the machine's matmul roofline. CPU only: JAX, PyTorch
+the machine's matmul roofline. On the CPU by default: JAX, PyTorch
 and onnxruntime all use os.cpu_count() threads (``--threads N``: N threads each, the
-process pinned to N cores; steadier figures on a busy machine).
+process pinned to N cores; steadier figures on a busy machine). ``--gpu``: popart on JAX's
+accelerator, PyTorch on CUDA, onnxruntime on its CUDA provider when it has one.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compare like with like: all on the CPU
+GPU = "--gpu" in sys.argv[1:]
+if not GPU:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compare like with like: all on the CPU
 
 
 def _threads_from_argv(argv: list[str]) -> int:
@@ -36,7 +39,7 @@ def _threads_from_argv(argv: list[str]) -> int:
 
 
 THREADS = _threads_from_argv(sys.argv[1:])
-if THREADS < (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
+if not GPU and THREADS < (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
     # Pin the process to THREADS cores: XLA sizes its thread pool from the affinity mask.
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:THREADS])
 
@@ -50,6 +53,28 @@ import bench_models  # noqa: E402
 import popart  # noqa: E402
 
 LR = 0.01
+TORCH_DEVICE = "cuda" if GPU else "cpu"
+
+
+ORT_PROVIDERS = (["CUDAExecutionProvider"] if GPU and "CUDAExecutionProvider" in
+                 ort.get_available_providers() else []) + ["CPUExecutionProvider"]
+
+
+def jax_backend() -> str:
+    import jax
+    return jax.default_backend()
+
+
+def popart_device() -> popart.DeviceInfo:
+    """The CPU, or with --gpu JAX's accelerator (an IPU-model device maps to it, shared)."""
+    manager = popart.DeviceManager()
+    return manager.createIpuModelDevice() if GPU else manager.createCpuDevice()
+
+
+def torch_sync() -> None:
+    """Wait for PyTorch's queued GPU work (a no-op on the CPU)."""
+    if GPU:
+        torch.cuda.synchronize()
 
 
 @dataclass
@@ -92,7 +117,7 @@ def popart_inference(path: str, x: np.ndarray, bps: int,
                      cfg: Config) -> tuple[Runner, float, np.ndarray]:
     """(runner, compile seconds, output of the first batch)."""
     flow = popart.DataFlow(bps, {"logits": popart.AnchorReturnType("ALL")})
-    session = popart.InferenceSession(path, flow, popart.DeviceManager().createCpuDevice())
+    session = popart.InferenceSession(path, flow, popart_device())
     t0 = time.perf_counter()
     session.prepareDevice()
     compile_s = time.perf_counter() - t0
@@ -112,7 +137,7 @@ def popart_inference(path: str, x: np.ndarray, bps: int,
 def ort_inference(path: str, x: np.ndarray, cfg: Config) -> tuple[Runner, np.ndarray]:
     so = ort.SessionOptions()
     so.intra_op_num_threads = THREADS
-    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(path, so, providers=ORT_PROVIDERS)
     out = sess.run(None, {"x": x})[0]  # warm-up
     for _ in range(3):
         sess.run(None, {"x": x})
@@ -135,7 +160,7 @@ def popart_training(path: str, x: np.ndarray, y: np.ndarray,
     session = popart.TrainingSession(builder.getModelProto(),
                                      popart.DataFlow(bps, {loss: popart.AnchorReturnType("ALL")}),
                                      loss, popart.SGD({"defaultLearningRate": (LR, False)}),
-                                     popart.DeviceManager().createCpuDevice())
+                                     popart_device())
     t0 = time.perf_counter()
     session.prepareDevice()
     compile_s = time.perf_counter() - t0
@@ -176,11 +201,12 @@ def matmul_peak(n: int = 1024, reps: int = 20) -> dict[str, float]:
         for _ in range(reps):
             r = f(a, a)
         r.block_until_ready()
-    ta = torch.ones(n, n)
+    ta = torch.ones(n, n, device=TORCH_DEVICE)
 
     def torch_run() -> None:
         for _ in range(reps):
             ta @ ta
+        torch_sync()
     torch_run()
     rates = interleaved({"jax": Runner(jax_run, reps), "torch": Runner(torch_run, reps)}, 5)
     return {k: v * 2.0 * n ** 3 / 1e9 for k, v in rates.items()}
@@ -189,23 +215,26 @@ def matmul_peak(n: int = 1024, reps: int = 20) -> dict[str, float]:
 def torch_training(spec: bench_models.BenchModel, x: np.ndarray, y: np.ndarray,
                    cfg: Config) -> tuple[Runner, float]:
     """(runner, loss of the first batch) of PyTorch eager with torch.optim.SGD."""
-    model = bench_models.build(spec).train()
+    model = bench_models.build(spec).train().to(TORCH_DEVICE)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
+    xt = torch.from_numpy(x).to(TORCH_DEVICE)
+    yt = torch.from_numpy(y).long().to(TORCH_DEVICE)
 
-    def step() -> float:
+    def step() -> torch.Tensor:
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(xt), yt)
         loss.backward()
         opt.step()
-        return loss.item()
-    first_loss = step()  # warm-up
+        return loss
+    first_loss = step().item()  # warm-up
     for _ in range(3):
         step()
+    torch_sync()
 
     def loop() -> None:
         for _ in range(cfg.train_batches):
             step()
+        torch_sync()
     return Runner(loop, cfg.train_batches * x.shape[0]), first_loss
 
 
@@ -226,14 +255,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="mlp,cnn,transformer")
     p.add_argument("--threads", type=int, default=THREADS,
                    help="threads (and cores) for PyTorch, onnxruntime and XLA; default: all")
+    p.add_argument("--gpu", action="store_true",
+                   help="popart on JAX's accelerator and PyTorch on CUDA (read at start-up)")
     args = p.parse_args(argv)
     THREADS = args.threads
+    if GPU and (not torch.cuda.is_available() or jax_backend() == "cpu"):
+        print(f"--gpu: no GPU (torch.cuda.is_available() = {torch.cuda.is_available()}, JAX "
+              f"backend '{jax_backend()}')", file=sys.stderr)
+        return 2
     cfg = Config(20, 10, 3) if args.quick else Config(100, 50, 5)
     torch.set_num_threads(THREADS)
     import jax
-    print(f"CPU: {platform.processor() or platform.machine()}, {THREADS} threads; jax "
-          f"{jax.__version__} ({jax.default_backend()}), onnxruntime {ort.__version__}, "
-          f"torch {torch.__version__}; {'quick' if args.quick else 'full'} run: median of "
+    where = (f"GPU: {torch.cuda.get_device_name()}" if GPU else
+             f"CPU: {platform.processor() or platform.machine()}, {THREADS} threads")
+    print(f"{where}; jax {jax.__version__} ({jax.default_backend()}), onnxruntime "
+          f"{ort.__version__} ({ORT_PROVIDERS[0]}), torch {torch.__version__} "
+          f"({TORCH_DEVICE}); {'quick' if args.quick else 'full'} run: median of "
           f"{cfg.repeats} repeats", flush=True)
     wanted = args.models.split(",")
     specs = [s for s in bench_models.MODELS if s.name in wanted]
@@ -278,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                                    *["-"] * 5])
             print(f"training {spec.name}: done", file=sys.stderr, flush=True)
 
-    print(f"\n### Inference, samples/s (popart InferenceSession vs onnxruntime CPU, "
+    print(f"\n### Inference, samples/s (popart InferenceSession vs onnxruntime "
+          f"{ORT_PROVIDERS[0]}, "
           f"{cfg.infer_batches} batches per repeat)\n")
     print(table(["model", "batch", f"popart bps={cfg.bps}", "popart bps=1", "onnxruntime",
                  f"ratio bps={cfg.bps}", "ratio bps=1", "compile s (bps=10 / 1)",
@@ -289,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                  "GFLOP/s for 1.5x", "compile s", "first-loss diff"], train_rows))
     peak = matmul_peak()
     print(f"\nRoofline: a 1024x1024 float32 matmul runs at {peak['jax']:.0f} GFLOP/s in JAX and "
-          f"{peak['torch']:.0f} GFLOP/s in PyTorch on these {THREADS} threads (GFLOP/s of a "
+          f"{peak['torch']:.0f} GFLOP/s in PyTorch on {where} (GFLOP/s of a "
           f"training step: XLA's FLOP count of the step x steps/s).")
     for f in failures:
         print(f"\nfailed: {f}")
