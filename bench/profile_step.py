@@ -23,21 +23,27 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_x
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _fusion_dots(hlo: str) -> dict[str, tuple[list[int], list[int], float]]:
-    """YNNPACK fusion name -> (lhs shape, rhs shape, FLOPs) from the compiled HLO text."""
+_DOT = re.compile(r"%([\w.\-]+) = \w+\[([\d,]*)\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\), "
+                  r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _matmuls(hlo: str) -> dict[str, tuple[list[int], list[int], float]]:
+    """Kernel name -> (lhs shape, rhs shape, FLOPs) from the compiled HLO text, for the plain
+    dots (Eigen) and the YNNPACK fusions around a dot."""
+    shapes = {n: [int(v) for v in s.split(",") if v]
+              for n, s in re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
+
+    def matmul(dot: re.Match) -> tuple[list[int], list[int], float]:
+        lhs, rhs = shapes[dot.group(3)], shapes[dot.group(4)]
+        out_elems = math.prod(int(v) for v in dot.group(2).split(",") if v)
+        k = math.prod(lhs[int(i)] for i in dot.group(5).split(","))
+        return lhs, rhs, 2.0 * out_elems * k
+    out = {dot.group(1): matmul(dot) for dot in _DOT.finditer(hlo)}
     bodies = dict(re.findall(r"^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S | re.M))
-    out = {}
-    for name, body_name in re.findall(r"%(ynn_fusion[\w.]*) = \S+ fusion\([^)]*\).*?calls=(%[\w.\-]+)", hlo):
-        body = bodies.get(body_name, "")
-        dot = re.search(r"= \w+\[([\d,]*)\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\), lhs_contracting_dims=\{([\d,]*)\}", body)
-        if not dot:
-            continue
-        shapes = {n: [int(v) for v in s.split(",") if v]
-                  for n, s in re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", body)}
-        lhs, rhs = shapes[dot.group(2)], shapes[dot.group(3)]
-        out_elems = math.prod(int(v) for v in dot.group(1).split(",") if v)
-        k = math.prod(lhs[int(i)] for i in dot.group(4).split(","))
-        out[name] = (lhs, rhs, 2.0 * out_elems * k)
+    for name, body in re.findall(r"%(ynn_fusion[\w.]*) = \S+ fusion\([^)]*\).*?calls=(%[\w.\-]+)", hlo):
+        dot = _DOT.search(bodies.get(body, ""))
+        if dot:
+            out[name] = matmul(dot)
     return out
 
 
@@ -86,9 +92,10 @@ def main() -> None:
     print("\nthread time per step by kernel kind (us):")
     for kind, us in kinds.most_common(12):
         print(f"{us:10.0f}  {kind}")
-    dots = _fusion_dots(session._program.compiled.as_text())
+    dots = _matmuls(session._program.compiled.as_text())
     print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
-    rows = sorted(((per_kernel[n], n, *d) for n, d in dots.items()), reverse=True)
+    rows = sorted(((per_kernel[n], n, *d) for n, d in dots.items() if n in per_kernel),
+                  reverse=True)
     for us, name, lhs, rhs, flops in rows:
         print(f"{us:10.0f} {flops / max(us, 1e-9) / 1e3:7.1f}  {name:16s} {lhs} x {rhs}")
     total_us = sum(r[0] for r in rows)
