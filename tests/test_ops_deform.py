@@ -12,32 +12,13 @@ import popart
 from popart.engine.lower import TraceState, execute
 from popart.ir.onnx_import import import_model
 
+from one_op import build, run_session
+
 RNG = np.random.default_rng(11)
 
 
 def rnd(*shape, scale=1.0, dtype=np.float32):
     return (scale * RNG.standard_normal(shape)).astype(dtype)
-
-
-def build(inputs, **attrs):
-    """A one-node DeformConv Builder model; ``inputs`` is [X, W, offset, B, mask] (None omits
-    an optional input). Returns (model proto, feeds by input id, output id)."""
-    builder = popart.Builder(opsets={"ai.onnx": 22, "ai.graphcore": 1})
-    ids = ["" if x is None else builder.addInputTensor(popart.TensorInfo(x)) for x in inputs]
-    while ids and not ids[-1]:
-        ids.pop()
-    out = builder.aiOnnx.deformconv(ids, **attrs)
-    builder.addOutputTensor(out)
-    return builder.getModelProto(), {i: x for i, x in zip(ids, inputs) if i}, out
-
-
-def run_session(proto, feeds, out):
-    df = popart.DataFlow(1, {out: popart.AnchorReturnType("ALL")})
-    s = popart.InferenceSession(proto, df, popart.DeviceManager().createCpuDevice())
-    s.prepareDevice()
-    anchors = s.initAnchorArrays()
-    s.run(popart.PyStepIO(feeds, anchors))
-    return anchors[out]
 
 
 def case(n=1, c=2, oc=3, hw=(4, 5), k=(2, 2), pads=(0, 0, 0, 0), strides=(1, 1),
@@ -69,8 +50,8 @@ def case(n=1, c=2, oc=3, hw=(4, 5), k=(2, 2), pads=(0, 0, 0, 0), strides=(1, 1),
 ])
 def test_deform_conv_matches_reference(kw):
     inputs, attrs = case(**kw)
-    proto, feeds, out = build(inputs, **attrs)
-    got = run_session(proto, feeds, out)
+    proto, feeds, outs = build("DeformConv", inputs, opset=22, **attrs)
+    (got,) = run_session(proto, feeds, outs)
     (exp,) = ReferenceEvaluator(proto).run(None, feeds)
     assert got.shape == exp.shape and got.dtype == exp.dtype
     np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
@@ -85,11 +66,12 @@ def test_deform_conv_3d_with_unit_depth_kernel_is_2d_per_slice():
     off = rnd(1, 4, 2, d, *off2.shape[2:], scale=1.5)              # (h, w) per tap and slice
     mask = RNG.uniform(0, 1, (1, 4, d, *off2.shape[2:])).astype(np.float32)
     off3 = np.concatenate([np.zeros_like(off[:, :, :1]), off], 2).reshape(1, 12, d, 3, 4)
-    proto, feeds, out = build([x, w2[:, :, None], off3, b, mask], kernel_shape=[1, 2, 2])
-    got = run_session(proto, feeds, out)
+    proto, feeds, outs = build("DeformConv", [x, w2[:, :, None], off3, b, mask], opset=22,
+                               kernel_shape=[1, 2, 2])
+    (got,) = run_session(proto, feeds, outs)
     for z in range(d):
-        proto2, feeds2, _ = build([x[:, :, z], w2, off[:, :, :, z].reshape(1, 8, 3, 4), b,
-                                   mask[:, :, z]], **attrs)
+        slice_inputs = [x[:, :, z], w2, off[:, :, :, z].reshape(1, 8, 3, 4), b, mask[:, :, z]]
+        proto2, feeds2, _ = build("DeformConv", slice_inputs, opset=22, **attrs)
         (exp,) = ReferenceEvaluator(proto2).run(None, feeds2)
         np.testing.assert_allclose(got[:, :, z], exp, rtol=1e-5, atol=1e-5)
 
@@ -98,7 +80,7 @@ def test_deform_conv_gradients_match_central_differences():
     inputs, attrs = case(n=1, c=4, oc=2, group=2, offset_group=2, pads=(1, 1, 1, 1),
                          strides=(2, 1), mask=True, bias=True)
     inputs = [x.astype(np.float64) for x in inputs]
-    proto, feeds, out = build(inputs, **attrs)
+    proto, feeds, (out,) = build("DeformConv", inputs, opset=22, **attrs)
     graph, _ = import_model(proto)
     ids = list(feeds)
     r = RNG.standard_normal(np.shape(execute(graph, feeds, TraceState())[out]))
@@ -125,6 +107,6 @@ def test_bad_offset_shape_raises_clear_error():
     with pytest.raises(popart.popart_exception,
                        match=r"DeformConv.*'offset' must have shape .* = \(1, 8, 3, 4\), "
                              r"got \(1, 6, 3, 4\)"):
-        run_session(*build([x, w, off[:, :6]], **attrs))
+        run_session(*build("DeformConv", [x, w, off[:, :6]], opset=22, **attrs))
     with pytest.raises(popart.popart_exception, match=r"DeformConv.*divisible by offset_group=3"):
-        run_session(*build([x, w, off], offset_group=3))
+        run_session(*build("DeformConv", [x, w, off], opset=22, offset_group=3))

@@ -585,7 +585,7 @@ def _grads(model, feeds, w):
 def test_grid_sample_volumetric_session(mode, padding_mode, align):
     """5-D GridSample (x, y, z grid coordinates) in a Builder model run by an
     InferenceSession, against ONNX's reference evaluator."""
-    from test_ops_transformer import build, run_session
+    from one_op import build, run_session
     x, grid = rnd(2, 2, 3, 4, 5), RNG.uniform(-1.3, 1.3, (2, 2, 3, 4, 3)).astype(np.float32)
     proto, feeds, outs = build("GridSample", [x, grid], opset=22, mode=mode,
                                padding_mode=padding_mode, align_corners=align)

@@ -14,33 +14,13 @@ import popart
 from popart.engine.lower import TraceState, execute
 from popart.ir.onnx_import import import_model
 
+from one_op import build, run_session
+
 RNG = np.random.default_rng(7)
 
 
 def rnd(*shape, dtype=np.float32):
     return RNG.standard_normal(shape).astype(dtype)
-
-
-def build(op, inputs, n_out=1, opset=28, **attrs):
-    """A one-op Builder model; ``inputs`` is a list of arrays (None omits an optional input).
-    Returns (model proto, feeds by input id, output ids)."""
-    builder = popart.Builder(opsets={"ai.onnx": opset, "ai.graphcore": 1})
-    ids = ["" if x is None else builder.addInputTensor(popart.TensorInfo(x)) for x in inputs]
-    outs = getattr(builder.aiOnnx, op.lower())(ids, **attrs)
-    outs = [outs] if n_out == 1 else list(outs)
-    for o in outs:
-        builder.addOutputTensor(o)
-    feeds = {i: x for i, x in zip(ids, inputs) if i}
-    return builder.getModelProto(), feeds, outs
-
-
-def run_session(proto, feeds, outs):
-    df = popart.DataFlow(1, {o: popart.AnchorReturnType("ALL") for o in outs})
-    s = popart.InferenceSession(proto, df, popart.DeviceManager().createCpuDevice())
-    s.prepareDevice()
-    anchors = s.initAnchorArrays()
-    s.run(popart.PyStepIO(feeds, anchors))
-    return [anchors[o] for o in outs]
 
 
 def check(op, inputs, n_out=1, opset=28, rtol=1e-5, atol=1e-6, **attrs):

@@ -313,12 +313,12 @@ class _Session:
             if self._program.cfg.replication_factor != R:   # global replication: our replicas
                 axis = _lead(art) - 1
                 val = np.take(val, range(offset, offset + R), axis=axis)
+            shape = list(val.shape[_lead(art):])
             if a in self._stream_callbacks:   # one replica's values, as PopART streams them
                 callback, index = self._stream_callbacks[a]
                 one = np.take(val, index, axis=_lead(art) - 1) if R > 1 else val
-                callback(one.reshape(_df.anchor_host_shape(list(val.shape[_lead(art):]), art,
-                                                           bps, A, 1)))
-            host = _df.anchor_host_shape(list(val.shape[_lead(art):]), art, bps, A, R)
+                callback(one.reshape(_df.anchor_host_shape(shape, art, bps, A, 1)))
+            host = _df.anchor_host_shape(shape, art, bps, A, R)
             val = val.reshape(host)
             if isinstance(stepio, _df.PyStepIOCallback):
                 self._write_callback_anchor(stepio, a, val)

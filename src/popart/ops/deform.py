@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from .image import sample
-from .nn import _spatial_attrs, window_pads
+from .nn import conv_attrs, window_pads
 from .registry import register
 
 
@@ -28,10 +28,7 @@ def deform_conv(ctx, x: Any, w: Any, offset: Any, b: Optional[Any] = None,
                         f"the same rank >= 3, got shapes {tuple(x.shape)} and {tuple(w.shape)}")
     n, c, sp = x.shape[0], x.shape[1], list(x.shape[2:])
     oc = w.shape[0]
-    strides, dil, k = _spatial_attrs(x, w.shape[2:], strides, dilations)
-    if kernel_shape and list(kernel_shape) != k:
-        raise ctx.error(f"kernel_shape {list(kernel_shape)} does not match the weight's spatial "
-                        f"shape {k}")
+    strides, dil, k = conv_attrs(ctx, x, w, kernel_shape, strides, dilations)
     if group < 1 or c != w.shape[1] * group or oc % group:
         raise ctx.error(f"X's {c} channels and W's {oc} output channels must both split into "
                         f"group={group} groups (W of shape (oC, C/group, ...)); got W of shape "

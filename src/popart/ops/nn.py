@@ -193,14 +193,20 @@ def _spatial_attrs(x, kernel_shape, strides, dilations):
     return _list(strides, n, 1), _list(dilations, n, 1), list(kernel_shape)
 
 
+def conv_attrs(ctx, x, w, kernel_shape, strides, dilations):
+    """(strides, dilations, kernel) of a convolution of x by weight w; a ``kernel_shape``
+    attribute, when given, must be w's spatial shape."""
+    if kernel_shape and list(kernel_shape) != list(w.shape[2:]):
+        raise ctx.error(f"kernel_shape {list(kernel_shape)} does not match the weight's "
+                        f"spatial shape {list(w.shape[2:])}")
+    return _spatial_attrs(x, w.shape[2:], strides, dilations)
+
+
 @register("Conv")
 def conv(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
          pads=None, strides=None, **_):
     n = x.ndim - 2
-    strides, dil, k = _spatial_attrs(x, w.shape[2:], strides, dilations)
-    if kernel_shape and list(kernel_shape) != list(w.shape[2:]):
-        raise ctx.error(f"kernel_shape {list(kernel_shape)} does not match the weight's "
-                        f"spatial shape {list(w.shape[2:])}")
+    strides, dil, k = conv_attrs(ctx, x, w, kernel_shape, strides, dilations)
     pp, _o = window_pads(ctx, auto_pad, x.shape[2:], k, strides, dil, pads)
     y = conv_nc(ctx, x, w, strides, pp, rhs_dilation=dil, groups=group)
     return y if b is None else y + b.reshape((1, -1) + (1,) * n)
