@@ -528,8 +528,8 @@ def test_range_cast_eyelike():
 
 def test_center_crop_pad():
     x = r(5, 4, 3)
-    c = {"s": np.array([3, 6], I64), "a": np.array([0, 1], I64)}
-    (y,) = ours(model("CenterCropPad", {"x": x, **c}, opset=18, consts=c), {"x": x})
+    c = {"s": np.array([3, 6], I64)}
+    (y,) = ours(model("CenterCropPad", {"x": x, **c}, {"axes": [0, 1]}, opset=18, consts=c), {"x": x})
     want = np.zeros((3, 6, 3), F32)
     want[:, 1:5] = x[1:4]
     np.testing.assert_array_equal(y, want)

@@ -384,7 +384,7 @@ def test_momentum(mode, t):
 
 def test_momentum_requires_attributes():
     r, t, _, feeds = _train_case(3, 1, np.float32)
-    with pytest.raises(popart_exception, match="required attribute"):
+    with pytest.raises(popart_exception, match="(?i)required attribute"):
         _run_training("Momentum", feeds, 6, alpha=0.9, beta=0.1, norm_coefficient=0.0)
 
 

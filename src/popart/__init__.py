@@ -18,6 +18,7 @@ from .errors import *  # noqa: E402,F401,F403
 from .logging import getLogger  # noqa: E402,F401
 from .optimizers import *  # noqa: E402,F401,F403
 from .options import *  # noqa: E402,F401,F403
+from .patterns import Patterns, PatternsLevel  # noqa: E402,F401
 from .session import InferenceSession, TrainingSession  # noqa: E402,F401
 from .tensorinfo import DataType, TensorInfo  # noqa: E402,F401
 

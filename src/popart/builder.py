@@ -65,7 +65,6 @@ import keyword
 import operator
 import os
 import re
-import tempfile
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -74,6 +73,7 @@ import onnx.defs
 from onnx import AttributeProto, helper, numpy_helper
 
 from .errors import ModelError, UnsupportedOperatorError, popart_exception
+from .fileio import atomic_write
 from .ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, ONNX_ML_DOMAIN, decode_attr
 from .tensorinfo import DataType, TensorInfo, np_dtype, onnx_dtype, to_datatype
 
@@ -333,6 +333,8 @@ class _SchemaOpset(Opset):
                                            f"{schema.min_output}..{schema.max_output}, got {n_out}")
             attributes = [_make_attr(op, k, v[k], types[k]) for k in types
                           if not _is_unset(v.get(k))]
+            if types.get("axis") == I and not _is_unset(v.get("axis")) and args:
+                builder._check_axis(op, schema.name, args[0], int(v["axis"]))
             outs = builder._add_node(schema.name, schema.domain, args, attributes, n_out,
                                      v.get("debugContext"))
             return outs[0] if schema.max_output == 1 else outs
@@ -913,6 +915,16 @@ class Builder:
             b = b._parent
         return None
 
+    def _check_axis(self, op: str, op_type: str, tensor_id: str, axis: int) -> None:
+        """Raise for an 'axis' out of range of ``tensor_id`` when its rank is declared (other
+        ranks are checked when the session compiles)."""
+        from .engine.lower import axis_problem
+        vi = self._find_value_info(tensor_id) if tensor_id else None
+        if vi is not None and vi.type.tensor_type.HasField("shape"):
+            problem = axis_problem(op_type, axis, len(vi.type.tensor_type.shape.dim))
+            if problem:
+                raise popart_exception(f"Op {op}: {problem} of input '{tensor_id}'")
+
     # -- nodes --------------------------------------------------------------------------
 
     def _add_node(self, op_type: str, domain: str, inputs: Sequence[str],
@@ -1040,7 +1052,7 @@ class Builder:
             offset, chunks = 0, []
             for tid in ids:
                 tensor = tensors[tid]
-                data = numpy_helper.to_array(tensor).tobytes()
+                data = _packed_bytes(tensor)
                 onnx.external_data_helper.set_external_data(tensor, filename, offset, len(data))
                 for field in ("raw_data", "float_data", "int32_data", "int64_data",
                               "double_data", "uint64_data", "string_data"):
@@ -1048,7 +1060,7 @@ class Builder:
                 tensor.data_location = onnx.TensorProto.EXTERNAL
                 chunks.append(data)
                 offset += len(data)
-            _atomic_write(filename, b"".join(chunks))
+            atomic_write(filename, b"".join(chunks))
 
     def getModelProto(self, humanReadable: bool = False) -> bytes:
         """The serialized ModelProto (bytes)."""
@@ -1062,7 +1074,7 @@ class Builder:
             onnx.checker.check_model(model)
         except onnx.checker.ValidationError as e:
             raise ModelError(f"saveModelProto: the model is not valid ONNX: {e}") from None
-        _atomic_write(filename, model.SerializeToString())
+        atomic_write(filename, model.SerializeToString())
 
     def saveInitializersExternally(self, ids: Sequence[str], filename: str) -> None:
         """Store the data of the initializers ``ids`` in ``filename`` (relative to the working
@@ -1412,15 +1424,9 @@ def _node_domains(graph: onnx.GraphProto) -> set[str]:
             if n.domain not in ("", ONNX_DOMAIN)}
 
 
-def _atomic_write(filename: str, data: bytes) -> None:
-    """Write ``data`` to ``filename`` through a temporary file and os.replace."""
-    directory = os.path.dirname(os.path.abspath(filename))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=os.path.basename(filename))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, filename)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _packed_bytes(tensor: onnx.TensorProto) -> bytes:
+    """A tensor's data as ONNX stores it in raw_data / external data: little-endian, and
+    sub-byte types (INT4, UINT4, FLOAT4E2M1, INT2, ...) packed, two or four per byte."""
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    return numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data

@@ -4,6 +4,8 @@
                           [--device cpu|ipumodel:N|gpu] [--output DIR] [--runs N] [--verbose]
     popart demo [--epochs N] [--output DIR]
     popart devices
+    popart launch -n N SCRIPT.py [ARGS ...]   (stops every process when one fails; exits
+                                               with that process's status)
 
 Errors print one line, ``popart: error: <message>``, and exit with status 1 (``--verbose``
 shows the traceback instead).
@@ -11,6 +13,7 @@ shows the traceback instead).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import re
 import sys
@@ -71,7 +74,14 @@ def _model_inputs(model: Any) -> dict[str, tuple[np.dtype, list[int]]]:
             continue
         tt = vi.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
-        out[vi.name] = (np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims)
+        try:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        except (KeyError, TypeError, ValueError):
+            dtype = np.dtype(object)
+        if dtype.kind in "OUS":
+            raise CliError(f"Input '{vi.name}' has ONNX element type {tt.elem_type}, which "
+                           f"`popart run` cannot feed (numeric and bool inputs only)")
+        out[vi.name] = (dtype, dims)
     return out
 
 
@@ -164,10 +174,13 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{bps / run_s:.1f} batches/s, {bps * batch / run_s:.1f} samples/s "
           f"(batch size {batch}: the first input's first dimension)")
     if args.output:
+        from popart.fileio import atomic_write
         os.makedirs(args.output, exist_ok=True)
         for o in outputs:
             path = os.path.join(args.output, sanitize(o) + ".npy")
-            np.save(path, anchors[o])
+            buf = io.BytesIO()
+            np.save(buf, anchors[o])
+            atomic_write(path, buf.getvalue())
             print(f"saved {o} to {path}")
     return 0
 
@@ -238,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_devices)
 
     la = sub.add_parser("launch", help="run a script as N processes of one distributed job "
-                        "(global replication; PopRun-style)")
+                        "(global replication; PopRun-style); when one fails, all are stopped "
+                        "and its exit status is returned")
     la.add_argument("--num-processes", "-n", type=int, required=True, metavar="N")
     la.add_argument("--port", type=int, default=12355, help="coordinator port on 127.0.0.1")
     la.add_argument("script", help="the Python script")

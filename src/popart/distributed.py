@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Optional, Sequence
 
 from .errors import OptionError, popart_exception
@@ -89,18 +90,43 @@ def check_options(options: object, local_replicas: int) -> int:
 def launch(argv: Sequence[str], num_processes: int, port: int = 12355,
            host: str = "127.0.0.1", timeout: Optional[float] = None) -> int:
     """Run ``python argv...`` as ``num_processes`` processes of one distributed job on this
-    machine; returns the first non-zero exit status (0 if all succeed)."""
+    machine. As soon as one process fails, every other one is stopped (SIGTERM, then SIGKILL
+    after ``GRACE_SECONDS``) and its exit status is returned (128 + N for a process killed by
+    signal N); 0 when all succeed. ``timeout`` (seconds): stop them all and raise
+    subprocess.TimeoutExpired."""
     procs = []
-    for pid in range(num_processes):
-        env = dict(os.environ, **{ENV_COORDINATOR: f"{host}:{port}",
-                                  ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(pid)})
-        procs.append(subprocess.Popen([sys.executable, *argv], env=env))
-    codes = []
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        for p in procs:
-            codes.append(p.wait(timeout=timeout))
+        for pid in range(num_processes):
+            env = dict(os.environ, **{ENV_COORDINATOR: f"{host}:{port}",
+                                      ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(pid)})
+            procs.append(subprocess.Popen([sys.executable, *argv], env=env))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((c for c in codes if c), None)
+            if failed is not None:
+                return 128 - failed if failed < 0 else failed
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+            time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return next((c for c in codes if c), 0)
+        _stop(procs)
+
+
+GRACE_SECONDS = 5.0   # between SIGTERM and SIGKILL when launch stops its processes
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Stop the processes still running: SIGTERM, then SIGKILL those left after the grace."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    end = time.monotonic() + GRACE_SECONDS
+    for p in running:
+        try:
+            p.wait(timeout=max(end - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,13 +1,16 @@
 """InferenceSession and TrainingSession: compile a graph once, run many batches per call."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import io
 import json
 import os
-import tempfile
+import threading
 import time
-from typing import Any, Iterable, Mapping, Optional
+from importlib import metadata
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,33 +24,15 @@ from . import logging as _log
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
 from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
-from .errors import OptimizerError, StepIOError, popart_exception
+from .ir.transforms import fuse_softmax_nll
+from .errors import OptimizerError, OutOfMemoryException, StepIOError, popart_exception
+from .fileio import atomic_write, load_npz_bounded
 from .ir.onnx_import import ModelLike, import_model, load_model, tensor_to_numpy
+from .patterns import for_session
 from .options import MeanReductionStrategy, ReductionType, SessionOptions
 from .tensorinfo import TensorInfo, shape_str, to_datatype
 
 _logger = _log.getLogger("session")
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a
-    partial one."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)   # mkstemp's 0600 is not what a saved model should get
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _key_data(seed: int) -> np.ndarray:
@@ -56,15 +41,102 @@ def _key_data(seed: int) -> np.ndarray:
         return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
-def _enable_engine_cache(options: Any) -> None:
-    """SessionOptions.enableEngineCaching + cachePath: XLA's persistent compilation cache, so a
-    later process compiling the same program loads the executable instead."""
-    path = getattr(options, "cachePath", "")
-    if getattr(options, "enableEngineCaching", False) and path:
-        os.makedirs(path, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Options that do not shape the compiled program (where it is cached, how compilation is
+# reported, debugging output): left out of the executable's signature.
+_NOT_IN_SIGNATURE = {"cachePath", "enableEngineCaching", "compilationProgressLogger",
+                     "compilationProgressTotal", "compileEngine", "logDir", "dotChecks",
+                     "dotOpNames", "firstDotOp", "finalDotOp", "reportOptions"}
+EXECUTABLE_SLACK = 64 << 20   # bytes an executable file may hold beyond the session's tensors
+
+
+def _package_version() -> str:
+    try:
+        return metadata.version("popart-xla")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _canonical(v: Any) -> Any:
+    """``v`` as JSON-able data that is the same in every process (sets sorted)."""
+    if isinstance(v, dict):
+        return {str(k): _canonical(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(v, (set, frozenset)):
+        return sorted(repr(x) for x in v)
+    if isinstance(v, (list, tuple)):
+        return [_canonical(x) for x in v]
+    return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+
+
+def _options_signature(options: Any) -> dict:
+    """The options that shape the compiled program and differ from the defaults."""
+    summary = options.summary() if callable(getattr(options, "summary", None)) else {}
+    return _canonical({k: v for k, v in summary.items() if k not in _NOT_IN_SIGNATURE})
+
+
+def _optimizer_signature(opt: Any) -> Any:
+    """The optimizer's type, settings and const hyper-parameters (compiled into the
+    program); non-const ones are fed at run time and left out."""
+    if opt is None:
+        return None
+    const = lambda ov: repr(ov) if ov.isConst() else "non-const"
+    maps = {n: [const(m.getDefault()), {w: const(v) for w, v in m.getSpecifics().items()}]
+            for n, m in getattr(opt, "_maps", {}).items()}
+    return _canonical({"type": opt.type_name(), "settings": opt.settings(), "const": maps,
+                       "lossScaling": const(opt.loss_scaling())})
+
+
+def _signature_diff(saved: dict, mine: dict) -> list[str]:
+    """What differs between a saved signature and the session's, one item per field (per
+    option for the options)."""
+    out = []
+    for k, b in mine.items():
+        a = saved.get(k)
+        if a == b:
+            continue
+        if k == "options" and isinstance(a, dict):
+            for n in sorted(set(a) | set(b)):
+                if a.get(n) != b.get(n):
+                    out.append(f"option {n} (file: {a.get(n, 'default')}, session: {b.get(n, 'default')})")
+        else:
+            out.append(f"{k} (file: {a}, session: {b})")
+    return out
+
+
+_XLA_CACHE_FLAGS = {"jax_compilation_cache_dir": None,
+                    "jax_persistent_cache_min_compile_time_secs": 0.0,
+                    "jax_persistent_cache_min_entry_size_bytes": 0}
+_XLA_CACHE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _xla_cache(folder: Optional[str]) -> Iterator[None]:
+    """JAX's persistent compilation cache (XLA executables) in ``folder`` for the compile in
+    this block only; ``folder`` None: JAX's own settings. JAX's config is process-wide, so
+    it is set and put back under a lock that every session's compile takes."""
+    from jax._src import compilation_cache
+    with _XLA_CACHE_LOCK:
+        if folder is None:
+            yield
+            return
+        saved = {k: getattr(jax.config, k) for k in _XLA_CACHE_FLAGS}
+        try:
+            for k, v in {**_XLA_CACHE_FLAGS, "jax_compilation_cache_dir": folder}.items():
+                jax.config.update(k, v)
+            compilation_cache.reset_cache()
+            yield
+        finally:
+            for k, v in saved.items():
+                jax.config.update(k, v)
+            compilation_cache.reset_cache()
+
+
+def _serialised(method: Callable) -> Callable:
+    """Run ``method`` holding the session's lock (see _Session)."""
+    @functools.wraps(method)
+    def locked(self: "_Session", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 _ART_KIND = {"All": "ALL", "EveryN": "EVERYN", "Final": "FINAL", "Sum": "SUM"}
@@ -76,7 +148,14 @@ def _anchor_kind(art: Any) -> tuple[str, int]:
 
 
 class _Session:
-    """What InferenceSession and TrainingSession share."""
+    """What InferenceSession and TrainingSession share.
+
+    Thread safety: a session serialises its calls. Every method that compiles, runs or
+    moves weights (prepareDevice, initAnchorArrays, run, weightsFromHost, weightsToHost,
+    readWeights, writeWeights, resetHostWeights, modelToHost, saveExecutable,
+    loadExecutable, the RNG state methods, updateOptimizerFromHost, broadcastWeights) holds
+    the session's re-entrant lock, so two threads using one session take turns, each call
+    seeing the state the previous one left; for parallel work, use one session per thread."""
 
     _training = False
 
@@ -89,7 +168,8 @@ class _Session:
                                    "popart.DeviceManager().createCpuDevice()")
         if not isinstance(dataFlow, _df.DataFlow):
             raise popart_exception(f"dataFlow must be a popart.DataFlow, got {type(dataFlow).__name__}")
-        self.name, self.patterns, self._device = name, patterns, deviceInfo
+        self.name, self._device = name, deviceInfo
+        self.patterns = for_session(patterns)
         self._dataFlow = dataFlow
         self.options = userOptions if userOptions is not None else SessionOptions()
         self._graph, self._proto = import_model(fnModel, inputShapeInfo)
@@ -104,6 +184,7 @@ class _Session:
         self._summary: dict[str, Any] = {}
         self._stream_callbacks: dict[str, Any] = {}
         self._loaded: Optional[dict] = None   # contents of a loadExecutable() file
+        self._lock = threading.RLock()       # see the class docstring
         if self._training:
             self._check_training_args()
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
@@ -163,6 +244,7 @@ class _Session:
         return devs[0] if devs else jax.local_devices()[0]
 
     # ------------------------------------------------------------------ compile
+    @_serialised
     def prepareDevice(self, loadEngine: bool = True) -> None:
         """Trace the whole step and compile it once with XLA (once per session: a second call
         does nothing)."""
@@ -175,11 +257,22 @@ class _Session:
             if self._key is None:
                 self._key = _key_data(self._seed)
             _logger.info(f"Compiling '{self.name}' ...")
-            _enable_engine_cache(self.options)
+            cache_entry = self._use_engine_cache()
+            exported = self._loaded.get("executable") if self._loaded else None
             with compile_progress(f"'{self.name}'"):
-                program.compile(self._host_weights, opt_state, self._key, self._hyper(),
-                                exported=self._loaded.get("executable") if self._loaded else None)
+                if cache_entry:   # compile the module the entry stores: XLA's cache key next time
+                    exported = program.export_step(self._host_weights, opt_state, self._key, self._hyper())
+                with _xla_cache(self._xla_cache_folder()):
+                    program.compile(self._host_weights, opt_state, self._key, self._hyper(),
+                                    exported=exported)
         _logger.info(f"Compiled '{self.name}' in {program.compile_seconds:.2f} s")
+        if cache_entry:
+            try:
+                os.makedirs(self.options.cachePath, exist_ok=True)
+                atomic_write(cache_entry, self._executable_bytes(False, exported))
+                _logger.info(f"Engine cache: wrote '{cache_entry}'")
+            except (OSError, popart_exception) as e:   # the session works without its entry
+                _logger.warn(f"Engine cache: cannot write '{cache_entry}': {e}")
         self._summary["compile_seconds"] = program.compile_seconds
         if self._loaded and "variables" in self._loaded:
             self._host_weights.update(self._loaded["variables"])
@@ -188,11 +281,39 @@ class _Session:
         self._key = self._program.put(self._key)
         self._host_in_sync = True
 
+    def _xla_cache_folder(self) -> Optional[str]:
+        o = self.options
+        return os.path.join(os.path.abspath(o.cachePath), "xla") \
+            if o.enableEngineCaching and o.cachePath else None
+
+    def _use_engine_cache(self) -> Optional[str]:
+        """SessionOptions.enableEngineCaching + cachePath, for this session only: load this
+        session's entry (named by a hash of its signature) if there is a valid one; returns
+        the entry to write after compiling, or None."""
+        o = self.options
+        if self._loaded or not (o.enableEngineCaching and o.cachePath):
+            return None
+        digest = hashlib.sha256(json.dumps(self._signature(), sort_keys=True).encode()).hexdigest()
+        entry = os.path.join(o.cachePath, f"{type(self).__name__}-{digest[:32]}.popef")
+        if not os.path.exists(entry):
+            _logger.info(f"Engine cache: no entry '{entry}', compiling")
+            return entry
+        try:
+            self._loaded = self._read_executable(entry, with_variables=False)
+        except popart_exception as e:
+            _logger.warn(f"Engine cache: entry not used, recompiling: {e}")
+            return entry
+        _logger.info(f"Engine cache: using '{entry}'")
+        return None
+
     def _plan(self) -> StepProgram:
         """The session's step program, planned (anchors, trainable weights) but maybe not
         compiled yet."""
         if self._program is None:
-            program = StepProgram(self._graph, self._config(), self._input_infos, self._device)
+            graph = self._graph
+            if self._training:
+                graph = fuse_softmax_nll(graph, self._loss, self.patterns.isPatternEnabled)
+            program = StepProgram(graph, self._config(), self._input_infos, self._device)
             program.plan()
             self._program = program
         return self._program
@@ -216,6 +337,7 @@ class _Session:
         return self._program
 
     # ------------------------------------------------------------------ run
+    @_serialised
     def initAnchorArrays(self) -> dict[str, np.ndarray]:
         """One NumPy array per anchor, in the shape the AnchorReturnType docs give."""
         self._plan()
@@ -224,7 +346,11 @@ class _Session:
             shape, dtype = self._anchor_tensor_info(a)
             host = _df.anchor_host_shape(shape, self._dataFlow.art(a), self._dataFlow.batchesPerStep(),
                                          self.accumulationFactor, self.replicationFactor)
-            out[a] = np.zeros(host, dtype=dtype)
+            try:
+                out[a] = np.zeros(host, dtype=dtype)
+            except MemoryError:
+                raise OutOfMemoryException(f"initAnchorArrays: anchor '{a}' of shape {host} "
+                                           f"({dtype}) does not fit in host memory") from None
         return out
 
     def _anchor_tensor_info(self, a: str) -> tuple[list, np.dtype]:
@@ -270,6 +396,7 @@ class _Session:
             feeds[tid] = np.stack(parts).reshape((bps, A, R, *info.shape()))
         return feeds
 
+    @_serialised
     def run(self, stepio: Any, debugName: str = "") -> None:
         """Run batchesPerStep batches: one call into the compiled program."""
         if isinstance(stepio, str):  # run(programHandle, stepio, debugName) overload
@@ -288,6 +415,7 @@ class _Session:
             weights, opt_state, self._key, anchors = self._program.run(
                 weights, opt_state, self._key, feeds, self._hyper())
             self._dev = (weights, opt_state)
+            self._program.raise_failed_checks(anchors)   # e.g. an index out of range
             self._write_anchors(stepio, outs, anchors)
             self._summary["last_run_seconds"] = time.perf_counter() - t0
         if self._training:
@@ -302,6 +430,7 @@ class _Session:
             if a not in outs:
                 raise StepIOError(f"Anchor '{a}' has no output array in the StepIO; use "
                                   f"session.initAnchorArrays() to create them")
+            _check_anchor_dtype(a, outs[a], self._anchor_tensor_info(a)[1])
         return outs
 
     def _write_anchors(self, stepio: Any, outs: dict, anchors: dict) -> None:
@@ -334,16 +463,19 @@ class _Session:
             if self._anchor_tensor_info(a)[0] else val.reshape(-1)
         for part in flat:
             dst = cb.output_callback(a)
+            _check_anchor_dtype(a, dst, val.dtype)
             np.copyto(dst, np.asarray(part).reshape(np.shape(dst)), casting="unsafe")
             cb.output_complete_callback(a)
 
     # ------------------------------------------------------------------ weights
+    @_serialised
     def weightsFromHost(self) -> None:
         """Copy the host weights to the device."""
         self._require_prepared("weightsFromHost")
         self._dev = (self._put(self._host_weights), self._dev[1])
         self._host_in_sync = True
 
+    @_serialised
     def weightsToHost(self) -> None:
         """Copy the device weights to the host."""
         self._require_prepared("weightsToHost")
@@ -355,6 +487,7 @@ class _Session:
     def areHostWeightsInSync(self) -> bool:
         return self._host_in_sync
 
+    @_serialised
     def readWeights(self, weightsIo: Any) -> None:
         """Copy host weights (and optimizer state) into the arrays of a PyWeightsIO."""
         self._require_prepared("readWeights")
@@ -367,6 +500,7 @@ class _Session:
                                        f"tensor of the session (weights: {sorted(self._host_weights)})")
             _copy_checked(tid, dst, src)
 
+    @_serialised
     def writeWeights(self, weightsIo: Any) -> None:
         """Write the arrays of a PyWeightsIO to the host weights (and the device)."""
         self._require_prepared("writeWeights")
@@ -381,6 +515,7 @@ class _Session:
             target[tid] = np.asarray(src, dtype=target[tid].dtype).copy()
         self._dev = (self._put(self._host_weights), self._put(opt))
 
+    @_serialised
     def resetHostWeights(self, modelProtoOrFilename: ModelLike,
                          ignoreWeightsInModelWithoutCorrespondingHostWeight: bool = False) -> None:
         """Replace host weights with the initializers of another model (then weightsFromHost)."""
@@ -400,6 +535,7 @@ class _Session:
             self._host_weights[t.name] = val.copy()
         self._host_in_sync = False
 
+    @_serialised
     def modelToHost(self, fn: str) -> None:
         """Write the model with the current weights to an ONNX file (atomically)."""
         self._require_prepared("modelToHost")
@@ -418,7 +554,9 @@ class _Session:
 
     # ------------------------------------------------------------------ executables
     def _signature(self) -> dict:
-        """What a saved executable must agree on with the session loading it."""
+        """What a saved executable or engine-cache entry must agree on with the session
+        using it: the model, the configuration and options that shape the compiled program,
+        and the versions that compiled it."""
         cfg = self._config()
         return {"model_sha256": hashlib.sha256(self._proto.SerializeToString()).hexdigest(),
                 "session": type(self).__name__, "batchesPerStep": cfg.batches_per_step,
@@ -426,16 +564,17 @@ class _Session:
                 "replicationFactor": cfg.replication_factor,
                 "anchors": {k: list(v) for k, v in cfg.anchors.items()},
                 "inputs": {k: [v.data_type(), v.shape()] for k, v in self._input_infos.items()},
-                "loss": cfg.loss, "optimizer": None if cfg.optimizer is None else cfg.optimizer.type_name(),
-                "jax": jax.__version__, "backend": jax.default_backend()}
+                "loss": cfg.loss, "optimizer": _optimizer_signature(cfg.optimizer),
+                "options": _options_signature(self.options),
+                "patterns": None if self.patterns is None else _canonical(self.patterns.getSettings()),
+                "popart_xla": _package_version(), "jax": jax.__version__,
+                "backend": jax.default_backend()}
 
-    def saveExecutable(self, path: str, savePopartMetadata: bool = True, saveVariables: bool = True) -> None:
-        """Save the compiled step (StableHLO), its metadata and (optionally) the variables to
-        one file, written atomically; a directory gets ``<path>/executable.popef``."""
-        program = self._require_prepared("saveExecutable")
-        if os.path.isdir(path):
-            path = os.path.join(path, "executable.popef")
-        entries = {"executable": np.frombuffer(program.export(), np.uint8),
+    def _executable_bytes(self, saveVariables: bool, executable: Optional[bytes] = None) -> bytes:
+        """The .popef file: an .npz of the exported step (``executable``, else the compiled
+        program's), its signature and the variables."""
+        executable = executable if executable is not None else self._program.export()
+        entries = {"executable": np.frombuffer(executable, np.uint8),
                    "metadata": np.frombuffer(json.dumps(self._signature()).encode(), np.uint8)}
         if saveVariables:
             self.weightsToHost()
@@ -443,36 +582,64 @@ class _Session:
             entries.update({"opt/" + k: v for k, v in self._host_opt_state.items()})
         buf = io.BytesIO()
         np.savez(buf, **entries)
-        atomic_write(path, buf.getvalue())
+        return buf.getvalue()
+
+    def _read_executable(self, filename: str, with_variables: bool = True) -> dict:
+        """A .popef file's executable (and variables), read with every size bounded by this
+        session's tensors and checked against its signature (popart_exception naming what
+        differs)."""
+        program = self._plan()
+        arrays = {**{"var/" + k: v for k, v in program.variables.items()},
+                  **{"opt/" + k: v for k, v in program.init_opt_state().items()}}
+        expected = {"executable": None, "metadata": None,
+                    **{k: (np.shape(v), np.asarray(v).dtype) for k, v in arrays.items()}}
+        tensors = sum(np.asarray(v).nbytes for v in arrays.values())
+        tensors += sum(np.asarray(v).nbytes for v in self._graph.initializers.values())
+        data = load_npz_bounded(filename, expected, max_bytes=EXECUTABLE_SLACK + 2 * tensors,
+                                required=("executable", "metadata"))
+        try:
+            saved = json.loads(bytes(data["metadata"]).decode())
+        except (UnicodeDecodeError, ValueError):
+            raise popart_exception(f"'{filename}' has unreadable metadata") from None
+        diff = _signature_diff(saved, self._signature())
+        if diff:
+            raise popart_exception(f"'{filename}' was compiled for something else: "
+                                   + "; ".join(diff))
+        loaded = {"executable": bytes(data["executable"])}
+        if with_variables and any(k.startswith("var/") for k in data):
+            loaded["variables"] = {k[4:]: v for k, v in data.items() if k.startswith("var/")}
+            loaded["optimizer_state"] = {k[4:]: v for k, v in data.items() if k.startswith("opt/")}
+        return loaded
+
+    @_serialised
+    def saveExecutable(self, path: str, savePopartMetadata: bool = True, saveVariables: bool = True) -> None:
+        """Save the compiled step (StableHLO), its signature (see loadExecutable) and
+        (optionally) the variables to one file, written atomically; a directory gets
+        ``<path>/executable.popef``."""
+        self._require_prepared("saveExecutable")
+        if os.path.isdir(path):
+            path = os.path.join(path, "executable.popef")
+        atomic_write(path, self._executable_bytes(saveVariables))
 
     def compileAndExport(self, filename: str) -> None:
         """Compile the step and export it (with metadata and variables) to ``filename``."""
         self.prepareDevice(loadEngine=False)
         self.saveExecutable(filename)
 
+    @_serialised
     def loadExecutable(self, filename: str) -> None:
         """Use the executable saved by saveExecutable / compileAndExport for this session
-        (same model and configuration) instead of compiling from the IR; its variables, if
-        saved, become the session's weights. Call before (or instead of) prepareDevice."""
+        instead of compiling from the IR; its variables, if saved, become the session's
+        weights. Call before (or instead of) prepareDevice. The file must have been saved
+        for the same model, configuration, program-shaping options, package and JAX
+        versions (popart_exception naming what differs), and its sizes must fit the
+        session's tensors: nothing larger is read."""
         if os.path.isdir(filename):
             filename = os.path.join(filename, "executable.popef")
         try:
-            with np.load(filename) as z:
-                data = {k: z[k] for k in z.files}
-        except (OSError, ValueError) as e:
-            raise popart_exception(f"loadExecutable: cannot read '{filename}': {e}") from None
-        if "executable" not in data or "metadata" not in data:
-            raise popart_exception(f"loadExecutable: '{filename}' is not a saved executable")
-        meta = json.loads(bytes(data["metadata"]).decode())
-        mine = self._signature()
-        diff = [k for k in mine if meta.get(k) != mine[k]]
-        if diff:
-            raise popart_exception(f"loadExecutable: '{filename}' was saved for a different "
-                                   f"session: {', '.join(f'{k} (file: {meta.get(k)}, session: {mine[k]})' for k in diff)}")
-        self._loaded = {"executable": bytes(data["executable"])}
-        if any(k.startswith("var/") for k in data):
-            self._loaded["variables"] = {k[4:]: v for k, v in data.items() if k.startswith("var/")}
-            self._loaded["optimizer_state"] = {k[4:]: v for k, v in data.items() if k.startswith("opt/")}
+            self._loaded = self._read_executable(filename)
+        except popart_exception as e:
+            raise popart_exception(f"loadExecutable: {e}") from None
         self.prepareDevice()
 
     # ------------------------------------------------------------------ info
@@ -493,6 +660,7 @@ class _Session:
 
     getAllTensorIds = getTensorIds
 
+    @_serialised
     def setRandomSeed(self, seedValue: int) -> None:
         self._seed = int(seedValue)
         self._set_key(_key_data(self._seed))
@@ -503,10 +671,12 @@ class _Session:
     def getRandomSeed(self) -> int:
         return self._seed
 
+    @_serialised
     def getRNGState(self) -> list[int]:
         key = self._key if self._key is not None else _key_data(self._seed)
         return [int(v) for v in np.asarray(key).ravel()]
 
+    @_serialised
     def setRNGState(self, rngValue: Iterable[int]) -> None:
         data = np.asarray(list(rngValue), dtype=np.uint32)
         expected = _key_data(0).shape
@@ -558,6 +728,14 @@ def _weights_dict(weightsIo: Any) -> dict:
     return d
 
 
+def _check_anchor_dtype(a: str, dst: Any, dtype: np.dtype) -> None:
+    """Anchors are written as they are, never cast: the output array must have the tensor's dtype."""
+    if isinstance(dst, np.ndarray) and dst.dtype != dtype:
+        raise StepIOError(f"Output array for anchor '{a}' has dtype {dst.dtype}, but the tensor is "
+                          f"{np.dtype(dtype)}; anchors are not cast (session.initAnchorArrays() "
+                          f"creates arrays of the right dtypes)")
+
+
 def _copy_checked(tid: str, dst: np.ndarray, src: np.ndarray) -> None:
     if not isinstance(dst, np.ndarray) or dst.size != src.size:
         raise popart_exception(f"Weight '{tid}': destination array has shape "
@@ -586,6 +764,7 @@ class TrainingSession(_Session):
         super().__init__(fnModel, dataFlow, deviceInfo, inputShapeInfo, patterns, userOptions,
                          name, loss=loss, optimizer=optimizer)
 
+    @_serialised
     def updateOptimizerFromHost(self, optimizer: Any) -> None:
         """Replace the optimizer's non-const hyper-parameters; no recompilation."""
         trainable = self._program.trainable if self._program else []
@@ -594,6 +773,7 @@ class TrainingSession(_Session):
         # check guarantees are unchanged); the non-const ones are fed from this one each run.
         self._optimizer = optimizer
 
+    @_serialised
     def broadcastWeights(self, rootRank: int = 0) -> None:
         """Copy the weights of instance (process) ``rootRank`` to every instance; with one
         instance there is nothing to do."""

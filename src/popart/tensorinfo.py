@@ -102,8 +102,9 @@ def to_datatype(dtype: Any) -> DataType:
     if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
         if int(dtype) in _FROM_ONNX:
             return _FROM_ONNX[int(dtype)]
-        raise popart_exception(f"ONNX data type {int(dtype)} "
-                               f"({TensorProto.DataType.Name(int(dtype))}) is not supported")
+        name = TensorProto.DataType.Name(int(dtype)) if int(dtype) in TensorProto.DataType.values() \
+            else "not an ONNX data type"
+        raise popart_exception(f"ONNX data type {int(dtype)} ({name}) is not supported")
     try:
         return _FROM_NP[np.dtype(dtype)]
     except (TypeError, KeyError):

@@ -177,7 +177,8 @@ class Ir:
                 lines += [f'    {op} -> "{ir.name}/{t}";' for t in n.outputs if t]
             lines.append("  }")
         lines.append("}")
-        (folder / f"{check}.dot").write_text("\n".join(lines) + "\n")
+        from popart.fileio import atomic_write
+        atomic_write(folder / f"{check}.dot", ("\n".join(lines) + "\n").encode())
 
     def __repr__(self) -> str:
         return f"Ir(id={self._id}, replication={self._replication}, graphs={[g.name for g in self._graphs]})"

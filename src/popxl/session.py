@@ -6,6 +6,7 @@ successive elements of their streams. Variables stay on the device between runs,
 [replicas, *shape]."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import jax
@@ -13,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import popart
-from popart.engine.lower import TraceState, execute
+from popart.engine.lower import CHECKS, TraceState, check_flags, execute, first_failure, raise_failed_checks
 from popart.engine.program import REPLICA_AXIS
+from popart.session import _serialised
 
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
@@ -39,7 +41,11 @@ def _device(desc: Any, replicas: int) -> Any:
 class Session:
     """A runtime session for a popxl Ir on device ``device_desc`` ("ipu_hw", "ipu_model",
     "cpu" or a popart.DeviceInfo). Use it as a context manager: entering attaches the device
-    and copies the weights to it; leaving copies them back and detaches."""
+    and copies the weights to it; leaving copies them back and detaches.
+
+    Thread safety: running and moving weights (run, run_with_outputs, weights_from_host,
+    weights_to_host, get_tensors_data, write_variables_data) hold the session's lock, so
+    threads sharing a session take turns."""
 
     def __init__(self, ir: Ir, device_desc: Any = "cpu") -> None:
         self._ir = ir
@@ -58,6 +64,8 @@ class Session:
         self._dev: Optional[dict] = None
         self._in_sync = True
         self._attached = False
+        self._lock = threading.RLock()
+        self._checks: list = []
         self._compile()
 
     # ------------------------------------------------------------------ compile
@@ -74,7 +82,11 @@ class Session:
             state = TraceState(rng_key=jax.random.key(0), replica_axis=REPLICA_AXIS, replication_factor=r)
             env = execute(main_ir, feeds, state, weights=weights)
             new_w = {vid: jnp.asarray(env[fid]).astype(weights[vid].dtype) for vid, fid in final_ids.items()}
-            return new_w, {tid: jnp.asarray(env[fid]) for _, tid, fid in d2h}
+            outs = {tid: jnp.asarray(env[fid]) for _, tid, fid in d2h}
+            self._checks[:] = state.registry   # run-time checks (indices in range, ...)
+            if state.checks:
+                outs[CHECKS] = check_flags(state)
+            return new_w, outs
 
         def step(weights: dict, feeds: dict) -> tuple:
             return jax.vmap(replica, axis_name=REPLICA_AXIS, axis_size=r)(weights, feeds)
@@ -125,6 +137,7 @@ class Session:
             return np.stack([data[a] for a in g.assignment])
         return np.broadcast_to(data, (self._r,) + v.shape)
 
+    @_serialised
     def weights_from_host(self) -> None:
         """Copy the host values of the variables to the device."""
         self._require_attached()
@@ -132,6 +145,7 @@ class Session:
                                           self._jax_device) for v in self._variables}
         self._in_sync = True
 
+    @_serialised
     def weights_to_host(self) -> None:
         """Copy the device values of the variables to the host."""
         self._require_attached()
@@ -152,6 +166,7 @@ class Session:
     def get_tensor_data(self, tensor: Union[Variable, Constant]) -> np.ndarray:
         return self.get_tensors_data([tensor])[tensor]
 
+    @_serialised
     def get_tensors_data(self, tensors: Iterable[Union[Variable, Constant]]) -> dict:
         """Values of variables (fetched from the device when it holds newer ones) and constants."""
         tensors = list(tensors)
@@ -174,6 +189,7 @@ class Session:
     def write_variable_data(self, tensor: Variable, data: np.ndarray) -> None:
         self.write_variables_data({tensor: data})
 
+    @_serialised
     def write_variables_data(self, tensors: Mapping[Variable, Any]) -> None:
         """Set variables' values on the host (and on the device when attached)."""
         for v, data in tensors.items():
@@ -224,6 +240,7 @@ class Session:
                              f"replication={self._r}, *{list(s.shape)}] without size-1 dimensions)")
         return np.ascontiguousarray(np.swapaxes(a.reshape(full), 0, 1))  # [R, N, ...]
 
+    @_serialised
     def run_with_outputs(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
                          outputs: Optional[Mapping[DeviceToHostStream, np.ndarray]] = None,
                          downcast_inputs: bool = True) -> None:
@@ -241,6 +258,8 @@ class Session:
                              f"that this Ir loads from")
         with jax.default_device(self._jax_device):
             self._dev, outs = self._compiled(self._dev, feeds)
+        if CHECKS in outs:
+            raise_failed_checks(first_failure(outs.pop(CHECKS)), self._checks)
         self._in_sync = not self._variables
         for s, t in self._d2h:
             if outputs is None or s not in outputs:

@@ -9,6 +9,7 @@ inputs must be static.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections import ChainMap
 from dataclasses import dataclass, field
@@ -17,13 +18,69 @@ from typing import Any, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import onnx
 
-from ..errors import UnsupportedOperatorError, popart_exception
+from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError,
+                      popart_exception, popart_runtime_error)
 from ..ir.graph import Graph, Node
+from ..logging import getLogger
 from ..ops import registry
 from ..ops.registry import ONNX_DOMAIN
 
 jax.config.update("jax_enable_x64", True)
+_logger = getLogger("op")
+
+
+try:
+    from jax._src.core import trace_ctx as _trace_ctx
+except ImportError:   # older JAX: every check is taken as made in the top trace
+    _trace_ctx = None
+
+
+def _current_trace() -> Any:
+    """The innermost active JAX trace (None on JAX versions that do not expose it)."""
+    return getattr(_trace_ctx, "trace", None)
+
+
+CHECKS = "__popart_run_checks__"   # the run-time checks' record among a program's outputs
+RECORD = registry.CHECK_RECORD_SIZE   # a check's record: int64 [failed, id, up to 4 values]
+
+
+@dataclass(frozen=True)
+class RunCheck:
+    """A condition a lowering checks while the program runs (``NodeCtx.check``); when it
+    fails, each ``{name}`` of ``message`` is replaced by its value on the host."""
+    message: str
+    names: tuple
+
+    def text(self, values: Any) -> str:
+        msg = self.message
+        for name, v in zip(self.names, values):
+            msg = msg.replace("{" + name + "}", str(int(v)))
+        return msg
+
+
+def first_failure(records: Any) -> jax.Array:
+    """The first failed record among ``records`` ([..., RECORD]); the first record when none
+    failed, zeros when there are none."""
+    rows = jnp.reshape(jnp.asarray(records, jnp.int64), (-1, RECORD))
+    if rows.shape[0] == 0:
+        return jnp.zeros(RECORD, jnp.int64)
+    return rows[jnp.argmax(rows[:, 0] != 0)]
+
+
+def check_flags(state: "TraceState") -> Optional[jax.Array]:
+    """The record of a trace's first failed run-time check (None: the trace has no checks)."""
+    return first_failure(jnp.stack(state.checks)) if state.checks else None
+
+
+def raise_failed_checks(record: Any, registry: list) -> None:
+    """Raise popart_runtime_error if the host value of a record (``check_flags``, maybe
+    reduced over batches with ``first_failure``) is a failure of ``registry``'s checks."""
+    if record is not None and registry:
+        rec = np.asarray(record).reshape(-1)
+        if rec[0]:
+            raise popart_runtime_error(registry[int(rec[1])].text(rec[2:]))
 
 
 @dataclass
@@ -38,6 +95,9 @@ class TraceState:
     probes: Mapping[str, Any] = field(default_factory=dict)  # id -> zero probe (intermediate grads)
     assignments: dict = field(default_factory=dict)  # variable id -> new value (e.g. BN stats)
     remote_buffers: dict = field(default_factory=dict)  # RemoteStore / RemoteLoad, one execution
+    checks: list = field(default_factory=list)     # records of NodeCtx.check in this trace
+    registry: list = field(default_factory=list)   # RunCheck by id, shared with nested traces
+    top_trace: Any = field(default_factory=_current_trace)   # the trace checks can leave
     _counter: itertools.count = field(default_factory=itertools.count)
 
     def next_key(self) -> Any:
@@ -89,8 +149,18 @@ class NodeCtx:
         tracers of that trace."""
         self._loop_key = None
 
-    def run_subgraph(self, graph: Graph, inputs: list, iteration: Any = None) -> list:
-        state = self.state
+    def run_subgraph(self, graph: Graph, inputs: list, iteration: Any = None,
+                     state: Optional[TraceState] = None) -> list:
+        if len(inputs) != len(graph.inputs):
+            raise ModelError(f"{self.node.describe()}: subgraph '{graph.name}' has "
+                             f"{len(graph.inputs)} input(s), but the node passes {len(inputs)}")
+        for tid, x in zip(graph.inputs, inputs):   # declared types must hold, as in ONNX Runtime
+            info, shape = graph.tensor_info.get(tid), getattr(x, "shape", None)
+            if info is not None and shape is not None and info._shape is not None and (
+                    len(info._shape) != len(shape) or any(d not in (-1, s) for d, s in zip(info._shape, shape))):
+                raise ModelError(f"{self.node.describe()}: subgraph '{graph.name}' declares input "
+                                 f"'{tid}' of shape {info._shape}, but it is given {list(shape)}")
+        state = state or self.state
         if iteration is not None:  # a loop body: fresh random numbers in every iteration
             if self._loop_key is None:
                 self._loop_key = self.state.next_key()
@@ -101,8 +171,43 @@ class NodeCtx:
                 remote_buffers={}, _counter=itertools.count())
         return run_graph(graph, inputs, state, outer=self.env)
 
+    def run_body(self, graph: Graph, inputs: list, iteration: Any = None) -> tuple[list, jax.Array]:
+        """``run_subgraph`` inside a function JAX traces on its own (a lax.cond branch, a
+        scan or while_loop body). Also returns the record of the body's run-time checks
+        (``first_failure``), which the body returns and the lowering passes to
+        ``check_record`` outside it."""
+        body = dataclasses.replace(self.state, checks=[], top_trace=_current_trace())
+        outs = self.run_subgraph(graph, inputs, iteration, body)
+        return outs, first_failure(jnp.stack(body.checks) if body.checks else jnp.zeros((0, RECORD)))
+
+    def check_record(self, records: Any) -> None:
+        """Fail the run if a record that ``run_body`` returned (any leading dimensions: one
+        per iteration, ...) is a failure."""
+        if _current_trace() is self.state.top_trace:
+            self.state.checks.append(first_failure(records))
+        else:
+            _logger.debug(f"{self.node.describe()}: a run-time check inside a nested function "
+                          f"JAX traces separately is not made")
+
     def error(self, msg: str) -> Exception:
         return UnsupportedOperatorError(f"{self.node.describe()}: {msg}")
+
+    def check(self, failed: Any, message: str, **values: Any) -> None:
+        """Fail the run with ``message`` (naming this node; each ``{name}`` replaced by
+        ``values[name]``, an int scalar; at most 4) when ``failed`` (a bool scalar) is true.
+        Known at compile time: raises ModelError now. Otherwise its record becomes an output
+        of the program (or of the control-flow body, see ``run_body``) and the session raises
+        popart_runtime_error after the run."""
+        check = RunCheck(f"{self.node.describe()}: {message}", tuple(values))
+        if not isinstance(failed, jax.core.Tracer):
+            if bool(np.asarray(failed)):
+                raise ModelError(check.text(np.asarray(v) for v in values.values()))
+            return
+        self.state.registry.append(check)
+        vals = [jnp.asarray(v).astype(jnp.int64).reshape(()) for v in values.values()]
+        self.check_record(jnp.stack([jnp.asarray(failed).astype(jnp.int64).reshape(()),
+                                     jnp.int64(len(self.state.registry) - 1), *vals]
+                                    + [jnp.int64(0)] * (RECORD - 2 - len(vals))))
 
 
 def _to_static(o: Any) -> Any:
@@ -121,6 +226,85 @@ def _as_output_list(out: Any) -> list:
     return [out]
 
 
+# The 'axis' attribute of ONNX ops indexes the first input's dimensions, [-rank, rank - 1],
+# widened for ops whose output has more dimensions (below, above); some ignore it at times.
+_AXIS_SLACK = {"Flatten": (0, 1), "OneHot": (1, 1)}
+_AXIS_UNCHECKED = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
+# Integer attributes of ONNX ops that are flags: runtimes read other values differently.
+_FLAGS = {"keepdims", "noop_with_empty_axes", "select_last_index", "largest", "sorted",
+          "exclusive", "reverse", "ceil_mode", "count_include_pad", "transA", "transB", "allowzero"}
+
+
+def axis_problem(op_type: str, axis: int, rank: int) -> str:
+    """Why ONNX op ``op_type``'s 'axis' attribute is invalid for a first input of ``rank``
+    dimensions ("" when it is valid)."""
+    below, above = _AXIS_SLACK.get(op_type, (0, 0))
+    if op_type in _AXIS_UNCHECKED or -rank - below <= axis < rank + above:
+        return ""
+    return f"axis {axis} is out of range (valid: {-rank - below} to {rank + above - 1}) for the rank {rank}"
+
+
+def _type_str(dtype: Any) -> str:
+    """ONNX's type string of a NumPy dtype, e.g. 'tensor(float)'."""
+    try:
+        elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        return f"tensor({onnx.TensorProto.DataType.Name(elem).lower()})"
+    except (KeyError, TypeError, ValueError):
+        return ""
+
+
+def _type_kind(type_str: str) -> str:
+    """'float' for ONNX's float types, else the type ('int64', 'bool', ...): ops computing in
+    another float width than ONNX lists (float64 Celu) are deliberately supported."""
+    name = type_str[7:-1]
+    return "float" if name.startswith(("float", "bfloat", "double")) else name
+
+
+@functools.lru_cache(maxsize=None)
+def _allowed_types(schema: Any, type_str: str) -> frozenset:
+    """The tensor types a schema's type parameter (or fixed type) allows; empty when it allows
+    other kinds too (sequences, optionals), which are not checked."""
+    allowed = next((set(c.allowed_type_strs) for c in schema.type_constraints
+                    if c.type_param_str == type_str), {type_str})
+    return frozenset(allowed) if all(t.startswith("tensor(") for t in allowed) else frozenset()
+
+
+def _check_signature(node: Node, version: int, inputs: list) -> None:
+    """ONNX's schema rules that need the inputs' types (the importer checks the rest with
+    onnx's checker): flags 0 or 1, an 'axis' attribute in range, inputs of a kind the op
+    takes, and inputs bound to one type parameter of one dtype (no implicit promotion)."""
+    schema = registry.onnx_schema(node.op_type, version)
+    if schema is None:
+        return
+    for name in _FLAGS.intersection(node.attrs):
+        if node.attrs[name] not in (0, 1):
+            raise ModelError(f"{node.describe()}: attribute {name} is {node.attrs[name]}; it "
+                             f"must be 0 or 1")
+    axis, rank = node.attrs.get("axis"), getattr(inputs[0] if inputs else None, "ndim", None)
+    if type(axis) is int and rank is not None:
+        problem = axis_problem(node.op_type, axis, rank)
+        if problem:
+            raise ModelError(f"{node.describe()}: {problem} of input '{node.inputs[0]}'")
+    bound: dict[str, tuple[int, Any]] = {}
+    for k, x in enumerate(inputs):
+        formal = schema.inputs[min(k, len(schema.inputs) - 1)]
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or isinstance(x, list) or not formal.is_homogeneous:
+            continue
+        allowed = _allowed_types(schema, formal.type_str)
+        if allowed and _type_kind(_type_str(dtype)) not in {_type_kind(t) for t in allowed}:
+            raise ModelError(
+                f"{node.describe()}: input {k} ('{node.inputs[k]}') is {dtype}, which "
+                f"{node.op_type}-{schema.since_version} does not take (its {formal.type_str} is one "
+                f"of {', '.join(sorted(t[7:-1] for t in allowed))})")
+        first = bound.setdefault(formal.type_str, (k, dtype))
+        if first[1] != dtype:
+            raise ModelError(
+                f"{node.describe()}: input {k} ('{node.inputs[k]}') is {dtype} but input "
+                f"{first[0]} ('{node.inputs[first[0]]}') is {first[1]}; {node.op_type} needs "
+                f"both of one type ({formal.type_str}); insert a Cast")
+
+
 def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceState) -> list:
     """Run one node's lowering; returns its output values (None for absent optional outputs)."""
     version = graph.opsets.get(node.domain, 1)
@@ -132,6 +316,8 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
     except KeyError as e:
         raise popart_exception(f"{node.describe()}: input tensor {e} is not produced by any "
                                f"node, graph input or initializer") from None
+    if node.domain == ONNX_DOMAIN:
+        _check_signature(node, version, inputs)
     ctx = NodeCtx(node, version, env, state)
     has_body = any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
                    for v in node.attrs.values())   # bodies may read traced outer tensors
@@ -144,10 +330,11 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
             outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
     except popart_exception:
         raise
-    except TypeError as e:
-        if "unexpected keyword argument" in str(e) or "required positional" in str(e):
-            raise UnsupportedOperatorError(f"{node.describe()}: {e}") from None
-        raise
+    except Exception as e:   # a lowering's own error: the node's inputs or attributes are invalid
+        msg = f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
+        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in msg:
+            raise OutOfMemoryException(f"{node.describe()}: out of memory ({msg})") from e
+        raise ctx.error(f"cannot be computed for these inputs and attributes ({msg})") from e
     if len(outs) < len([o for o in node.outputs if o]):
         outs += [None] * (len(node.outputs) - len(outs))
     return outs

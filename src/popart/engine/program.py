@@ -9,20 +9,22 @@ the host moves only the step's inputs and anchors.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import jax
+import jax.export  # noqa: F401  (jax < 0.7 does not import it with jax)
 import jax.numpy as jnp
 import numpy as np
 
 from .. import distributed
-from ..errors import popart_exception
+from ..errors import ModelError, OutOfMemoryException, popart_exception, popart_runtime_error
 from ..ir.graph import Graph
 from ..tensorinfo import TensorInfo
-from .lower import TraceState, execute
+from .lower import CHECKS, TraceState, check_flags, execute, first_failure, raise_failed_checks
 
 GRAD_PREFIX = "Gradient___"
 ALS_SCALE = "lossScaling_FLOAT"          # the automatic loss scale (optimizer state, anchorable)
@@ -45,6 +47,21 @@ class StepConfig:
     running_mean: bool = False                      # MeanReductionStrategy.Running
     als: Any = None                                 # AutomaticLossScalingSettings when enabled
     options: Any = None
+
+
+@contextlib.contextmanager
+def xla_errors(what: str) -> Iterator[None]:
+    """XLA's own errors (out of memory, ...) as popart errors."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, popart_exception) or not (
+                isinstance(e, MemoryError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")):
+            raise
+        msg = " ".join(str(e).split())[:800]
+        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in msg:
+            raise OutOfMemoryException(f"{what}: out of memory ({msg})") from None
+        raise popart_runtime_error(f"{what}: {msg}") from None
 
 
 def split_variables(graph: Graph) -> tuple[dict, dict]:
@@ -92,6 +109,7 @@ class StepProgram:
         self._opt_state: Optional[dict] = None
         self.uses_rng = True
         self.compile_seconds = 0.0
+        self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
 
     # ------------------------------------------------------------------ tracing helpers
     def _trace(self, weights, feeds, key, probes=None, training=False):
@@ -118,6 +136,8 @@ class StepProgram:
             env, state = self._trace(weights, feeds, jax.random.key(0), training=cfg.training)
             out["ids"] = set(env)
             out["assigned"] = list(state.assignments)
+            out["checks"] = list(state.registry)
+            out["dtypes"] = {o: getattr(env.get(o), "dtype", None) for o in self.graph.outputs}
             out["rng"] = next(state._counter) > 0
             out["act"] = sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
                              for v in env.values() if isinstance(v, jax.core.Tracer))
@@ -134,6 +154,12 @@ class StepProgram:
 
         self.anchor_specs = jax.eval_shape(probe, wspecs, specs)
         self.assigned = out["assigned"]
+        self.run_checks = out["checks"]
+        for o, dtype in out["dtypes"].items():   # ONNX Runtime rejects these models too
+            info = self.graph.tensor_info.get(o)
+            if info is not None and dtype is not None and np.dtype(dtype) != info.np_dtype():
+                raise ModelError(f"Graph output '{o}' is declared as {info.data_type()}, but the "
+                                 f"model computes {np.dtype(dtype)} for it")
         self.uses_rng = out["rng"]
         self.activation_bytes = out["act"]   # every traced tensor of one micro-batch
         if cfg.training:
@@ -181,7 +207,7 @@ class StepProgram:
         if not cfg.training:
             def micro(weights, feeds, key, hyper):
                 env, state = self._trace(weights, feeds, key)
-                return {a: self._value(env, a) for a in fwd_ids}, {}, {}
+                return self._with_checks({a: self._value(env, a) for a in fwd_ids}, state), {}, {}
             return micro
 
         trainable = self.trainable
@@ -198,7 +224,8 @@ class StepProgram:
                 loss = env[cfg.loss]
                 ls = hyper["__als"] if "__als" in hyper else self._hyper(hyper, "lossScaling")
                 scaled = loss * jnp.asarray(ls, loss.dtype)
-                return scaled, ({a: self._value(env, a) for a in fwd_ids}, dict(state.assignments))
+                vals = self._with_checks({a: self._value(env, a) for a in fwd_ids}, state)
+                return scaled, (vals, dict(state.assignments))
 
             (_, (vals, assigns)), (gw, gp) = jax.value_and_grad(
                 loss_fn, argnums=(0, 1), has_aux=True)(train_w, probes0)
@@ -206,6 +233,22 @@ class StepProgram:
                 vals[GRAD_PREFIX + g] = gw[g] if g in gw else gp[g]
             return vals, gw, assigns
         return micro
+
+    def _with_checks(self, vals: dict, state: TraceState) -> dict:
+        """The anchor values of a micro-batch and, under ``CHECKS``, the record of its
+        first failed run-time check (of the checks plan() found)."""
+        if state.registry != self.run_checks:
+            raise popart_exception("Internal error: the step's run-time checks differ from the "
+                                   "planned ones")
+        flags = check_flags(state)
+        return vals if flags is None else {**vals, CHECKS: flags}
+
+    def raise_failed_checks(self, anchors: dict) -> None:
+        """Remove the checks' record from a run's outputs; raise popart_runtime_error if a
+        check failed."""
+        flags = anchors.pop(CHECKS, None)
+        if flags is not None:
+            raise_failed_checks(self.to_host(flags), self.run_checks)
 
     def _auto_loss_scale(self, grads: dict, opt_state: dict, hyper: dict) -> tuple[dict, dict]:
         """Automatic loss scaling: gradients were computed with the dynamic scale; rescale them
@@ -376,6 +419,9 @@ class StepProgram:
     def _reduce_anchors(self, vals: dict) -> dict:
         out = {}
         for a, v in vals.items():               # v: [B, A, R, *shape]
+            if a == CHECKS:
+                out[a] = first_failure(v)
+                continue
             kind, n = self.cfg.anchors[a]
             if kind == "ALL":
                 out[a] = v
@@ -421,10 +467,12 @@ class StepProgram:
 
     @staticmethod
     def to_host(x: Any) -> np.ndarray:
-        """A program output as a NumPy array (outputs are replicated on every process)."""
-        if getattr(x, "is_fully_addressable", True):
-            return np.asarray(x)
-        return np.asarray(x.addressable_data(0))
+        """A program output as a NumPy array (outputs are replicated on every process). The
+        run's own errors surface here (XLA runs asynchronously)."""
+        with xla_errors("Running the step"):
+            if getattr(x, "is_fully_addressable", True):
+                return np.asarray(x)
+            return np.asarray(x.addressable_data(0))
 
     # ------------------------------------------------------------------ compile and run
     def _jit(self, fn):
@@ -452,12 +500,21 @@ class StepProgram:
             self._jitted = self._jit(self._step_fn())
         else:
             self._jitted = self._jit(jax.export.deserialize(bytearray(exported)).call)
-        self.compiled = self._jitted.lower(*self._specs).compile()
+        with xla_errors("Compiling the step"):
+            self.compiled = self._jitted.lower(*self._specs).compile()
         self.compile_seconds = time.perf_counter() - t0
 
     def export(self) -> bytes:
         """The compiled step as a serialized StableHLO module (``jax.export``)."""
         return bytes(jax.export.export(self._jitted)(*self._specs).serialize())
 
+    def export_step(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
+                    hyper: Mapping[str, Any]) -> bytes:
+        """The step traced and serialized as :meth:`export` does, without compiling it (for
+        ``compile(exported=...)``: the engine cache compiles the module it stores)."""
+        specs = self._arg_specs(weights, opt_state, key, hyper)
+        return bytes(jax.export.export(self._jit(self._step_fn()))(*specs).serialize())
+
     def run(self, weights, opt_state, key, feeds, hyper):
-        return self.compiled(weights, opt_state, key, self.put_feeds(feeds), self.put(hyper))
+        with xla_errors("Running the step"):
+            return self.compiled(weights, opt_state, key, self.put_feeds(feeds), self.put(hyper))

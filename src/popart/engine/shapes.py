@@ -11,7 +11,7 @@ from ..errors import popart_exception
 from ..ir.graph import Graph
 from ..ir.onnx_import import ModelLike, import_model
 from ..tensorinfo import TensorInfo, to_datatype
-from .lower import TraceState, execute
+from .lower import TraceState, check_flags, execute, raise_failed_checks
 
 
 def input_specs(graph: Graph, overrides: Optional[Mapping[str, TensorInfo]] = None) -> dict:
@@ -26,6 +26,9 @@ def input_specs(graph: Graph, overrides: Optional[Mapping[str, TensorInfo]] = No
                 f"Input tensor '{tid}' has {given}: every input needs a fully specified shape "
                 f"and type; give it with inputShapeInfo (popart.InputShapeInfo().add('{tid}', "
                 f"popart.TensorInfo(dtype, shape)))")
+        if info.np_dtype().kind in "OUS":
+            raise popart_exception(f"Input tensor '{tid}' is a {info.data_type()} tensor: the "
+                                   f"compiled program takes numeric and bool inputs only")
         specs[tid] = jax.ShapeDtypeStruct(tuple(shape), info.np_dtype())
     return specs
 
@@ -57,10 +60,15 @@ def run_model(model: Any, feeds: Mapping[str, np.ndarray], outputs: Optional[lis
     graph = model if isinstance(model, Graph) else import_model(model)[0]
     outputs = list(outputs or graph.outputs)
 
+    checks: list = []
+
     @jax.jit
     def fn(feeds, key):
-        env = execute(graph, feeds, TraceState(training=training, rng_key=key))
-        return {k: env[k] for k in outputs}
+        state = TraceState(training=training, rng_key=key)
+        env = execute(graph, feeds, state)
+        checks[:] = state.registry
+        return {k: env[k] for k in outputs}, check_flags(state)
 
-    res = fn({k: jnp.asarray(v) for k, v in feeds.items()}, jax.random.key(seed))
+    res, flags = fn({k: jnp.asarray(v) for k, v in feeds.items()}, jax.random.key(seed))
+    raise_failed_checks(flags, checks)
     return {k: np.asarray(v) for k, v in res.items()}

@@ -1,6 +1,9 @@
 """ONNX -> IR: read a model (path, bytes or ModelProto) into a :class:`Graph`."""
 from __future__ import annotations
 
+import functools
+import heapq
+import math
 import os
 from typing import Any, Optional, Union
 
@@ -8,7 +11,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..errors import ModelError, UnsupportedOperatorError
+from ..errors import ModelError, UnsupportedOperatorError, popart_exception
+from ..fileio import read_exact
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, canonical_domain, decode_attr
 from ..tensorinfo import TensorInfo, to_datatype
 from .graph import Graph, Node
@@ -60,10 +64,56 @@ def tensor_to_numpy(t: onnx.TensorProto, base_dir: Optional[str]) -> np.ndarray:
         if not os.path.isfile(full):
             raise ModelError(f"Initializer '{t.name}': external data file '{full}' does not exist")
         t = onnx.TensorProto.FromString(t.SerializeToString())
-        onnx.external_data_helper.load_external_data_for_tensor(t, base_dir)
+        t.raw_data = _read_external(t, full, info)
         t.data_location = onnx.TensorProto.DEFAULT
         del t.external_data[:]
-    return numpy_helper.to_array(t)
+    if any(d < 0 for d in t.dims):
+        raise ModelError(f"Tensor '{t.name}' has negative dims {list(t.dims)}")
+    try:
+        return numpy_helper.to_array(t)
+    except Exception as e:   # data that does not fit the type and dims, an unknown type
+        raise ModelError(f"Tensor '{t.name}' (data type {t.data_type}, dims {list(t.dims)}) "
+                         f"cannot be read: {' '.join(str(e).split())}") from None
+
+
+# Sub-byte types: bits per element in raw (and external) data, packed little-end first.
+_PACKED_BITS = {getattr(onnx.TensorProto, n): b for n, b in (
+    ("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2),
+    ("FLOAT6E2M3", 6), ("FLOAT6E3M2", 6)) if hasattr(onnx.TensorProto, n)}
+
+
+def _raw_nbytes(t: onnx.TensorProto) -> int:
+    """How many bytes of raw data a tensor's type and dims take."""
+    if t.data_type in (onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING) or any(d < 0 for d in t.dims):
+        raise ModelError(f"Initializer '{t.name}': external data needs a fixed-size type and "
+                         f"non-negative dims, got type {t.data_type} dims {list(t.dims)}")
+    count = math.prod(t.dims)
+    bits = _PACKED_BITS.get(t.data_type)
+    if bits:
+        return (count * bits + 7) // 8
+    try:
+        return count * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    except (KeyError, TypeError, ValueError):
+        raise ModelError(f"Initializer '{t.name}': unknown data type {t.data_type}") from None
+
+
+def _read_external(t: onnx.TensorProto, path: str, info: dict) -> bytes:
+    """The bytes of an external-data tensor: exactly what its type and dims need, from the
+    entry's ``offset``, never more of the file (a ``length`` that disagrees, or a file too
+    short, is a ModelError)."""
+    need = _raw_nbytes(t)
+    try:
+        offset, length = int(info.get("offset", 0)), int(info.get("length", need))
+    except ValueError:
+        raise ModelError(f"Initializer '{t.name}': external data offset / length "
+                         f"{info.get('offset')!r} / {info.get('length')!r} are not integers") from None
+    if length != need:
+        raise ModelError(f"Initializer '{t.name}': external data length {length} does not match "
+                         f"its type and shape {list(t.dims)} ({need} bytes)")
+    try:
+        return read_exact(path, offset, need)
+    except popart_exception as e:
+        raise ModelError(f"Initializer '{t.name}': external data {e}") from None
 
 
 def value_info_to_tensorinfo(vi: onnx.ValueInfoProto) -> Optional[TensorInfo]:
@@ -95,6 +145,84 @@ def _attr_value(a: onnx.AttributeProto, opsets: dict, base_dir, parent: Graph) -
     return decode_attr(onnx.helper.get_attribute_value(a))
 
 
+@functools.lru_cache(maxsize=64)
+def _checker_context(opsets: tuple) -> Any:
+    ctx = onnx.checker.C.CheckerContext()
+    ctx.ir_version = onnx.IR_VERSION
+    ctx.opset_imports = {"" if d == ONNX_DOMAIN else d: v for d, v in opsets}
+    return ctx
+
+
+def check_node(n: onnx.NodeProto, opsets: dict, k: int = 0) -> None:
+    """onnx's checker on one node (its op and opset, input and output counts, attribute names
+    and types; subgraphs are checked node by node when imported): a ModelError naming it."""
+    if n.domain == ONNX_DOMAIN or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                      for a in n.attribute):
+        n = onnx.NodeProto.FromString(n.SerializeToString())
+        n.domain = "" if n.domain == ONNX_DOMAIN else n.domain
+        for a in n.attribute:   # the checker cannot see enclosing scopes from here
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+                sub.CopyFrom(onnx.GraphProto(name=sub.name))
+    try:
+        onnx.checker.check_node(n, _checker_context(tuple(sorted(opsets.items()))))
+    except Exception as e:   # ValidationError, or bytes that are not UTF-8 in a name
+        msg = " ".join(str(e).split("==>")[0].split())
+        if "is deprecated" in msg:   # deprecated ops (GroupNormalization-18, ...) still run
+            return
+        raise ModelError(f"{canonical_domain(n.domain)}::{n.op_type} node "
+                         f"'{n.name or f'{n.op_type}_{k}'}': {msg}") from None
+
+
+def _uses(n: onnx.NodeProto) -> set[str]:
+    """The tensors a node reads: its inputs and those its subgraphs read from outside."""
+    names = {i for i in n.input if i}
+    for a in n.attribute:
+        for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+            inner = ({v.name for v in sub.input} | {t.name for t in sub.initializer}
+                     | {o for m in sub.node for o in m.output})
+            names |= {u for m in sub.node for u in _uses(m)} - inner
+    return names
+
+
+def _node_order(g: onnx.GraphProto) -> list[int]:
+    """Indices of ``g``'s nodes, each after the producers of what it reads: the file's order
+    when it is topologically sorted (as ONNX requires), else sorted as ONNX Runtime does. A
+    tensor produced twice (ONNX graphs are single assignment) or a cycle is a ModelError."""
+    label = lambda k: f"'{g.node[k].name or g.node[k].op_type + '_' + str(k)}' ({g.node[k].op_type})"
+    producer: dict[str, int] = {}
+    defined = {vi.name for vi in g.input} | {t.name for t in g.initializer}
+    for k, n in enumerate(g.node):
+        for o in n.output:
+            if o and (o in producer or o in defined):
+                first = f"node {label(producer[o])}" if o in producer else "a graph input or initializer"
+                raise ModelError(f"Graph '{g.name}': tensor '{o}' is written by node {label(k)} "
+                                 f"and by {first}; every tensor must have one producer")
+            if o:
+                producer[o] = k
+    deps = [{producer[i] for i in _uses(n) if i in producer} for n in g.node]
+    if all(d < k for k, ds in enumerate(deps) for d in ds):
+        return list(range(len(g.node)))
+    users: dict[int, list[int]] = {}
+    for k, ds in enumerate(deps):
+        for d in ds:
+            users.setdefault(d, []).append(k)
+    waiting = [len(ds) for ds in deps]
+    ready = [k for k, w in enumerate(waiting) if w == 0]
+    order: list[int] = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for u in users.get(k, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) < len(g.node):
+        stuck = [label(k) for k, w in enumerate(waiting) if w > 0]
+        raise ModelError(f"Graph '{g.name}' has a cycle: nodes {', '.join(stuck[:6])} each "
+                         f"wait for another's output")
+    return order
+
+
 def graph_from_onnx(g: onnx.GraphProto, opsets: dict, base_dir: Optional[str] = None,
                     parent: Optional[Graph] = None) -> Graph:
     graph = Graph(name=g.name or "graph", opsets=opsets, parent=parent)
@@ -107,11 +235,17 @@ def graph_from_onnx(g: onnx.GraphProto, opsets: dict, base_dir: Optional[str] = 
     # Older exporters list initializers among the inputs too: those are not streams.
     graph.inputs = [vi.name for vi in g.input if vi.name not in graph.initializers]
     graph.outputs = [vi.name for vi in g.output]
-    for k, n in enumerate(g.node):
+    for k in _node_order(g):
+        n = g.node[k]
+        check_node(n, opsets, k)
         attrs, ann = {}, {}
         for a in n.attribute:
             target = ann if a.name.startswith("__") else attrs
-            target[a.name] = _attr_value(a, opsets, base_dir, graph)
+            try:
+                target[a.name] = _attr_value(a, opsets, base_dir, graph)
+            except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+                raise ModelError(f"Node '{n.name or n.op_type}' ({n.op_type}): attribute "
+                                 f"'{a.name}' cannot be read: {e}") from None
         graph.nodes.append(Node(op_type=n.op_type, inputs=list(n.input), outputs=list(n.output),
                                 attrs=attrs, domain=canonical_domain(n.domain),
                                 name=n.name or f"{n.op_type}_{k}", annotations=ann))
@@ -119,6 +253,10 @@ def graph_from_onnx(g: onnx.GraphProto, opsets: dict, base_dir: Optional[str] = 
 
 
 def model_opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """The model's opset version per (canonical) domain, checked, as is its IR version."""
+    if model.ir_version > onnx.IR_VERSION:
+        raise ModelError(f"The model's IR version {model.ir_version} is newer than the newest "
+                         f"supported ({onnx.IR_VERSION})")
     opsets = {canonical_domain(o.domain): int(o.version) for o in model.opset_import}
     opsets.setdefault(GRAPHCORE_DOMAIN, 1)
     if not opsets.keys() - {GRAPHCORE_DOMAIN} and not model.opset_import:
@@ -142,6 +280,8 @@ def import_model(model: ModelLike, input_shape_info: Any = None) -> tuple[Graph,
     ``input_shape_info`` (a popart.InputShapeInfo or dict id -> TensorInfo) gives the shapes
     of inputs the model leaves open."""
     proto, base_dir = load_model(model)
+    if not proto.HasField("graph"):
+        raise ModelError("The model has no graph")
     graph = graph_from_onnx(proto.graph, model_opsets(proto), base_dir)
     graph.name = proto.graph.name or "main"
     overrides = _shape_overrides(input_shape_info)

@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import UnsupportedOperatorError
-from .registry import GRAPHCORE_DOMAIN, register
+from .registry import CHECK_RECORD_SIZE, GRAPHCORE_DOMAIN, register
 
 
 def _static_value(x):
@@ -32,19 +32,35 @@ def _same_types(ctx, what, a, b):
 def if_(ctx, cond, then_branch, else_branch, **_):
     if _static_value(cond):
         return ctx.run_subgraph(then_branch if bool(np.asarray(cond).reshape(())) else else_branch, [])
-    not_tensors = []
+    # lax.cond traces each branch exactly once (no eval_shape pass first): a nested If's
+    # branches are traced once per trace of the enclosing one, so compile time is linear in
+    # the nesting depth, not 2**depth.
+    not_tensors, shapes = [], []
 
     def branch(g):
-        outs = ctx.run_subgraph(g, [])
-        not_tensors.extend(v is None or isinstance(v, list) for v in outs)
-        return [jnp.asarray(v) for v in outs if v is not None and not isinstance(v, list)]
-    run_t, run_e = (lambda: branch(then_branch)), (lambda: branch(else_branch))
-    shapes = jax.eval_shape(run_t), jax.eval_shape(run_e)
+        def run():
+            outs, record = ctx.run_body(g, [])
+            not_tensors.extend(v is None or isinstance(v, list) for v in outs)
+            vals = [jnp.asarray(v) for v in outs if v is not None and not isinstance(v, list)]
+            shapes.append([_struct(v) for v in vals])
+            return vals, record
+        return run
+    failure = None
+    try:
+        out, record = lax.cond(jnp.asarray(cond, bool).reshape(()), branch(then_branch),
+                               branch(else_branch))
+    except TypeError as e:   # lax.cond's own check of the branches' output types
+        if len(shapes) < 2:
+            raise
+        failure = e
     if any(not_tensors):
         raise ctx.error("branches that return sequences or optional values need a condition "
                         "that must be known at compile time")
     _same_types(ctx, "If's then_branch and else_branch outputs", *shapes)
-    return lax.cond(jnp.asarray(cond, bool).reshape(()), run_t, run_e)
+    if failure is not None:
+        raise failure
+    ctx.check_record(record)   # the taken branch's run-time checks
+    return out
 
 
 def _cond_passthrough(body):
@@ -63,6 +79,9 @@ def loop(ctx, m=None, cond=None, *v_init, body, **_):
     """A device loop (lax.scan / while_loop); a loop with a static trip count whose body
     cannot be traced with a run-time iteration index (a Slice starting at the index, sequences
     that grow) runs unrolled instead, up to UNROLL_LIMIT iterations."""
+    if len(body.outputs) < 1 + len(v_init):
+        raise ctx.error(f"the body has {len(body.outputs)} output(s); it needs the condition "
+                        f"and the {len(v_init)} loop-carried value(s) first")
     try:
         return _loop(ctx, m, cond, *v_init, body=body)
     except (UnsupportedOperatorError, TypeError, ValueError, AttributeError) as e:
@@ -102,14 +121,15 @@ def _loop(ctx, m=None, cond=None, *v_init, body):
     cond_static_true = _static_value(cond_init) and bool(np.asarray(cond_init).reshape(()))
 
     def step(i, c, vals):
-        outs = ctx.run_subgraph(body, [jnp.asarray(i, jnp.int64), jnp.asarray(c, bool)] + list(vals),
-                                iteration=i)
+        outs, record = ctx.run_body(body, [jnp.asarray(i, jnp.int64), jnp.asarray(c, bool)] + list(vals),
+                                    iteration=i)
         new = [jnp.asarray(o).astype(v.dtype) for o, v in zip(outs[1:1 + n_carry], vals)]
         for o, v in zip(new, vals):
             if o.shape != v.shape:
                 raise ctx.error(f"loop-carried value changes shape from {v.shape} to {o.shape} "
                                 f"across iterations; only fixed shapes are supported")
-        return jnp.asarray(outs[0], bool).reshape(()), new, [jnp.asarray(o) for o in outs[1 + n_carry:]]
+        scans = [jnp.asarray(o) for o in outs[1 + n_carry:]]
+        return jnp.asarray(outs[0], bool).reshape(()), new, scans, record
 
     if static_m:
         trips = int(np.asarray(m).reshape(()))
@@ -121,14 +141,16 @@ def _loop(ctx, m=None, cond=None, *v_init, body):
 
         def scan_body(carry, i):
             c, vals = carry
-            c2, new, scans = step(i, c, vals)
+            c2, new, scans, record = step(i, c, vals)
             if exact:
-                return (c2, new), scans
+                return (c2, new), (scans, record)
             keep = c  # once the condition is false the remaining iterations do nothing
             new = [jnp.where(keep, a, b) for a, b in zip(new, vals)]
-            return (jnp.where(keep, c2, c), new), scans
-        (c_fin, vals), scans = lax.scan(scan_body, (jnp.asarray(cond_init, bool).reshape(()), v_init),
-                                        jnp.arange(trips, dtype=jnp.int64))
+            return (jnp.where(keep, c2, c), new), (scans, jnp.where(keep, record, 0))
+        (c_fin, vals), (scans, records) = lax.scan(
+            scan_body, (jnp.asarray(cond_init, bool).reshape(()), v_init),
+            jnp.arange(trips, dtype=jnp.int64))
+        ctx.check_record(records)   # the body's run-time checks, every iteration
         return list(vals) + list(scans)
     if n_scan:
         raise ctx.error("scan outputs need a trip count: input M must be known at compile "
@@ -136,14 +158,17 @@ def _loop(ctx, m=None, cond=None, *v_init, body):
     trips = None if m is None else jnp.asarray(m, jnp.int64).reshape(())
 
     def w_cond(carry):
-        i, c, _v = carry
+        i, c, _v, _failed = carry
         return c if trips is None else c & (i < trips)
 
     def w_body(carry):
-        i, c, vals = carry
-        c2, new, _s = step(i, c, vals)
-        return i + 1, c2, new
-    _i, _c, vals = lax.while_loop(w_cond, w_body, (jnp.int64(0), jnp.asarray(cond_init, bool).reshape(()), v_init))
+        i, c, vals, failed = carry
+        c2, new, _s, record = step(i, c, vals)
+        return i + 1, c2, new, jnp.where(failed[0] != 0, failed, record)   # the first failure
+    _i, _c, vals, failed = lax.while_loop(w_cond, w_body, (
+        jnp.int64(0), jnp.asarray(cond_init, bool).reshape(()), v_init,
+        jnp.zeros(CHECK_RECORD_SIZE, jnp.int64)))
+    ctx.check_record(failed)
     return list(vals)
 
 
@@ -154,14 +179,14 @@ def _scan_core(ctx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, ou
 
     def f(carry, xs_i):
         i, sl = xs_i
-        outs = ctx.run_subgraph(body, list(carry) + list(sl), iteration=i)
+        outs, record = ctx.run_body(body, list(carry) + list(sl), iteration=i)
         new = [jnp.asarray(o).astype(c.dtype) for o, c in zip(outs, carry)]
-        return new, [jnp.asarray(o) for o in outs[len(carry):]]
+        return new, ([jnp.asarray(o) for o in outs[len(carry):]], record)
     n = xs[0].shape[0] if xs else 0
-    fin, ys = lax.scan(f, states, (jnp.arange(n), xs), length=n)
+    fin, (ys, records) = lax.scan(f, states, (jnp.arange(n), xs), length=n)
     ys = [jnp.flip(y, 0) if d else y for y, d in zip(ys, out_dirs)]
     ys = [jnp.moveaxis(y, 0, a % y.ndim) for y, a in zip(ys, out_axes)]
-    return list(fin) + ys
+    return list(fin) + ys, records   # records: for ctx.check_record
 
 
 @register("Scan", since=9)
@@ -169,11 +194,13 @@ def scan(ctx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_dire
          scan_output_axes=None, scan_output_directions=None, **_):
     n_state = len(ins) - num_scan_inputs
     n_out_scan = len(body.outputs) - n_state
-    return _scan_core(ctx, body, ins[:n_state], ins[n_state:], n_out_scan,
-                      scan_input_axes or [0] * num_scan_inputs,
-                      scan_input_directions or [0] * num_scan_inputs,
-                      scan_output_axes or [0] * n_out_scan,
-                      scan_output_directions or [0] * n_out_scan)
+    outs, records = _scan_core(ctx, body, ins[:n_state], ins[n_state:], n_out_scan,
+                               scan_input_axes or [0] * num_scan_inputs,
+                               scan_input_directions or [0] * num_scan_inputs,
+                               scan_output_axes or [0] * n_out_scan,
+                               scan_output_directions or [0] * n_out_scan)
+    ctx.check_record(records)
+    return outs
 
 
 @register("Scan", since=8)
@@ -188,9 +215,11 @@ def scan8(ctx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
     dirs = directions or [0] * num_scan_inputs
 
     def one(*args):
-        return tuple(_scan_core(ctx, body, args[:n_state], args[n_state:], n_out_scan,
-                                [0] * num_scan_inputs, dirs, [0] * n_out_scan, [0] * n_out_scan))
-    return list(jax.vmap(one)(*[jnp.asarray(x) for x in ins]))
+        return _scan_core(ctx, body, args[:n_state], args[n_state:], n_out_scan,
+                          [0] * num_scan_inputs, dirs, [0] * n_out_scan, [0] * n_out_scan)
+    outs, records = jax.vmap(one)(*[jnp.asarray(x) for x in ins])
+    ctx.check_record(records)
+    return list(outs)
 
 
 @register("Call", domain=GRAPHCORE_DOMAIN)

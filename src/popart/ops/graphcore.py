@@ -10,6 +10,7 @@ from jax import lax
 
 from ..tensorinfo import np_dtype
 from . import nn
+from .elementwise import gelu_tanh
 from .registry import GRAPHCORE_DOMAIN, add, register
 
 
@@ -25,7 +26,7 @@ def _cast(v, x):
 # Elementwise: one row each
 
 UNARY = {
-    "Gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "Gelu": gelu_tanh,        # PopART's (popnn GELU) gradient
     "GeluErf": lambda x: jax.nn.gelu(x, approximate=False),
     "Detach": lax.stop_gradient,
     "UnaryZeroGrad": lax.stop_gradient,
@@ -217,9 +218,12 @@ def sequence_slice(ctx, src, dst, n, src_off, dst_off, zeroUnused=0, **_):
 
 @_g("GroupNormalization")
 def group_normalization(ctx, x, scale, bias, num_groups=1, epsilon=1e-5, **_):
-    """Outputs y, mean and inverse standard deviation, the last two of shape [N * groups]."""
+    """Outputs y, mean and inverse standard deviation, the last two of shape [N * groups].
+    As PopART's GroupNormGradOp, only y is differentiated (the textbook gradient, which
+    autodiff gives): mean and inverse standard deviation pass no gradient back."""
     y, m, inv = nn._group_norm(x, num_groups, epsilon)
     y = y * nn._bcast(scale, x) + nn._bcast(bias, x)
+    m, inv = lax.stop_gradient(m), lax.stop_gradient(inv)
     return y, m.reshape(-1).astype(x.dtype), inv.reshape(-1).astype(x.dtype)
 
 
@@ -321,27 +325,69 @@ def _scatter(ctx, src, index, init, axis_size, axis, reduction, enable_index_bro
     ix = jnp.moveaxis(index, axis, -1)
     lead = s.shape[:-1]
     s2, ix2 = s.reshape(-1, s.shape[-1]), ix.reshape(-1, s.shape[-1])
+    base = None
+    if init is not None:
+        base = jnp.moveaxis(jnp.asarray(init), axis, -1).reshape(-1, axis_size).astype(src.dtype)
+    # Sum's autodiff is PopART's rule already; the others take ScatterReduceGradOp's
+    rows_fn = _scatter_rows_grad if red and jnp.issubdtype(src.dtype, jnp.floating) else _scatter_rows
+    out = rows_fn(s2, ix2, base, red, axis_size)
+    return jnp.moveaxis(out.reshape(lead + (axis_size,)), -1, axis)
+
+
+def _scatter_rows(s2, ix2, base, red: int, axis_size: int):
+    """Row r of ``s2`` [R, n] reduced (``red``: _SCATTER's codes) into row r of an [R, axis_size]
+    output at columns ``ix2`` [R, n], starting from ``base`` when given."""
     rows = jnp.arange(s2.shape[0])[:, None]
     out_shape = (s2.shape[0], axis_size)
-    touched = jnp.zeros(out_shape, bool).at[rows, ix2].set(True, mode="drop")
-    if init is not None:
-        base = jnp.moveaxis(jnp.asarray(init), axis, -1).reshape(out_shape).astype(src.dtype)
-    if red == 0:
-        out = (base if init is not None else jnp.zeros(out_shape, src.dtype)).at[rows, ix2].add(s2, mode="drop")
+    start = base
+    if start is None:  # Max / Min start from the type's extremes, Mul from 1
+        if red in (1, 2):
+            big = (jnp.finfo if jnp.issubdtype(s2.dtype, jnp.floating) else jnp.iinfo)(s2.dtype).max
+            start = jnp.full(out_shape, -big if red == 1 else big, s2.dtype)
+        else:
+            start = (jnp.ones if red == 3 else jnp.zeros)(out_shape, s2.dtype)
+    at = start.at[rows, ix2]
+    out = (at.add, at.max, at.min, at.multiply, at.set)[red](s2, mode="drop")
+    if base is None and red in (1, 2, 3):  # slots nobody writes are 0
+        touched = jnp.zeros(out_shape, bool).at[rows, ix2].set(True, mode="drop")
+        out = jnp.where(touched, out, jnp.zeros((), s2.dtype))
+    return out
+
+
+def _scatter_rows_fwd(s2, ix2, base, red, axis_size):
+    out = _scatter_rows(s2, ix2, base, red, axis_size)
+    return out, (s2, ix2, base, out)
+
+
+def _scatter_rows_bwd(red, axis_size, res, g):
+    """PopART's ScatterReduceGradOp (popx/op/scatterreduceutilx.cpp). d src = g gathered at
+    the index (0 out of range), times (src == out at the index) for Max / Min (every tie gets
+    all of it) or out / src at the index for Mul; None gives every src written to a slot the
+    slot's gradient. d initial_values = g, masked by (out == init) for Max / Min, times
+    out / init for Mul, 0 at written slots for None."""
+    s2, ix2, base, out = res
+    rows = jnp.arange(s2.shape[0])[:, None]
+    at_index = lambda t: t.at[rows, ix2].get(mode="fill", fill_value=0)
+    ds = at_index(g)
+    if red in (1, 2):
+        ds = ds * (s2 == at_index(out)).astype(g.dtype)
     elif red == 3:
-        out = (base if init is not None else jnp.ones(out_shape, src.dtype)).at[rows, ix2].multiply(s2, mode="drop")
+        ds = ds * (at_index(out) * (1 / s2))
+    if base is None:
+        return ds, None, None
+    if red in (1, 2):
+        db = g * (out == base).astype(g.dtype)
+    elif red == 3:
+        db = g * (out * (1 / base))
     elif red == 4:
-        out = (base if init is not None else jnp.zeros(out_shape, src.dtype)).at[rows, ix2].set(s2, mode="drop")
+        db = g.at[rows, ix2].set(0, mode="drop")
     else:
-        big = jnp.finfo(src.dtype).max if jnp.issubdtype(src.dtype, jnp.floating) else jnp.iinfo(src.dtype).max
-        fill = jnp.full(out_shape, -big if red == 1 else big, src.dtype)
-        start = base if init is not None else fill
-        out = start.at[rows, ix2].max(s2, mode="drop") if red == 1 else start.at[rows, ix2].min(s2, mode="drop")
-        if init is None:
-            out = jnp.where(touched, out, jnp.zeros((), src.dtype))
-    if red == 3 and init is None:
-        out = jnp.where(touched, out, jnp.zeros((), src.dtype))
-    return jnp.moveaxis(out.reshape(lead + (axis_size,)), -1, axis)
+        db = g
+    return ds, None, db
+
+
+_scatter_rows_grad = jax.custom_vjp(_scatter_rows, nondiff_argnums=(3, 4))
+_scatter_rows_grad.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
 
 
 @_g("ScatterReduce")

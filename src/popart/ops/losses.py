@@ -38,28 +38,131 @@ def _g(name, **kw):
     return register(name, domain=GRAPHCORE_DOMAIN, **kw)
 
 
+# ---------------------------------------------------------------------------------------
+# Nll, and Softmax followed by Nll (PopART's SoftmaxGradDirect / NlllWithSoftmaxGradDirect)
+#
+# PopART does not differentiate these forward passes: NllGrad, and the fused softmax + nll
+# gradient that its default patterns put in place of NllGrad -> SoftmaxGrad, are written out
+# below as custom VJPs (docs/gradients.md).
+
+def _log_eps(dtype) -> float:
+    """Nll's forward clamp: log(max(p, eps))."""
+    return 6.104e-5 if dtype == jnp.float16 else 1e-7
+
+
+def _grad_eps(dtype) -> float:
+    """NllGrad's guard: -1 / max(p, eps) (a smaller epsilon than the forward's)."""
+    return 6.104e-5 if dtype == jnp.float16 else 1e-10
+
+
+def _nll_parts(probs, label, ignore_index):
+    """(one-hot of the labels [.., C], per-sample keep mask, Mean's divisor) over the last
+    (class) axis. Mean divides by the number of samples, or with ``ignore_index`` by the
+    number of labels that are not ignored (at least 1), as PopART does."""
+    lab = jnp.asarray(label).astype(jnp.int32)
+    onehot = (lab[..., None] == jnp.arange(probs.shape[-1], dtype=jnp.int32)).astype(probs.dtype)
+    if ignore_index is None:
+        return onehot, jnp.ones(lab.shape, probs.dtype), jnp.asarray(lab.size, probs.dtype)
+    keep = (lab != ignore_index).astype(probs.dtype)
+    return onehot, keep, jnp.maximum(jnp.sum(keep), 1)
+
+
+def _reduce_per_sample(per, keep, count, r: str):
+    per = per * keep
+    if r == "NoReduction":
+        return per
+    s = jnp.sum(per)
+    return s if r == "Sum" else s / jnp.asarray(count, per.dtype)
+
+
+def _scale_grad(g, keep, count, r: str):
+    """The loss's incoming gradient per sample (PopART's handleLossGradScaling)."""
+    g = jnp.asarray(g)
+    if r == "Mean":
+        g = g / jnp.asarray(count, g.dtype)
+    return (g * keep)[..., None]
+
+
+def nll_loss(ctx, probs, label, reduction: str, ignore_index, log_input: bool):
+    """PopART's Nll, with NllGrad's rule as its gradient: d/dp[label] = -1 / max(p, 1e-10)
+    (6.104e-5 in float16), or -1 when ``log_input``; 0 for the other classes."""
+    r = reduction_type(ctx, reduction)
+
+    @jax.custom_vjp
+    def f(p, onehot, keep, count):
+        picked = jnp.sum(p * onehot, -1)
+        if not log_input:
+            picked = jnp.log(jnp.maximum(picked, jnp.asarray(_log_eps(p.dtype), p.dtype)))
+        return _reduce_per_sample(-picked, keep, count, r)
+
+    def fwd(p, onehot, keep, count):
+        return f(p, onehot, keep, count), (p, onehot, keep, count)
+
+    def bwd(res, g):
+        p, onehot, keep, count = res
+        if log_input:
+            d = -onehot
+        else:
+            d = -onehot / jnp.maximum(p, jnp.asarray(_grad_eps(p.dtype), p.dtype))
+        return (d * _scale_grad(g, keep, count, r)).astype(p.dtype), None, None, None
+
+    f.defvjp(fwd, bwd)
+    return f(probs, *_nll_parts(probs, label, ignore_index))
+
+
 @_g("Nll")
 def nll(ctx, probs, label, reduction="Mean", ignoreIndex=None, inputIsLogProbability=0, **_):
-    """-log(p[label]) over the last (class) axis; probabilities are clamped to 1e-7 (6.104e-5
-    in float16) as PopART does. Mean divides by the number of labels that are not
-    ignoreIndex (at least 1)."""
-    lab = label.astype(jnp.int32)
-    p = jnp.take_along_axis(probs, jnp.clip(lab, 0, probs.shape[-1] - 1)[..., None], -1)[..., 0]
-    if not inputIsLogProbability:
-        p = jnp.log(jnp.maximum(p, 6.104e-5 if probs.dtype == jnp.float16 else 1e-7))
-    per = -p
-    count = None
-    if ignoreIndex is not None:
-        keep = lab != ignoreIndex
-        per = jnp.where(keep, per, jnp.zeros((), per.dtype))
-        count = jnp.maximum(jnp.sum(keep), 1).astype(per.dtype)
-    return reduce_loss(ctx, per, reduction, count)
+    """-log(max(p[label], 1e-7)) (6.104e-5 in float16) over the last (class) axis, or
+    -p[label] for log-probabilities; NllGrad's gradient."""
+    return nll_loss(ctx, probs, label, reduction, ignoreIndex, bool(inputIsLogProbability))
+
+
+@_g("SoftmaxNll")
+def softmax_nll(ctx, logits, probs, label, reduction="Mean", ignoreIndex=None, axis=-1,
+                fuseLoss=1, **_):
+    """Nll of ``probs = Softmax(logits)`` whose gradient goes to ``logits`` directly as
+    (p - onehot(label)) * scale (SoftmaxGradDirect), exact however saturated p is. With
+    ``fuseLoss`` (NlllWithSoftmaxGradDirect) the loss is -log(p[label] + 1e-7), as that fused
+    op computes it; otherwise Nll's -log(max(p[label], eps)). Put in place of an Nll by
+    ``popart.ir.transforms.fuse_softmax_nll`` in training; a softmax over another axis than
+    the last is left to the unfused grads."""
+    if axis % jnp.ndim(logits) != jnp.ndim(logits) - 1:
+        return nll_loss(ctx, probs, label, reduction, ignoreIndex, False)
+    r = reduction_type(ctx, reduction)
+
+    @jax.custom_vjp
+    def f(z, p, onehot, keep, count):
+        picked = jnp.sum(p * onehot, -1)
+        eps = jnp.asarray(1e-7 if fuseLoss else _log_eps(p.dtype), p.dtype)
+        picked = jnp.log(picked + eps if fuseLoss else jnp.maximum(picked, eps))
+        return _reduce_per_sample(-picked, keep, count, r).astype(z.dtype)
+
+    def fwd(z, p, onehot, keep, count):
+        return f(z, p, onehot, keep, count), (p, onehot, keep, count)
+
+    def bwd(res, g):
+        p, onehot, keep, count = res
+        d = (p - onehot) * _scale_grad(g, keep, count, r)
+        return d.astype(logits.dtype), None, None, None, None
+
+    f.defvjp(fwd, bwd)
+    return f(logits, lax.stop_gradient(probs), *_nll_parts(probs, label, ignoreIndex))
 
 
 @_g("L1")
 def l1(ctx, x, reduction="Mean", **attrs):
+    """lambda * |x|, reduced; its gradient is lambda * sign(x) (0 at 0), as L1Grad's."""
     lam = attrs.get("lambda", attrs.get("lambda_", 1.0))
-    return reduce_loss(ctx, lam * jnp.abs(x), reduction)
+    return reduce_loss(ctx, lam * _abs_sign_grad(x), reduction)
+
+
+@jax.custom_jvp
+def _abs_sign_grad(x):
+    """|x| with sign(x) as its derivative (0 at 0; JAX's abs has 1 there)."""
+    return jnp.abs(x)
+
+
+_abs_sign_grad.defjvps(lambda t, y, x: jnp.sign(x) * t)
 
 
 @_g("IdentityLoss")
@@ -106,21 +209,64 @@ def ctc_nll(log_probs, targets, in_lens, tgt_lens, blank):
     return -_lae(last, jnp.where(end > 0, prev, ninf))
 
 
+def _ctc_lp(log_probs):
+    """log_probs in the precision the CTC recursions run in (float16 in float32)."""
+    return log_probs.astype(jnp.float32) if log_probs.dtype == jnp.float16 else log_probs
+
+
+def ctc_loss_and_grad(lp, targets, in_lens, tgt_lens, blank: int, zero_infinity: bool):
+    """Per-sample losses [N] and PopART's gradient of each w.r.t. ``lp`` [T, N, C], as popnn's
+    calcLossAndGradientLogProbabilities gives it: exp(lp) - occupancy, the occupancy being
+    -d loss / d lp from the alpha-beta recursion (0 from each input length on, where the
+    gradient is therefore exp(lp); 0 for a loss with no valid alignment). With
+    ``zero_infinity`` an infinite loss and its whole gradient are 0."""
+    def total(v):
+        nll = ctc_nll(v, targets, in_lens, tgt_lens, blank)
+        return jnp.sum(nll), nll
+    (_, nll), d_nll = jax.value_and_grad(total, has_aux=True)(lp)
+    grad = jnp.exp(lp) + d_nll
+    if zero_infinity:
+        inf = jnp.isinf(nll)
+        nll = jnp.where(inf, jnp.zeros((), nll.dtype), nll)
+        grad = jnp.where(inf[None, :, None], jnp.zeros((), grad.dtype), grad)
+    return nll, grad
+
+
+def _ctc_per_sample(log_probs, targets, in_lens, tgt_lens, blank: int, zero_infinity: bool,
+                    out_dt):
+    """Per-sample CTC losses (``_ctc_per_sample_grad`` differentiates them as PopART does)."""
+    nll = ctc_nll(_ctc_lp(log_probs), targets, in_lens, tgt_lens, blank)
+    return jnp.where(jnp.isinf(nll), jnp.zeros((), nll.dtype), nll) if zero_infinity else nll
+
+
+def _ctc_per_sample_fwd(log_probs, targets, in_lens, tgt_lens, blank, zero_infinity, out_dt):
+    nll, grad = ctc_loss_and_grad(_ctc_lp(log_probs), targets, in_lens, tgt_lens, blank,
+                                  zero_infinity)
+    return nll, (grad, jnp.zeros((), log_probs.dtype))
+
+
+def _ctc_per_sample_bwd(blank, zero_infinity, out_dt, res, g):
+    """CtcGradOpx: the loss gradient per sample times the forward's gradient output (which
+    is in outDataType), the product in log_probs' type."""
+    grad, like = res
+    to = lambda t: t.astype(out_dt).astype(like.dtype)
+    return to(grad) * to(g)[None, :, None], None, None, None
+
+
+_ctc_per_sample_grad = jax.custom_vjp(_ctc_per_sample, nondiff_argnums=(4, 5, 6))
+_ctc_per_sample_grad.defvjp(_ctc_per_sample_fwd, _ctc_per_sample_bwd)
+
+
 @_g("Ctc")
 def ctc(ctx, log_probs, targets, in_lens, tgt_lens, reduction="Mean", blank=0, outDataType=0,
         zeroInfinity=0, **_):
     """CTC loss; Mean divides each loss by its target length, then averages (PyTorch's
-    convention). Output 1 (when declared) is d(sum of per-sample losses)/d(log_probs)."""
+    convention). Output 1 (when declared) is PopART's gradient of the per-sample losses
+    w.r.t. log_probs (``ctc_loss_and_grad``), which is also how the loss differentiates."""
     out_dt = log_probs.dtype if outDataType in (0, None, "UNDEFINED") else np_dtype(
         outDataType if isinstance(outDataType, int) else str(outDataType))
-
-    def per_sample(lp):
-        nll = ctc_nll(lp.astype(jnp.float32) if lp.dtype == jnp.float16 else lp, targets,
-                      in_lens, tgt_lens, blank)
-        if zeroInfinity:
-            nll = jnp.where(jnp.isinf(nll), jnp.zeros((), nll.dtype), nll)
-        return nll
-    per = per_sample(log_probs)
+    args = (targets, in_lens, tgt_lens, int(blank), bool(zeroInfinity))
+    per = _ctc_per_sample_grad(log_probs, *args, np.dtype(out_dt))
     r = reduction_type(ctx, reduction)
     if r == "Mean":
         loss = jnp.mean(per / jnp.maximum(tgt_lens, 1).astype(per.dtype))
@@ -128,7 +274,7 @@ def ctc(ctx, log_probs, targets, in_lens, tgt_lens, reduction="Mean", blank=0, o
         loss = reduce_loss(ctx, per, r)
     loss = loss.astype(out_dt)
     if ctx.num_outputs > 1 and ctx.output_ids[1]:
-        g = jax.grad(lambda lp: jnp.sum(per_sample(lp)))(lax.stop_gradient(log_probs))
+        _, g = ctc_loss_and_grad(_ctc_lp(lax.stop_gradient(log_probs)), *args)
         return loss, g.astype(out_dt)
     return loss
 

@@ -37,6 +37,8 @@ def matmul_integer(ctx, a, b, a_zero_point=None, b_zero_point=None, **_):
 
 @register("Gemm")
 def gemm(ctx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
+    if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
+        raise ctx.error(f"A and B must be matrices, got shapes {list(jnp.shape(a))} and {list(jnp.shape(b))}")
     a, b = (a.T if transA else a), (b.T if transB else b)
     y = jnp.matmul(a, b)
     y = y if alpha == 1.0 else c(y, alpha) * y
@@ -65,12 +67,23 @@ def _cumulative(fn, init):
 add("CumSum", _cumulative(jnp.cumsum, 0), since=11)
 add("CumProd", _cumulative(jnp.cumprod, 1), since=26)
 
+def _float_order(x):
+    """Signed integers ordered as the floats ``x`` (-0 = +0), NaN above +inf."""
+    bits = jnp.dtype(f"int{jnp.dtype(x.dtype).itemsize * 8}")
+    x = jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x + jnp.zeros((), x.dtype))
+    i = lax.bitcast_convert_type(x, bits)
+    return jnp.where(i < 0, i ^ jnp.iinfo(bits).max, i)
+
+
 def _topk(ctx, x, k, axis, largest, sorted_):
     ax = axis % jnp.ndim(x)
     if not 0 <= k <= x.shape[ax]:
         raise ctx.error(f"k={k} is outside [0, {x.shape[ax]}] (the size of axis {axis})")
     xt = jnp.moveaxis(x, ax, -1)
-    if largest and not jnp.issubdtype(_dt(x), jnp.unsignedinteger) and _dt(x) != jnp.bool_:
+    if largest and jnp.issubdtype(_dt(x), jnp.floating):   # NaN largest, as ONNX Runtime
+        _, idx = lax.top_k(_float_order(xt), k)           # ties: lower index first
+        vals = jnp.take_along_axis(xt, idx, -1)
+    elif largest and not jnp.issubdtype(_dt(x), jnp.unsignedinteger) and _dt(x) != jnp.bool_:
         vals, idx = lax.top_k(xt, k)            # ties: lower index first
     else:
         key = xt if not largest else -xt.astype(I64)

@@ -176,6 +176,10 @@ def window_pads(ctx, auto_pad, in_sp, k_sp, strides, dil, pads, ceil_mode=0):
     elif auto_pad not in ("NOTSET", "", None):
         raise ctx.error(f"auto_pad '{auto_pad}' is not one of NOTSET, SAME_UPPER, SAME_LOWER, VALID")
     pads = _list(pads, 2 * n, 0)
+    if len(pads) != 2 * n or min(pads) < 0 or len(strides) != n or len(dil) != n \
+            or min([*strides, *dil], default=1) < 1:
+        raise ctx.error(f"pads {list(pads)} (2 x {n} values >= 0), strides {list(strides)} and "
+                        f"dilations {list(dil)} ({n} values >= 1 each) do not fit {n} spatial axes")
     pp, out = [], []
     for a in range(n):
         lo, hi = pads[a], pads[a + n]
@@ -413,14 +417,16 @@ def _channel_sums(x):
     return rows.sum(0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def batch_norm_train(x, scale, b, epsilon):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def batch_norm_train(x, scale, b, epsilon: float, grad_rstd_scale: float = 1.0):
     """(y, batch mean, batch variance) of batch normalization over every axis but 1, with the
-    textbook gradient (two channel sums of the output gradient)."""
-    return _bn_fwd(x, scale, b, epsilon)[0]
+    textbook gradient (two channel sums of the output gradient). The gradient takes the
+    inverse standard deviation 1/sqrt(var + epsilon) times ``grad_rstd_scale`` (PopART's
+    ai.graphcore BatchNormalization: see ``batch_norm``)."""
+    return _bn_fwd(x, scale, b, epsilon, grad_rstd_scale)[0]
 
 
-def _bn_fwd(x, scale, b, epsilon):
+def _bn_fwd(x, scale, b, epsilon, grad_rstd_scale=1.0):
     n = x.size // x.shape[1]
     mean = _channel_sums(x) / n
     centered = x - _bcast(mean.astype(x.dtype), x)
@@ -431,8 +437,9 @@ def _bn_fwd(x, scale, b, epsilon):
     return out, (x, mean, rstd, scale)
 
 
-def _bn_bwd(epsilon, res, cts):
+def _bn_bwd(epsilon, grad_rstd_scale, res, cts):
     x, mean, rstd, scale = res
+    rstd = rstd * grad_rstd_scale
     dy, dmean, dvar = cts
     n = x.size // x.shape[1]
     centered = x - _bcast(mean.astype(x.dtype), x)
@@ -451,15 +458,23 @@ batch_norm_train.defvjp(_bn_fwd, _bn_bwd)
 
 def batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, training, unbiased_running=False):
     """Normalize over every axis but 1; in training use batch statistics and return
-    (y, new running mean, new running var, batch mean, batch var)."""
+    (y, new running mean, new running var, batch mean, batch var).
+
+    Training differentiates as PopART's BatchNormGradOp: only y passes a gradient back (to
+    x, scale and b; the statistics outputs and the mean / var inputs get none), with the
+    inverse standard deviation the grad op derives from the saved variance, 1/sqrt(var +
+    eps). With ``unbiased_running`` (ai.graphcore) PopART multiplies that inverse deviation
+    by sqrt((n - 1) / n) before it saves the variance, so the gradient uses the product."""
     if not training:
         y = (x - _bcast(mean, x)) * lax.rsqrt(_bcast(var, x) + epsilon) * _bcast(scale, x) + _bcast(b, x)
         return y, mean, var, None, None
-    y, bm, bv = batch_norm_train(x, scale, b, float(epsilon))
     n = x.size // x.shape[1]
+    c = math.sqrt((n - 1) / n) if unbiased_running and n > 0 else 1.0
+    y, bm, bv = batch_norm_train(x, scale, b, float(epsilon), c)
+    bm, bv = lax.stop_gradient(bm), lax.stop_gradient(bv)
     rv = bv * (n / max(n - 1, 1)) if unbiased_running else bv
-    new_m = (mean * momentum + lax.stop_gradient(bm) * (1 - momentum)).astype(mean.dtype)
-    new_v = (var * momentum + lax.stop_gradient(rv) * (1 - momentum)).astype(var.dtype)
+    new_m = lax.stop_gradient(mean * momentum + bm * (1 - momentum)).astype(mean.dtype)
+    new_v = lax.stop_gradient(var * momentum + rv * (1 - momentum)).astype(var.dtype)
     ctx.assign(ctx.input_ids[3], new_m)
     ctx.assign(ctx.input_ids[4], new_v)
     return y, new_m, new_v, bm, bv

@@ -91,8 +91,9 @@ def split_random_seed(ctx, seed, **_):
 
 @_p("NllWithSoftmaxGrad")
 def nll_with_softmax_grad(ctx, logits, labels, loss_grad, reduction="Mean", ignoreIndex=None, **_):
-    """Nll of softmax(logits) and its gradient w.r.t. the logits, times ``loss_grad``."""
-    f = lambda z: losses.nll(ctx, jax.nn.softmax(z, -1), labels, reduction, ignoreIndex)
+    """Nll of softmax(logits) and its gradient w.r.t. the logits, times ``loss_grad``: PopART's
+    NlllWithSoftmaxGradDirect (loss -log(p + 1e-7), gradient (p - onehot) * loss_grad)."""
+    f = lambda z: losses.softmax_nll(ctx, z, jax.nn.softmax(z, -1), labels, reduction, ignoreIndex)
     loss, pull = jax.vjp(f, logits)
     (dx,) = pull(jnp.broadcast_to(jnp.asarray(loss_grad, loss.dtype), loss.shape))
     return loss, dx

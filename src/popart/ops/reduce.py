@@ -2,6 +2,7 @@
 optional input from then on (with noop_with_empty_axes)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -23,6 +24,13 @@ def _sum(x, ax, kd):
     return jnp.sum(x, axis=ax, keepdims=kd, dtype=jnp.result_type(x))
 
 
+def _mean(x, ax, kd):
+    """The mean over ``ax``; 0 over an empty set, as ONNX Runtime (ONNX leaves it undefined)."""
+    if jnp.size(x) == 0:
+        return _sum(x, ax, kd)
+    return jnp.mean(x, axis=ax, keepdims=kd, dtype=jnp.result_type(x))
+
+
 def _logsumexp(x, ax, kd):
     m = lax.stop_gradient(jnp.max(x, axis=ax, keepdims=True, initial=-np.inf))
     m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
@@ -30,11 +38,43 @@ def _logsumexp(x, ax, kd):
     return y if kd else jnp.squeeze(y, ax)
 
 
+def _extremum(x, ax: tuple, kd: bool, sign: int):
+    """Max (sign 1) or min (sign -1) of ``x`` over ``ax``."""
+    f = jnp.max if sign > 0 else jnp.min
+    return f(x, axis=ax, keepdims=kd, initial=_lowest(x, -sign))
+
+
+def _extremum_fwd(x, ax, kd, sign):
+    y = _extremum(x, ax, kd, sign)
+    return y, (x, y)
+
+
+def _extremum_bwd(ax, kd, sign, res, g):
+    """PopART's ReduceMaxGradOpx / ReduceMinGradOpx: g * (sign(x - y) + 1) (sign(y - x) for
+    min), so every element equal to the result gets the whole gradient (JAX's rule splits it
+    among ties)."""
+    x, y = res
+    if not kd:
+        y, g = jnp.expand_dims(y, ax), jnp.expand_dims(g, ax)
+    return ((jnp.sign(sign * (x - y)) + 1) * g,)
+
+
+_extremum_grad = jax.custom_vjp(_extremum, nondiff_argnums=(1, 2, 3))
+_extremum_grad.defvjp(_extremum_fwd, _extremum_bwd)
+
+
+def _max_min(sign: int):
+    def fn(x, ax, kd):
+        floating = jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        return (_extremum_grad if floating else _extremum)(x, ax, kd, sign)
+    return fn
+
+
 REDUCE = {  # name: (fn(x, axes, keepdims), opset where axes became an input)
     "ReduceSum": (_sum, 13),
-    "ReduceMean": (lambda x, ax, kd: jnp.mean(x, axis=ax, keepdims=kd, dtype=jnp.result_type(x)), 18),
-    "ReduceMax": (lambda x, ax, kd: jnp.max(x, axis=ax, keepdims=kd, initial=_lowest(x, -1)), 18),
-    "ReduceMin": (lambda x, ax, kd: jnp.min(x, axis=ax, keepdims=kd, initial=_lowest(x, 1)), 18),
+    "ReduceMean": (lambda x, ax, kd: _mean(x, ax, kd), 18),
+    "ReduceMax": (_max_min(1), 18),
+    "ReduceMin": (_max_min(-1), 18),
     "ReduceProd": (lambda x, ax, kd: jnp.prod(x, axis=ax, keepdims=kd, dtype=jnp.result_type(x)), 18),
     "ReduceL1": (lambda x, ax, kd: _sum(jnp.abs(x), ax, kd), 18),
     "ReduceL2": (lambda x, ax, kd: jnp.sqrt(_sum(x * x, ax, kd)).astype(jnp.result_type(x)), 18),

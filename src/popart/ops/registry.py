@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -31,6 +32,7 @@ from ..errors import UnsupportedOperatorError
 ONNX_DOMAIN = "ai.onnx"
 GRAPHCORE_DOMAIN = "ai.graphcore"
 ONNX_ML_DOMAIN = "ai.onnx.ml"
+CHECK_RECORD_SIZE = 6   # a run-time check's record: int64 [failed, check id, up to 4 values]
 
 
 def canonical_domain(domain: str) -> str:
@@ -70,12 +72,25 @@ class LowerCtx(Protocol):
         pass their ``iteration`` index so random ops draw new numbers each iteration
         (``ctx.assign`` inside such a body is ignored)."""
 
+    def run_body(self, graph: Any, inputs: list, iteration: Any = None) -> tuple:
+        """``run_subgraph`` inside a function JAX traces separately (lax.cond branch, scan /
+        while_loop body): returns (outputs, record of the body's run-time checks), the record
+        to be returned from the body and passed to ``check_record`` outside it."""
+
+    def check_record(self, records: Any) -> None:
+        """Fail the run if a record from ``run_body`` (any leading dimensions) failed."""
+
     def discard_subgraph_traces(self) -> None:
         """Forget what earlier ``run_subgraph`` calls derived, before tracing the subgraph
         again another way (a Loop that falls back to unrolling)."""
 
     def error(self, msg: str) -> Exception:
         """An UnsupportedOperatorError whose message names this node."""
+
+    def check(self, failed: Any, message: str, **values: Any) -> None:
+        """A run-time check: when ``failed`` (bool scalar) is true the run raises
+        popart_runtime_error with ``message`` (naming this node; ``{name}`` replaced by the int
+        scalar ``values[name]``); known at compile time, ModelError now."""
 
 
 @dataclass
@@ -105,12 +120,27 @@ def register(op_type: str, *, domain: str = ONNX_DOMAIN, since: int = 1,
 
 def add(op_type: str, fn: Callable, *, domain: str = ONNX_DOMAIN, since: int = 1,
         static_inputs: tuple = (), random: bool = False) -> None:
-    """Register ``fn`` (non-decorator form, for tables)."""
+    """Register ``fn`` (non-decorator form, for tables). The registry keeps a copy of ``fn``
+    named ``<op_type>_<since>`` (``Softmax_13``), so a traceback through a table row's lambda
+    or a family's shared lowering names the op."""
     domain = canonical_domain(domain)
     defs = _REGISTRY.setdefault((domain, op_type), [])
     defs[:] = [d for d in defs if d.since != since]
-    bisect.insort(defs, OpDef(op_type, domain, since, fn, tuple(static_inputs), random),
-                  key=lambda d: d.since)
+    bisect.insort(defs, OpDef(op_type, domain, since, _named(fn, f"{op_type}_{since}"),
+                              tuple(static_inputs), random), key=lambda d: d.since)
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    """``fn`` under ``name``, in tracebacks too (its code object renamed)."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    code = fn.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):   # Python 3.11+
+        code = code.replace(co_qualname=name)
+    named = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    named.__kwdefaults__, named.__doc__ = fn.__kwdefaults__, fn.__doc__
+    named.__wrapped__ = fn
+    return named
 
 
 def lookup(domain: str, op_type: str, version: int) -> OpDef:

@@ -56,6 +56,8 @@ add("Reshape", lambda ctx, x, shape, allowzero=0, **_:
 
 @register("Transpose")
 def transpose(ctx, x, perm=None, **_):
+    if perm is not None and sorted(perm) != list(range(jnp.ndim(x))):
+        raise ctx.error(f"perm {list(perm)} is not a permutation of the {jnp.ndim(x)} axes")
     return jnp.transpose(x, perm)
 
 
@@ -224,36 +226,87 @@ def center_crop_pad(ctx, x, shape, axes=None, **_):
 # ---------------------------------------------------------------------------------------
 # Indexing
 
-def _wrap(idx, n):
-    idx = jnp.asarray(idx)
-    return jnp.where(idx < 0, idx + n, idx)
+def _checked_indices(ctx, idx, sizes, k: int = 1, first_axis: int = 0):
+    """Input ``k`` (indices) with negative entries wrapped, each checked to lie in
+    [-size, size - 1] of its axis, as ONNX Runtime does: ``sizes`` is the size of the indexed
+    axis ``first_axis``, or the sizes along the indices' last dimension (GatherND, ScatterND).
+    Constant indices out of range raise at compile time, others after the run
+    (``ctx.check``). PopART on the IPU does not check: out-of-range indices read undefined
+    data there (zeros with popxl's ``zero_OOR``)."""
+    xp = jnp if isinstance(idx, jax.core.Tracer) else np
+    idx = xp.asarray(idx)
+    n = xp.asarray(sizes, dtype=idx.dtype)
+    if idx.size:
+        bad = ((idx < -n) | (idx >= n)).reshape(-1)
+        at = xp.argmax(bad)
+        m = n.size                               # the sizes repeat along idx's last axis
+        axis = first_axis + at % m
+        size = n.reshape(-1)[at % m]
+        data = ctx.input_ids[0] if ctx.input_ids else "data"
+        ctx.check(bad.any(), f"index {{index}} in '{ctx.input_ids[k]}' is out of range for axis "
+                  f"{{axis}} of '{data}' (size {{size}}: valid indices are -{{size}} to {{last}})",
+                  index=idx.reshape(-1)[at], axis=axis, size=size, last=size - 1)
+    return xp.where(idx < 0, idx + n, idx)
 
 
 @register("Gather")
-def gather(ctx, x, idx, axis=0, **_):
-    ax = axis % x.ndim
-    return jnp.take(x, _wrap(idx, x.shape[ax]), axis=ax, mode="clip")
+def gather(ctx, x, idx, axis=0, zero_OOR=0, **_):
+    """ONNX Gather; out-of-range indices raise (see ``_checked_indices``). popxl's
+    ``gather(zero_OOR=True)`` (an attribute ONNX models cannot set: the importer's checker
+    rejects it) gives zeros for them instead, as PopART does."""
+    ax = _norm_axes(ctx, [axis], x.ndim)[0]
+    n = x.shape[ax]
+    if not zero_OOR:
+        return jnp.take(x, _checked_indices(ctx, idx, n, first_axis=ax), axis=ax, mode="clip")
+    idx = jnp.asarray(idx)
+    valid = ((idx >= -n) & (idx < n)).reshape((1,) * ax + idx.shape + (1,) * (x.ndim - ax - 1))
+    y = jnp.take(x, jnp.where(idx < 0, idx + n, idx), axis=ax, mode="clip")
+    return jnp.where(valid, y, jnp.zeros((), x.dtype))
 
 
 @register("GatherElements", since=11)
 def gather_elements(ctx, x, idx, axis=0, **_):
-    ax = axis % x.ndim
-    idx = jnp.asarray(idx)
+    """ONNX GatherElements; out-of-range indices raise (see ``_checked_indices``)."""
+    ax = _norm_axes(ctx, [axis], x.ndim)[0]
+    idx = _checked_indices(ctx, idx, x.shape[ax], first_axis=ax)
+    _elements_shapes(ctx, x, idx, ax)
     x = x[tuple(slice(None) if d == ax else slice(0, idx.shape[d]) for d in range(x.ndim))]
-    return jnp.take_along_axis(x, _wrap(idx, x.shape[ax]), axis=ax, mode="clip")
+    return jnp.take_along_axis(x, idx, axis=ax, mode="clip")
+
+
+def _elements_shapes(ctx, x, idx, ax, updates=None):
+    """GatherElements / ScatterElements: indices of data's rank, no larger than data but along
+    ``ax``; ScatterElements' updates of the indices' shape."""
+    if jnp.ndim(idx) != x.ndim or any(i > d for k, (i, d) in enumerate(zip(jnp.shape(idx), x.shape))
+                                      if k != ax):
+        raise ctx.error(f"indices of shape {list(jnp.shape(idx))} do not fit data of shape "
+                        f"{list(x.shape)} (the same rank, no larger but along axis {ax})")
+    if updates is not None and jnp.shape(updates) != jnp.shape(idx):
+        raise ctx.error(f"updates of shape {list(jnp.shape(updates))} must have the indices' "
+                        f"shape {list(jnp.shape(idx))}")
+
+
+def _nd_indices(ctx, x, idx, batch_dims=0):
+    """GatherND / ScatterND indices, checked: the last dimension indexes data's axes after
+    the batch dimensions."""
+    m = jnp.shape(idx)[-1] if jnp.ndim(idx) else 0
+    if jnp.ndim(idx) < 1 or not 1 <= m <= x.ndim - batch_dims:
+        raise ctx.error(f"indices of shape {list(jnp.shape(idx))} cannot index data of rank "
+                        f"{x.ndim} (batch_dims {batch_dims}): the last dimension must be 1 to "
+                        f"{x.ndim - batch_dims}")
+    return _checked_indices(ctx, idx, x.shape[batch_dims:batch_dims + m], first_axis=batch_dims), m
 
 
 @register("GatherND", since=11)
 def gather_nd(ctx, x, idx, batch_dims=0, **_):
-    idx = jnp.asarray(idx)
-    m = idx.shape[-1]
+    """ONNX GatherND; out-of-range indices raise (see ``_checked_indices``)."""
+    idx, m = _nd_indices(ctx, x, idx, batch_dims)
 
     def g(d, i):
-        i = _wrap(i, jnp.asarray(d.shape[:m]))
         return d[tuple(i[..., j] for j in range(m))]
     for _ in range(batch_dims):
         g = jax.vmap(g)
-    return g(x, idx)
+    return g(x, jnp.asarray(idx))
 
 
 _SCATTER = {"none": "set", "add": "add", "mul": "multiply", "max": "max", "min": "min"}
@@ -266,10 +319,13 @@ def _scatter_at(ctx, x, coords, updates, reduction):
 
 
 def scatter_elements(ctx, x, idx, updates, axis=0, reduction="none", **_):
-    ax = axis % x.ndim
-    idx = jnp.asarray(idx)
+    """ONNX ScatterElements (and Scatter-9); out-of-range indices raise (see
+    ``_checked_indices``)."""
+    ax = _norm_axes(ctx, [axis], x.ndim)[0]
+    idx = jnp.asarray(_checked_indices(ctx, idx, x.shape[ax], first_axis=ax))
+    _elements_shapes(ctx, x, idx, ax, updates)
     grid = list(jnp.indices(idx.shape, sparse=True))
-    grid[ax] = _wrap(idx, x.shape[ax])
+    grid[ax] = idx
     return _scatter_at(ctx, x, tuple(grid), updates, reduction)
 
 
@@ -279,9 +335,13 @@ add("ScatterElements", scatter_elements, since=11)
 
 @register("ScatterND", since=11)
 def scatter_nd(ctx, x, idx, updates, reduction="none", **_):
+    """ONNX ScatterND; out-of-range indices raise (see ``_checked_indices``)."""
+    idx, m = _nd_indices(ctx, x, idx)
     idx = jnp.asarray(idx)
-    m = idx.shape[-1]
-    idx = _wrap(idx, jnp.asarray(x.shape[:m]))
+    want = list(idx.shape[:-1]) + list(x.shape[m:])
+    if list(jnp.shape(updates)) != want:
+        raise ctx.error(f"updates of shape {list(jnp.shape(updates))} must have the shape "
+                        f"{want} (indices' shape but the last, then data's from axis {m})")
     return _scatter_at(ctx, x, tuple(idx[..., j] for j in range(m)), updates, reduction)
 
 

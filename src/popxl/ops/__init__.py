@@ -338,7 +338,8 @@ def _getitem(t: Tensor, key: Any) -> Tensor:
 
 def gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_proportion: Any = None,
            zero_OOR: bool = False) -> Tensor:
-    return one("Gather", t, indices, axis=int(axis))
+    """Out-of-range indices raise after the run; with ``zero_OOR`` they give zeros."""
+    return one("Gather", t, indices, axis=int(axis), **({"zero_OOR": 1} if zero_OOR else {}))
 
 
 tied_gather = gather

@@ -1,0 +1,72 @@
+"""IR rewrites that PopART's patterns make before a training session's gradients exist.
+
+Most of PopART's patterns rewrite its grad ops into cheaper ones and change no number; XLA
+does the equivalent on its own. The ones here change numbers, so the training IR gets them:
+
+* ``SoftmaxGradDirect``: Softmax followed by Nll differentiates as (p - onehot) * scale with
+  respect to the softmax's input, not through Nll's clamped -1/p.
+* ``NlllWithSoftmaxGradDirect``: the fused op also computes the loss, as -log(p + 1e-7).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN
+from .graph import Graph, Node
+
+# Ops whose outputs carry no gradient back to their inputs (PopART has no grad op for them).
+_NO_GRAD = {"ArgMax", "ArgMin", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual",
+            "Shape", "Size", "NonZero"}
+_PLACEMENT = ("__ipu_number", "__pipeline_stage")
+
+
+def _ancestors(graph: Graph, tensor: str) -> set[str]:
+    """Every tensor that ``tensor`` is computed from (itself included)."""
+    producer = graph.producer()
+    seen, todo = set(), [tensor]
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        node = producer.get(t)
+        if node is not None:
+            todo.extend(i for i in node.inputs if i)
+    return seen
+
+
+def fuse_softmax_nll(graph: Graph, loss: str, enabled: Callable[[str], bool]) -> Graph:
+    """``graph`` with each ai.graphcore Nll whose probabilities come from a Softmax replaced
+    by a SoftmaxNll node (same output), where PopART's SoftmaxGradDirect pattern would fuse
+    NllGrad into SoftmaxGrad: the pattern is enabled, the softmax's output gets no gradient
+    from anything else (its NllGrad feeds SoftmaxGrad alone), and both ops have the same
+    placement. ``enabled(name)`` tells whether a pattern is on. The input graph is unchanged."""
+    if not enabled("SoftmaxGradDirect"):
+        return graph
+    producer, consumers = graph.producer(), graph.consumers()
+    to_loss = _ancestors(graph, loss)
+    fuse_loss = 1 if enabled("NlllWithSoftmaxGradDirect") else 0
+    nodes, changed = [], False
+    for node in graph.nodes:
+        soft = producer.get(node.inputs[0]) if node.inputs else None
+        if (node.op_type == "Nll" and node.domain == GRAPHCORE_DOMAIN
+                and not node.attrs.get("inputIsLogProbability", 0)
+                and soft is not None and soft.op_type == "Softmax" and soft.domain == ONNX_DOMAIN
+                and node.outputs[0] in to_loss
+                and _only_gradient_consumer(node, consumers.get(node.inputs[0], []), to_loss)
+                and all(node.annotations.get(k) == soft.annotations.get(k) for k in _PLACEMENT)):
+            axis = soft.attrs.get("axis", 1 if graph.opsets.get(ONNX_DOMAIN, 13) < 13 else -1)
+            nodes.append(dataclasses.replace(
+                node, op_type="SoftmaxNll", inputs=[soft.inputs[0]] + list(node.inputs),
+                attrs={**node.attrs, "axis": axis, "fuseLoss": fuse_loss}))
+            changed = True
+        else:
+            nodes.append(node)
+    return dataclasses.replace(graph, nodes=nodes) if changed else graph
+
+
+def _only_gradient_consumer(nll: Node, users: list[Any], to_loss: set[str]) -> bool:
+    """True when no consumer of the probabilities but ``nll`` passes gradient to the loss."""
+    return all(u is nll or u.op_type in _NO_GRAD or not any(o in to_loss for o in u.outputs if o)
+               for u in users)
