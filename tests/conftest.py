@@ -3,3 +3,15 @@
 import os
 
 os.environ.setdefault("POPART_HOST_DEVICES", "4")
+
+import pytest  # noqa: E402
+
+from popart.engine import x64  # noqa: E402
+
+
+@pytest.fixture
+def engine_scope():
+    """The package's 64-bit JAX scope, for tests that drive the engine's internals (lowerings,
+    ``execute``) directly rather than through a session."""
+    with x64():
+        yield

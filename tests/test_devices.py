@@ -194,11 +194,11 @@ def test_configure_host_devices_in_fresh_process():
         from popart.devices import configure_host_devices
         configure_host_devices(4)
         import jax, os
-        print(len(jax.devices("cpu")), os.environ["XLA_FLAGS"])
+        print(len(jax.devices("cpu")), "XLA_FLAGS" in os.environ)
     """)
     assert out.returncode == 0, out.stderr
-    count, flags = out.stdout.split()[0], out.stdout.strip()
-    assert "--xla_force_host_platform_device_count" in flags
+    count, flags_set = out.stdout.split()
+    assert flags_set == "False"   # through jax_num_cpu_devices, not the environment
     # popart/__init__ may already have configured a count; either way several devices appear
     assert int(count) >= 4
 

@@ -7,6 +7,9 @@ from onnx import TensorProto, helper
 
 from popart.engine.program import vector_chunk
 from popart.engine.shapes import run_model
+import pytest
+
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
 
 
 def _model(nodes, inputs, outputs, opset=13, inits=()):

@@ -14,6 +14,8 @@ import pytest
 import popart
 from popart.ops.registry import lookup
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 F16, F32 = np.float16, np.float32
 DTYPES = pytest.mark.parametrize("dt", [F32, F16], ids=["f32", "f16"])
 INF, NAN = np.inf, np.nan

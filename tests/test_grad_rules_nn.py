@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import popart
 from popart.ops.registry import lookup
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 GC = "ai.graphcore"
 DTYPES = [np.float32, np.float16]
 RS = np.random.RandomState(0)

@@ -12,6 +12,8 @@ import popart
 from popart.engine.lower import TraceState, execute
 from popart.ir.onnx_import import import_model
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 RNG = np.random.default_rng(0)
 
 

@@ -11,6 +11,8 @@ from popart.engine.lower import TraceState, execute
 from popart.ir.onnx_import import import_model
 from test_ops_nn import check, ours, rnd
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 F32, I64, B = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 vi = helper.make_tensor_value_info
 

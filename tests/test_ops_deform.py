@@ -14,6 +14,8 @@ from popart.ir.onnx_import import import_model
 
 from one_op import build, run_session
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 RNG = np.random.default_rng(11)
 
 

@@ -11,6 +11,8 @@ from popart.engine.lower import TraceState, execute
 from popart.ir.onnx_import import import_model
 from test_ops_nn import fd_grad_check, one_node, ours, rnd
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 GC = "ai.graphcore"
 
 

@@ -11,6 +11,8 @@ from onnx import TensorProto, helper
 from popart.engine.shapes import run_model
 from popart.errors import popart_exception
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 GC = "ai.graphcore"
 RNG = np.random.default_rng(0)
 

@@ -18,6 +18,8 @@ from popart.engine.shapes import run_model
 from popart.errors import popart_exception
 from popart.ir.onnx_import import import_model
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 rng = np.random.default_rng(0)
 F32, I64 = np.float32, np.int64
 

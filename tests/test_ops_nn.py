@@ -15,6 +15,8 @@ from popart.engine.lower import TraceState, execute
 from popart.engine.shapes import run_model
 from popart.ir.onnx_import import import_model
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 F32 = TensorProto.FLOAT
 RNG = np.random.default_rng(0)
 

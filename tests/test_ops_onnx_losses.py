@@ -11,6 +11,8 @@ from popart import onnx_backend
 from popart.errors import popart_exception
 from test_ops_nn import check, fd_grad_check, one_node, ours, rnd
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 RNG = np.random.default_rng(3)
 
 # (input shape, reduction, weighted, ignore_index)

@@ -11,6 +11,8 @@ from popart import onnx_backend
 from popart.engine.shapes import run_model
 from popart.errors import popart_exception
 
+pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+
 ML = "ai.onnx.ml"
 TRAIN = "ai.onnx.preview.training"
 RNG = np.random.default_rng(7)

@@ -74,6 +74,12 @@ class AnchorReturnType:
     __str__ = str
 
 
+def device_lead_dims(art: AnchorReturnType) -> int:
+    """Leading dimensions of an anchor's device value: [B, A, R] for All / EveryN (the
+    engine keeps every, or every N-th, batch), [R] for Final / Sum."""
+    return 3 if art.id() in (AnchorReturnTypeId.All, AnchorReturnTypeId.EveryN) else 1
+
+
 class DataFlow:
     """Batches per step and the anchored tensors with their return types.
 

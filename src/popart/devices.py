@@ -20,20 +20,20 @@ def configure_host_devices(n: Optional[int] = None) -> None:
     ``n`` defaults to the POPART_HOST_DEVICES environment variable, else 1: several virtual
     host devices share the same cores, give replicas no extra speed, and make XLA's CPU code
     markedly slower (a third, measured on matmul training), so replicas run side by side
-    (vmap) unless asked otherwise. Appends ``--xla_force_host_platform_device_count=n`` to
-    ``XLA_FLAGS`` unless the user set it already. Must run before anything initializes JAX."""
+    (vmap) unless asked otherwise. Sets JAX's ``jax_num_cpu_devices`` (public config; no
+    environment variable is changed) unless the user chose a count already (that option, or
+    ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``); once JAX has created its
+    backends the count is fixed and this does nothing."""
     if n is None:
         n = int(os.environ.get(HOST_DEVICES_ENV, "1") or 1)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n <= 1 or "xla_force_host_platform_device_count" in flags:
+    import jax
+    if (n <= 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+            or jax.config.jax_num_cpu_devices != -1):
         return
     try:
-        from jax._src import xla_bridge
-        if xla_bridge._backends:  # a backend exists: too late, changing flags does nothing
-            return
-    except Exception:  # private API moved: set the flag anyway, harmless if too late
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:   # JAX's backends exist already: too late to change the count
         pass
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 import random  # noqa: E402

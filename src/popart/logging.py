@@ -89,11 +89,7 @@ def _configure() -> None:
         handler = (_StdHandler(dest) if dest in ("stdout", "stderr")
                    else _pylogging.FileHandler(dest))
         handler.setFormatter(_Formatter())
-        root = _py_logger("popart")
-        root.handlers[:] = [handler]
-        root.propagate = False
-        for py, printed in LEVELS.values():
-            _pylogging.addLevelName(py, printed.upper())
+        _py_logger("popart").addHandler(handler)   # records still propagate to the host's
         levels = dict.fromkeys(MODULES, "OFF")
         if os.environ.get("POPART_LOG_LEVEL"):
             levels = dict.fromkeys(

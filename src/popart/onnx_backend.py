@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
+from .engine import in_x64
 from .engine.lower import TraceState, check_flags, execute, raise_failed_checks
 from .errors import UnsupportedOperatorError
 from .ir.graph import Graph
@@ -66,6 +67,7 @@ class PopartBackendRep(BackendRep):
     """A prepared model: ``run(inputs)`` with inputs positional (graph inputs that are not
     initializers, in order) or a dict by name; returns the outputs in order."""
 
+    @in_x64
     def __init__(self, model: Any, device: str = "CPU"):
         self.graph, self.model = import_model(model)
         devs = _jax_devices(device)
@@ -96,6 +98,7 @@ class PopartBackendRep(BackendRep):
             self._cache[key] = fn
         return self._cache[key]
 
+    @in_x64
     def run(self, inputs: Any, **kwargs: Any) -> tuple:
         if isinstance(inputs, dict):
             feeds = dict(inputs)

@@ -610,16 +610,21 @@ class SessionOptions:
             return self.replicatedGraphCount
         return 1
 
+    def localReplicationFactor(self) -> int:
+        """The replicas of this process: replicatedGraphCount if replication is on, else 1
+        (the one place sessions read it from)."""
+        return int(self.replicatedGraphCount) if self.enableReplicatedGraphs else 1
+
     def getAccumulationFactor(self) -> int:
-        """accumulationFactor if gradient accumulation is enabled, else 1 (error if > 1)."""
+        """accumulationFactor if gradient accumulation is enabled, else 1; as PopART, an error
+        if accumulationFactor > 1 without enableGradientAccumulation."""
         if not self.enableGradientAccumulation:
             if self.accumulationFactor > 1:
-                raise OptionError(f"SessionOptions.accumulationFactor is "
-                                  f"{self.accumulationFactor} but enableGradientAccumulation "
-                                  "is False: set enableGradientAccumulation = True to "
-                                  "accumulate gradients")
+                raise OptionError("enableGradientAccumulation is false, but accumulationFactor "
+                                  "> 1. Either enable gradient accumulation, or set the "
+                                  "accumulation factor to 1")
             return 1
-        return self.accumulationFactor
+        return int(self.accumulationFactor)
 
     def enableExplicitIR(self, enable: bool) -> None:
         """Turn the explicit IR code paths (host copy ops, main loops, recomputation) on/off."""

@@ -22,6 +22,7 @@ from . import dataflow as _df
 from . import distributed
 from . import logging as _log
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
+from .engine import in_x64, x64
 from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
 from .ir.transforms import fuse_softmax_nll
@@ -131,20 +132,13 @@ def _xla_cache(folder: Optional[str]) -> Iterator[None]:
 
 
 def _serialised(method: Callable) -> Callable:
-    """Run ``method`` holding the session's lock (see _Session)."""
+    """Run ``method`` holding the session's lock (see _Session), with the package's 64-bit
+    JAX scope (``engine.x64``)."""
     @functools.wraps(method)
     def locked(self: "_Session", *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with self._lock, x64():
             return method(self, *args, **kwargs)
     return locked
-
-
-_ART_KIND = {"All": "ALL", "EveryN": "EVERYN", "Final": "FINAL", "Sum": "SUM"}
-
-
-def _anchor_kind(art: Any) -> tuple[str, int]:
-    kind = _ART_KIND[art.id().name]
-    return kind, int(art.rp()) if kind == "EVERYN" else 0
 
 
 class _Session:
@@ -159,6 +153,7 @@ class _Session:
 
     _training = False
 
+    @in_x64
     def __init__(self, fnModel: ModelLike, dataFlow: _df.DataFlow, deviceInfo: Any,
                  inputShapeInfo: Optional[_df.InputShapeInfo] = None, patterns: Any = None,
                  userOptions: Optional[SessionOptions] = None, name: str = "session",
@@ -209,13 +204,11 @@ class _Session:
 
     @property
     def replicationFactor(self) -> int:
-        o = self.options
-        return int(o.replicatedGraphCount) if o.enableReplicatedGraphs else 1
+        return self.options.localReplicationFactor()
 
     @property
     def accumulationFactor(self) -> int:
-        o = self.options
-        return int(o.accumulationFactor) if o.enableGradientAccumulation else 1
+        return self.options.getAccumulationFactor()
 
     @property
     def dataFlow(self) -> _df.DataFlow:
@@ -223,12 +216,8 @@ class _Session:
 
     def _config(self) -> StepConfig:
         o = self.options
-        anchors = {a: _anchor_kind(self._dataFlow.art(a)) for a in self._dataFlow.anchors()}
-        bps = self._dataFlow.batchesPerStep()
-        for a, (kind, n) in anchors.items():
-            if kind == "EVERYN" and (n < 1 or bps % n):
-                raise popart_exception(f"Anchor '{a}': AnchorReturnType EVERYN period {n} must "
-                                       f"divide batchesPerStep ({bps})")
+        anchors = {a: self._dataFlow.art(a) for a in self._dataFlow.anchors()}
+        bps = self._dataFlow.batchesPerStep()   # DataFlow checks EVERYN periods divide it
         return StepConfig(
             batches_per_step=bps, accumulation_factor=self.accumulationFactor,
             replication_factor=distributed.check_options(o, self.replicationFactor),
@@ -440,12 +429,12 @@ class _Session:
             art = self._dataFlow.art(a)
             val = self._program.to_host(val)
             if self._program.cfg.replication_factor != R:   # global replication: our replicas
-                axis = _lead(art) - 1
+                axis = _df.device_lead_dims(art) - 1
                 val = np.take(val, range(offset, offset + R), axis=axis)
-            shape = list(val.shape[_lead(art):])
+            shape = list(val.shape[_df.device_lead_dims(art):])
             if a in self._stream_callbacks:   # one replica's values, as PopART streams them
                 callback, index = self._stream_callbacks[a]
-                one = np.take(val, index, axis=_lead(art) - 1) if R > 1 else val
+                one = np.take(val, index, axis=_df.device_lead_dims(art) - 1) if R > 1 else val
                 callback(one.reshape(_df.anchor_host_shape(shape, art, bps, A, 1)))
             host = _df.anchor_host_shape(shape, art, bps, A, R)
             val = val.reshape(host)
@@ -542,6 +531,7 @@ class _Session:
         self.weightsToHost()
         atomic_write(fn, self.model_proto().SerializeToString())
 
+    @_serialised
     def model_proto(self) -> onnx.ModelProto:
         """The session's model with the host weights as initializers."""
         model = onnx.ModelProto()
@@ -562,7 +552,7 @@ class _Session:
                 "session": type(self).__name__, "batchesPerStep": cfg.batches_per_step,
                 "accumulationFactor": cfg.accumulation_factor,
                 "replicationFactor": cfg.replication_factor,
-                "anchors": {k: list(v) for k, v in cfg.anchors.items()},
+                "anchors": {k: repr(v) for k, v in cfg.anchors.items()},
                 "inputs": {k: [v.data_type(), v.shape()] for k, v in self._input_infos.items()},
                 "loss": cfg.loss, "optimizer": _optimizer_signature(cfg.optimizer),
                 "options": _options_signature(self.options),
@@ -621,6 +611,7 @@ class _Session:
             path = os.path.join(path, "executable.popef")
         atomic_write(path, self._executable_bytes(saveVariables))
 
+    @_serialised
     def compileAndExport(self, filename: str) -> None:
         """Compile the step and export it (with metadata and variables) to ``filename``."""
         self.prepareDevice(loadEngine=False)
@@ -643,6 +634,7 @@ class _Session:
         self.prepareDevice()
 
     # ------------------------------------------------------------------ info
+    @_serialised
     def getInfo(self, id: str) -> TensorInfo:
         if id in self._input_infos:
             return self._input_infos[id]
@@ -651,6 +643,7 @@ class _Session:
             raise popart_exception(f"getInfo: '{id}' is not a tensor of the model")
         return infos[id]
 
+    @_serialised
     def getTensorIds(self) -> set[str]:
         ids = set(self._graph.all_tensor_ids())
         if self._training and self._program is not None:
@@ -714,11 +707,6 @@ class _Session:
         detach = getattr(self._device, "detach", None)
         if callable(detach):
             detach()
-
-
-def _lead(art: Any) -> int:
-    """Number of leading [B, A, R] dims the engine returns for an anchor kind."""
-    return 3 if _ART_KIND[art.id().name] in ("ALL", "EVERYN") else 1
 
 
 def _weights_dict(weightsIo: Any) -> dict:

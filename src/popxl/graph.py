@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional
 
 import jax
 import numpy as np
+from popart.engine import in_x64
 
 from popart.engine.lower import TraceState, lower_node
 from popart.engine.program import REPLICA_AXIS
@@ -188,6 +189,7 @@ class Graph:
                               [t._ir_id for t in self._by_ref_list()]
         return self._g
 
+    @in_x64
     def _infer(self, node: Node) -> list[Optional[jax.ShapeDtypeStruct]]:
         """Output shapes / dtypes of ``node`` by tracing its lowering abstractly."""
         ids = [i for i in node.inputs if i]

@@ -16,6 +16,7 @@ import numpy as np
 import popart
 from popart.engine.lower import CHECKS, TraceState, check_flags, execute, first_failure, raise_failed_checks
 from popart.engine.program import REPLICA_AXIS
+from popart.engine import in_x64
 from popart.session import _serialised
 
 from .ir import Ir
@@ -47,6 +48,7 @@ class Session:
     weights_to_host, get_tensors_data, write_variables_data) hold the session's lock, so
     threads sharing a session take turns."""
 
+    @in_x64
     def __init__(self, ir: Ir, device_desc: Any = "cpu") -> None:
         self._ir = ir
         self._r = ir.replication_factor
@@ -138,6 +140,7 @@ class Session:
         return np.broadcast_to(data, (self._r,) + v.shape)
 
     @_serialised
+    @in_x64
     def weights_from_host(self) -> None:
         """Copy the host values of the variables to the device."""
         self._require_attached()
@@ -146,6 +149,7 @@ class Session:
         self._in_sync = True
 
     @_serialised
+    @in_x64
     def weights_to_host(self) -> None:
         """Copy the device values of the variables to the host."""
         self._require_attached()
@@ -241,6 +245,7 @@ class Session:
         return np.ascontiguousarray(np.swapaxes(a.reshape(full), 0, 1))  # [R, N, ...]
 
     @_serialised
+    @in_x64
     def run_with_outputs(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
                          outputs: Optional[Mapping[DeviceToHostStream, np.ndarray]] = None,
                          downcast_inputs: bool = True) -> None:

@@ -1,0 +1,27 @@
+"""The engine: IR -> one compiled XLA program per session.
+
+The package traces, compiles and runs with 64-bit types (ONNX models use int64 and float64),
+but only inside its own calls: :func:`x64` scopes JAX's ``enable_x64`` to them, so other JAX
+code in the process keeps JAX's defaults."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, ContextManager, TypeVar
+
+import jax
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def x64() -> ContextManager:
+    """JAX with 64-bit types enabled, for the extent of a ``with`` block (this thread)."""
+    return jax.enable_x64(True)
+
+
+def in_x64(fn: F) -> F:
+    """``fn`` run inside :func:`x64` (for the package's entry points into JAX)."""
+    @functools.wraps(fn)
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        with x64():
+            return fn(*args, **kwargs)
+    return scoped  # type: ignore[return-value]

@@ -27,7 +27,6 @@ from ..logging import getLogger
 from ..ops import registry
 from ..ops.registry import ONNX_DOMAIN
 
-jax.config.update("jax_enable_x64", True)
 _logger = getLogger("op")
 
 

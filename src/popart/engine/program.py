@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import distributed
+from ..dataflow import AnchorReturnTypeId
 from ..errors import ModelError, OutOfMemoryException, popart_exception, popart_runtime_error
 from ..ir.graph import Graph
 from ..tensorinfo import TensorInfo
@@ -39,7 +40,7 @@ class StepConfig:
     batches_per_step: int
     accumulation_factor: int = 1
     replication_factor: int = 1
-    anchors: dict = field(default_factory=dict)     # id -> (kind: "ALL"|"EVERYN"|"FINAL"|"SUM", N)
+    anchors: dict = field(default_factory=dict)     # id -> popart.AnchorReturnType
     training: bool = False
     loss: Optional[str] = None
     optimizer: Any = None
@@ -417,22 +418,23 @@ class StepProgram:
         return step
 
     def _reduce_anchors(self, vals: dict) -> dict:
+        """Each anchor's values [B, A, R, *shape] as its AnchorReturnType returns them
+        (``dataflow.device_lead_dims`` gives the leading dims each kind keeps)."""
         out = {}
-        for a, v in vals.items():               # v: [B, A, R, *shape]
-            if a == CHECKS:
+        for a, v in vals.items():
+            if a == CHECKS:   # the run-time checks' record: the first failure of the step
                 out[a] = first_failure(v)
                 continue
-            kind, n = self.cfg.anchors[a]
-            if kind == "ALL":
+            art = self.cfg.anchors[a]
+            kind = art.id()
+            if kind == AnchorReturnTypeId.All:
                 out[a] = v
-            elif kind == "EVERYN":
-                out[a] = v[n - 1::n]
-            elif kind == "FINAL":
+            elif kind == AnchorReturnTypeId.EveryN:
+                out[a] = v[art.rp() - 1::art.rp()]
+            elif kind == AnchorReturnTypeId.Final:
                 out[a] = v[-1, -1]
-            elif kind == "SUM":
-                out[a] = jnp.sum(v, axis=(0, 1))
             else:
-                raise popart_exception(f"Anchor '{a}': unknown AnchorReturnType '{kind}'")
+                out[a] = jnp.sum(v, axis=(0, 1))
         return out
 
     # ------------------------------------------------------------------ placement

@@ -11,6 +11,7 @@ from ..errors import popart_exception
 from ..ir.graph import Graph
 from ..ir.onnx_import import ModelLike, import_model
 from ..tensorinfo import TensorInfo, to_datatype
+from . import in_x64
 from .lower import TraceState, check_flags, execute, raise_failed_checks
 
 
@@ -33,6 +34,7 @@ def input_specs(graph: Graph, overrides: Optional[Mapping[str, TensorInfo]] = No
     return specs
 
 
+@in_x64
 def infer_graph(graph: Graph, ids: Optional[Iterable[str]] = None,
                 overrides: Optional[Mapping[str, TensorInfo]] = None) -> dict[str, TensorInfo]:
     """TensorInfo of ``ids`` (default: every tensor) by tracing the graph abstractly."""
@@ -53,6 +55,7 @@ def infer_tensor_infos(model: ModelLike) -> dict[str, TensorInfo]:
     return infer_graph(graph)
 
 
+@in_x64
 def run_model(model: Any, feeds: Mapping[str, np.ndarray], outputs: Optional[list[str]] = None,
               training: bool = False, seed: int = 0) -> dict[str, np.ndarray]:
     """Compile and run a model once on ``feeds`` (tests, the ONNX backend). ``model`` is

@@ -236,16 +236,17 @@ def _checked_indices(ctx, idx, sizes, k: int = 1, first_axis: int = 0):
     xp = jnp if isinstance(idx, jax.core.Tracer) else np
     idx = xp.asarray(idx)
     n = xp.asarray(sizes, dtype=idx.dtype)
-    if idx.size:
-        bad = ((idx < -n) | (idx >= n)).reshape(-1)
-        at = xp.argmax(bad)
-        m = n.size                               # the sizes repeat along idx's last axis
-        axis = first_axis + at % m
-        size = n.reshape(-1)[at % m]
+    if idx.size:   # two vectorised reductions per indexed axis: the largest and smallest index
+        sizes = n.reshape(-1)                    # they repeat along idx's last axis
+        cols = idx.reshape(-1, sizes.size)
+        big, small = cols.max(axis=0), cols.min(axis=0)
+        bad = (big >= sizes) | (small < -sizes)
+        j = xp.argmax(bad)                       # the first axis with an index out of range
         data = ctx.input_ids[0] if ctx.input_ids else "data"
-        ctx.check(bad.any(), f"index {{index}} in '{ctx.input_ids[k]}' is out of range for axis "
+        ctx.check(bad[j], f"index {{index}} in '{ctx.input_ids[k]}' is out of range for axis "
                   f"{{axis}} of '{data}' (size {{size}}: valid indices are -{{size}} to {{last}})",
-                  index=idx.reshape(-1)[at], axis=axis, size=size, last=size - 1)
+                  index=xp.where(big[j] >= sizes[j], big[j], small[j]), axis=first_axis + j,
+                  size=sizes[j], last=sizes[j] - 1)
     return xp.where(idx < 0, idx + n, idx)
 
 

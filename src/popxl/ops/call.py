@@ -177,7 +177,7 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any,
         j = i if i < n_out else ref_pos.get(id(t))
         new.append(carried[i] if j is None else results[j])
     body.outputs = [body.inputs[1]] + new
-    trip = constant(np.array(repeat_count, np.int64), name="trip_count")
+    trip = constant(np.array(repeat_count, np.int64), name="trip_count", downcast=False)
     keep_going = constant(np.array(True), name="cond")
     outs = node("Loop", [trip, keep_going] + all_in, {"body": body}, ONNX, len(all_in),
                 name=f"repeat_{graph.name}")
