@@ -15,7 +15,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def x64() -> ContextManager:
     """JAX with 64-bit types enabled, for the extent of a ``with`` block (this thread)."""
-    return jax.enable_x64(True)
+    if hasattr(jax, "enable_x64"):   # jax >= 0.7
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64   # the same scoped setting on older JAX
+    return enable_x64(True)
 
 
 def in_x64(fn: F) -> F:
