@@ -25,7 +25,7 @@ from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError
 from ..ir.graph import Graph, Node
 from ..logging import getLogger
 from ..ops import registry
-from ..ops.registry import ONNX_DOMAIN
+from ..ops.registry import ONNX_DOMAIN, is_static
 
 _logger = getLogger("op")
 
@@ -98,15 +98,17 @@ class TraceState:
     registry: list = field(default_factory=list)   # RunCheck by id, shared with nested traces
     top_trace: Any = field(default_factory=_current_trace)   # the trace checks can leave
     _counter: itertools.count = field(default_factory=itertools.count)
+    rng_draws: int = 0
+
+    def used_rng(self) -> bool:
+        """Whether any op of this trace drew a random key."""
+        return self.rng_draws > 0
 
     def next_key(self) -> Any:
+        self.rng_draws += 1
         if self.rng_key is None:
             self.rng_key = jax.random.key(0)
         return jax.random.fold_in(self.rng_key, next(self._counter))
-
-
-def is_static(x: Any) -> bool:
-    return x is None or isinstance(x, (np.ndarray, np.generic, int, float, bool))
 
 
 class NodeCtx:
@@ -122,6 +124,7 @@ class NodeCtx:
         self.replica_axis = state.replica_axis
         self.replication_factor = state.replication_factor
         self.options = state.options
+        self.platform = state.platform
         self._loop_key = None
 
     def rng(self) -> Any:
@@ -190,6 +193,20 @@ class NodeCtx:
 
     def error(self, msg: str) -> Exception:
         return UnsupportedOperatorError(f"{self.node.describe()}: {msg}")
+
+    def host_stream(self, stream_id: str) -> Any:
+        """The value of host stream ``stream_id`` (a step input, or a tensor of this or an
+        enclosing scope), or None."""
+        return self.env.get(stream_id) if hasattr(self.env, "get") else None
+
+    def store_host_stream(self, stream_id: str, value: Any) -> None:
+        """Make ``value`` readable as ``stream_id`` (an anchor) unless a tensor has that name."""
+        if stream_id not in self.env:
+            self.env[stream_id] = value
+
+    def remote_buffers(self) -> dict:
+        """Remote buffer id -> [(offset, value)] stores of this graph execution."""
+        return self.state.remote_buffers
 
     def check(self, failed: Any, message: str, **values: Any) -> None:
         """Fail the run with ``message`` (naming this node; each ``{name}`` replaced by

@@ -139,7 +139,7 @@ class StepProgram:
             out["assigned"] = list(state.assignments)
             out["checks"] = list(state.registry)
             out["dtypes"] = {o: getattr(env.get(o), "dtype", None) for o in self.graph.outputs}
-            out["rng"] = next(state._counter) > 0
+            out["rng"] = state.used_rng()
             out["act"] = sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
                              for v in env.values() if isinstance(v, jax.core.Tracer))
             if cfg.training:

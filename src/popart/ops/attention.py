@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
-from .registry import register
+from .registry import LowerCtx, register
 from .shape import np_type
 
 # softmax_precision values (TensorProto data types) the ops accept.
@@ -36,7 +36,7 @@ _PRECISIONS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 # ---------------------------------------------------------------------------------------
 # Shared core
 
-def _repeat_kv(ctx, q_heads: int, *kv: jax.Array) -> list:
+def _repeat_kv(ctx: LowerCtx, q_heads: int, *kv: jax.Array) -> list:
     """Repeat each K/V head ``q_heads / kv_heads`` times along axis 1: [h0, h0, h1, h1, ...]."""
     kv_heads = kv[0].shape[1]
     if any(x.shape[1] != kv_heads for x in kv) or q_heads % kv_heads:
@@ -64,7 +64,7 @@ def _softmax(x: jax.Array) -> jax.Array:
     return e / jnp.where(s == 0, jnp.ones((), x.dtype), s)
 
 
-def _precision(ctx, softmax_precision: Optional[int], default: Any) -> Any:
+def _precision(ctx: LowerCtx, softmax_precision: Optional[int], default: Any) -> Any:
     if softmax_precision is None:
         return default
     if softmax_precision not in _PRECISIONS:
@@ -76,7 +76,7 @@ def _precision(ctx, softmax_precision: Optional[int], default: Any) -> Any:
 # ---------------------------------------------------------------------------------------
 # ai.onnx Attention
 
-def _split_heads(ctx, x: jax.Array, heads: Optional[int], name: str, attr: str) -> jax.Array:
+def _split_heads(ctx: LowerCtx, x: jax.Array, heads: Optional[int], name: str, attr: str) -> jax.Array:
     """[B, S, heads * size] -> [B, heads, S, size]."""
     if heads is None:
         raise ctx.error(f"3-D input {name} {x.shape} needs attribute {attr} (its number of "
@@ -88,7 +88,7 @@ def _split_heads(ctx, x: jax.Array, heads: Optional[int], name: str, attr: str) 
     return x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
 
 
-def _attention_bias(ctx, mask: Any, sq: int, skv: int, offset: Any, is_causal: bool,
+def _attention_bias(ctx: LowerCtx, mask: Any, sq: int, skv: int, offset: Any, is_causal: bool,
                     left: int, right: int, nonpad: Any, dtype: Any) -> Optional[jax.Array]:
     """The additive bias (0 or -inf, plus a float mask) broadcastable to [B, H, sq, skv].
 
@@ -124,7 +124,7 @@ def _attention_bias(ctx, mask: Any, sq: int, skv: int, offset: Any, is_causal: b
     return bias
 
 
-def _attention(ctx, Q, K, V, attn_mask=None, past_key=None, past_value=None,
+def _attention(ctx: LowerCtx, Q, K, V, attn_mask=None, past_key=None, past_value=None,
                nonpad_kv_seqlen=None, *, scale=None, is_causal=0, q_num_heads=None,
                kv_num_heads=None, softmax_precision=None, softcap=0.0, qk_matmul_output_mode=0,
                left_window_size=-1, right_window_size=-1, check_4d_heads=False) -> tuple:
@@ -186,14 +186,14 @@ def _attention(ctx, Q, K, V, attn_mask=None, past_key=None, past_value=None,
 
 
 @register("Attention", since=23)
-def attention_23(ctx, Q, K, V, attn_mask=None, past_key=None, past_value=None,
+def attention_23(ctx: LowerCtx, Q, K, V, attn_mask=None, past_key=None, past_value=None,
                  nonpad_kv_seqlen=None, **attrs) -> tuple:
     """Opsets 23 and 24 (24 adds the nonpad_kv_seqlen input)."""
     return _attention(ctx, Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen, **attrs)
 
 
 @register("Attention", since=25)
-def attention_25(ctx, Q, K, V, attn_mask=None, past_key=None, past_value=None,
+def attention_25(ctx: LowerCtx, Q, K, V, attn_mask=None, past_key=None, past_value=None,
                  nonpad_kv_seqlen=None, **attrs) -> tuple:
     """Opset 25: local windows; head counts are only allowed with 3-D inputs."""
     return _attention(ctx, Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen,
@@ -203,7 +203,7 @@ def attention_25(ctx, Q, K, V, attn_mask=None, past_key=None, past_value=None,
 # ---------------------------------------------------------------------------------------
 # ai.onnx.preview FlexAttention
 
-def _run_mod(ctx, graph: Any, x: jax.Array, attr: str) -> jax.Array:
+def _run_mod(ctx: LowerCtx, graph: Any, x: jax.Array, attr: str) -> jax.Array:
     """Run a score_mod / prob_mod subgraph on ``x``; its output must keep x's shape."""
     outs = ctx.run_subgraph(graph, [x])
     if len(outs) != 1 or jnp.shape(outs[0]) != x.shape:
@@ -213,7 +213,7 @@ def _run_mod(ctx, graph: Any, x: jax.Array, attr: str) -> jax.Array:
 
 
 @register("FlexAttention", domain="ai.onnx.preview", since=1)
-def flex_attention(ctx, Q, K, V, scale=None, score_mod=None, prob_mod=None,
+def flex_attention(ctx: LowerCtx, Q, K, V, scale=None, score_mod=None, prob_mod=None,
                    softmax_precision=None, **_) -> jax.Array:
     Q, K, V = (jnp.asarray(x) for x in (Q, K, V))
     if not Q.ndim == K.ndim == V.ndim == 4:

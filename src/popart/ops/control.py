@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import UnsupportedOperatorError
-from .registry import CHECK_RECORD_SIZE, GRAPHCORE_DOMAIN, register
+from .registry import CHECK_RECORD_SIZE, GRAPHCORE_DOMAIN, LowerCtx, register
 
 
 def _static_value(x):
@@ -20,7 +20,7 @@ def _struct(v):
     return jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v))
 
 
-def _same_types(ctx, what, a, b):
+def _same_types(ctx: LowerCtx, what, a, b):
     sa, sb = [_struct(v) for v in a], [_struct(v) for v in b]
     if sa != sb:
         raise ctx.error(f"{what} must have the same shapes and dtypes, got "
@@ -29,7 +29,7 @@ def _same_types(ctx, what, a, b):
 
 
 @register("If")
-def if_(ctx, cond, then_branch, else_branch, **_):
+def if_(ctx: LowerCtx, cond, then_branch, else_branch, **_):
     if _static_value(cond):
         return ctx.run_subgraph(then_branch if bool(np.asarray(cond).reshape(())) else else_branch, [])
     # lax.cond traces each branch exactly once (no eval_shape pass first): a nested If's
@@ -75,7 +75,7 @@ UNROLL_LIMIT = 64   # Loops whose body needs a static iteration count run unroll
 
 
 @register("Loop")
-def loop(ctx, m=None, cond=None, *v_init, body, **_):
+def loop(ctx: LowerCtx, m=None, cond=None, *v_init, body, **_):
     """A device loop (lax.scan / while_loop); a loop with a static trip count whose body
     cannot be traced with a run-time iteration index (a Slice starting at the index, sequences
     that grow) runs unrolled instead, up to UNROLL_LIMIT iterations."""
@@ -94,7 +94,7 @@ def loop(ctx, m=None, cond=None, *v_init, body, **_):
             raise e from None
 
 
-def _loop_unrolled(ctx, trips, cond, vals, body):
+def _loop_unrolled(ctx: LowerCtx, trips, cond, vals, body):
     n_carry = len(vals)
     c = np.bool_(True) if cond is None else cond
     scans = []
@@ -112,7 +112,7 @@ def _loop_unrolled(ctx, trips, cond, vals, body):
     return vals + [jnp.stack([jnp.asarray(s[k]) for s in scans]) for k in range(n_scan)]
 
 
-def _loop(ctx, m=None, cond=None, *v_init, body):
+def _loop(ctx: LowerCtx, m=None, cond=None, *v_init, body):
     n_carry = len(v_init)
     n_scan = len(body.outputs) - 1 - n_carry
     v_init = [jnp.asarray(v) for v in v_init]
@@ -172,7 +172,7 @@ def _loop(ctx, m=None, cond=None, *v_init, body):
     return list(vals)
 
 
-def _scan_core(ctx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, out_dirs):
+def _scan_core(ctx: LowerCtx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, out_dirs):
     xs = [jnp.moveaxis(jnp.asarray(x), a % jnp.ndim(x), 0) for x, a in zip(xs, in_axes)]
     xs = [jnp.flip(x, 0) if d else x for x, d in zip(xs, in_dirs)]
     states = [jnp.asarray(s) for s in states]
@@ -190,7 +190,7 @@ def _scan_core(ctx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, ou
 
 
 @register("Scan", since=9)
-def scan(ctx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_directions=None,
+def scan(ctx: LowerCtx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_directions=None,
          scan_output_axes=None, scan_output_directions=None, **_):
     n_state = len(ins) - num_scan_inputs
     n_out_scan = len(body.outputs) - n_state
@@ -204,7 +204,7 @@ def scan(ctx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_dire
 
 
 @register("Scan", since=8)
-def scan8(ctx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
+def scan8(ctx: LowerCtx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
     """Scan-8: every input has a leading batch axis; scan axis 1."""
     n_state = len(ins) - num_scan_inputs
     n_out_scan = len(body.outputs) - n_state
@@ -223,5 +223,5 @@ def scan8(ctx, seq_lens, *ins, body, num_scan_inputs, directions=None, **_):
 
 
 @register("Call", domain=GRAPHCORE_DOMAIN)
-def call(ctx, *ins, callee, **_):
+def call(ctx: LowerCtx, *ins, callee, **_):
     return list(ctx.run_subgraph(callee, list(ins)))

@@ -11,11 +11,11 @@ from jax import lax
 
 from .image import sample
 from .nn import conv_attrs, window_pads
-from .registry import register
+from .registry import LowerCtx, register
 
 
 @register("DeformConv", since=19)
-def deform_conv(ctx, x: Any, w: Any, offset: Any, b: Optional[Any] = None,
+def deform_conv(ctx: LowerCtx, x: Any, w: Any, offset: Any, b: Optional[Any] = None,
                 mask: Optional[Any] = None, dilations=None, group: int = 1, kernel_shape=None,
                 offset_group: int = 1, pads=None, strides=None, **_) -> jax.Array:
     """Deformable convolution: each kernel tap samples X at (grid position + offset) with

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import register
+from .registry import LowerCtx, register
 
 
 def _corners(boxes, center_point_box):
@@ -55,7 +55,7 @@ def select_padded(boxes, scores, max_out, iou_threshold, score_threshold, center
 
 
 @register("NonMaxSuppression", since=10, static_inputs=(0, 1, 2, 3, 4))
-def non_max_suppression(ctx, boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
+def non_max_suppression(ctx: LowerCtx, boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
                         score_threshold=None, center_point_box=0, **_):
     if center_point_box not in (0, 1):
         raise ctx.error(f"center_point_box must be 0 or 1, got {center_point_box}")

@@ -10,7 +10,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from .registry import add, register
+from .registry import add, LowerCtx, register
 
 
 def c(x, v):
@@ -254,14 +254,14 @@ for _name, _fn in VARIADIC.items():
 
 
 @register("Mod", since=10)
-def mod(ctx, a, b, fmod=0, **_):
+def mod(ctx: LowerCtx, a, b, fmod=0, **_):
     if fmod:
         return jnp.fmod(a, b)
     return jnp.mod(a, b)       # sign of the divisor (floats too, as onnx's tests expect)
 
 
 @register("BitShift", since=11)
-def bitshift(ctx, a, b, direction="", **_):
+def bitshift(ctx: LowerCtx, a, b, direction="", **_):
     if direction not in ("LEFT", "RIGHT"):
         raise ctx.error(f"direction must be 'LEFT' or 'RIGHT', got {direction!r}")
     b = jnp.asarray(b).astype(jnp.result_type(a))
@@ -269,7 +269,7 @@ def bitshift(ctx, a, b, direction="", **_):
 
 
 @register("Where", since=9)
-def where(ctx, cond, x, y, **_):
+def where(ctx: LowerCtx, cond, x, y, **_):
     return _where(cond, x, y)
 
 
@@ -277,7 +277,7 @@ _where = with_popart_grad(jnp.where, _where_grad)
 
 
 @register("Gelu", since=20)
-def gelu(ctx, x, approximate="none", **_):
+def gelu(ctx: LowerCtx, x, approximate="none", **_):
     if approximate not in ("none", "tanh"):
         raise ctx.error(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     return gelu_tanh(x) if approximate == "tanh" else jax.nn.gelu(x, approximate=False)

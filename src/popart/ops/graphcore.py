@@ -11,7 +11,7 @@ from jax import lax
 from ..tensorinfo import np_dtype
 from . import nn
 from .elementwise import gelu_tanh
-from .registry import GRAPHCORE_DOMAIN, add, register
+from .registry import add, GRAPHCORE_DOMAIN, LowerCtx, register
 
 
 def _g(name, **kw):
@@ -56,7 +56,7 @@ _INT_ONLY = {"BitwiseNot", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseXnor
 
 
 def _row(name, fn, arity):
-    def lower(ctx, *xs, **_):
+    def lower(ctx: LowerCtx, *xs, **_):
         if name in _INT_ONLY and not all(jnp.issubdtype(jnp.result_type(x), jnp.integer) for x in xs):
             raise ctx.error(f"inputs must be integer tensors, got {[str(jnp.result_type(x)) for x in xs]}")
         return fn(*xs[:arity])
@@ -70,12 +70,12 @@ for _n, _f in BINARY.items():
 
 
 @_g("Scale")
-def scale(ctx, x, scale=1.0, **_):
+def scale(ctx: LowerCtx, x, scale=1.0, **_):
     return x * _cast(scale, x)
 
 
 @_g("ScaledAdd")
-def scaled_add(ctx, a, b, s0=None, s1=None, scale0=1.0, scale1=1.0, **_):
+def scaled_add(ctx: LowerCtx, a, b, s0=None, s1=None, scale0=1.0, scale1=1.0, **_):
     s0 = scale0 if s0 is None else s0
     s1 = scale1 if s1 is None else s1
     return a * _cast(s0, a) + b * _cast(s1, a)
@@ -86,7 +86,7 @@ _BCS_OPS = {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": jnp
 
 
 @_g("BinaryConstScalar")
-def binary_const_scalar(ctx, x, value=0.0, op="Add", scalar_in_lhs=0, **_):
+def binary_const_scalar(ctx: LowerCtx, x, value=0.0, op="Add", scalar_in_lhs=0, **_):
     fn = _BCS_OPS.get(str(op).lower())
     if fn is None:
         raise ctx.error(f"op '{op}' is not one of Add, Sub, Mul, Div, Pow")
@@ -95,12 +95,12 @@ def binary_const_scalar(ctx, x, value=0.0, op="Add", scalar_in_lhs=0, **_):
 
 
 @_g("IncrementMod")
-def increment_mod(ctx, x, increment=1.0, modulus=1.0, **_):
+def increment_mod(ctx: LowerCtx, x, increment=1.0, modulus=1.0, **_):
     return jnp.remainder(x + _cast(increment, x), _cast(modulus, x))
 
 
 @_g("Bucketize")
-def bucketize(ctx, x, boundaries, right=0, **_):
+def bucketize(ctx: LowerCtx, x, boundaries, right=0, **_):
     """right=0: boundaries[i-1] < x <= boundaries[i]; right=1: boundaries[i-1] <= x < boundaries[i]."""
     return jnp.searchsorted(boundaries, x, side="right" if right else "left").astype(jnp.int32)
 
@@ -109,18 +109,18 @@ def bucketize(ctx, x, boundaries, right=0, **_):
 # Shape-like ops with attributes
 
 @_g("Reshape")
-def reshape(ctx, x, shape=(), **_):
+def reshape(ctx: LowerCtx, x, shape=(), **_):
     shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
     return jnp.reshape(x, shape)
 
 
 @_g("Reverse")
-def reverse(ctx, x, dimensions=(), **_):
+def reverse(ctx: LowerCtx, x, dimensions=(), **_):
     return jnp.flip(x, tuple(dimensions)) if dimensions else x
 
 
 @_g("Slice")
-def slice_(ctx, x, starts=(), ends=(), axes=None, **_):
+def slice_(ctx: LowerCtx, x, starts=(), ends=(), axes=None, **_):
     idx = [slice(None)] * x.ndim
     for s, e, a in zip(starts, ends, axes if axes else range(len(starts))):
         idx[a] = slice(s, e)
@@ -128,12 +128,12 @@ def slice_(ctx, x, starts=(), ends=(), axes=None, **_):
 
 
 @_g("Subsample")
-def subsample(ctx, x, strides=(), **_):
+def subsample(ctx: LowerCtx, x, strides=(), **_):
     return x[tuple(slice(None, None, s) for s in strides)]
 
 
 @_g("DepthToSpace")
-def depth_to_space(ctx, x, blocksize=1, mode="DCR", **_):
+def depth_to_space(ctx: LowerCtx, x, blocksize=1, mode="DCR", **_):
     n, c, h, w = x.shape
     b = blocksize
     if mode == "DCR":
@@ -146,12 +146,12 @@ def depth_to_space(ctx, x, blocksize=1, mode="DCR", **_):
 
 
 @_g("Zeros")
-def zeros(ctx, shape=(), dtype=1, **_):
+def zeros(ctx: LowerCtx, shape=(), dtype=1, **_):
     return jnp.zeros(tuple(shape), np_dtype(dtype))
 
 
 @_g("Init")
-def init(ctx, shape=(), data_type=1, tensor_type=None, init_type=1, batch_axis=None, **_):
+def init(ctx: LowerCtx, shape=(), data_type=1, tensor_type=None, init_type=1, batch_axis=None, **_):
     """InitType Zero (1) and NoInit (0) both give zeros (NoInit's content is undefined)."""
     return jnp.zeros(tuple(shape), np_dtype(data_type))
 
@@ -175,30 +175,30 @@ def _dyn_sizes(x, axes, sizes):
 
 
 @_g("DynamicSlice")
-def dynamic_slice(ctx, x, offset, axes=(), sizes=(), noOverlap=0, **_):
+def dynamic_slice(ctx: LowerCtx, x, offset, axes=(), sizes=(), noOverlap=0, **_):
     return lax.dynamic_slice(x, _dyn_starts(x, offset, axes), _dyn_sizes(x, axes, sizes))
 
 
 @_g("DynamicUpdate")
-def dynamic_update(ctx, x, offset, upd, axes=(), sizes=(), noOverlap=0, **_):
+def dynamic_update(ctx: LowerCtx, x, offset, upd, axes=(), sizes=(), noOverlap=0, **_):
     return lax.dynamic_update_slice(x, upd.astype(x.dtype), _dyn_starts(x, offset, axes))
 
 
 @_g("DynamicAdd")
-def dynamic_add(ctx, x, offset, upd, axes=(), sizes=(), **_):
+def dynamic_add(ctx: LowerCtx, x, offset, upd, axes=(), sizes=(), **_):
     st = _dyn_starts(x, offset, axes)
     cur = lax.dynamic_slice(x, st, upd.shape)
     return lax.dynamic_update_slice(x, cur + upd.astype(x.dtype), st)
 
 
 @_g("DynamicZero")
-def dynamic_zero(ctx, x, offset, axes=(), sizes=(), **_):
+def dynamic_zero(ctx: LowerCtx, x, offset, axes=(), sizes=(), **_):
     return lax.dynamic_update_slice(x, jnp.zeros(_dyn_sizes(x, axes, sizes), x.dtype),
                                     _dyn_starts(x, offset, axes))
 
 
 @_g("SequenceSlice")
-def sequence_slice(ctx, src, dst, n, src_off, dst_off, zeroUnused=0, **_):
+def sequence_slice(ctx: LowerCtx, src, dst, n, src_off, dst_off, zeroUnused=0, **_):
     """dst[dOff:dOff+N] = src[sOff:sOff+N] for each (N, sOff, dOff); entries after the first
     N == 0 are ignored."""
     s2, d2 = src.reshape(src.shape[0], -1), dst.reshape(dst.shape[0], -1)
@@ -217,7 +217,7 @@ def sequence_slice(ctx, src, dst, n, src_off, dst_off, zeroUnused=0, **_):
 # Normalization, convolution
 
 @_g("GroupNormalization")
-def group_normalization(ctx, x, scale, bias, num_groups=1, epsilon=1e-5, **_):
+def group_normalization(ctx: LowerCtx, x, scale, bias, num_groups=1, epsilon=1e-5, **_):
     """Outputs y, mean and inverse standard deviation, the last two of shape [N * groups].
     As PopART's GroupNormGradOp, only y is differentiated (the textbook gradient, which
     autodiff gives): mean and inverse standard deviation pass no gradient back."""
@@ -228,7 +228,7 @@ def group_normalization(ctx, x, scale, bias, num_groups=1, epsilon=1e-5, **_):
 
 
 @_g("BatchNormalization")
-def batch_normalization(ctx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, **_):
+def batch_normalization(ctx: LowerCtx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, **_):
     """ONNX's BatchNormalization, except the running variance uses the unbiased (N-1)
     batch variance, like PyTorch."""
     outs = nn.batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, ctx.training,
@@ -237,7 +237,7 @@ def batch_normalization(ctx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9,
 
 
 @_g("MultiConv")
-def multi_conv(ctx, *ins, dilations=(), inDilations=(), pads=(), outPads=(), strides=(), **_):
+def multi_conv(ctx: LowerCtx, *ins, dilations=(), inDilations=(), pads=(), outPads=(), strides=(), **_):
     """Independent convolutions; inputs [X0, W0, B0, X1, W1, B1, ...] (or pairs without
     biases); list attributes are per convolution, nested or flattened."""
     n = ctx.num_outputs
@@ -264,7 +264,7 @@ def multi_conv(ctx, *ins, dilations=(), inDilations=(), pads=(), outPads=(), str
 
 @_g("Normalize_Image")  # the Builder's op type for normalize_image
 @_g("NormalizeImage")
-def normalize_image(ctx, img, offsets, scales, scale=1.0, **_):
+def normalize_image(ctx: LowerCtx, img, offsets, scales, scale=1.0, **_):
     """(img * scale - offsets) * scales on the 3 channels of a (B, H, W, 3) image, padded
     with a zero fourth channel; uint8 images give float16."""
     dt = jnp.float16 if img.dtype == jnp.uint8 else img.dtype
@@ -276,13 +276,13 @@ def normalize_image(ctx, img, offsets, scales, scale=1.0, **_):
 # Sorting, selection, scatter / gather
 
 @_g("Sort")
-def sort(ctx, x, axis=-1, descending=0, stable=0, **_):
+def sort(ctx: LowerCtx, x, axis=-1, descending=0, stable=0, **_):
     idx = jnp.argsort(x, axis=axis, stable=True, descending=bool(descending))
     return jnp.take_along_axis(x, idx, axis), idx.astype(jnp.int32)
 
 
 @_g("TopK")
-def topk(ctx, x, k, axis=-1, largest=1, sorted=1, **_):
+def topk(ctx: LowerCtx, x, k, axis=-1, largest=1, sorted=1, **_):
     k = int(ctx.static(k, "TopK k").reshape(()))
     idx = jnp.argsort(x, axis=axis, stable=True, descending=bool(largest))
     idx = lax.slice_in_dim(idx, 0, k, axis=axis % x.ndim)
@@ -290,7 +290,7 @@ def topk(ctx, x, k, axis=-1, largest=1, sorted=1, **_):
 
 
 @_g("ReduceMedian")
-def reduce_median(ctx, x, axes=None, keepdims=1, **_):
+def reduce_median(ctx: LowerCtx, x, axes=None, keepdims=1, **_):
     """Lower median; indices flattened over the reduced axes."""
     axes = sorted(a % x.ndim for a in (axes if axes else range(x.ndim)))
     keep = [a for a in range(x.ndim) if a not in axes]
@@ -308,14 +308,14 @@ def reduce_median(ctx, x, axes=None, keepdims=1, **_):
 _SCATTER = {"sum": 0, "max": 1, "min": 2, "mul": 3, "none": 4, "noreduction": 4}
 
 
-def _scatter_reduction(ctx, r):
+def _scatter_reduction(ctx: LowerCtx, r):
     k = _SCATTER.get(r.lower()) if isinstance(r, str) else int(r)
     if k is None or not 0 <= k <= 4:
         raise ctx.error(f"reduction '{r}' is not one of Sum, Max, Min, Mul, None")
     return k
 
 
-def _scatter(ctx, src, index, init, axis_size, axis, reduction, enable_index_broadcast):
+def _scatter(ctx: LowerCtx, src, index, init, axis_size, axis, reduction, enable_index_broadcast):
     axis %= src.ndim
     red = _scatter_reduction(ctx, reduction)
     if index.ndim == 1 and src.ndim > 1 and enable_index_broadcast:
@@ -391,7 +391,7 @@ _scatter_rows_grad.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
 
 
 @_g("ScatterReduce")
-def scatter_reduce(ctx, src, index, init=None, axis_size=None, axis=-1, reduction="Sum",
+def scatter_reduce(ctx: LowerCtx, src, index, init=None, axis_size=None, axis=-1, reduction="Sum",
                    enable_index_broadcast=1, **_):
     """out[i] = reduce(src[index == i]) along ``axis``; outputs nobody writes are 0 (or the
     optional initial_values input)."""
@@ -399,7 +399,7 @@ def scatter_reduce(ctx, src, index, init=None, axis_size=None, axis=-1, reductio
 
 
 @_g("GroupedScatterReduce")
-def grouped_scatter_reduce(ctx, src, index, init=None, axis_size=None, axis=-1, reduction="Sum",
+def grouped_scatter_reduce(ctx: LowerCtx, src, index, init=None, axis_size=None, axis=-1, reduction="Sum",
                            group_size=1, enable_index_broadcast=1, **_):
     ax = axis % src.ndim - 1
     f = lambda s, i, b: _scatter(ctx, s, i, b, axis_size, ax, reduction, enable_index_broadcast)
@@ -409,7 +409,7 @@ def grouped_scatter_reduce(ctx, src, index, init=None, axis_size=None, axis=-1, 
 
 
 @_g("GroupedGather")
-def grouped_gather(ctx, data, indices, axis=0, group_size=1, **_):
+def grouped_gather(ctx: LowerCtx, data, indices, axis=0, group_size=1, **_):
     """Gather within each group: the leading axis of ``data`` and ``indices`` is the group;
     ``axis`` counts axes of ``data`` including it."""
     ax = axis % data.ndim
@@ -419,7 +419,7 @@ def grouped_gather(ctx, data, indices, axis=0, group_size=1, **_):
 
 
 @_g("Histogram")
-def histogram(ctx, x, levels=(), absoluteOfInput=0, **_):
+def histogram(ctx: LowerCtx, x, levels=(), absoluteOfInput=0, **_):
     """Counts of x in (-inf, l0), [l0, l1), ..., [l_last, inf): len(levels)+1 uint32 bins."""
     v = jnp.abs(x) if absoluteOfInput else x
     b = jnp.searchsorted(jnp.asarray(levels, v.dtype), v.reshape(-1), side="right")
@@ -430,7 +430,7 @@ def histogram(ctx, x, levels=(), absoluteOfInput=0, **_):
 # Random
 
 @_g("ShapedDropout", random=True)
-def shaped_dropout(ctx, x, shape=(), ratio=0.5, **_):
+def shaped_dropout(ctx: LowerCtx, x, shape=(), ratio=0.5, **_):
     """Dropout with one mask of ``shape`` broadcast over x; only active in training."""
     if not ctx.training:
         return x
@@ -459,14 +459,14 @@ def _print(title, x, print_gradient):
 
 
 @_g("PrintTensor")
-def print_tensor(ctx, x, print_gradient=1, title="", **_):
+def print_tensor(ctx: LowerCtx, x, print_gradient=1, title="", **_):
     """Identity that prints the tensor (and its gradient, when print_gradient) at run time."""
     head = (title or ctx.input_ids[0]) + ": "
     return _print(head.replace("{", "{{").replace("}", "}}"), x, print_gradient)
 
 
 @_g("Abort")
-def abort(ctx, cond=None, **_):
+def abort(ctx: LowerCtx, cond=None, **_):
     """Raises at run time (XLA reports a runtime error from the host callback) when the
     condition input is true, or always without one."""
     def host(c):
@@ -477,7 +477,7 @@ def abort(ctx, cond=None, **_):
 
 
 @_g("CopyVarUpdate")
-def copy_var_update(ctx, var, updater, **_):
+def copy_var_update(ctx: LowerCtx, var, updater, **_):
     """Write ``updater`` to the variable ``var`` at the end of the step; returns the new value."""
     new = updater.astype(var.dtype)
     ctx.assign(ctx.input_ids[0], new)
@@ -488,7 +488,7 @@ def copy_var_update(ctx, var, updater, **_):
 # Splines (torch_spline_conv semantics)
 
 @_g("SplineBasis")
-def spline_basis(ctx, pseudo, kernel_size, is_open_spline, degree=1, **_):
+def spline_basis(ctx: LowerCtx, pseudo, kernel_size, is_open_spline, degree=1, **_):
     """B-spline basis [E, S] and weight indices [E, S], S = (degree+1)^D."""
     e, d = pseudo.shape
     s = (degree + 1) ** d
@@ -519,7 +519,7 @@ def spline_basis(ctx, pseudo, kernel_size, is_open_spline, degree=1, **_):
 
 
 @_g("SplineWeighting")
-def spline_weighting(ctx, x, weight, basis, weight_index, **_):
+def spline_weighting(ctx: LowerCtx, x, weight, basis, weight_index, **_):
     """out[e] = sum_s basis[e, s] * (x[e] @ weight[weight_index[e, s]])."""
     w = weight[weight_index]                      # [E, S, Cin, Cout]
     return jnp.einsum("es,ei,esio->eo", basis, x, w, precision=lax.Precision.HIGHEST)

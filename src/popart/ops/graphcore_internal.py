@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from ..tensorinfo import np_dtype
-from .registry import GRAPHCORE_DOMAIN, register
+from .registry import GRAPHCORE_DOMAIN, LowerCtx, register
 
 
 def _g(name, **kw):
@@ -21,7 +21,7 @@ def _g(name, **kw):
 # Convolution
 
 @_g("ConvFlipWeights")
-def conv_flip_weights(ctx, w, group=1, groupReshape=0, **_):
+def conv_flip_weights(ctx: LowerCtx, w, group=1, groupReshape=0, **_):
     """The weights of a convolution's data-gradient (transposed) convolution.
 
     ``w`` is ONNX Conv's weight [O, I/g, *k]. Per group, the input and output channels are
@@ -50,7 +50,7 @@ def conv_flip_weights(ctx, w, group=1, groupReshape=0, **_):
 FP16_MAX_POW2 = 32768.0   # the largest power of two float16 holds (2^15)
 
 
-def _threshold(ctx, override):
+def _threshold(ctx: LowerCtx, override):
     if override is not None:
         return float(override)
     als = getattr(ctx.options, "automaticLossScalingSettings", None)
@@ -58,7 +58,7 @@ def _threshold(ctx, override):
 
 
 @_g("LossScaleUpdate")
-def loss_scale_update(ctx, factor, *rest, updateFactorDType=None, clipOutput=0,
+def loss_scale_update(ctx: LowerCtx, factor, *rest, updateFactorDType=None, clipOutput=0,
                       thresholdUpperCountProportion=None, **_):
     """The automatic-loss-scaling update factor.
 
@@ -104,7 +104,7 @@ def loss_scale_update(ctx, factor, *rest, updateFactorDType=None, clipOutput=0,
 # ---------------------------------------------------------------------------------------
 # Host streams
 
-def _stream_id(ctx, streamid, streamId):
+def _stream_id(ctx: LowerCtx, streamid, streamId):
     sid = streamid if streamid is not None else streamId
     if not sid:
         raise ctx.error("attribute 'streamid' (the host stream's tensor id) is required")
@@ -112,14 +112,14 @@ def _stream_id(ctx, streamid, streamId):
 
 
 @_g("HostLoad")
-def host_load(ctx, x, streamid=None, streamId=None, **_):
+def host_load(ctx: LowerCtx, x, streamid=None, streamId=None, **_):
     """Load a tensor from host stream ``streamid`` into ``x``'s place.
 
     On XLA the host streams are the step's inputs: the result is the value of the tensor
     named ``streamid`` (a graph input, or any tensor of an enclosing scope) when there is
     one, converted to ``x``'s type, else ``x`` unchanged."""
     sid = _stream_id(ctx, streamid, streamId)
-    v = ctx.env.get(sid) if hasattr(ctx.env, "get") else None
+    v = ctx.host_stream(sid)
     if v is None:
         return x
     if tuple(np.shape(v)) != tuple(np.shape(x)):
@@ -129,7 +129,7 @@ def host_load(ctx, x, streamid=None, streamId=None, **_):
 
 
 @_g("HostStore")
-def host_store(ctx, x, streamid=None, streamId=None, **_):
+def host_store(ctx: LowerCtx, x, streamid=None, streamId=None, **_):
     """Store ``x`` to host stream ``streamid``.
 
     On XLA the host reads anchors: when no tensor named ``streamid`` exists in the graph
@@ -138,17 +138,16 @@ def host_store(ctx, x, streamid=None, streamId=None, **_):
     exists (e.g. the anchor is the stored tensor itself) the op does nothing. PopART's op
     has no outputs; an output the node declares anyway is ``x``."""
     sid = _stream_id(ctx, streamid, streamId)
-    if sid not in ctx.env:
-        ctx.env[sid] = x
+    ctx.store_host_stream(sid, x)
     return x if ctx.num_outputs else []
 
 
 # ---------------------------------------------------------------------------------------
 # Remote buffers
 
-def _remote_buffers(ctx) -> dict:
+def _remote_buffers(ctx: LowerCtx) -> dict:
     """Remote buffer id -> [(offset, value)] stores of this graph execution (on the TraceState)."""
-    return ctx.state.remote_buffers
+    return ctx.remote_buffers()
 
 
 def _offset(offset):
@@ -161,14 +160,14 @@ def _offset(offset):
     return jnp.asarray(offset).reshape(()).astype(jnp.int32)
 
 
-def _bufferid(ctx, bufferid):
+def _bufferid(ctx: LowerCtx, bufferid):
     if bufferid is None:
         raise ctx.error("attribute 'bufferid' is required")
     return int(bufferid)
 
 
 @_g("RemoteStore")
-def remote_store(ctx, x, offset=None, bufferid=None, **_):
+def remote_store(ctx: LowerCtx, x, offset=None, bufferid=None, **_):
     """Write ``x`` to entry ``offset`` (default 0) of remote buffer ``bufferid``.
 
     On XLA, device memory is the remote memory: the buffers live for one execution of the
@@ -190,7 +189,7 @@ def remote_store(ctx, x, offset=None, bufferid=None, **_):
 
 
 @_g("RemoteLoad")
-def remote_load(ctx, x, offset=None, bufferid=None, **_):
+def remote_load(ctx: LowerCtx, x, offset=None, bufferid=None, **_):
     """Read entry ``offset`` (default 0) of remote buffer ``bufferid`` into ``x``'s place:
     the value the latest earlier RemoteStore of this graph execution wrote to that entry
     (offsets known only at run time are compared at run time), or ``x`` unchanged when
@@ -238,7 +237,7 @@ def _repack(result, r, offsets, lengths):
 
 
 @_g("PackedDataBlock")
-def packed_data_block(ctx, *ins, maxSequenceLengths=(), resultSize=None, callbackBatchSize=1,
+def packed_data_block(ctx: LowerCtx, *ins, maxSequenceLengths=(), resultSize=None, callbackBatchSize=1,
                       callback=None, **_):
     """Run ``callback`` on sequences unpacked from packed tensors and pack its results.
 

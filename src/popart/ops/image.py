@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import register
+from .registry import LowerCtx, register
 
 HI = lax.Precision.HIGHEST
 
@@ -54,7 +54,7 @@ def _cubic(a):
     return k
 
 
-def interp_matrix(ctx, mode, coord_mode, nearest_mode, n_in, n_out, scale, cubic_a,
+def interp_matrix(ctx: LowerCtx, mode, coord_mode, nearest_mode, n_in, n_out, scale, cubic_a,
                   exclude_outside, antialias, roi=(0.0, 1.0)):
     """[n_out, n_in] weights of one axis, and the mask of output positions that fall
     outside the input (only used by tf_crop_and_resize)."""
@@ -87,7 +87,7 @@ def interp_matrix(ctx, mode, coord_mode, nearest_mode, n_in, n_out, scale, cubic
     return m, outside
 
 
-def resize_core(ctx, x, out_shape, scales, mode, coord_mode, nearest_mode, cubic_a=-0.75,
+def resize_core(ctx: LowerCtx, x, out_shape, scales, mode, coord_mode, nearest_mode, cubic_a=-0.75,
                 exclude_outside=0, antialias=0, roi=None, extrapolation_value=0.0):
     y = x
     is_int = not jnp.issubdtype(x.dtype, jnp.floating)
@@ -117,7 +117,7 @@ def resize_core(ctx, x, out_shape, scales, mode, coord_mode, nearest_mode, cubic
     return y.astype(x.dtype)
 
 
-def _opt_static(ctx, v, what):
+def _opt_static(ctx: LowerCtx, v, what):
     if v is None:
         return None
     a = ctx.static(v, what)
@@ -125,7 +125,7 @@ def _opt_static(ctx, v, what):
 
 
 @register("Resize", since=10)
-def resize(ctx, x, roi=None, scales=None, sizes=None, mode="nearest", antialias=0, axes=None,
+def resize(ctx: LowerCtx, x, roi=None, scales=None, sizes=None, mode="nearest", antialias=0, axes=None,
            coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0,
            extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", nearest_mode="round_prefer_floor",
            **_):
@@ -166,7 +166,7 @@ def resize(ctx, x, roi=None, scales=None, sizes=None, mode="nearest", antialias=
 
 
 @register("Upsample")
-def upsample(ctx, x, scales_in=None, mode="nearest", scales=None, **_):
+def upsample(ctx: LowerCtx, x, scales_in=None, mode="nearest", scales=None, **_):
     sc = [float(v) for v in (scales if scales_in is None else ctx.static(scales_in, "Upsample scales"))]
     out = [int(math.floor(n * s)) for n, s in zip(x.shape, sc)]
     return resize_core(ctx, x, out, sc, "linear" if mode in ("linear", "bilinear") else mode,
@@ -191,7 +191,7 @@ def _reflect(c, lo, hi):
 
 
 @register("GridSample", since=16)
-def grid_sample(ctx, x, grid, align_corners=0, mode="linear", padding_mode="zeros", **_):
+def grid_sample(ctx: LowerCtx, x, grid, align_corners=0, mode="linear", padding_mode="zeros", **_):
     """Samples X (N, C, D1, ..., Dr) at the normalized positions in grid (N, D1_out, ...,
     Dr_out, r), whose last axis lists the coordinates innermost axis first (x, y, z, ...)."""
     r = x.ndim - 2
@@ -262,7 +262,7 @@ def _jk(d, a=-0.75):
 
 
 @register("AffineGrid", since=20)
-def affine_grid(ctx, theta, size, align_corners=0, **_):
+def affine_grid(ctx: LowerCtx, theta, size, align_corners=0, **_):
     shp = [int(v) for v in ctx.static(size, "AffineGrid size")]
     sp = shp[2:][::-1]  # W, H(, D)
 
@@ -277,7 +277,7 @@ def affine_grid(ctx, theta, size, align_corners=0, **_):
 
 
 @register("RoiAlign", since=10)
-def roi_align(ctx, x, rois, batch_indices, coordinate_transformation_mode="half_pixel",
+def roi_align(ctx: LowerCtx, x, rois, batch_indices, coordinate_transformation_mode="half_pixel",
               mode="avg", output_height=1, output_width=1, sampling_ratio=0, spatial_scale=1.0, **_):
     N, C, H, W = x.shape
     off = 0.5 if (ctx.version >= 16 and coordinate_transformation_mode == "half_pixel") else 0.0

@@ -10,20 +10,20 @@ import numpy as np
 from jax import lax
 
 from ..tensorinfo import np_dtype
-from .registry import GRAPHCORE_DOMAIN, register
+from .registry import GRAPHCORE_DOMAIN, LowerCtx, register
 
 _REDUCTIONS = {"sum": "Sum", "mean": "Mean", "noreduction": "NoReduction", "none": "NoReduction",
                0: "Sum", 1: "Mean", 2: "NoReduction"}
 
 
-def reduction_type(ctx, r):
+def reduction_type(ctx: LowerCtx, r):
     key = r.lower() if isinstance(r, str) else int(r)
     if key not in _REDUCTIONS:
         raise ctx.error(f"reduction '{r}' is not one of Sum, Mean, NoReduction")
     return _REDUCTIONS[key]
 
 
-def reduce_loss(ctx, per, reduction, count=None):
+def reduce_loss(ctx: LowerCtx, per, reduction, count=None):
     """Reduce per-sample losses; Mean divides by ``count`` (default: the number of losses)."""
     r = reduction_type(ctx, reduction)
     if r == "NoReduction":
@@ -83,7 +83,7 @@ def _scale_grad(g, keep, count, r: str):
     return (g * keep)[..., None]
 
 
-def nll_loss(ctx, probs, label, reduction: str, ignore_index, log_input: bool):
+def nll_loss(ctx: LowerCtx, probs, label, reduction: str, ignore_index, log_input: bool):
     """PopART's Nll, with NllGrad's rule as its gradient: d/dp[label] = -1 / max(p, 1e-10)
     (6.104e-5 in float16), or -1 when ``log_input``; 0 for the other classes."""
     r = reduction_type(ctx, reduction)
@@ -111,14 +111,14 @@ def nll_loss(ctx, probs, label, reduction: str, ignore_index, log_input: bool):
 
 
 @_g("Nll")
-def nll(ctx, probs, label, reduction="Mean", ignoreIndex=None, inputIsLogProbability=0, **_):
+def nll(ctx: LowerCtx, probs, label, reduction="Mean", ignoreIndex=None, inputIsLogProbability=0, **_):
     """-log(max(p[label], 1e-7)) (6.104e-5 in float16) over the last (class) axis, or
     -p[label] for log-probabilities; NllGrad's gradient."""
     return nll_loss(ctx, probs, label, reduction, ignoreIndex, bool(inputIsLogProbability))
 
 
 @_g("SoftmaxNll")
-def softmax_nll(ctx, logits, probs, label, reduction="Mean", ignoreIndex=None, axis=-1,
+def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction="Mean", ignoreIndex=None, axis=-1,
                 fuseLoss=1, **_):
     """Nll of ``probs = Softmax(logits)`` whose gradient goes to ``logits`` directly as
     (p - onehot(label)) * scale (SoftmaxGradDirect), exact however saturated p is. With
@@ -150,7 +150,7 @@ def softmax_nll(ctx, logits, probs, label, reduction="Mean", ignoreIndex=None, a
 
 
 @_g("L1")
-def l1(ctx, x, reduction="Mean", **attrs):
+def l1(ctx: LowerCtx, x, reduction="Mean", **attrs):
     """lambda * |x|, reduced; its gradient is lambda * sign(x) (0 at 0), as L1Grad's."""
     lam = attrs.get("lambda", attrs.get("lambda_", 1.0))
     return reduce_loss(ctx, lam * _abs_sign_grad(x), reduction)
@@ -166,7 +166,7 @@ _abs_sign_grad.defjvps(lambda t, y, x: jnp.sign(x) * t)
 
 
 @_g("IdentityLoss")
-def identity_loss(ctx, x, reduction="Mean", **_):
+def identity_loss(ctx: LowerCtx, x, reduction="Mean", **_):
     return reduce_loss(ctx, x, reduction)
 
 
@@ -258,7 +258,7 @@ _ctc_per_sample_grad.defvjp(_ctc_per_sample_fwd, _ctc_per_sample_bwd)
 
 
 @_g("Ctc")
-def ctc(ctx, log_probs, targets, in_lens, tgt_lens, reduction="Mean", blank=0, outDataType=0,
+def ctc(ctx: LowerCtx, log_probs, targets, in_lens, tgt_lens, reduction="Mean", blank=0, outDataType=0,
         zeroInfinity=0, **_):
     """CTC loss; Mean divides each loss by its target length, then averages (PyTorch's
     convention). Output 1 (when declared) is PopART's gradient of the per-sample losses
@@ -280,7 +280,7 @@ def ctc(ctx, log_probs, targets, in_lens, tgt_lens, reduction="Mean", blank=0, o
 
 
 @_g("CtcBeamSearchDecoder")
-def ctc_beam_search_decoder(ctx, log_probs, data_lens, blank=0, beam_width=100, top_paths=1, **_):
+def ctc_beam_search_decoder(ctx: LowerCtx, log_probs, data_lens, blank=0, beam_width=100, top_paths=1, **_):
     """Prefix beam search (inference only), run on the host through jax.pure_callback.
     Returns [labelProbs [N, top], labelLengths [N, top], decodedLabels [N, top, T]]."""
     T, N, C = log_probs.shape

@@ -7,18 +7,18 @@ import numpy as np
 from jax import lax
 
 from .elementwise import c
-from .registry import add, register
+from .registry import add, LowerCtx, register
 
 I64 = jnp.int64
 
 def _dt(x):
     return jnp.result_type(x)
 
-def _static_int(ctx, x, what):
+def _static_int(ctx: LowerCtx, x, what):
     return int(ctx.static(x, what).reshape(-1)[0])
 
 @register("MatMul")
-def matmul(ctx, a, b, **_):
+def matmul(ctx: LowerCtx, a, b, **_):
     return jnp.matmul(a, b)
 
 def _zp_rows(zp, ndim_is_matrix):
@@ -27,7 +27,7 @@ def _zp_rows(zp, ndim_is_matrix):
     return zp[:, None] if zp.ndim == 1 and ndim_is_matrix else zp
 
 @register("MatMulInteger", since=10)
-def matmul_integer(ctx, a, b, a_zero_point=None, b_zero_point=None, **_):
+def matmul_integer(ctx: LowerCtx, a, b, a_zero_point=None, b_zero_point=None, **_):
     a, b = jnp.asarray(a).astype(jnp.int32), jnp.asarray(b).astype(jnp.int32)
     if a_zero_point is not None:
         a = a - _zp_rows(a_zero_point, a.ndim >= 2 and jnp.size(a_zero_point) > 1)
@@ -36,7 +36,7 @@ def matmul_integer(ctx, a, b, a_zero_point=None, b_zero_point=None, **_):
     return jnp.matmul(a, b, preferred_element_type=jnp.int32)
 
 @register("Gemm")
-def gemm(ctx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
+def gemm(ctx: LowerCtx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
     if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
         raise ctx.error(f"A and B must be matrices, got shapes {list(jnp.shape(a))} and {list(jnp.shape(b))}")
     a, b = (a.T if transA else a), (b.T if transB else b)
@@ -47,14 +47,14 @@ def gemm(ctx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
     return y
 
 @register("Einsum", since=12)
-def einsum(ctx, *xs, equation="", **_):
+def einsum(ctx: LowerCtx, *xs, equation="", **_):
     try:
         return jnp.einsum(equation.replace(" ", ""), *xs)
     except ValueError as e:
         raise ctx.error(f"invalid equation {equation!r}: {e}") from None
 
 def _cumulative(fn, init):
-    def lower(ctx, x, axis, exclusive=0, reverse=0, **_):
+    def lower(ctx: LowerCtx, x, axis, exclusive=0, reverse=0, **_):
         ax = _static_int(ctx, axis, "axis") % max(jnp.ndim(x), 1)
         x = jnp.flip(x, ax) if reverse else x
         y = fn(x, axis=ax, dtype=_dt(x))
@@ -75,7 +75,7 @@ def _float_order(x):
     return jnp.where(i < 0, i ^ jnp.iinfo(bits).max, i)
 
 
-def _topk(ctx, x, k, axis, largest, sorted_):
+def _topk(ctx: LowerCtx, x, k, axis, largest, sorted_):
     ax = axis % jnp.ndim(x)
     if not 0 <= k <= x.shape[ax]:
         raise ctx.error(f"k={k} is outside [0, {x.shape[ax]}] (the size of axis {axis})")
@@ -98,7 +98,7 @@ add("TopK", lambda ctx, x, k, axis=-1, largest=1, sorted=1, **_:
     _topk(ctx, x, _static_int(ctx, k, "k"), axis, largest, sorted), since=11)
 
 def _arg(fn):
-    def lower(ctx, x, axis=0, keepdims=1, select_last_index=0, **_):
+    def lower(ctx: LowerCtx, x, axis=0, keepdims=1, select_last_index=0, **_):
         ax = axis % jnp.ndim(x)
         if select_last_index:
             i = x.shape[ax] - 1 - fn(jnp.flip(x, ax), axis=ax, keepdims=bool(keepdims))
@@ -111,11 +111,11 @@ add("ArgMax", _arg(jnp.argmax))
 add("ArgMin", _arg(jnp.argmin))
 
 @register("Det", since=11)
-def det(ctx, x, **_):
+def det(ctx: LowerCtx, x, **_):
     return jnp.linalg.det(x)
 
 @register("Trilu", since=14)
-def trilu(ctx, x, k=None, upper=1, **_):
+def trilu(ctx: LowerCtx, x, k=None, upper=1, **_):
     k = 0 if k is None else _static_int(ctx, k, "k")
     return jnp.triu(x, k) if upper else jnp.tril(x, k)
 
@@ -129,7 +129,7 @@ def _qrange(dt):
         return int(i.min), int(i.max)
     return None
 
-def _expand_param(ctx, p, x, axis, block_size):
+def _expand_param(ctx: LowerCtx, p, x, axis, block_size):
     """Scale / zero point broadcast against ``x``: scalar, per-axis 1-D, or blocked."""
     p = jnp.asarray(p)
     if p.ndim == 0 or (p.ndim == 1 and p.shape[0] == 1 and not block_size):
@@ -160,7 +160,7 @@ def _calc_dtype(dt):
     return jnp.float64 if np.dtype(dt) == np.float64 else jnp.float32
 
 @register("QuantizeLinear", since=10)
-def quantize_linear(ctx, x, y_scale, y_zero_point=None, axis=1, saturate=1, block_size=0,
+def quantize_linear(ctx: LowerCtx, x, y_scale, y_zero_point=None, axis=1, saturate=1, block_size=0,
                     output_dtype=0, precision=0, **_):
     from ..tensorinfo import np_dtype
     dt = (jnp.result_type(y_zero_point) if y_zero_point is not None
@@ -175,7 +175,7 @@ def quantize_linear(ctx, x, y_scale, y_zero_point=None, axis=1, saturate=1, bloc
     return saturate_cast(y, dt, saturate)
 
 @register("DequantizeLinear", since=10)
-def dequantize_linear(ctx, x, x_scale, x_zero_point=None, axis=1, block_size=0,
+def dequantize_linear(ctx: LowerCtx, x, x_scale, x_zero_point=None, axis=1, block_size=0,
                       output_dtype=0, **_):
     from ..tensorinfo import np_dtype
     s = _expand_param(ctx, x_scale, x, axis, block_size)
@@ -187,7 +187,7 @@ def dequantize_linear(ctx, x, x_scale, x_zero_point=None, axis=1, block_size=0,
     return (xf * s.astype(cd)).astype(out)
 
 @register("DynamicQuantizeLinear", since=11)
-def dynamic_quantize_linear(ctx, x, **_):
+def dynamic_quantize_linear(ctx: LowerCtx, x, **_):
     lo = jnp.minimum(jnp.min(x), 0.0)
     hi = jnp.maximum(jnp.max(x), 0.0)
     scale = ((hi - lo) / 255.0).astype(x.dtype)
@@ -196,7 +196,7 @@ def dynamic_quantize_linear(ctx, x, **_):
     return y, scale, zp.astype(jnp.uint8)
 
 @register("QLinearMatMul", since=10)
-def qlinear_matmul(ctx, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp, **_):
+def qlinear_matmul(ctx: LowerCtx, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp, **_):
     """Integer matmul, rescaled by a_scale * b_scale / y_scale (per-row a / per-column b)."""
     acc = matmul_integer(ctx, a, b, a_zp, b_zp)
     cd = _calc_dtype(jnp.result_type(a_scale))

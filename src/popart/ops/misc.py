@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import add, register
+from .registry import add, LowerCtx, register
 from .shape import ints, np_type
 
 
@@ -16,7 +16,7 @@ from .shape import ints, np_type
 # Signal processing
 
 def _window(fn):
-    def lower(ctx, size, output_datatype=1, periodic=1, **_):
+    def lower(ctx: LowerCtx, size, output_datatype=1, periodic=1, **_):
         n = int(ctx.static(size, "size").reshape(-1)[0])
         k = np.arange(n, dtype=np.float64)
         w = fn(2 * np.pi * k / (n if periodic else n - 1))
@@ -41,7 +41,7 @@ def _real_pair(y, dtype):
     return jnp.stack([jnp.real(y), jnp.imag(y)], -1).astype(dtype)
 
 
-def _dft(ctx, x, n, axis, inverse, onesided):
+def _dft(ctx: LowerCtx, x, n, axis, inverse, onesided):
     ax = axis % x.ndim
     if ax == x.ndim - 1:
         raise ctx.error("axis must not be the last (real / imaginary) dimension")
@@ -54,7 +54,7 @@ def _dft(ctx, x, n, axis, inverse, onesided):
     return _real_pair(y, x.dtype)
 
 
-def _len(ctx, v, what):
+def _len(ctx: LowerCtx, v, what):
     return None if v is None else int(ctx.static(v, what).reshape(-1)[0])
 
 
@@ -68,7 +68,7 @@ add("DFT", lambda ctx, x, dft_length=None, axis=None, inverse=0, onesided=0, **_
 
 
 @register("STFT", since=17, static_inputs=(1, 3))
-def stft(ctx, x, frame_step, window=None, frame_length=None, onesided=1, **_):
+def stft(ctx: LowerCtx, x, frame_step, window=None, frame_length=None, onesided=1, **_):
     step = _len(ctx, frame_step, "frame_step")
     length = _len(ctx, frame_length, "frame_length") or (None if window is None else window.shape[0])
     if length is None:
@@ -85,7 +85,7 @@ def stft(ctx, x, frame_step, window=None, frame_length=None, onesided=1, **_):
 
 
 @register("MelWeightMatrix", since=17, static_inputs=(0, 1, 2, 3, 4))
-def mel_weight_matrix(ctx, num_mel_bins, dft_length, sample_rate, lower_edge_hertz,
+def mel_weight_matrix(ctx: LowerCtx, num_mel_bins, dft_length, sample_rate, lower_edge_hertz,
                       upper_edge_hertz, output_datatype=1, **_):
     nmel, n, sr = (_len(ctx, v, w) for v, w in ((num_mel_bins, "num_mel_bins"),
                                                    (dft_length, "dft_length"),
@@ -111,7 +111,7 @@ def mel_weight_matrix(ctx, num_mel_bins, dft_length, sample_rate, lower_edge_her
 # Bits and blocks
 
 @register("BitCast", since=26)
-def bitcast(ctx, x, to=None, **_):
+def bitcast(ctx: LowerCtx, x, to=None, **_):
     dt = np_type(ctx, to)
     if dt.itemsize != jnp.result_type(x).itemsize:
         raise ctx.error(f"BitCast needs types of the same bit width; got {x.dtype} -> {dt}")
@@ -121,7 +121,7 @@ def bitcast(ctx, x, to=None, **_):
 
 
 @register("Col2Im", since=18, static_inputs=(1, 2))
-def col2im(ctx, x, image_shape, block_shape, dilations=None, pads=None, strides=None, **_):
+def col2im(ctx: LowerCtx, x, image_shape, block_shape, dilations=None, pads=None, strides=None, **_):
     img, blk = ints(ctx, image_shape, "image_shape"), ints(ctx, block_shape, "block_shape")
     d = len(img)
     dil, st = dilations or [1] * d, strides or [1] * d
@@ -143,24 +143,24 @@ def col2im(ctx, x, image_shape, block_shape, dilations=None, pads=None, strides=
 # ---------------------------------------------------------------------------------------
 # Strings (compile-time constants only)
 
-def _strings(ctx, x, what="input"):
+def _strings(ctx: LowerCtx, x, what="input"):
     x = ctx.static(x, f"the string {what}")
     return x.astype(object)
 
 
 @register("StringConcat", since=20)
-def string_concat(ctx, a, b, **_):
+def string_concat(ctx: LowerCtx, a, b, **_):
     return _strings(ctx, a) + _strings(ctx, b)
 
 
 @register("RegexFullMatch", since=20)
-def regex_full_match(ctx, x, pattern="", **_):
+def regex_full_match(ctx: LowerCtx, x, pattern="", **_):
     rx = re.compile(pattern)
     return np.vectorize(lambda s: rx.fullmatch(s) is not None, otypes=[bool])(_strings(ctx, x))
 
 
 @register("StringSplit", since=20)
-def string_split(ctx, x, delimiter=None, maxsplit=None, **_):
+def string_split(ctx: LowerCtx, x, delimiter=None, maxsplit=None, **_):
     x = _strings(ctx, x)
     parts = [s.split(delimiter or None, -1 if maxsplit is None else maxsplit) for s in x.reshape(-1)]
     width = max([len(p) for p in parts] or [0])
@@ -171,7 +171,7 @@ def string_split(ctx, x, delimiter=None, maxsplit=None, **_):
 
 
 @register("StringNormalizer", since=10)
-def string_normalizer(ctx, x, case_change_action="NONE", is_case_sensitive=0, locale=None,
+def string_normalizer(ctx: LowerCtx, x, case_change_action="NONE", is_case_sensitive=0, locale=None,
                       stopwords=None, **_):
     x = _strings(ctx, x)
     if x.ndim not in (1, 2) or (x.ndim == 2 and x.shape[0] != 1):

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import register
+from .registry import LowerCtx, register
 
 HIGHEST = lax.Precision.HIGHEST
 
 
-def conv_nc(ctx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
+def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
     """ONNX's channels-first convolution (x: N,C,*sp; w: O,I,*k).
 
     On the CPU, as matmuls over patches (``conv_patches``) where that applies. Otherwise as an
@@ -27,7 +27,7 @@ def conv_nc(ctx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, g
     strides, padding = tuple(strides), tuple(map(tuple, padding))
     lhs_dilation, rhs_dilation = tuple(lhs_dilation or ones), tuple(rhs_dilation or ones)
     w = w.astype(x.dtype)
-    if ctx.state.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
+    if ctx.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
     y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,
                   lhs_dilation, rhs_dilation, int(groups))
@@ -161,7 +161,7 @@ def _list(v, n, fill):
     return list(v) if v else [fill] * n
 
 
-def window_pads(ctx, auto_pad, in_sp, k_sp, strides, dil, pads, ceil_mode=0):
+def window_pads(ctx: LowerCtx, auto_pad, in_sp, k_sp, strides, dil, pads, ceil_mode=0):
     """[(lo, hi)] per spatial axis and the output sizes, as ONNX defines them for Conv and
     pools; ``ceil_mode`` extends ``hi`` so the last partial window is kept."""
     n = len(in_sp)
@@ -197,7 +197,7 @@ def _spatial_attrs(x, kernel_shape, strides, dilations):
     return _list(strides, n, 1), _list(dilations, n, 1), list(kernel_shape)
 
 
-def conv_attrs(ctx, x, w, kernel_shape, strides, dilations):
+def conv_attrs(ctx: LowerCtx, x, w, kernel_shape, strides, dilations):
     """(strides, dilations, kernel) of a convolution of x by weight w; a ``kernel_shape``
     attribute, when given, must be w's spatial shape."""
     if kernel_shape and list(kernel_shape) != list(w.shape[2:]):
@@ -207,7 +207,7 @@ def conv_attrs(ctx, x, w, kernel_shape, strides, dilations):
 
 
 @register("Conv")
-def conv(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
+def conv(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
          pads=None, strides=None, **_):
     n = x.ndim - 2
     strides, dil, k = conv_attrs(ctx, x, w, kernel_shape, strides, dilations)
@@ -217,7 +217,7 @@ def conv(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1, kernel_s
 
 
 @register("ConvTranspose")
-def conv_transpose(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1,
+def conv_transpose(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1,
                    kernel_shape=None, output_padding=None, output_shape=None, pads=None,
                    strides=None, **_):
     n = x.ndim - 2
@@ -248,7 +248,7 @@ def conv_transpose(ctx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1
 # ---------------------------------------------------------------------------------------
 # Pooling
 
-def _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
+def _pool_window(ctx: LowerCtx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
     strides, dil, k = _spatial_attrs(x, kernel_shape, strides, dilations)
     pp, out = window_pads(ctx, auto_pad, x.shape[2:], k, strides, dil, pads, ceil_mode)
     return (1, 1, *k), (1, 1, *strides), ((0, 0), (0, 0), *pp), (1, 1, *dil)
@@ -286,7 +286,7 @@ max_blocks.defvjp(_max_blocks_fwd, _max_blocks_bwd)
 
 
 @register("MaxPool")
-def max_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=(),
+def max_pool(ctx: LowerCtx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=(),
              pads=None, storage_order=0, strides=None, **_):
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad,
                                     ceil_mode)
@@ -315,7 +315,7 @@ def max_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shap
     return y, i
 
 
-def _avg(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad):
+def _avg(ctx: LowerCtx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad):
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     s = lax.reduce_window(x, np.array(0, x.dtype), lax.add, win, st, pp, window_dilation=dil)
     with jax.ensure_compile_time_eval():  # window element counts are constants
@@ -330,13 +330,13 @@ def _avg(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, co
 
 
 @register("AveragePool")
-def average_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None,
+def average_pool(ctx: LowerCtx, x, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None,
                  kernel_shape=(), pads=None, strides=None, **_):
     return _avg(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad)
 
 
 @register("LpPool")
-def lp_pool(ctx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=(), p=2,
+def lp_pool(ctx: LowerCtx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=(), p=2,
             pads=None, strides=None, **_):
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
     s = lax.reduce_window(jnp.abs(x) ** p, np.array(0, x.dtype), lax.add, win, st, pp,
@@ -355,7 +355,7 @@ register("GlobalLpPool")(
 
 
 @register("MaxRoiPool")
-def max_roi_pool(ctx, x, rois, pooled_shape=(), spatial_scale=1.0, **_):
+def max_roi_pool(ctx: LowerCtx, x, rois, pooled_shape=(), spatial_scale=1.0, **_):
     ph, pw = pooled_shape
     h, w = x.shape[2:]
 
@@ -381,7 +381,7 @@ def max_roi_pool(ctx, x, rois, pooled_shape=(), spatial_scale=1.0, **_):
 
 
 @register("MaxUnpool", since=9)
-def max_unpool(ctx, x, idx, output_shape=None, kernel_shape=(), pads=None, strides=None, **_):
+def max_unpool(ctx: LowerCtx, x, idx, output_shape=None, kernel_shape=(), pads=None, strides=None, **_):
     """Scatters x to the flat positions ``idx`` of the output. With ``output_shape`` the
     indices address that shape, as in onnxruntime and PyTorch, so MaxPool's indices of an
     odd-sized input put every maximum back in place; ONNX's reference instead addresses the
@@ -456,7 +456,7 @@ def _bn_bwd(epsilon, grad_rstd_scale, res, cts):
 batch_norm_train.defvjp(_bn_fwd, _bn_bwd)
 
 
-def batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, training, unbiased_running=False):
+def batch_norm(ctx: LowerCtx, x, scale, b, mean, var, epsilon, momentum, training, unbiased_running=False):
     """Normalize over every axis but 1; in training use batch statistics and return
     (y, new running mean, new running var, batch mean, batch var).
 
@@ -481,7 +481,7 @@ def batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, training, unbiase
 
 
 @register("BatchNormalization")
-def batch_normalization(ctx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, spatial=1,
+def batch_normalization(ctx: LowerCtx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, spatial=1,
                         training_mode=0, **_):
     training = bool(ctx.training or training_mode)
     if not spatial:  # statistics per (C, D1, ...) element: fold the spatial axes into C
@@ -498,7 +498,7 @@ def batch_normalization(ctx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9,
 
 
 @register("InstanceNormalization")
-def instance_normalization(ctx, x, scale, b, epsilon=1e-5, **_):
+def instance_normalization(ctx: LowerCtx, x, scale, b, epsilon=1e-5, **_):
     ax = _spatial(x)
     m = jnp.mean(x, ax, keepdims=True)
     v = jnp.var(x, ax, keepdims=True)
@@ -510,7 +510,7 @@ def _stash(x, stash_type):
 
 
 @register("LayerNormalization", since=17)
-def layer_normalization(ctx, x, scale, b=None, axis=-1, epsilon=1e-5, stash_type=1, **_):
+def layer_normalization(ctx: LowerCtx, x, scale, b=None, axis=-1, epsilon=1e-5, stash_type=1, **_):
     axis = axis % x.ndim
     ax = tuple(range(axis, x.ndim))
     xs = _stash(x, stash_type)
@@ -530,7 +530,7 @@ def _group_norm(x, num_groups, epsilon, stash_type=1):
 
 
 @register("GroupNormalization", since=18)
-def group_normalization(ctx, x, scale, b, epsilon=1e-5, num_groups=None, stash_type=1, **_):
+def group_normalization(ctx: LowerCtx, x, scale, b, epsilon=1e-5, num_groups=None, stash_type=1, **_):
     y, _m, _i = _group_norm(x, num_groups, epsilon, stash_type)
     c = x.shape[1]
     if ctx.version < 21:  # scale and bias per group
@@ -539,7 +539,7 @@ def group_normalization(ctx, x, scale, b, epsilon=1e-5, num_groups=None, stash_t
 
 
 @register("LRN")
-def lrn(ctx, x, size, alpha=1e-4, beta=0.75, bias=1.0, **_):
+def lrn(ctx: LowerCtx, x, size, alpha=1e-4, beta=0.75, bias=1.0, **_):
     lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
     sq = lax.reduce_window(x * x, np.array(0, x.dtype), lax.add, (1, size) + (1,) * (x.ndim - 2),
                            (1,) * x.ndim, ((0, 0), (lo, hi)) + ((0, 0),) * (x.ndim - 2))
@@ -547,7 +547,7 @@ def lrn(ctx, x, size, alpha=1e-4, beta=0.75, bias=1.0, **_):
 
 
 @register("MeanVarianceNormalization", since=9)
-def mvn(ctx, x, axes=(0, 2, 3), **_):
+def mvn(ctx: LowerCtx, x, axes=(0, 2, 3), **_):
     ax = tuple(a % x.ndim for a in axes)
     m = jnp.mean(x, ax, keepdims=True)
     sd = jnp.sqrt(jnp.mean(x * x, ax, keepdims=True) - m * m)
@@ -555,7 +555,7 @@ def mvn(ctx, x, axes=(0, 2, 3), **_):
 
 
 @register("LpNormalization")
-def lp_normalization(ctx, x, axis=-1, p=2, **_):
+def lp_normalization(ctx: LowerCtx, x, axis=-1, p=2, **_):
     """x divided by its L1 or L2 norm along ``axis``; slices of norm 0 give 0 (as ONNX's
     reference), with a finite (zero) gradient: the norm is taken of 1 there."""
     if p not in (1, 2):
@@ -570,7 +570,7 @@ def lp_normalization(ctx, x, axis=-1, p=2, **_):
 # Dropout
 
 @register("Dropout", random=True)
-def dropout(ctx, x, ratio_in=None, training_mode=None, ratio=0.5, is_test=0, seed=None, **_):
+def dropout(ctx: LowerCtx, x, ratio_in=None, training_mode=None, ratio=0.5, is_test=0, seed=None, **_):
     """Active in a training session's forward pass, or when the training_mode input is true
     (a run-time training_mode selects at run time). Kept elements are scaled by 1/(1-ratio)."""
     r = ratio if ratio_in is None else ratio_in
@@ -593,11 +593,11 @@ def dropout(ctx, x, ratio_in=None, training_mode=None, ratio=0.5, is_test=0, see
 # Softmax family: before opset 13 the input is flattened to 2D at ``axis`` (default 1).
 
 def _softmax_family(fn):
-    def old(ctx, x, axis=1, **_):
+    def old(ctx: LowerCtx, x, axis=1, **_):
         axis %= max(x.ndim, 1)
         return fn(x.reshape(math.prod(x.shape[:axis]), -1), 1).reshape(x.shape)
 
-    def new(ctx, x, axis=-1, **_):
+    def new(ctx: LowerCtx, x, axis=-1, **_):
         return fn(x, axis)
     return old, new
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .registry import register
+from .registry import LowerCtx, register
 
 _REDUCTIONS = ("none", "sum", "mean")
 
 
-def nll(ctx, logp, target, weight=None, ignore_index=None, reduction="mean"):
+def nll(ctx: LowerCtx, logp, target, weight=None, ignore_index=None, reduction="mean"):
     """-logp[n, target[n, ...], ...] * weight[target], reduced as ONNX defines it."""
     if reduction not in _REDUCTIONS:
         raise ctx.error(f"reduction '{reduction}' is not one of {', '.join(_REDUCTIONS)}")
@@ -37,13 +37,13 @@ def nll(ctx, logp, target, weight=None, ignore_index=None, reduction="mean"):
 
 
 @register("NegativeLogLikelihoodLoss", since=12)
-def negative_log_likelihood_loss(ctx, x, target, weight=None, ignore_index=None,
+def negative_log_likelihood_loss(ctx: LowerCtx, x, target, weight=None, ignore_index=None,
                                  reduction="mean", **_):
     return nll(ctx, x, target, weight, ignore_index, reduction)
 
 
 @register("SoftmaxCrossEntropyLoss", since=12)
-def softmax_cross_entropy_loss(ctx, x, target, weight=None, ignore_index=None,
+def softmax_cross_entropy_loss(ctx: LowerCtx, x, target, weight=None, ignore_index=None,
                                reduction="mean", **_):
     """Output 1 (optional) is the log-softmax over the class axis."""
     logp = jax.nn.log_softmax(x, axis=1)

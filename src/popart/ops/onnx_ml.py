@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .registry import ONNX_ML_DOMAIN as ML, register
+from .registry import LowerCtx, ONNX_ML_DOMAIN as ML, register
 
 
 def _str(v):
@@ -27,12 +27,12 @@ def _is_str(a):
 
 
 @register("Binarizer", domain=ML, since=1)
-def binarizer(ctx, x, threshold=0.0, **_):
+def binarizer(ctx: LowerCtx, x, threshold=0.0, **_):
     return (x > jnp.asarray(threshold, jnp.result_type(x))).astype(jnp.result_type(x))
 
 
 @register("ArrayFeatureExtractor", domain=ML, since=1)
-def array_feature_extractor(ctx, x, indices, **_):
+def array_feature_extractor(ctx: LowerCtx, x, indices, **_):
     """x[..., indices] with the indices flattened; a 1-D x gives one row [1, k] (as
     onnxruntime does)."""
     idx = jnp.reshape(indices, (-1,)).astype(jnp.int64)
@@ -55,7 +55,7 @@ def _value_default(values, default):
     return "_Unused" if kind in "OUS" else (-0.0 if kind == "f" else -1)
 
 
-def _label_map(ctx, x, keys, values, default, out_dtype):
+def _label_map(ctx: LowerCtx, x, keys, values, default, out_dtype):
     """Map each element of ``x`` through ``dict(zip(keys, values))`` (last key wins; NaN keys
     match NaN inputs); elements without a key become ``default``."""
     if len(keys) != len(values):
@@ -93,7 +93,7 @@ def _label_map(ctx, x, keys, values, default, out_dtype):
 
 
 @register("LabelEncoder", domain=ML, since=1)
-def label_encoder_v1(ctx, x, classes_strings=(), default_int64=-1, default_string="_Unused", **_):
+def label_encoder_v1(ctx: LowerCtx, x, classes_strings=(), default_int64=-1, default_string="_Unused", **_):
     """Opset 1: strings -> their index in classes_strings, or int64 -> class string."""
     classes = list(classes_strings)
     if _is_str(x):
@@ -104,7 +104,7 @@ def label_encoder_v1(ctx, x, classes_strings=(), default_int64=-1, default_strin
 
 
 @register("LabelEncoder", domain=ML, since=2)
-def label_encoder(ctx, x, keys_floats=None, keys_int64s=None, keys_strings=None, keys_tensor=None,
+def label_encoder(ctx: LowerCtx, x, keys_floats=None, keys_int64s=None, keys_strings=None, keys_tensor=None,
                   values_floats=None, values_int64s=None, values_strings=None, values_tensor=None,
                   default_float=-0.0, default_int64=-1, default_string="_Unused",
                   default_tensor=None, **_):
@@ -158,7 +158,7 @@ def _post_transform(y, mode):
 
 
 @register("TreeEnsemble", domain=ML, since=5)
-def tree_ensemble(ctx, x, nodes_splits=None, nodes_featureids=(), nodes_modes=None,
+def tree_ensemble(ctx: LowerCtx, x, nodes_splits=None, nodes_featureids=(), nodes_modes=None,
                   nodes_truenodeids=(), nodes_falsenodeids=(), nodes_trueleafs=(),
                   nodes_falseleafs=(), leaf_targetids=(), leaf_weights=None, tree_roots=(),
                   n_targets=None, aggregate_function=1, post_transform=0,

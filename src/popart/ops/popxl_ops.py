@@ -8,7 +8,7 @@ from jax import lax
 
 from ..tensorinfo import np_dtype
 from . import losses
-from .registry import register
+from .registry import LowerCtx, register
 
 POPXL_DOMAIN = "ai.popxl"
 
@@ -18,7 +18,7 @@ def _p(name, **kw):
 
 
 @_p("HostLoad")
-def host_load(ctx, buffer, counter, **_):
+def host_load(ctx: LowerCtx, buffer, counter, **_):
     """Element ``counter`` (mod the number of host transfers) of a stream buffer
     [transfers, *shape]; returns it and the incremented counter."""
     i = jnp.asarray(counter, jnp.int32) % buffer.shape[0]
@@ -26,7 +26,7 @@ def host_load(ctx, buffer, counter, **_):
 
 
 @_p("HostStore")
-def host_store(ctx, buffer, counter, x, **_):
+def host_store(ctx: LowerCtx, buffer, counter, x, **_):
     """Write ``x`` at element ``counter`` of a stream buffer; returns the buffer and the
     incremented counter."""
     i = jnp.asarray(counter, jnp.int32) % buffer.shape[0]
@@ -35,7 +35,7 @@ def host_store(ctx, buffer, counter, x, **_):
 
 
 @_p("VJP")
-def vjp(ctx, *ins, fwd, provided, required, **_):
+def vjp(ctx: LowerCtx, *ins, fwd, provided, required, **_):
     """Gradients of forward inputs ``required`` given gradients of forward outputs
     ``provided``. Inputs: the output gradients, then every forward input."""
     grads, xs = list(ins[:len(provided)]), list(ins[len(provided):])
@@ -62,19 +62,19 @@ def _float(dtype):
 
 
 @_p("RandomNormal", random=True)
-def random_normal(ctx, seed, shape=(), mean=0.0, scale=1.0, dtype=1, **_):
+def random_normal(ctx: LowerCtx, seed, shape=(), mean=0.0, scale=1.0, dtype=1, **_):
     dt, work = _float(dtype)
     return (jax.random.normal(_key(seed), tuple(shape), work) * scale + mean).astype(dt)
 
 
 @_p("RandomUniform", random=True)
-def random_uniform(ctx, seed, shape=(), low=0.0, high=1.0, dtype=1, **_):
+def random_uniform(ctx: LowerCtx, seed, shape=(), low=0.0, high=1.0, dtype=1, **_):
     dt, work = _float(dtype)
     return jax.random.uniform(_key(seed), tuple(shape), work, low, high).astype(dt)
 
 
 @_p("Dropout", random=True)
-def dropout(ctx, x, seed, ratio=0.5, shape=None, **_):
+def dropout(ctx: LowerCtx, x, seed, ratio=0.5, shape=None, **_):
     """Keep each element (or each element of a broadcast mask of ``shape``) with probability
     1 - ratio, scaled by 1 / (1 - ratio)."""
     if ratio == 0:
@@ -84,13 +84,13 @@ def dropout(ctx, x, seed, ratio=0.5, shape=None, **_):
 
 
 @_p("SplitRandomSeed", random=True)
-def split_random_seed(ctx, seed, **_):
+def split_random_seed(ctx: LowerCtx, seed, **_):
     keys = jax.random.split(_key(seed), ctx.num_outputs)
     return [jax.random.bits(k, (2,), jnp.uint32) for k in keys]
 
 
 @_p("NllWithSoftmaxGrad")
-def nll_with_softmax_grad(ctx, logits, labels, loss_grad, reduction="Mean", ignoreIndex=None, **_):
+def nll_with_softmax_grad(ctx: LowerCtx, logits, labels, loss_grad, reduction="Mean", ignoreIndex=None, **_):
     """Nll of softmax(logits) and its gradient w.r.t. the logits, times ``loss_grad``: PopART's
     NlllWithSoftmaxGradDirect (loss -log(p + 1e-7), gradient (p - onehot) * loss_grad)."""
     f = lambda z: losses.softmax_nll(ctx, z, jax.nn.softmax(z, -1), labels, reduction, ignoreIndex)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .registry import register
+from .registry import LowerCtx, register
 
 DOMAIN = "ai.onnx.preview.training"
 
 
-def _groups(ctx, args, k):
+def _groups(ctx: LowerCtx, args, k):
     """Split the inputs after R, T into k groups of n (X, G, then k-2 accumulator groups)."""
     if len(args) < k or len(args) % k:
         raise ctx.error(f"expected R, T and {k} groups of equally many tensors, got "
@@ -33,7 +33,7 @@ def _rt(r, t):
 
 
 @register("Adagrad", domain=DOMAIN, since=1)
-def adagrad(ctx, r, t, *args, decay_factor=0.0, epsilon=1e-6, norm_coefficient=0.0, **_):
+def adagrad(ctx: LowerCtx, r, t, *args, decay_factor=0.0, epsilon=1e-6, norm_coefficient=0.0, **_):
     xs, gs, hs = _groups(ctx, args, 3)
     r, t = _rt(r, t)
     lr = r / (1 + t * decay_factor)
@@ -47,7 +47,7 @@ def adagrad(ctx, r, t, *args, decay_factor=0.0, epsilon=1e-6, norm_coefficient=0
 
 
 @register("Adam", domain=DOMAIN, since=1)
-def adam(ctx, r, t, *args, alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient=0.0,
+def adam(ctx: LowerCtx, r, t, *args, alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient=0.0,
          norm_coefficient_post=0.0, **_):
     xs, gs, vs, hs = _groups(ctx, args, 4)
     r, t = _rt(r, t)
@@ -67,7 +67,7 @@ def adam(ctx, r, t, *args, alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient
 
 
 @register("Momentum", domain=DOMAIN, since=1)
-def momentum(ctx, r, t, *args, alpha=None, beta=None, mode=None, norm_coefficient=None, **_):
+def momentum(ctx: LowerCtx, r, t, *args, alpha=None, beta=None, mode=None, norm_coefficient=None, **_):
     missing = [k for k, v in (("alpha", alpha), ("beta", beta), ("mode", mode),
                               ("norm_coefficient", norm_coefficient)) if v is None]
     if missing:

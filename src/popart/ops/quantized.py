@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from .math import _calc_dtype, saturate_cast
 from .nn import conv
-from .registry import register
+from .registry import LowerCtx, register
 
 I32 = jnp.int32
 
@@ -26,17 +26,17 @@ def _centered(v, zp, per_channel=False):
     return v - zp.reshape(())
 
 
-def conv_integer_nc(ctx, x, w, x_zp, w_zp, attrs):
+def conv_integer_nc(ctx: LowerCtx, x, w, x_zp, w_zp, attrs):
     return conv(ctx, _centered(x, x_zp), _centered(w, w_zp, per_channel=True), None, **attrs)
 
 
 @register("ConvInteger", since=10)
-def conv_integer(ctx, x, w, x_zero_point=None, w_zero_point=None, **attrs):
+def conv_integer(ctx: LowerCtx, x, w, x_zero_point=None, w_zero_point=None, **attrs):
     return conv_integer_nc(ctx, x, w, x_zero_point, w_zero_point, attrs)
 
 
 @register("QLinearConv", since=10)
-def qlinear_conv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale,
+def qlinear_conv(ctx: LowerCtx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale,
                  y_zero_point=None, b=None, **attrs):
     acc = conv_integer_nc(ctx, x, w, x_zero_point, w_zero_point, attrs)
     n = acc.ndim - 2

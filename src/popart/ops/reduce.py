@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import add
+from .registry import add, LowerCtx
 
 
 def _lowest(x, sign):
@@ -84,7 +84,7 @@ REDUCE = {  # name: (fn(x, axes, keepdims), opset where axes became an input)
 }
 
 
-def reduce_axes(ctx, x, axes, noop_with_empty_axes):
+def reduce_axes(ctx: LowerCtx, x, axes, noop_with_empty_axes):
     """Normalized axes tuple. Empty axes reduce everything, or with noop_with_empty_axes
     nothing (``()``: the op's elementwise part still applies, as onnx's reference does)."""
     axes = [] if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
@@ -97,14 +97,14 @@ def reduce_axes(ctx, x, axes, noop_with_empty_axes):
 
 
 def _attr_form(fn):
-    def lower(ctx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
+    def lower(ctx: LowerCtx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
         ax = reduce_axes(ctx, x, axes, noop_with_empty_axes)
         return fn(x, ax, bool(keepdims))
     return lower
 
 
 def _input_form(fn):
-    def lower(ctx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
+    def lower(ctx: LowerCtx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
         axes = None if axes is None else ctx.static(axes, "axes")
         ax = reduce_axes(ctx, x, axes, noop_with_empty_axes)
         return fn(x, ax, bool(keepdims))

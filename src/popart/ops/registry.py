@@ -53,6 +53,7 @@ class LowerCtx(Protocol):
     replica_axis: Optional[str]   # vmap / shard_map axis name of replicas, or None
     replication_factor: int
     options: Any          # the session's SessionOptions (or None)
+    platform: str         # where the program runs: "cpu", "gpu", ...
 
     def rng(self) -> Any:
         """A fresh jax PRNG key derived from the session seed (for random ops)."""
@@ -87,10 +88,24 @@ class LowerCtx(Protocol):
     def error(self, msg: str) -> Exception:
         """An UnsupportedOperatorError whose message names this node."""
 
+    def host_stream(self, stream_id: str) -> Any:
+        """The value of host stream ``stream_id``, or None (HostLoad)."""
+
+    def store_host_stream(self, stream_id: str, value: Any) -> None:
+        """Make ``value`` readable as host stream ``stream_id`` (HostStore)."""
+
+    def remote_buffers(self) -> dict:
+        """Remote buffer id -> [(offset, value)] stores of this graph execution."""
+
     def check(self, failed: Any, message: str, **values: Any) -> None:
         """A run-time check: when ``failed`` (bool scalar) is true the run raises
         popart_runtime_error with ``message`` (naming this node; ``{name}`` replaced by the int
         scalar ``values[name]``); known at compile time, ModelError now."""
+
+
+def is_static(x: Any) -> bool:
+    """True for a value known at compile time (NumPy / Python), or an omitted input."""
+    return x is None or isinstance(x, (np.ndarray, np.generic, int, float, bool))
 
 
 @dataclass

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .registry import GRAPHCORE_DOMAIN, register
+from .registry import GRAPHCORE_DOMAIN, LowerCtx, register
 
 HI = lax.Precision.HIGHEST
 
@@ -25,7 +25,7 @@ ACTIVATIONS = {
 }
 
 
-def activations(ctx, names, alphas, betas, defaults, num_dirs):
+def activations(ctx: LowerCtx, names, alphas, betas, defaults, num_dirs):
     """Per direction, the list of activation callables (alpha / beta consumed in order)."""
     names = list(names) if names else defaults * num_dirs
     if len(names) == 2 * len(defaults) and num_dirs == 1:  # RNN's schema default lists both
@@ -79,7 +79,7 @@ def _mm(a, b):
     return jnp.matmul(a, b, precision=HI)
 
 
-def onnx_rnn(ctx, kind, x, w, r, b, lens, h0, c0, p, direction, hidden_size, layout, acts,
+def onnx_rnn(ctx: LowerCtx, kind, x, w, r, b, lens, h0, c0, p, direction, hidden_size, layout, acts,
              clip, input_forget=0, linear_before_reset=0):
     if layout:
         x = x.swapaxes(0, 1)
@@ -141,12 +141,12 @@ def onnx_rnn(ctx, kind, x, w, r, b, lens, h0, c0, p, direction, hidden_size, lay
     return [Y, Yh] + ([Yc] if kind == "LSTM" else [])
 
 
-def _common(ctx, defaults, nd, activations_, activation_alpha, activation_beta):
+def _common(ctx: LowerCtx, defaults, nd, activations_, activation_alpha, activation_beta):
     return activations(ctx, activations_, activation_alpha, activation_beta, defaults, nd)
 
 
 @register("LSTM")
-def lstm(ctx, x, w, r, b=None, lens=None, h0=None, c0=None, p=None, activation_alpha=None,
+def lstm(ctx: LowerCtx, x, w, r, b=None, lens=None, h0=None, c0=None, p=None, activation_alpha=None,
          activation_beta=None, activations=None, clip=None, direction="forward", hidden_size=None,
          input_forget=0, layout=0, **_):
     nd = 2 if direction == "bidirectional" else 1
@@ -156,7 +156,7 @@ def lstm(ctx, x, w, r, b=None, lens=None, h0=None, c0=None, p=None, activation_a
 
 
 @register("GRU")
-def gru(ctx, x, w, r, b=None, lens=None, h0=None, activation_alpha=None, activation_beta=None,
+def gru(ctx: LowerCtx, x, w, r, b=None, lens=None, h0=None, activation_alpha=None, activation_beta=None,
         activations=None, clip=None, direction="forward", hidden_size=None,
         linear_before_reset=0, layout=0, **_):
     nd = 2 if direction == "bidirectional" else 1
@@ -166,7 +166,7 @@ def gru(ctx, x, w, r, b=None, lens=None, h0=None, activation_alpha=None, activat
 
 
 @register("RNN")
-def rnn(ctx, x, w, r, b=None, lens=None, h0=None, activation_alpha=None, activation_beta=None,
+def rnn(ctx: LowerCtx, x, w, r, b=None, lens=None, h0=None, activation_alpha=None, activation_beta=None,
         activations=None, clip=None, direction="forward", hidden_size=None, layout=0, **_):
     nd = 2 if direction == "bidirectional" else 1
     acts = _common(ctx, ["Tanh"], nd, activations, activation_alpha, activation_beta)
@@ -175,7 +175,7 @@ def rnn(ctx, x, w, r, b=None, lens=None, h0=None, activation_alpha=None, activat
 
 
 @register("LSTM", domain=GRAPHCORE_DOMAIN)
-def popart_lstm(ctx, x, weights, biases=None, init_state=None, lens=None, outputFullSequence=1, **_):
+def popart_lstm(ctx: LowerCtx, x, weights, biases=None, init_state=None, lens=None, outputFullSequence=1, **_):
     """PopART's LSTM: x [T, B, I], weights [4, I + H, H] (input then recurrent weights),
     biases [4, H], initialState [2, B, H] (output, cell), gates in poplibs' order
     (forget, input, candidate, output). Outputs: output [T, B, H] (or [B, H] when

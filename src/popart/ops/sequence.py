@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .registry import add, register
+from .registry import add, is_static, LowerCtx, register
 from .shape import ints, _split
 
 
-def _pos(ctx, seq, pos, insert=False):
+def _pos(ctx: LowerCtx, seq, pos, insert=False):
     p = int(ctx.static(pos, "position").reshape(-1)[0])
     n = len(seq) + (1 if insert else 0)
     if not -n <= p < n:
@@ -24,9 +24,8 @@ add("SequenceLength", lambda ctx, seq, **_: np.array(len(seq), np.int64), since=
 
 
 @register("SequenceAt", since=11)
-def sequence_at(ctx, seq, pos, **_):
+def sequence_at(ctx: LowerCtx, seq, pos, **_):
     """A run-time position works when all elements have the same shape and dtype."""
-    from ..engine.lower import is_static
     if is_static(pos) or not seq:
         return (seq[_pos(ctx, seq, pos)],)
     if len({(jnp.shape(x), jnp.result_type(x)) for x in seq}) != 1:
@@ -36,19 +35,19 @@ def sequence_at(ctx, seq, pos, **_):
 
 
 @register("SequenceErase", since=11, static_inputs=(1,))
-def sequence_erase(ctx, seq, pos=None, **_):
+def sequence_erase(ctx: LowerCtx, seq, pos=None, **_):
     p = len(seq) - 1 if pos is None else _pos(ctx, seq, pos)
     return (seq[:p] + seq[p + 1:],)
 
 
 @register("SequenceInsert", since=11, static_inputs=(2,))
-def sequence_insert(ctx, seq, x, pos=None, **_):
+def sequence_insert(ctx: LowerCtx, seq, x, pos=None, **_):
     p = len(seq) if pos is None else _pos(ctx, seq, pos, insert=True)
     return (seq[:p] + [x] + seq[p:],)
 
 
 @register("SplitToSequence", since=11, static_inputs=(1,))
-def split_to_sequence(ctx, x, split=None, axis=0, keepdims=1, **_):
+def split_to_sequence(ctx: LowerCtx, x, split=None, axis=0, keepdims=1, **_):
     ax = axis % x.ndim
     if split is None:
         parts = [jnp.take(x, i, axis=ax) for i in range(x.shape[ax])]
@@ -61,7 +60,7 @@ def split_to_sequence(ctx, x, split=None, axis=0, keepdims=1, **_):
 
 
 @register("ConcatFromSequence", since=11)
-def concat_from_sequence(ctx, seq, axis=0, new_axis=0, **_):
+def concat_from_sequence(ctx: LowerCtx, seq, axis=0, new_axis=0, **_):
     if not seq:
         raise ctx.error("cannot concatenate an empty sequence")
     return jnp.stack(seq, axis=axis) if new_axis else jnp.concatenate(seq, axis=axis)
@@ -72,14 +71,14 @@ add("OptionalHasElement", lambda ctx, x=None, **_: np.array(x is not None), sinc
 
 
 @register("OptionalGetElement", since=15)
-def optional_get_element(ctx, x=None, **_):
+def optional_get_element(ctx: LowerCtx, x=None, **_):
     if x is None:
         raise ctx.error("the optional is empty")
     return (x,)
 
 
 @register("SequenceMap", since=17)
-def sequence_map(ctx, seq, *extra, body=None, **_):
+def sequence_map(ctx: LowerCtx, seq, *extra, body=None, **_):
     """``body`` on each element (sequences among ``extra`` are walked in step)."""
     outs = [ctx.run_subgraph(body, [seq[i]] + [e[i] if isinstance(e, list) else e for e in extra])
             for i in range(len(seq))]

@@ -9,24 +9,24 @@ import onnx
 from jax import lax
 
 from .math import saturate_cast
-from .registry import add, register
+from .registry import add, LowerCtx, register
 
 I64 = np.int64
 
 
-def ints(ctx, x, what):
+def ints(ctx: LowerCtx, x, what):
     """A static input as a list of Python ints (None stays None)."""
     return None if x is None else [int(v) for v in ctx.static(x, what).reshape(-1)]
 
 
-def np_type(ctx, onnx_type):
+def np_type(ctx: LowerCtx, onnx_type):
     try:
         return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(onnx_type)))
     except Exception:
         raise ctx.error(f"ONNX data type {onnx_type} is not supported") from None
 
 
-def _norm_axes(ctx, axes, rank):
+def _norm_axes(ctx: LowerCtx, axes, rank):
     if any(not -rank <= a < rank for a in axes):
         raise ctx.error(f"axes {list(axes)} out of range for rank {rank}")
     return [a % rank for a in axes]
@@ -35,7 +35,7 @@ def _norm_axes(ctx, axes, rank):
 # ---------------------------------------------------------------------------------------
 # Reshaping
 
-def _reshape(ctx, x, shape, allowzero=0):
+def _reshape(ctx: LowerCtx, x, shape, allowzero=0):
     shape = list(shape)
     if not allowzero:
         shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
@@ -55,19 +55,19 @@ add("Reshape", lambda ctx, x, shape, allowzero=0, **_:
 
 
 @register("Transpose")
-def transpose(ctx, x, perm=None, **_):
+def transpose(ctx: LowerCtx, x, perm=None, **_):
     if perm is not None and sorted(perm) != list(range(jnp.ndim(x))):
         raise ctx.error(f"perm {list(perm)} is not a permutation of the {jnp.ndim(x)} axes")
     return jnp.transpose(x, perm)
 
 
 @register("Flatten")
-def flatten(ctx, x, axis=1, **_):
+def flatten(ctx: LowerCtx, x, axis=1, **_):
     ax = axis + x.ndim if axis < 0 else axis
     return jnp.reshape(x, (int(np.prod(x.shape[:ax])), int(np.prod(x.shape[ax:]))))
 
 
-def _squeeze(ctx, x, axes):
+def _squeeze(ctx: LowerCtx, x, axes):
     if axes is None or len(axes) == 0:
         return jnp.squeeze(x, [i for i, d in enumerate(x.shape) if d == 1])
     axes = _norm_axes(ctx, axes, x.ndim)
@@ -76,7 +76,7 @@ def _squeeze(ctx, x, axes):
     return jnp.squeeze(x, axes)
 
 
-def _unsqueeze(ctx, x, axes):
+def _unsqueeze(ctx: LowerCtx, x, axes):
     axes = sorted(_norm_axes(ctx, axes, jnp.ndim(x) + len(axes)))
     return jnp.expand_dims(x, axes)
 
@@ -90,11 +90,11 @@ add("Unsqueeze", lambda ctx, x, axes, **_: _unsqueeze(ctx, x, ints(ctx, axes, "a
 
 
 @register("Concat")
-def concat(ctx, *xs, axis=1, **_):
+def concat(ctx: LowerCtx, *xs, axis=1, **_):
     return jnp.concatenate(xs, axis=axis)
 
 
-def _split(ctx, x, split, axis, num_outputs=None):
+def _split(ctx: LowerCtx, x, split, axis, num_outputs=None):
     ax = axis % x.ndim
     n, dim = num_outputs or ctx.num_outputs, x.shape[ax]
     if split is None or len(split) == 0:
@@ -119,7 +119,7 @@ add("Split", lambda ctx, x, split=None, axis=0, num_outputs=None, **_:
     _split(ctx, x, ints(ctx, split, "split"), axis, num_outputs), since=18, static_inputs=(1,))
 
 
-def _slice(ctx, x, starts, ends, axes=None, steps=None):
+def _slice(ctx: LowerCtx, x, starts, ends, axes=None, steps=None):
     axes = list(range(len(starts))) if axes is None else _norm_axes(ctx, axes, x.ndim)
     steps = [1] * len(starts) if steps is None else steps
     if not len(starts) == len(ends) == len(axes) == len(steps):
@@ -142,7 +142,7 @@ add("Slice", lambda ctx, x, starts, ends, axes=None, steps=None, **_: _slice(
 
 
 @register("Expand", since=8, static_inputs=(1,))
-def expand(ctx, x, shape, **_):
+def expand(ctx: LowerCtx, x, shape, **_):
     shape = ints(ctx, shape, "shape")
     try:
         return jnp.broadcast_to(x, np.broadcast_shapes(jnp.shape(x), tuple(shape)))
@@ -156,7 +156,7 @@ add("Tile", lambda ctx, x, repeats, **_: jnp.tile(x, ints(ctx, repeats, "repeats
     since=6, static_inputs=(1,))
 
 
-def _pad(ctx, x, pads, mode="constant", value=0.0, axes=None):
+def _pad(ctx: LowerCtx, x, pads, mode="constant", value=0.0, axes=None):
     r = x.ndim
     axes = list(range(r)) if axes is None else _norm_axes(ctx, axes, r)
     if len(pads) != 2 * len(axes):
@@ -185,7 +185,7 @@ add("Pad", lambda ctx, x, pads, constant_value=None, axes=None, mode="constant",
 
 
 @register("DepthToSpace")
-def depth_to_space(ctx, x, blocksize=1, mode="DCR", **_):
+def depth_to_space(ctx: LowerCtx, x, blocksize=1, mode="DCR", **_):
     b, ch, h, w = x.shape
     bs = blocksize
     if mode == "DCR":
@@ -198,7 +198,7 @@ def depth_to_space(ctx, x, blocksize=1, mode="DCR", **_):
 
 
 @register("SpaceToDepth")
-def space_to_depth(ctx, x, blocksize=1, mode="DCR", **_):
+def space_to_depth(ctx: LowerCtx, x, blocksize=1, mode="DCR", **_):
     b, ch, h, w = x.shape
     bs = blocksize
     y = x.reshape(b, ch, h // bs, bs, w // bs, bs)
@@ -209,7 +209,7 @@ def space_to_depth(ctx, x, blocksize=1, mode="DCR", **_):
 
 
 @register("CenterCropPad", since=18, static_inputs=(1,))
-def center_crop_pad(ctx, x, shape, axes=None, **_):
+def center_crop_pad(ctx: LowerCtx, x, shape, axes=None, **_):
     shape = ints(ctx, shape, "shape")
     axes = _norm_axes(ctx, axes if axes is not None else range(x.ndim), x.ndim)
     for a, t in zip(axes, shape):
@@ -226,7 +226,7 @@ def center_crop_pad(ctx, x, shape, axes=None, **_):
 # ---------------------------------------------------------------------------------------
 # Indexing
 
-def _checked_indices(ctx, idx, sizes, k: int = 1, first_axis: int = 0):
+def _checked_indices(ctx: LowerCtx, idx, sizes, k: int = 1, first_axis: int = 0):
     """Input ``k`` (indices) with negative entries wrapped, each checked to lie in
     [-size, size - 1] of its axis, as ONNX Runtime does: ``sizes`` is the size of the indexed
     axis ``first_axis``, or the sizes along the indices' last dimension (GatherND, ScatterND).
@@ -251,7 +251,7 @@ def _checked_indices(ctx, idx, sizes, k: int = 1, first_axis: int = 0):
 
 
 @register("Gather")
-def gather(ctx, x, idx, axis=0, zero_OOR=0, **_):
+def gather(ctx: LowerCtx, x, idx, axis=0, zero_OOR=0, **_):
     """ONNX Gather; out-of-range indices raise (see ``_checked_indices``). popxl's
     ``gather(zero_OOR=True)`` (an attribute ONNX models cannot set: the importer's checker
     rejects it) gives zeros for them instead, as PopART does."""
@@ -266,7 +266,7 @@ def gather(ctx, x, idx, axis=0, zero_OOR=0, **_):
 
 
 @register("GatherElements", since=11)
-def gather_elements(ctx, x, idx, axis=0, **_):
+def gather_elements(ctx: LowerCtx, x, idx, axis=0, **_):
     """ONNX GatherElements; out-of-range indices raise (see ``_checked_indices``)."""
     ax = _norm_axes(ctx, [axis], x.ndim)[0]
     idx = _checked_indices(ctx, idx, x.shape[ax], first_axis=ax)
@@ -275,7 +275,7 @@ def gather_elements(ctx, x, idx, axis=0, **_):
     return jnp.take_along_axis(x, idx, axis=ax, mode="clip")
 
 
-def _elements_shapes(ctx, x, idx, ax, updates=None):
+def _elements_shapes(ctx: LowerCtx, x, idx, ax, updates=None):
     """GatherElements / ScatterElements: indices of data's rank, no larger than data but along
     ``ax``; ScatterElements' updates of the indices' shape."""
     if jnp.ndim(idx) != x.ndim or any(i > d for k, (i, d) in enumerate(zip(jnp.shape(idx), x.shape))
@@ -287,7 +287,7 @@ def _elements_shapes(ctx, x, idx, ax, updates=None):
                         f"shape {list(jnp.shape(idx))}")
 
 
-def _nd_indices(ctx, x, idx, batch_dims=0):
+def _nd_indices(ctx: LowerCtx, x, idx, batch_dims=0):
     """GatherND / ScatterND indices, checked: the last dimension indexes data's axes after
     the batch dimensions."""
     m = jnp.shape(idx)[-1] if jnp.ndim(idx) else 0
@@ -299,7 +299,7 @@ def _nd_indices(ctx, x, idx, batch_dims=0):
 
 
 @register("GatherND", since=11)
-def gather_nd(ctx, x, idx, batch_dims=0, **_):
+def gather_nd(ctx: LowerCtx, x, idx, batch_dims=0, **_):
     """ONNX GatherND; out-of-range indices raise (see ``_checked_indices``)."""
     idx, m = _nd_indices(ctx, x, idx, batch_dims)
 
@@ -313,13 +313,13 @@ def gather_nd(ctx, x, idx, batch_dims=0, **_):
 _SCATTER = {"none": "set", "add": "add", "mul": "multiply", "max": "max", "min": "min"}
 
 
-def _scatter_at(ctx, x, coords, updates, reduction):
+def _scatter_at(ctx: LowerCtx, x, coords, updates, reduction):
     if reduction not in _SCATTER:
         raise ctx.error(f"reduction must be one of {list(_SCATTER)}, got {reduction!r}")
     return getattr(jnp.asarray(x).at[coords], _SCATTER[reduction])(updates, mode="drop")
 
 
-def scatter_elements(ctx, x, idx, updates, axis=0, reduction="none", **_):
+def scatter_elements(ctx: LowerCtx, x, idx, updates, axis=0, reduction="none", **_):
     """ONNX ScatterElements (and Scatter-9); out-of-range indices raise (see
     ``_checked_indices``)."""
     ax = _norm_axes(ctx, [axis], x.ndim)[0]
@@ -335,7 +335,7 @@ add("ScatterElements", scatter_elements, since=11)
 
 
 @register("ScatterND", since=11)
-def scatter_nd(ctx, x, idx, updates, reduction="none", **_):
+def scatter_nd(ctx: LowerCtx, x, idx, updates, reduction="none", **_):
     """ONNX ScatterND; out-of-range indices raise (see ``_checked_indices``)."""
     idx, m = _nd_indices(ctx, x, idx)
     idx = jnp.asarray(idx)
@@ -347,7 +347,7 @@ def scatter_nd(ctx, x, idx, updates, reduction="none", **_):
 
 
 @register("TensorScatter", since=24)
-def tensor_scatter(ctx, past, update, write_indices=None, mode="linear", axis=-2, **_):
+def tensor_scatter(ctx: LowerCtx, past, update, write_indices=None, mode="linear", axis=-2, **_):
     """Write ``update`` into the cache ``past`` at per-batch offsets along ``axis``."""
     ax = axis % past.ndim
     n, s = past.shape[ax], update.shape[ax]
@@ -365,7 +365,7 @@ def tensor_scatter(ctx, past, update, write_indices=None, mode="linear", axis=-2
 
 
 @register("Compress", since=9, static_inputs=(1,))
-def compress(ctx, x, cond, axis=None, **_):
+def compress(ctx: LowerCtx, x, cond, axis=None, **_):
     keep = np.nonzero(ctx.static(cond, "condition (Compress has a data-dependent output shape)"))[0]
     if axis is None:
         return jnp.take(jnp.reshape(x, -1), keep)
@@ -373,7 +373,7 @@ def compress(ctx, x, cond, axis=None, **_):
 
 
 @register("ReverseSequence", since=10)
-def reverse_sequence(ctx, x, lens, batch_axis=1, time_axis=0, **_):
+def reverse_sequence(ctx: LowerCtx, x, lens, batch_axis=1, time_axis=0, **_):
     t = jnp.arange(x.shape[time_axis]).reshape([-1 if d == time_axis else 1 for d in range(x.ndim)])
     n = jnp.asarray(lens).reshape([-1 if d == batch_axis else 1 for d in range(x.ndim)])
     src = jnp.where(t < n, n - 1 - t, t)
@@ -381,7 +381,7 @@ def reverse_sequence(ctx, x, lens, batch_axis=1, time_axis=0, **_):
 
 
 @register("OneHot", since=9, static_inputs=(1,))
-def one_hot(ctx, idx, depth, values, axis=-1, **_):
+def one_hot(ctx: LowerCtx, idx, depth, values, axis=-1, **_):
     d = int(ctx.static(depth, "depth").reshape(-1)[0])
     idx = jnp.asarray(idx).astype(I64)
     idx = jnp.where(idx < 0, idx + d, idx)
@@ -391,14 +391,14 @@ def one_hot(ctx, idx, depth, values, axis=-1, **_):
 
 
 @register("NonZero", since=9)
-def nonzero(ctx, x, **_):
+def nonzero(ctx: LowerCtx, x, **_):
     x = ctx.static(x, "the input of NonZero (its output shape depends on the data; "
                       "data-dependent shapes are unsupported)")
     return np.array(np.nonzero(x), dtype=I64).reshape(x.ndim, -1)
 
 
 @register("Unique", since=11)
-def unique(ctx, x, sorted=1, axis=None, **_):
+def unique(ctx: LowerCtx, x, sorted=1, axis=None, **_):
     x = ctx.static(x, "the input of Unique (its output shape depends on the data; "
                       "data-dependent shapes are unsupported)")
     y, first, inv, counts = np.unique(x, return_index=True, return_inverse=True,
@@ -415,12 +415,12 @@ def unique(ctx, x, sorted=1, axis=None, **_):
 # Constants, shapes, types
 
 @register("Shape")
-def shape(ctx, x, start=0, end=None, **_):
+def shape(ctx: LowerCtx, x, start=0, end=None, **_):
     return np.array(jnp.shape(x)[slice(start, end)], dtype=I64)
 
 
 @register("Size")
-def size(ctx, x, **_):
+def size(ctx: LowerCtx, x, **_):
     return np.array(jnp.size(x), dtype=I64)
 
 
@@ -429,7 +429,7 @@ _CONST_ATTRS = {"value_float": np.float32, "value_floats": np.float32, "value_in
 
 
 @register("Constant")
-def constant(ctx, value=None, **attrs):
+def constant(ctx: LowerCtx, value=None, **attrs):
     if value is not None:
         return np.asarray(value)
     given = {k: v for k, v in attrs.items() if k in _CONST_ATTRS and v is not None}
@@ -441,12 +441,12 @@ def constant(ctx, value=None, **attrs):
 
 
 @register("ConstantOfShape", since=9, static_inputs=(0,))
-def constant_of_shape(ctx, shape, value=None, **_):
+def constant_of_shape(ctx: LowerCtx, shape, value=None, **_):
     v = np.zeros((1,), np.float32) if value is None else np.asarray(value)
     return np.full(ints(ctx, shape, "shape"), v.reshape(-1)[0], dtype=v.dtype)
 
 
-def cast_to(ctx, x, dt, saturate=1):
+def cast_to(ctx: LowerCtx, x, dt, saturate=1):
     if dt == np.object_ or jnp.result_type(x) == np.object_:
         if isinstance(x, np.ndarray):
             return x.astype(dt if dt != np.object_ else str).astype(dt)
@@ -469,13 +469,13 @@ add("CastLike", lambda ctx, x, like, saturate=1, **_:
 
 
 @register("EyeLike", since=9)
-def eye_like(ctx, x, dtype=None, k=0, **_):
+def eye_like(ctx: LowerCtx, x, dtype=None, k=0, **_):
     dt = np_type(ctx, dtype) if dtype is not None else jnp.result_type(x)
     return jnp.eye(x.shape[0], x.shape[1], k, dtype=dt)
 
 
 @register("Range", since=11, static_inputs=(0, 1, 2))
-def range_(ctx, start, limit, delta, **_):
+def range_(ctx: LowerCtx, start, limit, delta, **_):
     s, l, d = (ctx.static(v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
     for v, name in ((s, "start"), (l, "limit"), (d, "delta")):
         if v.size != 1:   # scalars by the spec; one-element tensors (sliced shapes) are accepted

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .registry import register
+from .registry import LowerCtx, register
 
 
 def _pool_ngrams(ngram_counts, pool, lo, hi):
@@ -24,7 +24,7 @@ def _pool_ngrams(ngram_counts, pool, lo, hi):
 
 
 @register("TfIdfVectorizer", since=9)
-def tfidf_vectorizer(ctx, x, max_gram_length=1, max_skip_count=0, min_gram_length=1, mode="TF",
+def tfidf_vectorizer(ctx: LowerCtx, x, max_gram_length=1, max_skip_count=0, min_gram_length=1, mode="TF",
                      ngram_counts=(), ngram_indexes=(), pool_int64s=None, pool_strings=None,
                      weights=None, **_):
     if mode not in ("TF", "IDF", "TFIDF"):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .registry import register
+from .registry import LowerCtx, register
 from .shape import np_type
 
 _UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")
@@ -21,13 +21,13 @@ def _wide(x: Any) -> jax.Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _check_shape(ctx, name: str, x: Any, expected: tuple) -> None:
+def _check_shape(ctx: LowerCtx, name: str, x: Any, expected: tuple) -> None:
     if tuple(x.shape) != tuple(expected):
         raise ctx.error(f"input '{name}' has shape {tuple(x.shape)}, expected {tuple(expected)}")
 
 
 @register("RMSNormalization", since=23)
-def rms_normalization(ctx, x: Any, scale: Any, axis: int = -1, epsilon: float = 1e-5,
+def rms_normalization(ctx: LowerCtx, x: Any, scale: Any, axis: int = -1, epsilon: float = 1e-5,
                       stash_type: int = 1, **_) -> jax.Array:
     """x / sqrt(mean(x^2 over axes [axis, rank)) + epsilon) * scale. The normalisation runs in
     the wider of x's type and ``stash_type`` (float16 inputs in float32 by default, float64
@@ -46,7 +46,7 @@ def rms_normalization(ctx, x: Any, scale: Any, axis: int = -1, epsilon: float = 
 
 
 @register("RotaryEmbedding", since=23)
-def rotary_embedding(ctx, x: Any, cos_cache: Any, sin_cache: Any,
+def rotary_embedding(ctx: LowerCtx, x: Any, cos_cache: Any, sin_cache: Any,
                      position_ids: Optional[Any] = None, interleaved: int = 0,
                      num_heads: Optional[int] = None, rotary_embedding_dim: int = 0,
                      **_) -> jax.Array:
@@ -89,14 +89,14 @@ def rotary_embedding(ctx, x: Any, cos_cache: Any, sin_cache: Any,
 
 
 @register("SwiGLU", since=28)
-def swiglu(ctx, a: Any, b: Any, alpha: float = 1.0, **_) -> jax.Array:
+def swiglu(ctx: LowerCtx, a: Any, b: Any, alpha: float = 1.0, **_) -> jax.Array:
     """a * sigmoid(alpha * a) * b; A and B have the same shape (no broadcasting)."""
     _check_shape(ctx, "B", b, a.shape)
     return (a * jax.nn.sigmoid(alpha * a) * b).astype(a.dtype)
 
 
 @register("CausalConvWithState", since=27)
-def causal_conv_with_state(ctx, x: Any, weight: Any, bias: Optional[Any] = None,
+def causal_conv_with_state(ctx: LowerCtx, x: Any, weight: Any, bias: Optional[Any] = None,
                            past_state: Optional[Any] = None, activation: str = "none",
                            **_) -> tuple:
     """Depthwise causal 1-D convolution of x [B, C, L] with weight [C, 1, k], the k-1 steps
@@ -126,7 +126,7 @@ def causal_conv_with_state(ctx, x: Any, weight: Any, bias: Optional[Any] = None,
 
 
 @register("LinearAttention", since=27)
-def linear_attention(ctx, query: Any, key: Any, value: Any, past_state: Optional[Any] = None,
+def linear_attention(ctx: LowerCtx, query: Any, key: Any, value: Any, past_state: Optional[Any] = None,
                      decay: Optional[Any] = None, beta: Optional[Any] = None,
                      q_num_heads: int = 0, kv_num_heads: int = 0, scale: float = 0.0,
                      update_rule: str = "gated_delta", **_) -> tuple:
