@@ -74,12 +74,11 @@ from onnx import AttributeProto, helper, numpy_helper
 
 from .errors import ModelError, UnsupportedOperatorError, popart_exception
 from .fileio import atomic_write
+from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH
 from .ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, ONNX_ML_DOMAIN, decode_attr
 from .tensorinfo import DataType, TensorInfo, np_dtype, onnx_dtype, to_datatype
 
-# Annotation attribute names
-VIRTUAL_GRAPH = "__ipu_number"
-PIPELINE_STAGE = "__pipeline_stage"
+# Annotation attribute names (the placement ones are the IR's: ir.graph)
 EXECUTION_PHASE = "__execution_phase"
 RECOMPUTE_OUTPUT = "__recompute_output"
 SCHEDULE_PRIORITY = "__schedule_priority"

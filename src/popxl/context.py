@@ -5,11 +5,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
 
+from popart.ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH  # noqa: F401  (placement names)
+
 if TYPE_CHECKING:
     from .graph import Graph
-
-VIRTUAL_GRAPH = "__ipu_number"        # PopART's placement attribute names
-PIPELINE_STAGE = "__pipeline_stage"
 
 
 class _Context:

@@ -13,6 +13,11 @@ import numpy as np
 from ..tensorinfo import TensorInfo
 
 
+# PopART's placement annotations on nodes (the Builder's and popxl's attribute names).
+VIRTUAL_GRAPH = "__ipu_number"
+PIPELINE_STAGE = "__pipeline_stage"
+
+
 @dataclass
 class Node:
     """One op. ``inputs`` may contain "" for an omitted optional input. ``attrs`` hold Python

@@ -13,12 +13,12 @@ import dataclasses
 from typing import Any, Callable
 
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN
-from .graph import Graph, Node
+from .graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node
 
 # Ops whose outputs carry no gradient back to their inputs (PopART has no grad op for them).
 _NO_GRAD = {"ArgMax", "ArgMin", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual",
             "Shape", "Size", "NonZero"}
-_PLACEMENT = ("__ipu_number", "__pipeline_stage")
+_PLACEMENT = (VIRTUAL_GRAPH, PIPELINE_STAGE)
 
 
 def _ancestors(graph: Graph, tensor: str) -> set[str]:

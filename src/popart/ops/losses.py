@@ -10,6 +10,7 @@ import numpy as np
 from jax import lax
 
 from ..tensorinfo import np_dtype
+from .elementwise import abs_
 from .registry import GRAPHCORE_DOMAIN, LowerCtx, register
 
 _REDUCTIONS = {"sum": "Sum", "mean": "Mean", "noreduction": "NoReduction", "none": "NoReduction",
@@ -67,14 +68,6 @@ def _nll_parts(probs, label, ignore_index):
     return onehot, keep, jnp.maximum(jnp.sum(keep), 1)
 
 
-def _reduce_per_sample(per, keep, count, r: str):
-    per = per * keep
-    if r == "NoReduction":
-        return per
-    s = jnp.sum(per)
-    return s if r == "Sum" else s / jnp.asarray(count, per.dtype)
-
-
 def _scale_grad(g, keep, count, r: str):
     """The loss's incoming gradient per sample (PopART's handleLossGradScaling)."""
     g = jnp.asarray(g)
@@ -93,7 +86,7 @@ def nll_loss(ctx: LowerCtx, probs, label, reduction: str, ignore_index, log_inpu
         picked = jnp.sum(p * onehot, -1)
         if not log_input:
             picked = jnp.log(jnp.maximum(picked, jnp.asarray(_log_eps(p.dtype), p.dtype)))
-        return _reduce_per_sample(-picked, keep, count, r)
+        return reduce_loss(ctx, -picked * keep, r, count)
 
     def fwd(p, onehot, keep, count):
         return f(p, onehot, keep, count), (p, onehot, keep, count)
@@ -135,7 +128,7 @@ def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction="Mean", ignoreInd
         picked = jnp.sum(p * onehot, -1)
         eps = jnp.asarray(1e-7 if fuseLoss else _log_eps(p.dtype), p.dtype)
         picked = jnp.log(picked + eps if fuseLoss else jnp.maximum(picked, eps))
-        return _reduce_per_sample(-picked, keep, count, r).astype(z.dtype)
+        return reduce_loss(ctx, -picked * keep, r, count).astype(z.dtype)
 
     def fwd(z, p, onehot, keep, count):
         return f(z, p, onehot, keep, count), (p, onehot, keep, count)
@@ -153,16 +146,7 @@ def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction="Mean", ignoreInd
 def l1(ctx: LowerCtx, x, reduction="Mean", **attrs):
     """lambda * |x|, reduced; its gradient is lambda * sign(x) (0 at 0), as L1Grad's."""
     lam = attrs.get("lambda", attrs.get("lambda_", 1.0))
-    return reduce_loss(ctx, lam * _abs_sign_grad(x), reduction)
-
-
-@jax.custom_jvp
-def _abs_sign_grad(x):
-    """|x| with sign(x) as its derivative (0 at 0; JAX's abs has 1 there)."""
-    return jnp.abs(x)
-
-
-_abs_sign_grad.defjvps(lambda t, y, x: jnp.sign(x) * t)
+    return reduce_loss(ctx, lam * abs_(x), reduction)   # abs_: AbsGrad's sign(x), 0 at 0
 
 
 @_g("IdentityLoss")
