@@ -8,6 +8,8 @@ import pytest  # noqa: E402
 
 from popart.engine import x64  # noqa: E402
 
+from op_tester import OpTester  # noqa: E402
+
 
 @pytest.fixture
 def engine_scope():
@@ -15,3 +17,11 @@ def engine_scope():
     ``execute``) directly rather than through a session."""
     with x64():
         yield
+
+
+@pytest.fixture
+def op_tester():
+    """PopART's op tester: ``op_tester.run(init_builder, reference, step_type="infer" |
+    "train")`` runs a small Builder model through a session and checks the tensors it names
+    against a reference (see tests/op_tester.py)."""
+    return OpTester()

@@ -6,8 +6,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from popart.builder import (MAX_AI_ONNX_OPSET, RecomputeType, _GRAPHCORE_OPS, REQUIRED,
-                            Builder)
+from popart.builder import MAX_AI_ONNX_OPSET, RecomputeType, REQUIRED, Builder
+from popart.ir.graphcore_schema import SCHEMAS
 from popart.errors import popart_exception
 from popart.tensorinfo import TensorInfo
 
@@ -424,14 +424,15 @@ def test_every_graphcore_table_op_builds():
     samples = {onnx.AttributeProto.INT: 1, onnx.AttributeProto.FLOAT: 0.5,
                onnx.AttributeProto.INTS: [1], onnx.AttributeProto.FLOATS: [0.5],
                onnx.AttributeProto.STRING: "s", onnx.AttributeProto.GRAPH: sub}
-    for method, (op_type, attrs, n_out) in _GRAPHCORE_OPS.items():
-        kwargs = {k: samples[t] for k, t, d in attrs if d is REQUIRED}
+    for schema in SCHEMAS:
+        kwargs = {a.name: samples[a.kind] for a in schema.attrs if a.default is REQUIRED}
+        n_out = schema.outputs
         extra = [2] if n_out == "n" else []
-        out = getattr(b.aiGraphcore, method)([x], *extra, **kwargs)
+        out = getattr(b.aiGraphcore, schema.method)([x], *extra, **kwargs)
         if n_out != 0:
             ids = [out] if isinstance(out, str) else out
-            assert len(ids) == (2 if n_out == "n" else n_out), method
-            assert b._graph.node[-1].op_type == op_type
+            assert len(ids) == (2 if n_out == "n" else n_out), schema.method
+            assert b._graph.node[-1].op_type == schema.op_type
     b.aiGraphcore.init([2, 3], "FLOAT", 1, 0)
     b.aiGraphcore.zeros([4], "INT32")
     convs = b.aiGraphcore.multiconv([[x, x], [x, x, x]], strides=[[1, 1], [2, 2]])
@@ -478,3 +479,15 @@ def test_scan_opset8_and_onnx_ml():
     np.testing.assert_allclose(out_partial, np.cumsum(xv, axis=1))
     np.testing.assert_allclose(out_final, [[6, 9]])
     np.testing.assert_allclose(out_bin, [[0, 1]])
+
+
+def test_reference_argument_forms_single_id_and_split_18(op_tester):
+    """A single id where the reference says ``args: str`` (aiGraphcore.reshape) or for any
+    one-input op; Split-18's own num_outputs attribute is the variadic count."""
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+
+    def build(b):
+        i = b.addInputTensor(x)
+        parts = b.aiOnnx.split([i], num_outputs=2, axis=0)
+        return [b.aiGraphcore.reshape(i, [3, 4]), b.aiOnnx.relu(parts[1])]
+    op_tester.run(build, lambda ref: [x.reshape(3, 4), x[2:]], opsets={"ai.onnx": 18, "ai.graphcore": 1})

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import popart
+from popart.ir.graphcore_schema import node_defaults
 from popart.ops.registry import lookup
 
 pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
@@ -44,7 +45,12 @@ class Ctx:
 
 
 def lowering(domain, op, version):
-    return lookup(domain, op, version).lower
+    """The registered lowering; for ai.graphcore with the table's attribute defaults filled in,
+    as the engine does."""
+    lower = lookup(domain, op, version).lower
+    if domain != GC:
+        return lower
+    return lambda ctx, *a, **kw: lower(ctx, *a, **{**node_defaults(op, kw, op), **kw})
 
 
 def vjp(fn, primals, cts):

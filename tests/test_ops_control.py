@@ -1,153 +1,165 @@
-"""If / Loop / Scan (ai.onnx) and Call (ai.graphcore) against the ONNX reference evaluator."""
+"""If / Loop / Scan (ai.onnx) and Call (ai.graphcore), built with sub-graph Builders and run by
+the op tester, against the ONNX reference evaluator or onnxruntime; the gradient through a
+Loop's scan outputs (a TrainingSession)."""
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper
 
-import jax
-import jax.numpy as jnp
+import popart
 
-from popart.engine.lower import TraceState, execute
-from popart.ir.onnx_import import import_model
-from test_ops_nn import check, ours, rnd
+from op_tester import RefData
 
-pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
-
-F32, I64, B = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
-vi = helper.make_tensor_value_info
+GRAD = popart.reservedGradientPrefix()
+ORT, REF = RefData.onnxruntime, RefData.onnx_reference
+OPSETS = {"ai.onnx": 16}
+RNG = np.random.default_rng(0)
 
 
-def model(nodes, inputs, outputs, opset=16, inits=(), extra_opsets=()):
-    g = helper.make_graph(nodes, "m", inputs, [onnx.ValueInfoProto(name=o) for o in outputs], list(inits))
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), *extra_opsets], ir_version=10)
+@pytest.fixture
+def op_tester(op_tester):
+    op_tester.opsets = OPSETS
+    op_tester.rtol, op_tester.atol = 1e-4, 1e-5
+    return op_tester
 
 
-def body(nodes, inputs, outputs, name="body"):
-    return helper.make_graph(nodes, name, inputs, [onnx.ValueInfoProto(name=o) for o in outputs])
+def rnd(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
 
 
-def branches():
-    then = body([helper.make_node("Mul", ["x", "x"], ["t"])], [], ["t"], "then")
-    els = body([helper.make_node("Neg", ["x"], ["e"])], [], ["e"], "else")
-    return then, els
+def if_model(condition, x, static=False, else_reduces=False):
+    """If(condition) then x * x else -x (or ReduceSum(x), of another shape)."""
+    def init_builder(builder):
+        c = (builder.addInitializedInputTensor(condition) if static
+             else builder.addInputTensor(condition))
+        xi = builder.addInputTensor(x)
+        then_b, else_b = builder.createSubgraphBuilder(), builder.createSubgraphBuilder()
+        then_b.addOutputTensor(then_b.aiOnnx.mul([xi, xi]))
+        else_b.addOutputTensor(else_b.aiOnnx.reducesum([xi], keepdims=1) if else_reduces
+                               else else_b.aiOnnx.neg([xi]))
+        return builder.aiOnnx.logical_if([c], 1, else_b, then_b)
+    return init_builder
 
 
-def test_if_dynamic_and_static_condition():
-    then, els = branches()
-    m = model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=els)],
-              [vi("c", B, []), vi("x", F32, [3])], ["y"])
+def test_if_dynamic_and_static_condition(op_tester):
     x = rnd(3)
     for c in (True, False):
-        check(m, {"c": np.array(c), "x": x}, ref="ref")
-    m = model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=els)],
-              [vi("x", F32, [3])], ["y"], inits=[onnx.numpy_helper.from_array(np.array(False), "c")])
-    np.testing.assert_array_equal(ours(m, {"x": x})[0], -x)
+        op_tester.run(if_model(np.array(c), x), REF)
+    op_tester.run(if_model(np.array(False), x, static=True), lambda ref: [-x], rtol=0, atol=0)
 
 
-def test_if_mismatched_branches_is_a_clear_error():
-    then = body([helper.make_node("Mul", ["x", "x"], ["t"])], [], ["t"])
-    els = body([helper.make_node("ReduceSum", ["x"], ["e"], keepdims=1)], [], ["e"])
-    m = model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=els)],
-              [vi("c", B, []), vi("x", F32, [3])], ["y"])
+def test_if_mismatched_branches_is_a_clear_error(op_tester):
     with pytest.raises(Exception, match="same shapes"):
-        ours(m, {"c": np.array(True), "x": rnd(3)})
+        op_tester.run(if_model(np.array(True), rnd(3), else_reduces=True), None)
 
 
-def _loop_body(cond_expr=False):
-    nodes = [helper.make_node("Add", ["v_in", "x"], ["v_out"]),
-             helper.make_node("Cast", ["i"], ["i_f"], to=F32),
-             helper.make_node("Mul", ["v_out", "i_f"], ["scan_out"])]
-    if cond_expr:  # continue while sum(v) < 10
-        nodes += [helper.make_node("ReduceSum", ["v_out"], ["s"], keepdims=0),
-                  helper.make_node("Less", ["s", "ten"], ["c_out"])]
-        outs = ["c_out", "v_out"]
+def loop_body(builder, x, cond_expr=False):
+    """Body (i, c_in, v_in): v_out = v_in + x, scan_out = v_out * i; the condition is kept,
+    or with ``cond_expr`` becomes sum(v_out) < 10 (and no scan output)."""
+    body = builder.createSubgraphBuilder()
+    i = body.addInputTensor("INT64", [], "i")
+    c_in = body.addInputTensor("BOOL", [], "c_in")
+    v_in = body.addInputTensor("FLOAT", [2], "v_in")
+    v_out = body.aiOnnx.add([v_in, x])
+    if cond_expr:
+        s = body.aiOnnx.reducesum([v_out], keepdims=0)
+        outs = [body.aiOnnx.less([s, body.aiOnnx.constant(np.array(10, np.float32))]), v_out]
     else:
-        nodes += [helper.make_node("Identity", ["c_in"], ["c_out"])]
-        outs = ["c_out", "v_out", "scan_out"]
-    return helper.make_graph(nodes, "body", [vi("i", I64, []), vi("c_in", B, []), vi("v_in", F32, [2])],
-                             [onnx.ValueInfoProto(name=o) for o in outs])
+        scan_out = body.aiOnnx.mul([v_out, body.aiOnnx.cast([i], to="FLOAT")])
+        outs = [body.aiOnnx.identity([c_in]), v_out, scan_out]
+    for o in outs:
+        body.addOutputTensor(o)
+    return body
 
 
-def test_loop_static_trip_count_with_scan_outputs_and_grad():
-    m = model([helper.make_node("Loop", ["M", "", "v0"], ["v", "scans"], body=_loop_body())],
-              [vi("v0", F32, [2]), vi("x", F32, [2])], ["v", "scans"],
-              inits=[onnx.numpy_helper.from_array(np.array(4, np.int64), "M")])
-    feeds = {"v0": rnd(2), "x": rnd(2)}
-    v, scans = check(m, feeds)
+def loop_model(trip, cond, v0, x, cond_expr=False, num_outputs=1, grad=False):
+    """Loop(trip, cond, v0) of loop_body; ``trip`` / ``cond``: an array fed, a constant
+    (``("const", value)``) or None (omitted)."""
+    def init_builder(builder):
+        def operand(spec):
+            if spec is None:
+                return ""
+            if isinstance(spec, tuple):
+                return builder.aiOnnx.constant(spec[1])
+            return builder.addInputTensor(spec)
+        m, c = operand(trip), operand(cond)
+        vi, xi = builder.addInputTensor(v0), builder.addInputTensor(x)
+        outs = builder.aiOnnx.loop([m, c, vi], num_outputs, loop_body(builder, xi, cond_expr))
+        return outs[::-1] + [GRAD + xi] if grad else outs
+    return init_builder
+
+
+def test_loop_static_trip_count_with_scan_outputs_and_grad(op_tester):
+    """scans[i] = (v0 + (i+1) x) * i, so d(sum(scans * G))/dx = sum_i i (i+1) G[i]."""
+    v0, x = rnd(2), rnd(2)
+    i = np.arange(4)[:, None]
+
+    def reference(ref):
+        v, scans = ref.onnxruntime()[1::-1]
+        return [scans, v, ((i * (i + 1)) * ref.getOutputTensorGrad(0)).sum(0).astype(np.float32)]
+
+    scans, _, _ = op_tester.run(loop_model(("const", np.array(4, np.int64)), None, v0, x,
+                                           num_outputs=2, grad=True),
+                                reference, step_type="train")
     assert scans.shape == (4, 2)
-    graph, _ = import_model(m)
-    f = lambda x: jnp.sum(execute(graph, {"v0": feeds["v0"], "x": x}, TraceState())["scans"])
-    # scans[i] = (v0 + (i+1) x) * i  ->  d/dx sum = sum_i i (i+1) = 0+2+6+12
-    np.testing.assert_allclose(jax.grad(f)(jnp.asarray(feeds["x"])), [20, 20])
 
 
-def test_loop_data_dependent_condition():
-    ten = onnx.numpy_helper.from_array(np.array(10, np.float32), "ten")
-    b = _loop_body(cond_expr=True)
-    b.initializer.append(ten)
+def test_loop_data_dependent_condition(op_tester):
     x = np.array([1.0, 2.0], np.float32)
-    feeds = {"v0": np.zeros(2, np.float32), "x": x}
+    v0, true = np.zeros(2, np.float32), ("const", np.array(True))
     # no trip count: while_loop
-    m = model([helper.make_node("Loop", ["", "c0", "v0"], ["v"], body=b)],
-              [vi("v0", F32, [2]), vi("x", F32, [2])], ["v"],
-              inits=[onnx.numpy_helper.from_array(np.array(True), "c0")])
-    np.testing.assert_allclose(check(m, feeds, ref="ref")[0], [4, 8])
+    (v,) = op_tester.run(loop_model(None, true, v0, x, cond_expr=True), REF)
+    np.testing.assert_allclose(v, [4, 8])
     # static trip count that the condition cuts short: masked scan
-    m = model([helper.make_node("Loop", ["M", "c0", "v0"], ["v"], body=b)],
-              [vi("v0", F32, [2]), vi("x", F32, [2])], ["v"],
-              inits=[onnx.numpy_helper.from_array(np.array(True), "c0"),
-                     onnx.numpy_helper.from_array(np.array(2, np.int64), "M")])
-    np.testing.assert_allclose(check(m, feeds, ref="ref")[0], [2, 4])
+    (v,) = op_tester.run(loop_model(("const", np.array(2, np.int64)), true, v0, x, cond_expr=True),
+                         REF)
+    np.testing.assert_allclose(v, [2, 4])
     # run-time trip count
-    m = model([helper.make_node("Loop", ["M", "", "v0"], ["v"], body=b)],
-              [vi("M", I64, []), vi("v0", F32, [2]), vi("x", F32, [2])], ["v"])
-    np.testing.assert_allclose(ours(m, dict(feeds, M=np.array(3, np.int64)))[0], [3, 6])
+    op_tester.run(loop_model(np.array(3, np.int64), None, v0, x, cond_expr=True),
+                  lambda ref: [np.float32([3, 6])])
 
 
-def test_loop_scan_outputs_need_static_trip_count():
-    m = model([helper.make_node("Loop", ["M", "", "v0"], ["v", "s"], body=_loop_body())],
-              [vi("M", I64, []), vi("v0", F32, [2]), vi("x", F32, [2])], ["v", "s"])
+def test_loop_scan_outputs_need_static_trip_count(op_tester):
     with pytest.raises(Exception, match="trip count"):
-        ours(m, {"M": np.array(3, np.int64), "v0": rnd(2), "x": rnd(2)})
+        op_tester.run(loop_model(np.array(3, np.int64), None, rnd(2), rnd(2), num_outputs=2), None)
 
 
-def _scan_body():
-    return helper.make_graph(
-        [helper.make_node("Add", ["s_in", "xi"], ["s_out"]),
-         helper.make_node("Mul", ["xi", "w"], ["yi"])],
-        "body", [vi("s_in", F32, [3]), vi("xi", F32, [3])], [onnx.ValueInfoProto(name="s_out"),
-                                                           onnx.ValueInfoProto(name="yi")])
+def scan_model(s0, x, w, scan_axis=0, opset9=True, **attrs):
+    """Scan over x (slices of shape [3]): state s + xi, scan output xi * w (w a weight)."""
+    def init_builder(builder):
+        si, xi = builder.addInputTensor(s0), builder.addInputTensor(x)
+        wi = builder.addInitializedInputTensor(w)
+        body = builder.createSubgraphBuilder()
+        s_in, x_in = body.addInputTensor("FLOAT", [3]), body.addInputTensor("FLOAT", [3])
+        body.addOutputTensor(body.aiOnnx.add([s_in, x_in]))
+        body.addOutputTensor(body.aiOnnx.mul([x_in, wi]))
+        inputs = [si, xi] if opset9 else ["", si, xi]
+        return builder.aiOnnx.scan(inputs, 2, body, num_scan_inputs=1, **attrs)
+    return init_builder
 
 
 @pytest.mark.parametrize("attrs", [{}, {"scan_input_axes": [1], "scan_output_axes": [1]},
                                    {"scan_input_directions": [1]},
                                    {"scan_output_directions": [1], "scan_input_axes": [-1]}])
-def test_scan9(attrs):
+def test_scan9(op_tester, attrs):
     ax = attrs.get("scan_input_axes", [0])[0]
     x = rnd(4, 3) if ax == 0 else rnd(3, 4)  # the body sees slices of shape [3]
-    m = model([helper.make_node("Scan", ["s0", "x"], ["s", "y"], body=_scan_body(), num_scan_inputs=1, **attrs)],
-              [vi("s0", F32, [3]), vi("x", F32, list(x.shape))], ["s", "y"],
-              inits=[onnx.numpy_helper.from_array(rnd(3), "w")])
-    check(m, {"s0": rnd(3), "x": x})
+    op_tester.run(scan_model(rnd(3), x, rnd(3), **attrs), ORT)
 
 
-def test_scan8_batched():
-    b = _scan_body()
-    m = model([helper.make_node("Scan", ["", "s0", "x"], ["s", "y"], body=b, num_scan_inputs=1)],
-              [vi("s0", F32, [2, 3]), vi("x", F32, [2, 4, 3])], ["s", "y"], opset=8,
-              inits=[onnx.numpy_helper.from_array(rnd(3), "w")])
-    s0, x = rnd(2, 3), rnd(2, 4, 3)
-    s, y = ours(m, {"s0": s0, "x": x})
+def test_scan8_batched(op_tester):
+    s0, x, w = rnd(2, 3), rnd(2, 4, 3), rnd(3)
+    s, _ = op_tester.run(scan_model(s0, x, w, opset9=False), lambda ref: [None, x * w],
+                         opsets={"ai.onnx": 8}, rtol=1e-6, atol=0)
     np.testing.assert_allclose(s, s0 + x.sum(1), rtol=1e-5)
-    np.testing.assert_allclose(y, x * onnx.numpy_helper.to_array(m.graph.initializer[0]), rtol=1e-6)
 
 
-def test_call():
-    callee = helper.make_graph([helper.make_node("Mul", ["a", "b"], ["c"]), helper.make_node("Add", ["c", "k"], ["d"])],
-                               "callee", [vi("a", F32, [2]), vi("b", F32, [2])],
-                               [onnx.ValueInfoProto(name="d")])
-    m = model([helper.make_node("Call", ["x", "y"], ["z"], domain="ai.graphcore", callee=callee)],
-              [vi("x", F32, [2]), vi("y", F32, [2]), vi("k", F32, [2])], ["z"],
-              extra_opsets=[helper.make_opsetid("ai.graphcore", 1)])
+def test_call(op_tester):
     x, y, k = rnd(2), rnd(2), rnd(2)
-    np.testing.assert_allclose(ours(m, {"x": x, "y": y, "k": k})[0], x * y + k, rtol=1e-6)
+
+    def init_builder(builder):
+        xi, yi, ki = (builder.addInputTensor(v) for v in (x, y, k))
+        callee = builder.createSubgraphBuilder()
+        a, b = callee.addInputTensor("FLOAT", [2]), callee.addInputTensor("FLOAT", [2])
+        callee.addOutputTensor(callee.aiOnnx.add([callee.aiOnnx.mul([a, b]), ki]))
+        return builder.aiGraphcore.call([xi, yi], 1, callee)
+
+    op_tester.run(init_builder, lambda ref: [x * y + k], rtol=1e-6, atol=1e-7)

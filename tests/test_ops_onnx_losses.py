@@ -1,19 +1,32 @@
-"""ai.onnx losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss) against PyTorch, with a
-finite-difference gradient check; NonMaxSuppression against a NumPy reference; quantized
-convolutions and TfIdfVectorizer against onnxruntime."""
+"""ai.onnx losses (NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss) run by the op tester
+against PyTorch and onnxruntime, with a finite-difference gradient check (a TrainingSession);
+NonMaxSuppression against a NumPy reference; quantized convolutions and TfIdfVectorizer against
+onnxruntime."""
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
 
+import popart
 from popart import onnx_backend
 from popart.errors import popart_exception
-from test_ops_nn import check, fd_grad_check, one_node, ours, rnd
 
-pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+from op_tester import Const, RefData, one_op
 
 RNG = np.random.default_rng(3)
+ORT = RefData.onnxruntime
+OPSETS = {"ai.onnx": 13}
+
+
+@pytest.fixture
+def op_tester(op_tester):
+    op_tester.rtol, op_tester.atol = 1e-4, 1e-5
+    return op_tester
+
+
+def rnd(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
 
 # (input shape, reduction, weighted, ignore_index)
 LOSS_CASES = [
@@ -33,9 +46,9 @@ def _loss_case(shape, weighted, ii):
     if ii is not None:
         t.reshape(-1)[::3] = ii   # some targets ignored (ii may lie outside [0, C))
     w = RNG.uniform(0.5, 2.0, shape[1]).astype(np.float32) if weighted else None
-    feeds = {"x": x, "t": t} | ({"w": w} if weighted else {})
+    inputs = [x, t] + ([w] if weighted else [])
     attrs = {} if ii is None else {"ignore_index": ii}
-    return x, t, w, feeds, attrs
+    return x, t, w, inputs, attrs
 
 
 def _torch_kw(w, ii, reduction):
@@ -43,45 +56,58 @@ def _torch_kw(w, ii, reduction):
                 ignore_index=-100 if ii is None else ii, reduction=reduction)
 
 
+def agrees_with_onnxruntime(ref, rtol=1e-4, atol=1e-5):
+    """In a reference: the session's outputs are also onnxruntime's."""
+    for k, exp in enumerate(ref.onnxruntime()):
+        got = ref.getOutputTensor(k)
+        assert got.dtype == exp.dtype and got.shape == exp.shape
+        np.testing.assert_allclose(got, exp, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("shape,reduction,weighted,ii", LOSS_CASES)
-def test_nll_loss(shape, reduction, weighted, ii):
-    x, t, w, feeds, attrs = _loss_case(shape, weighted, ii)
-    model = one_node("NegativeLogLikelihoodLoss", feeds, reduction=reduction, opset=13, **attrs)
-    (got,) = ours(model, feeds)
+def test_nll_loss(op_tester, shape, reduction, weighted, ii):
+    x, t, w, inputs, attrs = _loss_case(shape, weighted, ii)
     exp = F.nll_loss(torch.from_numpy(x), torch.from_numpy(t), **_torch_kw(w, ii, reduction))
-    assert got.dtype == np.float32 and got.shape == tuple(exp.shape)
-    np.testing.assert_allclose(got, exp.numpy(), rtol=1e-5, atol=1e-6)
-    check(model, feeds)
+
+    def reference(ref):
+        agrees_with_onnxruntime(ref)
+        return [exp]
+
+    op_tester.run(one_op("NegativeLogLikelihoodLoss", inputs, reduction=reduction, **attrs),
+                  reference, opsets=OPSETS, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape,reduction,weighted,ii", LOSS_CASES)
-def test_softmax_cross_entropy_loss(shape, reduction, weighted, ii):
-    x, t, w, feeds, attrs = _loss_case(shape, weighted, ii)
-    model = one_node("SoftmaxCrossEntropyLoss", feeds, n_out=2, reduction=reduction, opset=13,
-                     **attrs)
-    loss, logp = ours(model, feeds)
+def test_softmax_cross_entropy_loss(op_tester, shape, reduction, weighted, ii):
+    x, t, w, inputs, attrs = _loss_case(shape, weighted, ii)
     exp = F.cross_entropy(torch.from_numpy(x), torch.from_numpy(t), **_torch_kw(w, ii, reduction))
-    assert loss.dtype == np.float32 and loss.shape == tuple(exp.shape)
-    np.testing.assert_allclose(loss, exp.numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(logp, F.log_softmax(torch.from_numpy(x), 1).numpy(), rtol=1e-5,
-                               atol=1e-6)
-    check(model, feeds)
+
+    def reference(ref):
+        agrees_with_onnxruntime(ref)
+        return [exp, F.log_softmax(torch.from_numpy(x), 1)]
+
+    op_tester.run(one_op("SoftmaxCrossEntropyLoss", inputs, num_outputs=2, reduction=reduction,
+                         **attrs), reference, opsets=OPSETS, rtol=1e-5, atol=1e-6)
 
 
-def test_loss_keeps_float64_and_rejects_bad_reduction():
+def test_loss_keeps_float64_and_rejects_bad_reduction(op_tester):
     x, t = rnd(4, 3, dtype=np.float64), np.array([0, 2, 1, 2], np.int64)
-    (got,) = ours(one_node("SoftmaxCrossEntropyLoss", {"x": x, "t": t}, opset=13), {"x": x, "t": t})
-    assert got.dtype == np.float64
+    exp = F.cross_entropy(torch.from_numpy(x), torch.from_numpy(t))
+    op_tester.run(one_op("SoftmaxCrossEntropyLoss", [x, t]), lambda ref: [exp], opsets=OPSETS,
+                  rtol=1e-12, atol=0)
     with pytest.raises(popart_exception, match="reduction 'avg'"):
-        ours(one_node("NegativeLogLikelihoodLoss", {"x": x, "t": t}, reduction="avg", opset=13),
-             {"x": x, "t": t})
+        op_tester.run(one_op("NegativeLogLikelihoodLoss", [x, t], reduction="avg"), None,
+                      opsets=OPSETS)
 
 
 @pytest.mark.parametrize("op", ["NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_loss_gradient(op, reduction):
-    x, t, w, feeds, attrs = _loss_case((3, 4, 2), True, 1)
-    fd_grad_check(one_node(op, feeds, reduction=reduction, opset=13, **attrs), feeds, "x")
+def test_loss_gradient(op_tester, op, reduction):
+    """Central differences of the session (float64), within 1e-5 * max(1, |gradient|)."""
+    x, t, w, inputs, attrs = _loss_case((3, 4, 2), True, 1)
+    inputs = [v.astype(np.float64) if v.dtype == np.float32 else v for v in inputs]
+    op_tester.run(one_op(op, inputs, grads=[0], reduction=reduction, **attrs),
+                  RefData.numeric_grads, step_type="train", opsets=OPSETS, rtol=5e-6, atol=5e-6)
 
 
 # ---------------------------------------------------------------------------------------
@@ -113,65 +139,69 @@ def nms_reference(boxes, scores, max_out, iou_thr, score_thr, center):
 
 @pytest.mark.parametrize("center", [0, 1])
 @pytest.mark.parametrize("max_out,iou,score", [(3, 0.5, 0.0), (10, 0.3, 0.4), (2, 0.7, -1.0)])
-def test_non_max_suppression(center, max_out, iou, score):
+def test_non_max_suppression(op_tester, center, max_out, iou, score):
     B, C, N = 2, 3, 12
     corner = RNG.uniform(0, 10, (B, N, 2))
     size = RNG.uniform(1, 4, (B, N, 2))
     boxes = (np.concatenate([corner + size / 2, size], 2) if center else
              np.concatenate([corner, corner + size], 2)).astype(np.float32)
     scores = RNG.uniform(0, 1, (B, C, N)).astype(np.float32)
-    feeds = {"boxes": boxes, "scores": scores}
-    consts = {"m": np.array([max_out], np.int64), "iou": np.array([iou], np.float32),
-              "st": np.array([score], np.float32)}
-    model = one_node("NonMaxSuppression", feeds, consts=consts, center_point_box=center, opset=11)
+    consts = [np.array([max_out], np.int64), np.array([iou], np.float32),
+              np.array([score], np.float32)]
     exp = nms_reference(boxes, scores, max_out, iou, score, center)
     assert len(exp)
-    # inputs known when compiling (here: folded as initializers)
-    (got,) = ours(one_node("NonMaxSuppression", {}, consts=feeds | consts,
-                           center_point_box=center, opset=11), {})
-    np.testing.assert_array_equal(got, exp)
+    # inputs known when compiling (here: Constant nodes)
+    op_tester.run(one_op("NonMaxSuppression", [Const(v) for v in [boxes, scores] + consts],
+                         center_point_box=center), lambda ref: [exp], opsets={"ai.onnx": 11})
     # graph inputs: the ONNX backend specializes on boxes and scores
-    (got,) = onnx_backend.prepare(model).run(feeds)
+    b = popart.Builder(opsets={"ai.onnx": 11})
+    ids = [b.addInputTensor(popart.TensorInfo(v)) for v in (boxes, scores)]
+    y = b.aiOnnx.nonmaxsuppression(ids + [b.aiOnnx.constant(v) for v in consts],
+                                   center_point_box=center)
+    b.addOutputTensor(y)
+    model = b.getModelProto()
+    (got,) = onnx_backend.prepare(model).run([boxes, scores])
     np.testing.assert_array_equal(got, exp)
-    (ref,) = ort.InferenceSession(model.SerializeToString(),
-                                  providers=["CPUExecutionProvider"]).run(None, feeds)
+    (ref,) = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(
+        None, dict(zip(ids, (boxes, scores))))
     np.testing.assert_array_equal(got, ref)
 
 
-def test_non_max_suppression_runtime_boxes_error():
+def test_non_max_suppression_runtime_boxes_error(op_tester):
     boxes, scores = rnd(1, 4, 4), rnd(1, 1, 4)
-    feeds = {"boxes": boxes, "scores": scores}
-    model = one_node("NonMaxSuppression", feeds, consts={"m": np.array([2], np.int64)}, opset=11)
     with pytest.raises(popart_exception, match="depends on their values"):
-        ours(model, feeds)
+        op_tester.run(one_op("NonMaxSuppression", [boxes, scores, Const(np.array([2], np.int64))]),
+                      None, opsets={"ai.onnx": 11})
 
 
 # ---------------------------------------------------------------------------------------
 # ConvInteger, QLinearConv, TfIdfVectorizer (against onnxruntime)
 
 @pytest.mark.parametrize("attrs", [{}, {"pads": [1, 1, 1, 1], "strides": [2, 1]}, {"group": 2}])
-def test_conv_integer(attrs):
+def test_conv_integer(op_tester, attrs):
     x = RNG.integers(0, 255, (1, 4, 6, 5)).astype(np.uint8)
     w = RNG.integers(0, 255, (4, 4 // attrs.get("group", 1), 3, 3)).astype(np.uint8)
-    feeds = {"x": x, "w": w, "xz": np.array(3, np.uint8), "wz": np.array(120, np.uint8)}
-    got = check(one_node("ConvInteger", feeds, opset=10, **attrs), feeds)
-    assert got[0].dtype == np.int32
+    (got,) = op_tester.run(one_op("ConvInteger", [x, w, np.array(3, np.uint8),
+                                                  np.array(120, np.uint8)], **attrs),
+                           ORT, opsets={"ai.onnx": 10})
+    assert got.dtype == np.int32
 
 
-def test_qlinear_conv_per_channel():
+def test_qlinear_conv_per_channel(op_tester):
     x = RNG.integers(0, 255, (1, 2, 5, 5)).astype(np.uint8)
     w = RNG.integers(-100, 100, (3, 2, 3, 3)).astype(np.int8)
-    feeds = {"x": x, "xs": np.array(0.02, np.float32), "xz": np.array(128, np.uint8), "w": w,
-             "ws": np.array([0.01, 0.02, 0.015], np.float32), "wz": np.zeros(3, np.int8),
-             "ys": np.array(0.5, np.float32), "yz": np.array(100, np.uint8),
-             "b": RNG.integers(-500, 500, 3).astype(np.int32)}
-    check(one_node("QLinearConv", feeds, opset=10, pads=[1, 1, 1, 1]), feeds, atol=1)
+    inputs = [x, np.array(0.02, np.float32), np.array(128, np.uint8), w,
+              np.array([0.01, 0.02, 0.015], np.float32), np.zeros(3, np.int8),
+              np.array(0.5, np.float32), np.array(100, np.uint8),
+              RNG.integers(-500, 500, 3).astype(np.int32)]
+    op_tester.run(one_op("QLinearConv", inputs, pads=[1, 1, 1, 1]), ORT, opsets={"ai.onnx": 10},
+                  atol=1)   # integers: off by one at most (rounding)
 
 
 @pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])
-def test_tfidf_vectorizer(mode):
+def test_tfidf_vectorizer(op_tester, mode):
     x = RNG.integers(0, 6, (3, 9)).astype(np.int64)
     attrs = dict(mode=mode, min_gram_length=1, max_gram_length=2, max_skip_count=2,
                  ngram_counts=[0, 4], ngram_indexes=[0, 1, 2, 3, 4, 5, 6],
                  pool_int64s=[1, 2, 3, 5, 1, 2, 3, 3, 0, 4], weights=[1, .5, 2, 1, 3, .2, 1])
-    check(one_node("TfIdfVectorizer", {"x": x}, opset=9, **attrs), {"x": x})
+    op_tester.run(one_op("TfIdfVectorizer", [x], **attrs), ORT, opsets={"ai.onnx": 9})

@@ -1,5 +1,6 @@
-"""ai.onnx.ml ops (Binarizer, ArrayFeatureExtractor, LabelEncoder, TreeEnsemble) against
-onnxruntime, and the ai.onnx.preview.training optimizers (Adagrad, Adam, Momentum) against
+"""ai.onnx.ml ops (Binarizer, ArrayFeatureExtractor, LabelEncoder, TreeEnsemble) through the
+ONNX backend (string tensors included) against onnxruntime, and in sessions (the op tester);
+the ai.onnx.preview.training optimizers (Adagrad, Adam, Momentum) run by the op tester against
 NumPy transcriptions of the ONNX operator docs."""
 import numpy as np
 import onnx
@@ -8,10 +9,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from popart import onnx_backend
-from popart.engine.shapes import run_model
 from popart.errors import popart_exception
 
-pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly
+from op_tester import one_op
 
 ML = "ai.onnx.ml"
 TRAIN = "ai.onnx.preview.training"
@@ -76,11 +76,11 @@ def test_array_feature_extractor(shape, idx, dtype):
     check(model_of("ArrayFeatureExtractor", feeds), feeds)
 
 
-def test_array_feature_extractor_runtime_indices():
+def test_array_feature_extractor_runtime_indices(op_tester):
     x = RNG.standard_normal((3, 4)).astype(np.float32)
     i = np.array([3, 1, 1], np.int64)
-    (got,) = run_model(model_of("ArrayFeatureExtractor", {"x": x, "i": i}), {"x": x, "i": i}).values()
-    np.testing.assert_array_equal(got, x[:, [3, 1, 1]])
+    op_tester.run(one_op("ArrayFeatureExtractor", [x, i], domain=ML), lambda ref: [x[:, [3, 1, 1]]],
+                  rtol=0, atol=0)
 
 
 def test_array_feature_extractor_strings():
@@ -132,15 +132,13 @@ def test_label_encoder(opset, x, attrs):
     check(model_of("LabelEncoder", {"x": x}, opset=opset, **attrs), {"x": x})
 
 
-def test_label_encoder_spec_nan_and_repeated_keys():
+def test_label_encoder_spec_nan_and_repeated_keys(op_tester):
     """As the ONNX spec says (onnxruntime differs): a repeated key maps to its last value, and
     a NaN key matches every NaN input."""
     x = np.array([1.5, -0.0, np.nan, 2.0, 7.0, 1.5], np.float32)
-    model = model_of("LabelEncoder", {"x": x}, opset=2, keys_floats=[1.5, 0.0, np.nan, 2.0, 1.5],
-                     values_int64s=[1, 2, 3, 4, 5])
-    got = run_model(model, {"x": x})["y0"]
-    assert got.dtype == np.int64
-    np.testing.assert_array_equal(got, [5, 2, 3, 4, -1, 5])
+    op_tester.run(one_op("LabelEncoder", [x], domain=ML, keys_floats=[1.5, 0.0, np.nan, 2.0, 1.5],
+                         values_int64s=[1, 2, 3, 4, 5]),
+                  lambda ref: [np.array([5, 2, 3, 4, -1, 5], np.int64)], opsets={ML: 2})
     s = np.array(["a", "b", "c"], object)
     (got,) = ours(model_of("LabelEncoder", {"x": s}, opset=2, keys_strings=["a", "b", "a"],
                            values_strings=["x", "y", "z"]), {"x": s})
@@ -155,21 +153,20 @@ def test_label_encoder_opset1():
                    default_string="??"), {"x": x})
 
 
-def test_label_encoder_numeric_at_run_time():
+def test_label_encoder_numeric_at_run_time(op_tester):
     """Numeric keys work on run-time data (a jitted lookup, not host code)."""
     x = np.array([[3, 1], [8, 3]], np.int64)
-    model = model_of("LabelEncoder", {"x": x}, opset=2, keys_int64s=[1, 3],
-                     values_floats=[0.5, 1.5], default_float=-2.0)
-    got = run_model(model, {"x": x})["y0"]
-    assert got.dtype == np.float32
-    np.testing.assert_array_equal(got, [[1.5, 0.5], [-2.0, 1.5]])
+    op_tester.run(one_op("LabelEncoder", [x], domain=ML, keys_int64s=[1, 3],
+                         values_floats=[0.5, 1.5], default_float=-2.0),
+                  lambda ref: [np.array([[1.5, 0.5], [-2.0, 1.5]], np.float32)], opsets={ML: 2},
+                  rtol=0, atol=0)
 
 
-def test_label_encoder_string_output_needs_constant_input():
+def test_label_encoder_string_output_needs_constant_input(op_tester):
     x = np.array([1, 2], np.int64)
-    model = model_of("LabelEncoder", {"x": x}, opset=2, keys_int64s=[1], values_strings=["a"])
     with pytest.raises(popart_exception, match="compile time"):
-        run_model(model, {"x": x})
+        op_tester.run(one_op("LabelEncoder", [x], domain=ML, keys_int64s=[1], values_strings=["a"]),
+                      None, opsets={ML: 2})
 
 
 def test_label_encoder_bad_attributes():
@@ -333,74 +330,62 @@ def _train_case(groups, t, dtype):
     return r, t, per, feeds
 
 
-def _run_training(op, feeds, n_out, **attrs):
-    model = model_of(op, feeds, n_out=n_out, domain=TRAIN, opset=1, **attrs)
-    return run_model(model, feeds)
-
-
 @pytest.mark.parametrize("t", [0, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_adagrad(t, dtype):
+def test_adagrad(op_tester, t, dtype):
     attrs = dict(norm_coefficient=0.01, epsilon=1e-5, decay_factor=0.1)
     r, t, (xs, gs, hs), feeds = _train_case(3, t, dtype)
-    got = list(_run_training("Adagrad", feeds, 6, **attrs).values())
     exp = [np_adagrad(float(r), int(t), x, g, h, **attrs) for x, g, h in zip(xs, gs, hs)]
     exp = [e[0] for e in exp] + [e[1] for e in exp]
-    for g_, e in zip(got, exp):
-        assert g_.dtype == dtype and g_.shape == e.shape
-        np.testing.assert_allclose(g_, e, rtol=1e-5, atol=1e-6)
+    op_tester.run(one_op("Adagrad", list(feeds.values()), domain=TRAIN, num_outputs=6, **attrs),
+                  lambda ref: [e.astype(dtype) for e in exp], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("t", [0, 1, 5])
-def test_adam(t):
+def test_adam(op_tester, t):
     attrs = dict(norm_coefficient=0.01, norm_coefficient_post=0.02, alpha=0.85, beta=0.95,
                  epsilon=1e-3)
     r, t, (xs, gs, vs, hs), feeds = _train_case(4, t, np.float32)
-    got = list(_run_training("Adam", feeds, 9, **attrs).values())
     exp = [np_adam(float(r), int(t), *a, **attrs) for a in zip(xs, gs, vs, hs)]
-    exp = [e[k] for k in range(3) for e in exp]
-    for g_, e in zip(got, exp):
-        assert g_.dtype == np.float32 and g_.shape == e.shape
-        np.testing.assert_allclose(g_, e, rtol=1e-5, atol=1e-6)
+    op_tester.run(one_op("Adam", list(feeds.values()), domain=TRAIN, num_outputs=9, **attrs),
+                  lambda ref: [e[k].astype(np.float32) for k in range(3) for e in exp],
+                  rtol=1e-5, atol=1e-6)
 
 
-def test_adam_defaults():
+def test_adam_defaults(op_tester):
     r, t, (xs, gs, vs, hs), feeds = _train_case(4, 2, np.float64)
-    got = list(_run_training("Adam", feeds, 9).values())
     exp = [np_adam(float(r), int(t), *a) for a in zip(xs, gs, vs, hs)]
-    for g_, e in zip(got, [e[k] for k in range(3) for e in exp]):
-        np.testing.assert_allclose(g_, e, rtol=1e-10)
+    op_tester.run(one_op("Adam", list(feeds.values()), domain=TRAIN, num_outputs=9),
+                  lambda ref: [e[k] for k in range(3) for e in exp], rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["standard", "nesterov"])
 @pytest.mark.parametrize("t", [0, 2])
-def test_momentum(mode, t):
+def test_momentum(op_tester, mode, t):
     attrs = dict(norm_coefficient=0.001, alpha=0.9, beta=0.3, mode=mode)
     r, t, (xs, gs, vs), feeds = _train_case(3, t, np.float32)
-    got = list(_run_training("Momentum", feeds, 6, **attrs).values())
     exp = [np_momentum(float(r), int(t), x, g, v, **attrs) for x, g, v in zip(xs, gs, vs)]
-    for g_, e in zip(got, [e[k] for k in range(2) for e in exp]):
-        assert g_.dtype == np.float32
-        np.testing.assert_allclose(g_, e, rtol=1e-5, atol=1e-6)
+    op_tester.run(one_op("Momentum", list(feeds.values()), domain=TRAIN, num_outputs=6, **attrs),
+                  lambda ref: [e[k].astype(np.float32) for k in range(2) for e in exp],
+                  rtol=1e-5, atol=1e-6)
 
 
-def test_momentum_requires_attributes():
+def test_momentum_requires_attributes(op_tester):
     r, t, _, feeds = _train_case(3, 1, np.float32)
     with pytest.raises(popart_exception, match="(?i)required attribute"):
-        _run_training("Momentum", feeds, 6, alpha=0.9, beta=0.1, norm_coefficient=0.0)
+        op_tester.run(one_op("Momentum", list(feeds.values()), domain=TRAIN, num_outputs=6,
+                             alpha=0.9, beta=0.1, norm_coefficient=0.0), None)
 
 
-def test_training_ops_match_onnx_reference():
+def test_training_ops_match_onnx_reference(op_tester):
     """The three ops on the onnx reference evaluator's own implementation, one step each."""
-    from onnx.reference import ReferenceEvaluator
     for op, groups, attrs in [("Adagrad", 3, dict(decay_factor=0.1, epsilon=1e-5, norm_coefficient=0.01)),
                               ("Adam", 4, dict(alpha=0.9, beta=0.99, epsilon=1e-4, norm_coefficient=0.0,
                                                norm_coefficient_post=0.01)),
                               ("Momentum", 3, dict(alpha=0.9, beta=0.5, mode="nesterov",
                                                    norm_coefficient=0.01))]:
         _, _, _, feeds = _train_case(groups, 4, np.float32)
-        model = model_of(op, feeds, n_out=groups * 3 - 3, domain=TRAIN, opset=1, **attrs)
-        got = list(run_model(model, feeds).values())
-        exp = ReferenceEvaluator(model).run(None, feeds)
-        for g_, e in zip(got, exp):
-            np.testing.assert_allclose(g_, np.asarray(e, np.float32), rtol=1e-5, atol=1e-6)
+        op_tester.run(one_op(op, list(feeds.values()), domain=TRAIN, num_outputs=groups * 3 - 3,
+                             **attrs),
+                      lambda ref: [np.asarray(e, np.float32) for e in ref.onnx_reference()],
+                      rtol=1e-5, atol=1e-6)

@@ -177,7 +177,7 @@ def test_executable_for_other_options_optimizer_or_version_is_rejected(tmp_path,
         infer(small_model(), opts).loadExecutable(path)
     with pytest.raises(popart.popart_exception, match="model_sha256"):
         infer(small_model(3.0)).loadExecutable(path)
-    monkeypatch.setattr("popart.session._package_version", lambda: "99.0")
+    monkeypatch.setattr("popart.engine.executable.package_version", lambda: "99.0")
     with pytest.raises(popart.popart_exception, match="popart_xla .file: .*session: 99.0"):
         infer(small_model()).loadExecutable(path)
 
@@ -212,7 +212,7 @@ def test_engine_cache_belongs_to_the_session_and_checks_its_entries(tmp_path, ca
 
     again = cached(small_model(2.0), "a")
     again.prepareDevice()
-    assert again._loaded is not None           # compiled from the cache entry
+    assert "executable_source: engine cache" in again.getSummaryReport()
     np.testing.assert_array_equal(run_once(again), np.arange(4) * 2.0)
 
     # Copy b's entry over a's: the session notices, says so and recompiles its own model.
@@ -229,7 +229,7 @@ def test_engine_cache_belongs_to_the_session_and_checks_its_entries(tmp_path, ca
     np.testing.assert_array_equal(run_once(swapped), np.arange(4) * 2.0)
     fresh = cached(small_model(2.0), "a")
     fresh.prepareDevice()
-    assert fresh._loaded is not None           # the entry was rewritten for this model
+    assert "executable_source: engine cache" in fresh.getSummaryReport()   # rewritten for this model
 
 
 def test_atomic_write_keeps_mode_and_cleans_up(tmp_path, monkeypatch):

@@ -168,7 +168,7 @@ def test_accumulation_and_replication_equal_one_big_batch(mode):
     X = Xb.reshape(bps, *lead, B, I)
     L = Lb.reshape(bps, *lead, B)
     s, out = train(b, ids, opt(), bps, X, L, opts=opts, device=device)
-    assert len(s._program.replica_devices()) == (2 if mode in ("replication", "both") else 0)
+    assert len(s._program.placement.devices) == (2 if mode in ("replication", "both") else 0)
     assert out[ids["loss"]].shape == (bps, *lead)
     np.testing.assert_allclose(out[ids["loss"]].reshape(bps, -1).mean(1), out_big[big_ids["loss"]], rtol=1e-5)
     a, c = read(s, ids), read(s_big, big_ids)
@@ -318,34 +318,40 @@ def test_float16_training_with_loss_scaling():
 
 
 def test_automatic_loss_scaling_adjusts_the_scale():
-    """With tiny gradients the scale doubles every update; with huge ones it halves; weights
-    follow the unscaled gradients either way (equal to a run without automatic scaling)."""
+    """A float16 model (PopART tracks float16 gradients only) and a non-const loss scaling:
+    with small gradients the scale doubles every update, with gradients at or above
+    binEdgeLocation * 65504 (8188) it halves; weights follow the unscaled gradients either
+    way (equal to a run without automatic scaling). tests/test_automatic_loss_scaling.py
+    checks the statistics and the sequences against PopART's algorithm in NumPy."""
     rs = np.random.RandomState(0)
-    w0 = rs.randn(4, 3).astype(np.float32)
-    X = rs.randn(3, 2, 4).astype(np.float32)
-    scale_id = popart.reservedLossScalingPrefix() + "FLOAT"
-    for mult, direction in ((1.0, 2.0), (3000.0, 0.5)):
+    w0 = rs.randn(4, 3).astype(np.float16)
+    X = (rs.uniform(1.0, 1.5, (3, 1, 4)) * rs.choice([-1, 1], (3, 1, 4))).astype(np.float16)
+    # |Gradient___w| = |x| * finalLossScale: below 8188 from 8, at or above it from 16384
+    # until the scale is 4096
+    for ls, finals in ((8.0, [8.0, 16.0, 32.0]), (16384.0, [16384.0, 8192.0, 4096.0])):
         weights = []
         for als in (True, False):
             b = popart.Builder()
-            x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]))
+            x = b.addInputTensor(popart.TensorInfo("FLOAT16", [1, 4]))
             w = b.addInitializedInputTensor(w0)
-            loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([x, w])], mult, reduction=popart.ReductionType.Sum)
+            loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([x, w])], 1.0, reduction=popart.ReductionType.Sum)
             opts = popart.SessionOptions()
             opts.automaticLossScalingSettings.enabled = als
-            opt = popart.SGD({"defaultLearningRate": (1e-5, True), "lossScaling": (8.0, False)})
+            opt = popart.SGD({"defaultLearningRate": (1e-3, True), "lossScaling": (ls, False)})
             anchors = {loss: popart.AnchorReturnType("ALL")}
             if als:
-                anchors[scale_id] = popart.AnchorReturnType("ALL")
+                anchors["finalLossScale"] = anchors["lossScaleUpdateFactor"] = popart.AnchorReturnType("ALL")
             s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(3, anchors), loss, opt, CPU(), userOptions=opts)
             s.prepareDevice()
             out = s.initAnchorArrays()
             s.run(popart.PyStepIO({x: X}, out))
             if als:
-                np.testing.assert_allclose(out[scale_id], 8.0 * direction ** np.arange(1, 4))
+                np.testing.assert_array_equal(out["finalLossScale"], finals)
+                after = {8.0: [2.0, 4.0, 8.0], 16384.0: [0.5, 0.25, 0.5]}[ls]
+                np.testing.assert_array_equal(out["lossScaleUpdateFactor"], after)
             weights.append(read_one(s, w))
-        np.testing.assert_allclose(weights[0], weights[1], rtol=1e-6)
-        assert np.abs(weights[0] - w0).max() > 1e-6
+        np.testing.assert_array_equal(weights[0], weights[1])
+        assert np.abs(weights[0] - w0).max() > 1e-3
 
 
 def read_one(s, tid):

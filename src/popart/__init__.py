@@ -21,6 +21,12 @@ from .options import *  # noqa: E402,F401,F403
 from .patterns import Patterns, PatternsLevel  # noqa: E402,F401
 from .session import InferenceSession, TrainingSession  # noqa: E402,F401
 from .tensorinfo import DataType, TensorInfo  # noqa: E402,F401
+from . import writer  # noqa: E402,F401
+from .debug_info import *  # noqa: E402,F401,F403
+from .graph_transformer import GraphTransformer  # noqa: E402,F401
+from .logging import Logger  # noqa: E402,F401
+from .module_api import *  # noqa: E402,F401,F403
+from .op_definitions import *  # noqa: E402,F401,F403
 
 __version__ = "0.1.0"
 
@@ -45,3 +51,6 @@ for _name, _value in _PREFIXES.items():
 
 def reservedPrefixes() -> list[str]:
     return list(_PREFIXES.values())
+
+
+from .tensornames import *  # noqa: E402,F401,F403  (PopART's full set of reserved prefixes)

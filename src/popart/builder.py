@@ -17,22 +17,27 @@ Op interfaces
   One ai.onnx version per model: the one in ``opsets``, else the first ``aiOnnxOpsetN`` used,
   else 11.
 * ``builder.aiGraphcore`` (= ``aiGraphcoreOpset1``): nodes in domain ``"ai.graphcore"``,
-  opset 1, from the table ``_GRAPHCORE_OPS`` (method -> op type, attributes, outputs). The
-  full list of op types and attribute names is appended to this docstring at import time.
+  opset 1, from the table in ``popart.ir.graphcore_schema`` (method -> op type, attributes
+  with PopART's defaults, outputs), which the engine also reads its attribute defaults from.
+  The full list of op types and attribute names is appended to this docstring at import time.
 
-Attribute encodings of ai.graphcore nodes (for the op lowerings)
-----------------------------------------------------------------
+Attribute encodings of ai.graphcore nodes (PopART's, except where noted)
+-----------------------------------------------------------------------
 * Attribute names are the method's keyword names (``reduction``, ``ignoreIndex``, ``axes``,
   ``sizes``, ``noOverlap``, ``scale0``, ...). Unset optional attributes (default ``None``) are
   not written. Booleans are INT 0/1. Lists are INTS / FLOATS / STRINGS.
-* ``reduction`` (losses: Nll, L1, IdentityLoss, Ctc): STRING "Sum" | "Mean" | "NoReduction".
-* ``reduction`` (ScatterReduce, GroupedScatterReduce): STRING "Sum" | "Max" | "Min" | "Mul" |
-  "NoReduction".
+* ``reduction`` (losses: Nll, L1, IdentityLoss, Ctc): STRING "Sum" | "Mean" | "None"
+  (ReductionType.NoReduction).
+* ``reduction`` (ScatterReduce): STRING "sum" | "max" | "min" | "mul" | "none".
+  ``groupedscatterreduce`` writes a ScatterReduce node with ``group_size``, as PopART does.
 * ``collectiveOperator`` (ReplicatedAllReduce / ReplicatedReduceScatter): STRING, one of
   Undefined, Add, Mean, Mul, Min, Max, LogicalAnd, LogicalOr, SquareAdd, Local (absent = Add).
 * ``commGroup``: INTS [type, replicaGroupSize] with type 0=All 1=Consecutive 2=Orthogonal
-  3=Ungrouped (absent = all replicas).
-* Ctc ``outDataType``: STRING PopART dtype name ("UNDEFINED" = same as input).
+  3=Ungrouped (absent = all replicas). (PopART writes these two as ``__collectiveOperator``
+  INT and ``__collectiveCommGroup``, and LSTM's ``outputFullSequence`` as
+  ``output_full_sequence``.)
+* Ctc ``outDataType``: INT ONNX TensorProto data type (0, UNDEFINED = same as input).
+* PrintTensor ``separator`` / ``openBracket`` / ``closeBracket``: INT character codes.
 * Init / Zeros ``data_type`` / ``dtype``: INT ONNX TensorProto dtype; Init ``init_type``:
   INT 0=NoInit 1=Zero.
 * Call ``callee``, PackedDataBlock ``callback``: GRAPH.
@@ -72,9 +77,17 @@ import onnx
 import onnx.defs
 from onnx import AttributeProto, helper, numpy_helper
 
-from .errors import ModelError, UnsupportedOperatorError, popart_exception
+from .errors import BuilderError, ModelError, UnsupportedOperatorError, popart_exception
 from .fileio import atomic_write
 from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH
+from .ir.graphcore_schema import BY_METHOD as _GRAPHCORE_METHODS
+from .ir.graphcore_schema import COMM_GROUP_TYPES as _COMM_GROUP_TYPES
+from .ir.graphcore_schema import REQUIRED, OpSchema
+from .ir.graphcore_schema import describe as _describe_graphcore_ops
+from .ir.graphcore_schema import enum_index as _enum_index
+from .fileio import note_own_file
+from .ir.onnx_import import (external_data_path, external_info, for_checker, is_external,
+                             save_initializers_externally)
 from .ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, ONNX_ML_DOMAIN, decode_attr
 from .tensorinfo import DataType, TensorInfo, np_dtype, onnx_dtype, to_datatype
 
@@ -109,11 +122,6 @@ class RecomputeType(enum.IntEnum):
     Recomputed = 3
 
 
-_REDUCTIONS = ("Sum", "Mean", "NoReduction")
-_SCATTER_REDUCTIONS = ("Sum", "Max", "Min", "Mul", "NoReduction")
-_COLLECTIVE_OPS = ("Undefined", "Add", "Mean", "Mul", "Min", "Max", "LogicalAnd", "LogicalOr",
-                   "SquareAdd", "Local")
-_COMM_GROUP_TYPES = ("All", "Consecutive", "Orthogonal", "Ungrouped")
 _DEBUG_KEYWORDS = ("debugContext", "debugPrefix", "debugName", "debug_context", "name")
 _DTYPE_ATTRIBUTES = ("to", "dtype")
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
@@ -122,24 +130,10 @@ _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorPro
 I, F, S = AttributeProto.INT, AttributeProto.FLOAT, AttributeProto.STRING
 INTS, FLOATS, STRINGS = AttributeProto.INTS, AttributeProto.FLOATS, AttributeProto.STRINGS
 T, G = AttributeProto.TENSOR, AttributeProto.GRAPH
-REQUIRED = object()  # marks a required attribute in the tables
 
 
 # ---------------------------------------------------------------------------------------
 # Small helpers
-
-def _enum_index(value: Any, names: Sequence[str], what: str) -> int:
-    """Index of an enum given as a member (by its ``.name``), a member name, or an index."""
-    name = value if isinstance(value, str) else getattr(value, "name", None)
-    if isinstance(name, str):
-        if name in names:
-            return names.index(name)
-    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        if 0 <= int(value) < len(names):
-            return int(value)
-    raise popart_exception(f"Invalid {what} {value!r}: expected one of {', '.join(names)} "
-                           f"(or its index)")
-
 
 def _debug_name(value: Any) -> str:
     """The name of a debug context given as a str, a DebugContext-like object or None."""
@@ -212,20 +206,21 @@ def _bind(what: str, params: Sequence[str], required: set, str_params: set,
     trailing positional string as the debug name."""
     positional = list(positional)
     values: dict[str, Any] = {}
+    debug = next((p for p in params if p == "debugContext" or p in _DEBUG_KEYWORDS), "debugContext")
     if (positional and isinstance(positional[-1], str) and len(positional) <= len(params)
             and params[len(positional) - 1] not in str_params):
-        values["debugContext"] = positional.pop()
+        values[debug] = positional.pop()
     if len(positional) > len(params):
         raise popart_exception(f"{what} takes at most {len(params)} argument(s) after the "
                                f"inputs ({', '.join(params)}), got {len(positional)}")
     values.update(zip(params, positional))
     for key, value in keywords.items():
-        if key not in params and key in _DEBUG_KEYWORDS:
-            key = "debugContext"
+        if key not in params and (key in _DEBUG_KEYWORDS or key == "debugContext"):
+            key = debug
         elif key not in params and key.endswith("_") and key[:-1] in params:
             key = key[:-1]  # e.g. lambda_ for the attribute "lambda"
         if key not in params:
-            known = ", ".join(p for p in params if p != "debugContext") or "none"
+            known = ", ".join(p for p in params if p != debug) or "none"
             raise popart_exception(f"{what} has no attribute '{key}'; its attributes are: "
                                    f"{known}")
         if key in values:
@@ -250,6 +245,8 @@ def _signature(params: Sequence[str], defaults: dict, with_args: bool = True) ->
 # ---------------------------------------------------------------------------------------
 # ai.onnx / ai.onnx.ml interfaces derived from onnx.defs
 
+# The reference names the debug parameter of these aiOnnx methods differently.
+_DEBUG_PARAMETER = {"If": "name"}
 _ONNX_METHOD_NAMES = {"If": "logical_if", "And": "logical_and", "Or": "logical_or",
                       "Not": "logical_not", "Xor": "logical_xor"}
 _LATE_ATTRIBUTES = ("auto_pad",)  # after the others, so positional calls match PopART
@@ -312,15 +309,18 @@ class _SchemaOpset(Opset):
                              decode_attr(helper.get_attribute_value(a.default_value))
                              if a.default_value.type else None) for a in attrs}
         variadic = schema.min_output != schema.max_output
-        params = (["num_outputs"] if variadic else []) + [a.name for a in attrs] + ["debugContext"]
+        debug = _DEBUG_PARAMETER.get(schema.name, "debugContext")
+        # Split-18 has a num_outputs attribute of its own: the one parameter sets both
+        params = (["num_outputs"] if variadic and "num_outputs" not in types else []) + \
+            [a.name for a in attrs] + [debug]
         required = {a.name for a in attrs if a.required} | ({"num_outputs"} if variadic else set())
         str_params = {n for n, t in types.items() if t in (S, STRINGS)
-                      or n in _DTYPE_ATTRIBUTES} | {"debugContext"}
+                      or n in _DTYPE_ATTRIBUTES} | {debug}
         builder = self._builder
 
         def method(args: Sequence[str], *positional: Any, **keywords: Any) -> Any:
             v = _bind(op, params, required, str_params, positional, keywords)
-            args = list(args)
+            args = [args] if isinstance(args, str) else list(args)   # one id where the reference says str
             if not schema.min_input <= len(args) <= schema.max_input:
                 raise popart_exception(f"Op {op} takes {schema.min_input}..{schema.max_input} "
                                        f"inputs, got {len(args)}: {args}")
@@ -335,12 +335,12 @@ class _SchemaOpset(Opset):
             if types.get("axis") == I and not _is_unset(v.get("axis")) and args:
                 builder._check_axis(op, schema.name, args[0], int(v["axis"]))
             outs = builder._add_node(schema.name, schema.domain, args, attributes, n_out,
-                                     v.get("debugContext"))
+                                     v.get(debug))
             return outs[0] if schema.max_output == 1 else outs
 
         method.__name__ = schema.name.lower()
         method.__doc__ = f"Add an {op} node (see the ONNX operator documentation)."
-        method.__signature__ = _signature(params, {**defaults, "debugContext": ""})
+        method.__signature__ = _signature(params, {**defaults, debug: ""})
         return method
 
 
@@ -356,12 +356,24 @@ class AiOnnx(_SchemaOpset):
     def __str__(self) -> str:
         return f"AiOnnx{self.version}"
 
-    def constant(self, value: Any, is_value_sparse: bool = False, debugContext: Any = "") -> str:
-        """Add a Constant node holding the NumPy value ``value``."""
-        if is_value_sparse:
-            raise UnsupportedOperatorError("Constant: sparse values (is_value_sparse=True) are "
-                                           "not supported")
-        attr = _make_attr("Constant", "value", np.asarray(value), T)
+    def constant(self, value: Any, is_value_sparse: Any = False, debugContext: Any = "") -> str:
+        """Add a Constant node holding the NumPy value ``value``. From opset 11,
+        ``(value, is_value_sparse=False, debugContext="")``: ``is_value_sparse`` stores the
+        non-zeros of ``value`` as the ``sparse_value`` attribute (a SparseTensorProto with
+        linear indices); before, ``(value, debugContext="")``, as PopART's opsets 6-10."""
+        if self.version < 11 and not isinstance(is_value_sparse, (bool, np.bool_, int)):
+            is_value_sparse, debugContext = False, is_value_sparse   # (value, debugContext)
+        array = np.asarray(value)
+        if not is_value_sparse:
+            attr = _make_attr("Constant", "value", array, T)
+        elif self.version < 11:
+            raise popart_exception(f"Constant: is_value_sparse needs ai.onnx opset 11 or later "
+                                   f"(the sparse_value attribute); this model is at {self.version}")
+        else:
+            flat = np.flatnonzero(array.reshape(-1)).astype(np.int64)
+            attr = helper.make_attribute("sparse_value", helper.make_sparse_tensor(
+                numpy_helper.from_array(array.reshape(-1)[flat], "values"),
+                numpy_helper.from_array(flat, "indices"), list(array.shape)))
         return self._builder._add_node("Constant", "", [], [attr], 1, debugContext)[0]
 
 
@@ -379,128 +391,10 @@ del _v
 
 
 # ---------------------------------------------------------------------------------------
-# ai.graphcore interface, table-driven
-
-def _loss_reduction(v: Any) -> str:
-    return _REDUCTIONS[_enum_index(v, _REDUCTIONS, "ReductionType")]
-
-
-def _scatter_reduction(v: Any) -> str:
-    return _SCATTER_REDUCTIONS[_enum_index(v, _SCATTER_REDUCTIONS, "ScatterReduction")]
-
-
-def _collective_op(v: Any) -> str:
-    return _COLLECTIVE_OPS[_enum_index(v, _COLLECTIVE_OPS, "CollectiveOperator")]
-
-
-def _comm_group(v: Any) -> list:
-    """CommGroup-like (``.type``, ``.replicaGroupSize``) or (type, size) -> [type, size]."""
-    kind, size = (v if isinstance(v, (tuple, list)) else
-                  (getattr(v, "type"), getattr(v, "replicaGroupSize")))
-    return [_enum_index(kind, _COMM_GROUP_TYPES, "CommGroupType"), int(size)]
-
-
-def _dtype_name(v: Any) -> str:
-    return to_datatype(v).value
-
-
-# Encoders for attributes whose Python value is an enum or an object: name -> (type, encode).
-_ENC = {
-    "reduction": (S, _loss_reduction),
-    "scatter_reduction": (S, _scatter_reduction),
-    "collectiveOperator": (S, _collective_op),
-    "commGroup": (INTS, _comm_group),
-    "outDataType": (S, _dtype_name),
-}
-
-# method -> (op type, [(attribute, type or encoder key, default or REQUIRED)], outputs)
-# outputs: number of outputs, or "n" for a leading ``num_outputs`` argument. An entry
-# ("debugContext", None, "") places the debug name among the positional arguments.
-_GRAPHCORE_OPS: dict[str, tuple] = {
-    "abort": ("Abort", [], 0),
-    "atan2": ("Atan2", [], 1),
-    "batchnormalization": ("BatchNormalization", [("epsilon", F, 1e-5), ("momentum", F, 0.9)], "n"),
-    "bitwiseand": ("BitwiseAnd", [], 1),
-    "bitwisenot": ("BitwiseNot", [], 1),
-    "bitwiseor": ("BitwiseOr", [], 1),
-    "bitwisexnor": ("BitwiseXnor", [], 1),
-    "bitwisexor": ("BitwiseXor", [], 1),
-    "bucketize": ("Bucketize", [("right", I, 0)], 1),
-    "call": ("Call", [("callee", G, REQUIRED)], "n"),
-    "copyvarupdate": ("CopyVarUpdate", [], 1),
-    "ctcbeamsearchdecoder": ("CtcBeamSearchDecoder", [("blank", I, 0), ("beam_width", I, 100),
-                                                      ("top_paths", I, 1)], 3),
-    "ctcloss": ("Ctc", [("reduction", "reduction", "Mean"), ("blank", I, 0),
-                        ("outDataType", "outDataType", "UNDEFINED"), ("zeroInfinity", I, 0)], 1),
-    "depthtospace": ("DepthToSpace", [("blocksize", I, REQUIRED), ("mode", S, "DCR")], 1),
-    "detach": ("Detach", [], 1),
-    "dynamicadd": ("DynamicAdd", [("axes", INTS, REQUIRED), ("sizes", INTS, REQUIRED)], 1),
-    "dynamicslice": ("DynamicSlice", [("axes", INTS, REQUIRED), ("sizes", INTS, REQUIRED),
-                                      ("noOverlap", I, 0)], 1),
-    "dynamicupdate": ("DynamicUpdate", [("axes", INTS, REQUIRED), ("sizes", INTS, REQUIRED),
-                                        ("noOverlap", I, 0)], 1),
-    "dynamiczero": ("DynamicZero", [("axes", INTS, REQUIRED), ("sizes", INTS, REQUIRED)], 1),
-    "expm1": ("Expm1", [], 1),
-    "fmod": ("Fmod", [], 1),
-    "gelu": ("Gelu", [], 1),
-    "geluerf": ("GeluErf", [], 1),
-    "groupedgather": ("GroupedGather", [("axis", I, 0), ("group_size", I, 1)], 1),
-    "groupedscatterreduce": ("GroupedScatterReduce", [
-        ("axis_size", I, REQUIRED), ("axis", I, -1), ("reduction", "scatter_reduction", "Sum"),
-        ("group_size", I, 1), ("enable_index_broadcast", I, 1)], 1),
-    "groupnormalization": ("GroupNormalization", [("num_groups", I, REQUIRED),
-                                                  ("epsilon", F, 1e-5)], 3),
-    "histogram": ("Histogram", [("levels", FLOATS, REQUIRED), ("absoluteOfInput", I, 0)], 1),
-    "identityloss": ("IdentityLoss", [("reduction", "reduction", "Mean")], 1),
-    "incrementmod": ("IncrementMod", [("increment", F, REQUIRED), ("modulus", F, REQUIRED)], 1),
-    "l1loss": ("L1", [("lambda", F, REQUIRED), ("reduction", "reduction", "Mean")], 1),
-    "log1p": ("Log1p", [], 1),
-    "lstm": ("LSTM", [("outputFullSequence", I, 1)], 2),
-    "nearbyint": ("NearbyInt", [], 1),
-    "nllloss": ("Nll", [("reduction", "reduction", "Mean"), ("ignoreIndex", I, None),
-                        ("inputIsLogProbability", I, 0)], 1),
-    "nop": ("Nop", [], 1),
-    "normalize_image": ("Normalize_Image", [("scale", F, 1.0)], 1),
-    "packedDataBlock": ("PackedDataBlock", [
-        ("maxSequenceLengths", INTS, REQUIRED), ("resultSize", I, REQUIRED),
-        ("callbackBatchSize", I, REQUIRED), ("callback", G, REQUIRED)], 1),
-    "printtensor": ("PrintTensor", [
-        ("print_gradient", I, 1), ("debugContext", None, ""), ("title", S, ""),
-        ("summariseThreshold", I, 1000), ("edgeItems", I, 3), ("maxLineWidth", I, 75),
-        ("digits", I, 8), ("floatFormat", I, 0), ("separator", S, " "),
-        ("openBracket", S, "["), ("closeBracket", S, "]")], 1),
-    "reducemedian": ("ReduceMedian", [("axes", INTS, None), ("keepdims", I, 1)], 2),
-    "remainder": ("Remainder", [], 1),
-    "replicatedallgather": ("ReplicatedAllGather", [("commGroup", "commGroup", None)], 1),
-    "replicatedallreduce": ("ReplicatedAllReduce", [
-        ("collectiveOperator", "collectiveOperator", None), ("commGroup", "commGroup", None)], 1),
-    "replicatedreducescatter": ("ReplicatedReduceScatter", [
-        ("collectiveOperator", "collectiveOperator", None), ("commGroup", "commGroup", None)], 1),
-    "reshape": ("Reshape", [("shape", INTS, REQUIRED)], 1),
-    "reverse": ("Reverse", [("dimensions", INTS, REQUIRED)], 1),
-    "round": ("Round", [], 1),
-    "scale": ("Scale", [("scale", F, REQUIRED)], 1),
-    "scaledadd": ("ScaledAdd", [("scale0", F, 1.0), ("scale1", F, 1.0)], 1),
-    "scatterreduce": ("ScatterReduce", [
-        ("axis_size", I, REQUIRED), ("axis", I, -1), ("reduction", "scatter_reduction", "Sum"),
-        ("enable_index_broadcast", I, 1)], 1),
-    "sequenceslice": ("SequenceSlice", [("zeroUnused", I, 0)], 1),
-    "shapeddropout": ("ShapedDropout", [("shape", INTS, REQUIRED), ("ratio", F, 0.5)], 1),
-    "slice": ("Slice", [("ends", INTS, REQUIRED), ("starts", INTS, REQUIRED),
-                        ("axes", INTS, REQUIRED)], 1),
-    "sort": ("Sort", [("axis", I, -1), ("descending", I, 0), ("stable", I, 0)], 2),
-    "splinebasis": ("SplineBasis", [("degree", I, REQUIRED)], 2),
-    "splineweighting": ("SplineWeighting", [], 1),
-    "square": ("Square", [], 1),
-    "subsample": ("Subsample", [("strides", INTS, REQUIRED)], 1),
-    "swish": ("Swish", [], 1),
-    "tensorremap": ("TensorRemap", [("remap_type", I, 0)], 1),
-    "zeroslike": ("ZerosLike", [], 1),
-}
-
+# ai.graphcore interface, from the table in ir.graphcore_schema
 
 class AiGraphcore(Opset):
-    """The ai.graphcore operators (opset 1); methods come from ``_GRAPHCORE_OPS``."""
+    """The ai.graphcore operators (opset 1); methods come from ``ir.graphcore_schema``."""
 
     def __init__(self, builder: "Builder", version: int = DEFAULT_AI_GRAPHCORE_OPSET) -> None:
         if int(version) != 1:
@@ -508,47 +402,50 @@ class AiGraphcore(Opset):
         super().__init__(builder, version)
 
     def __getattr__(self, name: str) -> Any:
-        if name not in _GRAPHCORE_OPS:
+        schema = _GRAPHCORE_METHODS.get(name)
+        if schema is None:
             raise _UnknownOpError(f"Operator '{name}' does not exist in ai.graphcore opset "
                                   f"{self.version}")
-        method = self._make_method(name, *_GRAPHCORE_OPS[name])
+        method = self._make_method(schema)
         self.__dict__[name] = method
         return method
 
     def __dir__(self) -> list:
-        return sorted(set(super().__dir__()) | set(_GRAPHCORE_OPS))
+        return sorted(set(super().__dir__()) | set(_GRAPHCORE_METHODS))
 
-    def _make_method(self, name: str, op_type: str, attrs: list, n_out: Any) -> Any:
-        op = f"{GRAPHCORE_DOMAIN}::{op_type}"
-        params = (["num_outputs"] if n_out == "n" else []) + [a[0] for a in attrs]
-        if "debugContext" not in params:
-            params.append("debugContext")
-        specs = {a[0]: a[1:] for a in attrs if a[0] != "debugContext"}
-        required = {k for k, (_, d) in specs.items() if d is REQUIRED} | (
-            {"num_outputs"} if n_out == "n" else set())
-        str_params = {k for k, (t, _) in specs.items() if t in (S, STRINGS)} | {"debugContext"}
+    def _make_method(self, schema: OpSchema) -> Any:
+        op = f"{GRAPHCORE_DOMAIN}::{schema.op_type}"
+        variadic = schema.outputs == "n"
+        names = [a.name for a in schema.attrs]
+        debug = schema.debug_name
+        names.insert(len(names) if schema.debug_at is None else schema.debug_at, debug)
+        params = (["num_outputs"] if variadic else []) + names
+        required = {a.name for a in schema.attrs if a.default is REQUIRED} | (
+            {"num_outputs"} if variadic else set())
+        str_params = {a.name for a in schema.attrs if a.attr_type in (S, STRINGS)
+                      or a.kind == "char"} | {debug}
         builder = self._builder
 
         def method(args: Sequence[str] = (), *positional: Any, **keywords: Any) -> Any:
             v = _bind(op, params, required, str_params, positional, keywords)
             attributes = []
-            for key, (kind, default) in specs.items():
-                value = v.get(key, default)
-                if _is_unset(value) or value is REQUIRED:
+            for a in schema.attrs:
+                value = v.get(a.name, a.default)
+                # an empty list is written for attributes every node has (as PopART does)
+                if value is None or value is REQUIRED or (
+                        _is_unset(value) and a.absent is not REQUIRED):
                     continue
-                if kind in _ENC:
-                    kind, encode = _ENC[kind]
-                    value = encode(value)
-                attributes.append(_make_attr(op, key, value, kind))
-            count = int(v["num_outputs"]) if n_out == "n" else n_out
-            outs = builder._add_node(op_type, GRAPHCORE_DOMAIN, list(args), attributes,
-                                     count, v.get("debugContext"))
-            return outs[0] if n_out == 1 else (None if n_out == 0 else outs)
+                attributes.append(_make_attr(op, a.name, a.encode(value), a.attr_type))
+            count = int(v["num_outputs"]) if variadic else schema.outputs
+            args = [args] if isinstance(args, str) else list(args)   # one id where the reference says str
+            outs = builder._add_node(schema.op_type, GRAPHCORE_DOMAIN, args, attributes,
+                                     count, v.get(debug))
+            return outs[0] if schema.outputs == 1 else (None if schema.outputs == 0 else outs)
 
-        method.__name__ = name
+        method.__name__ = schema.method
         method.__doc__ = f"Add an {op} node."
         method.__signature__ = _signature(
-            params, {"debugContext": "", **{k: d for k, (_, d) in specs.items()}})
+            params, {debug: "", **{a.name: a.default for a in schema.attrs}})
         return method
 
     def init(self, shape: Sequence[int], data_type: Any, init_type: Any,
@@ -610,25 +507,6 @@ class AiGraphcoreOpset1(AiGraphcore):
     """Sub-class for backwards compatibility; same as AiGraphcore."""
 
 
-def _describe_graphcore_ops() -> str:
-    lines = ["", "ai.graphcore ops (method: OpType(attribute:type=default, ...) -> outputs)",
-             "-" * 72]
-    for name, (op_type, attrs, n_out) in sorted(_GRAPHCORE_OPS.items()):
-        parts = []
-        for key, kind, default in attrs:
-            if key == "debugContext":
-                continue
-            kind = (AttributeProto.AttributeType.Name(_ENC[kind][0]) if kind in _ENC
-                    else AttributeProto.AttributeType.Name(kind))
-            parts.append(f"{key}:{kind}" + ("" if default is REQUIRED else f"={default!r}"))
-        lines.append(f"* {name}: {op_type}({', '.join(parts)}) -> "
-                     f"{'num_outputs' if n_out == 'n' else n_out}")
-    lines += ["* init: Init(shape:INTS, data_type:INT, init_type:INT, batch_axis:INT) -> 1",
-              "* zeros: Zeros(shape:INTS, dtype:INT) -> 1",
-              "* multiconv: MultiConv(see above) -> one per convolution"]
-    return "\n".join(lines) + "\n"
-
-
 if __doc__ is not None:
     __doc__ += _describe_graphcore_ops()
 
@@ -680,7 +558,6 @@ class _Model:
         self.used_ids: set[str] = set()
         self.node_names: set[str] = set()
         self.id_counts: dict[tuple, int] = {}
-        self.external: dict[str, str] = {}     # initializer id -> external data file
         self.revision = 0                      # bumped on every change (shape cache key)
         self.shape_cache: tuple = (-1, {})
         self.shape_error = ""                  # why the engine's inference failed, if it did
@@ -722,7 +599,8 @@ class Builder:
                 model = onnx.ModelProto()
                 model.ParseFromString(bytes(source))
             elif os.path.exists(str(source)):
-                model = onnx.load(str(source))
+                model = onnx.load(str(source), load_external_data=False)
+                _keep_external_data(model, os.path.dirname(os.path.abspath(str(source))))
             else:
                 raise ModelError(f"Builder: '{source}' is neither an existing ONNX file nor a "
                                  f"serialized ModelProto")
@@ -845,7 +723,12 @@ class Builder:
         return tid
 
     def addUntypedInputTensor(self, debugContext: Any = "") -> str:
-        """Add an input without type or shape (for sub-graphs)."""
+        """Add an input without type or shape: sub-graphs only (the main graph's inputs
+        need a type, as ONNX and PopART require)."""
+        if self._parent is None:
+            raise BuilderError("Can not add untyped tensors to the top-level graph. Use "
+                               "Builder::addInputTensor(const TensorInfo &tensorInfo, const "
+                               "std::string &debugPrefix) instead.")
         tid = self._new_id(self.getNameScope(_debug_name(debugContext) or "input"))
         self._graph.input.append(onnx.ValueInfoProto(name=tid))
         self._known.add(tid)
@@ -1004,8 +887,9 @@ class Builder:
         return b
 
     def _model(self, external: bool = True, typed: bool = True) -> onnx.ModelProto:
-        """The ModelProto; ``typed``: give untyped graph outputs their inferred types;
-        ``external``: move initializers marked by saveInitializersExternally to their file."""
+        """The ModelProto; ``typed``: give untyped graph outputs their inferred types.
+        Initializers saved externally (saveInitializersExternally, or external in a loaded
+        model) stay external either way (``external`` is kept for callers)."""
         shared = self._shared
         model = onnx.ModelProto()
         model.CopyFrom(shared.template)
@@ -1026,8 +910,6 @@ class Builder:
             model.producer_name = "popart-xla"
         if typed:
             self._type_outputs(model)
-        if external:
-            self._apply_external_data(model)
         return model
 
     def _type_outputs(self, model: onnx.ModelProto) -> None:
@@ -1042,48 +924,39 @@ class Builder:
                 v.CopyFrom(helper.make_tensor_value_info(
                     v.name, elem, [d if d >= 0 else None for d in shape]))
 
-    def _apply_external_data(self, model: onnx.ModelProto) -> None:
-        by_file: dict[str, list[str]] = {}
-        for tid, filename in self._shared.external.items():
-            by_file.setdefault(filename, []).append(tid)
-        tensors = {t.name: t for t in model.graph.initializer}
-        for filename, ids in by_file.items():
-            offset, chunks = 0, []
-            for tid in ids:
-                tensor = tensors[tid]
-                data = _packed_bytes(tensor)
-                onnx.external_data_helper.set_external_data(tensor, filename, offset, len(data))
-                for field in ("raw_data", "float_data", "int32_data", "int64_data",
-                              "double_data", "uint64_data", "string_data"):
-                    tensor.ClearField(field)
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                chunks.append(data)
-                offset += len(data)
-            atomic_write(filename, b"".join(chunks))
-
     def getModelProto(self, humanReadable: bool = False) -> bytes:
         """The serialized ModelProto (bytes)."""
         model = self._model()
         return str(model).encode() if humanReadable else model.SerializeToString()
 
     def saveModelProto(self, filename: str) -> None:
-        """Check the model with ``onnx.checker`` and write it to ``filename`` atomically."""
+        """Check the model with ``onnx.checker`` and write it to ``filename`` atomically.
+        Externally saved initializers stay where saveInitializersExternally put them (their
+        locations as given, absolute or relative to the working directory, as in PopART:
+        the checker is not asked about their files)."""
         model = self._model()
         try:
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(for_checker(model))
         except onnx.checker.ValidationError as e:
             raise ModelError(f"saveModelProto: the model is not valid ONNX: {e}") from None
         atomic_write(filename, model.SerializeToString())
 
     def saveInitializersExternally(self, ids: Sequence[str], filename: str) -> None:
-        """Store the data of the initializers ``ids`` in ``filename`` (relative to the working
-        directory) when the model is produced (getModelProto / saveModelProto)."""
-        existing = {t.name for t in self._root()._graph.initializer}
-        for tid in ids:
-            if tid not in existing:
-                raise popart_exception(f"saveInitializersExternally: '{tid}' is not an "
-                                       f"initializer of the model")
-            self._shared.external[tid] = str(filename)
+        """Save the data of the initializers ``ids`` to the file ``filename`` now, one after
+        the other (PopART's onnxutil::saveInitializersExternally): ``filename`` is absolute
+        or relative to the working directory, and the model's initializers refer to it as
+        given (location, length, offset). Errors (each before anything is written): the
+        parent directory does not exist, a tensor is not an initializer, already has an
+        external data_location, or has no data. Initializers saved to the same file by an
+        earlier call keep their data: the new ones are appended."""
+        if isinstance(ids, str):
+            ids = [ids]
+        if not isinstance(filename, (str, os.PathLike)) or not os.fspath(filename):
+            raise popart_exception(f"saveInitializersExternally: filename must be a non-empty "
+                                   f"path, got {filename!r}")
+        save_initializers_externally(self._root()._graph, list(dict.fromkeys(ids)),
+                                     os.fspath(filename))
+        self._changed()
 
     def embedReplicationFactor(self, replicationFactor: int) -> None:
         """Record the replication factor in the model's metadata ("replicationFactor")."""
@@ -1181,19 +1054,30 @@ class Builder:
         names = _as_id_set(nodeOutputNames)
         found = [n for n in self._graph.node if names and all(o in n.output for o in names)]
         if len(found) != 1:
-            raise popart_exception(f"Could not find a unique node with output(s) {names} "
-                                   f"(found {len(found)})")
+            raise BuilderError(f"Could not find a node with outputs {' ,'.join(names)}. Must "
+                               f"specify all outputs of a node (no unique node has output(s) "
+                               f"{names}: found {len(found)})")
         return found[0]
+
+    def _add_attributes(self, nodeOutputNames: Union[str, Iterable[str]], values: dict) -> None:
+        """Add attributes (name -> already-encoded value) to one node, all or none: as
+        PopART's, an attribute the node already has is an error."""
+        node = self._find_node(nodeOutputNames)
+        have = {a.name for a in node.attribute}
+        for name in values:
+            if name in have:
+                raise BuilderError(f"Node already has attribute {name}. (node '{node.name}' "
+                                   f"({node.op_type}); remove it first with "
+                                   f"removeNodeAttribute)")
+        attrs = [_make_attr(node.op_type, k, v) for k, v in values.items()]
+        node.attribute.extend(attrs)
+        self._changed()
 
     def addNodeAttribute(self, attributeName: str, attributeValue: Any,
                          nodeOutputNames: Union[str, Iterable[str]]) -> None:
-        """Set (or replace) an attribute of the node producing ``nodeOutputNames``."""
-        node = self._find_node(nodeOutputNames)
-        attr = _make_attr(node.op_type, attributeName, attributeValue)
-        kept = [a for a in node.attribute if a.name != attributeName]
-        del node.attribute[:]
-        node.attribute.extend(kept + [attr])
-        self._changed()
+        """Add an attribute to the node producing ``nodeOutputNames`` (all of them outputs
+        of that one node); BuilderError if it already has one of that name."""
+        self._add_attributes(nodeOutputNames, {attributeName: attributeValue})
 
     def nodeHasAttribute(self, attributeName: str,
                          nodeOutputNames: Union[str, Iterable[str]]) -> bool:
@@ -1239,8 +1123,9 @@ class Builder:
         node = self._find_node(nodeOutputNames)
         kept = [a for a in node.attribute if a.name != attributeName]
         if len(kept) == len(node.attribute):
-            raise popart_exception(f"Node '{node.name}' has no attribute '{attributeName}' "
-                                   f"to remove")
+            raise BuilderError(f"Cannot remove attribute {attributeName} as it does not exist. "
+                               f"(node '{node.name}' has no attribute '{attributeName}' to "
+                               f"remove)")
         del node.attribute[:]
         node.attribute.extend(kept)
         self._changed()
@@ -1250,10 +1135,10 @@ class Builder:
 
     def _annotate(self, attr: str, target: Any, value: Any,
                   encode: Any) -> Optional[_AttributeContext]:
-        """Setter on nodes (``target`` = output id(s)) or context manager (``target`` = value)."""
+        """Setter on the node whose outputs ``target`` names (as PopART's, an error if it is
+        set already) or context manager (``target`` = value)."""
         if isinstance(target, (str, list, tuple, set, frozenset)):
-            for tid in _as_id_set(target):
-                self.addNodeAttribute(attr, encode(value), tid)
+            self.addNodeAttribute(attr, encode(value), _as_id_set(target))
             return None
         return _AttributeContext(self, {attr: encode(value if target is None else target)})
 
@@ -1270,9 +1155,9 @@ class Builder:
                        value: int = 0) -> Optional[_AttributeContext]:
         return self._annotate(EXECUTION_PHASE, nodeOutputNames, value, int)
 
-    def schedulePriority(self, nodeOutputNames: Any = None,
-                         value: float = 0.0) -> Optional[_AttributeContext]:
-        return self._annotate(SCHEDULE_PRIORITY, nodeOutputNames, value, float)
+    def schedulePriority(self, value: float = 0.0) -> _AttributeContext:
+        """``with schedulePriority(p)``: nodes added inside get schedule priority ``p``."""
+        return self._annotate(SCHEDULE_PRIORITY, None, value, float)
 
     def recomputeOutput(self, nodeOutputNames: Any = None,
                         value: Any = RecomputeType.Undefined) -> Optional[_AttributeContext]:
@@ -1349,35 +1234,48 @@ class Builder:
 
     def setAvailableMemoryProportion(self, nodeOutputName: Any,
                                      availableMemoryProportion: float) -> None:
-        if not 0.0 <= float(availableMemoryProportion) <= 1.0:
-            raise popart_exception(f"setAvailableMemoryProportion: the proportion must be in "
-                                   f"[0, 1], got {availableMemoryProportion}")
-        self._annotate(AVAILABLE_MEMORY_PROPORTION, _as_id_set(nodeOutputName),
-                       availableMemoryProportion, float)
+        """Set the node's available memory proportion, in (0, 1]; as PopART's, a value set
+        before is replaced."""
+        value = float(availableMemoryProportion)
+        if not 0.0 < value <= 1.0:
+            raise BuilderError(f"availableMemoryProportion must be in (0,1] (got "
+                               f"{availableMemoryProportion})")
+        ids = _as_id_set(nodeOutputName)
+        if self.nodeHasAttribute(AVAILABLE_MEMORY_PROPORTION, ids):
+            self.removeNodeAttribute(AVAILABLE_MEMORY_PROPORTION, ids)
+        self._add_attributes(ids, {AVAILABLE_MEMORY_PROPORTION: value})
 
     def setSerializeMatMul(self, nodeOutputName: Any, mode: str, factor: int = 0,
                            keep_precision: bool = False) -> None:
-        modes = ("none", "input_channels", "reducing_dim", "output_channels")
+        """Serialise a MatMul ("input_channels", "reducing_dim" or "output_channels" with
+        ``factor``); "none" sets nothing. Each attribute may be set once per node."""
+        modes = ("input_channels", "reducing_dim", "output_channels")
+        if mode == "none":
+            return
         if mode not in modes:
-            raise popart_exception(f"setSerializeMatMul: mode must be one of {modes}, got "
-                                   f"{mode!r}")
-        ids = _as_id_set(nodeOutputName)
-        self._annotate(SERIALIZE_MATMUL_MODE, ids, mode, str)
-        self._annotate(SERIALIZE_MATMUL_FACTOR, ids, factor, int)
-        self._annotate(SERIALIZE_MATMUL_PRECISION, ids, keep_precision, int)
+            raise BuilderError(f"Unsupported mat mul serialization mode '{mode}'. Supported "
+                               f"modes are 'input_channels', 'reducing_dim', "
+                               f"'output_channels' or 'none'")
+        self._add_attributes(_as_id_set(nodeOutputName), {
+            SERIALIZE_MATMUL_MODE: str(mode), SERIALIZE_MATMUL_FACTOR: int(factor),
+            SERIALIZE_MATMUL_PRECISION: int(bool(keep_precision))})
 
     def excludePatterns(self, nodeOutputName: Any, patternNames: Sequence[str]) -> None:
         self._annotate(EXCLUDE_PATTERNS, _as_id_set(nodeOutputName), patternNames,
                        lambda v: [str(p) for p in v])
 
     def setInplacePreferences(self, nodeOutputName: Any, prefs: dict) -> None:
-        ids = _as_id_set(nodeOutputName)
-        self._annotate(INPLACE_OP_NAMES, ids, list(prefs), lambda v: [str(p) for p in v])
-        self._annotate(INPLACE_OP_PRIORITIES, ids, list(prefs.values()),
-                       lambda v: [float(p) for p in v])
+        self._add_attributes(_as_id_set(nodeOutputName), {
+            INPLACE_OP_NAMES: [str(p) for p in prefs],
+            INPLACE_OP_PRIORITIES: [float(p) for p in prefs.values()]})
 
     def setEnableConvDithering(self, nodeOutputName: Any, enableConvDithering: int) -> None:
-        self._annotate(ENABLE_CONV_DITHERING, _as_id_set(nodeOutputName), enableConvDithering, int)
+        """Set the node's enableConvDithering flag: 0 or 1."""
+        if enableConvDithering not in (0, 1):
+            raise BuilderError(f"enableConvDithering must be a bool value (0 or 1, got "
+                               f"{enableConvDithering!r})")
+        self._annotate(ENABLE_CONV_DITHERING, _as_id_set(nodeOutputName),
+                       int(enableConvDithering), int)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1423,9 +1321,19 @@ def _node_domains(graph: onnx.GraphProto) -> set[str]:
             if n.domain not in ("", ONNX_DOMAIN)}
 
 
-def _packed_bytes(tensor: onnx.TensorProto) -> bytes:
-    """A tensor's data as ONNX stores it in raw_data / external data: little-endian, and
-    sub-byte types (INT4, UINT4, FLOAT4E2M1, INT2, ...) packed, two or four per byte."""
-    if tensor.HasField("raw_data"):
-        return tensor.raw_data
-    return numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
+def _keep_external_data(model: onnx.ModelProto, folder: str) -> None:
+    """A model file's external initializers stay external in the Builder. Their locations
+    are relative to the model's folder (ONNX), which this checks (ir.onnx_import); PopART
+    reads them relative to the working directory, as the Builder's getModelProto bytes
+    will be: a relative location is made absolute when the two folders differ."""
+    same = os.path.realpath(folder) == os.path.realpath(os.getcwd())
+    for t in model.graph.initializer:
+        if not is_external(t):
+            continue
+        path = external_data_path(t, folder)   # ModelError: leaves the folder, no such file
+        note_own_file(path)                    # the session reads it as the Builder's own
+        loc = external_info(t).get("location", "")
+        if not same and not os.path.isabs(loc):
+            for e in t.external_data:
+                if e.key == "location":
+                    e.value = path

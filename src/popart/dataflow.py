@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .errors import StepIOError, popart_exception
+from .errors import ArgumentError, DataFlowError, StepIOError, WeightsIOError, popart_exception
 from .options import ExchangeStrategy, ReplicatedStreamMode, TileSet, _Enum, _enum
 from .tensorinfo import TensorInfo, shape_str
 
@@ -20,27 +20,71 @@ __all__ = ["AnchorReturnTypeId", "AnchorReturnType", "DataFlow", "InputSettings"
 AnchorReturnTypeId = _enum("AnchorReturnTypeId", "Final EveryN All Sum")
 
 
+def _integer(value: Any, what: str) -> int:
+    """``value`` as an int; ArgumentError (a TypeError, as PopART's bindings raise) for a bool,
+    a float or anything else that is not an integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ArgumentError(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def check_contiguous(array: Any, message: str) -> None:
+    """Raise StepIOError(``message``) if ``array`` is a NumPy array that is not C-contiguous
+    (PopART's bindings read host buffers in place and refuse to convert them)."""
+    if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
+        raise StepIOError(message)
+
+
+def noncontiguous_input(tensor_id: str) -> str:
+    return (f"PyStepIO is unable to use the numpy input array for tensor '{tensor_id}' as it "
+            "is not c-contiguous (a data conversion here could have a significant impact on "
+            "performance and hence is not allowed)")
+
+
+def check_weights_contiguous(tensor_id: str, array: Any) -> None:
+    """WeightsIOError, PopART's PyWeightsIO message, if ``array`` is not C-contiguous."""
+    if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
+        raise WeightsIOError(
+            f"PyWeightsIO is unable to use the provided numpy output array for tensor "
+            f"'{tensor_id}' as it is not c-contiguous. Please use a function like "
+            f"`numpy.ascontiguousarray()` to make contiguous before passing to PyWeightsIO")
+
+
+def noncontiguous_output(tensor_id: str) -> str:
+    return (f"PyStepIO is unable to use the numpy output array for tensor '{tensor_id}' as it "
+            "is not c-contiguous (a data conversion here could have a significant impact on "
+            "performance and hence is not allowed)")
+
+
 class AnchorReturnType:
     """How an anchor is returned: ``AnchorReturnType("ALL")``, ``("FINAL")``, ``("SUM")`` or
     ``("EVERYN", N)`` (case-insensitive)."""
 
-    def __init__(self, artString: str, returnPeriod: Any = 0, tileSet: Any = TileSet.Compute,
+    def __init__(self, artString: str, returnPeriod: Any = None, tileSet: Any = TileSet.Compute,
                  exchangeStrategy: Any = ExchangeStrategy.JustInTime) -> None:
         if isinstance(returnPeriod, _Enum):  # the (artString, tileSet, exchangeStrategy) form
             if isinstance(tileSet, ExchangeStrategy):
                 exchangeStrategy = tileSet
-            returnPeriod, tileSet = 0, returnPeriod
+            returnPeriod, tileSet = None, returnPeriod
         ids = {name.upper(): member for name, member in AnchorReturnTypeId.__members__.items()}
         if not isinstance(artString, str) or artString.upper() not in ids:
-            raise popart_exception(f"Invalid anchor return type {artString!r}: expected one of "
-                                   "'ALL', 'FINAL', 'SUM' or 'EVERYN' (with a return period)")
+            raise DataFlowError(f"Invalid anchor return type ID supplied: {artString} (expected "
+                                "one of 'ALL', 'FINAL', 'SUM' or 'EVERYN' with a return period)")
         self._id = ids[artString.upper()]
         self._str = artString
-        self._rp = int(returnPeriod)
-        if self._id == AnchorReturnTypeId.EveryN and self._rp <= 0:
-            raise popart_exception(f"AnchorReturnType('{artString}') needs a return period "
-                                   f"greater than zero, got {returnPeriod!r}: use "
-                                   "AnchorReturnType('EVERYN', N)")
+        if self._id == AnchorReturnTypeId.EveryN:
+            if returnPeriod is None:
+                raise DataFlowError(f"Must specify return period with option 'EVERYN': use "
+                                    f"AnchorReturnType('{artString}', N)")
+            self._rp = _integer(returnPeriod, "AnchorReturnType: returnPeriod")
+            if self._rp <= 0:
+                raise DataFlowError(f"Anchor return period must be greater than zero, got "
+                                    f"{returnPeriod!r}")
+        elif returnPeriod is not None:
+            raise DataFlowError(f"A return period should not be supplied for this anchor return "
+                                f"type ('{artString}' was given return period {returnPeriod!r})")
+        else:
+            self._rp = 0
         self._tile_set = TileSet(tileSet)
         self._exchange = ExchangeStrategy(exchangeStrategy)
 
@@ -96,35 +140,44 @@ class DataFlow:
             ids = list(anchors)
             if len(set(ids)) != len(ids):
                 dup = sorted({i for i in ids if ids.count(i) > 1})
-                raise popart_exception(f"DataFlow: anchor ids must be unique, {dup} repeated")
+                raise DataFlowError(f"DataFlow: anchor ids must be unique, {dup} repeated")
             art = anchorReturnType if anchorReturnType is not None else AnchorReturnType("All")
             anchors = {i: art for i in ids}
         for tid, art in anchors.items():
             if not isinstance(art, AnchorReturnType):
-                raise popart_exception(f"DataFlow: anchor '{tid}' needs an AnchorReturnType, "
-                                       f"got {art!r}")
+                raise DataFlowError(f"DataFlow: anchor '{tid}' needs an AnchorReturnType, "
+                                    f"got {art!r}")
         self._anchors: dict[str, AnchorReturnType] = dict(anchors)
         self.setBatchesPerStep(batchesPerStep)
 
     def setBatchesPerStep(self, batchesPerStep: int) -> None:
-        if isinstance(batchesPerStep, bool) or not isinstance(batchesPerStep, (int, np.integer)) \
-                or batchesPerStep < 1:
-            raise popart_exception(f"DataFlow: batchesPerStep must be an integer >= 1, got "
-                                   f"{batchesPerStep!r}")
+        """Set batches per step: an integer > 0 that every EVERYN return period divides
+        (PopART's checks and messages); the DataFlow is unchanged when it raises."""
+        bps = _integer(batchesPerStep, "DataFlow: batchesPerStep")
+        if bps <= 0:
+            raise DataFlowError(f"'Batches per step' must be greater than zero (DataFlow: "
+                                f"batchesPerStep must be an integer >= 1, got {batchesPerStep!r})")
         for tid, art in self._anchors.items():
-            if art.id() == AnchorReturnTypeId.EveryN and batchesPerStep % art.rp():
-                raise popart_exception(
-                    f"DataFlow: anchor '{tid}' has return period {art.rp()}, which must be a "
-                    f"factor of batchesPerStep ({batchesPerStep})")
-        self._bps = int(batchesPerStep)
+            if art.id() != AnchorReturnTypeId.EveryN:
+                continue
+            if art.rp() > bps:
+                raise DataFlowError(
+                    f"Return period must be <= to the number of batches per step (DataFlow: "
+                    f"anchor '{tid}' has return period {art.rp()}, batchesPerStep is {bps})")
+            if bps % art.rp():
+                raise DataFlowError(
+                    f"Return period must be a factor of the number of batches per step "
+                    f"(DataFlow: anchor '{tid}' has return period {art.rp()}, batchesPerStep "
+                    f"is {bps})")
+        self._bps = bps
 
     def anchors(self) -> list[str]:
         return list(self._anchors)
 
     def art(self, anchorId: str) -> AnchorReturnType:
         if anchorId not in self._anchors:
-            raise popart_exception(f"Tensor '{anchorId}' is not an anchor of this DataFlow; "
-                                   f"anchors are {self.anchors()}")
+            raise DataFlowError(f"Tensor '{anchorId}' is not an anchor of this DataFlow; "
+                                f"anchors are {self.anchors()}")
         return self._anchors[anchorId]
 
     def batchesPerStep(self) -> int:
@@ -186,7 +239,9 @@ class InputShapeInfo:
 
     def get(self, tensorId: str) -> TensorInfo:
         if tensorId not in self._infos:
-            raise popart_exception(f"InputShapeInfo has no entry for tensor '{tensorId}'")
+            raise popart_exception(f"No input shape info for Tensor `{tensorId}' in "
+                                   f"InputShapeInfo::get (InputShapeInfo has no entry for "
+                                   f"tensor '{tensorId}')")
         return self._infos[tensorId]
 
     def has(self, tensorId: str) -> bool:
@@ -200,9 +255,14 @@ class PyStepIO:
     """Input and anchor buffers for one ``session.run``: dicts from tensor id to array.
 
     With runtime asserts enabled (off by default here: PopART's own asserts only count
-    elements, which is always checked), inputs must also have exactly the host shape."""
+    elements, which is always checked), inputs must also have exactly the host shape. As
+    PopART's, NumPy arrays must be C-contiguous (StepIOError otherwise: no hidden copy)."""
 
     def __init__(self, inputs: Mapping[str, Any], outputs: Mapping[str, np.ndarray]) -> None:
+        for tid, array in inputs.items():
+            check_contiguous(array, noncontiguous_input(tid))
+        for tid, array in outputs.items():
+            check_contiguous(array, noncontiguous_output(tid))
         self.inputs = inputs
         self.outputs = outputs
         self.runtime_asserts = False
@@ -231,9 +291,12 @@ class PyStepIOCallback:
 
 
 class PyWeightsIO:
-    """Host buffers for weights (``session.readWeights`` / ``writeWeights``)."""
+    """Host buffers for weights (``session.readWeights`` / ``writeWeights``); NumPy arrays
+    must be C-contiguous, as PopART's (WeightsIOError otherwise)."""
 
     def __init__(self, weights: Mapping[str, np.ndarray]) -> None:
+        for tid, array in weights.items():
+            check_weights_contiguous(tid, array)
         self.weights = weights
 
 
@@ -291,8 +354,10 @@ def validate_input(tensor_id: str, array: Any, tensor_info: TensorInfo, bps: int
 
     if array.dtype != dtype:
         raise fail(f"data type {array.dtype} does not match {dtype}")
-    if array.size != int(np.prod(full, dtype=np.int64)):
-        raise fail("wrong number of elements")
+    expected = int(np.prod(full, dtype=np.int64))
+    if array.size != expected:
+        raise fail(f"Unexpected number of input elements for Tensor {tensor_id}. Expected "
+                   f"{expected}, but received {array.size}")
     if strict and list(array.shape) not in (host, full):
         raise fail("shape does not match (runtime asserts are enabled)")
     return array.reshape(full)

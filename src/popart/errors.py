@@ -14,6 +14,7 @@ __all__ = [
     "poplar_unrecoverable_runtime_error", "poplar_unknown_runtime_error", "poplar_recoverable_error",
     "poplar_unrecoverable_error", "unknown_runtime_error", "OutOfMemoryException",
     "UnsupportedOperatorError", "StepIOError", "ModelError", "OptionError", "OptimizerError",
+    "DataFlowError", "BuilderError", "IrError", "WeightsIOError", "ArgumentError",
 ]
 
 
@@ -95,7 +96,8 @@ class UnsupportedOperatorError(popart_exception):
 
 
 class StepIOError(popart_exception):
-    """A StepIO input or output buffer that does not fit the session."""
+    """A StepIO input or output buffer that does not fit the session (shape, dtype, or an
+    array that is not C-contiguous)."""
 
 
 class ModelError(popart_exception):
@@ -108,3 +110,28 @@ class OptionError(popart_exception):
 
 class OptimizerError(popart_exception):
     """An optimizer that is invalid or incompatible with the session."""
+
+
+class DataFlowError(popart_exception):
+    """An invalid DataFlow or AnchorReturnType (batches per step, return periods)."""
+
+
+class BuilderError(popart_exception):
+    """An invalid Builder call: an attribute set twice on a node, a setting out of range, a
+    node that cannot be found, an untyped input of the main graph."""
+
+
+class IrError(popart_exception):
+    """A program PopART rejects when it builds its IR, before compiling: no anchors in
+    inference, a graph pruned empty, inconsistent virtual graph or pipeline stage
+    annotations, reserved tensor names, inputs without a known shape, an unknown loss."""
+
+
+class WeightsIOError(popart_exception):
+    """A PyWeightsIO buffer that readWeights / writeWeights cannot use: an unknown tensor, a
+    different size, an array that is not C-contiguous."""
+
+
+class ArgumentError(popart_exception, TypeError):
+    """An argument of the wrong type or out of range for its parameter (where PopART's
+    bindings raise TypeError); catchable as popart_exception or TypeError."""

@@ -1,4 +1,5 @@
-"""Every file the package writes goes through :func:`atomic_write`; every file it reads that
+"""Every file the package writes goes through :func:`atomic_write` (or :func:`atomic_patch`,
+its form for updating part of a file); every file it reads that
 declares its own sizes (saved executables, ONNX external data) is read through a bounded
 reader here, so a small hostile file cannot make it read or allocate more than the caller
 expects."""
@@ -6,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import tempfile
+import threading
 import zipfile
-from typing import Mapping, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
@@ -50,6 +53,29 @@ def atomic_write(path: PathLike, data: bytes) -> None:
     the target. An existing target keeps its mode (a new file gets 0666 & ~umask); the
     temporary file is removed on any failure, KeyboardInterrupt included; a symlink at
     ``path`` is written through only when it points into ``path``'s own folder."""
+    _atomic(path, lambda f: f.write(data))
+
+
+def atomic_patch(path: PathLike, writes: Iterable[tuple[int, bytes]],
+                 base: Optional[PathLike] = None) -> None:
+    """Write ``path`` atomically (as :func:`atomic_write`) with the bytes of the file
+    ``base`` (None: none), each ``(offset, data)`` of ``writes`` written over them; the file
+    grows as a write needs (a gap reads as zeros). ``base`` may be ``path`` itself: an update
+    in place that readers see whole or not at all. ``base`` is copied in chunks, never read
+    into memory whole."""
+    def fill(f) -> None:
+        if base is not None:
+            with open(base, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+        for offset, data in writes:
+            f.seek(offset)
+            f.write(data)
+    _atomic(path, fill)
+
+
+def _atomic(path: PathLike, fill: Callable) -> None:
+    """The temporary-file-and-rename of :func:`atomic_write`; ``fill(f)`` writes the new
+    contents to the open temporary file ``f``."""
     target = _write_target(os.fspath(path))
     folder = os.path.dirname(os.path.abspath(target))
     try:
@@ -59,7 +85,7 @@ def atomic_write(path: PathLike, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix=os.path.basename(target))
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            fill(f)
             f.flush()
             os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
@@ -74,6 +100,37 @@ def atomic_write(path: PathLike, data: bytes) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+# ------------------------------------------------------------------------------ own files
+# The external tensor-data files this process wrote (saveInitializersExternally,
+# modelToHost, updateExternallySavedTensorLocations): real path -> (device, inode) of the
+# file written. A model may read these wherever they are (ir.onnx_import); a file put in
+# their place since (another inode) is no longer one of them.
+_OWN_FILES: dict[str, tuple[int, int]] = {}
+_OWN_LOCK = threading.Lock()
+
+
+def note_own_file(path: PathLike) -> None:
+    """Record ``path`` (just written, or read from a model's own folder) as this program's."""
+    real = os.path.realpath(os.fspath(path))
+    st = os.stat(real)
+    with _OWN_LOCK:
+        _OWN_FILES[real] = (st.st_dev, st.st_ino)
+
+
+def is_own_file(path: PathLike) -> bool:
+    """Whether ``path`` is a file :func:`note_own_file` recorded, still the same file."""
+    real = os.path.realpath(os.fspath(path))
+    with _OWN_LOCK:
+        entry = _OWN_FILES.get(real)
+    if entry is None:
+        return False
+    try:
+        st = os.stat(real)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == entry
 
 
 # ------------------------------------------------------------------------------ reading

@@ -15,7 +15,7 @@ import onnx
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
 from .engine import in_x64
-from .engine.lower import TraceState, check_flags, execute, raise_failed_checks
+from .engine.compiled import graph_function
 from .errors import UnsupportedOperatorError
 from .ir.graph import Graph
 from .ir.onnx_import import import_model
@@ -80,22 +80,7 @@ class PopartBackendRep(BackendRep):
     def _fn(self, static_feeds: dict):
         key = tuple(sorted((k, _key(v)) for k, v in static_feeds.items()))
         if key not in self._cache:
-            graph, outs, consts, checks = self.graph, list(self.graph.outputs), {}, []
-
-            @jax.jit
-            def traced(feeds, rng):
-                state = TraceState(rng_key=rng)
-                env = execute(graph, {**feeds, **static_feeds}, state)
-                # Outputs known at trace time (strings among them) bypass XLA.
-                consts.update({i: env[o] for i, o in enumerate(outs) if isinstance(env[o], np.ndarray)})
-                checks[:] = state.registry
-                return [None if i in consts else env[o] for i, o in enumerate(outs)], check_flags(state)
-
-            def fn(feeds, rng):
-                res, flags = traced(feeds, rng)
-                raise_failed_checks(flags, checks)
-                return [consts[i] if i in consts else r for i, r in enumerate(res)]
-            self._cache[key] = fn
+            self._cache[key] = graph_function(self.graph, self.graph.outputs, static_feeds)
         return self._cache[key]
 
     @in_x64

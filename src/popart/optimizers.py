@@ -47,33 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import OptimizerError
+from .options import AdamMode, AdaptiveMode, SGDAccumulatorAndMomentum, WeightDecayMode
 from .tensorinfo import DataType, np_dtype, to_datatype
-
-try:
-    from .options import AdamMode, AdaptiveMode, SGDAccumulatorAndMomentum, WeightDecayMode
-except ImportError:  # options.py does not define them (yet): identical stand-ins
-    import enum
-
-    class WeightDecayMode(enum.IntEnum):
-        Decay = 0
-        L2Regularization = 1
-
-    class AdamMode(enum.IntEnum):
-        Adam = 0
-        AdamNoBias = 1
-        Lamb = 2
-        LambNoBias = 3
-        AdaMax = 4
-
-    class AdaptiveMode(enum.IntEnum):
-        AdaGrad = 0
-        RMSProp = 1
-        CenteredRMSProp = 2
-        AdaDelta = 3
-
-    class SGDAccumulatorAndMomentum(enum.IntEnum):
-        Combined = 0
-        Separate = 1
 
 __all__ = ["OptimizerValue", "OptimizerValueMap", "ClipNormSettings", "Optimizer", "SGD",
            "ConstSGD", "Adam", "Adaptive", "WeightDecayMode", "AdamMode", "AdaptiveMode",

@@ -31,7 +31,8 @@ __all__ = [
     "AdamMode", "AdaptiveMode", "ReplicaGrouping", "CommGroup", "VariableSettings",
     "AccumulateOuterFragmentSettings", "AutodiffSettings", "AutomaticLossScalingSettings",
     "BatchSerializationSettings", "ExecutionPhaseSettings", "ReplicatedCollectivesSettings",
-    "TensorLocation", "TensorLocationSettings", "SessionOptions",
+    "TensorLocation", "TensorLocationSettings", "ExperimentalSettings", "NumIOTiles",
+    "SessionOptions",
 ]
 
 
@@ -70,9 +71,12 @@ BatchSerializationTransformContext = _enum(
 CommGroupType = _enum("CommGroupType", "All Consecutive Orthogonal Ungrouped")
 ExecutionPhaseIOSchedule = _enum("ExecutionPhaseIOSchedule", "Preload OnDemand")
 ExecutionPhaseSchedule = _enum("ExecutionPhaseSchedule", "Interleaving Batch BatchClusteredIO")
-GradientTensorTrackingMethod = _enum(
+# Listed as the reference lists them, with PopART's values (sessionoptions.hpp: the default
+# AllNonViewChangingGradientTensors is 0).
+GradientTensorTrackingMethod = _Enum(
     "GradientTensorTrackingMethod",
-    "ConvAndMatmulGradients AllNonViewChangingGradientTensors GradientsOfUserSpecifiedTensors")
+    [("ConvAndMatmulGradients", 1), ("AllNonViewChangingGradientTensors", 0),
+     ("GradientsOfUserSpecifiedTensors", 2)], module=__name__)
 Instrumentation = _enum("Instrumentation", "Outer Inner")
 IrSerializationFormat = _enum("IrSerializationFormat", "JSON")
 MeanReductionStrategy = _enum("MeanReductionStrategy", "Running Post")
@@ -340,6 +344,11 @@ class AutodiffSettings:
 
 @_settings
 class AutomaticLossScalingSettings:
+    """PopART's automatic loss scaling settings (``sessionoptions.hpp``), in the order of its
+    constructor: ``enabled``, ``toTrackTensors`` (None: unset), ``binEdgeLocation``,
+    ``thresholdUpperCountProportion``, ``updatePeriod``, ``gradientTensorTrackingMethod``.
+    What a training step does with them: ``engine/als.py`` (used by ``engine/program.py``)
+    and ``docs/gradients.md`` (automatic loss scaling)."""
     enabled: bool = False
     toTrackTensors: Optional[list] = None
     binEdgeLocation: float = 0.125
@@ -369,6 +378,23 @@ class ExecutionPhaseSettings:
     optimizerStateIOSchedule: Any = ExecutionPhaseIOSchedule.OnDemand
     accumulatorIOSchedule: Any = ExecutionPhaseIOSchedule.Preload
     schedule: Any = ExecutionPhaseSchedule.Interleaving
+
+    def __init__(self, phases: int = 0, stages: int = 2,
+                 weightIOSchedule: Any = ExecutionPhaseIOSchedule.Preload,
+                 activationIOSchedule: Any = ExecutionPhaseIOSchedule.Preload,
+                 optimizerStateIOSchedule: Any = ExecutionPhaseIOSchedule.OnDemand,
+                 accumulatorIOSchedule: Any = ExecutionPhaseIOSchedule.Preload,
+                 optimizerSchedule: Any = ExecutionPhaseSchedule.Interleaving, *,
+                 schedule: Any = None) -> None:
+        """PopART's argument order; the last one (``optimizerSchedule`` in PopART's binding)
+        sets the ``schedule`` field, which may also be given by that name."""
+        values = dict(phases=phases, stages=stages, weightIOSchedule=weightIOSchedule,
+                      activationIOSchedule=activationIOSchedule,
+                      optimizerStateIOSchedule=optimizerStateIOSchedule,
+                      accumulatorIOSchedule=accumulatorIOSchedule,
+                      schedule=optimizerSchedule if schedule is None else schedule)
+        for name, value in values.items():
+            setattr(self, name, value)
 
 
 @_settings
@@ -415,6 +441,111 @@ class TensorLocationSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.location, TensorLocation):
             self.location = TensorLocation(self.location)
+
+
+class ExperimentalSettings:
+    """SessionOptions.experimentalSettings: ``customTransformApplierSettings`` (checkpoint
+    name -> transform names, default {}) and ``createHostTransferableTensorWithOffset``
+    (default False). Kept and reported by :meth:`SessionOptions.summary`; neither changes
+    how a program runs on XLA (there is no tile mapping, and no custom IR transforms)."""
+
+    __slots__ = ("_custom", "_offset")
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_custom", {})
+        object.__setattr__(self, "_offset", False)
+
+    @property
+    def customTransformApplierSettings(self) -> dict[str, list[str]]:
+        return self._custom
+
+    @customTransformApplierSettings.setter
+    def customTransformApplierSettings(self, value: Mapping[str, Iterable[str]]) -> None:
+        what = "ExperimentalSettings.customTransformApplierSettings"
+        if not isinstance(value, Mapping):
+            raise OptionError(f"{what}: expected a dict of checkpoint name -> list of transform "
+                              f"names, got {value!r} ({type(value).__name__})")
+        out: dict[str, list[str]] = {}
+        for key, names in value.items():
+            if not isinstance(key, str) or isinstance(names, (str, bytes)) \
+                    or not isinstance(names, Iterable):
+                raise OptionError(f"{what}: expected str -> list of str, got {key!r}: {names!r}")
+            names = list(names)
+            if not all(isinstance(n, str) for n in names):
+                raise OptionError(f"{what}['{key}']: expected transform names (str), got "
+                                  f"{names!r}")
+            out[key] = names
+        object.__setattr__(self, "_custom", out)
+
+    # PopART's binding name for the same field
+    _customTransformApplierSettings = customTransformApplierSettings
+
+    @property
+    def createHostTransferableTensorWithOffset(self) -> bool:
+        return self._offset
+
+    @createHostTransferableTensorWithOffset.setter
+    def createHostTransferableTensorWithOffset(self, value: bool) -> None:
+        if not isinstance(value, (bool, np.bool_)) and value not in (0, 1):
+            raise OptionError(f"ExperimentalSettings.createHostTransferableTensorWithOffset: "
+                              f"expected a bool, got {value!r} ({type(value).__name__})")
+        object.__setattr__(self, "_offset", bool(value))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not isinstance(getattr(type(self), name, None), property):
+            raise OptionError(f"ExperimentalSettings has no setting '{name}'; settings are: "
+                              f"createHostTransferableTensorWithOffset, "
+                              f"customTransformApplierSettings")
+        object.__setattr__(self, name, value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ExperimentalSettings) and \
+            (self._custom, self._offset) == (other._custom, other._offset)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __deepcopy__(self, memo: dict) -> "ExperimentalSettings":
+        new = ExperimentalSettings()
+        object.__setattr__(new, "_custom", copy.deepcopy(self._custom, memo))
+        object.__setattr__(new, "_offset", self._offset)
+        return new
+
+    def __repr__(self) -> str:
+        return (f"ExperimentalSettings(customTransformApplierSettings={self._custom!r}, "
+                f"createHostTransferableTensorWithOffset={self._offset})")
+
+
+class NumIOTiles:
+    """PopART's wrapper of SessionOptions.numIOTiles: ``NumIOTiles()`` (unset: 0) or
+    ``NumIOTiles(n)``; converts to int and compares equal to ints."""
+
+    __slots__ = ("_value", "_assigned")
+
+    def __init__(self, numIOTiles: Optional[int] = None) -> None:
+        if numIOTiles is not None and (isinstance(numIOTiles, bool)
+                                       or not isinstance(numIOTiles, numbers.Integral)):
+            raise OptionError(f"NumIOTiles: expected an int, got {numIOTiles!r} "
+                              f"({type(numIOTiles).__name__})")
+        self._assigned = numIOTiles is not None
+        self._value = int(numIOTiles) if self._assigned else 0
+
+    def __int__(self) -> int:
+        return self._value if self._assigned else 0
+
+    __index__ = __int__
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, NumIOTiles):
+            return int(self) == int(other)
+        if isinstance(other, numbers.Integral):
+            return int(self) == int(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(int(self))
+
+    def __repr__(self) -> str:
+        return f"NumIOTiles({self._value})" if self._assigned else "NumIOTiles()"
 
 
 # --- SessionOptions ------------------------------------------------------------------------
@@ -473,6 +604,7 @@ _DEFAULTS: dict[str, Any] = {
     "engineOptions": {},
     "ensureFp32LossScaleTensor": False,
     "executionPhaseSettings": ExecutionPhaseSettings(),
+    "experimentalSettings": ExperimentalSettings(),
     "explicitRecomputation": False,
     "exportPoplarComputationGraph": False,
     "exportPoplarVertexGraph": False,
@@ -528,6 +660,8 @@ _DEFAULTS: dict[str, Any] = {
     "virtualGraphMode": VirtualGraphMode.Off,
     "virtualGraphSplitRatios": [],
     "weightTensorLocationSettings": TensorLocationSettings(),
+    # PopART's temporary, non-public switch for RNG state management (default off)
+    "_enableRngStateManagement": False,
 }
 
 # Lower bounds checked on assignment (the rest are only type-checked).
@@ -539,6 +673,8 @@ _MINIMUM = {"accumulationFactor": 1, "replicatedGraphCount": 1, "globalReplicati
 def _coerce(name: str, value: Any) -> Any:
     """``value`` converted to the type of option ``name``'s default, or OptionError."""
     default = _DEFAULTS[name]
+    if name == "numIOTiles" and isinstance(value, NumIOTiles):
+        value = int(value)
 
     def bad(expected: str) -> OptionError:
         return OptionError(f"SessionOptions.{name}: expected {expected}, got {value!r} "

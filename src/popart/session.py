@@ -1,7 +1,7 @@
 """InferenceSession and TrainingSession: compile a graph once, run many batches per call."""
 from __future__ import annotations
 
-import contextlib
+import copy
 import functools
 import hashlib
 import io
@@ -9,11 +9,9 @@ import json
 import os
 import threading
 import time
-from importlib import metadata
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -21,16 +19,25 @@ from onnx import numpy_helper
 from . import dataflow as _df
 from . import distributed
 from . import logging as _log
+from .engine.als import check_settings as check_als_settings, snapshot as als_snapshot
+from .engine.executable import (EXECUTABLE_SLACK, EngineCache, canonical, executable_bytes,
+                                read_executable, runtime_signature)
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
 from .engine import in_x64, x64
 from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
 from .ir.transforms import fuse_softmax_nll
-from .errors import OptimizerError, OutOfMemoryException, StepIOError, popart_exception
-from .fileio import atomic_write, load_npz_bounded
-from .ir.onnx_import import ModelLike, import_model, load_model, tensor_to_numpy
+from .errors import (ArgumentError, IrError, OptimizerError, OptionError, OutOfMemoryException,
+                     StepIOError, WeightsIOError, popart_exception)
+from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
+from .tensornames import PREFIXES as _RESERVED_PREFIXES
+from .fileio import atomic_patch, atomic_write, note_own_file, read_exact
+from .ir.onnx_import import (OPTIMIZER_STATE_PREFIXES, ModelLike, external_data_path,
+                             external_info, external_sources, import_model, is_external, load_model,
+                             raw_bytes, set_external, sparse_to_numpy, tensor_to_numpy)
 from .patterns import for_session
-from .options import MeanReductionStrategy, ReductionType, SessionOptions
+from .options import IrSerializationFormat, MeanReductionStrategy, ReductionType, SessionOptions
+from .session_ir import SessionIr, serialize_ir
 from .tensorinfo import TensorInfo, shape_str, to_datatype
 
 _logger = _log.getLogger("session")
@@ -47,31 +54,12 @@ def _key_data(seed: int) -> np.ndarray:
 _NOT_IN_SIGNATURE = {"cachePath", "enableEngineCaching", "compilationProgressLogger",
                      "compilationProgressTotal", "compileEngine", "logDir", "dotChecks",
                      "dotOpNames", "firstDotOp", "finalDotOp", "reportOptions"}
-EXECUTABLE_SLACK = 64 << 20   # bytes an executable file may hold beyond the session's tensors
-
-
-def _package_version() -> str:
-    try:
-        return metadata.version("popart-xla")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _canonical(v: Any) -> Any:
-    """``v`` as JSON-able data that is the same in every process (sets sorted)."""
-    if isinstance(v, dict):
-        return {str(k): _canonical(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(v, (set, frozenset)):
-        return sorted(repr(x) for x in v)
-    if isinstance(v, (list, tuple)):
-        return [_canonical(x) for x in v]
-    return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
 
 
 def _options_signature(options: Any) -> dict:
     """The options that shape the compiled program and differ from the defaults."""
     summary = options.summary() if callable(getattr(options, "summary", None)) else {}
-    return _canonical({k: v for k, v in summary.items() if k not in _NOT_IN_SIGNATURE})
+    return canonical({k: v for k, v in summary.items() if k not in _NOT_IN_SIGNATURE})
 
 
 def _optimizer_signature(opt: Any) -> Any:
@@ -82,53 +70,8 @@ def _optimizer_signature(opt: Any) -> Any:
     const = lambda ov: repr(ov) if ov.isConst() else "non-const"
     maps = {n: [const(m.getDefault()), {w: const(v) for w, v in m.getSpecifics().items()}]
             for n, m in getattr(opt, "_maps", {}).items()}
-    return _canonical({"type": opt.type_name(), "settings": opt.settings(), "const": maps,
+    return canonical({"type": opt.type_name(), "settings": opt.settings(), "const": maps,
                        "lossScaling": const(opt.loss_scaling())})
-
-
-def _signature_diff(saved: dict, mine: dict) -> list[str]:
-    """What differs between a saved signature and the session's, one item per field (per
-    option for the options)."""
-    out = []
-    for k, b in mine.items():
-        a = saved.get(k)
-        if a == b:
-            continue
-        if k == "options" and isinstance(a, dict):
-            for n in sorted(set(a) | set(b)):
-                if a.get(n) != b.get(n):
-                    out.append(f"option {n} (file: {a.get(n, 'default')}, session: {b.get(n, 'default')})")
-        else:
-            out.append(f"{k} (file: {a}, session: {b})")
-    return out
-
-
-_XLA_CACHE_FLAGS = {"jax_compilation_cache_dir": None,
-                    "jax_persistent_cache_min_compile_time_secs": 0.0,
-                    "jax_persistent_cache_min_entry_size_bytes": 0}
-_XLA_CACHE_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _xla_cache(folder: Optional[str]) -> Iterator[None]:
-    """JAX's persistent compilation cache (XLA executables) in ``folder`` for the compile in
-    this block only; ``folder`` None: JAX's own settings. JAX's config is process-wide, so
-    it is set and put back under a lock that every session's compile takes."""
-    from jax._src import compilation_cache
-    with _XLA_CACHE_LOCK:
-        if folder is None:
-            yield
-            return
-        saved = {k: getattr(jax.config, k) for k in _XLA_CACHE_FLAGS}
-        try:
-            for k, v in {**_XLA_CACHE_FLAGS, "jax_compilation_cache_dir": folder}.items():
-                jax.config.update(k, v)
-            compilation_cache.reset_cache()
-            yield
-        finally:
-            for k, v in saved.items():
-                jax.config.update(k, v)
-            compilation_cache.reset_cache()
 
 
 def _serialised(method: Callable) -> Callable:
@@ -159,15 +102,20 @@ class _Session:
                  userOptions: Optional[SessionOptions] = None, name: str = "session",
                  loss: Optional[str] = None, optimizer: Any = None) -> None:
         if deviceInfo is None:
-            raise popart_exception("No device given: pass deviceInfo, for example "
-                                   "popart.DeviceManager().createCpuDevice()")
+            raise popart_exception(f"Must pass a valid deviceInfo to {type(self).__name__}::"
+                                   f"createFromOnnxModel (no device given: pass deviceInfo, for "
+                                   f"example popart.DeviceManager().createCpuDevice())")
         if not isinstance(dataFlow, _df.DataFlow):
-            raise popart_exception(f"dataFlow must be a popart.DataFlow, got {type(dataFlow).__name__}")
+            raise ArgumentError(f"dataFlow must be a popart.DataFlow, got "
+                                f"{type(dataFlow).__name__}")
         self.name, self._device = name, deviceInfo
         self.patterns = for_session(patterns)
         self._dataFlow = dataFlow
         self.options = userOptions if userOptions is not None else SessionOptions()
         self._graph, self._proto = import_model(fnModel, inputShapeInfo)
+        self._base_dir = os.path.dirname(os.path.abspath(fnModel)) \
+            if isinstance(fnModel, (str, os.PathLike)) else None   # external data's folder
+        _check_model(self._proto, dataFlow, inputShapeInfo, self._training)
         self._input_infos = self._resolve_inputs(inputShapeInfo)
         self._loss, self._optimizer = loss, optimizer
         self._program: Optional[StepProgram] = None
@@ -182,6 +130,11 @@ class _Session:
         self._lock = threading.RLock()       # see the class docstring
         if self._training:
             self._check_training_args()
+        als = self.options.automaticLossScalingSettings
+        if als.enabled:   # PopART checks these when it builds the IR, at construction
+            check_als_settings(als_snapshot(als), self._training, self._optimizer, self.options,
+                               self._graph)
+        self._verify_ir()
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
 
@@ -194,6 +147,25 @@ class _Session:
                     overrides[tid] = isi.get(tid)
         specs = input_specs(self._graph, overrides)
         return {k: TensorInfo(to_datatype(v.dtype), list(v.shape)) for k, v in specs.items()}
+
+    def _verify_ir(self) -> None:
+        """PopART's checks when it builds the IR (``Ir::prepare``), made at construction,
+        before anything is traced or compiled: options, the loss, virtual graph and pipeline
+        annotations, and (inference) a graph that pruning would leave empty."""
+        o = self.options
+        if not self._training and o.enableGradientAccumulation:
+            raise OptionError("Gradient Accumulation only available when training.")
+        o.getAccumulationFactor()   # accumulationFactor > 1 needs enableGradientAccumulation
+        _check_replication_options(o)
+        if self._training and self._loss not in set(self._graph.all_tensor_ids()):
+            raise IrError(f"Could not find loss tensor '{self._loss}' in main graph tensors")
+        _check_virtual_graphs(self._graph, o, self._device, self.replicationFactor)
+        _check_pipeline_settings(self._graph, o, self._device, self.replicationFactor)
+        phases = getattr(getattr(o, "executionPhaseSettings", None), "phases", 0)
+        if phases > 1 and o.virtualGraphMode.name != "ExecutionPhases":
+            raise OptionError("> 1 execution phases requires VirtualGraphMode::ExecutionPhases")
+        if not self._training:
+            _check_not_pruned_empty(self._graph, self._dataFlow.anchors())
 
     def _check_training_args(self) -> None:
         if not isinstance(self._loss, str) or not self._loss:
@@ -225,7 +197,8 @@ class _Session:
             loss=self._loss, optimizer=self._optimizer,
             mean_reduction=o.accumulationAndReplicationReductionType == ReductionType.Mean,
             running_mean=o.meanAccumulationAndReplicationReductionStrategy == MeanReductionStrategy.Running,
-            als=o.automaticLossScalingSettings if self._training and o.automaticLossScalingSettings.enabled else None,
+            # ALS in an inference session too: StepProgram raises PopART's error for it.
+            als=o.automaticLossScalingSettings if o.automaticLossScalingSettings.enabled else None,
             options=o)
 
     def _jax_device(self):
@@ -246,54 +219,42 @@ class _Session:
             if self._key is None:
                 self._key = _key_data(self._seed)
             _logger.info(f"Compiling '{self.name}' ...")
-            cache_entry = self._use_engine_cache()
             exported = self._loaded.get("executable") if self._loaded else None
             with compile_progress(f"'{self.name}'"):
-                if cache_entry:   # compile the module the entry stores: XLA's cache key next time
-                    exported = program.export_step(self._host_weights, opt_state, self._key, self._hyper())
-                with _xla_cache(self._xla_cache_folder()):
-                    program.compile(self._host_weights, opt_state, self._key, self._hyper(),
-                                    exported=exported)
+                source = program.compile(self._host_weights, opt_state, self._key, self._hyper(),
+                                         exported=exported, cache=self._engine_cache())
         _logger.info(f"Compiled '{self.name}' in {program.compile_seconds:.2f} s")
-        if cache_entry:
-            try:
-                os.makedirs(self.options.cachePath, exist_ok=True)
-                atomic_write(cache_entry, self._executable_bytes(False, exported))
-                _logger.info(f"Engine cache: wrote '{cache_entry}'")
-            except (OSError, popart_exception) as e:   # the session works without its entry
-                _logger.warn(f"Engine cache: cannot write '{cache_entry}': {e}")
         self._summary["compile_seconds"] = program.compile_seconds
+        self._summary["executable_source"] = source
         if self._loaded and "variables" in self._loaded:
             self._host_weights.update(self._loaded["variables"])
             opt_state.update(self._loaded["optimizer_state"])
-        self._dev = (self._put(self._host_weights), self._put(opt_state))
+        self._host_opt_state = opt_state
         self._key = self._program.put(self._key)
         self._host_in_sync = True
+        self._dev = None
+        if loadEngine:
+            self._load_engine()
 
-    def _xla_cache_folder(self) -> Optional[str]:
-        o = self.options
-        return os.path.join(os.path.abspath(o.cachePath), "xla") \
-            if o.enableEngineCaching and o.cachePath else None
+    def _load_engine(self) -> None:
+        """Put the host weights and optimizer state on the device."""
+        self._dev = (self._put(self._host_weights), self._put(self._host_opt_state))
+        self._host_in_sync = True
 
-    def _use_engine_cache(self) -> Optional[str]:
-        """SessionOptions.enableEngineCaching + cachePath, for this session only: load this
-        session's entry (named by a hash of its signature) if there is a valid one; returns
-        the entry to write after compiling, or None."""
+    def _device_state(self) -> tuple:
+        """(weights, optimizer state) on the device, loading the engine if it is not."""
+        if self._dev is None:
+            self._load_engine()
+        return self._dev
+
+    def _engine_cache(self, ignore_loaded: bool = False) -> Optional[EngineCache]:
+        """SessionOptions.enableEngineCaching + cachePath (or POPART_CACHE_DIR): this
+        session's entry, unless it runs a loaded executable."""
         o = self.options
-        if self._loaded or not (o.enableEngineCaching and o.cachePath):
+        if (self._loaded and not ignore_loaded) or not (o.enableEngineCaching and o.cachePath):
             return None
-        digest = hashlib.sha256(json.dumps(self._signature(), sort_keys=True).encode()).hexdigest()
-        entry = os.path.join(o.cachePath, f"{type(self).__name__}-{digest[:32]}.popef")
-        if not os.path.exists(entry):
-            _logger.info(f"Engine cache: no entry '{entry}', compiling")
-            return entry
-        try:
-            self._loaded = self._read_executable(entry, with_variables=False)
-        except popart_exception as e:
-            _logger.warn(f"Engine cache: entry not used, recompiling: {e}")
-            return entry
-        _logger.info(f"Engine cache: using '{entry}'")
-        return None
+        return EngineCache(o.cachePath, type(self).__name__, self._signature(),
+                           max_bytes=self._file_bytes_bound())
 
     def _plan(self) -> StepProgram:
         """The session's step program, planned (anchors, trainable weights) but maybe not
@@ -366,6 +327,7 @@ class _Session:
                     f"Input tensor '{tid}' is missing from the StepIO: expected an array of shape "
                     f"{shape_str(_df.input_host_shape(info.shape(), bps, A, R))} and dtype "
                     f"{info.data_type()}; the StepIO has inputs {sorted(inputs)}")
+            _df.check_contiguous(inputs[tid], _df.noncontiguous_input(tid))
             feeds[tid] = _df.validate_input(tid, inputs[tid], info, bps, A, R, strict)
         extra = set(inputs) - set(self._input_infos)
         if extra:
@@ -379,17 +341,23 @@ class _Session:
         for tid, info in self._input_infos.items():
             parts = []
             for _ in range(bps * A):
-                arr = np.asarray(cb.input_callback(tid, False))
+                arr = cb.input_callback(tid, False)
+                _df.check_contiguous(arr, _df.noncontiguous_input(tid))
+                arr = np.asarray(arr)
                 cb.input_complete_callback(tid)
                 parts.append(_df.validate_input(tid, arr, info, 1, 1, R, False)[0, 0])
             feeds[tid] = np.stack(parts).reshape((bps, A, R, *info.shape()))
         return feeds
 
     @_serialised
-    def run(self, stepio: Any, debugName: str = "") -> None:
-        """Run batchesPerStep batches: one call into the compiled program."""
-        if isinstance(stepio, str):  # run(programHandle, stepio, debugName) overload
-            raise popart_exception("Named programs are not supported; call run(stepio)")
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        """``run(stepio, debugName="")`` runs batchesPerStep batches: one call into the
+        compiled program. ``run(programHandle, stepio, debugName="")`` runs a named program:
+        the session's programs are its main step only (PopART's custom programs,
+        "implicitPipeliningFwdOnly" and "copyNamedBuffers", are not built here)."""
+        handle, stepio, debugName = _run_arguments(args, kwargs)
+        if handle is not None:
+            raise popart_exception(f"[Devicex::run] Program {handle} not found.")
         if not self._prepared:
             self.prepareDevice()
         if getattr(self._device, "offline", False):
@@ -398,7 +366,7 @@ class _Session:
                                    f"createIpuModelDevice() or acquireAvailableDevice()")
         feeds = self._gather_inputs(stepio)
         outs = self._check_outputs(stepio)
-        weights, opt_state = self._dev
+        weights, opt_state = self._device_state()
         with jax.default_device(self._jax_device()):
             t0 = time.perf_counter()
             weights, opt_state, self._key, anchors = self._program.run(
@@ -419,6 +387,7 @@ class _Session:
             if a not in outs:
                 raise StepIOError(f"Anchor '{a}' has no output array in the StepIO; use "
                                   f"session.initAnchorArrays() to create them")
+            _df.check_contiguous(outs[a], _df.noncontiguous_output(a))
             _check_anchor_dtype(a, outs[a], self._anchor_tensor_info(a)[1])
         return outs
 
@@ -452,6 +421,7 @@ class _Session:
             if self._anchor_tensor_info(a)[0] else val.reshape(-1)
         for part in flat:
             dst = cb.output_callback(a)
+            _df.check_contiguous(dst, _df.noncontiguous_output(a))
             _check_anchor_dtype(a, dst, val.dtype)
             np.copyto(dst, np.asarray(part).reshape(np.shape(dst)), casting="unsafe")
             cb.output_complete_callback(a)
@@ -461,13 +431,15 @@ class _Session:
     def weightsFromHost(self) -> None:
         """Copy the host weights to the device."""
         self._require_prepared("weightsFromHost")
-        self._dev = (self._put(self._host_weights), self._dev[1])
+        self._dev = (self._put(self._host_weights), self._device_state()[1])
         self._host_in_sync = True
 
     @_serialised
     def weightsToHost(self) -> None:
         """Copy the device weights to the host."""
         self._require_prepared("weightsToHost")
+        if self._dev is None:   # engine not loaded: the host values are the latest
+            return
         to_host = self._program.to_host
         self._host_weights = {k: to_host(v) for k, v in self._dev[0].items()}
         self._host_opt_state = {k: to_host(v) for k, v in self._dev[1].items()}
@@ -481,66 +453,445 @@ class _Session:
         """Copy host weights (and optimizer state) into the arrays of a PyWeightsIO."""
         self._require_prepared("readWeights")
         state = getattr(self, "_host_opt_state", None) or \
-            {k: self._program.to_host(v) for k, v in self._dev[1].items()}
+            {k: self._program.to_host(v) for k, v in self._device_state()[1].items()}
         for tid, dst in _weights_dict(weightsIo).items():
             src = self._host_weights.get(tid, state.get(tid))
             if src is None:
-                raise popart_exception(f"readWeights: '{tid}' is not a weight or optimizer state "
-                                       f"tensor of the session (weights: {sorted(self._host_weights)})")
+                raise WeightsIOError(f"readWeights: '{tid}' is not a weight or optimizer state "
+                                     f"tensor of the session (weights: "
+                                     f"{sorted(self._host_weights)})")
             _copy_checked(tid, dst, src)
 
     @_serialised
     def writeWeights(self, weightsIo: Any) -> None:
         """Write the arrays of a PyWeightsIO to the host weights (and the device)."""
         self._require_prepared("writeWeights")
-        opt = {k: self._program.to_host(v) for k, v in self._dev[1].items()}
+        opt = {k: self._program.to_host(v) for k, v in self._device_state()[1].items()}
         for tid, src in _weights_dict(weightsIo).items():
             target = self._host_weights if tid in self._host_weights else opt if tid in opt else None
             if target is None:
-                raise popart_exception(f"writeWeights: '{tid}' is not a weight of the session")
+                raise WeightsIOError(f"writeWeights: '{tid}' is not a weight of the session "
+                                     f"(weights: {sorted(self._host_weights)})")
             if np.shape(src) != target[tid].shape:
-                raise popart_exception(f"writeWeights: '{tid}' has shape {shape_str(target[tid].shape)}, "
-                                       f"given {shape_str(np.shape(src))}")
+                want, got = list(target[tid].shape), list(np.shape(src))
+                raise WeightsIOError(
+                    f"The shape of the MutableVoidData for IO does not not match the expected "
+                    f"write region of this tensor. Tensor Write ({len(want)}): {want} != "
+                    f"MutableVoidData ({len(got)}): {got} (writeWeights: '{tid}' has shape "
+                    f"{shape_str(want)}, given {shape_str(got)})")
             target[tid] = np.asarray(src, dtype=target[tid].dtype).copy()
         self._dev = (self._put(self._host_weights), self._put(opt))
 
     @_serialised
     def resetHostWeights(self, modelProtoOrFilename: ModelLike,
                          ignoreWeightsInModelWithoutCorrespondingHostWeight: bool = False) -> None:
-        """Replace host weights with the initializers of another model (then weightsFromHost)."""
+        """Replace the host weights, and optimizer state saved with them (modelToHost of a
+        training session), with the initializers of another model (a file, bytes or a
+        ModelProto; external and sparse data read as for a session's model); weightsFromHost
+        then puts the weights on the device (optimizer state goes there now). As PopART's
+        (executablex.cpp resetWeights): an initializer the session has no tensor for is an
+        error unless ``ignoreWeightsInModelWithoutCorrespondingHostWeight``, one whose type or
+        shape differs always is; nothing changes when one is raised. Saved optimizer state
+        this session has none of (an inference session) is skipped."""
         self._require_prepared("resetHostWeights")
         proto, base = load_model(modelProtoOrFilename)
-        for t in proto.graph.initializer:
-            if t.name not in self._host_weights:
-                if t.name in self._program.constants or ignoreWeightsInModelWithoutCorrespondingHostWeight:
+        state = getattr(self, "_host_opt_state", None) or {}
+        new_weights, new_state = {}, {}
+        tensors = [(t.name, t, tensor_to_numpy) for t in proto.graph.initializer] + \
+            [(s.values.name, s, sparse_to_numpy) for s in proto.graph.sparse_initializer]
+        for name, t, to_numpy in tensors:
+            target = (new_weights if name in self._host_weights else
+                      new_state if name in state else None)
+            if target is None:
+                if (name in self._program.constants or name.startswith(OPTIMIZER_STATE_PREFIXES)
+                        or ignoreWeightsInModelWithoutCorrespondingHostWeight):
                     continue
-                raise popart_exception(f"resetHostWeights: initializer '{t.name}' of the given model "
-                                       f"has no corresponding weight in the session")
-            val = tensor_to_numpy(t, base)
-            cur = self._host_weights[t.name]
+                raise popart_exception(
+                    f"resetWeights, no tensor '{name}' in tensors: the given model's initializer "
+                    f"'{name}' is no weight or optimizer state of the session (pass "
+                    f"ignoreWeightsInModelWithoutCorrespondingHostWeight=True to skip such)")
+            val = to_numpy(t, base)
+            cur = self._host_weights[name] if target is new_weights else np.asarray(state[name])
             if val.shape != cur.shape or val.dtype != cur.dtype:
-                raise popart_exception(f"resetHostWeights: '{t.name}' is {val.dtype}{shape_str(val.shape)} "
-                                       f"in the given model, expected {cur.dtype}{shape_str(cur.shape)}")
-            self._host_weights[t.name] = val.copy()
+                raise popart_exception(
+                    f"Trying to reset weights using tensor with non matching tensor info. Tensor "
+                    f"ID: {name} ({val.dtype}{shape_str(val.shape)} in the given model, "
+                    f"{cur.dtype}{shape_str(cur.shape)} in the session)")
+            target[name] = val.copy()
+        self._host_weights.update(new_weights)
+        if new_state:
+            self._host_opt_state = {**state, **new_state}
+            if self._dev is not None:
+                self._dev = (self._dev[0], self._put(self._host_opt_state))
         self._host_in_sync = False
 
     @_serialised
     def modelToHost(self, fn: str) -> None:
-        """Write the model with the current weights to an ONNX file (atomically)."""
+        """Write the model with the current weights to the ONNX file ``fn`` (atomically), as
+        PopART's Session::modelToHost:
+
+        * every initializer keeps the storage form it came in (``raw_data``, a typed field
+          such as ``float_data`` / ``int32_data``, sparse, or external); one whose value did
+          not change keeps its bytes;
+        * external data is written back to its file, at the offsets the model gives (each
+          file rewritten atomically, any other bytes in it kept). An absolute location is
+          that file, as in PopART; a relative one is relative to ``fn``'s folder, as ONNX
+          reads it, so that ``fn`` loads from anywhere: the file the session read when ``fn``
+          is in the model's folder (the working directory for a model given in memory), a
+          copy of it with the new values otherwise;
+        * a training session adds its optimizer state as initializers (PopART's additional
+          model-proto tensors: ``Accl___<w>``, ``Accl1___<w>``, ``Step___<w>``, ...), in its
+          weight's external file, after the data already there, when the weight is external.
+          A session made from such a model starts from that state."""
         self._require_prepared("modelToHost")
         self.weightsToHost()
-        atomic_write(fn, self.model_proto().SerializeToString())
+        model = self.model_proto()
+        values = self._current_values()
+        folder = os.path.dirname(os.path.abspath(fn))
+        if not os.path.isdir(folder):
+            raise popart_exception(f"modelToHost: cannot write '{fn}': folder '{folder}' does "
+                                   f"not exist")
+        external: dict[str, list] = {}
+        for t in model.graph.initializer:
+            if is_external(t):
+                external.setdefault(external_info(t).get("location", ""), []).append(t)
+        sources = self._ext_sources()
+        for location, tensors in external.items():
+            target = self._external_path(location, folder)
+            source = sources.get(location)
+            source = source if source and os.path.isfile(source) else None
+            writes = []
+            for t in tensors:
+                info = external_info(t)
+                if t.name in values:
+                    raw = numpy_helper.from_array(np.asarray(values[t.name])).raw_data
+                    if "length" in info and int(info["length"]) != len(raw):
+                        raise popart_exception(
+                            f"modelToHost: initializer '{t.name}' takes {len(raw)} bytes, its "
+                            f"external data entry says {info['length']}")
+                    writes.append((int(info.get("offset", 0)), raw))
+                elif source is None:
+                    raise popart_exception(f"Trying to update initializer {t.name}, stored in file "
+                                           f"{location}, when writing modelToHost. Failed to open "
+                                           f"file: the file the session read it from is gone")
+            if not os.path.isdir(os.path.dirname(os.path.abspath(target))):
+                raise popart_exception(f"Trying to update initializer {tensors[0].name}, stored in "
+                                       f"file {location}, when writing modelToHost. Failed to open "
+                                       f"file: the folder of '{target}' does not exist")
+            atomic_patch(target, writes, base=source)
+            note_own_file(target)
+        atomic_write(fn, model.SerializeToString())
 
     @_serialised
     def model_proto(self) -> onnx.ModelProto:
-        """The session's model with the host weights as initializers."""
+        """The session's model with its host weights (and, once prepared, a training
+        session's optimizer state) as initializers, each in the storage form it came in;
+        external ones refer to their files, which modelToHost writes."""
+        model = onnx.ModelProto()
+        model.CopyFrom(self._saved_model())
+        values = self._current_values()
+        for t in model.graph.initializer:
+            if t.name in values and not is_external(t):
+                _Session._store_like(t, values[t.name])
+        for sp in model.graph.sparse_initializer:
+            if sp.values.name in values and not is_external(sp.values) \
+                    and not is_external(sp.indices):
+                _Session._store_sparse_like(sp, values[sp.values.name])
+        return model
+
+    def _current_values(self) -> dict:
+        """Host values by id: the weights and (training, once prepared) optimizer state."""
+        return {**(getattr(self, "_host_opt_state", None) or {}), **self._host_weights}
+
+    def _ext_sources(self) -> dict:
+        """Location -> the file the session's external data for it is in (what the import
+        read, then what updateExternallySavedTensorLocations wrote)."""
+        if getattr(self, "_ext_files", None) is None:
+            files = external_sources(self._graph)
+            for t in self._proto.graph.initializer:   # not recorded: resolved as the import does
+                loc = external_info(t).get("location", "") if is_external(t) else None
+                if loc is not None and loc not in files:
+                    try:
+                        files[loc] = external_data_path(t, self._base_dir)
+                    except popart_exception:
+                        pass
+            self._ext_files = files
+        return self._ext_files
+
+    def _saved_model(self) -> onnx.ModelProto:
+        """The model modelToHost writes (PopART's Ir model): the session's, with external
+        locations as updateExternallySavedTensorLocations moved them and, once a training
+        session is prepared, its optimizer state as further initializers (PopART's
+        Ir::addAdditionalModelProtoTensors): external, after the data already in its weight's
+        file, when the weight is external, else in ``raw_data``. Their offsets are decided
+        once, so every modelToHost writes the same layout."""
+        if getattr(self, "_out_model", None) is not None:
+            return self._out_model
+        if not self._prepared:
+            return self._proto
         model = onnx.ModelProto()
         model.CopyFrom(self._proto)
+        inits = {t.name: t for t in model.graph.initializer}
+        sparse = {sp.values.name for sp in model.graph.sparse_initializer}
+        ends: dict[str, int] = {}
         for t in model.graph.initializer:
-            if t.name in self._host_weights:
-                new = numpy_helper.from_array(self._host_weights[t.name], t.name)
-                t.CopyFrom(new)
+            if is_external(t):
+                info = external_info(t)
+                end = int(info.get("offset", 0)) + int(info.get("length", 0))
+                ends[info.get("location", "")] = max(ends.get(info.get("location", ""), 0), end)
+        sources = self._ext_sources()
+        for loc in ends:
+            src = sources.get(loc)
+            if src and os.path.isfile(src):
+                ends[loc] = max(ends[loc], os.path.getsize(src))
+        order = {name: k for k, name in enumerate(list(inits) + sorted(sparse))}
+        state = []   # by prefix, then weight (the layout PopART's tests read back)
+        for sid, value in (getattr(self, "_host_opt_state", None) or {}).items():
+            prefix = next((p for p in OPTIMIZER_STATE_PREFIXES if sid.startswith(p)), None)
+            if prefix is not None:
+                state.append((OPTIMIZER_STATE_PREFIXES.index(prefix),
+                              order.get(sid[len(prefix):], -1), sid, prefix, value))
+        for _, _, sid, prefix, value in sorted(state, key=lambda e: e[:3]):
+            base = sid[len(prefix):]
+            if (base not in inits and base not in sparse) or sid in inits or sid in sparse:
+                continue
+            weight = inits.get(base)
+            t = numpy_helper.from_array(np.asarray(value), sid)
+            if weight is not None and is_external(weight):
+                loc = external_info(weight).get("location", "")
+                set_external(t, loc, ends[loc], len(t.raw_data))
+                ends[loc] += int(external_info(t)["length"])
+            model.graph.initializer.append(t)
+            inits[sid] = t
+        self._out_model = model
         return model
+
+    _TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data",
+                     "string_data")
+
+    @staticmethod
+    def _store_like(t: onnx.TensorProto, value: Any) -> None:
+        """Tensor ``t``'s data := ``value``, in ``t``'s storage form (``raw_data`` stays
+        ``raw_data``, a typed field stays that field); unchanged when the value is."""
+        value = np.asarray(value)
+        try:
+            old = tensor_to_numpy(t, None)
+        except popart_exception:
+            old = None
+        if old is not None:
+            value = value.astype(old.dtype, copy=False)
+            if old.shape == value.shape and old.tobytes() == np.ascontiguousarray(value).tobytes():
+                return
+        raw = numpy_helper.from_array(value, t.name)
+        typed = [f for f in _Session._TYPED_FIELDS if len(getattr(t, f))]
+        if t.HasField("raw_data") or not typed:
+            t.raw_data = raw.raw_data
+            return
+        new = onnx.helper.make_tensor(t.name, t.data_type, list(t.dims), value.reshape(-1),
+                                      raw=False)
+        for f in _Session._TYPED_FIELDS:
+            t.ClearField(f)
+            getattr(t, f).extend(getattr(new, f))
+
+    @staticmethod
+    def _store_sparse_like(sp: onnx.SparseTensorProto, value: Any) -> None:
+        """A sparse initializer := ``value`` (its non-zeros), its indices in the layout they
+        had (linear or coordinates), its values in their storage form; unchanged when the
+        value is."""
+        value = np.asarray(value)
+        try:
+            old = sparse_to_numpy(sp, None)
+            if old.shape == value.shape and old.tobytes() == \
+                    np.ascontiguousarray(value.astype(old.dtype, copy=False)).tobytes():
+                return
+            value = value.astype(old.dtype, copy=False)
+        except popart_exception:
+            pass
+        flat = np.flatnonzero(value.reshape(-1))
+        vals = value.reshape(-1)[flat]
+        idx = np.stack(np.unravel_index(flat, value.shape), axis=1) \
+            if len(sp.indices.dims) == 2 else flat
+        typed = not sp.values.HasField("raw_data") and \
+            any(len(getattr(sp.values, f)) for f in _Session._TYPED_FIELDS)
+        new = (onnx.helper.make_tensor(sp.values.name, sp.values.data_type, [vals.size], vals,
+                                       raw=False) if typed
+               else numpy_helper.from_array(vals, sp.values.name))
+        sp.values.CopyFrom(new)
+        sp.indices.CopyFrom(numpy_helper.from_array(idx.astype(np.int64), sp.indices.name))
+
+    # ------------------------------------------------------------------ IR, reports, sync state
+    def getIr(self) -> SessionIr:
+        """A view of the session's IR (graph, data flow, options, patterns)."""
+        return SessionIr(self)
+
+    @_serialised
+    def _serializeIr(self, format: Any = IrSerializationFormat.JSON) -> str:
+        """The session's IR as PopART's JSON (see ``popart.session_ir``)."""
+        if format != IrSerializationFormat.JSON:
+            raise popart_exception(f"_serializeIr: format must be IrSerializationFormat.JSON, got {format!r}")
+        program = self._plan()
+        infos = dict(self._input_infos)
+        try:
+            infos.update(infer_graph(self._graph, overrides=self._input_infos))
+        except popart_exception:
+            pass   # shapes unknown for some tensors: serialised without them
+        training = None
+        if self._training:
+            training = {"loss": self._loss, "trainable": program.trainable, "optimizer": self._optimizer}
+        name = self._proto.graph.name
+        main = name if name and not name.startswith("BuilderGraph") else "maingraph"
+        return serialize_ir(self._graph, infos, main, training)
+
+    def _compiled(self, what: str) -> Any:
+        return self._require_prepared(what).compiled
+
+    @_serialised
+    def getReport(self) -> str:
+        """What XLA knows of the compiled program, as JSON: per device its FLOPs, bytes
+        accessed, argument / output / temporary / code sizes, and the compile time."""
+        compiled = self._compiled("getReport")
+        try:
+            cost = compiled.cost_analysis() or {}
+        except Exception:   # a backend without cost analysis
+            cost = {}
+        cost = cost[0] if isinstance(cost, list) and cost else cost
+        mem = compiled.memory_analysis()
+        sizes = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) for k in
+                 ("argument", "output", "temp", "alias", "generated_code")} if mem is not None else {}
+        program = self._program
+        devices = program.placement.devices or [program.placement.device]
+        per_device = {"flops": float(cost.get("flops", 0.0)),
+                      "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                      **{f"{k}_bytes": v for k, v in sizes.items()}}
+        return json.dumps({"session": self.name, "compile_seconds": program.compile_seconds,
+                           "executable_source": self._summary.get("executable_source"),
+                           "replication_factor": self.replicationFactor,
+                           "devices": [{"device": str(d), "platform": d.platform, **per_device}
+                                       for d in devices]})
+
+    @_serialised
+    def getSerializedGraph(self) -> bytes:
+        """The compiled program's text (XLA's optimised HLO module)."""
+        return self._compiled("getSerializedGraph").as_text().encode()
+
+    def checkInplacingAmbiguity(self) -> None:
+        """PopART checks that its in-place ops leave no ambiguous aliasing. XLA programs have
+        value semantics (buffers are aliased only by XLA's own analysis), so no model can
+        have such an ambiguity: the check always passes."""
+        _logger.debug(f"checkInplacingAmbiguity '{self.name}': no in-place aliasing on XLA")
+
+    @_serialised
+    def loadEngineAndConnectStreams(self) -> None:
+        """Load the compiled program and the weights onto the device (prepareDevice does
+        this unless given loadEngine=False; run() does it when needed)."""
+        self._require_prepared("loadEngineAndConnectStreams")
+        if self._dev is None:
+            self._load_engine()
+
+    def setEngineIsLoaded(self, isLoaded: bool) -> None:
+        """Mark the engine loaded or not: a session whose engine is not loaded loads it (and
+        the host weights) before its next run."""
+        if not isLoaded:
+            if self._dev is not None:
+                self.weightsToHost()   # nothing of the device's state is lost
+            self._dev = None
+        elif self._dev is None:
+            self.loadEngineAndConnectStreams()
+
+    @_serialised
+    def copyDeviceWeightsToHost(self) -> None:
+        """Copy the device's weights to the host (weightsToHost)."""
+        self.weightsToHost()
+
+    def markHostWeightsInSync(self) -> None:
+        """Declare the host weights equal to the device's (the next weightsToHost copies nothing)."""
+        self._host_in_sync = True
+
+    def markHostWeightsOutOfSync(self) -> None:
+        """Declare the device's weights newer than the host's."""
+        self._host_in_sync = False
+
+    @_serialised
+    def saveVariables(self, path: str) -> None:
+        """Save the variables (weights and optimizer state) to one file, written atomically;
+        a directory gets ``<path>/variables.popef``. ``loadVariables``-style reading is
+        ``resetHostWeights`` for ONNX files; this file is an .npz (``var/<id>``, ``opt/<id>``)."""
+        self._require_prepared("saveVariables")
+        if os.path.isdir(path):
+            path = os.path.join(path, "variables.popef")
+        self.weightsToHost()
+        arrays = {**{"var/" + k: v for k, v in self._host_weights.items()},
+                  **{"opt/" + k: v for k, v in self._host_opt_state.items()}}
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        atomic_write(path, buf.getvalue())
+
+    @_serialised
+    def updateEngineCache(self) -> None:
+        """Write the compiled program to this session's engine-cache entry (with
+        enableEngineCaching and cachePath), replacing an older one."""
+        self._require_prepared("updateEngineCache")
+        cache = self._engine_cache(ignore_loaded=True)
+        if cache is None:
+            raise popart_exception("updateEngineCache: engine caching is off; set "
+                                   "SessionOptions.enableEngineCaching = True and cachePath")
+        cache.store(self._program.export())
+
+    @_serialised
+    def updateExternallySavedTensorLocations(self, fromLocation: str, toLocation: str) -> None:
+        """Tensors of the model saved externally in ``fromLocation`` are from now on saved in
+        ``toLocation``, which must not exist: it is written now with their current values
+        (one after the other), and modelToHost writes the model referring to it. A relative
+        ``toLocation`` is relative to the model's folder (the working directory for a model
+        given in memory). PopART's errors (session.cpp): ``toLocation`` already exists; no
+        initializer is saved in ``fromLocation``."""
+        self._require_prepared("updateExternallySavedTensorLocations")
+        if os.path.exists(self._external_path(toLocation)):
+            raise popart_exception(f"Updating externally saved tensor location from file "
+                                   f"'{fromLocation}' to file '{toLocation}', but file "
+                                   f"'{toLocation}' already exists")
+        moved = [t for t in self._saved_model().graph.initializer
+                 if is_external(t) and external_info(t).get("location") == fromLocation]
+        if not moved:
+            if not os.path.exists(self._external_path(fromLocation)):
+                raise popart_exception(f"Updating externally saved tensor location from file "
+                                       f"'{fromLocation}' to file '{toLocation}', but file "
+                                       f"'{fromLocation}' does not exist: no tensor of the model "
+                                       f"is saved externally there")
+            raise popart_exception(f"No ONNX model initializers have external location set to "
+                                   f"'{fromLocation}': no tensor of the model is saved "
+                                   f"externally there")
+        self.weightsToHost()
+        self._write_external(toLocation, moved)
+
+    def _external_path(self, location: str, folder: Optional[str] = None) -> str:
+        """The file a relative ``location`` names in ``folder`` (default: the model's folder,
+        the working directory for a model given in memory); an absolute one as it is."""
+        folder = folder or self._base_dir or os.getcwd()
+        return location if os.path.isabs(location) else os.path.join(folder, location)
+
+    def _write_external(self, location: str, tensors: list, folder: Optional[str] = None) -> None:
+        """Write ``tensors``' host values (the file's bytes for those without) to
+        ``location`` (atomically), one after another, and point their external_data there
+        (location, length, offset, as PopART)."""
+        values, sources = self._current_values(), self._ext_sources()
+        chunks, offset = [], 0
+        for t in tensors:
+            if t.name in values:
+                raw = numpy_helper.from_array(np.asarray(values[t.name])).raw_data
+            else:
+                src = sources.get(external_info(t).get("location", ""))
+                raw = read_exact(src, int(external_info(t).get("offset", 0)),
+                                 int(external_info(t)["length"])) if src else \
+                    raw_bytes(t, self._base_dir)
+            chunks.append((t, offset, raw))
+            offset += len(raw)
+        path = self._external_path(location, folder)
+        atomic_write(path, b"".join(raw for _, _, raw in chunks))
+        note_own_file(path)
+        for t, off, raw in chunks:
+            set_external(t, location, off, len(raw))
+        sources[location] = os.path.realpath(path)
 
     # ------------------------------------------------------------------ executables
     def _signature(self) -> dict:
@@ -556,49 +907,40 @@ class _Session:
                 "inputs": {k: [v.data_type(), v.shape()] for k, v in self._input_infos.items()},
                 "loss": cfg.loss, "optimizer": _optimizer_signature(cfg.optimizer),
                 "options": _options_signature(self.options),
-                "patterns": None if self.patterns is None else _canonical(self.patterns.getSettings()),
-                "popart_xla": _package_version(), "jax": jax.__version__,
-                "backend": jax.default_backend()}
+                "patterns": None if self.patterns is None else canonical(self.patterns.getSettings()),
+                **runtime_signature()}
 
-    def _executable_bytes(self, saveVariables: bool, executable: Optional[bytes] = None) -> bytes:
-        """The .popef file: an .npz of the exported step (``executable``, else the compiled
-        program's), its signature and the variables."""
-        executable = executable if executable is not None else self._program.export()
-        entries = {"executable": np.frombuffer(executable, np.uint8),
-                   "metadata": np.frombuffer(json.dumps(self._signature()).encode(), np.uint8)}
+    def _executable_bytes(self, saveVariables: bool) -> bytes:
+        """The .popef file: the compiled step, its signature and (optionally) the variables
+        and optimizer state."""
+        arrays = {}
         if saveVariables:
             self.weightsToHost()
-            entries.update({"var/" + k: v for k, v in self._host_weights.items()})
-            entries.update({"opt/" + k: v for k, v in self._host_opt_state.items()})
-        buf = io.BytesIO()
-        np.savez(buf, **entries)
-        return buf.getvalue()
+            arrays.update({"var/" + k: v for k, v in self._host_weights.items()})
+            arrays.update({"opt/" + k: v for k, v in self._host_opt_state.items()})
+        return executable_bytes(self._program.export(), self._signature(), arrays)
 
-    def _read_executable(self, filename: str, with_variables: bool = True) -> dict:
-        """A .popef file's executable (and variables), read with every size bounded by this
-        session's tensors and checked against its signature (popart_exception naming what
-        differs)."""
+    def _saved_arrays(self) -> dict:
+        """The arrays an executable file of this session may hold, by name."""
         program = self._plan()
-        arrays = {**{"var/" + k: v for k, v in program.variables.items()},
-                  **{"opt/" + k: v for k, v in program.init_opt_state().items()}}
-        expected = {"executable": None, "metadata": None,
-                    **{k: (np.shape(v), np.asarray(v).dtype) for k, v in arrays.items()}}
-        tensors = sum(np.asarray(v).nbytes for v in arrays.values())
+        return {**{"var/" + k: v for k, v in program.variables.items()},
+                **{"opt/" + k: v for k, v in program.init_opt_state().items()}}
+
+    def _file_bytes_bound(self) -> int:
+        """The most bytes an executable file of this session may hold."""
+        tensors = sum(np.asarray(v).nbytes for v in self._saved_arrays().values())
         tensors += sum(np.asarray(v).nbytes for v in self._graph.initializers.values())
-        data = load_npz_bounded(filename, expected, max_bytes=EXECUTABLE_SLACK + 2 * tensors,
-                                required=("executable", "metadata"))
-        try:
-            saved = json.loads(bytes(data["metadata"]).decode())
-        except (UnicodeDecodeError, ValueError):
-            raise popart_exception(f"'{filename}' has unreadable metadata") from None
-        diff = _signature_diff(saved, self._signature())
-        if diff:
-            raise popart_exception(f"'{filename}' was compiled for something else: "
-                                   + "; ".join(diff))
-        loaded = {"executable": bytes(data["executable"])}
-        if with_variables and any(k.startswith("var/") for k in data):
-            loaded["variables"] = {k[4:]: v for k, v in data.items() if k.startswith("var/")}
-            loaded["optimizer_state"] = {k[4:]: v for k, v in data.items() if k.startswith("opt/")}
+        return EXECUTABLE_SLACK + 2 * tensors
+
+    def _read_executable(self, filename: str) -> dict:
+        """A .popef file's executable and variables, every size bounded by this session's
+        tensors and its signature checked (popart_exception naming what differs)."""
+        executable, arrays = read_executable(filename, self._signature(), self._saved_arrays(),
+                                             self._file_bytes_bound())
+        loaded = {"executable": executable}
+        if any(k.startswith("var/") for k in arrays):
+            loaded["variables"] = {k[4:]: v for k, v in arrays.items() if k.startswith("var/")}
+            loaded["optimizer_state"] = {k[4:]: v for k, v in arrays.items() if k.startswith("opt/")}
         return loaded
 
     @_serialised
@@ -655,8 +997,16 @@ class _Session:
 
     @_serialised
     def setRandomSeed(self, seedValue: int) -> None:
-        self._seed = int(seedValue)
-        self._set_key(_key_data(self._seed))
+        """Seed the session's random ops: an unsigned 64-bit integer (PopART's uint64_t;
+        ArgumentError, a TypeError, for anything else, the seed unchanged)."""
+        if isinstance(seedValue, bool) or not isinstance(seedValue, (int, np.integer)) \
+                or not 0 <= int(seedValue) < 2 ** 64:
+            raise ArgumentError(f"setRandomSeed(): incompatible function arguments: seedValue "
+                                f"must be an unsigned 64-bit integer (0 <= seed < 2**64), got "
+                                f"{seedValue!r}")
+        seed = int(seedValue)
+        self._set_key(_key_data(seed - 2 ** 64 if seed >= 2 ** 63 else seed))   # int64 bits
+        self._seed = seed
 
     def _set_key(self, key: Any) -> None:
         self._key = self._program.put(key) if self._prepared else key
@@ -709,6 +1059,25 @@ class _Session:
             detach()
 
 
+def _run_arguments(args: tuple, kwargs: dict) -> tuple:
+    """(programHandle or None, stepio, debugName) of ``run``'s two overloads:
+    ``(stepio, debugName="")`` and ``(programHandle, stepio, debugName="")``."""
+    names = ("programHandle", "stepio", "debugName")
+    unknown = set(kwargs) - set(names)
+    if unknown:
+        raise TypeError(f"run() got unexpected keyword argument(s) {sorted(unknown)}")
+    if (args and isinstance(args[0], str)) or "programHandle" in kwargs:
+        bound = dict(zip(names, args), **kwargs)
+    else:
+        bound = dict(zip(names[1:], args), **kwargs)
+    if "stepio" not in bound:
+        raise TypeError("run() needs a stepio (a popart.PyStepIO or PyStepIOCallback)")
+    if len(args) > 3 or (bound.get("programHandle") is None and len(args) > 2):
+        raise TypeError(f"run() takes (stepio, debugName) or (programHandle, stepio, debugName), "
+                        f"got {len(args)} positional arguments")
+    return bound.get("programHandle"), bound["stepio"], bound.get("debugName", "")
+
+
 def _weights_dict(weightsIo: Any) -> dict:
     d = getattr(weightsIo, "weights", weightsIo)
     if not isinstance(d, dict):
@@ -725,10 +1094,205 @@ def _check_anchor_dtype(a: str, dst: Any, dtype: np.dtype) -> None:
 
 
 def _copy_checked(tid: str, dst: np.ndarray, src: np.ndarray) -> None:
-    if not isinstance(dst, np.ndarray) or dst.size != src.size:
-        raise popart_exception(f"Weight '{tid}': destination array has shape "
-                               f"{shape_str(np.shape(dst))}, expected {shape_str(src.shape)}")
+    """Copy a weight into a PyWeightsIO array: C-contiguous, with the weight's element count
+    (PopART's hostStreamToHost check, with its message). Unlike PopART, which compares byte
+    sizes, an array of another dtype gets the values converted."""
+    if not isinstance(dst, np.ndarray):
+        raise WeightsIOError(f"Weight '{tid}': the destination must be a NumPy array, got "
+                             f"{type(dst).__name__}")
+    _df.check_weights_contiguous(tid, dst)
+    if dst.size != src.size:
+        raise WeightsIOError(
+            f"sizes (in bytes) of src ({src.nbytes}) and dst ({dst.nbytes}) differ in "
+            f"hostStreamToHost for {tid} (weight '{tid}' is {src.dtype} of shape "
+            f"{shape_str(src.shape)}; the destination array is {dst.dtype} of shape "
+            f"{shape_str(dst.shape)})")
     np.copyto(dst, src.reshape(dst.shape), casting="unsafe")
+
+
+# ---------------------------------------------------------------------------------------
+# PopART's checks of a program when the session is created (Ir::prepare and the session
+# options it reads), raised before anything is traced or compiled.
+
+def _shape_info_ids(isi: Any) -> set:
+    """The tensor ids an InputShapeInfo (or a dict id -> TensorInfo) gives shapes for."""
+    if isi is None:
+        return set()
+    if isinstance(isi, Mapping):
+        return set(isi)
+    return set(getattr(isi, "_infos", None) or getattr(isi, "infos", {}) or {})
+
+
+def _check_model(proto: onnx.ModelProto, dataFlow: _df.DataFlow, isi: Any, training: bool) -> None:
+    """Ir::setDataFlow, confirmNoReservedIds and registerInputTensors: inference needs an
+    anchor; graph inputs, outputs and InputShapeInfo ids must not use a reserved prefix;
+    input names are unique; every stream input has a known shape (from the model or
+    InputShapeInfo)."""
+    if not training and dataFlow.nAnchors() == 0:
+        raise IrError("User must specify an anchor tensor when doing inference.")
+    g = proto.graph
+    given = _shape_info_ids(isi)
+    names = [v.name for v in g.input]
+    for tid in names + [v.name for v in g.output] + sorted(given):
+        for prefix in _RESERVED_PREFIXES.values():
+            if prefix in tid:
+                raise IrError(f"Provided tensor {tid} has an invalid name: clash with reserved "
+                              f"prefix {prefix}")
+    seen: set = set()
+    for tid in names:
+        if tid in seen:
+            raise IrError(f"Invalid ONNX Model : repeated name: ({tid}) in input list")
+        seen.add(tid)
+    initializers = {t.name for t in g.initializer}
+    for v in g.input:
+        if v.name in initializers or v.name in given:
+            continue
+        how = (f" Give it with inputShapeInfo (popart.InputShapeInfo().add('{v.name}', "
+               f"popart.TensorInfo(dtype, shape))).")
+        if not (v.HasField("type") and v.type.HasField("tensor_type")
+                and v.type.tensor_type.HasField("shape")):
+            raise IrError(f"Could not find tensor {v.name} in InputShapeInfo, but no shape is "
+                          f"specified in the onnx model." + how)
+        dims = v.type.tensor_type.shape.dim
+        text = "[" + ", ".join(d.dim_param if d.HasField("dim_param") else str(d.dim_value)
+                               for d in dims) + "]"
+        for d in dims:
+            unknown = d.dim_param if d.HasField("dim_param") else \
+                str(d.dim_value) if d.dim_value < 0 else None
+            if unknown is not None:
+                raise IrError(f"Input tensor '{v.name}' must be specified in InputShapeInfo, as "
+                              f"it has shape {text}, which uses an unknown value '{unknown}'."
+                              + how)
+
+
+def _check_replication_options(o: Any) -> None:
+    """PopART's replication option checks (IrLowering::getReplicationFactor,
+    Ir::verifyDistributedReplicatedGraphSettings)."""
+    if not o.enableReplicatedGraphs and int(o.replicatedGraphCount) > 1:
+        raise OptionError("enableReplicatedGraphs is false, but replicatedGraphCount > 1. Either "
+                          "enable replication, or set the replicated graph count to 1")
+    if not getattr(o, "enableDistributedReplicatedGraphs", False):
+        return
+    g, offset = int(o.globalReplicationFactor), int(o.globalReplicaOffset)
+    if g < 1:
+        raise OptionError(f"Invalid globalReplicationFactor value: {g}, must be greater or "
+                          f"equal than 1")
+    if offset < 0:
+        raise OptionError(f"Invalid globalReplicaOffset value: {offset}, must be greater or "
+                          f"equal than 0")
+    if offset > g:
+        raise OptionError(f"Global replica offset: {offset}, is larger than global replication "
+                          f"factor: {g}")
+    if o.enableReplicatedGraphs and int(o.replicatedGraphCount) > g:
+        raise OptionError(f"Invalid local replication factor: {int(o.replicatedGraphCount)}, "
+                          f"larger than global replication factor: {g}")
+
+
+def _main_ops(graph: Graph) -> list:
+    """The main graph's nodes PopART counts as ops (its Constant nodes become tensors)."""
+    return [n for n in graph.nodes if not (n.op_type == "Constant" and n.domain == "ai.onnx")]
+
+
+def _op_str(graph: Graph, node: Any) -> str:
+    """A node as PopART's Op::str names it: ``name (domain.Type:version)``."""
+    return f"{node.name} ({node.domain}.{node.op_type}:{graph.opsets.get(node.domain, '?')})"
+
+
+def _num_virtual_graphs(o: Any, device: Any, replicas: int) -> int:
+    """IPUs per replica (Ir::getNumVirtualGraphIds)."""
+    n = int(getattr(device, "numIpus", 1) or 1)
+    if o.enableReplicatedGraphs:
+        if n % max(replicas, 1):
+            raise OptionError("For replicated graphs, the number of IPUs must be divisible by "
+                              "the replication factor.")
+        return n // max(replicas, 1)
+    return n
+
+
+def _check_virtual_graphs(graph: Graph, o: Any, device: Any, replicas: int) -> None:
+    """Ir::verifyVirtualGraphIds: with virtual graphs on, either every op has a virtual
+    graph id or none does; Manual mode needs them, each naming an IPU of the device."""
+    mode = o.virtualGraphMode.name
+    if mode == "Off":   # PopART removes the annotations
+        return
+    ops = _main_ops(graph)
+    ids = [n.annotations.get(VIRTUAL_GRAPH) for n in ops]
+    missing = [n for n, v in zip(ops, ids) if v is None]
+    if missing and len(missing) < len(ops):
+        counts: dict[int, int] = {}
+        for v in ids:
+            counts[-1 if v is None else int(v)] = counts.get(-1 if v is None else int(v), 0) + 1
+        lines = ["Either all Ops must have their virtual graph ids set, or none must. Op count "
+                 "per virtual graph id"]
+        lines += [f"  {k} : {counts[k]}" for k in sorted(counts)]
+        lines.append("Ops with no virtual graph id :  ")
+        lines += [f"  {_op_str(graph, n)}" for n in missing]
+        raise IrError("\n".join(lines) + "\n")
+    if mode != "Manual" or not ops:
+        return
+    if missing:
+        raise IrError("SessionOptions flag virtualGraphMode is VirtualGraphMode::Manual, but no "
+                      "Ops have been annotated with virtual graph information. This is an "
+                      "inconsistent combination. ")
+    n = _num_virtual_graphs(o, device, replicas)
+    for op, v in zip(ops, ids):
+        if not 0 <= int(v) < n:
+            raise IrError(f"{_op_str(graph, op)} has been assigned to an invalid virtual graph "
+                          f"{int(v)}. numIPUs = {n}.")
+
+
+def _check_pipeline_settings(graph: Graph, o: Any, device: Any, replicas: int) -> None:
+    """Ir::verifyPipelineSettings: implicit pipelining needs virtual graphs over more than one
+    IPU; pipeline stages are set on every op or none, each stage on one virtual graph."""
+    if not getattr(o, "enablePipelining", False):
+        return
+    explicit = bool(getattr(o, "useHostCopyOps", False) and
+                    getattr(o, "enableExplicitMainLoops", False))
+    n = _num_virtual_graphs(o, device, replicas)
+    if not explicit and (o.virtualGraphMode.name == "Off" or n == 1):
+        raise IrError(f"Pipelining requires more than 1 IPU (currently {n}) and the "
+                      f"'virtualGraphMode' session option to not be VirtualGraphMode::Off "
+                      f"(currently VirtualGraphMode::{o.virtualGraphMode.name}).")
+    ops = _main_ops(graph)
+    unset = [op for op in ops if PIPELINE_STAGE not in op.annotations]
+    if unset and len(unset) < len(ops):
+        raise IrError("Only some ops have had their pipeline stage set. Ops missing the pipeline "
+                      "stage:" + "".join(f"\n  {_op_str(graph, op)}" for op in unset))
+    if unset:
+        return
+    stages: dict[int, list] = {}
+    for op in ops:
+        stages.setdefault(int(op.annotations[PIPELINE_STAGE]), []).append(op)
+    for ps, members in sorted(stages.items()):
+        vgraphs = sorted({int(op.annotations.get(VIRTUAL_GRAPH, -1)) for op in members})
+        if len(vgraphs) > 1:
+            raise IrError(f"Ops {[_op_str(graph, op) for op in members]} have the same pipeline "
+                          f"stage {ps}, but different virtual graph ids {vgraphs}. All ops with "
+                          f"the same pipeline stage must also have the same virtual graph id")
+
+
+# Ops PopART never prunes (side effects, variable updates) or that may hold anchors in a
+# subgraph: a graph with one of them is never pruned empty.
+_UNPRUNABLE = {"Abort", "CopyVarUpdate", "PrintTensor", "BatchNormalization", "HostLoad",
+               "HostStore", "RemoteLoad", "RemoteStore", "Sync", "Init"}
+
+
+def _check_not_pruned_empty(graph: Graph, anchors: Iterable[str]) -> None:
+    """The Prune transform of an inference IR: ops that compute no anchor are removed, and
+    PopART refuses a main graph left with no op at all."""
+    for n in graph.nodes:
+        if n.op_type in _UNPRUNABLE or any(
+                isinstance(v, Graph) or (isinstance(v, list) and any(isinstance(x, Graph) for x in v))
+                for v in n.attrs.values()):
+            return
+    produced, anchors = graph.producer(), list(anchors)
+    if any(a in produced for a in anchors):
+        return
+    known = set(graph.all_tensor_ids())
+    unknown = [a for a in anchors if a not in known]
+    why = (f"the anchors {unknown} name no tensor of the model" if unknown else
+           f"no op computes the anchors {anchors}")
+    raise IrError(f"All operations in the main graph were pruned, nothing to compute ({why})")
 
 
 class InferenceSession(_Session):
@@ -738,6 +1302,25 @@ class InferenceSession(_Session):
                  inputShapeInfo: Optional[_df.InputShapeInfo] = None, patterns: Any = None,
                  userOptions: Optional[SessionOptions] = None, name: str = "inference") -> None:
         super().__init__(fnModel, dataFlow, deviceInfo, inputShapeInfo, patterns, userOptions, name)
+
+    @classmethod
+    def fromIr(cls, ir: SessionIr, deviceInfo: Any, name: str = "fromIr") -> "InferenceSession":
+        """An InferenceSession for the IR of another session (``session.getIr()``): its
+        model with the current host weights, data flow, options, patterns and input shapes
+        (a TrainingSession's IR gives its forward pass)."""
+        if not isinstance(ir, SessionIr):
+            raise popart_exception(f"InferenceSession.fromIr: expected the Ir of a session "
+                                   f"(session.getIr()), got {type(ir).__name__}")
+        src = ir._session
+        shapes = _df.InputShapeInfo()
+        for tid, info in src._input_infos.items():
+            shapes.add(tid, info)
+        options = src.options
+        if options.enableGradientAccumulation:   # a training session's: inference has none
+            options = copy.copy(options)
+            options.enableGradientAccumulation, options.accumulationFactor = False, 1
+        return cls(ir.getModel(), src.dataFlow, deviceInfo, shapes, src.patterns,
+                   options, name)
 
 
 class TrainingSession(_Session):

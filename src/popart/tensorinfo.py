@@ -1,12 +1,12 @@
-"""DataType and TensorInfo: PopART's dtype names mapped to NumPy / ml_dtypes and ONNX."""
+"""DataType and TensorInfo: PopART's dtype names mapped to ONNX, and through onnx.helper to
+NumPy / ml_dtypes."""
 from __future__ import annotations
 
 import enum
 from typing import Any, Iterable, Sequence
 
-import ml_dtypes
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .errors import popart_exception
 
@@ -46,38 +46,42 @@ class DataType(enum.Enum):
         return self.value
 
 
-# DataType -> (numpy dtype, ONNX TensorProto enum). FLOAT8_143 / FLOAT8_152 are Graphcore's
-# float8 formats, which ml_dtypes implements as float8_e4m3fnuz / float8_e5m2fnuz.
-_TABLE: dict[DataType, tuple[Any, int]] = {
-    DataType.UINT8: (np.uint8, TensorProto.UINT8),
-    DataType.INT8: (np.int8, TensorProto.INT8),
-    DataType.UINT16: (np.uint16, TensorProto.UINT16),
-    DataType.INT16: (np.int16, TensorProto.INT16),
-    DataType.INT32: (np.int32, TensorProto.INT32),
-    DataType.INT64: (np.int64, TensorProto.INT64),
-    DataType.UINT32: (np.uint32, TensorProto.UINT32),
-    DataType.UINT64: (np.uint64, TensorProto.UINT64),
-    DataType.BOOL: (np.bool_, TensorProto.BOOL),
-    DataType.FLOAT: (np.float32, TensorProto.FLOAT),
-    DataType.FLOAT16: (np.float16, TensorProto.FLOAT16),
-    DataType.BFLOAT16: (ml_dtypes.bfloat16, TensorProto.BFLOAT16),
-    DataType.FLOAT8_143: (ml_dtypes.float8_e4m3fnuz, TensorProto.FLOAT8E4M3FNUZ),
-    DataType.FLOAT8_152: (ml_dtypes.float8_e5m2fnuz, TensorProto.FLOAT8E5M2FNUZ),
-    DataType.DOUBLE: (np.float64, TensorProto.DOUBLE),
-    DataType.COMPLEX64: (np.complex64, TensorProto.COMPLEX64),
-    DataType.COMPLEX128: (np.complex128, TensorProto.COMPLEX128),
-    DataType.STRING: (np.object_, TensorProto.STRING),
-    DataType.FLOAT8_E4M3FN: (ml_dtypes.float8_e4m3fn, TensorProto.FLOAT8E4M3FN),
-    DataType.FLOAT8_E5M2: (ml_dtypes.float8_e5m2, TensorProto.FLOAT8E5M2),
-    DataType.FLOAT8_E8M0: (ml_dtypes.float8_e8m0fnu, TensorProto.FLOAT8E8M0),
-    DataType.FLOAT4_E2M1: (ml_dtypes.float4_e2m1fn, TensorProto.FLOAT4E2M1),
-    DataType.INT4: (ml_dtypes.int4, TensorProto.INT4),
-    DataType.UINT4: (ml_dtypes.uint4, TensorProto.UINT4),
-    DataType.INT2: (ml_dtypes.int2, TensorProto.INT2),
-    DataType.UINT2: (ml_dtypes.uint2, TensorProto.UINT2),
+# DataType -> ONNX TensorProto enum: the one dtype table. NumPy types come from onnx.helper
+# (ml_dtypes for bfloat16, float8, float4, int4 / int2). FLOAT8_143 / FLOAT8_152 are
+# Graphcore's float8 formats, ONNX's FLOAT8E4M3FNUZ / FLOAT8E5M2FNUZ.
+_ONNX: dict[DataType, int] = {
+    DataType.UINT8: TensorProto.UINT8,
+    DataType.INT8: TensorProto.INT8,
+    DataType.UINT16: TensorProto.UINT16,
+    DataType.INT16: TensorProto.INT16,
+    DataType.INT32: TensorProto.INT32,
+    DataType.INT64: TensorProto.INT64,
+    DataType.UINT32: TensorProto.UINT32,
+    DataType.UINT64: TensorProto.UINT64,
+    DataType.BOOL: TensorProto.BOOL,
+    DataType.FLOAT: TensorProto.FLOAT,
+    DataType.FLOAT16: TensorProto.FLOAT16,
+    DataType.BFLOAT16: TensorProto.BFLOAT16,
+    DataType.FLOAT8_143: TensorProto.FLOAT8E4M3FNUZ,
+    DataType.FLOAT8_152: TensorProto.FLOAT8E5M2FNUZ,
+    DataType.DOUBLE: TensorProto.DOUBLE,
+    DataType.COMPLEX64: TensorProto.COMPLEX64,
+    DataType.COMPLEX128: TensorProto.COMPLEX128,
+    DataType.STRING: TensorProto.STRING,
+    DataType.UNDEFINED: TensorProto.UNDEFINED,
+    DataType.FLOAT8_E4M3FN: TensorProto.FLOAT8E4M3FN,
+    DataType.FLOAT8_E5M2: TensorProto.FLOAT8E5M2,
+    DataType.FLOAT8_E8M0: TensorProto.FLOAT8E8M0,
+    DataType.FLOAT4_E2M1: TensorProto.FLOAT4E2M1,
+    DataType.INT4: TensorProto.INT4,
+    DataType.UINT4: TensorProto.UINT4,
+    DataType.INT2: TensorProto.INT2,
+    DataType.UINT2: TensorProto.UINT2,
 }
-_FROM_NP = {np.dtype(v[0]): k for k, v in _TABLE.items()}
-_FROM_ONNX = {v[1]: k for k, v in _TABLE.items()}
+_NP: dict[DataType, np.dtype] = {k: np.dtype(helper.tensor_dtype_to_np_dtype(v))
+                                 for k, v in _ONNX.items() if k is not DataType.UNDEFINED}
+_FROM_NP = {v: k for k, v in _NP.items()}
+_FROM_ONNX = {v: k for k, v in _ONNX.items()}
 # Extra spellings accepted where a dtype string is expected.
 _ALIASES = {"FLOAT32": DataType.FLOAT, "HALF": DataType.FLOAT16, "FLOAT64": DataType.DOUBLE,
             "INT": DataType.INT32, "FP16": DataType.FLOAT16, "FP32": DataType.FLOAT}
@@ -95,7 +99,7 @@ def to_datatype(dtype: Any) -> DataType:
             return _ALIASES[key]
         try:
             return _FROM_NP[np.dtype(dtype)]
-        except TypeError:
+        except (TypeError, KeyError):
             pass
         raise popart_exception(f"Unknown data type '{dtype}': expected one of "
                                f"{', '.join(DataType.__members__)}")
@@ -113,12 +117,15 @@ def to_datatype(dtype: Any) -> DataType:
 
 def np_dtype(dtype: Any) -> np.dtype:
     """NumPy dtype of a DataType / string / ONNX enum / NumPy dtype."""
-    return np.dtype(_TABLE[to_datatype(dtype)][0])
+    dt = to_datatype(dtype)
+    if dt not in _NP:
+        raise popart_exception(f"Data type {dt.value} has no NumPy type")
+    return _NP[dt]
 
 
 def onnx_dtype(dtype: Any) -> int:
-    """ONNX TensorProto enum of a DataType / string / NumPy dtype."""
-    return _TABLE[to_datatype(dtype)][1]
+    """ONNX TensorProto enum of a DataType / string / NumPy dtype (UNDEFINED: 0)."""
+    return _ONNX[to_datatype(dtype)]
 
 
 class TensorInfo:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import popart as _popart  # noqa: F401  (configures host devices, registers the op lowerings)
 import popart.ops.popxl_ops as _popxl_ops  # noqa: F401  (the ai.popxl lowerings)
 
-from . import dtypes, ops, transforms  # noqa: F401
-from .context import (gcg, get_current_graph, get_main_graph, gmg, in_sequence, io_tiles, ipu,  # noqa: F401
-                      merge_exchange, name_scope, pipeline_stage)
-from .dtypes import (bfloat16, bool, double, dtype, float, float8_143, float8_152, float16,  # noqa: F401
-                     float32, float64, half, int8, int16, int32, int64, uint8, uint16, uint32, uint64)
+from . import dtypes, errors, fp8_utils, ops, transforms, utils  # noqa: F401
+from .context import (gcg, get_current_graph, get_ir, get_main_graph, gir, gmg, in_sequence,  # noqa: F401
+                      io_tiles, ipu, merge_exchange, name_scope, pipeline_stage)
+from .dtypes import (bfloat16, bool, complex64, complex128, double, dtype, float, float8_143,  # noqa: F401
+                     float8_152, float16, float32, float64, half, int8, int16, int32, int64, uint8,
+                     uint16, uint32, uint64)
 from .graph import Graph  # noqa: F401
 from .ir import Ir  # noqa: F401
 from .module import Module  # noqa: F401

@@ -1,4 +1,6 @@
-"""popxl data types (the popart.ir data-type table), each tied to a NumPy dtype."""
+"""popxl data types (the popart.ir data-type table), each tied to a NumPy dtype and to the
+torch dtype of the same values (where the installed PyTorch has one). float8_143 / float8_152 are ml_dtypes' float8_e4m3fnuz /
+float8_e5m2fnuz (Graphcore's formats: biases 8 and 16, no infinities, one NaN)."""
 from __future__ import annotations
 
 import builtins as _b
@@ -7,67 +9,120 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+try:
+    import torch as _torch
+except ModuleNotFoundError:  # pragma: no cover  (torch is optional)
+    _torch = None
+
 
 class dtype:
     """A popxl data type: ``popxl.float32.as_numpy()``, ``.is_floating_point``, ..."""
 
     _by_np: dict = {}
     _by_name: dict = {}
+    _by_torch: dict = {}
+    _by_py: dict = {}
 
     def __init__(self, name: str, np_type: Any, is_int: bool, is_float: bool, signed: bool,
-                 py_type: Any = None, alias: "str | None" = None) -> None:
-        self.name, self._np = name, np.dtype(np_type)
+                 py_type: Any = None, alias: "str | None" = None, torch_name: "str | None" = None,
+                 is_complex: _b.bool = False) -> None:
+        self._name, self._np = name, np.dtype(np_type)
         self.is_int, self.is_floating_point, self.is_signed = is_int, is_float, signed
-        self.is_complex = False
+        self.is_complex = is_complex
         self._py, self.alias = py_type, alias
         dtype._by_np.setdefault(self._np, self)
         dtype._by_name[name] = self
         if alias:
             dtype._by_name[alias] = self
+        if py_type is not None:
+            dtype._by_py[py_type] = self
+        self._torch = getattr(_torch, torch_name, None) if (_torch and torch_name) else None
+        if self._torch is not None:
+            dtype._by_torch[self._torch] = self
+
+    @property
+    def name(self) -> str:
+        return self._name
 
     def as_numpy(self) -> np.dtype:
         return self._np
 
+    def as_torch(self) -> Any:
+        """The corresponding ``torch.dtype``. Raises TypeError when PyTorch has none (uint16,
+        uint32, uint64, float8_143, float8_152) and ModuleNotFoundError without PyTorch."""
+        if _torch is None:
+            raise ModuleNotFoundError("PyTorch is not installed.")
+        if self._torch is None:
+            raise TypeError(f"`popxl.{self._name}` does not have a corresponding PyTorch dtype.")
+        return self._torch
+
     @classmethod
-    def as_dtype(cls, x: Any) -> "dtype":
-        """Resolve a popxl dtype, name, NumPy dtype / type or Python type."""
+    def from_name(cls, name: str) -> "dtype":
+        """The dtype called ``name`` ("float32", "half", ...)."""
+        try:
+            return cls._by_name[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"There is not a `popxl.dtype` that has a name: {name}.") from None
+
+    @classmethod
+    def as_dtype(cls, type_value: Any) -> "dtype":
+        """``type_value`` as a popxl dtype: a popxl dtype, name, NumPy dtype / scalar type,
+        torch dtype, Python type (bool, float, int) or an array / tensor (its dtype)."""
+        x = type_value
         if isinstance(x, dtype):
             return x
         if isinstance(x, str) and x in cls._by_name:
             return cls._by_name[x]
-        if x is _b.bool:
-            return bool_
-        if x is _b.float:
-            return float32
         if x is _b.int:
             return int32
         try:
+            if x in cls._by_py:
+                return cls._by_py[x]
+        except TypeError:
+            pass
+        if _torch is not None:
+            if isinstance(x, _torch.dtype):
+                if x in cls._by_torch:
+                    return cls._by_torch[x]
+                raise ValueError(f"There is not a `popxl.dtype` that is compatible with value: {x}, "
+                                 f"type: {type(x)}.")
+            if isinstance(x, _torch.Tensor):
+                return cls.as_dtype(x.dtype)
+        if isinstance(x, np.ndarray) or (hasattr(x, "dtype") and not isinstance(x, type)):
+            return cls.as_dtype(np.dtype(x.dtype))
+        try:
             return cls._by_np[np.dtype(x)]
         except (TypeError, KeyError):
-            raise ValueError(f"There is no popxl dtype for {x!r}") from None
+            raise ValueError(f"There is not a `popxl.dtype` that is compatible with value: {x}, "
+                             f"type: {type(x)}.") from None
 
     def __repr__(self) -> str:
-        return f"popxl.dtypes.{self.name}"
+        return f"popxl.dtypes.{self._name}"
 
     def __reduce__(self):
-        return (dtype.as_dtype, (self.name,))
+        return (dtype.from_name, (self._name,))
 
 
-bool_ = dtype("bool", np.bool_, False, False, False, bool)
-int8 = dtype("int8", np.int8, True, False, True)
-int16 = dtype("int16", np.int16, True, False, True)
-int32 = dtype("int32", np.int32, True, False, True)
-int64 = dtype("int64", np.int64, True, False, True)
-uint8 = dtype("uint8", np.uint8, True, False, False)
-uint16 = dtype("uint16", np.uint16, True, False, False)
-uint32 = dtype("uint32", np.uint32, True, False, False)
-uint64 = dtype("uint64", np.uint64, True, False, False)
-float16 = dtype("float16", np.float16, False, True, True, alias="half")
-float32 = dtype("float32", np.float32, False, True, True, float, alias="float")
-float64 = dtype("float64", np.float64, False, True, True, alias="double")
-bfloat16 = dtype("bfloat16", ml_dtypes.bfloat16, False, True, True)
-float8_143 = dtype("float8_143", ml_dtypes.float8_e4m3fnuz, False, True, True)
-float8_152 = dtype("float8_152", ml_dtypes.float8_e5m2fnuz, False, True, True)
+bool_ = dtype("bool", np.bool_, False, False, False, _b.bool, torch_name="bool")
+int8 = dtype("int8", np.int8, True, False, True, torch_name="int8")
+int16 = dtype("int16", np.int16, True, False, True, torch_name="int16")
+int32 = dtype("int32", np.int32, True, False, True, torch_name="int32")
+int64 = dtype("int64", np.int64, True, False, True, torch_name="int64")
+uint8 = dtype("uint8", np.uint8, True, False, False, torch_name="uint8")
+uint16 = dtype("uint16", np.uint16, True, False, False, torch_name="uint16")
+uint32 = dtype("uint32", np.uint32, True, False, False, torch_name="uint32")
+uint64 = dtype("uint64", np.uint64, True, False, False, torch_name="uint64")
+float16 = dtype("float16", np.float16, False, True, True, alias="half", torch_name="float16")
+float32 = dtype("float32", np.float32, False, True, True, _b.float, alias="float", torch_name="float32")
+float64 = dtype("float64", np.float64, False, True, True, alias="double", torch_name="float64")
+bfloat16 = dtype("bfloat16", ml_dtypes.bfloat16, False, True, True, torch_name="bfloat16")
+float8_143 = dtype("float8_143", ml_dtypes.float8_e4m3fnuz, False, True, True,
+                   torch_name="float8_e4m3fnuz")
+float8_152 = dtype("float8_152", ml_dtypes.float8_e5m2fnuz, False, True, True,
+                   torch_name="float8_e5m2fnuz")
+complex64 = dtype("complex64", np.complex64, False, False, True, torch_name="complex64", is_complex=True)
+complex128 = dtype("complex128", np.complex128, False, False, True, torch_name="complex128",
+                   is_complex=True)
 half, float, double = float16, float32, float64  # noqa: A001  (popxl's aliases)
 globals()["bool"] = bool_
 
@@ -75,8 +130,17 @@ _DOWNCAST = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32,
              np.dtype(np.uint64): np.uint32}
 
 
-def to_numpy(data: Any, dt: dtype | None = None, downcast: bool = True) -> np.ndarray:
-    """``data`` as a NumPy array of ``dt`` (or its own type, 64-bit downcast to 32-bit)."""
+def to_numpy(data: Any, dt: dtype | None = None, downcast: _b.bool = True) -> np.ndarray:
+    """``data`` (array, torch tensor, scalar, nested list) as a NumPy array of ``dt`` (or its
+    own type, 64-bit downcast to 32-bit)."""
+    if _torch is not None and isinstance(data, _torch.Tensor):
+        data = data.detach().cpu()
+        dt_ = dtype._by_torch.get(data.dtype)
+        if dt_ is not None and dt_.as_numpy().itemsize in (1, 2) and dt_.as_numpy().kind == "V":
+            data = data.view(_torch.uint8 if dt_.as_numpy().itemsize == 1 else _torch.int16)
+            data = data.numpy().view(dt_.as_numpy())
+        else:
+            data = data.numpy()
     if dt is not None:
         return np.asarray(data, dtype=dtype.as_dtype(dt).as_numpy())
     arr = np.asarray(data)
@@ -85,4 +149,3 @@ def to_numpy(data: Any, dt: dtype | None = None, downcast: bool = True) -> np.nd
     if downcast and arr.dtype in _DOWNCAST:
         arr = arr.astype(_DOWNCAST[arr.dtype])
     return arr
-

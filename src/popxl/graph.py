@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from popart.engine import in_x64
 
-from popart.engine.lower import TraceState, lower_node
-from popart.engine.program import REPLICA_AXIS
+from popart.engine.lower import trace_node
+from popart.engine.compiled import REPLICA_AXIS
 from popart.ir.graph import Graph as IRGraph
 from popart.ir.graph import Node
 
@@ -78,8 +78,43 @@ class Graph:
         return tuple(self._inputs)
 
     @property
+    def inputs_by_name(self) -> dict[str, Tensor]:
+        """The graph inputs by name."""
+        return {t.name: t for t in self._inputs}
+
+    @property
     def outputs(self) -> tuple[Tensor, ...]:
         return tuple(self._outputs)
+
+    @property
+    def main_graph(self) -> "Graph":
+        return self._ir.main_graph
+
+    @property
+    def called_graphs(self) -> tuple["Graph", ...]:
+        """The graphs that ops of this graph call (call, repeat, conditional branches)."""
+        by_ir = {id(g._g): g for g in self._ir._graphs}
+        found: dict[int, "Graph"] = {}
+
+        def walk(nodes: Iterable[Node]) -> None:
+            for n in nodes:
+                for v in n.attrs.values():
+                    if isinstance(v, IRGraph):
+                        if id(v) in by_ir:
+                            found.setdefault(id(v), by_ir[id(v)])
+                        else:   # a wrapper (conditional branch) around a call
+                            walk(v.nodes)
+        walk(self._g.nodes)
+        return tuple(found.values())
+
+    def register_op_created_hook(self, fn: Callable[[Node], Any]) -> int:
+        """Call ``fn(node)`` after each op (an IR node: ``op_type``, ``domain``, ``inputs``,
+        ``outputs``, ``attrs``) is created in this graph; returns a handle for
+        :meth:`remove_op_created_hook`."""
+        return context.register_op_created_hook(self, fn)
+
+    def remove_op_created_hook(self, handle: int) -> None:
+        context.remove_op_created_hook(handle)
 
     @property
     def variables(self) -> tuple[Variable, ...]:
@@ -130,6 +165,7 @@ class Graph:
                     **kw: Any) -> Tensor:
         self._specs[tid] = jax.ShapeDtypeStruct(tuple(spec.shape), np.dtype(spec.dtype))
         t = cls(self, tid, **kw)
+        t._placement = context.placement()
         self._tensors[tid] = t
         return t
 
@@ -205,9 +241,8 @@ class Graph:
         r = self._ir.replication_factor
 
         def run(env: dict) -> list:
-            state = TraceState(rng_key=jax.random.key(0), replica_axis=REPLICA_AXIS if r > 1 else None,
-                               replication_factor=r)
-            return lower_node(node, self._g, {**static, **env}, state)
+            return trace_node(node, self._g, {**static, **env},
+                              replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r)
 
         try:
             if r > 1:
@@ -254,4 +289,5 @@ class Graph:
                 del self._specs[o]
                 continue
             result.append(self._add_tensor(o, s))
+        context.op_created(self, node)
         return result

@@ -1,6 +1,8 @@
 """popxl.Ir: the main graph, subgraphs, variables, streams and the replication settings."""
 from __future__ import annotations
 
+import popart
+
 import inspect
 import itertools
 import os
@@ -36,6 +38,8 @@ class Ir:
         if self._replication < 1:
             raise ValueError(f"replication must be >= 1, got {replication}")
         self._num_host_transfers = 1
+        # The session options PopART keeps on its Ir (engine caching: POPXL_CACHE_DIR).
+        self._options = popart.SessionOptions()
         self._stream_names: set[str] = set()
         self._graph_names: dict[str, int] = {}
         self._variables: list = []

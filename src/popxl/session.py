@@ -1,11 +1,15 @@
-"""popxl.Session: compiles the Ir's main graph once (jax.jit) and runs it.
+"""popxl.Session: a client of the engine's compiled-step layer (``popart.engine.compiled``).
 
-One ``run`` is one call into the compiled program: replicas side by side (``vmap`` with the
-replica axis, so collectives work), the main graph once per replica, host loads reading
-successive elements of their streams. Variables stay on the device between runs, stored as
-[replicas, *shape]."""
+The Ir's main graph is traced once per replica and compiled once ahead of time. One ``run``
+is one call into the compiled program: replicas on distinct devices when the session's device
+has enough (``shard_map``; ``POPART_HOST_DEVICES`` on a CPU-only machine) or side by side
+(``vmap``), under the replica axis that collectives use; host loads read successive elements
+of their streams. Variables stay on the device between runs, stored as [replicas, *shape]
+and split across the replicas' devices. With ``POPXL_CACHE_DIR`` (or the Ir's session
+options ``enableEngineCaching`` + ``cachePath``) the program goes through the engine cache."""
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Iterable, Mapping, Optional, Union
 
@@ -14,47 +18,65 @@ import jax.numpy as jnp
 import numpy as np
 
 import popart
-from popart.engine.lower import CHECKS, TraceState, check_flags, execute, first_failure, raise_failed_checks
-from popart.engine.program import REPLICA_AXIS
+from popart.dataflow import validate_input
 from popart.engine import in_x64
+from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement
+from popart.engine.executable import EngineCache, compile_step, runtime_signature
+from popart.engine.lower import CHECKS, first_failure, raise_failed_checks, trace
+from popart.ir.graph import fingerprint
 from popart.session import _serialised
+from popart.tensorinfo import TensorInfo, to_datatype
 
+from .dtypes import to_numpy
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
 from .tensor import Constant, Variable
 
 
 def _device(desc: Any, replicas: int) -> Any:
+    """The session's device for ``device_desc``: a DeviceInfo as given, else a new device of
+    ``replicas`` IPUs, detached (the session attaches it when its context is entered)."""
     if isinstance(desc, popart.DeviceInfo):
         return desc
     dm = popart.DeviceManager()
     if desc == "cpu":
         if replicas > 1:
-            raise ValueError("The 'cpu' device does not support replication; use 'ipu_model' or 'ipu_hw'")
-        return dm.createCpuDevice()
-    if desc == "ipu_model":
-        return dm.createIpuModelDevice({"numIPUs": replicas})
-    if desc == "ipu_hw":
-        return dm.acquireAvailableDevice(replicas)
-    raise ValueError(f"device_desc must be 'ipu_hw', 'ipu_model', 'cpu' or a popart.DeviceInfo, got {desc!r}")
+            raise ValueError(f"For a cpu device, multiple devices (provided: {replicas}) are not "
+                             f"supported.")
+        dev = dm.createCpuDevice()
+    elif desc == "ipu_model":
+        dev = dm.createIpuModelDevice({"numIPUs": replicas})
+    elif desc == "ipu_hw":
+        dev = dm.acquireAvailableDevice(replicas)
+    else:
+        raise ValueError(f"Incorrect device type provided: {desc}, must be one of: `ipu_hw`, "
+                         f"`ipu_model`, `cpu`")
+    dev.detach()
+    return dev
 
 
 class Session:
     """A runtime session for a popxl Ir on device ``device_desc`` ("ipu_hw", "ipu_model",
-    "cpu" or a popart.DeviceInfo). Use it as a context manager: entering attaches the device
-    and copies the weights to it; leaving copies them back and detaches.
+    "cpu" or a popart.DeviceInfo). Use it as a context manager: entering a context while
+    detached attaches the device and copies the weights to it (``weights_from_host``); leaving
+    that context copies them back (``weights_to_host``, unless ``weights_to_host_on_exit`` is
+    False or the block raised) and detaches. Contexts nest: an inner context entered while
+    attached does neither. A session made with an attached DeviceInfo is attached from the
+    start (and copies the weights to the device then).
 
     Thread safety: running and moving weights (run, run_with_outputs, weights_from_host,
     weights_to_host, get_tensors_data, write_variables_data) hold the session's lock, so
     threads sharing a session take turns."""
 
     @in_x64
-    def __init__(self, ir: Ir, device_desc: Any = "cpu") -> None:
+    def __init__(self, ir: Ir, device_desc: Any = "cpu", weights_to_host_on_exit: bool = True) -> None:
         self._ir = ir
+        self.weights_to_host_on_exit = bool(weights_to_host_on_exit)
+        self._was_attached: list[bool] = []
         self._r = ir.replication_factor
         self._n = ir.num_host_transfers
         self._device = _device(device_desc, self._r)
-        self._jax_device = (getattr(self._device, "jax_devices", None) or jax.devices())[0]
+        self._placement = Placement(self._r, self._device)
         main = ir.main_graph
         self._main_ir = main._finalize()
         self._variables: list[Variable] = list(ir._variables)
@@ -65,41 +87,64 @@ class Session:
         self._host: dict[Variable, np.ndarray] = {v: np.array(ir._variable_data[v]) for v in self._variables}
         self._dev: Optional[dict] = None
         self._in_sync = True
-        self._attached = False
         self._lock = threading.RLock()
         self._checks: list = []
+        self.executable_source = ""
         self._compile()
+        ir._session = self      # Variable.in_sync_with_ipu
+        if self.is_attached:
+            self.weights_from_host()
 
     # ------------------------------------------------------------------ compile
-    def _step(self):
-        n, variables = self._n, self._variables
-        final_ids = {v.id: v._ir_id for v in variables}
+    def _replica_fn(self):
+        """One replica's main graph: (its variables, its streams' [N, ...] inputs) ->
+        (new variable values, device-to-host values, run-time checks)."""
+        n, r = self._n, self._r
+        final_ids = {v.id: v._ir_id for v in self._variables}
         d2h = [(s, t.id, self._d2h_final[s]._ir_id) for s, t in self._d2h]
-        main_ir, r = self._main_ir, self._r
+        main_ir, platform = self._main_ir, self._placement.platform
 
         def replica(weights: dict, feeds: dict) -> tuple:
             feeds = dict(feeds)
             for s, tid, _ in d2h:
                 feeds[tid] = jnp.zeros((n,) + s.shape, s.dtype.as_numpy())
-            state = TraceState(rng_key=jax.random.key(0), replica_axis=REPLICA_AXIS, replication_factor=r)
-            env = execute(main_ir, feeds, state, weights=weights)
-            new_w = {vid: jnp.asarray(env[fid]).astype(weights[vid].dtype) for vid, fid in final_ids.items()}
-            outs = {tid: jnp.asarray(env[fid]) for _, tid, fid in d2h}
-            self._checks[:] = state.registry   # run-time checks (indices in range, ...)
-            if state.checks:
-                outs[CHECKS] = check_flags(state)
+            t = trace(main_ir, feeds, key=jax.random.key(0), weights=weights, platform=platform,
+                      replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r)
+            new_w = {vid: jnp.asarray(t.env[fid]).astype(weights[vid].dtype) for vid, fid in final_ids.items()}
+            outs = {tid: jnp.asarray(t.env[fid]) for _, tid, fid in d2h}
+            self._checks[:] = t.checks   # run-time checks (indices in range, ...)
+            if t.checks:
+                outs[CHECKS] = t.check_flags()
             return new_w, outs
+        return replica
 
-        def step(weights: dict, feeds: dict) -> tuple:
-            return jax.vmap(replica, axis_name=REPLICA_AXIS, axis_size=r)(weights, feeds)
-        return step
-
-    def _compile(self) -> None:
+    def _specs(self) -> tuple:
         r, n = self._r, self._n
         wspecs = {v.id: jax.ShapeDtypeStruct((r,) + v.shape, v.dtype.as_numpy()) for v in self._variables}
         fspecs = {t.id: jax.ShapeDtypeStruct((r, n) + s.shape, s.dtype.as_numpy()) for s, t in self._h2d}
-        with jax.default_device(self._jax_device):
-            self._compiled = jax.jit(self._step(), donate_argnums=(0,)).lower(wspecs, fspecs).compile()
+        return wspecs, fspecs
+
+    def _engine_cache(self) -> Optional[EngineCache]:
+        o = self._ir._options
+        if not (o.enableEngineCaching and o.cachePath):
+            return None
+        signature = {"session": "popxl.Session", "graph": fingerprint(self._main_ir),
+                     "replication": self._r, "num_host_transfers": self._n,
+                     "devices": len(self._placement.devices),
+                     "variables": {v.id: [list(v.shape), v.dtype.name] for v in self._variables},
+                     "h2d": {t.id: [list(s.shape), s.dtype.name] for s, t in self._h2d},
+                     "d2h": {t.id: [list(s.shape), s.dtype.name] for s, t in self._d2h},
+                     **runtime_signature()}
+        return EngineCache(o.cachePath, "popxl", signature)
+
+    def _compile(self) -> None:
+        split = self._placement.sharding(0)   # [replicas, ...]: one slice per replica's device
+        step = CompiledStep(self._placement.replicate(self._replica_fn(), in_axes=(0, 0)),
+                            in_shardings=(split, split), out_shardings=split, donate_argnums=(0,))
+        specs = self._specs()
+        jax.eval_shape(step.fn, *specs)   # the trace's run-time checks, also for a cached program
+        self.executable_source = compile_step(step, specs, self._engine_cache())
+        self._step = step
 
     # ------------------------------------------------------------------ context / device
     @property
@@ -108,27 +153,41 @@ class Session:
 
     @property
     def device(self) -> Any:
+        """The session's ``popart.DeviceInfo``."""
         return self._device
 
     @property
     def is_attached(self) -> bool:
-        return self._attached
+        """True while the session's device is attached."""
+        return bool(self._device.isAttached)
 
     def __enter__(self) -> "Session":
-        if not self._device.isAttached and not self._device.attach():
-            raise RuntimeError("Could not attach to the session's device")
-        self._attached = True
-        self.weights_from_host()
+        was_attached = self.is_attached
+        self._was_attached.append(was_attached)
+        if not was_attached:
+            if not self._device.attach() and not self._device.tryAttachUntilTimeout():
+                self._was_attached.pop()
+                raise RuntimeError(f"Could not attach to device {self._device.id}. It is attached "
+                                   f"elsewhere or offline.")
+            try:
+                self.weights_from_host()
+            except BaseException:
+                self.__exit__(*sys.exc_info())
+                raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        if self._attached:
-            self.weights_to_host()
-        self._attached = False
-        self._device.detach()
+    def __exit__(self, exc_type: Any = None, exc_value: Any = None, tb: Any = None) -> None:
+        was_attached = self._was_attached.pop() if self._was_attached else False
+        if not was_attached:
+            if exc_type is None and self.weights_to_host_on_exit and self.is_attached:
+                self.weights_to_host()
+            self._device.detach()
+
+    def _host_in_sync(self, v: Variable) -> bool:
+        return self._in_sync or v not in self._host
 
     def _require_attached(self) -> None:
-        if not self._attached:
+        if not self.is_attached:
             raise ValueError("Must be attached to device before calling a runtime function. Put the "
                              "call inside a `Session` context, for example `with session: session.run()`.")
 
@@ -144,8 +203,8 @@ class Session:
     def weights_from_host(self) -> None:
         """Copy the host values of the variables to the device."""
         self._require_attached()
-        self._dev = {v.id: jax.device_put(np.ascontiguousarray(self._per_replica(v, self._host[v])),
-                                          self._jax_device) for v in self._variables}
+        self._dev = self._placement.put({v.id: np.ascontiguousarray(self._per_replica(v, self._host[v]))
+                                         for v in self._variables}, 0)
         self._in_sync = True
 
     @_serialised
@@ -156,7 +215,7 @@ class Session:
         if self._in_sync or self._dev is None:
             return
         for v in self._variables:
-            arr = np.asarray(self._dev[v.id])
+            arr = self._placement.to_host(self._dev[v.id])
             g = v.replica_grouping
             if g is not None and g.num_groups > 1:
                 self._host[v] = arr[g.first_replicas()]
@@ -179,7 +238,7 @@ class Session:
             if not isinstance(t, (Variable, Constant)):
                 raise TypeError(f"{t} is not of type Constant or Variable. get_tensor_data is not "
                                 f"supported for this type.")
-        if self._attached and not self._in_sync and any(isinstance(t, Variable) for t in tensors):
+        if self.is_attached and not self._in_sync and any(isinstance(t, Variable) for t in tensors):
             self.weights_to_host()
         for t in tensors:
             if isinstance(t, Variable):
@@ -212,10 +271,10 @@ class Session:
                     arr = arr.reshape(())
                 else:
                     raise ValueError(f"Variable '{v.id}' has host shape {list(want)}, data has {list(arr.shape)}")
-            if self._attached and not self._in_sync:
+            if self.is_attached and not self._in_sync:
                 self.weights_to_host()
             self._host[v] = np.array(arr)
-        if self._attached:
+        if self.is_attached:
             self.weights_from_host()
 
     # ------------------------------------------------------------------ run
@@ -229,52 +288,82 @@ class Session:
         """Zeroed output arrays, one per device-to-host stream."""
         return {s: np.zeros(self._host_shape(s.shape), s.dtype.as_numpy()) for s, _ in self._d2h}
 
-    def _feed(self, s: HostToDeviceStream, arr: Any, downcast: bool) -> np.ndarray:
-        a = np.asarray(arr)
-        want_dt = s.dtype.as_numpy()
-        if a.dtype != want_dt:
-            if downcast or np.can_cast(a.dtype, want_dt, "same_kind"):
-                a = a.astype(want_dt)
-            else:
-                raise TypeError(f"Input for stream '{s.name}' is {a.dtype}, expected {want_dt}")
+    def _validate_streams(self, given: Mapping, expected: list, kind: str) -> None:
+        """The streams given are exactly those expected, each with an array of the right
+        shape (popxl's rules: [num_host_transfers, replication, *shape], size-1 dimensions of
+        the first two dropped)."""
+        got, want = set(given), set(expected)
+        if got != want:
+            unexpected = {str(x) for x in got - want}
+            missing = {str(x) for x in want - got}
+            raise ValueError(f"Unexpected/Missing {kind}.\n  Unexpected: {unexpected}\n  "
+                             f"Missing: {missing}")
+        for st, arr in given.items():
+            self._verify_io_shape(st, np.shape(arr), kind)
+
+    def _verify_io_shape(self, st: Any, shape: tuple, kind: str) -> None:
+        full = self._host_shape(st.shape)
+        repl_index = data_index = 0
+        if self._n > 1:
+            repl_index = data_index = 1
+            if len(shape) < 1 or shape[0] < self._n:
+                raise ValueError(f"Dimension 0 ({shape[0] if shape else None}) of the array of "
+                                 f"shape {tuple(shape)} provided for {kind} stream {st.tensor_id} "
+                                 f"is not large enough.\nIt should be at least of size "
+                                 f"num_host_transfers = {self._n}")
+        if self._r > 1:
+            data_index += 1
+            if len(shape) <= repl_index or shape[repl_index] != self._r:
+                size = shape[repl_index] if len(shape) > repl_index else None
+                raise ValueError(f"Dimension {repl_index} ({size}) of the array of shape "
+                                 f"{tuple(shape)} provided for {kind} stream {st.tensor_id} is the "
+                                 f"wrong size.\nIt should be of size replication_factor = {self._r}")
+        if tuple(d for d in shape if d != 1)[data_index:] == () and \
+                all(d == 1 for d in shape[data_index:]) and all(d == 1 for d in st.shape):
+            return   # all-ones shapes (a scalar for a [1] stream) are not compared
+        if tuple(shape[data_index:]) != tuple(st.shape):
+            raise ValueError(f"Shape mismatch for {kind} stream {st.tensor_id}:\nStream shape = "
+                             f"{st.shape}, therefore expected full global batch shape {full}. Got "
+                             f"array shape = {tuple(shape)}")
+
+    def _feed(self, s: HostToDeviceStream, a: np.ndarray) -> np.ndarray:
+        """A stream's (validated) input as [replicas, num_host_transfers, *shape], after
+        popart's StepIO rule (dtype, element count)."""
         full = (self._n, self._r) + s.shape
-        if a.shape != self._host_shape(s.shape) and a.shape != full:
-            raise ValueError(f"Input for stream '{s.name}' has shape {list(a.shape)}; expected "
-                             f"{list(self._host_shape(s.shape))} ([num_host_transfers={self._n}, "
-                             f"replication={self._r}, *{list(s.shape)}] without size-1 dimensions)")
-        return np.ascontiguousarray(np.swapaxes(a.reshape(full), 0, 1))  # [R, N, ...]
+        info = TensorInfo(to_datatype(s.dtype.as_numpy()), list(s.shape))
+        a = validate_input(s.name, a, info, self._n, 1, self._r).reshape(full)
+        return np.ascontiguousarray(np.swapaxes(a, 0, 1))
 
     @_serialised
     @in_x64
     def run_with_outputs(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
                          outputs: Optional[Mapping[DeviceToHostStream, np.ndarray]] = None,
                          downcast_inputs: bool = True) -> None:
-        """Run once, writing the device-to-host streams into ``outputs``' arrays."""
+        """Run once, writing every device-to-host stream into its array of ``outputs``.
+
+        Raises:
+            ValueError: not attached; an input or output stream missing or unexpected
+                ("Unexpected/Missing input" / "output"); an array of the wrong shape.
+            popart.popart_exception: input data of another dtype than its stream's (after
+                64-bit data is downcast, with ``downcast_inputs``).
+        """
         self._require_attached()
-        inputs = dict(inputs or {})
-        feeds = {}
-        for s, t in self._h2d:
-            if s not in inputs:
-                raise ValueError(f"No input was given for host-to-device stream '{s.name}' "
-                                 f"(expected inputs: {[x.name for x, _ in self._h2d]})")
-            feeds[t.id] = self._feed(s, inputs.pop(s), downcast_inputs)
-        if inputs:
-            raise ValueError(f"Inputs {[getattr(s, 'name', s) for s in inputs]} are not streams "
-                             f"that this Ir loads from")
-        with jax.default_device(self._jax_device):
-            self._dev, outs = self._compiled(self._dev, feeds)
-        if CHECKS in outs:
-            raise_failed_checks(first_failure(outs.pop(CHECKS)), self._checks)
+        inputs = {s: to_numpy(a, downcast=downcast_inputs) for s, a in (inputs or {}).items()}
+        outputs = dict(outputs or {})
+        self._validate_streams(inputs, self.expected_inputs(), "input")
+        self._validate_streams(outputs, [s for s, _ in self._d2h], "output")
+        feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
+        self._dev, outs = self._step(self._dev, self._placement.put(feeds, 0))
         self._in_sync = not self._variables
+        if CHECKS in outs:
+            raise_failed_checks(first_failure(self._placement.to_host(outs.pop(CHECKS))), self._checks)
         for s, t in self._d2h:
-            if outputs is None or s not in outputs:
-                continue
-            val = np.swapaxes(np.asarray(outs[t.id]), 0, 1).reshape(self._host_shape(s.shape))
+            val = np.swapaxes(self._placement.to_host(outs[t.id]), 0, 1).reshape(self._host_shape(s.shape))
             dst = outputs[s]
-            if dst.shape != val.shape:
+            if dst.size != val.size:
                 raise ValueError(f"Output array for stream '{s.name}' has shape {list(dst.shape)}; "
                                  f"expected {list(val.shape)}")
-            np.copyto(dst, val, casting="unsafe")
+            np.copyto(dst, val.reshape(dst.shape), casting="unsafe")
 
     def run(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
             downcast_inputs: bool = True) -> dict[DeviceToHostStream, np.ndarray]:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 import numpy as np
 
 from . import context
-from .dtypes import dtype as _dtype, to_numpy
+from .dtypes import dtype as _dtype
+from .errors import UndefinedValue
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -40,11 +41,29 @@ class TensorSpec:
         return f"TensorSpec(shape={self.shape}, dtype={self.dtype})"
 
 
+class TensorLocationInfo:
+    """Where a tensor lives: on the device (``remote`` False) and whole on every replica
+    (``sharded`` False). Tensors of this Ir are never remote or sharded."""
+
+    def __init__(self, remote: bool = False, sharded: bool = False) -> None:
+        self.remote, self.sharded = remote, sharded
+
+    def isRemote(self) -> bool:
+        return self.remote
+
+    def isSharded(self) -> bool:
+        return self.sharded
+
+    def __repr__(self) -> str:
+        return f"TensorLocationInfo(remote={self.remote}, sharded={self.sharded})"
+
+
 class Tensor:
     """A tensor of a graph. Operators build ops in the current graph (``a + b``, ``a @ b``)."""
 
     def __init__(self, graph: "Graph", tid: str) -> None:
         self._graph, self._id, self._ir_id = graph, tid, tid
+        self._placement: tuple = (None, "compute")   # (IPU, tile set) when it was created
 
     # ------------------------------------------------------------------ properties
     @property
@@ -54,6 +73,11 @@ class Tensor:
     @property
     def name(self) -> str:
         return self._id.rsplit("/", 1)[-1]
+
+    @property
+    def scope(self) -> str:
+        """The graph scope of the tensor: "" in the main graph, else the graph's id."""
+        return "" if self._graph._is_main else self._graph.id
 
     @property
     def _spec(self) -> Any:
@@ -94,6 +118,50 @@ class Tensor:
     @property
     def T(self) -> "Tensor":
         return self.transpose()
+
+    @property
+    def T_(self) -> "Tensor":
+        """The tensor transposed with reversed axes, in place."""
+        return self.transpose_()
+
+    def strides(self, shape: Optional[Iterable[int]] = None) -> tuple[int, ...]:
+        """Bytes to step in each dimension of a C-ordered array of this dtype and ``shape``
+        (default: the tensor's shape), as :py:attr:`numpy.ndarray.strides`."""
+        shape = self.shape if shape is None else tuple(int(d) for d in shape)
+        out, step = [], self.dtype.as_numpy().itemsize
+        for d in reversed(shape):
+            out.append(step)
+            step *= d
+        return tuple(reversed(out))
+
+    @property
+    def ipu(self) -> int:
+        """The IPU the tensor was placed on (``popxl.ipu`` block around its creation).
+
+        Raises:
+            UndefinedValue: if it was created outside any ``ipu`` block.
+        """
+        if self._placement[0] is None:
+            raise UndefinedValue("Tensor's IPU is undefined.")
+        return int(self._placement[0])
+
+    @property
+    def tile_set(self) -> str:
+        """"io" for a tensor created in an ``io_tiles`` block, else "compute"."""
+        return self._placement[1]
+
+    @property
+    def location_info(self) -> TensorLocationInfo:
+        return TensorLocationInfo()
+
+    @property
+    def in_sync_with_ipu(self) -> bool:
+        """False for a variable whose device value, in a session of its Ir, changed since the
+        last ``weights_to_host`` (the host copy is stale); True otherwise."""
+        if not isinstance(self, Variable):
+            return True
+        session = getattr(self.ir, "_session", None)
+        return True if session is None else session._host_in_sync(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[{self.id} {self.dtype.name} {self.shape}]"
@@ -137,16 +205,35 @@ class Tensor:
         from . import ops
         return ops.flatten(self)
 
+    def flatten_(self) -> "Tensor":
+        from . import ops
+        return ops.flatten_(self)
+
     def detach(self) -> "Tensor":
         from . import ops
         return ops.detach(self)
+
+    def detach_(self) -> "Tensor":
+        from . import ops
+        return ops.detach_(self)
 
     def copy_to_ipu(self, destination: int, source: Optional[int] = None) -> "Tensor":
         from . import ops
         return ops.ipu_copy(self, destination, source)
 
     def diag(self) -> "Tensor":
-        raise NotImplementedError("Tensor.diag is not supported")
+        """The diagonal of a 2-d tensor (``min(rows, cols)`` elements, as ``numpy.diag``).
+
+        Raises:
+            ValueError: if the tensor is not 2-d.
+        """
+        if self.rank != 2:
+            raise ValueError("Diag expected a 2d tensor.")
+        rows, cols = self.shape
+        n = min(rows, cols)
+        if n == 0:
+            return self.flatten()[0:0]
+        return self.flatten()[:(n - 1) * (cols + 1) + 1:cols + 1]
 
     def __getitem__(self, key: Any) -> "Tensor":
         from . import ops
@@ -213,9 +300,19 @@ class Variable(Tensor):
     def shape_on_replica(self) -> tuple[int, ...]:
         return self.shape
 
+    def copy_to_ipu(self, dst: int, src: int) -> Tensor:  # type: ignore[override]
+        """``ops.ipu_copy(self, dst, src)``: a variable has no producer, so ``src`` is needed."""
+        from . import ops
+        return ops.ipu_copy(self, dst, src)
+
 
 class Constant(Tensor):
     """A tensor whose value is fixed when the graph is built."""
+
+    def copy_to_ipu(self, dst: int, src: int) -> Tensor:  # type: ignore[override]
+        """``ops.ipu_copy(self, dst, src)``: a constant has no producer, so ``src`` is needed."""
+        from . import ops
+        return ops.ipu_copy(self, dst, src)
 
 
 class TensorByRef(Tensor):
@@ -223,22 +320,33 @@ class TensorByRef(Tensor):
     in-place changes inside the graph change the caller's tensor."""
 
 
-def _resolve_data(data: Any, dtype: Any, downcast: bool) -> np.ndarray:
+def _resolve_data(data: Any, dtype: Any, downcast: bool, log2_scale: Optional[int] = None,
+                  nan_on_overflow: Optional[bool] = None) -> np.ndarray:
     if isinstance(data, Tensor):
         raise TypeError("A popxl Tensor cannot be used as the data of a variable or constant")
-    return to_numpy(data, None if dtype is None else _dtype.as_dtype(dtype), downcast)
+    from .utils import to_numpy
+    return to_numpy(data, None if dtype is None else _dtype.as_dtype(dtype), downcast,
+                    log2_scale=log2_scale, nan_on_overflow=nan_on_overflow)
 
 
 def variable(data: Any, dtype: Any = None, name: Optional[str] = None, downcast: bool = True,
              replica_grouping: Optional["ReplicaGrouping"] = None,
-             retrieval_mode: Optional[str] = "one_per_group") -> Variable:
+             retrieval_mode: Optional[str] = None, log2_scale: Optional[int] = None,
+             nan_on_overflow: Optional[bool] = None) -> Variable:
     """A variable of the main graph initialised with ``data``. With a replica grouping of
-    more than one group, ``data`` has a leading dimension of one value per group."""
+    more than one group, ``data`` has a leading dimension of one value per group.
+    ``retrieval_mode`` (default "one_per_group") or "all_replicas": what
+    ``Session.get_tensor_data`` returns. For float8 dtypes ``data`` (float16/32/64) is
+    multiplied by ``2**log2_scale`` and cast (out-of-range values NaN unless
+    ``nan_on_overflow`` is False, see ``popxl.utils.to_numpy``)."""
     g = context.get_current_graph()
     if not g._is_main:
         raise ValueError(f"Variables can only be created in the main graph, not in '{g.name}': "
                          f"create it in the main graph and pass it as a graph input")
-    arr = _resolve_data(data, dtype, downcast)
+    if retrieval_mode not in (None, "one_per_group", "all_replicas"):
+        raise ValueError(f"Invalid retrieval_mode {retrieval_mode!r}: expected 'one_per_group' "
+                         f"or 'all_replicas'")
+    arr = _resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow)
     ir = g.ir
     groups = 1 if replica_grouping is None else replica_grouping.num_groups
     if groups > 1:
@@ -256,10 +364,13 @@ def variable(data: Any, dtype: Any = None, name: Optional[str] = None, downcast:
     return t
 
 
-def constant(data: Any, dtype: Any = None, name: Optional[str] = None, downcast: bool = True) -> Constant:
-    """A constant of the current graph."""
+def constant(data: Any, dtype: Any = None, name: Optional[str] = None, downcast: bool = True,
+             log2_scale: Optional[int] = None, nan_on_overflow: Optional[bool] = None) -> Constant:
+    """A constant of the current graph (``log2_scale`` / ``nan_on_overflow``: float8 data, as
+    :func:`variable`)."""
     g = context.get_current_graph()
-    return g._add_constant(_resolve_data(data, dtype, downcast), name or "c")
+    return g._add_constant(_resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow),
+                           name or "c")
 
 
 def graph_input(shape: Iterable[int], dtype: Any, name: Optional[str] = None, by_ref: bool = False,

@@ -28,7 +28,8 @@ s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], opt,
 s.prepareDevice()
 s.broadcastWeights(0)
 out = s.initAnchorArrays()
-s.run(popart.PyStepIO({ids["x"]: X[:, pid], ids["label"]: L[:, pid]}, out))
+s.run(popart.PyStepIO({ids["x"]: np.ascontiguousarray(X[:, pid]),   # PyStepIO wants C order
+                       ids["label"]: np.ascontiguousarray(L[:, pid])}, out))
 s.weightsToHost()
 w = {k: np.zeros(s.getInfo(ids[k]).shape(), np.float32) for k in ("w1", "b1", "w2")}
 s.readWeights(popart.PyWeightsIO({ids[k]: v for k, v in w.items()}))

@@ -19,26 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
+from jax.ad_checkpoint import checkpoint_name
 
 from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError,
                       popart_exception, popart_runtime_error)
 from ..ir.graph import Graph, Node
+from ..ir.recompute import SAVED_NAME
 from ..logging import getLogger
 from ..ops import registry
 from ..ops.registry import ONNX_DOMAIN, is_static
 
 _logger = getLogger("op")
-
-
-try:
-    from jax._src.core import trace_ctx as _trace_ctx
-except ImportError:   # older JAX: every check is taken as made in the top trace
-    _trace_ctx = None
-
-
-def _current_trace() -> Any:
-    """The innermost active JAX trace (None on JAX versions that do not expose it)."""
-    return getattr(_trace_ctx, "trace", None)
 
 
 CHECKS = "__popart_run_checks__"   # the run-time checks' record among a program's outputs
@@ -84,7 +75,8 @@ def raise_failed_checks(record: Any, registry: list) -> None:
 
 @dataclass
 class TraceState:
-    """What all nodes of one trace share."""
+    """What all nodes of one trace share (private to the engine: front-ends call
+    :func:`trace`, lowerings see it only through their :class:`NodeCtx`)."""
     training: bool = False
     rng_key: Any = None                 # base PRNG key of this (micro-)batch
     replica_axis: Optional[str] = None
@@ -96,7 +88,7 @@ class TraceState:
     remote_buffers: dict = field(default_factory=dict)  # RemoteStore / RemoteLoad, one execution
     checks: list = field(default_factory=list)     # records of NodeCtx.check in this trace
     registry: list = field(default_factory=list)   # RunCheck by id, shared with nested traces
-    top_trace: Any = field(default_factory=_current_trace)   # the trace checks can leave
+    saved: Optional[frozenset] = None   # recomputation: tensors the backward pass keeps
     _counter: itertools.count = field(default_factory=itertools.count)
     rng_draws: int = 0
 
@@ -115,7 +107,7 @@ class NodeCtx:
     """The :class:`popart.ops.registry.LowerCtx` of one node."""
 
     def __init__(self, node: Node, version: int, env: Mapping[str, Any], state: TraceState):
-        self.node, self.version, self.env, self.state = node, version, env, state
+        self.node, self.version, self._env, self._state = node, version, env, state
         self.op_type, self.domain, self.name = node.op_type, node.domain, node.name
         self.output_ids = node.outputs
         self.input_ids = node.inputs
@@ -128,7 +120,7 @@ class NodeCtx:
         self._loop_key = None
 
     def rng(self) -> Any:
-        return self.state.next_key()
+        return self._state.next_key()
 
     def static(self, x: Any, what: str) -> np.ndarray:
         if x is None:
@@ -143,7 +135,7 @@ class NodeCtx:
                              f"computed from run-time data") from None
 
     def assign(self, tensor_id: str, value: Any) -> None:
-        self.state.assignments[tensor_id] = value
+        self._state.assignments[tensor_id] = value
 
     def discard_subgraph_traces(self) -> None:
         """Forget what earlier run_subgraph calls derived (the loop's random key), before the
@@ -162,34 +154,32 @@ class NodeCtx:
                     len(info._shape) != len(shape) or any(d not in (-1, s) for d, s in zip(info._shape, shape))):
                 raise ModelError(f"{self.node.describe()}: subgraph '{graph.name}' declares input "
                                  f"'{tid}' of shape {info._shape}, but it is given {list(shape)}")
-        state = state or self.state
+        state = state or self._state
         if iteration is not None:  # a loop body: fresh random numbers in every iteration
             if self._loop_key is None:
-                self._loop_key = self.state.next_key()
+                self._loop_key = self._state.next_key()
             # Everything of the enclosing trace but its per-execution records, which a loop
             # body does not share (its assignments are ignored).
             state = dataclasses.replace(
                 state, rng_key=jax.random.fold_in(self._loop_key, iteration), assignments={},
                 remote_buffers={}, _counter=itertools.count())
-        return run_graph(graph, inputs, state, outer=self.env)
+        return run_graph(graph, inputs, state, outer=self._env)
 
     def run_body(self, graph: Graph, inputs: list, iteration: Any = None) -> tuple[list, jax.Array]:
         """``run_subgraph`` inside a function JAX traces on its own (a lax.cond branch, a
         scan or while_loop body). Also returns the record of the body's run-time checks
         (``first_failure``), which the body returns and the lowering passes to
         ``check_record`` outside it."""
-        body = dataclasses.replace(self.state, checks=[], top_trace=_current_trace())
+        body = dataclasses.replace(self._state, checks=[])
         outs = self.run_subgraph(graph, inputs, iteration, body)
         return outs, first_failure(jnp.stack(body.checks) if body.checks else jnp.zeros((0, RECORD)))
 
     def check_record(self, records: Any) -> None:
         """Fail the run if a record that ``run_body`` returned (any leading dimensions: one
-        per iteration, ...) is a failure."""
-        if _current_trace() is self.state.top_trace:
-            self.state.checks.append(first_failure(records))
-        else:
-            _logger.debug(f"{self.node.describe()}: a run-time check inside a nested function "
-                          f"JAX traces separately is not made")
+        per iteration, ...) is a failure. Lowerings trace nested functions (lax.cond
+        branches, scan / while bodies, vjp) with ``run_body``, so a record is always a value
+        of the trace this node's state belongs to."""
+        self._state.checks.append(first_failure(records))
 
     def error(self, msg: str) -> Exception:
         return UnsupportedOperatorError(f"{self.node.describe()}: {msg}")
@@ -197,16 +187,16 @@ class NodeCtx:
     def host_stream(self, stream_id: str) -> Any:
         """The value of host stream ``stream_id`` (a step input, or a tensor of this or an
         enclosing scope), or None."""
-        return self.env.get(stream_id) if hasattr(self.env, "get") else None
+        return self._env.get(stream_id) if hasattr(self._env, "get") else None
 
     def store_host_stream(self, stream_id: str, value: Any) -> None:
         """Make ``value`` readable as ``stream_id`` (an anchor) unless a tensor has that name."""
-        if stream_id not in self.env:
-            self.env[stream_id] = value
+        if stream_id not in self._env:
+            self._env[stream_id] = value
 
     def remote_buffers(self) -> dict:
         """Remote buffer id -> [(offset, value)] stores of this graph execution."""
-        return self.state.remote_buffers
+        return self._state.remote_buffers
 
     def check(self, failed: Any, message: str, **values: Any) -> None:
         """Fail the run with ``message`` (naming this node; each ``{name}`` replaced by
@@ -219,10 +209,10 @@ class NodeCtx:
             if bool(np.asarray(failed)):
                 raise ModelError(check.text(np.asarray(v) for v in values.values()))
             return
-        self.state.registry.append(check)
+        self._state.registry.append(check)
         vals = [jnp.asarray(v).astype(jnp.int64).reshape(()) for v in values.values()]
         self.check_record(jnp.stack([jnp.asarray(failed).astype(jnp.int64).reshape(()),
-                                     jnp.int64(len(self.state.registry) - 1), *vals]
+                                     jnp.int64(len(self._state.registry) - 1), *vals]
                                     + [jnp.int64(0)] * (RECORD - 2 - len(vals))))
 
 
@@ -325,7 +315,7 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
     """Run one node's lowering; returns its output values (None for absent optional outputs)."""
     version = graph.opsets.get(node.domain, 1)
     opdef = registry.lookup(node.domain, node.op_type, version)
-    attrs = dict(registry.attribute_defaults(node.op_type, version)) if node.domain == ONNX_DOMAIN else {}
+    attrs = registry.node_attribute_defaults(node, version)
     attrs.update(node.attrs)
     try:
         inputs = [env[i] if i else None for i in node.inputs]
@@ -387,5 +377,58 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
             if tid:
                 if tid in state.probes and val is not None:
                     val = val + state.probes[tid]
+                if state.saved is not None and tid in state.saved and isinstance(val, jax.core.Tracer):
+                    val = checkpoint_name(val, SAVED_NAME)   # kept for the backward pass
                 local[tid] = val
     return local
+
+
+@dataclass
+class Trace:
+    """What tracing a graph once gives a front-end: every tensor's value (``env``) and the
+    trace's records (``state``, engine-private)."""
+    env: dict
+    _state: TraceState
+
+    @property
+    def assignments(self) -> dict:
+        """Variable id -> new value (``ctx.assign``: BatchNormalization statistics, ...)."""
+        return self._state.assignments
+
+    @property
+    def checks(self) -> list:
+        """The run-time checks of the trace (RunCheck by id), for ``raise_failed_checks``."""
+        return self._state.registry
+
+    def used_rng(self) -> bool:
+        """Whether any op drew a random key."""
+        return self._state.used_rng()
+
+    def check_flags(self) -> Optional[jax.Array]:
+        """The record of the first failed run-time check (None: the trace has no checks)."""
+        return check_flags(self._state)
+
+
+def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: bool = False,
+          weights: Optional[Mapping[str, Any]] = None, replica_axis: Optional[str] = None,
+          replication_factor: int = 1, options: Any = None, platform: Optional[str] = None,
+          probes: Optional[Mapping[str, Any]] = None,
+          saved: Optional[frozenset] = None) -> Trace:
+    """Trace ``graph`` once on ``feeds`` (and ``weights``, which override initializers):
+    the engine's one entry for front-ends. ``key`` is the base PRNG key (default key(0));
+    ``replica_axis`` the vmap / shard_map axis replicas run under; ``probes`` zero tensors
+    added to intermediate tensors whose gradients a session anchors; ``saved`` the tensors
+    a recomputing backward pass keeps (named for ``jax.checkpoint``'s policy)."""
+    state = TraceState(training=training, rng_key=key, replica_axis=replica_axis,
+                       replication_factor=replication_factor, options=options,
+                       probes=probes or {}, platform=platform or jax.default_backend(),
+                       saved=saved)
+    return Trace(execute(graph, feeds, state, weights=weights), state)
+
+
+def trace_node(node: Node, graph: Graph, env: Mapping[str, Any], *,
+               replica_axis: Optional[str] = None, replication_factor: int = 1) -> list:
+    """One node's output values on ``env`` (for front-ends that infer shapes op by op)."""
+    state = TraceState(rng_key=jax.random.key(0), replica_axis=replica_axis,
+                       replication_factor=replication_factor)
+    return lower_node(node, graph, env, state)

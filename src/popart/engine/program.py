@@ -9,29 +9,34 @@ the host moves only the step's inputs and anchors.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import jax
-import jax.export  # noqa: F401  (jax < 0.7 does not import it with jax)
 import jax.numpy as jnp
 import numpy as np
 
-from .. import distributed
 from ..dataflow import AnchorReturnTypeId
-from ..errors import ModelError, OutOfMemoryException, popart_exception, popart_runtime_error
+from ..errors import ModelError, popart_exception
+from ..logging import getLogger
+from ..ir import recompute
 from ..ir.graph import Graph
 from ..tensorinfo import TensorInfo
-from .lower import CHECKS, TraceState, check_flags, execute, first_failure, raise_failed_checks
+from . import als as _als
+from .compiled import REPLICA_AXIS, CompiledStep, Placement, arg_specs
+from .executable import EngineCache, compile_step
+from .lower import CHECKS, Trace, first_failure, raise_failed_checks, trace
 
 GRAD_PREFIX = "Gradient___"
-ALS_SCALE = "lossScaling_FLOAT"          # the automatic loss scale (optimizer state, anchorable)
-ALS_STEP = "lossScaling_updateCounter"
-FP16_MAX = 65504.0
-REPLICA_AXIS = "replica"
+_logger = getLogger("session")
+# Automatic loss scaling (engine/als.py): the state and the anchorable tensors, PopART's names.
+ALS_FACTOR = _als.FACTOR                 # lossScaleUpdateFactor (optimizer state, anchorable)
+ALS_COUNTER = _als.COUNTER               # the updatePeriod counter (state, updatePeriod > 1)
+ALS_FINAL = _als.FINAL                   # finalLossScale: the loss scale each batch runs with
+# Backends whose XLA compiler keeps jax.checkpoint's rematerialisation (optimisation barriers).
+REMAT_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+FEED_REPLICA_DIM = 2   # a step's inputs are [batches_per_step, accumulation, replicas, ...]
 
 
 @dataclass
@@ -47,22 +52,8 @@ class StepConfig:
     mean_reduction: bool = False                    # accumulation/replication reduction is Mean
     running_mean: bool = False                      # MeanReductionStrategy.Running
     als: Any = None                                 # AutomaticLossScalingSettings when enabled
+                                                    # (also in inference, which PopART rejects)
     options: Any = None
-
-
-@contextlib.contextmanager
-def xla_errors(what: str) -> Iterator[None]:
-    """XLA's own errors (out of memory, ...) as popart errors."""
-    try:
-        yield
-    except Exception as e:
-        if isinstance(e, popart_exception) or not (
-                isinstance(e, MemoryError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")):
-            raise
-        msg = " ".join(str(e).split())[:800]
-        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in msg:
-            raise OutOfMemoryException(f"{what}: out of memory ({msg})") from None
-        raise popart_runtime_error(f"{what}: {msg}") from None
 
 
 def split_variables(graph: Graph) -> tuple[dict, dict]:
@@ -100,27 +91,28 @@ class StepProgram:
 
     def __init__(self, graph: Graph, cfg: StepConfig, input_infos: Mapping[str, TensorInfo],
                  device: Any = None):
-        self.graph, self.cfg, self.input_infos, self.device = graph, cfg, dict(input_infos), device
+        self.graph, self.cfg, self.input_infos = graph, cfg, dict(input_infos)
+        self.placement = Placement(cfg.replication_factor, device)
         self.variables, self.constants = split_variables(graph)
         self.graph_consts = Graph(**{**graph.__dict__, "initializers": self.constants})
         self.trainable: list[str] = []
         self.assigned: list[str] = []
         self.anchor_ids = list(cfg.anchors)
-        self.compiled = None
+        self.step: Optional[CompiledStep] = None
         self._opt_state: Optional[dict] = None
         self.uses_rng = True
-        self.compile_seconds = 0.0
+        self.als: Optional[_als.AlsPlan] = None   # automatic loss scaling (plan() makes it)
+        self.als_anchors: set = set()             # anchors the ALS step computes
+        self.saved: Optional[frozenset] = None    # recomputation: what the backward pass keeps
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
 
     # ------------------------------------------------------------------ tracing helpers
-    def _trace(self, weights, feeds, key, probes=None, training=False):
+    def _trace(self, weights, feeds, key, probes=None, training=False, saved=None) -> Trace:
         axis = REPLICA_AXIS if self.cfg.replication_factor > 1 else None
-        state = TraceState(training=training, rng_key=key, replica_axis=axis,
-                           replication_factor=self.cfg.replication_factor,
-                           options=self.cfg.options, probes=probes or {},
-                           platform=self._platform())
-        env = execute(self.graph_consts, feeds, state, weights=weights)
-        return env, state
+        return trace(self.graph_consts, feeds, key=key, training=training, weights=weights,
+                     replica_axis=axis, replication_factor=self.cfg.replication_factor,
+                     options=self.cfg.options, probes=probes, platform=self.placement.platform,
+                     saved=saved)
 
     @staticmethod
     def _value(env, tid):
@@ -129,19 +121,27 @@ class StepProgram:
     def plan(self) -> None:
         """Decide trainable variables and gradient anchors (abstract trace, no compile)."""
         cfg = self.cfg
+        if cfg.als is not None:   # PopART's checks before it looks at gradients
+            cfg.als = _als.snapshot(cfg.als)   # the settings this program compiles with
+            _als.check_settings(cfg.als, cfg.training, cfg.optimizer, cfg.options, self.graph)
         specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype()) for k, i in self.input_infos.items()}
         wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
         out = {}
 
         def probe(weights, feeds):
-            env, state = self._trace(weights, feeds, jax.random.key(0), training=cfg.training)
+            t = self._trace(weights, feeds, jax.random.key(0), training=cfg.training)
+            env = t.env
             out["ids"] = set(env)
-            out["assigned"] = list(state.assignments)
-            out["checks"] = list(state.registry)
+            out["assigned"] = list(t.assignments)
+            out["checks"] = list(t.checks)
             out["dtypes"] = {o: getattr(env.get(o), "dtype", None) for o in self.graph.outputs}
-            out["rng"] = state.used_rng()
+            out["rng"] = t.used_rng()
             out["act"] = sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
                              for v in env.values() if isinstance(v, jax.core.Tracer))
+            if cfg.training:   # every tensor's type: tracked gradients (ALS), recomputation
+                out["specs"] = {k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
+                                for k, v in env.items()
+                                if isinstance(v, (jax.Array, np.ndarray, jax.core.Tracer))}
             if cfg.training:
                 if cfg.loss not in env:
                     raise popart_exception(f"The loss tensor '{cfg.loss}' is not a tensor of the model")
@@ -153,7 +153,14 @@ class StepProgram:
                     shapes[a] = jax.ShapeDtypeStruct(jnp.shape(env[base]), jnp.result_type(env[base]))
             return shapes
 
-        self.anchor_specs = jax.eval_shape(probe, wspecs, specs)
+        R = cfg.replication_factor
+        if R > 1:   # under the replica axis, which collectives name
+            rspecs = {k: jax.ShapeDtypeStruct((R,) + s.shape, s.dtype) for k, s in specs.items()}
+            per_replica = jax.eval_shape(jax.vmap(probe, in_axes=(None, 0), axis_name=REPLICA_AXIS,
+                                                  axis_size=R), wspecs, rspecs)
+            self.anchor_specs = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in per_replica.items()}
+        else:
+            self.anchor_specs = jax.eval_shape(probe, wspecs, specs)
         self.assigned = out["assigned"]
         self.run_checks = out["checks"]
         for o, dtype in out["dtypes"].items():   # ONNX Runtime rejects these models too
@@ -169,16 +176,37 @@ class StepProgram:
                                        f"reduction, but its shape is {list(out['loss_shape'])}; "
                                        f"use a loss op with reduction Sum or Mean")
             self.trainable = [k for k in self.variables if k not in self.assigned]
+            nbytes = {k: int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for k, v in out["specs"].items()}
+            method = recompute.method_name(getattr(cfg.options, "autoRecomputation", None))
+            saved = recompute.checkpoint_ids(self.graph, cfg.loss, method, nbytes)
+            if saved is not None and self.placement.platform not in REMAT_PLATFORMS:
+                _logger.info(f"Recomputation ({method} and recomputeOutput annotations) is not "
+                             f"applied on {self.placement.platform}: XLA's CPU compiler removes "
+                             f"rematerialisation barriers and merges the recomputed values "
+                             f"back, so it would only cost time")
+                saved = None
+            self.saved = None if saved is None else frozenset(saved)
+            if cfg.als is not None:
+                self._plan_als(out["specs"])
         opt_ids = set(self.opt_state_ids())
         for a in self.anchor_ids:
             if a in self.anchor_specs or a in opt_ids:
                 continue
-            base = a[len(GRAD_PREFIX):] if a.startswith(GRAD_PREFIX) else a
             if a.startswith(GRAD_PREFIX) and not cfg.training:
                 raise popart_exception(f"Anchor '{a}' is a gradient, which exists only in a TrainingSession")
             raise popart_exception(f"Anchor '{a}' names no tensor of the model (it has "
                                    f"{len(out['ids'])} tensors, e.g. "
                                    f"{', '.join(sorted(out['ids'])[:8])})")
+
+    def _plan_als(self, specs: dict) -> None:
+        """Automatic loss scaling: the tracked gradients (``als.tracked_tensors``), PopART's
+        errors once they are known, and the ALS tensors the anchors name."""
+        cfg = self.cfg
+        self.als = _als.plan(cfg.als, self.graph, cfg.loss, list(self.variables), self.trainable,
+                             specs, cfg.accumulation_factor, cfg.replication_factor)
+        self.als_anchors = {a for a in self.anchor_ids if a in self.als.anchors}
+        self.anchor_specs = {**self.anchor_specs,
+                             **{a: self.als.anchors[a] for a in self.als_anchors}}
 
     # ------------------------------------------------------------------ optimizer state
     def init_opt_state(self) -> dict:
@@ -189,9 +217,12 @@ class StepProgram:
             if self.cfg.training:
                 for w in self.trainable:
                     state.update(self.cfg.optimizer.init_state(w, self.variables[w]))
-                if self.cfg.als is not None:
-                    state[ALS_SCALE] = np.float32(self.cfg.optimizer.loss_scaling().val())
-                    state[ALS_STEP] = np.int32(0)
+                if self.als is not None:
+                    state.update(self.als.init_state())
+                # State saved in the model (modelToHost writes it as initializers of the same
+                # names) is where training resumes, as PopART's optimizer patterns read it.
+                state.update({k: np.asarray(v, np.asarray(state[k]).dtype)
+                              for k, v in self.constants.items() if k in state})
             self._opt_state = {k: np.asarray(v) for k, v in state.items()}
         return self._opt_state
 
@@ -202,46 +233,57 @@ class StepProgram:
     def _micro_fn(self):
         """(weights, feeds_per_replica, key) -> (anchor values, grads, assignments)."""
         cfg = self.cfg
-        grad_ids = [a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)]
-        fwd_ids = [a for a in self.anchor_ids if a in self.anchor_specs and not a.startswith(GRAD_PREFIX)]
+        grad_ids = [a[len(GRAD_PREFIX):] for a in self.anchor_ids
+                    if a.startswith(GRAD_PREFIX) and a not in self.als_anchors]
+        fwd_ids = [a for a in self.anchor_ids if a in self.anchor_specs
+                   and not a.startswith(GRAD_PREFIX) and a not in self.als_anchors]
 
         if not cfg.training:
             def micro(weights, feeds, key, hyper):
-                env, state = self._trace(weights, feeds, key)
-                return self._with_checks({a: self._value(env, a) for a in fwd_ids}, state), {}, {}
+                t = self._trace(weights, feeds, key)
+                return self._with_checks({a: self._value(t.env, a) for a in fwd_ids}, t), {}, {}
             return micro
 
         trainable = self.trainable
         probe_ids = [g for g in grad_ids if g not in trainable]
+        tracked = self.als.tracked if self.als is not None else []   # ALS: gradients of these
+        probe_specs = {**{p: self.anchor_specs[GRAD_PREFIX + p] for p in probe_ids},
+                       **{t: self.als.specs[t] for t in tracked if t not in trainable}}
 
         def micro(weights, feeds, key, hyper):
             train_w = {k: weights[k] for k in trainable}
             other_w = {k: v for k, v in weights.items() if k not in train_w}
-            probe_shapes = {p: self.anchor_specs[GRAD_PREFIX + p] for p in probe_ids}
+            probe_shapes = probe_specs
             probes0 = {p: jnp.zeros(s.shape, s.dtype) for p, s in probe_shapes.items()}
 
             def loss_fn(tw, probes):
-                env, state = self._trace({**other_w, **tw}, feeds, key, probes, training=True)
-                loss = env[cfg.loss]
-                ls = hyper["__als"] if "__als" in hyper else self._hyper(hyper, "lossScaling")
+                t = self._trace({**other_w, **tw}, feeds, key, probes, training=True, saved=self.saved)
+                loss = t.env[cfg.loss]
+                ls = self._hyper(hyper, "lossScaling")   # with ALS: finalLossScale
                 scaled = loss * jnp.asarray(ls, loss.dtype)
-                vals = self._with_checks({a: self._value(env, a) for a in fwd_ids}, state)
-                return scaled, (vals, dict(state.assignments))
+                vals = self._with_checks({a: self._value(t.env, a) for a in fwd_ids}, t)
+                return scaled, (vals, dict(t.assignments))
 
+            if self.saved is not None:   # recomputation: keep only the checkpoints' outputs
+                loss_fn = jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.save_only_these_names(
+                    recompute.SAVED_NAME))
             (_, (vals, assigns)), (gw, gp) = jax.value_and_grad(
                 loss_fn, argnums=(0, 1), has_aux=True)(train_w, probes0)
             for g in grad_ids:
                 vals[GRAD_PREFIX + g] = gw[g] if g in gw else gp[g]
+            if tracked:   # ALS: the Histogram of every tracked gradient of this micro-batch
+                vals[_als.STATS] = self.als.histograms(
+                    [gw[t] if t in gw else gp[t] for t in tracked], hyper[_als.UPDATE])
             return vals, gw, assigns
         return micro
 
-    def _with_checks(self, vals: dict, state: TraceState) -> dict:
+    def _with_checks(self, vals: dict, t: Trace) -> dict:
         """The anchor values of a micro-batch and, under ``CHECKS``, the record of its
         first failed run-time check (of the checks plan() found)."""
-        if state.registry != self.run_checks:
+        if t.checks != self.run_checks:
             raise popart_exception("Internal error: the step's run-time checks differ from the "
                                    "planned ones")
-        flags = check_flags(state)
+        flags = t.check_flags()
         return vals if flags is None else {**vals, CHECKS: flags}
 
     def raise_failed_checks(self, anchors: dict) -> None:
@@ -251,24 +293,43 @@ class StepProgram:
         if flags is not None:
             raise_failed_checks(self.to_host(flags), self.run_checks)
 
-    def _auto_loss_scale(self, grads: dict, opt_state: dict, hyper: dict) -> tuple[dict, dict]:
-        """Automatic loss scaling: gradients were computed with the dynamic scale; rescale them
-        to the optimizer's static scale, then every ``updatePeriod`` batches halve the scale if
-        more than ``thresholdUpperCountProportion`` of the gradient values lie above
-        ``binEdgeLocation`` * max(float16) (or are not finite), else double it."""
-        als = self.cfg.als
-        scale = opt_state[ALS_SCALE]
-        static = jnp.asarray(self._hyper(hyper, "lossScaling"), jnp.float32)
-        flat = [jnp.abs(g.astype(jnp.float32)).ravel() for g in grads.values()]
-        total = sum(f.size for f in flat)
-        upper = sum(jnp.sum((f > als.binEdgeLocation * FP16_MAX) | ~jnp.isfinite(f)) for f in flat)
-        too_big = upper.astype(jnp.float32) / max(total, 1) > als.thresholdUpperCountProportion
-        step = opt_state[ALS_STEP] + 1
-        update = step % max(int(als.updatePeriod), 1) == 0
-        new_scale = jnp.where(update, jnp.where(too_big, scale / 2, scale * 2), scale)
-        new_scale = jnp.clip(new_scale, 2.0 ** -14, 2.0 ** 24)
-        grads = {k: g * (static / scale).astype(g.dtype) for k, g in grads.items()}
-        return grads, {**opt_state, ALS_SCALE: new_scale.astype(jnp.float32), ALS_STEP: step}
+    def _als_micro(self, vals: dict, stats_acc: Any) -> tuple[Any, dict]:
+        """Automatic loss scaling in a micro-batch (all replicas): take the tracked gradients'
+        histograms [R, tracked, 2] out of ``vals``, add their sum (cast to float32) to the
+        batch's statistics accumulator [R, 2] and give the statistics anchors of this
+        micro-batch (each [R, ...])."""
+        stats = vals.pop(_als.STATS)
+        summed = jnp.sum(stats, axis=1, dtype=jnp.uint32)               # summedHistograms
+        casted = summed.astype(jnp.float32)                             # summedCastedHistograms
+        stats_acc = stats_acc + casted                                  # Accum___autoLossScaleStats
+        R = self.cfg.replication_factor
+        per_micro = {_als.SUMMED: summed, _als.CASTED: casted, _als.ACCUM: stats_acc}
+        if self.cfg.accumulation_factor == 1:   # the all-reduce runs every micro-batch
+            per_micro[_als.REDUCED] = jnp.broadcast_to(jnp.sum(casted, axis=0), (R, 2))
+        for k, t in enumerate(self.als.tracked):
+            per_micro[self.als.stats_anchor(t)] = stats[:, k]
+        vals.update({a: v for a, v in per_micro.items() if a in self.als_anchors})
+        return stats_acc, vals
+
+    def _auto_loss_scale(self, stats_acc: Any, opt_state: dict, on: Any) -> dict:
+        """Automatic loss scaling after a batch's micro-batches: the statistics summed over
+        the replicas (the ReplicatedAllReduce) drive ``LossScaleUpdateOpx`` on the factor
+        (``als.AlsPlan.update``); returns the optimizer state with the new factor."""
+        total = jnp.sum(stats_acc, axis=0)
+        new = self.als.update(opt_state[ALS_FACTOR], total, on)
+        return {**opt_state, ALS_FACTOR: new}
+
+    def _als_batch_anchors(self, vals: dict, stats_acc: Any, final: Any, static: Any) -> None:
+        """The per-batch ALS anchors, broadcast over the batch's [A, R]: ``finalLossScale``,
+        the optimizer's loss scaling (``lossScaling_FLOAT16`` / ``_FLOAT``) and, with
+        accumulation and replication, the all-reduced accumulated statistics."""
+        A, R = self.cfg.accumulation_factor, self.cfg.replication_factor
+        per_batch = {ALS_FINAL: final, self.als.loss_scaling_id: static}
+        if A > 1:
+            per_batch[_als.REDUCED] = jnp.sum(stats_acc, axis=0)
+        for a, v in per_batch.items():
+            if a in self.als_anchors and a not in vals:
+                vals[a] = jnp.broadcast_to(v, (A, R) + jnp.shape(v))
 
     def _hyper(self, hyper, name):
         if name in hyper:
@@ -283,44 +344,10 @@ class StepProgram:
         return jax.random.wrap_key_data(jnp.broadcast_to(jax.random.key_data(key),
                                                          (n,) + jax.random.key_data(key).shape))
 
-    def replica_devices(self) -> list:
-        """Distinct jax devices for the replicas, or [] to run them side by side. In a
-        distributed job, each process's replicas are its first local devices."""
-        R = self.cfg.replication_factor
-        n = distributed.process_count()
-        if n > 1:
-            local = R // n
-            devs = [d for p in range(n) for d in [d for d in jax.devices() if d.process_index == p][:local]]
-            if len(devs) != R:
-                raise popart_exception(f"Global replication needs {local} device(s) in each of "
-                                       f"the {n} processes; some process has fewer")
-            return devs
-        devs = list(getattr(self.device, "jax_devices", None) or [])
-        if R > 1 and len(set(devs)) >= R:
-            return devs[:R]
-        return []
-
     def _replicated(self, micro):
-        """Run ``micro`` for every replica: one replica per device (shard_map over a mesh
-        axis) when the session's device has enough distinct devices, else side by side (vmap
-        with the same axis name); collectives work over the axis either way. With one replica,
-        directly (no extra dimension for XLA to carry)."""
-        if self.replica_devices():
-            mesh = jax.sharding.Mesh(np.array(self.replica_devices()), (REPLICA_AXIS,))
-            P = jax.sharding.PartitionSpec
-
-            def per_device(weights, feeds, keys, hyper):   # feeds / keys: this replica's [1, ...]
-                out = micro(weights, jax.tree_util.tree_map(lambda a: a[0], feeds), keys[0], hyper)
-                return jax.tree_util.tree_map(lambda a: a[None], out)
-            return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(REPLICA_AXIS), P(REPLICA_AXIS), P()),
-                                 out_specs=P(REPLICA_AXIS), check_vma=False)
-        if self.cfg.replication_factor > 1:
-            return jax.vmap(micro, in_axes=(None, 0, 0, None), axis_name=REPLICA_AXIS)
-
-        def single(weights, feeds, keys, hyper):
-            out = micro(weights, jax.tree_util.tree_map(lambda a: a[0], feeds), keys[0], hyper)
-            return jax.tree_util.tree_map(lambda a: a[None], out)
-        return single
+        """``micro`` for every replica (weights and hyper-parameters shared, feeds and keys
+        per replica): see :meth:`Placement.replicate`."""
+        return self.placement.replicate(micro, in_axes=(None, 0, 0, None))
 
     def _inference_step_fn(self):
         """Inference has no state between micro-batches, so they are vectorised: chunks of
@@ -347,16 +374,13 @@ class StepProgram:
 
         return step
 
-    def _platform(self) -> str:
-        return next(iter(self._shardings()[0].device_set)).platform
-
     def _vector_budget(self) -> int:
         """Activation bytes a vectorised chunk may hold. XLA's CPU convolutions run slower on
         wider batches (cache), so conv nets on the CPU run micro-batch by micro-batch; matmul
         models gain from wider batches everywhere. POPART_VECTOR_BYTES overrides."""
         if "POPART_VECTOR_BYTES" in os.environ:
             return int(os.environ["POPART_VECTOR_BYTES"])
-        on_cpu = self._platform() == "cpu"
+        on_cpu = self.placement.platform == "cpu"
         convs = any(n.op_type in ("Conv", "ConvTranspose", "MultiConv") for n in self.graph.nodes)
         return 1 if on_cpu and convs else 1 << 26
 
@@ -382,28 +406,35 @@ class StepProgram:
                 weights, opt_state = carry
                 feeds, bkey = xs                                          # feeds: [A, R, ...]
 
+                h = hyper
+                if self.als is not None:   # ALS: this batch's counter and finalLossScale
+                    opt_state, h, final, static = self.als.begin(opt_state, hyper)
+
                 def micro_batch(acc, xa):
-                    grads_acc, count, w_assign = acc
+                    grads_acc, count, w_assign, stats_acc = acc
                     f, akey = xa                                          # f: [R, ...]
-                    h = {**hyper, "__als": opt_state[ALS_SCALE]} if cfg.als is not None else hyper
                     vals, grads, assigns = replicas(weights, f, self._split(akey, R), h)
+                    if self.als is not None:
+                        stats_acc, vals = self._als_micro(vals, stats_acc)
                     if cfg.training:
                         grads_acc = accumulate(grads_acc, count, grads)
                         w_assign = {k: jnp.mean(v, axis=0).astype(weights[k].dtype)
                                     for k, v in assigns.items() if k in weights}
-                    return (grads_acc, count + 1.0, w_assign), vals
+                    return (grads_acc, count + 1.0, w_assign, stats_acc), vals
 
                 zeros = {k: jnp.zeros_like(weights[k]) for k in self.trainable}
                 assign0 = {k: weights[k] for k in self.assigned if k in weights and cfg.training}
-                (grads, _, w_assign), vals = _scan(
-                    micro_batch, (zeros, 0.0, assign0), (feeds, self._split(bkey, A)))
+                stats0 = jnp.zeros((R, 2), jnp.float32) if self.als is not None else None
+                (grads, _, w_assign, stats_acc), vals = _scan(
+                    micro_batch, (zeros, 0.0, assign0, stats0), (feeds, self._split(bkey, A)))
                 if cfg.training:
                     if cfg.mean_reduction and not cfg.running_mean:
                         grads = {k: v / (A * R) for k, v in grads.items()}
-                    if cfg.als is not None:
-                        grads, opt_state = self._auto_loss_scale(grads, opt_state, hyper)
+                    if self.als is not None:   # the update uses the batch's finalLossScale
+                        self._als_batch_anchors(vals, stats_acc, final, static)
+                        opt_state = self._auto_loss_scale(stats_acc, opt_state, h[_als.UPDATE])
                     new_w, new_state = cfg.optimizer.apply(
-                        {k: weights[k] for k in self.trainable}, grads, opt_state, hyper)
+                        {k: weights[k] for k in self.trainable}, grads, opt_state, h)
                     opt_state = {**opt_state, **new_state}
                     weights = {**weights, **w_assign, **new_w}
                     for a in anchor_opt:   # optimizer state after this batch's update
@@ -437,86 +468,54 @@ class StepProgram:
                 out[a] = jnp.sum(v, axis=(0, 1))
         return out
 
-    # ------------------------------------------------------------------ placement
-    def _shardings(self):
-        """(state sharding, feeds sharding): replicated / split along the replica axis over
-        the replicas' devices, or the session's one device."""
-        devs = self.replica_devices()
-        if devs:
-            mesh = jax.sharding.Mesh(np.array(devs), (REPLICA_AXIS,))
-            P = jax.sharding.PartitionSpec
-            return (jax.sharding.NamedSharding(mesh, P()),
-                    jax.sharding.NamedSharding(mesh, P(None, None, REPLICA_AXIS)))
-        dev = (getattr(self.device, "jax_devices", None) or jax.local_devices())[0]
-        one = jax.sharding.SingleDeviceSharding(dev)
-        return one, one
-
+    # ------------------------------------------------------------------ placement, compile, run
     def put(self, tree: Any) -> Any:
-        """Place weights / optimizer state / the RNG key on the device(s)."""
-        return self._place(tree, self._shardings()[0])
+        """Place weights / optimizer state / the RNG key on the replicas' device(s)."""
+        return self.placement.put(tree)
 
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
         """Move a step's inputs to the device(s): one transfer per input. In a distributed
         job each process gives its local replicas' data ([B, A, R_local, ...])."""
-        return self._place(dict(feeds), self._shardings()[1])
+        return self.placement.put(dict(feeds), FEED_REPLICA_DIM)
 
-    @staticmethod
-    def _place(tree: Any, sharding: Any) -> Any:
-        if distributed.process_count() > 1:
-            return jax.tree_util.tree_map(
-                lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
-        return jax.device_put(tree, sharding)
+    to_host = staticmethod(Placement.to_host)
 
-    @staticmethod
-    def to_host(x: Any) -> np.ndarray:
-        """A program output as a NumPy array (outputs are replicated on every process). The
-        run's own errors surface here (XLA runs asynchronously)."""
-        with xla_errors("Running the step"):
-            if getattr(x, "is_fully_addressable", True):
-                return np.asarray(x)
-            return np.asarray(x.addressable_data(0))
+    @property
+    def compiled(self) -> Any:
+        """The compiled executable (None before :meth:`compile`)."""
+        return None if self.step is None else self.step.compiled
 
-    # ------------------------------------------------------------------ compile and run
-    def _jit(self, fn):
-        state_s, feed_s = self._shardings()
-        return jax.jit(fn, donate_argnums=(0, 1, 2),
-                       in_shardings=(state_s, state_s, state_s, feed_s, state_s),
-                       out_shardings=(state_s, state_s, state_s, state_s))
+    @property
+    def compile_seconds(self) -> float:
+        return 0.0 if self.step is None else self.step.compile_seconds
+
+    def _compiled_step(self) -> CompiledStep:
+        state = self.placement.sharding()
+        return CompiledStep(self._step_fn(), donate_argnums=(0, 1, 2),
+                            in_shardings=(state, state, state, self.placement.sharding(FEED_REPLICA_DIM), state),
+                            out_shardings=(state, state, state, state))
 
     def _arg_specs(self, weights, opt_state, key, hyper) -> tuple:
         cfg = self.cfg
         feed_specs = {k: jax.ShapeDtypeStruct((cfg.batches_per_step, cfg.accumulation_factor,
                                                cfg.replication_factor, *i.shape()), i.np_dtype())
                       for k, i in self.input_infos.items()}
-        spec = lambda tree: jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
-        return spec(dict(weights)), spec(dict(opt_state)), spec(key), feed_specs, spec(dict(hyper))
+        return arg_specs(dict(weights)), arg_specs(dict(opt_state)), arg_specs(key), feed_specs, arg_specs(dict(hyper))
 
     def compile(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
-                hyper: Mapping[str, Any], exported: Optional[bytes] = None) -> None:
-        """Ahead-of-time compile the step for these argument shapes, from the IR or from a
-        serialized executable (``exported``, see :meth:`export`)."""
-        self._specs = self._arg_specs(weights, opt_state, key, hyper)
-        t0 = time.perf_counter()
-        if exported is None:
-            self._jitted = self._jit(self._step_fn())
-        else:
-            self._jitted = self._jit(jax.export.deserialize(bytearray(exported)).call)
-        with xla_errors("Compiling the step"):
-            self.compiled = self._jitted.lower(*self._specs).compile()
-        self.compile_seconds = time.perf_counter() - t0
+                hyper: Mapping[str, Any], exported: Optional[bytes] = None,
+                cache: Optional[EngineCache] = None) -> str:
+        """Ahead-of-time compile the step for these argument shapes, from a serialized
+        executable (``exported``, see :meth:`export`), through the engine ``cache``, or from
+        the IR; returns where the program came from (``executable.compile_step``)."""
+        step = self._compiled_step()
+        source = compile_step(step, self._arg_specs(weights, opt_state, key, hyper), cache, exported)
+        self.step = step
+        return source
 
     def export(self) -> bytes:
         """The compiled step as a serialized StableHLO module (``jax.export``)."""
-        return bytes(jax.export.export(self._jitted)(*self._specs).serialize())
-
-    def export_step(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
-                    hyper: Mapping[str, Any]) -> bytes:
-        """The step traced and serialized as :meth:`export` does, without compiling it (for
-        ``compile(exported=...)``: the engine cache compiles the module it stores)."""
-        specs = self._arg_specs(weights, opt_state, key, hyper)
-        return bytes(jax.export.export(self._jit(self._step_fn()))(*specs).serialize())
+        return self.step.export()
 
     def run(self, weights, opt_state, key, feeds, hyper):
-        with xla_errors("Running the step"):
-            return self.compiled(weights, opt_state, key, self.put_feeds(feeds), self.put(hyper))
+        return self.step(weights, opt_state, key, self.put_feeds(feeds), self.put(hyper))

@@ -12,7 +12,8 @@ from ..ir.graph import Graph
 from ..ir.onnx_import import ModelLike, import_model
 from ..tensorinfo import TensorInfo, to_datatype
 from . import in_x64
-from .lower import TraceState, check_flags, execute, raise_failed_checks
+from .compiled import graph_function
+from .lower import trace
 
 
 def input_specs(graph: Graph, overrides: Optional[Mapping[str, TensorInfo]] = None) -> dict:
@@ -42,7 +43,7 @@ def infer_graph(graph: Graph, ids: Optional[Iterable[str]] = None,
     wanted = list(ids) if ids is not None else graph.all_tensor_ids()
 
     def fn(feeds):
-        env = execute(graph, feeds, TraceState(rng_key=jax.random.key(0)))
+        env = trace(graph, feeds).env
         return {k: env[k] for k in wanted if k in env and env[k] is not None}
 
     out = jax.eval_shape(fn, specs)
@@ -63,15 +64,6 @@ def run_model(model: Any, feeds: Mapping[str, np.ndarray], outputs: Optional[lis
     graph = model if isinstance(model, Graph) else import_model(model)[0]
     outputs = list(outputs or graph.outputs)
 
-    checks: list = []
-
-    @jax.jit
-    def fn(feeds, key):
-        state = TraceState(training=training, rng_key=key)
-        env = execute(graph, feeds, state)
-        checks[:] = state.registry
-        return {k: env[k] for k in outputs}, check_flags(state)
-
-    res, flags = fn({k: jnp.asarray(v) for k, v in feeds.items()}, jax.random.key(seed))
-    raise_failed_checks(flags, checks)
-    return {k: np.asarray(v) for k, v in res.items()}
+    run = graph_function(graph, outputs, training=training)
+    res = run({k: jnp.asarray(v) for k, v in feeds.items()}, jax.random.key(seed))
+    return {k: np.asarray(v) for k, v in zip(outputs, res)}

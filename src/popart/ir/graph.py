@@ -68,3 +68,55 @@ class Graph:
                 if i:
                     out.setdefault(i, []).append(n)
         return out
+
+
+def fingerprint(graph: Graph) -> str:
+    """A hash of everything about ``graph`` that shapes its compiled program: nodes (types,
+    tensors, attributes with nested graphs, annotations), inputs, outputs, declared types,
+    opsets and initializers (values of those compiled in as constants, shape and dtype of
+    the float ones that are program arguments). Equal graphs give equal hashes in every
+    process."""
+    import hashlib
+    h = hashlib.sha256()
+
+    def put(*parts: Any) -> None:
+        for p in parts:
+            h.update(repr(p).encode() if not isinstance(p, bytes) else p)
+            h.update(b"\0")
+
+    def value(v: Any) -> None:
+        if isinstance(v, Graph):
+            put("graph")
+            walk(v)
+        elif isinstance(v, np.ndarray):
+            put("array", v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes())
+        elif isinstance(v, (list, tuple)):
+            put("list", len(v))
+            for x in v:
+                value(x)
+        elif isinstance(v, dict):
+            put("dict", len(v))
+            for k in sorted(v, key=repr):
+                put(k)
+                value(v[k])
+        else:
+            put(type(v).__name__, v)
+
+    def walk(g: Graph) -> None:
+        put(g.name, g.inputs, g.outputs, sorted(g.opsets.items()), sorted(g.constants))
+        for tid in sorted(g.tensor_info):
+            info = g.tensor_info[tid]
+            put(tid, info.data_type(), info._shape)
+        for tid in sorted(g.initializers):
+            v = np.asarray(g.initializers[tid])
+            if np.issubdtype(v.dtype, np.floating) and tid not in g.constants:
+                put(tid, v.dtype.str, v.shape)
+            else:
+                value(v)
+        for n in g.nodes:
+            put(n.domain, n.op_type, n.inputs, n.outputs)
+            value(n.attrs)
+            value(n.annotations)
+
+    walk(graph)
+    return h.hexdigest()

@@ -5,6 +5,7 @@ import functools
 import heapq
 import math
 import os
+import weakref
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -12,7 +13,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import ModelError, UnsupportedOperatorError, popart_exception
-from ..fileio import read_exact
+from ..fileio import atomic_patch, is_own_file, note_own_file, read_exact
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, canonical_domain, decode_attr
 from ..tensorinfo import TensorInfo, to_datatype
 from .graph import Graph, Node
@@ -47,22 +48,108 @@ def load_model(model: ModelLike) -> tuple[onnx.ModelProto, Optional[str]]:
                      f"got {type(model).__name__}")
 
 
-def tensor_to_numpy(t: onnx.TensorProto, base_dir: Optional[str]) -> np.ndarray:
-    """An initializer's value; external data must stay inside the model's folder."""
-    if t.data_location == onnx.TensorProto.EXTERNAL:
-        info = {e.key: e.value for e in t.external_data}
-        loc = info.get("location", "")
-        if base_dir is None:
-            raise ModelError(f"Initializer '{t.name}' stores its data externally in '{loc}', "
-                             f"but the model was not loaded from a file, so there is no folder "
-                             f"to resolve it against")
-        full = os.path.realpath(os.path.join(base_dir, loc))
-        root = os.path.realpath(base_dir)
-        if os.path.isabs(loc) or os.path.commonpath([full, root]) != root:
-            raise ModelError(f"Initializer '{t.name}': external data location '{loc}' leaves "
-                             f"the model's folder '{base_dir}'")
-        if not os.path.isfile(full):
-            raise ModelError(f"Initializer '{t.name}': external data file '{full}' does not exist")
+# ------------------------------------------------------------------------------ external data
+# Where an initializer's external data is read from. PopART resolves a relative location
+# against the working directory; ONNX against the model file's folder. Here a relative
+# location is looked up in the model's folder (the working directory for a model given as
+# bytes or a ModelProto), then in the working directory. Whatever the location says, the
+# file read must be inside the model's folder, or a file this program wrote itself
+# (saveInitializersExternally, modelToHost, updateExternallySavedTensorLocations: see
+# fileio.note_own_file), or inside a folder the user lists in this environment variable:
+EXTERNAL_DATA_DIRS_ENV = "POPART_EXTERNAL_DATA_DIRS"
+
+# PopART's reservedOptimizerStatePrefixes (tensornames.cpp) and its accumulator prefix: an
+# initializer so named that no node reads is saved optimizer state (modelToHost writes the
+# state of a training session as such initializers), never a weight to train.
+OPTIMIZER_STATE_PREFIXES = ("Accl___", "Accl1___", "Accl2___", "Accl3___", "Step___",
+                            "AcclIntoReduce___", "AcclIntoUpdate___", "AcclOutOfAcclUpdate___",
+                            "Accum___")
+
+_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                "uint64_data", "string_data")
+
+# Dense size a sparse tensor may expand to (an ONNX model's own tensors stay under 2 GiB).
+SPARSE_DENSE_LIMIT = 1 << 31
+
+
+def is_external(t: onnx.TensorProto) -> bool:
+    return t.data_location == onnx.TensorProto.EXTERNAL
+
+
+def external_info(t: onnx.TensorProto) -> dict[str, str]:
+    """A tensor's ``external_data`` entries (location, offset, length, ...) as a dict."""
+    return {e.key: e.value for e in t.external_data}
+
+
+def _inside(path: str, folder: str) -> bool:
+    try:
+        return os.path.commonpath([path, folder]) == folder
+    except ValueError:   # different drives
+        return False
+
+
+def _allowed_dirs() -> list[str]:
+    dirs = os.environ.get(EXTERNAL_DATA_DIRS_ENV, "")
+    return [os.path.realpath(d) for d in dirs.split(os.pathsep) if d.strip()]
+
+
+def external_data_path(t: onnx.TensorProto, base_dir: Optional[str]) -> str:
+    """The file tensor ``t``'s external data is read from (see EXTERNAL_DATA_DIRS_ENV):
+    ``base_dir`` is the model file's folder, None for a model given in memory. A ModelError
+    when the location is missing, leaves the folder, or names no file."""
+    loc = external_info(t).get("location", "")
+    if not loc:
+        raise ModelError(f"No location information for externally stored tensor '{t.name}'")
+    if "\0" in loc:
+        raise ModelError(f"Externally stored tensor '{t.name}': location {loc!r} is not a path")
+    root = os.path.realpath(base_dir if base_dir is not None else os.getcwd())
+    cwd = os.getcwd()
+    if os.path.isabs(loc):
+        candidates = [loc]
+    else:
+        candidates = [os.path.join(root, loc)]
+        if os.path.realpath(cwd) != root:
+            candidates.append(os.path.join(cwd, loc))
+    extra = _allowed_dirs()
+    for c in candidates:
+        real = os.path.realpath(c)
+        if os.path.isfile(real) and (_inside(real, root) or is_own_file(real)
+                                     or any(_inside(real, d) for d in extra)):
+            return real
+    primary = os.path.realpath(candidates[0])
+    if not (_inside(primary, root) or any(_inside(primary, d) for d in extra)):
+        folder = (f"the model's folder '{root}'" if base_dir is not None else
+                  f"the model's folder '{root}' (the working directory: the model was not "
+                  f"loaded from a file)")
+        raise ModelError(
+            f"Initializer '{t.name}': external data location '{loc}' leaves {folder}: it "
+            f"resolves to '{primary}', which is neither inside that folder nor a file this "
+            f"program wrote. To allow reading external data from other folders, list them in "
+            f"the environment variable {EXTERNAL_DATA_DIRS_ENV} (separated by "
+            f"'{os.pathsep}')")
+    raise ModelError(f"Unrecognised file name '{loc}' for externally stored tensor "
+                     f"'{t.name}': '{primary}' does not exist or is not a regular file")
+
+
+# Per imported main graph (by id, dropped with the graph): location -> the file its external
+# data was read from, for the session's modelToHost to write back to.
+_SOURCES: dict[int, dict[str, str]] = {}
+
+
+def external_sources(graph: Graph) -> dict[str, str]:
+    """Location -> file, of the external data :func:`import_model` read for ``graph``."""
+    return dict(_SOURCES.get(id(graph), {}))
+
+
+def tensor_to_numpy(t: onnx.TensorProto, base_dir: Optional[str],
+                    sources: Optional[dict] = None) -> np.ndarray:
+    """A tensor's value; external data is read from :func:`external_data_path` (recorded
+    in ``sources``, location -> file, when given)."""
+    if is_external(t):
+        info = external_info(t)
+        full = external_data_path(t, base_dir)
+        if sources is not None:
+            sources[info["location"]] = full
         t = onnx.TensorProto.FromString(t.SerializeToString())
         t.raw_data = _read_external(t, full, info)
         t.data_location = onnx.TensorProto.DEFAULT
@@ -74,6 +161,142 @@ def tensor_to_numpy(t: onnx.TensorProto, base_dir: Optional[str]) -> np.ndarray:
     except Exception as e:   # data that does not fit the type and dims, an unknown type
         raise ModelError(f"Tensor '{t.name}' (data type {t.data_type}, dims {list(t.dims)}) "
                          f"cannot be read: {' '.join(str(e).split())}") from None
+
+
+def sparse_to_numpy(sp: onnx.SparseTensorProto, base_dir: Optional[str],
+                    sources: Optional[dict] = None) -> np.ndarray:
+    """A SparseTensorProto (sparse initializer, Constant ``sparse_value``) as a dense array:
+    zeros except ``values`` at ``indices`` (NNZ linear indices, or NNZ x rank coordinates)."""
+    name = sp.values.name or "sparse tensor"
+    dims = [int(d) for d in sp.dims]
+    if any(d < 0 for d in dims):
+        raise ModelError(f"Sparse tensor '{name}' has negative dims {dims}")
+    values = tensor_to_numpy(sp.values, base_dir, sources)
+    if values.ndim != 1:
+        raise ModelError(f"Sparse tensor '{name}': values must be 1-D, got shape {list(values.shape)}")
+    nnz, size = values.shape[0], math.prod(dims)
+    if size * values.dtype.itemsize > SPARSE_DENSE_LIMIT:
+        raise ModelError(f"Sparse tensor '{name}': its dense form {dims} would take more than "
+                         f"{SPARSE_DENSE_LIMIT} bytes")
+    indices = (tensor_to_numpy(sp.indices, base_dir, sources) if sp.HasField("indices")
+               else np.zeros((0,), np.int64))
+    if indices.dtype.kind not in "iu":
+        raise ModelError(f"Sparse tensor '{name}': indices must be integers, got {indices.dtype}")
+    if indices.shape == (nnz,) or (nnz == 0 and indices.size == 0):
+        flat = indices.astype(np.int64).reshape(-1)
+    elif indices.shape == (nnz, len(dims)):
+        coords = indices.astype(np.int64)
+        if ((coords < 0) | (coords >= np.array(dims, np.int64))).any():
+            raise ModelError(f"Sparse tensor '{name}': an index is outside its dims {dims}")
+        flat = np.ravel_multi_index(tuple(coords.T), dims) if dims else np.zeros(nnz, np.int64)
+    else:
+        raise ModelError(f"Sparse tensor '{name}': indices of shape {list(indices.shape)} "
+                         f"for {nnz} values of a rank-{len(dims)} tensor (expected [{nnz}] or "
+                         f"[{nnz}, {len(dims)}])")
+    if ((flat < 0) | (flat >= size)).any():
+        raise ModelError(f"Sparse tensor '{name}': an index is outside its {size} elements")
+    if np.unique(flat).size != flat.size:
+        raise ModelError(f"Sparse tensor '{name}': an index appears twice")
+    dense = (np.full(size, b"", dtype=object) if values.dtype == object
+             else np.zeros(size, values.dtype))
+    dense[flat] = values
+    return dense.reshape(dims)
+
+
+def raw_bytes(t: onnx.TensorProto, base_dir: Optional[str] = None) -> bytes:
+    """A tensor's data as ``raw_data`` and external files store it: little-endian, sub-byte
+    types packed."""
+    if t.HasField("raw_data") and not is_external(t):
+        return t.raw_data
+    return numpy_helper.from_array(tensor_to_numpy(t, base_dir)).raw_data
+
+
+def set_external(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make ``t`` refer to ``length`` bytes of ``location`` from ``offset`` (its data in the
+    model cleared), with PopART's entries: location, length, offset."""
+    for f in _DATA_FIELDS:
+        t.ClearField(f)
+    del t.external_data[:]
+    for key, value in (("location", location), ("length", str(length)), ("offset", str(offset))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    t.data_location = onnx.TensorProto.EXTERNAL
+
+
+def save_initializers_externally(graph: onnx.GraphProto, ids: list, filename: str,
+                                 base_dir: Optional[str] = None) -> None:
+    """PopART's saveInitializersExternally (onnxutil.cpp): the data of initializers ``ids``
+    of ``graph`` goes to ``filename`` (as given: relative to the working directory), one
+    after the other, written now; each then refers to it (location, length, offset).
+    Every check comes first, so an error leaves the model and the file as they were. When
+    other initializers of the model already keep their data in ``filename``, the new ones
+    are appended after them (PopART would overwrite theirs)."""
+    parent = os.path.dirname(filename)
+    if parent and not os.path.isdir(parent):
+        raise popart_exception(f"Saving tensor data to file {filename}, but its parent "
+                               f"directory does not exist ('{parent}' does not exist)")
+    inits = {t.name: t for t in graph.initializer}
+    chunks = []
+    for tid in ids:
+        t = inits.get(tid)
+        if t is None:
+            raise popart_exception(f"Tensor '{tid}' is not an initializer")
+        if is_external(t):
+            raise popart_exception(f"Tensor '{tid}' already has an external data_location")
+        if t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+            raise popart_exception(f"Tensor '{tid}' has no data to save externally: only "
+                                   f"fixed-size data can be saved externally")
+        data = raw_bytes(t, base_dir)
+        if not data:
+            raise popart_exception(f"Tensor '{tid}' has no data to save externally")
+        chunks.append((t, data))
+    target = os.path.realpath(filename)
+    sharing = [t for t in graph.initializer if t.name not in ids and is_external(t)
+               and os.path.realpath(external_info(t).get("location", "")) == target]
+    offset = os.path.getsize(filename) if sharing and os.path.isfile(filename) else 0
+    writes = []
+    for t, data in chunks:
+        writes.append((offset, data))
+        offset += len(data)
+    atomic_patch(filename, writes, base=filename if sharing and os.path.isfile(filename) else None)
+    note_own_file(filename)
+    for (t, data), (off, _) in zip(chunks, writes):
+        set_external(t, filename, off, len(data))
+
+
+def for_checker(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` for onnx.checker: its external tensors (whose locations PopART lets be
+    absolute or relative to the working directory, which the checker rejects, and whose
+    files the checker would look for relative to the working directory) replaced by empty
+    tensors of their type, in a copy; ``model`` itself when it has none."""
+    def tensors(g: onnx.GraphProto):
+        yield from g.initializer
+        for sp in g.sparse_initializer:
+            yield sp.values
+            yield sp.indices
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.TENSOR:
+                    yield a.t
+                elif a.type == onnx.AttributeProto.TENSORS:
+                    yield from a.tensors
+                elif a.type == onnx.AttributeProto.SPARSE_TENSOR:
+                    yield a.sparse_tensor.values
+                    yield a.sparse_tensor.indices
+                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    yield from tensors(sub)
+
+    if not any(is_external(t) for t in tensors(model.graph)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for t in tensors(copy.graph):
+        if is_external(t):
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.dims[:]
+            t.dims.append(0)
+    return copy
 
 
 # Sub-byte types: bits per element in raw (and external) data, packed little-end first.
@@ -131,17 +354,20 @@ def value_info_to_tensorinfo(vi: onnx.ValueInfoProto) -> Optional[TensorInfo]:
     return info
 
 
-def _attr_value(a: onnx.AttributeProto, opsets: dict, base_dir, parent: Graph) -> Any:
+def _attr_value(a: onnx.AttributeProto, opsets: dict, base_dir, parent: Graph,
+                sources: Optional[dict] = None) -> Any:
     if a.type == onnx.AttributeProto.GRAPH:
-        return graph_from_onnx(a.g, opsets, base_dir, parent)
+        return graph_from_onnx(a.g, opsets, base_dir, parent, sources)
     if a.type == onnx.AttributeProto.GRAPHS:
-        return [graph_from_onnx(g, opsets, base_dir, parent) for g in a.graphs]
+        return [graph_from_onnx(g, opsets, base_dir, parent, sources) for g in a.graphs]
     if a.type == onnx.AttributeProto.TENSOR:
-        return tensor_to_numpy(a.t, base_dir)
+        return tensor_to_numpy(a.t, base_dir, sources)
     if a.type == onnx.AttributeProto.TENSORS:
-        return [tensor_to_numpy(t, base_dir) for t in a.tensors]
-    if a.type == onnx.AttributeProto.SPARSE_TENSOR:
-        raise UnsupportedOperatorError(f"Sparse tensor attribute '{a.name}' is not supported")
+        return [tensor_to_numpy(t, base_dir, sources) for t in a.tensors]
+    if a.type == onnx.AttributeProto.SPARSE_TENSOR:   # dense from here on
+        return sparse_to_numpy(a.sparse_tensor, base_dir, sources)
+    if a.type == onnx.AttributeProto.SPARSE_TENSORS:
+        return [sparse_to_numpy(t, base_dir, sources) for t in a.sparse_tensors]
     return decode_attr(onnx.helper.get_attribute_value(a))
 
 
@@ -171,6 +397,11 @@ def check_node(n: onnx.NodeProto, opsets: dict, k: int = 0) -> None:
             return
         raise ModelError(f"{canonical_domain(n.domain)}::{n.op_type} node "
                          f"'{n.name or f'{n.op_type}_{k}'}': {msg}") from None
+
+
+def _reads(g: onnx.GraphProto) -> set[str]:
+    """Every tensor of ``g``'s scope its nodes (and their subgraphs) read."""
+    return {u for n in g.node for u in _uses(n)}
 
 
 def _uses(n: onnx.NodeProto) -> set[str]:
@@ -224,10 +455,20 @@ def _node_order(g: onnx.GraphProto) -> list[int]:
 
 
 def graph_from_onnx(g: onnx.GraphProto, opsets: dict, base_dir: Optional[str] = None,
-                    parent: Optional[Graph] = None) -> Graph:
+                    parent: Optional[Graph] = None, sources: Optional[dict] = None) -> Graph:
+    """``g`` as an IR graph. Sparse initializers and sparse attributes become dense arrays
+    (a Constant's ``sparse_value`` its ``value``); ``sources`` collects location -> file
+    of the external data read."""
     graph = Graph(name=g.name or "graph", opsets=opsets, parent=parent)
     for t in g.initializer:
-        graph.initializers[t.name] = tensor_to_numpy(t, base_dir)
+        graph.initializers[t.name] = tensor_to_numpy(t, base_dir, sources)
+    for sp in g.sparse_initializer:
+        name = sp.values.name
+        if not name or name in graph.initializers:
+            raise ModelError(f"Graph '{g.name}': sparse initializer "
+                             f"{'without a name' if not name else repr(name)} "
+                             f"{'' if not name else 'is also a dense initializer'}".rstrip())
+        graph.initializers[name] = sparse_to_numpy(sp, base_dir, sources)
     for vi in list(g.input) + list(g.output) + list(g.value_info):
         info = value_info_to_tensorinfo(vi)
         if info is not None:
@@ -242,10 +483,13 @@ def graph_from_onnx(g: onnx.GraphProto, opsets: dict, base_dir: Optional[str] = 
         for a in n.attribute:
             target = ann if a.name.startswith("__") else attrs
             try:
-                target[a.name] = _attr_value(a, opsets, base_dir, graph)
+                target[a.name] = _attr_value(a, opsets, base_dir, graph, sources)
             except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
                 raise ModelError(f"Node '{n.name or n.op_type}' ({n.op_type}): attribute "
                                  f"'{a.name}' cannot be read: {e}") from None
+        if n.op_type == "Constant" and canonical_domain(n.domain) == ONNX_DOMAIN \
+                and "sparse_value" in attrs:
+            attrs["value"] = attrs.pop("sparse_value")
         graph.nodes.append(Node(op_type=n.op_type, inputs=list(n.input), outputs=list(n.output),
                                 attrs=attrs, domain=canonical_domain(n.domain),
                                 name=n.name or f"{n.op_type}_{k}", annotations=ann))
@@ -282,8 +526,16 @@ def import_model(model: ModelLike, input_shape_info: Any = None) -> tuple[Graph,
     proto, base_dir = load_model(model)
     if not proto.HasField("graph"):
         raise ModelError("The model has no graph")
-    graph = graph_from_onnx(proto.graph, model_opsets(proto), base_dir)
+    sources: dict[str, str] = {}
+    graph = graph_from_onnx(proto.graph, model_opsets(proto), base_dir, sources=sources)
     graph.name = proto.graph.name or "main"
+    if sources:
+        _SOURCES[id(graph)] = sources
+        weakref.finalize(graph, _SOURCES.pop, id(graph), None)
+    # Saved optimizer state (what modelToHost writes for a training session) is no weight.
+    read = {o.name for o in proto.graph.output} | _reads(proto.graph)
+    graph.constants |= {tid for tid in graph.initializers
+                        if tid.startswith(OPTIMIZER_STATE_PREFIXES) and tid not in read}
     overrides = _shape_overrides(input_shape_info)
     for tid, info in overrides.items():
         graph.tensor_info[tid] = info

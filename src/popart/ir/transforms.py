@@ -21,7 +21,7 @@ _NO_GRAD = {"ArgMax", "ArgMin", "Equal", "Greater", "Less", "GreaterOrEqual", "L
 _PLACEMENT = (VIRTUAL_GRAPH, PIPELINE_STAGE)
 
 
-def _ancestors(graph: Graph, tensor: str) -> set[str]:
+def ancestors(graph: Graph, tensor: str) -> set[str]:
     """Every tensor that ``tensor`` is computed from (itself included)."""
     producer = graph.producer()
     seen, todo = set(), [tensor]
@@ -45,7 +45,7 @@ def fuse_softmax_nll(graph: Graph, loss: str, enabled: Callable[[str], bool]) ->
     if not enabled("SoftmaxGradDirect"):
         return graph
     producer, consumers = graph.producer(), graph.consumers()
-    to_loss = _ancestors(graph, loss)
+    to_loss = ancestors(graph, loss)
     fuse_loss = 1 if enabled("NlllWithSoftmaxGradDirect") else 0
     nodes, changed = [], False
     for node in graph.nodes:

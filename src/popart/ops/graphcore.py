@@ -1,5 +1,8 @@
 """PopART's own ops (domain ai.graphcore, opset 1), as the API reference's aiGraphcore builder
-methods document them. Attribute names are the reference's keyword names."""
+methods document them. Attribute names are the reference's keyword names; their defaults come
+from the table in ``popart.ir.graphcore_schema`` (the engine fills them in), so the lowerings
+of the ops it lists take those attributes as keyword-only parameters without defaults
+(``None`` for an optional attribute the table leaves unset)."""
 from __future__ import annotations
 
 
@@ -70,12 +73,12 @@ for _n, _f in BINARY.items():
 
 
 @_g("Scale")
-def scale(ctx: LowerCtx, x, scale=1.0, **_):
+def scale(ctx: LowerCtx, x, *, scale, **_):
     return x * _cast(scale, x)
 
 
 @_g("ScaledAdd")
-def scaled_add(ctx: LowerCtx, a, b, s0=None, s1=None, scale0=1.0, scale1=1.0, **_):
+def scaled_add(ctx: LowerCtx, a, b, s0=None, s1=None, *, scale0, scale1, **_):
     s0 = scale0 if s0 is None else s0
     s1 = scale1 if s1 is None else s1
     return a * _cast(s0, a) + b * _cast(s1, a)
@@ -95,12 +98,12 @@ def binary_const_scalar(ctx: LowerCtx, x, value=0.0, op="Add", scalar_in_lhs=0, 
 
 
 @_g("IncrementMod")
-def increment_mod(ctx: LowerCtx, x, increment=1.0, modulus=1.0, **_):
+def increment_mod(ctx: LowerCtx, x, *, increment, modulus, **_):
     return jnp.remainder(x + _cast(increment, x), _cast(modulus, x))
 
 
 @_g("Bucketize")
-def bucketize(ctx: LowerCtx, x, boundaries, right=0, **_):
+def bucketize(ctx: LowerCtx, x, boundaries, *, right, **_):
     """right=0: boundaries[i-1] < x <= boundaries[i]; right=1: boundaries[i-1] <= x < boundaries[i]."""
     return jnp.searchsorted(boundaries, x, side="right" if right else "left").astype(jnp.int32)
 
@@ -109,18 +112,19 @@ def bucketize(ctx: LowerCtx, x, boundaries, right=0, **_):
 # Shape-like ops with attributes
 
 @_g("Reshape")
-def reshape(ctx: LowerCtx, x, shape=(), **_):
+def reshape(ctx: LowerCtx, x, *, shape, **_):
     shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
     return jnp.reshape(x, shape)
 
 
 @_g("Reverse")
-def reverse(ctx: LowerCtx, x, dimensions=(), **_):
+def reverse(ctx: LowerCtx, x, *, dimensions, **_):
     return jnp.flip(x, tuple(dimensions)) if dimensions else x
 
 
 @_g("Slice")
-def slice_(ctx: LowerCtx, x, starts=(), ends=(), axes=None, **_):
+def slice_(ctx: LowerCtx, x, *, starts, ends, axes=None, **_):
+    """x[starts:ends] on ``axes`` (absent or empty: the leading len(starts) axes, as PopART)."""
     idx = [slice(None)] * x.ndim
     for s, e, a in zip(starts, ends, axes if axes else range(len(starts))):
         idx[a] = slice(s, e)
@@ -128,12 +132,12 @@ def slice_(ctx: LowerCtx, x, starts=(), ends=(), axes=None, **_):
 
 
 @_g("Subsample")
-def subsample(ctx: LowerCtx, x, strides=(), **_):
+def subsample(ctx: LowerCtx, x, *, strides, **_):
     return x[tuple(slice(None, None, s) for s in strides)]
 
 
 @_g("DepthToSpace")
-def depth_to_space(ctx: LowerCtx, x, blocksize=1, mode="DCR", **_):
+def depth_to_space(ctx: LowerCtx, x, *, blocksize, mode, **_):
     n, c, h, w = x.shape
     b = blocksize
     if mode == "DCR":
@@ -175,30 +179,30 @@ def _dyn_sizes(x, axes, sizes):
 
 
 @_g("DynamicSlice")
-def dynamic_slice(ctx: LowerCtx, x, offset, axes=(), sizes=(), noOverlap=0, **_):
+def dynamic_slice(ctx: LowerCtx, x, offset, *, axes, sizes, **_):
     return lax.dynamic_slice(x, _dyn_starts(x, offset, axes), _dyn_sizes(x, axes, sizes))
 
 
 @_g("DynamicUpdate")
-def dynamic_update(ctx: LowerCtx, x, offset, upd, axes=(), sizes=(), noOverlap=0, **_):
+def dynamic_update(ctx: LowerCtx, x, offset, upd, *, axes, **_):
     return lax.dynamic_update_slice(x, upd.astype(x.dtype), _dyn_starts(x, offset, axes))
 
 
 @_g("DynamicAdd")
-def dynamic_add(ctx: LowerCtx, x, offset, upd, axes=(), sizes=(), **_):
+def dynamic_add(ctx: LowerCtx, x, offset, upd, *, axes, **_):
     st = _dyn_starts(x, offset, axes)
     cur = lax.dynamic_slice(x, st, upd.shape)
     return lax.dynamic_update_slice(x, cur + upd.astype(x.dtype), st)
 
 
 @_g("DynamicZero")
-def dynamic_zero(ctx: LowerCtx, x, offset, axes=(), sizes=(), **_):
+def dynamic_zero(ctx: LowerCtx, x, offset, *, axes, sizes, **_):
     return lax.dynamic_update_slice(x, jnp.zeros(_dyn_sizes(x, axes, sizes), x.dtype),
                                     _dyn_starts(x, offset, axes))
 
 
 @_g("SequenceSlice")
-def sequence_slice(ctx: LowerCtx, src, dst, n, src_off, dst_off, zeroUnused=0, **_):
+def sequence_slice(ctx: LowerCtx, src, dst, n, src_off, dst_off, *, zeroUnused, **_):
     """dst[dOff:dOff+N] = src[sOff:sOff+N] for each (N, sOff, dOff); entries after the first
     N == 0 are ignored."""
     s2, d2 = src.reshape(src.shape[0], -1), dst.reshape(dst.shape[0], -1)
@@ -217,7 +221,7 @@ def sequence_slice(ctx: LowerCtx, src, dst, n, src_off, dst_off, zeroUnused=0, *
 # Normalization, convolution
 
 @_g("GroupNormalization")
-def group_normalization(ctx: LowerCtx, x, scale, bias, num_groups=1, epsilon=1e-5, **_):
+def group_normalization(ctx: LowerCtx, x, scale, bias, *, num_groups, epsilon, **_):
     """Outputs y, mean and inverse standard deviation, the last two of shape [N * groups].
     As PopART's GroupNormGradOp, only y is differentiated (the textbook gradient, which
     autodiff gives): mean and inverse standard deviation pass no gradient back."""
@@ -228,7 +232,7 @@ def group_normalization(ctx: LowerCtx, x, scale, bias, num_groups=1, epsilon=1e-
 
 
 @_g("BatchNormalization")
-def batch_normalization(ctx: LowerCtx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, **_):
+def batch_normalization(ctx: LowerCtx, x, scale, b, mean, var, *, epsilon, momentum, **_):
     """ONNX's BatchNormalization, except the running variance uses the unbiased (N-1)
     batch variance, like PyTorch."""
     outs = nn.batch_norm(ctx, x, scale, b, mean, var, epsilon, momentum, ctx.training,
@@ -262,9 +266,9 @@ def multi_conv(ctx: LowerCtx, *ins, dilations=(), inDilations=(), pads=(), outPa
     return outs
 
 
-@_g("Normalize_Image")  # the Builder's op type for normalize_image
 @_g("NormalizeImage")
-def normalize_image(ctx: LowerCtx, img, offsets, scales, scale=1.0, **_):
+@_g("Normalize_Image")  # the op type earlier versions of the Builder wrote
+def normalize_image(ctx: LowerCtx, img, offsets, scales, *, scale, **_):
     """(img * scale - offsets) * scales on the 3 channels of a (B, H, W, 3) image, padded
     with a zero fourth channel; uint8 images give float16."""
     dt = jnp.float16 if img.dtype == jnp.uint8 else img.dtype
@@ -276,7 +280,7 @@ def normalize_image(ctx: LowerCtx, img, offsets, scales, scale=1.0, **_):
 # Sorting, selection, scatter / gather
 
 @_g("Sort")
-def sort(ctx: LowerCtx, x, axis=-1, descending=0, stable=0, **_):
+def sort(ctx: LowerCtx, x, *, axis, descending, **_):
     idx = jnp.argsort(x, axis=axis, stable=True, descending=bool(descending))
     return jnp.take_along_axis(x, idx, axis), idx.astype(jnp.int32)
 
@@ -290,7 +294,7 @@ def topk(ctx: LowerCtx, x, k, axis=-1, largest=1, sorted=1, **_):
 
 
 @_g("ReduceMedian")
-def reduce_median(ctx: LowerCtx, x, axes=None, keepdims=1, **_):
+def reduce_median(ctx: LowerCtx, x, *, axes=None, keepdims, **_):
     """Lower median; indices flattened over the reduced axes."""
     axes = sorted(a % x.ndim for a in (axes if axes else range(x.ndim)))
     keep = [a for a in range(x.ndim) if a not in axes]
@@ -391,16 +395,23 @@ _scatter_rows_grad.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
 
 
 @_g("ScatterReduce")
-def scatter_reduce(ctx: LowerCtx, src, index, init=None, axis_size=None, axis=-1, reduction="Sum",
-                   enable_index_broadcast=1, **_):
+def scatter_reduce(ctx: LowerCtx, src, index, init=None, *, axis_size, axis, reduction,
+                   group_size, enable_index_broadcast, **_):
     """out[i] = reduce(src[index == i]) along ``axis``; outputs nobody writes are 0 (or the
-    optional initial_values input)."""
+    optional initial_values input). ``group_size`` > 1: grouped (PopART's
+    groupedscatterreduce), see ``grouped_scatter_reduce``."""
+    if group_size != 1:
+        return grouped_scatter_reduce(ctx, src, index, init, axis_size=axis_size, axis=axis,
+                                      reduction=reduction,
+                                      enable_index_broadcast=enable_index_broadcast)
     return _scatter(ctx, src, index, init, axis_size, axis, reduction, enable_index_broadcast)
 
 
-@_g("GroupedScatterReduce")
-def grouped_scatter_reduce(ctx: LowerCtx, src, index, init=None, axis_size=None, axis=-1, reduction="Sum",
-                           group_size=1, enable_index_broadcast=1, **_):
+@_g("GroupedScatterReduce")  # the op type earlier versions of the Builder wrote
+def grouped_scatter_reduce(ctx: LowerCtx, src, index, init=None, *, axis_size, axis, reduction,
+                           enable_index_broadcast, **_):
+    """One scatter per group: the leading axis of every input is the group; ``axis`` counts
+    axes including it."""
     ax = axis % src.ndim - 1
     f = lambda s, i, b: _scatter(ctx, s, i, b, axis_size, ax, reduction, enable_index_broadcast)
     if init is None:
@@ -409,7 +420,7 @@ def grouped_scatter_reduce(ctx: LowerCtx, src, index, init=None, axis_size=None,
 
 
 @_g("GroupedGather")
-def grouped_gather(ctx: LowerCtx, data, indices, axis=0, group_size=1, **_):
+def grouped_gather(ctx: LowerCtx, data, indices, *, axis, **_):
     """Gather within each group: the leading axis of ``data`` and ``indices`` is the group;
     ``axis`` counts axes of ``data`` including it."""
     ax = axis % data.ndim
@@ -419,7 +430,7 @@ def grouped_gather(ctx: LowerCtx, data, indices, axis=0, group_size=1, **_):
 
 
 @_g("Histogram")
-def histogram(ctx: LowerCtx, x, levels=(), absoluteOfInput=0, **_):
+def histogram(ctx: LowerCtx, x, *, levels, absoluteOfInput, **_):
     """Counts of x in (-inf, l0), [l0, l1), ..., [l_last, inf): len(levels)+1 uint32 bins."""
     v = jnp.abs(x) if absoluteOfInput else x
     b = jnp.searchsorted(jnp.asarray(levels, v.dtype), v.reshape(-1), side="right")
@@ -430,7 +441,7 @@ def histogram(ctx: LowerCtx, x, levels=(), absoluteOfInput=0, **_):
 # Random
 
 @_g("ShapedDropout", random=True)
-def shaped_dropout(ctx: LowerCtx, x, shape=(), ratio=0.5, **_):
+def shaped_dropout(ctx: LowerCtx, x, *, shape, ratio, **_):
     """Dropout with one mask of ``shape`` broadcast over x; only active in training."""
     if not ctx.training:
         return x
@@ -459,7 +470,7 @@ def _print(title, x, print_gradient):
 
 
 @_g("PrintTensor")
-def print_tensor(ctx: LowerCtx, x, print_gradient=1, title="", **_):
+def print_tensor(ctx: LowerCtx, x, *, print_gradient, title, **_):
     """Identity that prints the tensor (and its gradient, when print_gradient) at run time."""
     head = (title or ctx.input_ids[0]) + ": "
     return _print(head.replace("{", "{{").replace("}", "}}"), x, print_gradient)
@@ -488,7 +499,7 @@ def copy_var_update(ctx: LowerCtx, var, updater, **_):
 # Splines (torch_spline_conv semantics)
 
 @_g("SplineBasis")
-def spline_basis(ctx: LowerCtx, pseudo, kernel_size, is_open_spline, degree=1, **_):
+def spline_basis(ctx: LowerCtx, pseudo, kernel_size, is_open_spline, *, degree, **_):
     """B-spline basis [E, S] and weight indices [E, S], S = (degree+1)^D."""
     e, d = pseudo.shape
     s = (degree + 1) ** d

@@ -283,14 +283,15 @@ def packed_data_block(ctx: LowerCtx, *ins, maxSequenceLengths=(), resultSize=Non
         seqs = [_unpack(data[i], lax.dynamic_slice_in_dim(offs[i], b * bsz, bsz),
                         lax.dynamic_slice_in_dim(lens[i], b * bsz, bsz), max_lens[i])
                 for i in range(n)]
-        outs = ctx.run_subgraph(callback, seqs, iteration=b)
+        outs, record = ctx.run_body(callback, seqs, iteration=b)
         r = jnp.asarray(outs[0])
         if r.ndim < 2 or r.shape[0] != bsz:
             raise ctx.error(f"the callback's output must be [callbackBatchSize={bsz}, length, "
                             f"...], got shape {list(r.shape)}")
-        return carry, r
+        return carry, (r, record)
 
-    _, rs = lax.scan(block, None, jnp.arange(iters, dtype=jnp.int32))   # [iters, B, L, *rest]
+    _, (rs, records) = lax.scan(block, None, jnp.arange(iters, dtype=jnp.int32))   # rs: [iters, B, L, *rest]
+    ctx.check_record(records)   # the callback's run-time checks, every block
     rs = rs.reshape((iters * bsz,) + rs.shape[2:])
     result = jnp.zeros((int(resultSize),) + rs.shape[2:], rs.dtype)
     return _repack(result, rs, r_off[:iters * bsz], r_len[:iters * bsz])

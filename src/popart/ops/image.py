@@ -279,6 +279,7 @@ def affine_grid(ctx: LowerCtx, theta, size, align_corners=0, **_):
 @register("RoiAlign", since=10)
 def roi_align(ctx: LowerCtx, x, rois, batch_indices, coordinate_transformation_mode="half_pixel",
               mode="avg", output_height=1, output_width=1, sampling_ratio=0, spatial_scale=1.0, **_):
+    x = jnp.asarray(x)   # a constant image is indexed by traced batch indices below
     N, C, H, W = x.shape
     off = 0.5 if (ctx.version >= 16 and coordinate_transformation_mode == "half_pixel") else 0.0
     if sampling_ratio <= 0:

@@ -1,7 +1,9 @@
 """PopART's loss ops (ai.graphcore): Nll, L1, IdentityLoss, Ctc, CtcBeamSearchDecoder.
 
-``reduction`` is a string "Sum" / "Mean" / "NoReduction" (ReductionType's names; the ints
-0 / 1 / 2 of popart.ReductionType are accepted too)."""
+``reduction`` is a string: PopART's "Sum" / "Mean" / "None", or ReductionType's names ("None"
+and "NoReduction" alike; the ints 0 / 1 / 2 of popart.ReductionType are accepted too).
+Attribute defaults come from the table in ``popart.ir.graphcore_schema`` (SoftmaxNll takes
+Nll's), so the lowerings name those attributes without defaults of their own."""
 from __future__ import annotations
 
 import jax
@@ -9,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..tensorinfo import np_dtype
+from ..tensorinfo import DataType, np_dtype, to_datatype
 from .elementwise import abs_
 from .registry import GRAPHCORE_DOMAIN, LowerCtx, register
 
@@ -20,7 +22,7 @@ _REDUCTIONS = {"sum": "Sum", "mean": "Mean", "noreduction": "NoReduction", "none
 def reduction_type(ctx: LowerCtx, r):
     key = r.lower() if isinstance(r, str) else int(r)
     if key not in _REDUCTIONS:
-        raise ctx.error(f"reduction '{r}' is not one of Sum, Mean, NoReduction")
+        raise ctx.error(f"reduction '{r}' is not one of Sum, Mean, None (NoReduction)")
     return _REDUCTIONS[key]
 
 
@@ -104,14 +106,14 @@ def nll_loss(ctx: LowerCtx, probs, label, reduction: str, ignore_index, log_inpu
 
 
 @_g("Nll")
-def nll(ctx: LowerCtx, probs, label, reduction="Mean", ignoreIndex=None, inputIsLogProbability=0, **_):
+def nll(ctx: LowerCtx, probs, label, *, reduction, ignoreIndex=None, inputIsLogProbability, **_):
     """-log(max(p[label], 1e-7)) (6.104e-5 in float16) over the last (class) axis, or
     -p[label] for log-probabilities; NllGrad's gradient."""
     return nll_loss(ctx, probs, label, reduction, ignoreIndex, bool(inputIsLogProbability))
 
 
 @_g("SoftmaxNll")
-def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction="Mean", ignoreIndex=None, axis=-1,
+def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction, ignoreIndex=None, axis=-1,
                 fuseLoss=1, **_):
     """Nll of ``probs = Softmax(logits)`` whose gradient goes to ``logits`` directly as
     (p - onehot(label)) * scale (SoftmaxGradDirect), exact however saturated p is. With
@@ -143,14 +145,15 @@ def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction="Mean", ignoreInd
 
 
 @_g("L1")
-def l1(ctx: LowerCtx, x, reduction="Mean", **attrs):
-    """lambda * |x|, reduced; its gradient is lambda * sign(x) (0 at 0), as L1Grad's."""
-    lam = attrs.get("lambda", attrs.get("lambda_", 1.0))
+def l1(ctx: LowerCtx, x, *, reduction, **attrs):
+    """lambda * |x|, reduced; its gradient is lambda * sign(x) (0 at 0), as L1Grad's. The
+    attribute ``lambda`` (a Python keyword, so read from ``attrs``) is required."""
+    lam = attrs["lambda"]
     return reduce_loss(ctx, lam * abs_(x), reduction)   # abs_: AbsGrad's sign(x), 0 at 0
 
 
 @_g("IdentityLoss")
-def identity_loss(ctx: LowerCtx, x, reduction="Mean", **_):
+def identity_loss(ctx: LowerCtx, x, *, reduction, **_):
     return reduce_loss(ctx, x, reduction)
 
 
@@ -242,13 +245,15 @@ _ctc_per_sample_grad.defvjp(_ctc_per_sample_fwd, _ctc_per_sample_bwd)
 
 
 @_g("Ctc")
-def ctc(ctx: LowerCtx, log_probs, targets, in_lens, tgt_lens, reduction="Mean", blank=0, outDataType=0,
-        zeroInfinity=0, **_):
+def ctc(ctx: LowerCtx, log_probs, targets, in_lens, tgt_lens, *, reduction, blank, outDataType,
+        zeroInfinity, **_):
     """CTC loss; Mean divides each loss by its target length, then averages (PyTorch's
     convention). Output 1 (when declared) is PopART's gradient of the per-sample losses
-    w.r.t. log_probs (``ctc_loss_and_grad``), which is also how the loss differentiates."""
-    out_dt = log_probs.dtype if outDataType in (0, None, "UNDEFINED") else np_dtype(
-        outDataType if isinstance(outDataType, int) else str(outDataType))
+    w.r.t. log_probs (``ctc_loss_and_grad``), which is also how the loss differentiates.
+    ``outDataType``: an ONNX data type (as PopART writes it) or a PopART dtype name;
+    UNDEFINED (0) is log_probs' type."""
+    undefined = to_datatype(outDataType) == DataType.UNDEFINED
+    out_dt = log_probs.dtype if undefined else np_dtype(outDataType)
     args = (targets, in_lens, tgt_lens, int(blank), bool(zeroInfinity))
     per = _ctc_per_sample_grad(log_probs, *args, np.dtype(out_dt))
     r = reduction_type(ctx, reduction)
@@ -264,7 +269,7 @@ def ctc(ctx: LowerCtx, log_probs, targets, in_lens, tgt_lens, reduction="Mean", 
 
 
 @_g("CtcBeamSearchDecoder")
-def ctc_beam_search_decoder(ctx: LowerCtx, log_probs, data_lens, blank=0, beam_width=100, top_paths=1, **_):
+def ctc_beam_search_decoder(ctx: LowerCtx, log_probs, data_lens, *, blank, beam_width, top_paths, **_):
     """Prefix beam search (inference only), run on the host through jax.pure_callback.
     Returns [labelProbs [N, top], labelLengths [N, top], decodedLabels [N, top, T]]."""
     T, N, C = log_probs.shape
@@ -286,7 +291,8 @@ def ctc_beam_search_decoder(ctx: LowerCtx, log_probs, data_lens, blank=0, beam_w
     shapes = (jax.ShapeDtypeStruct((N, top_paths), log_probs.dtype),
               jax.ShapeDtypeStruct((N, top_paths), np.uint32),
               jax.ShapeDtypeStruct((N, top_paths, T), np.uint32))
-    return jax.pure_callback(host, shapes, lax.stop_gradient(log_probs), data_lens)
+    return jax.pure_callback(host, shapes, lax.stop_gradient(log_probs), data_lens,
+                             vmap_method="sequential")
 
 
 def _prefix_beam_search(lp, blank, width):

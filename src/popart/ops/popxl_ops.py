@@ -1,5 +1,6 @@
 """Private ops of the popxl front-end (domain ai.popxl): host stream transfers, the gradient
-of a subgraph (VJP, differentiated by JAX), and random ops seeded by a uint32[2] seed tensor."""
+of a subgraph (VJP, differentiated by JAX), random ops seeded by a uint32[2] seed tensor, and
+the power-of-two scaled casts of popxl's float8 ops."""
 from __future__ import annotations
 
 import jax
@@ -44,10 +45,11 @@ def vjp(ctx: LowerCtx, *ins, fwd, provided, required, **_):
         full = list(xs)
         for i, v in zip(required, req):
             full[i] = v
-        outs = ctx.run_subgraph(fwd, full)
-        return [jnp.asarray(outs[i]) for i in provided]
+        outs, record = ctx.run_body(fwd, full)
+        return [jnp.asarray(outs[i]) for i in provided], record
 
-    outs, pull = jax.vjp(f, *[jnp.asarray(xs[i]) for i in required])
+    outs, pull, record = jax.vjp(f, *[jnp.asarray(xs[i]) for i in required], has_aux=True)
+    ctx.check_record(record)   # the forward graph's run-time checks
     return list(pull([jnp.asarray(g, o.dtype).reshape(o.shape) for g, o in zip(grads, outs)]))
 
 
@@ -97,3 +99,33 @@ def nll_with_softmax_grad(ctx: LowerCtx, logits, labels, loss_grad, reduction="M
     loss, pull = jax.vjp(f, logits)
     (dx,) = pull(jnp.broadcast_to(jnp.asarray(loss_grad, loss.dtype), loss.shape))
     return loss, dx
+
+
+@_p("Pow2ScaleThenCast")
+def pow2scale_then_cast(ctx: LowerCtx, x, log2_scale, to=1, saturate=0, **_):
+    """``cast(x * 2**log2_scale, to)``: the product exact in float32 (float64 for float64
+    data), then one rounding to ``to``. Float8 results out of range are NaN, or the largest
+    finite value with ``saturate``. popxl's float8 casts and pow2-scaled matmul / conv."""
+    from .math import saturate_cast
+    dt = np_dtype(int(to))
+    x = jnp.asarray(x)
+    work = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    y = x.astype(work) * jnp.ldexp(jnp.ones((), work), jnp.asarray(log2_scale).astype(jnp.int32))
+    return saturate_cast(y, dt, saturate) if dt.name.startswith("float8") else y.astype(dt)
+
+
+@_p("PrintGradient")
+def print_gradient(ctx: LowerCtx, x, title="", **_):
+    """Identity whose gradient is printed at run time (popxl's print_tensor with
+    ``print_self=False, print_gradient=True``)."""
+    head = "Gradient of " + (title or ctx.input_ids[0]).replace("{", "{{").replace("}", "}}") + ": {}"
+
+    @jax.custom_vjp
+    def f(v):
+        return v
+
+    def bwd(_, g):
+        jax.debug.print(head, g)
+        return (g,)
+    f.defvjp(lambda v: (v, None), bwd)
+    return f(x)

@@ -3,8 +3,11 @@
 A lowering is ``fn(ctx, *inputs, **attrs)`` returning one array or a tuple of arrays (one per
 node output). ``inputs`` are jax arrays, NumPy arrays (constants, folded at trace time) or
 ``None`` for an omitted optional input. ``attrs`` are the node's attributes as Python values,
-with ONNX's defaults filled in from ``onnx.defs`` for ai.onnx ops (so a lowering only names
-the attributes it reads and may take ``**_`` for the rest). ``ctx`` is a :class:`LowerCtx`.
+with the defaults filled in (:func:`node_attribute_defaults`): ONNX's from ``onnx.defs`` for
+ai.onnx ops, PopART's from the table in ``popart.ir.graphcore_schema`` for ai.graphcore ops.
+So a lowering only names the attributes it reads, with no defaults of its own for those the
+table gives (``None`` for an optional one the table leaves unset), and may take ``**_`` for
+the rest. ``ctx`` is a :class:`LowerCtx`.
 
 Register with the decorator::
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import bisect
 import functools
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -28,6 +31,7 @@ import onnx
 import onnx.defs
 
 from ..errors import UnsupportedOperatorError
+from ..ir.graphcore_schema import node_defaults as _graphcore_node_defaults
 
 ONNX_DOMAIN = "ai.onnx"
 GRAPHCORE_DOMAIN = "ai.graphcore"
@@ -71,7 +75,8 @@ class LowerCtx(Protocol):
         """Lower an IR subgraph (attribute of If / Loop / Scan / Call) on ``inputs``;
         tensors of enclosing scopes are visible inside it. Returns its outputs. Loop bodies
         pass their ``iteration`` index so random ops draw new numbers each iteration
-        (``ctx.assign`` inside such a body is ignored)."""
+        (``ctx.assign`` inside such a body is ignored). Only in the lowering's own trace:
+        inside a function JAX traces separately, use ``run_body``."""
 
     def run_body(self, graph: Any, inputs: list, iteration: Any = None) -> tuple:
         """``run_subgraph`` inside a function JAX traces separately (lax.cond branch, scan /
@@ -206,6 +211,20 @@ def attribute_defaults(op_type: str, version: int, domain: str = ONNX_DOMAIN) ->
         if attr.default_value is not None and attr.default_value.type != 0:
             out[name] = decode_attr(onnx.helper.get_attribute_value(attr.default_value))
     return out
+
+
+def node_attribute_defaults(node: Any, version: int) -> dict:
+    """A new dict of default values for the attributes ``node`` (an IR node: ``op_type``,
+    ``domain``, ``attrs``, ``describe()``) lacks: ONNX's schema defaults for ai.onnx nodes,
+    the ai.graphcore table's for ai.graphcore nodes, none for other domains. Raises
+    ModelError naming the node, op and attribute when an ai.graphcore node lacks a required
+    attribute."""
+    domain = canonical_domain(node.domain)
+    if domain == ONNX_DOMAIN:
+        return dict(attribute_defaults(node.op_type, version))
+    if domain == GRAPHCORE_DOMAIN:
+        return _graphcore_node_defaults(node.op_type, node.attrs, node.describe())
+    return {}
 
 
 def decode_attr(value: Any) -> Any:

@@ -4,7 +4,7 @@ version, so later reads of it see the new value."""
 from __future__ import annotations
 
 import builtins
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, Iterable, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 
@@ -53,14 +53,53 @@ cos, sin, tanh, exp, log, sqrt = (_unary(n) for n in ("Cos", "Sin", "Tanh", "Exp
 relu, sigmoid, negate = _unary("Relu"), _unary("Sigmoid"), _unary("Neg")
 ceil, floor, sign, erf = _unary("Ceil"), _unary("Floor"), _unary("Sign"), _unary("Erf")
 isnan, isinf, logical_not = _unary("IsNaN"), _unary("IsInf"), _unary("Not")
-reciprocal, softplus, identity = _unary("Reciprocal"), _unary("Softplus"), _unary("Identity")
+reciprocal, softplus = _unary("Reciprocal"), _unary("Softplus")
 geluerf, swish, detach = _unary("GeluErf", GC), _unary("Swish", GC), _unary("Detach", GC)
 
-add, sub, mul, div, pow = (_binary(n) for n in ("Add", "Sub", "Mul", "Div", "Pow"))  # noqa: A001
-equal, greater, less = _binary("Equal"), _binary("Greater"), _binary("Less")
+add, sub, mul, div = (_binary(n) for n in ("Add", "Sub", "Mul", "Div"))
+equal, less = _binary("Equal"), _binary("Less")
 greater_equal, less_equal = _binary("GreaterOrEqual"), _binary("LessOrEqual")
 logical_and, logical_or, logical_xor = _binary("And"), _binary("Or"), _binary("Xor")
-maximum, minimum, fmod = _binary("Max"), _binary("Min"), _binary("Fmod", GC)
+fmod = _binary("Fmod", GC)
+
+
+def identity(t: Tensor, output_name: Optional[str] = None) -> Tensor:
+    """``t`` unchanged, as a new tensor (named ``output_name``, default ``identity_<name>``):
+    also a way to rename a tensor."""
+    return one("Identity", t, name=output_name or f"identity_{t.name}")
+
+
+rename = identity
+
+
+def greater(input: Tensor, other: Any) -> Tensor:  # noqa: A002
+    """``input > other`` elementwise (NumPy broadcasting)."""
+    if not isinstance(input, Tensor):
+        input = as_tensor(input, other)  # noqa: A001
+    return one("Greater", input, as_tensor(other, input))
+
+
+def pow(t: Tensor, e: Any) -> Tensor:  # noqa: A001
+    """``t ** e`` elementwise (``e`` a tensor or a number of t's dtype)."""
+    if not isinstance(t, Tensor):
+        t = as_tensor(t, e)
+    return one("Pow", t, as_tensor(e, t))
+
+
+def _variadic(op_type: str, what: str):
+    def fn(*ts: Any) -> Tensor:
+        if len(ts) == 1 and isinstance(ts[0], (list, tuple)):
+            ts = tuple(ts[0])
+        like = next((t for t in ts if isinstance(t, Tensor)), None)
+        if like is None:
+            raise ValueError(f"{what} needs at least one Tensor")
+        return node(op_type, [as_tensor(t, like) for t in ts], {}, ONNX)[0]
+    fn.__name__ = fn.__qualname__ = what
+    fn.__doc__ = f"Elementwise {what} of the tensors ``ts`` (NumPy broadcasting)."
+    return fn
+
+
+maximum, minimum = _variadic("Max", "maximum"), _variadic("Min", "minimum")
 
 
 def gelu(t: Tensor, approximation: Any = "tanh") -> Tensor:
@@ -79,14 +118,28 @@ def where(condition: Tensor, lhs: Any, rhs: Any) -> Tensor:
     return one("Where", condition, lhs, as_tensor(rhs, lhs))
 
 
-def clip(t: Tensor, min: Optional[float] = None, max: Optional[float] = None) -> Tensor:  # noqa: A002
-    lo = None if min is None else constant(min, t.dtype)
-    hi = None if max is None else constant(max, t.dtype)
+def clip(t: Tensor, min: Optional[float] = float("-inf"), max: Optional[float] = float("inf")  # noqa: A002
+         ) -> Tensor:
+    """Clip the elements of ``t`` to [min, max] (NaN stays NaN)."""
+    lo = None if min is None or min == float("-inf") else constant(min, t.dtype)
+    hi = None if max is None or max == float("inf") else constant(max, t.dtype)
     return one("Clip", t, lo, hi)
 
 
+clamp = clip
+
+
 def cast(t: Tensor, data_type: Any) -> Tensor:
-    return one("Cast", t, to=onnx_type(data_type))
+    """``t`` as ``data_type``.
+
+    Raises:
+        TypeError: for float8 ``data_type`` (use :func:`pow2scale_cast_to_fp8`).
+    """
+    dt = _dtype.as_dtype(data_type)
+    if dt.name in ("float8_143", "float8_152"):
+        raise TypeError(f"Data type {dt} not supported for cast, please consider "
+                        f"pow2scale_cast_to_fp8 or pow2scale_cast_from_fp8")
+    return one("Cast", t, to=onnx_type(dt))
 
 
 def scale(t: Tensor, factor: float) -> Tensor:
@@ -114,20 +167,92 @@ def increment_mod(t: Tensor, increment: float, modulus: float) -> Tensor:
 
 
 relu_, gelu_, exp_, swish_, detach_ = (_make_inplace(f) for f in (relu, gelu, exp, swish, detach))
+geluerf_ = _make_inplace(geluerf)
 add_, sub_, mul_, div_ = (_make_inplace(f) for f in (add, sub, mul, div))
 scaled_add_, increment_mod_ = _make_inplace(scaled_add), _make_inplace(increment_mod)
-copy_ = _make_inplace(lambda t, src: identity(cast(src, t.dtype)))
+copy_ = _make_inplace(lambda t, src: identity(src if src.dtype == t.dtype else cast(src, t.dtype)))
 
 # ---------------------------------------------------------------------------------------
 # Matmul, reductions, normalisation
 
 
 def matmul(lhs: Tensor, rhs: Tensor, available_memory_proportion: Optional[float] = None,
-           serialise_mode: Any = None, serialise_factor: int = 1, output_type: Any = None,
-           partials_type: Any = None) -> Tensor:
-    """Matrix product (NumPy matmul broadcasting); options that tune IPU code are accepted."""
+           output_type: Any = None, partials_type: Any = None) -> Tensor:
+    """Matrix product (NumPy matmul broadcasting), cast to ``output_type`` when given.
+    ``partials_type`` (float16 / float32) is checked; products accumulate in XLA's type."""
+    if partials_type is not None and _dtype.as_dtype(partials_type).name not in ("float16", "float32"):
+        raise ValueError(f"dtype {partials_type} is not valid, must be float16 or float32")
     out = one("MatMul", lhs, as_tensor(rhs, lhs))
     return out if output_type is None or _dtype.as_dtype(output_type) == out.dtype else cast(out, output_type)
+
+
+def _check_pow2scaled(a: Tensor, b: Tensor, log2_scale: Tensor, what: str) -> None:
+    fp8 = ("float8_143", "float8_152")
+    if a.dtype.name not in fp8 or b.dtype.name not in fp8:
+        raise TypeError(f"Scaled {what} operands must be of dtype popxl.float8_143 or popxl.float8_152")
+    if log2_scale.rank > 0:
+        raise ValueError("Log2 scale argument must be a scalar tensor")
+    if log2_scale.dtype.name != "int32":
+        raise TypeError("Log2 scale tensor must be of type popxl.int32")
+
+
+def _pow2scale_then_cast(t: Tensor, log2_scale: Tensor, to: Any, saturate: bool = False) -> Tensor:
+    return one("Pow2ScaleThenCast", t, log2_scale, domain=POPXL, to=onnx_type(to),
+               saturate=int(saturate))
+
+
+def _to_f32(t: Tensor) -> Tensor:
+    return one("Cast", t, to=onnx_type("float32"))
+
+
+def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor,
+                      available_memory_proportion: Optional[float] = None) -> Tensor:
+    """float16 ``matmul(lhs, rhs) * 2**log2_scale`` of float8 operands (the products and sums
+    in float32, one rounding to float16).
+
+    Raises:
+        TypeError: operands not float8_143 / float8_152, or ``log2_scale`` not int32.
+        ValueError: ``log2_scale`` not a scalar.
+    """
+    _check_pow2scaled(lhs, rhs, log2_scale, "matmul")
+    return _pow2scale_then_cast(one("MatMul", _to_f32(lhs), _to_f32(rhs)), log2_scale, "float16")
+
+
+def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor, data_type: Any) -> Tensor:
+    """``cast(t * 2**log2_scale, data_type)`` for float8 ``data_type`` (round to nearest even;
+    values out of range become NaN).
+
+    Raises:
+        TypeError: ``data_type`` not float8_143 / float8_152, or ``log2_scale`` not int32.
+        ValueError: ``log2_scale`` not a scalar.
+    """
+    dt = _dtype.as_dtype(data_type)
+    if dt.name not in ("float8_143", "float8_152"):
+        raise TypeError(f"Data type {dt} not supported for pow2scale_cast_to_fp8")
+    _check_log2_scale(log2_scale)
+    return _pow2scale_then_cast(t, log2_scale, dt)
+
+
+def pow2scale_cast_from_fp8(t: Tensor, log2_scale: Tensor, data_type: Any) -> Tensor:
+    """``cast(t, data_type) * 2**log2_scale`` for float8 ``t`` and float16 / float32
+    ``data_type``.
+
+    Raises:
+        TypeError: ``data_type`` not float16 / float32, or ``log2_scale`` not int32.
+        ValueError: ``log2_scale`` not a scalar.
+    """
+    dt = _dtype.as_dtype(data_type)
+    if dt.name not in ("float16", "float32"):
+        raise TypeError(f"Data type {dt} not supported for pow2scale_cast_from_fp8")
+    _check_log2_scale(log2_scale)
+    return _pow2scale_then_cast(t, log2_scale, dt)
+
+
+def _check_log2_scale(log2_scale: Tensor) -> None:
+    if log2_scale.rank > 0:
+        raise ValueError("Log2 scale argument must be a scalar tensor")
+    if log2_scale.dtype.name != "int32":
+        raise TypeError("Log2 scale tensor must be of type popxl.int32")
 
 
 def _reduce(op_type: str):
@@ -158,7 +283,9 @@ def argmin(t: Tensor, dim: int = 0, keepdim: bool = False) -> Tensor:
     return cast(one("ArgMin", t, axis=int(dim), keepdims=int(keepdim)), "int32")
 
 
-def topk(t: Tensor, k: int, axis: int = -1, largest: bool = True, sorted: bool = True) -> Tuple[Tensor, Tensor]:  # noqa: A002
+def topk(t: Tensor, k: int, axis: int = -1, largest: bool = True, sorted: bool = True,  # noqa: A002
+         available_memory_proportion: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """The ``k`` largest (or smallest) values along ``axis`` and their int32 indices."""
     v, i = node("TopK", [t, ints([k])], {"axis": int(axis), "largest": int(largest),
                                          "sorted": int(sorted)}, ONNX, 2)
     return v, cast(i, "int32")
@@ -186,29 +313,130 @@ def layer_norm(t: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     return one("LayerNormalization", t, weight, bias, axis=-1, epsilon=float(eps))
 
 
-def batch_norm_inference(t: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor,
+def batch_norm_inference(t: Tensor, scale: Tensor, bias: Tensor, mean: Tensor, var: Tensor,
                          epsilon: float = 1e-5, momentum: float = 0.9) -> Tensor:
-    return one("BatchNormalization", t, weight, bias, mean, var, epsilon=float(epsilon),
+    """``scale * (t - mean) / sqrt(var + epsilon) + bias`` over the channel axis 1."""
+    return one("BatchNormalization", t, scale, bias, mean, var, epsilon=float(epsilon),
                momentum=float(momentum))
 
 
 # ---------------------------------------------------------------------------------------
 # Convolution and pooling
 
+PadType = Literal["not_set", "same_upper", "same_lower", "valid"]
 _PAD = {"not_set": "NOTSET", "same_upper": "SAME_UPPER", "same_lower": "SAME_LOWER", "valid": "VALID"}
 
 
 def _pad_type(p: Any) -> str:
-    return _PAD.get(str(getattr(p, "name", p)).lower(), str(p).upper())
+    name = str(getattr(p, "name", p)).lower()
+    if name not in _PAD:
+        raise ValueError(f"pad type {p} is not valid, must be not_set, same_upper, same_lower or valid")
+    return _PAD[name]
+
+
+def _conv_attrs(stride, padding, dilation, groups, pad_type) -> dict:
+    return {"strides": [int(v) for v in stride], "pads": [int(v) for v in padding],
+            "dilations": [int(v) for v in dilation], "group": int(groups),
+            "auto_pad": _pad_type(pad_type)}
 
 
 def conv(t: Tensor, weight: Tensor, stride: Tuple[int, ...] = (1, 1), padding: Tuple[int, ...] = (0, 0, 0, 0),
-         dilation: Tuple[int, ...] = (1, 1), groups: int = 1, pad_type: Any = "not_set",
+         dilation: Tuple[int, ...] = (1, 1), groups: int = 1, pad_type: PadType = "not_set",
          available_memory_proportions: Any = None, partials_types: Any = None,
          enable_conv_dithering: Any = None) -> Tensor:
     """N-d convolution (NCHW input, MCHW weights), as ONNX Conv."""
-    return one("Conv", t, weight, strides=list(stride), pads=list(padding), dilations=list(dilation),
-               group=int(groups), auto_pad=_pad_type(pad_type))
+    return node("Conv", [t, weight], _conv_attrs(stride, padding, dilation, groups, pad_type))[0]
+
+
+def conv_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor, stride: Tuple[int, ...] = (1, 1),
+                    padding: Tuple[int, ...] = (0, 0, 0, 0), dilation: Tuple[int, ...] = (1, 1),
+                    groups: int = 1, pad_type: PadType = "not_set",
+                    available_memory_proportions: Any = None, enable_conv_dithering: Any = None) -> Tensor:
+    """float16 ``conv(t, weight) * 2**log2_scale`` of float8 ``t`` and ``weight`` (computed in
+    float32, one rounding to float16).
+
+    Raises:
+        TypeError: operands not float8_143 / float8_152, or ``log2_scale`` not int32.
+        ValueError: ``log2_scale`` not a scalar.
+    """
+    _check_pow2scaled(t, weight, log2_scale, "conv")
+    y = node("Conv", [_to_f32(t), _to_f32(weight)], _conv_attrs(stride, padding, dilation, groups, pad_type))[0]
+    return _pow2scale_then_cast(y, log2_scale, "float16")
+
+
+def _conv_transpose_attrs(stride, padding, dilation, groups, pad_type, output_padding, output_shape) -> dict:
+    attrs = _conv_attrs(stride, padding, dilation, groups, pad_type)
+    if output_padding:
+        attrs["output_padding"] = [int(v) for v in output_padding]
+    if output_shape:
+        attrs["output_shape"] = [int(v) for v in output_shape]
+    return attrs
+
+
+def conv_transpose(t: Tensor, weight: Tensor, stride: Tuple[int, ...] = (1, 1),
+                   padding: Tuple[int, ...] = (0, 0, 0, 0), dilation: Tuple[int, ...] = (1, 1),
+                   groups: int = 1, pad_type: PadType = "not_set", output_padding: Tuple[int, ...] = (),
+                   output_shape: Tuple[int, ...] = (), available_memory_proportions: Any = None,
+                   partials_types: Any = None, enable_conv_dithering: Any = None) -> Tensor:
+    """Transposed convolution (ONNX ConvTranspose): ``t`` (N, C, *spatial), ``weight``
+    (C, M / groups, *kernel). With ``output_shape`` the pads are derived from it."""
+    attrs = _conv_transpose_attrs(stride, padding, dilation, groups, pad_type, output_padding, output_shape)
+    return node("ConvTranspose", [t, weight], attrs)[0]
+
+
+def conv_transpose_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor, stride: Tuple[int, ...] = (1, 1),
+                              padding: Tuple[int, ...] = (0, 0, 0, 0), dilation: Tuple[int, ...] = (1, 1),
+                              groups: int = 1, pad_type: PadType = "not_set",
+                              output_padding: Tuple[int, ...] = (), output_shape: Tuple[int, ...] = (),
+                              available_memory_proportions: Any = None,
+                              enable_conv_dithering: Any = None) -> Tensor:
+    """float16 ``conv_transpose(t, weight) * 2**log2_scale`` of float8 operands (see
+    :func:`conv_pow2scaled`)."""
+    _check_pow2scaled(t, weight, log2_scale, "conv")
+    attrs = _conv_transpose_attrs(stride, padding, dilation, groups, pad_type, output_padding, output_shape)
+    y = node("ConvTranspose", [_to_f32(t), _to_f32(weight)], attrs)[0]
+    return _pow2scale_then_cast(y, log2_scale, "float16")
+
+
+_RESIZE_MODES = ("nearest", "linear", "cubic")
+_NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+_COORD_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize")
+
+
+def interpolate(t: Tensor, scale_factor: Tuple[float, ...] = (1.0, 1.0, 1.0, 1.0), mode: str = "nearest",
+                nearest_mode: str = "round_prefer_floor",
+                coordinate_transformation_mode: str = "half_pixel") -> Tensor:
+    """Resize ``t`` by ``scale_factor`` (one per dimension; output size
+    ``floor(size * scale)``) with ONNX Resize's ``mode``, ``nearest_mode`` and
+    ``coordinate_transformation_mode``.
+
+    Raises:
+        ValueError: for an unknown mode, or ``scale_factor`` not of ``t``'s rank.
+    """
+    for v, allowed, what in ((mode, _RESIZE_MODES, "interpolate type"),
+                             (nearest_mode, _NEAREST_MODES, "interpolate nearest type"),
+                             (coordinate_transformation_mode, _COORD_MODES,
+                              "interpolate coordinate transformation type")):
+        if v not in allowed:
+            raise ValueError(f"{what} {v} is not valid, must be one of {', '.join(allowed)}.")
+    scales = [float(v) for v in scale_factor]
+    if len(scales) != t.rank:
+        raise ValueError(f"interpolate: {len(scales)} scale factors for a tensor of rank {t.rank}")
+    sc = constant(np.asarray(scales, np.float32), "float32", name="scales")
+    return one("Resize", t, None, sc, mode=mode, nearest_mode=nearest_mode,
+               coordinate_transformation_mode=coordinate_transformation_mode)
+
+
+def roi_align(t: Tensor, rois: Tensor, batch_index: Tensor, output_size: Tuple[int, int],
+              spatial_scale: float, sampling_ratio: int) -> Tensor:
+    """Average pooling of each region of interest (ONNX RoiAlign, ``output_half_pixel``
+    coordinates as torchvision's ``roi_align(aligned=False)``): ``t`` (N, C, H, W), ``rois``
+    (R, 4) as [x1, y1, x2, y2], ``batch_index`` (R,) -> (R, C, *output_size)."""
+    if batch_index.dtype.name != "int64":
+        batch_index = cast(batch_index, "int64")     # ONNX RoiAlign's batch indices are int64
+    return one("RoiAlign", t, rois, batch_index, coordinate_transformation_mode="output_half_pixel",
+               mode="avg", output_height=int(output_size[0]), output_width=int(output_size[1]),
+               sampling_ratio=int(sampling_ratio), spatial_scale=float(spatial_scale))
 
 
 def _pool_attrs(t: Tensor, kernel_size, stride, padding, dilation, auto_pad, ceil_mode) -> dict:
@@ -218,18 +446,32 @@ def _pool_attrs(t: Tensor, kernel_size, stride, padding, dilation, auto_pad, cei
             "auto_pad": _pad_type(auto_pad), "ceil_mode": int(ceil_mode)}
 
 
+def _check_pool_extras(out_pads: Any, in_dilations: Any) -> None:
+    if out_pads is not None and any(int(v) for v in out_pads):
+        raise NotImplementedError("pooling with non-zero out_pads is not supported")
+    if in_dilations is not None and any(int(v) != 1 for v in in_dilations):
+        raise NotImplementedError("pooling with input dilations other than 1 is not supported")
+
+
 def average_pool(t: Tensor, kernel_size: Tuple[int, ...], stride: Optional[Tuple[int, ...]] = None,
                  padding: Optional[Tuple[int, ...]] = None, out_pads: Any = None,
-                 dilation: Optional[Tuple[int, ...]] = None, in_dilation: Any = None,
-                 auto_pad: Any = "not_set", ceil_mode: bool = False) -> Tensor:
+                 dilation: Optional[Tuple[int, ...]] = None, in_dilations: Any = None,
+                 auto_pad: PadType = "not_set", ceil_mode: bool = False) -> Tensor:
+    """Average pooling (ONNX AveragePool, padding excluded from the count)."""
+    _check_pool_extras(out_pads, in_dilations)
     attrs = _pool_attrs(t, kernel_size, stride, padding, dilation, auto_pad, ceil_mode)
     return node("AveragePool", [t], attrs)[0]
 
 
 def max_pool(t: Tensor, kernel_size: Tuple[int, ...], stride: Optional[Tuple[int, ...]] = None,
              padding: Optional[Tuple[int, ...]] = None, out_pads: Any = None,
-             dilation: Optional[Tuple[int, ...]] = None, in_dilation: Any = None,
-             auto_pad: Any = "not_set", ceil_mode: bool = False, storage_order: Any = None) -> Tensor:
+             dilation: Optional[Tuple[int, ...]] = None, in_dilations: Any = None,
+             auto_pad: PadType = "not_set", ceil_mode: bool = False, storage_order: str = "row") -> Tensor:
+    """Max pooling (ONNX MaxPool). ``storage_order`` ("row" / "column") only orders the
+    indices output that this op does not return."""
+    if storage_order not in ("row", "column"):
+        raise ValueError(f"storage_order must be 'row' or 'column', got {storage_order!r}")
+    _check_pool_extras(out_pads, in_dilations)
     attrs = _pool_attrs(t, kernel_size, stride, padding, dilation, auto_pad, ceil_mode)
     return node("MaxPool", [t], attrs)[0]
 
@@ -345,14 +587,35 @@ def gather(t: Tensor, indices: Tensor, axis: int = 0, available_memory_proportio
 tied_gather = gather
 
 
+def groupedgather(t: Tensor, indices: Tensor, axis: int = 0, group_size: int = 1,
+                  available_memory_proportion: Optional[float] = None, zero_OOR: bool = False) -> Tensor:
+    """Gather within groups: with ``group_size`` > 1 the leading axis of ``t`` and
+    ``indices`` is the group (``group_size`` long) and ``axis`` (counting it, so not 0) is
+    gathered in each group; with ``group_size`` 1 a plain :func:`gather`."""
+    if int(group_size) == 1:
+        return gather(t, indices, axis, available_memory_proportion, zero_OOR)
+    if zero_OOR:
+        raise NotImplementedError("groupedgather: zero_OOR with group_size > 1 is not supported")
+    if t.shape[:1] != (int(group_size),) or indices.shape[:1] != (int(group_size),):
+        raise ValueError(f"groupedgather: t {t.shape} and indices {indices.shape} need a leading "
+                         f"group axis of size {group_size}")
+    if int(axis) % t.rank == 0:
+        raise ValueError(f"groupedgather: axis = {axis} indicates the dimension of the group")
+    return one("GroupedGather", t, indices, domain=GC, axis=int(axis), group_size=int(group_size))
+
+
 def scatter(t: Tensor, indices: Tensor, values: Any, axis: int = 0,
             available_memory_proportion: Any = None) -> Tensor:
     return one("ScatterElements", t, indices, as_tensor(values, t), axis=int(axis))
 
 
-def scatter_reduce(data: Tensor, indices: Tensor, reduction: str = "sum", axis: int = 0,
-                   axis_size: Optional[int] = None, initial_values: Optional[Tensor] = None,
-                   available_memory_proportion: Any = None, enable_index_broadcast: bool = True) -> Tensor:
+def scatter_reduce(data: Tensor, indices: Tensor, reduction: str = "sum",
+                   initial_values: Optional[Tensor] = None, axis: int = 0,
+                   axis_size: Optional[int] = None, enable_index_broadcast: bool = True,
+                   available_memory_proportion: Any = None) -> Tensor:
+    """Reduce (``"sum"``, ``"max"``, ``"min"``, ``"mul"``, ``"none"``) the slices of ``data``
+    into the ``axis_size`` (default ``data.shape[axis]``) positions ``indices`` of ``axis``,
+    starting from ``initial_values`` (default the reduction's identity)."""
     size = data.shape[axis] if axis_size is None else axis_size
     return node("ScatterReduce", [data, indices, initial_values],
                 {"axis": int(axis), "axis_size": int(size), "reduction": str(reduction),
@@ -390,8 +653,23 @@ def histogram(t: Tensor, levels: List[float], absolute_of_input: bool = False) -
     return one("Histogram", t, domain=GC, levels=list(levels), absoluteOfInput=int(absolute_of_input))
 
 
-def print_tensor(t: Tensor, title: Optional[str] = None, print_gradient: bool = True, **_: Any) -> Tensor:
-    return one("PrintTensor", t, domain=GC, title=title or t.id, print_gradient=int(print_gradient))
+def print_tensor(t: Tensor, title: Optional[str] = None, print_self: bool = True,
+                 print_gradient: bool = False, summarise_threshold: int = 1000, edge_items: int = 3,
+                 max_line_width: int = 75, digits: int = 8, float_format: str = "auto",
+                 separator: str = " ", open_bracket: str = "[", close_bracket: str = "]") -> Tensor:
+    """``t`` unchanged, printed at run time with ``title`` (default the tensor's id) when
+    ``print_self``, and its gradient printed (in the backward pass) when ``print_gradient``.
+    The formatting options are kept as attributes of the node; the values print in NumPy's
+    format."""
+    if not print_self:
+        if not print_gradient:
+            return identity(t)
+        return one("PrintGradient", t, domain=POPXL, title=title or t.id)
+    return one("PrintTensor", t, domain=GC, title=title or t.id, print_gradient=int(print_gradient),
+               print_self=int(print_self), summariseThreshold=int(summarise_threshold),
+               edgeItems=int(edge_items), maxLineWidth=int(max_line_width), digits=int(digits),
+               floatFormat=str(float_format), separator=str(separator), openBracket=str(open_bracket),
+               closeBracket=str(close_bracket))
 
 
 def ipu_copy(t: Tensor, destination: int, source: Optional[int] = None) -> Tensor:
@@ -410,7 +688,7 @@ def io_tile_copy(t: Tensor) -> Tensor:
 
 
 def nll_loss(probs: Tensor, labels: Tensor, ignore_index: Optional[int] = None,
-             reduction: Any = "Mean", log_prob: bool = False) -> Tensor:
+             reduction: Any = "mean", log_prob: bool = False) -> Tensor:
     """Negative log likelihood of ``labels`` under ``probs`` (class axis last)."""
     attrs = {"reduction": reduction_name(reduction), "inputIsLogProbability": int(log_prob)}
     if ignore_index is not None:
@@ -419,7 +697,7 @@ def nll_loss(probs: Tensor, labels: Tensor, ignore_index: Optional[int] = None,
 
 
 def nll_loss_with_softmax_grad(probs: Tensor, labels: Tensor, loss_grad: Union[float, Tensor] = 1,
-                               ignore_index: Optional[int] = None, reduction: Any = "Mean"
+                               ignore_index: Optional[int] = None, reduction: Any = "mean"
                                ) -> Tuple[Tensor, Tensor]:
     """Softmax of ``probs`` (logits), its nll loss, and the loss's gradient w.r.t. ``probs``
     scaled by ``loss_grad``."""
@@ -456,6 +734,15 @@ def shaped_dropout(t: Tensor, seed_tensor: Tensor, shape: Iterable[int], ratio: 
     return one("Dropout", t, seed_tensor, domain=POPXL, ratio=float(ratio), shape=[int(d) for d in shape])
 
 
-def split_random_seed(seed: Tensor, count: int = 2) -> Tuple[Tensor, ...]:
-    """``count`` new seeds derived from ``seed``."""
-    return tuple(node("SplitRandomSeed", [seed], {}, POPXL, int(count)))
+def split_random_seed(seed: Tensor, n: int = 2, *, count: Optional[int] = None) -> Tuple[Tensor, ...]:
+    """``n`` new seeds derived from ``seed`` (``count`` is an alias of ``n``)."""
+    n = n if count is None else count
+    if int(n) < 1:
+        raise ValueError(f"split_random_seed: n must be >= 1, got {n}")
+    return tuple(node("SplitRandomSeed", [seed], {}, POPXL, int(n)))
+
+
+def lamb_square(t: Tensor) -> Tensor:
+    """The sum of the squares of all elements of ``t`` (a float32 scalar; LAMB's norms)."""
+    return one("ReduceSumSquare", cast(t, "float32") if t.dtype.name != "float32" else t, None,
+               keepdims=0)

@@ -71,7 +71,7 @@ class CallSiteInfo:
                 return self._graph._inputs[i]
         raise ValueError(f"Tensor {parent_tensor.id} is not a parent graph input of the call site.")
 
-    def set_parent_input_modified(self, parent_tensor: Tensor, infer_modified_regions: bool = True) -> None:
+    def set_parent_input_modified(self, parent_tensor: Tensor, infer_modified_regions: bool = False) -> None:
         """Accepted for compatibility: pass inputs by reference (TensorByRef) when creating the
         graph to make the graph's in-place changes reach the caller."""
 
@@ -209,12 +209,14 @@ def conditional_with_info(cond: Tensor, then_branch: Graph, else_branch: Graph,
                           then_inputs: Optional[Iterable[Any]] = None,
                           else_inputs: Optional[Iterable[Any]] = None,
                           then_inputs_dict: Optional[Mapping[Tensor, Any]] = None,
-                          else_inputs_dict: Optional[Mapping[Tensor, Any]] = None) -> CallSiteInfo:
+                          else_inputs_dict: Optional[Mapping[Tensor, Any]] = None,
+                          check_inputs: bool = True) -> CallSiteInfo:
     """Run ``then_branch`` when ``cond`` is true, else ``else_branch`` (ai.onnx If); both must
-    have outputs of the same shapes and dtypes."""
+    have outputs of the same shapes and dtypes. ``check_inputs``: the inputs must have the
+    shapes and dtypes of the branches' graph inputs."""
     parent = get_current_graph()
-    t_in = _prep_inputs(parent, then_branch, list(then_inputs or []), then_inputs_dict)
-    e_in = _prep_inputs(parent, else_branch, list(else_inputs or []), else_inputs_dict)
+    t_in = _prep_inputs(parent, then_branch, list(then_inputs or []), then_inputs_dict, check_inputs)
+    e_in = _prep_inputs(parent, else_branch, list(else_inputs or []), else_inputs_dict, check_inputs)
     if [(o.shape, o.dtype) for o in then_branch._outputs] != [(o.shape, o.dtype) for o in else_branch._outputs]:
         raise ValueError("conditional: then_branch and else_branch outputs must have the same shapes and dtypes")
     attrs = {"then_branch": _branch(parent, then_branch, t_in, "then"),
@@ -224,10 +226,10 @@ def conditional_with_info(cond: Tensor, then_branch: Graph, else_branch: Graph,
 
 
 def conditional(cond: Tensor, then_branch: Graph, else_branch: Graph, then_inputs: Any = None,
-                else_inputs: Any = None, then_inputs_dict: Any = None, else_inputs_dict: Any = None
-                ) -> tuple[Tensor, ...]:
+                else_inputs: Any = None, then_inputs_dict: Any = None, else_inputs_dict: Any = None,
+                check_inputs: bool = True) -> tuple[Tensor, ...]:
     return conditional_with_info(cond, then_branch, else_branch, then_inputs, else_inputs,
-                                 then_inputs_dict, else_inputs_dict).outputs
+                                 then_inputs_dict, else_inputs_dict, check_inputs).outputs
 
 
 # ---------------------------------------------------------------------------------------

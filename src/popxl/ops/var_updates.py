@@ -1,4 +1,5 @@
-"""In-place variable updates (accumulators, copies, Adam helpers) composed from registry ops.
+"""In-place variable updates (accumulators, copies, Adam / LAMB / AdaMax helpers) composed from
+registry ops.
 Each updates ``t`` (it names the new value afterwards) and returns it."""
 from __future__ import annotations
 
@@ -77,22 +78,87 @@ def sparse_accumulate_(t: Tensor, X: Tensor, indices: Tensor, axis: int = 0,
     return inplace(t, scaled_add(t, upd, 1.0, 1.0 if f is None else f))
 
 
+def _wd_required(weight_decay: Optional[Scalar]) -> bool:
+    if isinstance(weight_decay, Tensor):
+        return True
+    return weight_decay is not None and float(weight_decay) != 0.0
+
+
+def _adam_updater(m: Tensor, v: Tensor, weight: Optional[Tensor], time_step: Optional[Tensor],
+                  weight_decay: Optional[Scalar], beta1: Optional[Scalar], beta2: Optional[Scalar],
+                  epsilon: Scalar, bias_correction: bool, sqrt_v: bool) -> Tensor:
+    """The updater term of AdamUpdater (see :func:`adam_updater`) in ``m``'s dtype, then the
+    weight's (with weight decay)."""
+    from . import sqrt
+    with_wd = _wd_required(weight_decay)
+    if with_wd and weight is None:
+        raise ValueError("Weight decay requires weight to not be None.")
+    if bias_correction:
+        from . import cast
+        step = inplace(time_step, time_step + 1)
+        t = cast(step, "float32")       # corrections in float32, as PopART, then m's / v's type
+
+        def correction(beta: Scalar, like: Tensor) -> Tensor:
+            b = beta if isinstance(beta, Tensor) else constant(float(beta), "float32")
+            return _cast(1.0 - _cast(b, t) ** t, like)
+        m = m / correction(beta1, m)
+        if beta2 is not None:
+            v = v / correction(beta2, v)
+    m = _cast(m, v)
+    denom = (sqrt(v) if sqrt_v else v) + _f(epsilon, v)
+    upd = m / denom
+    if with_wd:
+        upd = _cast(upd, weight) + _f(weight_decay, weight) * weight
+    return upd
+
+
 def adam_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Optional[Tensor] = None,
                  time_step: Optional[Tensor] = None, weight_decay: Optional[Scalar] = None,
-                 beta1: Scalar = 0.9, beta2: Scalar = 0.999, epsilon: Scalar = 1e-5) -> Tensor:
-    """Adam's update term m_hat / (sqrt(v_hat) + eps) (+ weight_decay * w). With ``time_step``
-    the moments are bias corrected (and the time step is incremented in place)."""
-    from . import sqrt
-    m, v = acc_first_order, acc_second_order
-    if time_step is not None:
-        step = inplace(time_step, time_step + 1.0)
-        b1, b2 = _f(beta1, m), _f(beta2, m)
-        m = m / (1.0 - b1 ** _cast(step, m))
-        v = v / (1.0 - b2 ** _cast(step, v))
-    upd = m / (sqrt(v) + _f(epsilon, m))
-    if weight_decay is not None and weight is not None:
-        upd = upd + _f(weight_decay, m) * _cast(weight, m)
-    return upd
+                 beta1: Optional[Scalar] = None, beta2: Optional[Scalar] = None,
+                 epsilon: Scalar = 1e-07) -> Tensor:
+    """Adam's updater term ``mc / (sqrt(vc) + epsilon) (+ weight_decay * weight)``. With
+    ``time_step`` (``t``, incremented by 1 in place first) the moments are bias corrected:
+    ``mc = m / (1 - beta1 ** t)``, ``vc = v / (1 - beta2 ** t)``; without it ``mc = m``,
+    ``vc = v``.
+
+    Raises:
+        ValueError: ``weight_decay`` set (non-zero or a tensor) without ``weight``, or
+            ``time_step`` without both ``beta1`` and ``beta2``.
+    """
+    if time_step is not None and (beta1 is None or beta2 is None):
+        raise ValueError("Bias correction requires both beta1 and beta2 to not be None.")
+    return _adam_updater(acc_first_order, acc_second_order, weight, time_step, weight_decay,
+                         beta1, beta2, epsilon, time_step is not None, True)
+
+
+def lamb_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Optional[Tensor] = None,
+                 time_step: Optional[Tensor] = None, weight_decay: Optional[Scalar] = None,
+                 beta1: Optional[Scalar] = None, beta2: Optional[Scalar] = None,
+                 epsilon: Scalar = 1e-07) -> Tensor:
+    """LAMB's updater term: the same as :func:`adam_updater` (LAMB's trust ratio is applied by
+    :func:`adam_var_update` with the norms ``r1`` / ``r2``).
+
+    Raises:
+        ValueError: as :func:`adam_updater`.
+    """
+    return adam_updater(acc_first_order, acc_second_order, weight, time_step, weight_decay,
+                        beta1, beta2, epsilon)
+
+
+def adamax_updater(acc_first_order: Tensor, acc_second_order: Tensor, weight: Optional[Tensor] = None,
+                   time_step: Optional[Tensor] = None, weight_decay: Optional[Scalar] = None,
+                   beta1: Scalar = 0.9, epsilon: Scalar = 1e-07) -> Tensor:
+    """AdaMax's updater term ``mc / (v + epsilon) (+ weight_decay * weight)`` with
+    ``mc = m / (1 - beta1 ** t)`` (``t``: ``time_step``, incremented by 1 in place first) and
+    ``v`` the accumulated infinity norm.
+
+    Raises:
+        ValueError: ``weight_decay`` set without ``weight``, or no ``time_step``.
+    """
+    if time_step is None:
+        raise ValueError("AdaMax requires time_step to not be None.")
+    return _adam_updater(acc_first_order, acc_second_order, weight, time_step, weight_decay,
+                         beta1, None, epsilon, True, False)
 
 
 def adam_var_update(t: Tensor, x: Tensor, r1: Optional[Tensor] = None, r2: Optional[Tensor] = None,

@@ -1,6 +1,7 @@
-"""Graph transforms: autodiff."""
+"""Graph transforms: autodiff, decompose_sum (and the exchange transforms, no-ops on XLA)."""
 from .autodiff import (ExpectedConnection, ExpectedConnectionType, GradGraphInfo,  # noqa: F401
                        autodiff)
+from .decompose_sum import decompose_sum  # noqa: F401
 
 
 def merge_exchange(*_, **__) -> None:

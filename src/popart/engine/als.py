@@ -1,0 +1,443 @@
+"""Automatic loss scaling (ALS) as PopART does it.
+
+Read from PopART's source: ``willow/src/transforms/automaticlossscaling.cpp`` (the transform),
+``preautomaticlossscaling.cpp`` (``toTrackTensors``), ``ensurefp32lossscale.cpp`` (applied
+whenever ALS is on), ``willow/src/popx/op/lossscaleupdatex.cpp`` (the update rule) and
+``willow/include/popart/tensornames.hpp`` (the names). What a training step does:
+
+* State: the variable ``lossScaleUpdateFactor`` (float32, initially 1: the loss-scale tensor is
+  float32 because ALS applies ``EnsureFp32LossScale``). With ``updatePeriod`` > 1 also the
+  counter of ``executeOpNTimesEveryMTimes`` (int32, initially -1; PopART names it after the
+  op's string, ``"<id> (ai.graphcore.LossScaleUpdate:1)_counter"``, so here it is
+  :data:`COUNTER`).
+* Each batch runs with ``finalLossScale`` = the optimizer's loss scaling * factor: the loss is
+  scaled by it and the weight update divides by it (PopART reconnects the loss-scale tensor's
+  consumers to ``finalLossScale`` and divides the inverse loss scales by the factor), so the
+  weights follow the unscaled gradients as a run without ALS does while nothing overflows.
+* Statistics: a Histogram (one level, ``binEdgeLocation`` * 65504 in float16, of |g|) of each
+  tracked float16 gradient gives [count below the edge, count at or above it] (inf and NaN
+  count as above); the sum over the tracked tensors is ``summedHistograms`` (uint32), cast to
+  float32 (``summedCastedHistograms``), accumulated over the micro-batches into
+  ``Accum___autoLossScaleStats`` (accumulationFactor > 1, reset each batch) and summed over
+  the replicas (``summedHistograms_reduced``, replicationFactor > 1).
+* Update (``LossScaleUpdateOpx``), once per batch after its micro-batches: with
+  f = t / (1 - t) (t = ``thresholdUpperCountProportion``, float32), the factor halves when
+  upper > f * lower, else it doubles; no clamp. The new factor is used from the next batch.
+* ``updatePeriod`` P > 1: the update and the histograms run in the first batch of every P
+  (counter = (counter + 1) mod P, run while counter < 1); in the other batches the histograms
+  give 0 and the factor stays.
+
+Anchorable (any AnchorReturnType; values per micro-batch and replica as for any anchor):
+``finalLossScale`` (the scale of the batch), ``lossScaleUpdateFactor`` (after the batch's
+update), ``lossScaling_FLOAT16`` / ``lossScaling_FLOAT`` (the optimizer's loss scaling, named
+after the loss's type), ``summedHistograms``, ``summedCastedHistograms``,
+``Accum___autoLossScaleStats`` (running sum over the batch's micro-batches),
+``summedHistograms_reduced`` and ``Gradient___<id>_statistics`` (each tracked gradient's
+Histogram output).
+
+Which gradients are tracked is :func:`tracked_tensors`; the misuse errors are
+:func:`check_settings` and :func:`plan` (PopART's words). Not matched: the loss is scaled in
+its own type, so a float16 loss with ``finalLossScale`` above 65504 overflows, where PopART's
+mixed-precision loss-grad ops take the float32 scale.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import OptimizerError, OptionError, popart_exception
+from ..ir.graph import Graph
+from ..logging import getLogger
+from ..tensorinfo import TensorInfo, to_datatype
+
+_logger = getLogger("transform")
+
+GRAD_PREFIX = "Gradient___"
+FACTOR = "lossScaleUpdateFactor"            # reservedLossScaleUpdateFactorId()
+COUNTER = "LossScaleUpdate_counter"         # executeOpNTimesEveryMTimes' counter (P > 1)
+FINAL = "finalLossScale"
+SUMMED = "summedHistograms"
+CASTED = "summedCastedHistograms"
+REDUCED = "summedHistograms_reduced"
+ACCUM = "Accum___autoLossScaleStats"        # reservedAccumPrefix() + "autoLossScaleStats"
+STATS_SUFFIX = "_statistics"                # a tracked gradient's Histogram output
+LOSS_SCALING_PREFIX = "lossScaling_"        # the optimizer's loss-scaling tensor
+STATS = "__als_statistics"                  # a micro-batch's per-tensor histograms (internal)
+UPDATE = "__als_update"                     # hyper-parameter key: this batch updates (internal)
+FP16_MAX = 65504.0
+
+_T = "[AutomaticLossScale transform] "
+_PRE = "[PreAutomaticLossScale] "
+
+# Forward ops whose grad op is a view change (PopART's isOutplaceViewChange: ReshapeBaseOp,
+# which Flatten / Squeeze / Unsqueeze are, TransposeOp, IdentityOp, NopOp, DetachOp).
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity",
+                      "Nop", "Detach"})
+# Ops with no gradient at all, and inputs that get none (SoftmaxNll, the fused
+# Softmax -> Nll of ir/transforms.py, sends the gradient to the logits only).
+NO_GRAD_OPS = frozenset({"Detach", "Shape", "Size", "StopGradient"})
+NO_GRAD_INPUTS = {"SoftmaxNll": (1, 2)}
+# Forward ops whose gradient of input i is the output's gradient itself when input i has the
+# output's shape: the grad op (a ReduceSum over no axes) becomes Identity (OpToIdentity) and
+# PostNRepl removes it.
+SAME_SHAPE_IDENTITY = {"Add": None, "Sum": None, "Sub": (0,)}
+# Forward ops whose grad op for input i (after PopART's default patterns) reads these forward
+# inputs directly; a Variable among them excludes the gradient (consumesVariableInput, "to
+# prevent cycles"). For Mul / Div / Max / Min a broadcast input gets its gradient from a
+# ReduceSum after that op, which reads no Variable.
+READS_INPUTS = {
+    "Mul": lambda i: (1 - i,), "Div": lambda i: (1,) if i == 0 else (),
+    "Max": lambda i: (i,), "Min": lambda i: (i,),
+    "Log": lambda i: (0,), "Erf": lambda i: (0,), "Gelu": lambda i: (0,),
+    "GeluErf": lambda i: (0,), "LeakyRelu": lambda i: (0,), "Elu": lambda i: (0,),
+    "Selu": lambda i: (0,), "HardSigmoid": lambda i: (0,), "Softplus": lambda i: (0,),
+    "Softsign": lambda i: (0,), "Swish": lambda i: (0,),
+    "BatchNormalization": lambda i: (0, 1, 3, 4),
+    "GroupNormalization": lambda i: (0, 1), "InstanceNormalization": lambda i: (0, 1),
+}
+BROADCAST_REDUCED = frozenset({"Mul", "Div", "Max", "Min"})
+# ConvAndMatmulGradients: the grad ops of these produce the gradients of inputs 0 and 1
+# (MatMulLhs/RhsGrad become MatMul, ConvDataGrad becomes Conv, ConvWeightsGrad stays a
+# MultiConvWeightsGradBaseOp; Gemm is decomposed into MatMul).
+CONV_MATMUL_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "MultiConv"})
+# EnsureFp32LossScale (applied with ALS) makes the loss-scale tensor float32. The loss ops
+# whose grad ops take it as it is (isMixedPrecisionLossGradOp: NllGrad, the fused
+# Softmax-Nll grads, L1Grad) still give float16 gradients; otherwise the grad ops from the
+# loss that have a single input ("pass-through": those of these forward ops) give float32, and
+# the next grad ops compute in float32 and are cast back to float16 by a Cast the transform
+# adds, which is not a tracked grad op.
+MPLGO_LOSS_OPS = frozenset({"Nll", "SoftmaxNll", "L1"})
+PASS_THROUGH_GRAD_OPS = frozenset({
+    "IdentityLoss", "ReduceSum", "ReduceMean", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
+    "Transpose", "Identity", "Scale", "Neg", "Expand", "Slice", "Pad", "Sum", "Add", "Sub",
+    "Mean", "Concat"})
+
+
+def _method(settings: Any) -> str:
+    return getattr(settings.gradientTensorTrackingMethod, "name",
+                   str(settings.gradientTensorTrackingMethod))
+
+
+def _dtype_name(dtype: Any) -> str:
+    return TensorInfo(to_datatype(np.dtype(dtype)), []).data_type()
+
+
+def snapshot(settings: Any) -> Any:
+    """The settings a session compiles with (later changes to the options do not leak in)."""
+    return copy.deepcopy(settings)
+
+
+def check_settings(settings: Any, training: bool, optimizer: Any, options: Any,
+                   graph: Graph) -> None:
+    """The checks PopART makes before it looks at gradients, in its order:
+    ``PreAutomaticLossScale`` (``toTrackTensors`` given: not empty, every name a tensor of the
+    model), then ``AutomaticLossScale::apply`` (training only, non-const loss scaling, not
+    pipelining without gradient accumulation) and ``getToTrackTensors`` (``toTrackTensors``
+    and ``GradientsOfUserSpecifiedTensors`` go together)."""
+    user = settings.toTrackTensors
+    if user is not None:
+        if isinstance(user, str) or not isinstance(user, Sequence):
+            raise OptionError(f"automaticLossScalingSettings.toTrackTensors must be a list of "
+                              f"tensor ids, got {user!r}")
+        if len(user) == 0:
+            raise OptionError(
+                _PRE + "An empty list was set as the value of 'toTrackTensors'. To disable "
+                "tensor tracking, please set 'automaticLossScalingSettings.enabled = False'. To "
+                "track the default tensors, please leave "
+                "'automaticLossScalingSettings.toTrackTensors' unset.")
+        ids = set(graph.all_tensor_ids())
+        seen = set()
+        for t in user:
+            if t in seen:
+                _logger.warn(_PRE + "Tensor {} has been added more than once to the list of "
+                             "'toTrackTensors'. Please consider removing the duplicates.", t)
+            seen.add(t)
+        missing = [t for t in dict.fromkeys(user) if t not in ids]
+        for t in missing:
+            _logger.err(_PRE + "Tensor {}, which was added to the "
+                        "'automaticLossScalingSettings.toTrackTensors' list, does not exist in "
+                        "the model.", t)
+        if missing:
+            raise OptionError(
+                _PRE + "Some of the tensors in the 'automaticLossScalingSettings.toTrackTensors' "
+                "list do not exist in the model. Please look at the error log. (Not in the "
+                f"model: {', '.join(repr(t) for t in missing)}.)")
+    if not training:
+        raise popart_exception(_T + "Only compatible when doing training")
+    if optimizer.loss_scaling().isConst():
+        raise OptimizerError(_T + "The optimizer must have non-const loss scaling")
+    if getattr(options, "enablePipelining", False) and \
+            not getattr(options, "enableGradientAccumulation", False):
+        raise OptionError(
+            _T + "Automatic loss scaling is not currently supported when the "
+            "'enablePipelining' SessionOption is set to 'true', but the "
+            "'enableGradientAccumulation' SessionOption is set to 'false'")
+    method = _method(settings)
+    if user is not None and method != "GradientsOfUserSpecifiedTensors":
+        raise OptionError(
+            _T + "toTrackTensors has been set, but gradientTensorTrackingMethod has not been "
+            "set to 'GradientTensorTrackingMethod::GradientsOfUserSpecifiedTensors'.")
+    if method == "GradientsOfUserSpecifiedTensors" and user is None:
+        raise OptionError(
+            _T + "gradientTensorTrackingMethod set to "
+            "'GradientTensorTrackingMethod::GradientsOfUserSpecifiedTensors' but "
+            "'toTrackTensors' has not been set")
+
+
+def _gradient_flow(graph: Graph, loss: str, trainable: Sequence[str],
+                   specs: Mapping[str, Any]) -> tuple[set, set]:
+    """(tensors with a gradient, forward edges (node index, input index) a gradient flows
+    back through). A tensor has a gradient when it is floating point, depends on a trainable
+    weight through differentiable ops and the loss depends on it (PopART's autodiff grows grad
+    ops only there)."""
+    def is_float(t):
+        s = specs.get(t)
+        return s is not None and jnp.issubdtype(s.dtype, jnp.floating)
+
+    from_w = {w for w in trainable if is_float(w)}
+    for n in graph.nodes:
+        if n.op_type in NO_GRAD_OPS:
+            continue
+        if any(i in from_w for i in n.inputs if i):
+            from_w.update(o for o in n.outputs if o and is_float(o))
+
+    def grad_inputs(n):
+        if n.op_type in NO_GRAD_OPS:
+            return []
+        skip = NO_GRAD_INPUTS.get(n.op_type, ())
+        return [(i, t) for i, t in enumerate(n.inputs) if t and i not in skip]
+
+    to_loss = {loss}
+    for n in reversed(graph.nodes):
+        if any(o in to_loss for o in n.outputs if o):
+            to_loss.update(t for _, t in grad_inputs(n))
+    has_grad = from_w & to_loss
+    edges = set()
+    for k, n in enumerate(graph.nodes):
+        if any(o in has_grad for o in n.outputs if o):
+            edges.update((k, i) for i, t in grad_inputs(n) if t in has_grad)
+    return has_grad, edges
+
+
+def _loss_scale_edges(graph: Graph, loss: str, specs: Mapping[str, Any], edges: set) -> set:
+    """The gradient edges that give no tracked float16 grad-op output because of the loss
+    scale: the loss op's (its grad op reads the loss-scaling optimizer tensor) and, for a
+    float16 loss whose loss op is not in :data:`MPLGO_LOSS_OPS`, EnsureFp32LossScale's
+    float32 region (through :data:`PASS_THROUGH_GRAD_OPS`) and the down-cast gradients of the
+    first grad ops after it."""
+    producer = {o: k for k, n in enumerate(graph.nodes) for o in n.outputs if o}
+    if loss not in producer:
+        return set()
+    by_node: dict = {}
+    for k, i in edges:
+        by_node.setdefault(k, []).append(i)
+    first = producer[loss]
+    blocked = {(first, i) for i in by_node.get(first, [])}
+    fp16 = loss in specs and np.dtype(specs[loss].dtype) == np.float16
+    if not fp16 or graph.nodes[first].op_type in MPLGO_LOSS_OPS:
+        return blocked
+    frontier, seen = [first], set()
+    while frontier:
+        k = frontier.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        n = graph.nodes[k]
+        blocked.update((k, i) for i in by_node.get(k, []))
+        if n.op_type in PASS_THROUGH_GRAD_OPS:
+            frontier.extend(producer[n.inputs[i]] for i in by_node.get(k, [])
+                            if n.inputs[i] in producer)
+    return blocked
+
+
+def tracked_tensors(settings: Any, graph: Graph, loss: str, variables: Sequence[str],
+                    trainable: Sequence[str], specs: Mapping[str, Any]) -> list[str]:
+    """The forward tensors whose (total) gradients ALS tracks, in graph order.
+
+    PopART picks gradient tensors in its backward graph (after its default patterns); the
+    backward pass here is JAX autodiff, so the choice is made on the forward graph: "the
+    gradient of t" is the total gradient of forward tensor t (a weight's gradient, or a zero
+    probe's for an activation). Only float16 gradients count. The rules:
+
+    * ``GradientsOfUserSpecifiedTensors``: the gradients of ``toTrackTensors`` (PopART proxies
+      each one and tracks the proxy's gradient, i.e. the total gradient; a tensor without a
+      gradient is skipped). Type errors are :func:`plan`'s.
+    * ``ConvAndMatmulGradients``: the gradients of inputs 0 and 1 of MatMul, Gemm, Conv,
+      ConvTranspose and MultiConv (what their grad ops, MatMul / Conv / ConvWeightsGrad after
+      the patterns, produce), except where EnsureFp32LossScale makes those grad ops float32.
+    * ``AllNonViewChangingGradientTensors`` (``producesNonViewChangingGradientTensor``: the
+      output of every grad op that is not a view change, gives float16, reads no Variable and
+      no optimizer tensor): the gradient of input t of op N is tracked unless
+
+      - N is a view change (Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Identity);
+      - N produces the loss (its grad op reads the loss-scaling optimizer tensor);
+      - the gradient is float32 or a down-cast after EnsureFp32LossScale
+        (:func:`_loss_scale_edges`: a float16 loss from an op other than Nll / L1, e.g.
+        IdentityLoss);
+      - t has N's output shape and N is Add / Sum / Sub (input 0), or N is a Cast to t's own
+        type (the grad op is an identity, removed);
+      - N's grad op reads a Variable input directly (:data:`READS_INPUTS`, e.g. Mul(t, w)
+        with w a weight, BatchNormalization with its scale).
+
+      A tensor whose gradient sums two or more partial gradients is tracked too (PopART's
+      grad-sum op qualifies).
+
+    Where PopART tracks partial gradients (one per consumer of a tensor used more than once)
+    the total gradient is tracked here instead, once: the counts agree for tensors with one
+    consumer on the gradient path.
+    """
+    has_grad, edges = _gradient_flow(graph, loss, trainable, specs)
+    is_fp16 = lambda t: t in has_grad and np.dtype(specs[t].dtype) == np.float16   # noqa: E731
+    method = _method(settings)
+    if method == "GradientsOfUserSpecifiedTensors":
+        out = []
+        for t in dict.fromkeys(settings.toTrackTensors):
+            if t in has_grad:
+                out.append(t)
+            else:
+                _logger.warn(_T + "toTrackTensors: '{}' has no gradient in this model; its "
+                             "statistics are not tracked.", t)
+        return out
+    variables = set(variables)
+    blocked = _loss_scale_edges(graph, loss, specs, edges)
+    chosen: set = set()
+    partials: dict = {}
+    for k, i in sorted(edges):
+        n = graph.nodes[k]
+        t = n.inputs[i]
+        partials[t] = partials.get(t, 0) + 1
+        if (k, i) in blocked:
+            continue
+        if method == "ConvAndMatmulGradients":
+            if n.op_type in CONV_MATMUL_OPS and i in (0, 1):
+                chosen.add(t)
+            continue
+        if n.op_type in VIEW_OPS:
+            continue
+        out_shape = tuple(specs[n.outputs[0]].shape) if n.outputs and n.outputs[0] in specs else None
+        same_shape = out_shape is not None and tuple(specs[t].shape) == out_shape
+        if n.op_type in SAME_SHAPE_IDENTITY and same_shape and (
+                SAME_SHAPE_IDENTITY[n.op_type] is None or i in SAME_SHAPE_IDENTITY[n.op_type]):
+            continue
+        if n.op_type == "Cast" and n.outputs and n.outputs[0] in specs and \
+                np.dtype(specs[n.outputs[0]].dtype) == np.dtype(specs[t].dtype):
+            continue
+        reads = READS_INPUTS.get(n.op_type)
+        if reads is not None and not (n.op_type in BROADCAST_REDUCED and not same_shape):
+            if any(j < len(n.inputs) and n.inputs[j] in variables for j in reads(i)):
+                continue
+        chosen.add(t)
+    if method == "AllNonViewChangingGradientTensors":
+        chosen.update(t for t, c in partials.items() if c >= 2)
+    order = {t: k for k, t in enumerate(graph.all_tensor_ids())}
+    return sorted((t for t in chosen if is_fp16(t)), key=lambda t: order.get(t, len(order)))
+
+
+@dataclass
+class AlsPlan:
+    """What the step needs: the tracked forward tensors, the histogram level, the update's f,
+    the period and the anchorable ALS tensors' specs."""
+    tracked: list
+    specs: dict                       # tracked id -> ShapeDtypeStruct
+    level: np.float16                 # the Histogram's bin edge (float16, as PopART's levels)
+    f: np.float32                     # t / (1 - t)
+    period: int                       # updatePeriod (<= 1: every batch)
+    loss_scaling_id: str              # lossScaling_FLOAT16 / lossScaling_FLOAT
+    accumulation: int = 1
+    replication: int = 1
+    anchors: dict = field(default_factory=dict)   # anchorable id -> ShapeDtypeStruct
+
+    def init_state(self) -> dict:
+        state = {FACTOR: np.float32(1.0)}
+        if self.period > 1:
+            state[COUNTER] = np.int32(-1)
+        return state
+
+    def stats_anchor(self, t: str) -> str:
+        return GRAD_PREFIX + t + STATS_SUFFIX
+
+    # --------------------------------------------------------------- in the compiled step
+    def begin(self, opt_state: dict, hyper: dict) -> tuple[dict, dict, Any, Any]:
+        """A batch's start: advance the counter; (opt_state, hyper with the final loss scale
+        and the update flag, the final loss scale, the optimizer's loss scaling)."""
+        if self.period > 1:
+            c = jnp.remainder(opt_state[COUNTER] + 1, self.period).astype(jnp.int32)
+            on = c < 1
+            opt_state = {**opt_state, COUNTER: c}
+        else:
+            on = jnp.asarray(True)
+        static = jnp.asarray(hyper["lossScaling"], jnp.float32)
+        final = static * opt_state[FACTOR]
+        return opt_state, {**hyper, "lossScaling": final, UPDATE: on}, final, static
+
+    def histograms(self, grads: Sequence[Any], on: Any) -> Any:
+        """[tracked, 2] uint32: each gradient's [count |g| < level, count of the rest] (inf
+        and NaN are not below the level); zeros when this batch does not update."""
+        level = jnp.asarray(self.level, jnp.float16)
+        rows = []
+        for g in grads:
+            lower = jnp.sum(jnp.abs(g) < level, dtype=jnp.uint32)
+            rows.append(jnp.stack([lower, jnp.uint32(np.size(g)) - lower]))
+        stats = jnp.stack(rows)
+        return jnp.where(on, stats, jnp.zeros_like(stats))
+
+    def update(self, factor: Any, stats: Any, on: Any) -> Any:
+        """LossScaleUpdateOpx: halve when upper > f * lower, else double (float32 compare);
+        unchanged in batches that do not update."""
+        lower, upper = stats[0], stats[1]
+        new = jnp.where(upper > lower * self.f, factor * 0.5, factor * 2.0).astype(factor.dtype)
+        return jnp.where(on, new, factor)
+
+
+def plan(settings: Any, graph: Graph, loss: str, variables: Sequence[str],
+         trainable: Sequence[str], specs: Mapping[str, Any], accumulation: int,
+         replication: int) -> AlsPlan:
+    """The tracked gradients and the errors PopART raises once it has them: none of float16
+    (``getToTrackTensorsAuto``), ``binEdgeLocation`` out of [0, 1] and a user tensor that is
+    not float16 (``getLevels``), ``thresholdUpperCountProportion`` out of [0, 1]
+    (``LossScaleUpdateOpx``, at prepareDevice)."""
+    tracked = tracked_tensors(settings, graph, loss, variables, trainable, specs)
+    user = _method(settings) == "GradientsOfUserSpecifiedTensors"
+    if not tracked:
+        if user:
+            raise OptionError(_T + "None of the tensors in 'toTrackTensors' "
+                              f"({', '.join(repr(t) for t in settings.toTrackTensors)}) has a "
+                              "gradient in this model, so there are no tracked gradient tensors.")
+        raise OptionError(_T + "No tracked gradient tensors of type fp16 were found.")
+    edge = np.float32(settings.binEdgeLocation)
+    if edge < 0 or edge > 1:
+        raise OptionError(_T + "Out of range value for 'binEdgeLocation'. The current value is "
+                          f"{float(edge):g}, but it should be in the range [0, 1].")
+    for t in tracked:
+        dt = np.dtype(specs[t].dtype)
+        if dt != np.float16:
+            raise OptionError(_T + f"Unsupported data type {_dtype_name(dt)} for to-track "
+                              f"tensor '{GRAD_PREFIX + t}'")
+    thr = np.float32(settings.thresholdUpperCountProportion)
+    if thr < 0 or thr > 1:
+        raise OptionError("Out of range value for 'thresholdUpperCountProportion'. The current "
+                          f"value is {float(thr):g}, but it should be in the range [0, 1].")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f = np.float32(thr / (np.float32(1) - thr))
+    loss_dt = np.dtype(specs[loss].dtype) if loss in specs else np.dtype(np.float32)
+    p = AlsPlan(tracked=list(tracked), specs={t: specs[t] for t in tracked},
+                level=np.float16(np.float32(FP16_MAX) * edge), f=f,
+                period=max(int(settings.updatePeriod), 1),
+                loss_scaling_id=LOSS_SCALING_PREFIX + _dtype_name(loss_dt),
+                accumulation=int(accumulation), replication=int(replication))
+    s2 = lambda dt: jax.ShapeDtypeStruct((2,), dt)   # noqa: E731
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    p.anchors = {FINAL: scalar, p.loss_scaling_id: scalar, SUMMED: s2(np.uint32),
+                 CASTED: s2(np.float32)}
+    if accumulation > 1:
+        p.anchors[ACCUM] = s2(np.float32)
+    if replication > 1:
+        p.anchors[REDUCED] = s2(np.float32)
+    p.anchors.update({p.stats_anchor(t): s2(np.uint32) for t in tracked})
+    _logger.debug(_T + "tracking the gradients of {}", ", ".join(tracked))
+    return p

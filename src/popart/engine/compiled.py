@@ -1,0 +1,207 @@
+"""The compiled-step layer: the one way every front-end turns a traced graph into a program.
+
+:class:`Placement` decides where a program's replicas run (one per device over a mesh axis
+with ``shard_map``, or side by side with ``vmap`` under the same axis name, so collectives
+work either way) and moves arrays there and back. :class:`CompiledStep` jits a step with
+donated state and explicit shardings, compiles it ahead of time for fixed argument shapes
+(from the step function, or from a serialized executable), exports it and runs it.
+:func:`graph_function` is the one-shot path for helpers (``run_model``, the ONNX backend).
+
+popart's InferenceSession / TrainingSession (``program.StepProgram``), ``popxl.Session``, the
+ONNX backend and ``shapes.run_model`` are clients of this module; executable files and the
+engine cache are in ``executable.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import jax
+import jax.export  # noqa: F401  (jax < 0.7 does not import it with jax)
+import jax.numpy as jnp
+import numpy as np
+
+from .. import distributed
+from ..errors import OutOfMemoryException, popart_exception, popart_runtime_error
+from ..ir.graph import Graph
+from .lower import raise_failed_checks, trace
+
+REPLICA_AXIS = "replica"
+
+
+@contextlib.contextmanager
+def xla_errors(what: str) -> Iterator[None]:
+    """XLA's own errors (out of memory, ...) as popart errors."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, popart_exception) or not (
+                isinstance(e, MemoryError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")):
+            raise
+        msg = " ".join(str(e).split())
+        if len(msg) > 1200:   # keep the head and the tail, where a host callback's reason is
+            msg = msg[:500] + " ... " + msg[-600:]
+        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in msg:
+            raise OutOfMemoryException(f"{what}: out of memory ({msg})") from None
+        raise popart_runtime_error(f"{what}: {msg}") from None
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+def _stack1(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+class Placement:
+    """Where a program's ``replication_factor`` replicas run, for the session's device
+    (a ``popart.DeviceInfo`` whose ``jax_devices`` are its devices, or None: JAX's first).
+
+    Replicas get distinct devices (a mesh with axis ``REPLICA_AXIS``) when the device has
+    enough of them, or in a distributed job each process's first local devices; otherwise
+    they run side by side on one device."""
+
+    def __init__(self, replication_factor: int, device_info: Any = None) -> None:
+        self.replication_factor = R = int(replication_factor)
+        own = list(getattr(device_info, "jax_devices", None) or [])
+        n = distributed.process_count()
+        if n > 1:
+            local = R // n
+            devs = [d for p in range(n) for d in [d for d in jax.devices() if d.process_index == p][:local]]
+            if len(devs) != R:
+                raise popart_exception(f"Global replication needs {local} device(s) in each of "
+                                       f"the {n} processes; some process has fewer")
+        else:
+            devs = own[:R] if R > 1 and len(set(own)) >= R else []
+        self.devices: list = devs
+        self.device = devs[0] if devs else (own or jax.local_devices())[0]
+        self.mesh = jax.sharding.Mesh(np.array(devs), (REPLICA_AXIS,)) if devs else None
+
+    @property
+    def platform(self) -> str:
+        """"cpu", "gpu", ...: where the program runs."""
+        return self.device.platform
+
+    def sharding(self, replica_dim: Optional[int] = None) -> jax.sharding.Sharding:
+        """Arrays replicated on every replica's device (``replica_dim`` None), or split
+        along dimension ``replica_dim`` (one slice per replica's device)."""
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(self.device)
+        P = jax.sharding.PartitionSpec
+        spec = P() if replica_dim is None else P(*([None] * replica_dim), REPLICA_AXIS)
+        return jax.sharding.NamedSharding(self.mesh, spec)
+
+    def replicate(self, fn: Callable, in_axes: Sequence[Optional[int]]) -> Callable:
+        """``fn`` (one replica's function) for all replicas: each argument is shared
+        (``in_axes`` None) or has the replicas on its leading dimension (0); every output
+        gets the replicas on its leading dimension. One replica: called directly."""
+        if any(ax not in (None, 0) for ax in in_axes):
+            raise ValueError(f"in_axes must be None or 0, got {in_axes}")
+        in_axes = tuple(in_axes)
+
+        def per_replica(*args: Any) -> Any:   # arguments with a leading replica dim of 1
+            return _stack1(fn(*[a if ax is None else _first(a) for a, ax in zip(args, in_axes)]))
+
+        if self.mesh is not None:
+            P = jax.sharding.PartitionSpec
+            return jax.shard_map(per_replica, mesh=self.mesh,
+                                 in_specs=tuple(P() if ax is None else P(REPLICA_AXIS) for ax in in_axes),
+                                 out_specs=P(REPLICA_AXIS), check_vma=False)
+        if self.replication_factor > 1:
+            return jax.vmap(fn, in_axes=in_axes, axis_name=REPLICA_AXIS,
+                            axis_size=self.replication_factor)
+        return per_replica
+
+    def put(self, tree: Any, replica_dim: Optional[int] = None) -> Any:
+        """Place ``tree``'s arrays (see :meth:`sharding`). In a distributed job each process
+        gives its local replicas' part."""
+        sharding = self.sharding(replica_dim)
+        if distributed.process_count() > 1:
+            return jax.tree_util.tree_map(
+                lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+        return jax.device_put(tree, sharding)
+
+    @staticmethod
+    def to_host(x: Any) -> np.ndarray:
+        """A program output as a NumPy array (replicated outputs: this process's copy). The
+        run's own errors surface here (XLA runs asynchronously)."""
+        with xla_errors("Running the step"):
+            if getattr(x, "is_fully_addressable", True):
+                return np.asarray(x)
+            return np.asarray(x.addressable_data(0))
+
+
+def arg_specs(tree: Any) -> Any:
+    """jax.ShapeDtypeStruct of every array of ``tree``."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+class CompiledStep:
+    """One program: ``fn`` jitted with ``in_shardings`` / ``out_shardings`` and its
+    ``donate_argnums`` buffers donated (state that the step replaces), compiled ahead of time
+    by :meth:`compile`, called as ``step(*args)``."""
+
+    def __init__(self, fn: Callable, in_shardings: Sequence[Any], out_shardings: Any,
+                 donate_argnums: Sequence[int] = ()) -> None:
+        self.fn = fn
+        self._jit_args = dict(in_shardings=tuple(in_shardings), out_shardings=out_shardings,
+                              donate_argnums=tuple(donate_argnums))
+        self.compiled: Any = None
+        self.compile_seconds = 0.0
+        self._specs: Optional[tuple] = None
+        self._jitted: Any = None
+
+    def _jit(self, fn: Callable) -> Any:
+        return jax.jit(fn, **self._jit_args)
+
+    def compile(self, specs: Sequence[Any], exported: Optional[bytes] = None) -> None:
+        """Compile for arguments shaped like ``specs`` (ShapeDtypeStruct trees), from the
+        step function or from a serialized executable (``exported``, see :meth:`export`)."""
+        self._specs = tuple(specs)
+        t0 = time.perf_counter()
+        fn = self.fn if exported is None else jax.export.deserialize(bytearray(exported)).call
+        self._jitted = self._jit(fn)
+        with xla_errors("Compiling the step"):
+            self.compiled = self._jitted.lower(*self._specs).compile()
+        self.compile_seconds = time.perf_counter() - t0
+
+    def export(self, specs: Optional[Sequence[Any]] = None) -> bytes:
+        """The step as a serialized StableHLO module (``jax.export``): the compiled one, or
+        for ``specs`` traced without compiling (what the engine cache stores and compiles)."""
+        if specs is None:
+            return bytes(jax.export.export(self._jitted)(*self._specs).serialize())
+        return bytes(jax.export.export(self._jit(self.fn))(*specs).serialize())
+
+    def __call__(self, *args: Any) -> Any:
+        with xla_errors("Running the step"):
+            return self.compiled(*args)
+
+
+def graph_function(graph: Graph, outputs: Sequence[str], static_feeds: Optional[Mapping[str, Any]] = None,
+                   training: bool = False) -> Callable[[Mapping[str, Any], Any], list]:
+    """``graph`` as a jitted function ``(feeds, key) -> outputs`` (a list in the order of
+    ``outputs``) for one-shot runs: inputs in ``static_feeds`` are compiled in; outputs known
+    at trace time (strings, shapes) bypass XLA; a failed run-time check raises
+    popart_runtime_error. It compiles again for new input shapes, as ``jax.jit`` does."""
+    outputs, static_feeds = list(outputs), dict(static_feeds or {})
+    per_trace: dict[str, tuple] = {}   # input signature -> (folded outputs, checks) of its trace
+
+    def signature(feeds: Mapping[str, Any]) -> str:
+        return str(jax.tree_util.tree_map(lambda v: (tuple(v.shape), str(v.dtype)), dict(feeds)))
+
+    @jax.jit
+    def traced(feeds: Mapping[str, Any], key: Any) -> tuple:
+        t = trace(graph, {**feeds, **static_feeds}, key=key, training=training)
+        folded = {i: t.env[o] for i, o in enumerate(outputs) if isinstance(t.env[o], np.ndarray)}
+        per_trace[signature(feeds)] = (folded, list(t.checks))
+        return [None if i in folded else t.env[o] for i, o in enumerate(outputs)], t.check_flags()
+
+    def run(feeds: Mapping[str, Any], key: Any) -> list:
+        with xla_errors("Running the model"):
+            res, flags = traced(dict(feeds), key)
+            folded, checks = per_trace[signature(feeds)]
+            raise_failed_checks(flags, checks)
+        return [folded[i] if i in folded else r for i, r in enumerate(res)]
+    return run

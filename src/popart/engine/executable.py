@@ -1,0 +1,184 @@
+"""Executable files and the engine cache, for every front-end.
+
+An executable file (``.popef``) is an .npz of the exported step (serialized StableHLO, see
+``CompiledStep.export``), its signature as JSON (what the program was compiled for: the
+model, configuration, options, package and JAX versions) and optionally arrays (variables,
+optimizer state). Reading one bounds every size and checks the signature. The engine cache
+is a folder of such files named by a hash of the signature; next to them, JAX's persistent
+compilation cache keeps the XLA executables, so a hit neither traces nor compiles."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import threading
+from importlib import metadata
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
+
+from ..errors import popart_exception
+from ..fileio import atomic_write, load_npz_bounded
+from ..logging import getLogger
+from .compiled import CompiledStep
+
+_logger = getLogger("session")
+EXECUTABLE_SLACK = 64 << 20   # bytes a file may hold beyond the tensors it is expected to hold
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("popart-xla")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def runtime_signature() -> dict:
+    """The versions and backend that compile a program (part of every signature)."""
+    return {"popart_xla": package_version(), "jax": jax.__version__, "backend": jax.default_backend()}
+
+
+def canonical(v: Any) -> Any:
+    """``v`` as JSON-able data that is the same in every process (sets sorted)."""
+    if isinstance(v, dict):
+        return {str(k): canonical(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(v, (set, frozenset)):
+        return sorted(repr(x) for x in v)
+    if isinstance(v, (list, tuple)):
+        return [canonical(x) for x in v]
+    return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+
+
+def signature_diff(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> list[str]:
+    """What differs between a saved signature and the session's, one item per field (per
+    option for the options)."""
+    out = []
+    for k, b in mine.items():
+        a = saved.get(k)
+        if a == b:
+            continue
+        if k == "options" and isinstance(a, dict) and isinstance(b, dict):
+            for n in sorted(set(a) | set(b)):
+                if a.get(n) != b.get(n):
+                    out.append(f"option {n} (file: {a.get(n, 'default')}, session: {b.get(n, 'default')})")
+        else:
+            out.append(f"{k} (file: {a}, session: {b})")
+    return out
+
+
+def executable_bytes(executable: bytes, signature: Mapping[str, Any],
+                     arrays: Optional[Mapping[str, np.ndarray]] = None) -> bytes:
+    """The contents of an executable file."""
+    entries = {"executable": np.frombuffer(executable, np.uint8),
+               "metadata": np.frombuffer(json.dumps(signature).encode(), np.uint8),
+               **dict(arrays or {})}
+    buf = io.BytesIO()
+    np.savez(buf, **entries)
+    return buf.getvalue()
+
+
+def read_executable(filename: str, signature: Mapping[str, Any],
+                    arrays_like: Optional[Mapping[str, Any]] = None,
+                    max_bytes: int = EXECUTABLE_SLACK) -> tuple[bytes, dict[str, np.ndarray]]:
+    """(executable, arrays) of an executable file. Arrays must be among ``arrays_like``
+    with their shapes and dtypes; the file may hold at most ``max_bytes``; its signature must
+    equal ``signature`` (popart_exception naming what differs)."""
+    expected = {"executable": None, "metadata": None,
+                **{k: (np.shape(v), np.asarray(v).dtype) for k, v in (arrays_like or {}).items()}}
+    data = load_npz_bounded(filename, expected, max_bytes=max_bytes, required=("executable", "metadata"))
+    try:
+        saved = json.loads(bytes(data["metadata"]).decode())
+    except (UnicodeDecodeError, ValueError):
+        raise popart_exception(f"'{filename}' has unreadable metadata") from None
+    diff = signature_diff(saved, signature)
+    if diff:
+        raise popart_exception(f"'{filename}' was compiled for something else: " + "; ".join(diff))
+    arrays = {k: v for k, v in data.items() if k not in ("executable", "metadata")}
+    return bytes(data["executable"]), arrays
+
+
+_XLA_CACHE_FLAGS = {"jax_compilation_cache_dir": None,
+                    "jax_persistent_cache_min_compile_time_secs": 0.0,
+                    "jax_persistent_cache_min_entry_size_bytes": 0}
+_XLA_CACHE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def xla_cache(folder: Optional[str]) -> Iterator[None]:
+    """JAX's persistent compilation cache (XLA executables) in ``folder`` for the compile in
+    this block only; ``folder`` None: JAX's own settings. JAX's config is process-wide, so
+    it is set and put back under a lock that every compile through this module takes."""
+    with _XLA_CACHE_LOCK:
+        if folder is None:
+            yield
+            return
+        saved = {k: getattr(jax.config, k) for k in _XLA_CACHE_FLAGS}
+        try:
+            for k, v in {**_XLA_CACHE_FLAGS, "jax_compilation_cache_dir": folder}.items():
+                jax.config.update(k, v)
+            compilation_cache.reset_cache()
+            yield
+        finally:
+            for k, v in saved.items():
+                jax.config.update(k, v)
+            compilation_cache.reset_cache()
+
+
+class EngineCache:
+    """One program's entry in an engine-cache folder: ``<folder>/<kind>-<hash>.popef``, the
+    hash of ``signature``. Entries hold the exported step; ``<folder>/xla`` holds XLA's
+    executables for them."""
+
+    def __init__(self, folder: str, kind: str, signature: Mapping[str, Any],
+                 max_bytes: int = EXECUTABLE_SLACK) -> None:
+        self.folder, self.signature, self.max_bytes = folder, dict(signature), max_bytes
+        digest = hashlib.sha256(json.dumps(self.signature, sort_keys=True).encode()).hexdigest()
+        self.entry = os.path.join(folder, f"{kind}-{digest[:32]}.popef")
+        self.xla_folder = os.path.join(os.path.abspath(folder), "xla")
+
+    def load(self) -> Optional[bytes]:
+        """The entry's exported step, or None (no entry, or one that cannot be used: logged)."""
+        if not os.path.exists(self.entry):
+            _logger.info(f"Engine cache: no entry '{self.entry}', compiling")
+            return None
+        try:
+            executable, _ = read_executable(self.entry, self.signature, max_bytes=self.max_bytes)
+        except popart_exception as e:
+            _logger.warn(f"Engine cache: entry not used, recompiling: {e}")
+            return None
+        _logger.info(f"Engine cache: using '{self.entry}'")
+        return executable
+
+    def store(self, executable: bytes) -> None:
+        """Write the entry (atomically); a session works without it, so failures are logged."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            atomic_write(self.entry, executable_bytes(executable, self.signature))
+            _logger.info(f"Engine cache: wrote '{self.entry}'")
+        except (OSError, popart_exception) as e:
+            _logger.warn(f"Engine cache: cannot write '{self.entry}': {e}")
+
+
+def compile_step(step: CompiledStep, specs: Sequence[Any], cache: Optional[EngineCache] = None,
+                 exported: Optional[bytes] = None) -> str:
+    """Compile ``step`` for ``specs``: from ``exported`` when given; else through ``cache``
+    (its entry's module, or the step exported now and stored after compiling: the same
+    module each time, so XLA's cache in the entry's folder finds its executable); else
+    from the step function. Returns where the program came from: "executable",
+    "engine cache", "compiled (cached)" or "compiled"."""
+    source = "executable" if exported is not None else "compiled"
+    store = False
+    if exported is None and cache is not None:
+        exported = cache.load()
+        source = "engine cache"
+        if exported is None:
+            exported, store, source = step.export(specs), True, "compiled (cached)"
+    with xla_cache(cache.xla_folder if cache is not None else None):
+        step.compile(specs, exported)
+    if store:
+        cache.store(exported)
+    return source

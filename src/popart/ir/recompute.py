@@ -1,0 +1,132 @@
+"""Recomputation: which forward tensors the backward pass keeps, as PopART decides it.
+
+PopART annotates each forward op Checkpoint (its outputs are stored for the backward pass) or
+Recompute (they are computed again when the backward pass needs them): by hand with
+``Builder.recomputeOutput`` / ``recomputeOutputInBackwardPass``, or automatically with
+``SessionOptions.autoRecomputation`` (``willow/src/recompute.cpp``):
+
+* ``Standard``: the forward ops on the loss's path, in schedule order, are cut into intervals
+  of decreasing length (``getDecreasingIntervals``); in each, the ops live at the point where
+  the live outputs take the least memory are checkpoints; every other op is recomputed.
+* ``NormOnly``: normalisation ops on the loss's path are recomputed, everything else kept.
+* ``RecomputeAll`` / ``Pipeline``: every op on the loss's path not annotated by hand is
+  recomputed, then the ops between the last checkpoints and the loss are kept
+  (``allCheckpointAfterLastCheckpoint``: recomputing them would be immediate anyway).
+
+On XLA the result is a ``jax.checkpoint`` policy over the step's loss function: the outputs of
+checkpoint ops are named (``jax.ad_checkpoint.checkpoint_name``) and saved, everything else is
+recomputed in the backward pass (:func:`checkpoint_ids`)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+from .graph import Graph, Node
+
+RECOMPUTE_OUTPUT = "__recompute_output"   # the Builder's annotation (RecomputeType)
+CHECKPOINT, RECOMPUTE = 1, 2              # RecomputeType values
+SAVED_NAME = "popart_checkpoint"          # checkpoint_name of kept tensors
+
+# Ops PopART's ``isNorm()`` is true for.
+NORM_OPS = frozenset({"BatchNormalization", "GroupNormalization", "InstanceNormalization",
+                      "LayerNormalization", "LpNormalization"})
+# Ops that cannot be recomputed (canRecompute() false: random, state, host and remote I/O).
+NOT_RECOMPUTABLE = frozenset({"Dropout", "RandomNormal", "RandomUniform", "RandomNormalLike",
+                              "RandomUniformLike", "Multinomial", "Bernoulli", "HostLoad",
+                              "HostStore", "RemoteLoad", "RemoteStore", "Init"})
+
+
+def decreasing_intervals(n: int) -> list[tuple[int, int]]:
+    """PopART's ``getDecreasingIntervals(N)``: intervals of sizes K, K-1, ..., 1, then ones,
+    K = floor((floor(sqrt(2N)) - 1) * 0.75)."""
+    k = int((int(math.sqrt(2.0 * n)) - 1) * 0.75)
+    if n == 1:
+        return [(0, 1)]
+    out, i0, size = [], 0, k
+    while i0 + size <= n and size > 0:
+        out.append((i0, i0 + size))
+        i0 += size
+        size -= 1
+    while i0 < n:
+        out.append((i0, i0 + 1))
+        i0 += 1
+    return out
+
+
+def _path_to_loss(graph: Graph, loss: str) -> list[Node]:
+    """The forward ops whose outputs reach the loss, in schedule (graph) order."""
+    producer = graph.producer()
+    needed, stack = set(), [loss]
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and id(node) not in needed:
+            needed.add(id(node))
+            stack += [i for i in node.inputs if i]
+    return [n for n in graph.nodes if id(n) in needed]
+
+
+def _can_recompute(node: Node) -> bool:
+    return node.op_type not in NOT_RECOMPUTABLE and node.domain != "ai.onnx.preview.training"
+
+
+def _live_sets(ops: list[Node]) -> list[list[Node]]:
+    """liveSets[i]: the ops whose outputs are still needed by a later op on the path just
+    after ops[i] has run (ops[i] included), as PopART's ``Graph::getLiveSets``."""
+    last_use: dict[int, int] = {}
+    produced = {o: i for i, n in enumerate(ops) for o in n.outputs if o}
+    for i, n in enumerate(ops):
+        for t in n.inputs:
+            if t in produced:
+                last_use[produced[t]] = max(last_use.get(produced[t], -1), i)
+    return [[ops[j] for j in range(i + 1) if j == i or last_use.get(j, -1) > i]
+            for i in range(len(ops))]
+
+
+def annotate(graph: Graph, loss: str, method: str, nbytes: Mapping[str, int]) -> dict[int, int]:
+    """id(node) -> CHECKPOINT or RECOMPUTE for the forward ops on the loss's path: the hand
+    annotations, completed by ``method`` ("NoRecompute", "Standard", "NormOnly",
+    "RecomputeAll", "Pipeline"). ``nbytes``: each tensor's size, for Standard."""
+    ops = _path_to_loss(graph, loss)
+    marks = {id(n): int(n.annotations.get(RECOMPUTE_OUTPUT, 0) or 0) for n in ops}
+    marks = {k: v for k, v in marks.items() if v in (CHECKPOINT, RECOMPUTE)}
+    if method == "Standard":
+        lives = _live_sets(ops)
+        mem = [sum(nbytes.get(o, 0) for n in live for o in n.outputs if o) for live in lives]
+        keep: set[int] = set()
+        for begin, end in decreasing_intervals(len(ops)) if ops else []:
+            best = min(range(begin, end), key=lambda i: mem[i])
+            keep |= {id(n) for n in lives[best]}
+        for n in ops:
+            if id(n) not in keep and _can_recompute(n):
+                marks.setdefault(id(n), RECOMPUTE)
+    elif method == "NormOnly":
+        for n in ops:
+            marks[id(n)] = RECOMPUTE if n.op_type in NORM_OPS and _can_recompute(n) else CHECKPOINT
+    elif method in ("RecomputeAll", "Pipeline"):
+        for n in ops:
+            if _can_recompute(n):
+                marks.setdefault(id(n), RECOMPUTE)
+        producer = {o: n for n in ops for o in n.outputs if o}
+        loss_op = producer.get(loss)
+        stack = [producer[i] for i in (loss_op.inputs if loss_op else []) if i in producer]
+        while stack:   # allCheckpointAfterLastCheckpoint
+            n = stack.pop()
+            if marks.get(id(n)) == RECOMPUTE:
+                marks[id(n)] = CHECKPOINT
+                stack += [producer[i] for i in n.inputs if i in producer]
+    return marks
+
+
+def checkpoint_ids(graph: Graph, loss: str, method: str, nbytes: Mapping[str, int]) -> Optional[set[str]]:
+    """The tensors the backward pass keeps (outputs of checkpoint ops, and of ops off the
+    loss's path), or None when no op is recomputed (JAX's default: keep what autodiff needs)."""
+    marks = annotate(graph, loss, method, nbytes)
+    recomputed = {k for k, v in marks.items() if v == RECOMPUTE}
+    if not recomputed:
+        return None
+    return {o for n in graph.nodes if id(n) not in recomputed for o in n.outputs if o}
+
+
+def method_name(value: Any) -> str:
+    """A RecomputationType member's name ("NoRecompute" for None / 0)."""
+    return getattr(value, "name", None) or "NoRecompute"

@@ -1,0 +1,85 @@
+"""Host-side helpers: :func:`to_numpy` (the conversion popxl applies to variable, constant
+and stream data) and :func:`table_to_string`."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .dtypes import _DOWNCAST, dtype as _dtype, float8_143, float8_152
+from .dtypes import to_numpy as _to_numpy
+from .fp8_utils import host_pow2scale_cast_to_fp8
+
+try:
+    import torch as _torch
+except ModuleNotFoundError:  # pragma: no cover
+    _torch = None
+
+
+def to_numpy(x: Any, dtype: Optional[_dtype] = None, downcast: bool = True, copy: bool = True,
+             log2_scale: Optional[int] = None, nan_on_overflow: Optional[bool] = None) -> np.ndarray:
+    """``x`` (NumPy array, torch tensor, scalar or nested sequence) as a C-ordered NumPy array.
+
+    Args:
+        x: the data.
+        dtype: the popxl dtype of the result. Without it, the data's own type, with 64-bit
+            floats / ints downcast to 32 bits when ``downcast``.
+        downcast: see ``dtype``.
+        copy: always return a new array (otherwise ``x`` itself when it needs no conversion).
+        log2_scale: float8 ``dtype`` only: multiply by ``2**log2_scale`` before the cast
+            (default 0).
+        nan_on_overflow: float8 ``dtype`` only: values out of range become NaN (default) or
+            saturate.
+
+    Raises:
+        RuntimeError: ``log2_scale`` / ``nan_on_overflow`` given for a dtype that is not
+            float8.
+        TypeError: float8 ``dtype`` for data that is not float16 / float32 / float64.
+        ValueError: an ``np.memmap`` that would need a copy while ``copy`` is False.
+    """
+    if dtype is not None:
+        dtype = _dtype.as_dtype(dtype)
+    if isinstance(x, np.memmap) and not copy:
+        if dtype is not None and dtype.as_numpy() != x.dtype:
+            raise ValueError("When passing a memory-mapped NumPy array, the `dtype` parameter "
+                             "must be None or the same as the array's dtype")
+        if not (x.flags.c_contiguous and x.flags.aligned):
+            raise ValueError("When passing a memory-mapped NumPy array, it must already be in "
+                             "C-ordered and aligned form.")
+        if x.dtype in _DOWNCAST and downcast:
+            raise ValueError(f"When passing a memory-mapped NumPy array, the dtype {x.dtype} is "
+                             "not supported, as it requires downcasting the array into a new "
+                             "array with a dtype supported by PopXL.")
+        return x
+    if dtype in (float8_143, float8_152):
+        arr = _to_numpy(x)
+        if arr.dtype != dtype.as_numpy():
+            if arr.dtype not in (np.float16, np.float32, np.float64):
+                raise TypeError(f"Type {arr.dtype} is not supported for float8 tensors. Please use "
+                                "float16, float32 or float64 types.")
+            arr = host_pow2scale_cast_to_fp8(arr, dtype, 0 if log2_scale is None else log2_scale,
+                                             True if nan_on_overflow is None else nan_on_overflow)
+        return np.array(arr, order="C", copy=True) if copy else np.ascontiguousarray(arr)
+    if log2_scale is not None:
+        raise RuntimeError("Non-default value for 'log2scale' is not supported for dtypes that are "
+                           "not popxl.float8_143 or popxl.float8_152")
+    if nan_on_overflow is not None:
+        raise RuntimeError("Non-default value for 'nan_on_overflow' is not supported for dtypes "
+                           "that are not popxl.float8_143 or popxl.float8_152")
+    arr = _to_numpy(x, dtype, downcast)
+    return np.array(arr, order="C", copy=True) if copy else np.ascontiguousarray(arr)
+
+
+def table_to_string(rows: Sequence[Sequence], delimiter: str = " | ", header: bool = True) -> str:
+    """``rows`` (each a sequence of the same length) as a text table: columns left-aligned to
+    their widest cell and joined by ``delimiter``, one line per row; with ``header`` a line of
+    dashes under the first row."""
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(c) for c in col) for col in zip(*rows)]
+    lines = []
+    for i, row in enumerate(rows):
+        line = delimiter.join(c.ljust(w) for c, w in zip(row, widths))
+        lines.append(line)
+        if header and i == 0 and len(rows) > 1:
+            lines.append("-" * (len(line) + 1))
+    return "".join(line + "\n" for line in lines)
