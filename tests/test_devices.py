@@ -31,6 +31,11 @@ def _pool_sizes():
     return len(accel), len(cpu), max(len(accel), len(cpu))
 
 
+def _system():
+    """(IPUs of the manager's system, devices they run on)."""
+    return devices.num_ipus(), len(set(devices._ipu_devices()))
+
+
 def test_enum_members():
     assert list(DeviceType.__members__) == ["IpuModel", "Cpu", "Ipu", "OfflineIpu", "Sim"]
     assert list(DeviceConnectionType.__members__) == ["Always", "OnDemand", "Never"]
@@ -83,21 +88,21 @@ def test_acquire_available_device(dm):
     d = dm.acquireAvailableDevice(1)
     assert d.type == DeviceType.Ipu and d.isAttached and d.numIpus == 1
     assert d.connectionType == DeviceConnectionType.Always
-    assert d.driverIds == [d.jax_devices[0].id]
+    assert d.driverIds == d.ipus == [d.ipus[0]]
     assert d.id in [e.id for e in dm.enumerateDevices()]
 
 
 def test_acquire_more_than_available_raises(dm):
-    total = _pool_sizes()[2]
-    with pytest.raises(popart_exception, match=f"{total + 1} IPUs"):
+    total = _system()[0]
+    with pytest.raises(popart_exception, match=f"{total + 1} IPUs.*POPART_NUM_IPUS"):
         dm.acquireAvailableDevice(total + 1)
     assert dm.tryAcquireAvailableDevice(total + 1) is None
 
 
 def test_devices_are_exclusive_while_attached(dm):
-    total = _pool_sizes()[2]
+    total, machine = _system()
     everything = dm.acquireAvailableDevice(total)
-    assert everything.distinct_devices and everything.numIpus == total
+    assert everything.distinct_devices == (machine >= total) and everything.numIpus == total
     with pytest.raises(popart_exception, match="attached"):
         dm.acquireAvailableDevice(1)
     assert dm.tryAcquireAvailableDevice(1) is None
@@ -111,9 +116,9 @@ def test_devices_are_exclusive_while_attached(dm):
 
 
 def test_acquire_distinct_devices_in_turn(dm):
-    total = _pool_sizes()[2]
+    total, machine = _system()
     held = [dm.acquireAvailableDevice(1) for _ in range(total)]
-    assert len({d.jax_devices[0] for d in held}) == total
+    assert len({d.jax_devices[0] for d in held}) == min(total, machine)   # IPU i on device i mod d
     assert len({d.id for d in held}) == total
     assert dm.tryAcquireAvailableDevice(1) is None
 
@@ -138,7 +143,7 @@ def test_acquire_by_id(dm):
 
 
 def test_enumerate_devices(dm):
-    total = _pool_sizes()[2]
+    total = _system()[0]
     singles = dm.enumerateDevices()
     assert len(singles) == total and all(d.numIpus == 1 for d in singles)
     assert not any(d.isAttached for d in singles)
@@ -160,7 +165,7 @@ def test_context_manager_attaches_and_detaches(dm):
 
 
 def test_try_attach_until_timeout(dm):
-    holder = dm.acquireAvailableDevice(_pool_sizes()[2])
+    holder = dm.acquireAvailableDevice(_system()[0])
     waiting = dm.enumerateDevices()[0]
     dm.setOnDemandAttachTimeout(0)
     assert waiting.tryAttachUntilTimeout() is False
@@ -175,7 +180,7 @@ def test_random_selection_returns_a_free_device(dm):
 
 
 def test_freed_device_info_releases_its_devices(dm):
-    total = _pool_sizes()[2]
+    total = _system()[0]
     dm.acquireAvailableDevice(total)  # not kept: detaches when garbage collected
     import gc
     gc.collect()
@@ -223,3 +228,57 @@ def test_configure_host_devices_respects_user_flag_and_late_calls():
     """)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"  # too late: JAX already has a backend
+
+
+def test_any_machine_has_a_system_of_ipus(dm, caplog):
+    """acquireAvailableDevice(n) gives n IPUs however few devices the machine has: IPU i runs
+    on device i mod d, with a log line; what can be acquired is what enumerateDevices lists."""
+    total, machine = _system()
+    assert total >= 16 and machine == _pool_sizes()[2]
+    import popart
+    logger = popart.getLogger("devicex")
+    level = logger.getLevel()
+    logger.setLevel("INFO")
+    try:
+        big = dm.acquireAvailableDevice(2 * machine)
+    finally:
+        logger.setLevel(level)
+    assert big.numIpus == 2 * machine and not big.distinct_devices
+    assert big.jax_devices == [devices._ipu_devices()[i] for i in big.ipus]
+    assert any("several IPUs per device" in r.getMessage() for r in caplog.records)
+    for n in (1, 2, 4, 8, 16):
+        listed = dm.enumerateDevices(numIpus=n)
+        assert len(listed) == total // n and all(d.numIpus == n for d in listed)
+    big.detach()
+
+
+def test_replicas_on_a_device_with_shared_ipus_match_one_replica_per_device(dm):
+    """A TrainingSession replicated over 8 IPUs of a 4-device machine runs its replicas side
+    by side (vmap) and gives the numbers it gives over 4 distinct devices x 2 replicas."""
+    import numpy as np
+    import popart
+    rs = np.random.RandomState(0)
+    X = rs.randn(1, 8, 2, 3).astype(np.float32)
+
+    def run(device, replicas):
+        b = popart.Builder()
+        x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+        w = b.addInitializedInputTensor(np.full((3, 2), 0.5, np.float32), "w")
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([x, w])], 0.1, reduction=popart.ReductionType.Sum)
+        o = popart.SessionOptions()
+        o.enableReplicatedGraphs, o.replicatedGraphCount = True, replicas
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                                   popart.ConstSGD(0.1), device, userOptions=o)
+        s.prepareDevice()
+        out = s.initAnchorArrays()
+        s.run(popart.PyStepIO({x: X.reshape(8, 2, 3)}, out))
+        got = np.zeros((3, 2), np.float32)
+        s.weightsToHost()
+        s.readWeights(popart.PyWeightsIO({w: got}))
+        return s, out[loss], got
+
+    shared, loss_a, w_a = run(dm.acquireAvailableDevice(8), 8)
+    assert shared._program.placement.devices == []       # fewer devices than replicas: vmap
+    distinct, loss_b, w_b = run(dm.createIpuModelDevice({"numIPUs": 8}), 8)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    np.testing.assert_allclose(w_a, w_b, rtol=1e-6)

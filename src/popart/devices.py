@@ -1,9 +1,14 @@
 """DeviceManager and DeviceInfo (API reference 13.7, user guide 4.2) mapped onto JAX devices.
 
 A DeviceInfo for n IPUs owns ``jax_devices``: n accelerators when the machine has that many,
-else n of the host CPU's virtual devices (see :func:`configure_host_devices`), else one CPU
-device repeated (replicas then run side by side; ``distinct_devices`` is False).
-Devices acquired from the manager ("hardware" devices) are exclusive while attached.
+else n of the host CPU's virtual devices (see :func:`configure_host_devices`), else devices
+repeated (replicas then run side by side; ``distinct_devices`` is False).
+
+The manager's "hardware" IPUs (``acquireAvailableDevice``, ``enumerateDevices``,
+``acquireDeviceById``) form a system of :func:`num_ipus` IPUs on any machine, as an IPU-POD
+has: IPU i runs on the machine's device i mod d (its accelerators, else its host CPU devices),
+so several IPUs share a device when there are fewer devices (a log line says so). Acquired
+devices are exclusive, IPU by IPU, while attached.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from typing import Optional
 
 
 HOST_DEVICES_ENV = "POPART_HOST_DEVICES"
+NUM_IPUS_ENV = "POPART_NUM_IPUS"   # IPUs the manager's system has (default: 16, or more devices)
+DEFAULT_NUM_IPUS = 16              # an IPU-POD16
 
 
 def configure_host_devices(n: Optional[int] = None) -> None:
@@ -39,9 +46,10 @@ def configure_host_devices(n: Optional[int] = None) -> None:
 import random  # noqa: E402
 import time  # noqa: E402
 import weakref  # noqa: E402
-from typing import Any, Optional, Sequence  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
 
 from .errors import popart_exception  # noqa: E402
+from .logging import getLogger  # noqa: E402
 from .options import _enum  # noqa: E402
 
 __all__ = ["DeviceType", "DeviceConnectionType", "SyncPattern", "DeviceSelectionCriterion",
@@ -54,8 +62,10 @@ DeviceSelectionCriterion = _enum("DeviceSelectionCriterion", "First Random")
 
 _ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 _DEFAULT_TILES = 1472  # tiles of a Mk2 IPU
-# jax device -> the DeviceInfo attached to it (entries vanish when that DeviceInfo is freed)
-_ATTACHED: "weakref.WeakValueDictionary[Any, DeviceInfo]" = weakref.WeakValueDictionary()
+# IPU index of the system -> the DeviceInfo attached to it (entries vanish when that
+# DeviceInfo is freed)
+_ATTACHED: "weakref.WeakValueDictionary[int, DeviceInfo]" = weakref.WeakValueDictionary()
+_logger = getLogger("devicex")
 
 
 def _platform_devices() -> tuple[list, list]:
@@ -82,18 +92,34 @@ def _jax_devices_for(n: int, cpu_only: bool = False) -> list:
     return [pool[i % len(pool)] for i in range(n)]
 
 
-def _device_groups() -> list[tuple]:
-    """Every acquirable group of devices; a group's index is its device id.
-
-    As with ``gc-info -l``: single devices first, then pairs, fours, ... (then other sizes),
-    each size as consecutive chunks. Sizes an accelerator pool cannot supply come from the
-    host CPU devices."""
+def num_ipus() -> int:
+    """The IPUs of the manager's system: ``POPART_NUM_IPUS``, default 16 (an IPU-POD16), and
+    at least one per device of the machine."""
     accel, cpu = _platform_devices()
-    groups = []
-    for pool, sizes in ((accel, range(1, len(accel) + 1)),
-                        (cpu, range(len(accel) + 1, len(cpu) + 1))):
-        for k in sorted(sizes, key=lambda k: (k & (k - 1) != 0, k)):  # powers of two first
-            groups += [tuple(pool[i * k:(i + 1) * k]) for i in range(len(pool) // k)]
+    try:
+        n = int(os.environ.get(NUM_IPUS_ENV, "") or DEFAULT_NUM_IPUS)
+    except ValueError:
+        raise popart_exception(f"{NUM_IPUS_ENV} must be a number of IPUs, got "
+                               f"{os.environ[NUM_IPUS_ENV]!r}") from None
+    return max(n, len(accel or cpu), 1)
+
+
+def _ipu_devices() -> list:
+    """The JAX device each IPU of the system runs on: IPU i on device i mod d."""
+    accel, cpu = _platform_devices()
+    pool = accel or cpu
+    return [pool[i % len(pool)] for i in range(num_ipus())]
+
+
+def _device_groups() -> list[tuple[int, ...]]:
+    """Every acquirable group of IPUs (indices); a group's index is its device id.
+
+    As with ``gc-info -l``: single IPUs first, then pairs, fours, ... (then other sizes),
+    each size as consecutive chunks."""
+    n = num_ipus()
+    groups: list[tuple[int, ...]] = []
+    for k in sorted(range(1, n + 1), key=lambda k: (k & (k - 1) != 0, k)):  # powers of two first
+        groups += [tuple(range(i * k, (i + 1) * k)) for i in range(n // k)]
     return groups
 
 
@@ -112,9 +138,10 @@ class DeviceInfo:
                  tilesPerIPU: int = _DEFAULT_TILES, version: str = "ipu2",
                  connectionType: Any = DeviceConnectionType.Always,
                  pattern: Any = SyncPattern.Full, exclusive: bool = False,
-                 options: Optional[dict] = None) -> None:
+                 options: Optional[dict] = None, ipus: Sequence[int] = ()) -> None:
         self._type = DeviceType(type)
         self.jax_devices = list(jax_devices)
+        self.ipus = list(ipus)   # the system's IPUs an acquired device holds
         self._id, self._tiles, self._version = int(id), int(tilesPerIPU), str(version)
         self._connection = DeviceConnectionType(connectionType)
         self.pattern = SyncPattern(pattern)
@@ -149,7 +176,7 @@ class DeviceInfo:
 
     @property
     def driverIds(self) -> list[int]:
-        return [d.id for d in self.jax_devices] if self._exclusive else []
+        return list(self.ipus) if self._exclusive else []
 
     @property
     def isAttached(self) -> bool:
@@ -172,10 +199,10 @@ class DeviceInfo:
         if self.offline or self._connection == DeviceConnectionType.Never:
             return False
         if self._exclusive:
-            if any(_ATTACHED.get(d, self) is not self for d in self.jax_devices):
+            if any(_ATTACHED.get(i, self) is not self for i in self.ipus):
                 return False
-            for d in self.jax_devices:
-                _ATTACHED[d] = self
+            for i in self.ipus:
+                _ATTACHED[i] = self
         self._attached = True
         return True
 
@@ -189,9 +216,9 @@ class DeviceInfo:
         return True
 
     def detach(self) -> None:
-        for d in self.jax_devices:
-            if _ATTACHED.get(d) is self:
-                del _ATTACHED[d]
+        for i in self.ipus:
+            if _ATTACHED.get(i) is self:
+                del _ATTACHED[i]
         self._attached = False
 
     def __enter__(self) -> "DeviceInfo":
@@ -272,7 +299,7 @@ class DeviceManager:
         """A free device of ``numIpus`` IPUs, or None. Attaches if connectionType is Always."""
         free = [d for d in self.enumerateDevices(pattern, numIpus, DeviceType.Ipu,
                                                  connectionType, tilesPerIpu)
-                if not any(j in _ATTACHED for j in d.jax_devices)]
+                if not any(i in _ATTACHED for i in d.ipus)]
         if not free:
             return None
         if DeviceSelectionCriterion(selectionCriterion) == DeviceSelectionCriterion.Random:
@@ -298,7 +325,7 @@ class DeviceManager:
         if not 0 <= id < len(groups):
             return None
         device = self._hardware(id, groups[id], pattern, connectionType, 0)
-        if any(j in _ATTACHED for j in device.jax_devices):
+        if any(i in _ATTACHED for i in device.ipus):
             return None
         return self._connect(device)
 
@@ -321,24 +348,29 @@ class DeviceManager:
     @staticmethod
     def _hardware(id: int, group: tuple, pattern: Any, connectionType: Any,
                   tilesPerIPU: int) -> DeviceInfo:
-        return DeviceInfo(DeviceType.Ipu, group, id=id, tilesPerIPU=tilesPerIPU or
-                          _DEFAULT_TILES, connectionType=connectionType, pattern=pattern,
-                          exclusive=True)
+        ipu_devices = _ipu_devices()
+        return DeviceInfo(DeviceType.Ipu, [ipu_devices[i] for i in group], id=id,
+                          tilesPerIPU=tilesPerIPU or _DEFAULT_TILES,
+                          connectionType=connectionType, pattern=pattern, exclusive=True,
+                          ipus=group)
 
     @staticmethod
     def _connect(device: DeviceInfo) -> DeviceInfo:
         if device.connectionType == DeviceConnectionType.Always and not device.attach():
             raise popart_exception(f"Could not attach to device {device.id}")
+        shared = len(set(device.jax_devices))
+        if shared < device.numIpus:
+            _logger.info(f"Device {device.id}: its {device.numIpus} IPUs run on {shared} "
+                         f"{device.jax_devices[0].platform} device(s) of this machine, "
+                         f"several IPUs per device (replicas side by side)")
         return device
 
     @staticmethod
     def _unavailable(numIpus: int) -> str:
-        accel, cpu = _platform_devices()
-        total = max(len(accel), len(cpu))
+        total = num_ipus()
         if numIpus > total:
-            return (f"Failed to acquire a device with {numIpus} IPUs: this machine presents "
-                    f"{len(accel)} accelerator(s) and {len(cpu)} host CPU device(s), so at "
-                    f"most {total} IPUs can be acquired (createIpuModelDevice accepts any "
-                    "numIPUs)")
+            return (f"Failed to acquire a device with {numIpus} IPUs: the system has "
+                    f"{total} IPUs (set {NUM_IPUS_ENV} for more; createIpuModelDevice "
+                    f"accepts any numIPUs)")
         return (f"Failed to acquire a device with {numIpus} IPUs: every such device is "
                 "attached; detach one first (DeviceInfo.detach())")
