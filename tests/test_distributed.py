@@ -51,3 +51,29 @@ def test_global_replication_options_are_checked():
         raise AssertionError("expected an error")
     except popart.popart_exception as e:
         assert "globalReplicationFactor" in str(e) and "4" in str(e)
+
+
+def test_horovod_recipe_trains_like_one_process_with_the_combined_batch(tmp_path):
+    """The user guide's Horovod recipe with `import popart.horovod as hvd`, 2 processes:
+    rank 1's different initial weights are replaced by rank 0's (broadcast_weights), and the
+    averaged gradients give the weights of one process training on both halves of the batch
+    (two local replicas, Mean reduction)."""
+    from popart.cli import main
+    code = main(["launch", "-n", "2", "--port", str(free_port()),
+                 os.path.join(HERE, "helpers", "hvd_train.py"), str(tmp_path)])
+    assert code == 0
+    got = [np.load(tmp_path / f"{p}.npz") for p in range(2)]
+    assert [int(g["size"]) for g in got] == [2, 2] and [int(g["local_rank"]) for g in got] == [0, 1]
+    assert all(float(g["mean_rank"][0]) == 0.5 for g in got)      # hvd.allreduce averages
+    b, ids, _ = mlp(seed=0)
+    X, L = data(2, lead=(2,))
+    opts = popart.SessionOptions()
+    opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, 2
+    opts.accumulationAndReplicationReductionType = popart.ReductionType.Mean
+    opt = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.5, True)})
+    s, out = train(b, ids, opt, 2, X, L, opts=opts, device=popart.DeviceManager().acquireAvailableDevice(2))
+    ref = read(s, ids)
+    for p in range(2):
+        np.testing.assert_allclose(got[p]["loss"], out[ids["loss"]][:, p], rtol=1e-5)
+        for k in ref:
+            np.testing.assert_allclose(got[p][k], ref[k], rtol=1e-5, atol=1e-6)

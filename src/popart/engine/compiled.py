@@ -60,13 +60,16 @@ class Placement:
     (a ``popart.DeviceInfo`` whose ``jax_devices`` are its devices, or None: JAX's first).
 
     Replicas get distinct devices (a mesh with axis ``REPLICA_AXIS``) when the device has
-    enough of them, or in a distributed job each process's first local devices; otherwise
+    enough of them, or, for replicas spread over the processes of a distributed job
+    (``across_processes``: global replication), each process's first local devices; otherwise
     they run side by side on one device."""
 
-    def __init__(self, replication_factor: int, device_info: Any = None) -> None:
+    def __init__(self, replication_factor: int, device_info: Any = None,
+                 across_processes: bool = False) -> None:
         self.replication_factor = R = int(replication_factor)
         own = list(getattr(device_info, "jax_devices", None) or [])
-        n = distributed.process_count()
+        n = distributed.process_count() if across_processes else 1
+        self.across_processes = n > 1
         if n > 1:
             local = R // n
             devs = [d for p in range(n) for d in [d for d in jax.devices() if d.process_index == p][:local]]
@@ -118,7 +121,7 @@ class Placement:
         """Place ``tree``'s arrays (see :meth:`sharding`). In a distributed job each process
         gives its local replicas' part."""
         sharding = self.sharding(replica_dim)
-        if distributed.process_count() > 1:
+        if self.across_processes:
             return jax.tree_util.tree_map(
                 lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
         return jax.device_put(tree, sharding)

@@ -92,7 +92,8 @@ class StepProgram:
     def __init__(self, graph: Graph, cfg: StepConfig, input_infos: Mapping[str, TensorInfo],
                  device: Any = None):
         self.graph, self.cfg, self.input_infos = graph, cfg, dict(input_infos)
-        self.placement = Placement(cfg.replication_factor, device)
+        self.placement = Placement(cfg.replication_factor, device, across_processes=bool(
+            getattr(cfg.options, "enableDistributedReplicatedGraphs", False)))
         self.variables, self.constants = split_variables(graph)
         self.graph_consts = Graph(**{**graph.__dict__, "initializers": self.constants})
         self.trainable: list[str] = []
