@@ -77,3 +77,30 @@ def test_horovod_recipe_trains_like_one_process_with_the_combined_batch(tmp_path
         np.testing.assert_allclose(got[p]["loss"], out[ids["loss"]][:, p], rtol=1e-5)
         for k in ref:
             np.testing.assert_allclose(got[p][k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_poprun_and_popdist_run_a_poprun_program(tmp_path, capfd):
+    """`poprun --num-instances 2 --num-replicas 4 python prog.py`: each instance has 2 local
+    replicas at its offset (popdist.popart.configureSessionOptions), and the job trains like 4
+    local replicas; --only-output-from-instance keeps one instance's output."""
+    import sys
+    from popdist.poprun import main
+    script = os.path.join(HERE, "helpers", "popdist_train.py")
+    code = main(["--num-instances", "2", "--num-replicas", "4", "--only-output-from-instance",
+                 "0", "--port", str(free_port()), sys.executable, script, str(tmp_path)])
+    assert code == 0
+    got = [np.load(tmp_path / f"{p}.npz") for p in range(2)]
+    b, ids, _ = mlp()
+    X, L = data(2, lead=(4,))
+    opts = popart.SessionOptions()
+    opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, 4
+    opts.accumulationAndReplicationReductionType = popart.ReductionType.Mean
+    opt = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.5, True)})
+    s, out = train(b, ids, opt, 2, X, L, opts=opts, device=popart.DeviceManager().acquireAvailableDevice(4))
+    ref = read(s, ids)
+    for p in range(2):
+        np.testing.assert_allclose(got[p]["loss"], out[ids["loss"]][:, 2 * p:2 * p + 2], rtol=1e-5)
+        for k in ref:
+            np.testing.assert_allclose(got[p][k], ref[k], rtol=1e-5, atol=1e-6)
+    assert main(["--num-instances", "2", "--num-replicas", "3", "python", "x.py"]) == 2
+    assert "multiple of --num-instances" in capfd.readouterr().err

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .errors import OptionError, popart_exception
 
@@ -88,19 +88,25 @@ def check_options(options: object, local_replicas: int) -> int:
 
 
 def launch(argv: Sequence[str], num_processes: int, port: int = 12355,
-           host: str = "127.0.0.1", timeout: Optional[float] = None) -> int:
-    """Run ``python argv...`` as ``num_processes`` processes of one distributed job on this
-    machine. As soon as one process fails, every other one is stopped (SIGTERM, then SIGKILL
-    after ``GRACE_SECONDS``) and its exit status is returned (128 + N for a process killed by
-    signal N); 0 when all succeed. ``timeout`` (seconds): stop them all and raise
-    subprocess.TimeoutExpired."""
+           host: str = "127.0.0.1", timeout: Optional[float] = None,
+           env_for: Optional[Callable[[int], dict]] = None, python: bool = True,
+           quiet: Optional[Sequence[bool]] = None) -> int:
+    """Run ``python argv...`` (``python`` False: the command ``argv``) as ``num_processes``
+    processes of one distributed job on this machine; ``env_for(i)``: more environment
+    variables for process i; ``quiet[i]``: discard process i's output. As soon as one process
+    fails, every other one is stopped (SIGTERM, then SIGKILL after ``GRACE_SECONDS``) and its
+    exit status is returned (128 + N for a process killed by signal N); 0 when all succeed.
+    ``timeout`` (seconds): stop them all and raise subprocess.TimeoutExpired."""
     procs = []
     deadline = None if timeout is None else time.monotonic() + timeout
+    command = [sys.executable, *argv] if python else list(argv)
     try:
         for pid in range(num_processes):
             env = dict(os.environ, **{ENV_COORDINATOR: f"{host}:{port}",
-                                      ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(pid)})
-            procs.append(subprocess.Popen([sys.executable, *argv], env=env))
+                                      ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(pid)},
+                       **(env_for(pid) if env_for else {}))
+            out = subprocess.DEVNULL if quiet and quiet[pid] else None
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=out))
         while True:
             codes = [p.poll() for p in procs]
             failed = next((c for c in codes if c), None)
