@@ -258,6 +258,13 @@ def test_pipeline_settings():
     with pytest.raises(IrError, match="have the same pipeline stage 0, but different virtual "
                                       "graph ids"):
         inference(proto, [out], o, two_ipus())
+    proto, x, out = _annotated([0, 0, 1], [0, 0, 2])
+    with pytest.raises(IrError, match="contains 2 stages, but stage 1 is missing"):
+        inference(proto, [out], o, two_ipus())
+    proto, x, out = _annotated([0, 0, 1], [0, 0, 1])
+    with pytest.raises(IrError, match=r"depth \(batchesPerStep\) must equal at least the "
+                                      r"number of pipeline stages \(2\)"):
+        inference(proto, [out], o, two_ipus())   # one batch per step, two stages
 
 
 # ---------------------------------------------------------------- Builder (builder_impl.cpp)

@@ -159,3 +159,47 @@ def test_externally_saved_tensors_move_and_stay_external(tmp_path):
     full = onnx.load(str(out / "saved.onnx"))
     w1 = {t.name: onnx.numpy_helper.to_array(t) for t in full.graph.initializer}["w1"]
     np.testing.assert_array_equal(w1, np.full((4, 3), 0.1, np.float32))
+
+
+def pipelined(fwd_only=True, accumulate=True):
+    """Two pipeline stages on two IPUs: y = relu(x @ w1) @ w2, loss = L1(y)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]), "x")
+    w1 = b.addInitializedInputTensor(np.full((4, 3), 0.1, np.float32), "w1")
+    w2 = b.addInitializedInputTensor(np.full((3, 2), -0.2, np.float32), "w2")
+    with b.virtualGraph(0), b.pipelineStage(0):
+        h = b.aiOnnx.relu([b.aiOnnx.matmul([x, w1])])
+    with b.virtualGraph(1), b.pipelineStage(1):
+        y = b.aiOnnx.matmul([h, w2])
+        loss = b.aiGraphcore.l1loss([y], 0.5, reduction=popart.ReductionType.Sum)
+    o = popart.SessionOptions()
+    o.enablePipelining, o.virtualGraphMode = True, popart.VirtualGraphMode.Manual
+    o.enableGradientAccumulation, o.accumulationFactor = accumulate, 2 if accumulate else 1
+    o.createImplicitPipeliningFwdOnlyProgram = fwd_only
+    return b.getModelProto(), x, y, loss, o
+
+
+def test_implicit_pipelining_forward_only_program():
+    """run("implicitPipeliningFwdOnly", stepio) runs the forward pass on the current weights
+    and trains nothing; PopART's checks on the option."""
+    proto, x, y, loss, o = pipelined()
+    s = popart.TrainingSession(proto, popart.DataFlow(1, [y, loss]), loss, popart.ConstSGD(0.1),
+                               popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
+    s.prepareDevice()
+    feed = np.arange(16, dtype=np.float32).reshape(2, 2, 4) / 16     # [accumulation, batch, 4]
+    run(s, x, feed)                                                   # one training step
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in s.getIr().getModel().graph.initializer}
+    out = s.initAnchorArrays()
+    s.run("implicitPipeliningFwdOnly", popart.PyStepIO({x: feed}, out))
+    expected = np.maximum(feed @ weights["w1"], 0) @ weights["w2"]
+    np.testing.assert_allclose(out[y], expected, rtol=1e-6)
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in s.getIr().getModel().graph.initializer}
+    np.testing.assert_array_equal(after["w1"], weights["w1"])        # nothing trained
+    proto, x, y, loss, o = pipelined(accumulate=False)
+    with pytest.raises(popart.popart_exception, match="not supported without gradient accumulation"):
+        popart.TrainingSession(proto, popart.DataFlow(2, [loss]), loss, popart.ConstSGD(0.1),
+                               popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
+    o.enablePipelining = False
+    with pytest.raises(popart.popart_exception, match="not supported without implicit pipelining"):
+        popart.TrainingSession(proto, popart.DataFlow(2, [loss]), loss, popart.ConstSGD(0.1),
+                               popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import io
@@ -127,6 +128,7 @@ class _Session:
         self._summary: dict[str, Any] = {}
         self._stream_callbacks: dict[str, Any] = {}
         self._loaded: Optional[dict] = None   # contents of a loadExecutable() file
+        self._fwd_program: Optional[StepProgram] = None   # "implicitPipeliningFwdOnly"
         self._lock = threading.RLock()       # see the class docstring
         if self._training:
             self._check_training_args()
@@ -160,7 +162,22 @@ class _Session:
         if self._training and self._loss not in set(self._graph.all_tensor_ids()):
             raise IrError(f"Could not find loss tensor '{self._loss}' in main graph tensors")
         _check_virtual_graphs(self._graph, o, self._device, self.replicationFactor)
-        _check_pipeline_settings(self._graph, o, self._device, self.replicationFactor)
+        _check_pipeline_settings(self._graph, o, self._device, self.replicationFactor,
+                                 self._dataFlow.batchesPerStep())
+        if getattr(o, "createImplicitPipeliningFwdOnlyProgram", False):
+            _logger.warn("Implicit pipelining forward-only program is deprecated and will be "
+                         "removed in future releases.")
+            explicit = bool(getattr(o, "useHostCopyOps", False) and
+                            getattr(o, "enableExplicitMainLoops", False))
+            if o.enablePipelining and explicit:
+                raise IrError("Implicit pipelining forward-only program is not supported with "
+                              "explicit pipelining.")
+            if not o.enablePipelining:
+                raise IrError("Implicit pipelining forward-only program is not supported "
+                              "without implicit pipelining.")
+            if not o.enableGradientAccumulation or o.accumulationFactor < 1:
+                raise IrError("Implicit pipelining forward-only program is not supported "
+                              "without gradient accumulation.")
         phases = getattr(getattr(o, "executionPhaseSettings", None), "phases", 0)
         if phases > 1 and o.virtualGraphMode.name != "ExecutionPhases":
             raise OptionError("> 1 execution phases requires VirtualGraphMode::ExecutionPhases")
@@ -357,7 +374,8 @@ class _Session:
         "implicitPipeliningFwdOnly" and "copyNamedBuffers", are not built here)."""
         handle, stepio, debugName = _run_arguments(args, kwargs)
         if handle is not None:
-            raise popart_exception(f"[Devicex::run] Program {handle} not found.")
+            self._run_forward_only(handle, stepio, debugName)
+            return
         if not self._prepared:
             self.prepareDevice()
         if getattr(self._device, "offline", False):
@@ -378,6 +396,38 @@ class _Session:
         if self._training:
             self._host_in_sync = False
         _logger.debug(f"run {debugName!r} done")
+
+    def _run_forward_only(self, handle: str, stepio: Any, debugName: str) -> None:
+        """``run("implicitPipeliningFwdOnly", stepio)``: the forward pass of a pipelined
+        TrainingSession made with ``createImplicitPipeliningFwdOnlyProgram``, on the current
+        weights (nothing is trained; gradient and optimizer-state anchors are not written).
+        PopART's only other program, "copyNamedBuffers", is not built here."""
+        if handle != FWD_ONLY_PROGRAM or not (
+                self._training and getattr(self.options, "createImplicitPipeliningFwdOnlyProgram", False)):
+            raise popart_exception(f"[Devicex::run] Program {handle} not found.")
+        if not self._prepared:
+            self.prepareDevice()
+        if self._fwd_program is None:
+            train = self._program
+            skip = set(train.opt_state_ids()) | set(train.als_anchors)
+            anchors = {a: art for a, art in train.cfg.anchors.items()
+                       if not a.startswith(GRAD_PREFIX) and a not in skip}
+            cfg = dataclasses.replace(train.cfg, training=False, loss=None, optimizer=None,
+                                      als=None, anchors=anchors)
+            program = StepProgram(self._graph, cfg, self._input_infos, self._device)
+            program.plan()
+            with jax.default_device(self._jax_device()):
+                program.compile(self._host_weights, {}, self._key, {})
+            self._fwd_program = program
+        feeds = self._gather_inputs(stepio)
+        outs = self._check_outputs(stepio)
+        weights, opt_state = self._device_state()
+        with jax.default_device(self._jax_device()):
+            weights, _, self._key, anchors = self._fwd_program.run(weights, {}, self._key, feeds, {})
+            self._dev = (weights, opt_state)
+            self._fwd_program.raise_failed_checks(anchors)
+            self._write_anchors(stepio, outs, anchors)
+        _logger.debug(f"run {handle!r} {debugName!r} done")
 
     def _check_outputs(self, stepio: Any) -> dict:
         if isinstance(stepio, _df.PyStepIOCallback):
@@ -1059,6 +1109,9 @@ class _Session:
             detach()
 
 
+FWD_ONLY_PROGRAM = "implicitPipeliningFwdOnly"   # PopART's custom program handle
+
+
 def _run_arguments(args: tuple, kwargs: dict) -> tuple:
     """(programHandle or None, stepio, debugName) of ``run``'s two overloads:
     ``(stepio, debugName="")`` and ``(programHandle, stepio, debugName="")``."""
@@ -1241,9 +1294,12 @@ def _check_virtual_graphs(graph: Graph, o: Any, device: Any, replicas: int) -> N
                           f"{int(v)}. numIPUs = {n}.")
 
 
-def _check_pipeline_settings(graph: Graph, o: Any, device: Any, replicas: int) -> None:
+def _check_pipeline_settings(graph: Graph, o: Any, device: Any, replicas: int,
+                             batches_per_step: int) -> None:
     """Ir::verifyPipelineSettings: implicit pipelining needs virtual graphs over more than one
-    IPU; pipeline stages are set on every op or none, each stage on one virtual graph."""
+    IPU; pipeline stages are set on every op or none, each stage on one virtual graph, with
+    no stage missing (Ir::getNumPipelineStages), and enough micro-batches to fill the pipeline
+    (the Pipeline transform's depth check)."""
     if not getattr(o, "enablePipelining", False):
         return
     explicit = bool(getattr(o, "useHostCopyOps", False) and
@@ -1269,6 +1325,18 @@ def _check_pipeline_settings(graph: Graph, o: Any, device: Any, replicas: int) -
             raise IrError(f"Ops {[_op_str(graph, op) for op in members]} have the same pipeline "
                           f"stage {ps}, but different virtual graph ids {vgraphs}. All ops with "
                           f"the same pipeline stage must also have the same virtual graph id")
+    n_stages = len(stages)
+    missing = [i for i in range(n_stages) if i not in stages]
+    if missing:
+        raise IrError(f"The set of pipeline stages for all Ops contains {n_stages} stages, "
+                      f"but stage {missing[0]} is missing")
+    if getattr(o, "enableGradientAccumulation", False):
+        if o.accumulationFactor < n_stages:
+            raise IrError(f"For pipelining, depth (gradient accumulation factor) must equal at "
+                          f"least the number of pipeline stages ({n_stages})")
+    elif batches_per_step < n_stages:
+        raise IrError(f"For pipelining, depth (batchesPerStep) must equal at least the number "
+                      f"of pipeline stages ({n_stages})")
 
 
 # Ops PopART never prunes (side effects, variable updates) or that may hold anchors in a
