@@ -15,11 +15,15 @@ from .graph import Graph  # noqa: F401
 from .ir import Ir  # noqa: F401
 from .module import Module  # noqa: F401
 from .random_seed import create_seeds, two_uint32_to_uint64, uint64_to_two_uint32  # noqa: F401
+from .remote_buffer import RemoteBuffer, remote_buffer  # noqa: F401
 from .replica_grouping import ReplicaGrouping  # noqa: F401
 from .session import Session  # noqa: F401
 from .streams import DeviceToHostStream, HostToDeviceStream, d2h_stream, h2d_stream  # noqa: F401
 from .tensor import (Constant, Tensor, TensorByRef, TensorLike, TensorSpec, Variable,  # noqa: F401
-                     constant, graph_input, graph_output, variable)
+                     constant, graph_input, graph_output, remote_replica_sharded_variable,
+                     remote_variable, replica_sharded_buffer, replica_sharded_variable, variable)
+from .tensorlocation import (ExecutionContext, ReplicatedTensorSharding, TensorLocation,  # noqa: F401
+                             TensorStorage, TileSet)
 from .transforms.autodiff import ExpectedConnectionType, GradGraphInfo  # noqa: F401
 
 from popart import ReductionType  # noqa: F401,E402

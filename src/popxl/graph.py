@@ -4,7 +4,9 @@ Tensors are SSA values of the IR. An in-place op gives its tensor a new IR id (a
 version); the popxl Tensor object then names that version, so later ops read the new value.
 A subgraph input passed by reference returns its last version as an extra output of the
 call, and the caller's tensor moves to it. Host streams use the same mechanism: their
-buffers and counters are hidden inputs of every graph that loads or stores them.
+buffers and counters are hidden inputs of every graph that loads or stores them; so do remote
+buffers (``ops.remote_load`` / ``remote_store``). A remote variable has no value in the
+graph: ops read it through remote loads.
 """
 from __future__ import annotations
 
@@ -202,7 +204,8 @@ class Graph:
             else:
                 spec = self._ir._main._state(key, make, by_ref)._spec
                 parts = key if isinstance(key, tuple) else (key,)
-                name = "_".join(str(getattr(k, "name", k)) for k in parts)
+                name = getattr(parts[-1], "_state_name", None) or \
+                    "_".join(str(getattr(k, "name", k)) for k in parts)
                 self._add_input(spec, name, by_ref, hidden=key)
         if by_ref and not self._is_main:
             self._hidden_by_ref.add(key)
@@ -268,6 +271,14 @@ class Graph:
                 raise ValueError(f"Tensor '{t.id}' belongs to graph '{t._graph.name}', not to "
                                  f"graph '{self.name}' that is being built: pass it to the "
                                  f"subgraph as an input")
+            remote = getattr(t, "_remote", None)
+            if remote is not None:
+                buf, off = remote
+                hint = ("; its shard on each replica is the tensor that replica_sharded_variable "
+                        "returned with it" if t._shard is not None else "")
+                raise ValueError(f"Variable '{t.id}' is stored in RemoteBuffer[id="
+                                 f"{buf.remote_buffer_id}] at offset {off}: ops cannot read it "
+                                 f"directly, load it with ops.remote_load(buffer, {off}){hint}")
             ins.append(t._ir_id)
         base = name or op_type.lower()
         outs = []

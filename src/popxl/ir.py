@@ -44,6 +44,8 @@ class Ir:
         self._graph_names: dict[str, int] = {}
         self._variables: list = []
         self._variable_data: dict = {}
+        self._remote_buffers: dict = {}      # id -> popxl.RemoteBuffer
+        self._remote_entries: dict = {}      # (RemoteBuffer, offset) -> its remote Variable
         self._h2d: list[HostToDeviceStream] = []
         self._d2h: list[DeviceToHostStream] = []
         self._graphs: list[Graph] = []
@@ -117,7 +119,8 @@ class Ir:
                 param = sig.parameters[name]
                 by_ref = _is_by_ref(param.annotation)
                 if isinstance(arg, (Tensor, TensorSpec)):
-                    arguments[name] = graph_input(arg.shape, arg.dtype, name, by_ref=by_ref)
+                    arguments[name] = graph_input(arg.shape, arg.dtype, name, by_ref=by_ref,
+                                                  meta_shape=arg.meta_shape)
                 elif isinstance(arg, (tuple, list, dict)) and arg:
                     items = list(arg.items()) if isinstance(arg, dict) else \
                         [(f"{name}_{i}", a) for i, a in enumerate(arg)]
@@ -126,7 +129,8 @@ class Ir:
                         raise TypeError(f"A {type(arg).__name__} argument can't contain a mixture "
                                         f"of Tensors and other types. Arg name: {name}. Value: {arg}")
                     if all(is_t):
-                        new = [(k, graph_input(a.shape, a.dtype, k, by_ref=by_ref)) for k, a in items]
+                        new = [(k, graph_input(a.shape, a.dtype, k, by_ref=by_ref, meta_shape=a.meta_shape))
+                               for k, a in items]
                         arguments[name] = dict(new) if isinstance(arg, dict) else \
                             type(arg)(t for _, t in new) if isinstance(arg, tuple) else [t for _, t in new]
             outputs = func(*bound.args, **bound.kwargs)

@@ -67,13 +67,75 @@ class ReplicaGrouping:
         return [self._assignment.index(g) for g in sorted(set(self._assignment))]
 
     def transpose(self) -> "ReplicaGrouping":
-        """The grouping whose groups take one replica from each of this one's groups."""
-        if self._stride is None:
-            raise ValueError("transpose() needs a grouping with a constant stride")
-        if self._stride == 1:
-            return ReplicaGrouping(self._num_replicas, self._group_size,
-                                   self._num_replicas // self._group_size)
-        return ReplicaGrouping(self._num_replicas, 1, self._stride)
+        """The grouping whose k-th group holds the k-th member of every group of this one,
+        e.g. [0, 0, 1, 1] -> [0, 1, 0, 1] and [0, 1, 0, 1, 2, 3, 2, 3] -> [0, 0, 1, 1, 0, 0, 1, 1]
+        (in group-matrix terms: rows are groups, values replicas; the transpose swaps rows and
+        columns)."""
+        rows = self._members()
+        if len({len(m) for m in rows}) != 1:
+            raise ValueError(f"transpose() needs groups of one size, got {self}")
+        assignment = [0] * self._num_replicas
+        for row in rows:
+            for k, rep in enumerate(row):
+                assignment[rep] = k
+        return ReplicaGrouping(self._num_replicas, assignment=assignment)
+
+    def _members(self) -> list[list[int]]:
+        """The replicas of each group (in group order), each in increasing order."""
+        groups: dict[int, list[int]] = {}
+        for r, a in enumerate(self._assignment):
+            groups.setdefault(a, []).append(r)
+        return [groups[g] for g in sorted(groups)]
+
+    @property
+    def const_rg(self) -> "ReplicaGrouping":
+        """A grouping with a constant stride that refines this one: this grouping itself
+        when its stride is constant; otherwise its groups are split where a member is
+        farther than the smallest stride from the previous one, and the result regrouped
+        with that stride and the greatest common divisor of the pieces' sizes. For example
+        [0, 0, 1, 1, 0, 0, 1, 1] -> [0, 0, 1, 1, 2, 2, 3, 3]."""
+        if self.is_const:
+            return self
+        import math
+        rows = self._members()
+        gaps = {b - a for m in rows for a, b in zip(m, m[1:])}
+        stride = min(gaps) if gaps else 1
+        sizes = []
+        for m in rows:
+            run = 1
+            for a, b in zip(m, m[1:]):
+                if b - a > stride:
+                    sizes.append(run)
+                    run = 1
+                else:
+                    run += 1
+            sizes.append(run)
+        size = 0
+        for n in sizes:
+            size = math.gcd(size, n)
+        return ReplicaGrouping(self._num_replicas, stride if size > 1 else 1, size)
+
+    @property
+    def to_device_map(self) -> Optional[list[int]]:
+        """For a grouping without a constant stride: this grouping's group of each group of
+        :attr:`const_rg` (None when the stride is constant)."""
+        if self.is_const:
+            return None
+        out: dict[int, int] = {}
+        for c, a in zip(self.const_rg.assignment, self._assignment):
+            out.setdefault(c, a)
+        return [out[c] for c in sorted(out)]
+
+    @property
+    def to_host_map(self) -> Optional[list[int]]:
+        """For a grouping without a constant stride: the first group of :attr:`const_rg`
+        inside each group of this grouping (None when the stride is constant)."""
+        if self.is_const:
+            return None
+        out: dict[int, int] = {}
+        for c, a in zip(self.const_rg.assignment, self._assignment):
+            out.setdefault(a, c)
+        return [out[a] for a in sorted(out)]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ReplicaGrouping) and self._assignment == other._assignment

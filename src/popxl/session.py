@@ -5,12 +5,19 @@ is one call into the compiled program: replicas on distinct devices when the ses
 has enough (``shard_map``; ``POPART_HOST_DEVICES`` on a CPU-only machine) or side by side
 (``vmap``), under the replica axis that collectives use; host loads read successive elements
 of their streams. Variables stay on the device between runs, stored as [replicas, *shape]
-and split across the replicas' devices. With ``POPXL_CACHE_DIR`` (or the Ir's session
-options ``enableEngineCaching`` + ``cachePath``) the program goes through the engine cache."""
+and split across the replicas' devices; a replica-sharded variable (``replica_sharded_variable``)
+only as its shards, [replicas, ceil(nelms / shards)]. Remote buffers are kept the same way,
+[replicas, entries, *tensor_shape], in host memory where the backend has a ``pinned_host``
+memory kind (GPUs; ``POPXL_REMOTE_MEMORY_KIND`` chooses: "auto", "device", "pinned_host"),
+moved to the device for a run and back after it; remote variables are entries of them.
+With ``POPXL_CACHE_DIR`` (or the Ir's session options ``enableEngineCaching`` +
+``cachePath``) the program goes through the engine cache."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import jax
@@ -24,6 +31,7 @@ from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.lower import CHECKS, first_failure, raise_failed_checks, trace
 from popart.ir.graph import fingerprint
+from popart.logging import getLogger
 from popart.session import _serialised
 from popart.tensorinfo import TensorInfo, to_datatype
 
@@ -31,6 +39,43 @@ from .dtypes import to_numpy
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
 from .tensor import Constant, Variable
+
+
+_logger = getLogger("session")
+
+
+@dataclass
+class _Slot:
+    """One array of the session's device state, [replicas, *shape] split over the replicas'
+    devices: the value of ``graph_in`` in the main graph before a run; ``graph_out`` (a
+    tensor: its latest version; None: ``graph_in``) after it."""
+    key: str                        # its key in Session._dev
+    shape: tuple                    # per replica
+    dtype: np.dtype
+    graph_in: str
+    graph_out: Any
+    kind: str                       # "variable", "rts" (replica_sharded_variable) or "remote"
+    var: Optional[Variable] = None
+    buffer: Any = None
+    entries: list = field(default_factory=list)   # remote: the remote variables in the buffer
+    memory_kind: Optional[str] = None              # remote: where it lives between runs
+
+
+def _to_device_memory(x: Any) -> Any:
+    """``x`` moved to device memory inside a jitted function."""
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    if space is not None:
+        return jax.device_put(x, space.Device)
+    return jax.device_put(x, jax.sharding.TransferToMemoryKind("device"))  # type: ignore[attr-defined]
+
+
+def _in_device_memory(fn: Any, keys: list) -> Any:
+    """``fn(state, feeds)`` with the state arrays ``keys`` (kept in host memory between
+    runs) moved to device memory for the step; the step's out_shardings put their new values
+    back in host memory."""
+    def step(state: dict, feeds: dict) -> tuple:
+        return fn({k: _to_device_memory(v) if k in keys else v for k, v in state.items()}, feeds)
+    return step
 
 
 def _device(desc: Any, replicas: int) -> Any:
@@ -85,6 +130,10 @@ class Session:
         self._d2h_final = {s: main._hidden[("d2h", s)] for s, _ in self._d2h}
         self._main_ir.inputs = [t.id for _, t in self._h2d + self._d2h]
         self._host: dict[Variable, np.ndarray] = {v: np.array(ir._variable_data[v]) for v in self._variables}
+        self._host_all: dict[Variable, np.ndarray] = {}   # all_replicas variables: [replicas, ...]
+        self._buffer_host: dict[str, np.ndarray] = {}     # remote buffers' last contents on the host
+        self._slots = self._make_slots()
+        self._engine_cache_ = self._engine_cache()
         self._dev: Optional[dict] = None
         self._in_sync = True
         self._lock = threading.RLock()
@@ -95,43 +144,163 @@ class Session:
         if self.is_attached:
             self.weights_from_host()
 
+    # ------------------------------------------------------------------ device state
+    def _make_slots(self) -> list[_Slot]:
+        """The device state: each on-chip variable ([replicas, *shape]); each replica-sharded
+        variable of ``replica_sharded_variable`` (its shards, [replicas, shard size]); each
+        remote buffer that ops use or remote variables live in ([replicas, entries, *shape],
+        in host memory where the backend has it)."""
+        main = self._ir.main_graph
+        slots = []
+        buffers: dict = {}
+        for v in self._variables:
+            if v._remote is None:
+                slots.append(_Slot(v.id, v.shape, v.dtype.as_numpy(), v.id, v, "variable", var=v))
+            elif v._shard is not None:
+                sh = v._shard
+                slots.append(_Slot(v.id, sh.shape, sh.dtype.as_numpy(), sh.id, sh, "rts", var=v))
+            else:
+                buffers.setdefault(v._remote[0], [])
+        for key in main._hidden:
+            if isinstance(key, tuple) and key[0] == "remote":
+                buffers.setdefault(key[1], [])
+        for (buf, off), v in self._ir._remote_entries.items():
+            if buf in buffers and v._shard is None:
+                buffers[buf].append(v)
+        kind = self._remote_memory_kind() if buffers else None
+        self.remote_memory_kind = kind or "device"   # where remote buffers live between runs
+        for buf in sorted(buffers, key=lambda b: b.remote_buffer_id):
+            shape = (buf.entries,) + tuple(buf.tensor_shape)
+            t = main._hidden.get(buf._state_key)
+            if t is not None and t.shape != shape:
+                raise ValueError(f"RemoteBuffer[id={buf.remote_buffer_id}] holds {shape[0]} entries "
+                                 f"of {list(shape[1:])}, but ops use it as {t.shape[0]} entries of "
+                                 f"{list(t.shape[1:])}")
+            for v in buffers[buf]:
+                buf._check_offset(v._remote[1], f"offset of remote variable '{v.id}'")
+            key = f"remote_buffer:{buf.remote_buffer_id}"
+            slots.append(_Slot(key, shape, buf.tensor_dtype.as_numpy(), t.id if t is not None else key,
+                               t, "remote", buffer=buf, entries=buffers[buf], memory_kind=kind))
+        return slots
+
+    def _remote_memory_kind(self) -> Optional[str]:
+        """The memory kind remote buffers live in between runs: ``POPXL_REMOTE_MEMORY_KIND``
+        ("auto" default, "device", or a memory kind such as "pinned_host"). "auto" is
+        "pinned_host" where the devices have it, except on CPU, whose device memory is host
+        memory. None: the devices' default (device) memory."""
+        want = os.environ.get("POPXL_REMOTE_MEMORY_KIND", "auto").strip().lower() or "auto"
+        devices = self._placement.devices or [self._placement.device]
+        try:
+            kinds = set.intersection(*({m.kind for m in d.addressable_memories()} for d in devices))
+            default = devices[0].default_memory().kind
+        except Exception:   # noqa: BLE001  (a backend without memory kinds)
+            kinds, default = set(), None
+        platform = self._placement.platform
+        if want == "auto":
+            want = "pinned_host" if platform != "cpu" else "device"
+        if want in ("device", default):
+            _logger.info(f"Remote buffers are in device memory ({platform})")
+            return None
+        if want not in kinds:
+            _logger.warn(f"Remote buffers: memory kind {want!r} is not available on {platform} "
+                         f"(it has {sorted(kinds)}); they are in device memory")
+            return None
+        _logger.info(f"Remote buffers are in {want} memory ({platform})")
+        return want
+
+    def _device_values(self) -> dict:
+        """Each slot's value for the device, [replicas, ...], from the host values."""
+        out = {}
+        for s in self._slots:
+            if s.kind == "variable":
+                out[s.key] = self._per_replica(s.var, self._host[s.var])
+            elif s.kind == "rts":
+                out[s.key] = s.var._sharding.to_replicas(self._host[s.var])
+            else:
+                base = self._buffer_host.get(s.key)
+                arr = np.array(base) if base is not None else np.zeros((self._r,) + s.shape, s.dtype)
+                for v in s.entries:
+                    off = v._remote[1]
+                    if v._sharding is not None:
+                        arr[:, off] = v._sharding.to_replicas(self._host[v])
+                    else:
+                        arr[:, off] = self._per_replica(v, self._host[v])
+                out[s.key] = arr
+            out[s.key] = np.ascontiguousarray(out[s.key], dtype=s.dtype)
+        return out
+
+    def _set_host(self, v: Variable, arr: np.ndarray) -> None:
+        """The host value of ``v`` from each replica's value ([replicas, *shape])."""
+        g = v.replica_grouping
+        self._host[v] = arr[g.first_replicas()] if g is not None and g.num_groups > 1 else arr[0]
+        if v.retrieval_mode == "all_replicas" and self._r > 1:
+            self._host_all[v] = arr
+
+    def _set_host_sharded(self, v: Variable, shards: np.ndarray) -> None:
+        """The host value of a replica-sharded ``v`` from each replica's shard
+        ([replicas, shard size]): each group's shards put together, padding removed."""
+        layout = v._sharding
+        values = layout.group_values(shards)
+        self._host[v] = values if layout.num_groups > 1 else values[0]
+        if v.retrieval_mode == "all_replicas" and self._r > 1:
+            self._host_all[v] = values[layout.data_group]
+
+    def _put(self, values: dict) -> dict:
+        shardings = self._state_shardings()
+        if getattr(self._placement, "across_processes", False):   # as Placement.put
+            return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(x))
+                    for k, x in values.items()}
+        return jax.device_put(values, {k: shardings[k] for k in values})
+
     # ------------------------------------------------------------------ compile
     def _replica_fn(self):
-        """One replica's main graph: (its variables, its streams' [N, ...] inputs) ->
-        (new variable values, device-to-host values, run-time checks)."""
+        """One replica's main graph: (its state: variables and remote buffers, its streams'
+        [N, ...] inputs) -> (the new state, device-to-host values, run-time checks)."""
         n, r = self._n, self._r
-        final_ids = {v.id: v._ir_id for v in self._variables}
+        slots = [(s.key, s.graph_in, s.graph_out._ir_id if s.graph_out is not None else s.graph_in)
+                 for s in self._slots]
         d2h = [(s, t.id, self._d2h_final[s]._ir_id) for s, t in self._d2h]
         main_ir, platform = self._main_ir, self._placement.platform
 
-        def replica(weights: dict, feeds: dict) -> tuple:
+        def replica(state: dict, feeds: dict) -> tuple:
             feeds = dict(feeds)
             for s, tid, _ in d2h:
                 feeds[tid] = jnp.zeros((n,) + s.shape, s.dtype.as_numpy())
+            weights = {gin: state[key] for key, gin, _ in slots}
             t = trace(main_ir, feeds, key=jax.random.key(0), weights=weights, platform=platform,
                       replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r)
-            new_w = {vid: jnp.asarray(t.env[fid]).astype(weights[vid].dtype) for vid, fid in final_ids.items()}
+            new = {key: jnp.asarray(t.env[out]).astype(state[key].dtype) for key, _, out in slots}
             outs = {tid: jnp.asarray(t.env[fid]) for _, tid, fid in d2h}
             self._checks[:] = t.checks   # run-time checks (indices in range, ...)
             if t.checks:
                 outs[CHECKS] = t.check_flags()
-            return new_w, outs
+            return new, outs
         return replica
 
     def _specs(self) -> tuple:
         r, n = self._r, self._n
-        wspecs = {v.id: jax.ShapeDtypeStruct((r,) + v.shape, v.dtype.as_numpy()) for v in self._variables}
+        wspecs = {s.key: jax.ShapeDtypeStruct((r,) + tuple(s.shape), s.dtype) for s in self._slots}
         fspecs = {t.id: jax.ShapeDtypeStruct((r, n) + s.shape, s.dtype.as_numpy()) for s, t in self._h2d}
         return wspecs, fspecs
+
+    def _state_shardings(self) -> dict:
+        split = self._placement.sharding(0)   # [replicas, ...]: one slice per replica's device
+        return {s.key: split.with_memory_kind(s.memory_kind) if s.memory_kind else split
+                for s in self._slots}
 
     def _engine_cache(self) -> Optional[EngineCache]:
         o = self._ir._options
         if not (o.enableEngineCaching and o.cachePath):
             return None
+        main = self._ir.main_graph
         signature = {"session": "popxl.Session", "graph": fingerprint(self._main_ir),
                      "replication": self._r, "num_host_transfers": self._n,
                      "devices": len(self._placement.devices),
                      "variables": {v.id: [list(v.shape), v.dtype.name] for v in self._variables},
+                     "remote": {str(b.remote_buffer_id): [b.entries, list(b.tensor_shape), b.tensor_dtype.name]
+                                for b in self._ir._remote_buffers.values()
+                                if b._state_key in main._hidden},
+                     "remote_memory_kind": self.remote_memory_kind,
                      "h2d": {t.id: [list(s.shape), s.dtype.name] for s, t in self._h2d},
                      "d2h": {t.id: [list(s.shape), s.dtype.name] for s, t in self._d2h},
                      **runtime_signature()}
@@ -139,11 +308,16 @@ class Session:
 
     def _compile(self) -> None:
         split = self._placement.sharding(0)   # [replicas, ...]: one slice per replica's device
-        step = CompiledStep(self._placement.replicate(self._replica_fn(), in_axes=(0, 0)),
-                            in_shardings=(split, split), out_shardings=split, donate_argnums=(0,))
+        state = self._state_shardings()
+        fn = self._placement.replicate(self._replica_fn(), in_axes=(0, 0))
+        host = [s.key for s in self._slots if s.memory_kind]
+        if host:
+            fn = _in_device_memory(fn, host)
+        step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
+                            donate_argnums=(0,))
         specs = self._specs()
         jax.eval_shape(step.fn, *specs)   # the trace's run-time checks, also for a cached program
-        self.executable_source = compile_step(step, specs, self._engine_cache())
+        self.executable_source = compile_step(step, specs, self._engine_cache_)
         self._step = step
 
     # ------------------------------------------------------------------ context / device
@@ -201,29 +375,35 @@ class Session:
     @_serialised
     @in_x64
     def weights_from_host(self) -> None:
-        """Copy the host values of the variables to the device."""
+        """Copy the host values of the variables to the device: on-chip variables, the shards
+        of replica-sharded variables, and the entries of remote variables in their buffers
+        (other entries keep the buffer's contents)."""
         self._require_attached()
-        self._dev = self._placement.put({v.id: np.ascontiguousarray(self._per_replica(v, self._host[v]))
-                                         for v in self._variables}, 0)
+        self._dev = self._put(self._device_values())
         self._in_sync = True
 
     @_serialised
     @in_x64
     def weights_to_host(self) -> None:
-        """Copy the device values of the variables to the host."""
+        """Copy the device values of the variables to the host (remote variables: their
+        entries; replica-sharded variables: the shards put together)."""
         self._require_attached()
         if self._in_sync or self._dev is None:
             return
-        for v in self._variables:
-            arr = self._placement.to_host(self._dev[v.id])
-            g = v.replica_grouping
-            if g is not None and g.num_groups > 1:
-                self._host[v] = arr[g.first_replicas()]
+        for s in self._slots:
+            arr = self._placement.to_host(self._dev[s.key])
+            if s.kind == "variable":
+                self._set_host(s.var, arr)
+            elif s.kind == "rts":
+                self._set_host_sharded(s.var, arr)
             else:
-                self._host[v] = arr[0]
-            if v.retrieval_mode == "all_replicas" and self._r > 1:
-                self._host_all = getattr(self, "_host_all", {})
-                self._host_all[v] = arr
+                self._buffer_host[s.key] = arr
+                for v in s.entries:
+                    entry = arr[:, v._remote[1]]
+                    if v._sharding is not None:
+                        self._set_host_sharded(v, entry)
+                    else:
+                        self._set_host(v, entry)
         self._in_sync = True
 
     def get_tensor_data(self, tensor: Union[Variable, Constant]) -> np.ndarray:
@@ -242,9 +422,11 @@ class Session:
             self.weights_to_host()
         for t in tensors:
             if isinstance(t, Variable):
-                all_r = getattr(self, "_host_all", {})
-                out[t] = np.array(all_r[t] if t in all_r and t.retrieval_mode == "all_replicas"
-                                  else self._host[t])
+                if t.retrieval_mode == "all_replicas" and self._r > 1:   # one value per replica
+                    out[t] = np.array(self._host_all[t] if t in self._host_all
+                                      else self._per_replica(t, self._host[t]))
+                else:
+                    out[t] = np.array(self._host[t])
             else:
                 out[t] = np.array(t._graph._g.initializers[t.id])
         return out
@@ -274,6 +456,7 @@ class Session:
             if self.is_attached and not self._in_sync:
                 self.weights_to_host()
             self._host[v] = np.array(arr)
+            self._host_all.pop(v, None)
         if self.is_attached:
             self.weights_from_host()
 
@@ -354,7 +537,7 @@ class Session:
         self._validate_streams(outputs, [s for s, _ in self._d2h], "output")
         feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
         self._dev, outs = self._step(self._dev, self._placement.put(feeds, 0))
-        self._in_sync = not self._variables
+        self._in_sync = not self._slots
         if CHECKS in outs:
             raise_failed_checks(first_failure(self._placement.to_host(outs.pop(CHECKS))), self._checks)
         for s, t in self._d2h:

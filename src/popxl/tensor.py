@@ -42,17 +42,31 @@ class TensorSpec:
 
 
 class TensorLocationInfo:
-    """Where a tensor lives: on the device (``remote`` False) and whole on every replica
-    (``sharded`` False). Tensors of this Ir are never remote or sharded."""
+    """Where a tensor lives: on the device or in a remote buffer (``remote``: a remote
+    variable, with ``remote_buffer_info`` = (buffer id, offset)), whole on every replica or
+    one shard per replica (``sharded``: a replica-sharded variable)."""
 
-    def __init__(self, remote: bool = False, sharded: bool = False) -> None:
+    def __init__(self, remote: bool = False, sharded: bool = False,
+                 remote_buffer_info: Optional[tuple[int, int]] = None) -> None:
         self.remote, self.sharded = remote, sharded
+        self.remote_buffer_info = remote_buffer_info
 
     def isRemote(self) -> bool:
         return self.remote
 
     def isSharded(self) -> bool:
         return self.sharded
+
+    def getRemoteBufferInfo(self) -> Optional[tuple[int, int]]:
+        """(remote buffer id, offset) of a remote variable, else None."""
+        return self.remote_buffer_info
+
+    @property
+    def location(self) -> Any:
+        """The :class:`popxl.TensorLocation` (storage, sharding)."""
+        from .tensorlocation import ReplicatedTensorSharding, TensorLocation, TensorStorage
+        return TensorLocation(TensorStorage.OffChip if self.remote else TensorStorage.OnChip,
+                              ReplicatedTensorSharding.On if self.sharded else ReplicatedTensorSharding.Off)
 
     def __repr__(self) -> str:
         return f"TensorLocationInfo(remote={self.remote}, sharded={self.sharded})"
@@ -64,6 +78,7 @@ class Tensor:
     def __init__(self, graph: "Graph", tid: str) -> None:
         self._graph, self._id, self._ir_id = graph, tid, tid
         self._placement: tuple = (None, "compute")   # (IPU, tile set) when it was created
+        self._meta_shape: tuple = ()                  # the full shape of a replica shard
 
     # ------------------------------------------------------------------ properties
     @property
@@ -101,11 +116,14 @@ class Tensor:
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.shape, self.dtype)
+        return TensorSpec(self.shape, self.dtype, self.meta_shape)
 
     @property
-    def meta_shape(self) -> tuple:
-        return ()
+    def meta_shape(self) -> tuple[int, ...]:
+        """The full shape of the tensor a replica shard belongs to (a remote load from a
+        replica-sharded buffer, a replicated reduce-scatter configured for replicated tensor
+        sharding, the shard of ``replica_sharded_variable``); () for other tensors."""
+        return self._meta_shape
 
     @property
     def graph(self) -> "Graph":
@@ -283,13 +301,28 @@ class Tensor:
 
 
 class Variable(Tensor):
-    """A tensor of the main graph whose value lives on the device between runs."""
+    """A tensor of the main graph whose value lives on the device between runs.
+
+    A remote variable (``remote_variable``, ``remote_replica_sharded_variable``,
+    ``replica_sharded_variable``) lives in an entry of a remote buffer instead: ops do not
+    read it directly (``ops.remote_load`` does), and ``Session.get_tensor_data`` /
+    ``write_variable_data`` give its full value."""
 
     def __init__(self, graph: "Graph", tid: str, replica_grouping: Any = None,
                  retrieval_mode: str = "one_per_group") -> None:
         super().__init__(graph, tid)
         self.replica_grouping = replica_grouping
         self.retrieval_mode = retrieval_mode
+        self._remote: Optional[tuple] = None   # (RemoteBuffer, offset) of a remote variable
+        self._sharding: Any = None             # ShardLayout of a replica-sharded variable
+        self._shard: Optional[Tensor] = None   # replica_sharded_variable: the shard tensor
+
+    @property
+    def location_info(self) -> TensorLocationInfo:
+        if self._remote is None:
+            return TensorLocationInfo()
+        buf, off = self._remote
+        return TensorLocationInfo(True, self._sharding is not None, (buf.remote_buffer_id, off))
 
     @property
     def shape_on_host(self) -> tuple[int, ...]:
@@ -329,6 +362,30 @@ def _resolve_data(data: Any, dtype: Any, downcast: bool, log2_scale: Optional[in
                     log2_scale=log2_scale, nan_on_overflow=nan_on_overflow)
 
 
+def _check_retrieval_mode(retrieval_mode: Optional[str]) -> None:
+    if retrieval_mode not in (None, "one_per_group", "all_replicas"):
+        raise ValueError(f"Invalid retrieval_mode {retrieval_mode!r}: expected 'one_per_group' "
+                         f"or 'all_replicas'")
+
+
+def _main_graph(what: str) -> "Graph":
+    g = context.get_current_graph()
+    if not g._is_main:
+        raise ValueError(f"{what} can only be created in the main graph, not in '{g.name}': "
+                         f"create it in the main graph and pass it as a graph input")
+    return g
+
+
+def _per_group(arr: np.ndarray, groups: int, name: Optional[str]) -> np.ndarray:
+    """The value of one group: ``arr`` itself, or its first row with several groups."""
+    if groups > 1:
+        if arr.shape[:1] != (groups,):
+            raise ValueError(f"Variable '{name}': with {groups} replica groups the data needs a "
+                             f"leading dimension of {groups}, got shape {arr.shape}")
+        return arr[0]
+    return arr
+
+
 def variable(data: Any, dtype: Any = None, name: Optional[str] = None, downcast: bool = True,
              replica_grouping: Optional["ReplicaGrouping"] = None,
              retrieval_mode: Optional[str] = None, log2_scale: Optional[int] = None,
@@ -339,29 +396,226 @@ def variable(data: Any, dtype: Any = None, name: Optional[str] = None, downcast:
     ``Session.get_tensor_data`` returns. For float8 dtypes ``data`` (float16/32/64) is
     multiplied by ``2**log2_scale`` and cast (out-of-range values NaN unless
     ``nan_on_overflow`` is False, see ``popxl.utils.to_numpy``)."""
-    g = context.get_current_graph()
-    if not g._is_main:
-        raise ValueError(f"Variables can only be created in the main graph, not in '{g.name}': "
-                         f"create it in the main graph and pass it as a graph input")
-    if retrieval_mode not in (None, "one_per_group", "all_replicas"):
-        raise ValueError(f"Invalid retrieval_mode {retrieval_mode!r}: expected 'one_per_group' "
-                         f"or 'all_replicas'")
+    g = _main_graph("Variables")
+    _check_retrieval_mode(retrieval_mode)
     arr = _resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow)
     ir = g.ir
     groups = 1 if replica_grouping is None else replica_grouping.num_groups
-    if groups > 1:
-        if arr.shape[:1] != (groups,):
-            raise ValueError(f"Variable '{name}': with {groups} replica groups the data needs a "
-                             f"leading dimension of {groups}, got shape {arr.shape}")
-        per = arr[0]
-    else:
-        per = arr
+    per = _per_group(arr, groups, name)
     t = g._add_constant(np.array(per), name or "v", cls=Variable,
                         replica_grouping=replica_grouping or ir.replica_grouping(),
                         retrieval_mode=retrieval_mode or "one_per_group")
     ir._variables.append(t)
     ir._variable_data[t] = np.array(arr)
     return t
+
+
+class _Described:
+    """What ``RemoteBuffer.validate_tensor_matches_buffer`` reads of a tensor (id, shape,
+    dtype), for checking data before its variable is created."""
+
+    def __init__(self, tid: str, shape: tuple, dt: Any) -> None:
+        self.id, self.shape, self.dtype = tid, tuple(shape), _dtype.as_dtype(dt)
+
+
+def _remote_variable(arr: np.ndarray, per: np.ndarray, remote_buffer: Any, offset: int,
+                     name: Optional[str], replica_grouping: Any, retrieval_mode: Optional[str],
+                     sharding: Any = None) -> Variable:
+    """A variable stored in entry ``offset`` of ``remote_buffer`` (no value in the graph:
+    ops reach it through remote loads)."""
+    import jax
+    g = context.get_current_graph()
+    ir = g.ir
+    taken = ir._remote_entries.get((remote_buffer, offset))
+    if taken is not None:
+        raise ValueError(f"Entry {offset} of RemoteBuffer[id={remote_buffer.remote_buffer_id}] "
+                         f"already holds remote variable '{taken.id}'")
+    t = g._add_tensor(g._new_id(name or "v"), jax.ShapeDtypeStruct(per.shape, per.dtype), Variable,
+                      replica_grouping=replica_grouping or ir.replica_grouping(),
+                      retrieval_mode=retrieval_mode or "one_per_group")
+    t._remote = (remote_buffer, offset)
+    t._sharding = sharding
+    ir._remote_entries[(remote_buffer, offset)] = t
+    ir._variables.append(t)
+    ir._variable_data[t] = np.array(arr)
+    return t
+
+
+def _check_remote_args(remote_buffer: Any, offset: Any) -> int:
+    from .remote_buffer import RemoteBuffer
+    if not isinstance(remote_buffer, RemoteBuffer):
+        raise TypeError(f"remote_buffer must be a popxl.RemoteBuffer, got {type(remote_buffer).__name__}")
+    if remote_buffer._ir is not context.get_current_graph().ir:
+        raise ValueError(f"RemoteBuffer[id={remote_buffer.remote_buffer_id}] belongs to another Ir")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    return remote_buffer._check_offset(offset)
+
+
+def remote_variable(data: Any, remote_buffer: Any, offset: int = 0, dtype: Any = None,
+                    name: Optional[str] = None, downcast: bool = True,
+                    replica_grouping: Optional["ReplicaGrouping"] = None,
+                    retrieval_mode: Optional[str] = "one_per_group",
+                    log2_scale: Optional[int] = None, nan_on_overflow: Optional[bool] = None) -> Variable:
+    """A variable stored in entry ``offset`` of ``remote_buffer`` (Streaming Memory),
+    initialised with ``data`` when the session copies the weights to the device
+    (``weights_from_host``): each replica's entry gets its group's value. Ops use it through
+    ``ops.remote_load(remote_buffer, offset)``; ``Session.get_tensor_data`` returns the
+    entry's value (what the last ``ops.remote_store`` to it wrote). Other arguments as
+    :func:`variable`.
+
+    Raises:
+        ValueError: If the variable's shape or dtype does not match the buffer's, if
+            ``offset`` is not in [0, entries), or if the entry already holds a variable.
+    """
+    _main_graph("Remote variables")
+    _check_retrieval_mode(retrieval_mode)
+    off = _check_remote_args(remote_buffer, offset)
+    arr = _resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow)
+    groups = 1 if replica_grouping is None else replica_grouping.num_groups
+    per = _per_group(arr, groups, name)
+    remote_buffer.validate_tensor_matches_buffer(_Described(name or "v", per.shape, per.dtype))
+    return _remote_variable(arr, per, remote_buffer, off, name, replica_grouping, retrieval_mode)
+
+
+def _replication(what: str) -> int:
+    rf = context.get_current_graph().ir.replication_factor
+    if rf <= 1:
+        raise ValueError(f"The IR's global replication factor is {rf}. It must be greater than 1 "
+                         f"to create a {what}.")
+    return rf
+
+
+def _shard_over_for(remote_buffer: Any, grouping: "ReplicaGrouping", nelms: int) -> int:
+    """The number of shards of the variables of ``remote_buffer``: the buffer's own (a
+    replica_sharded_buffer, or set by its first sharded variable), else the largest divisor
+    of the replica group size whose shard fits the buffer's tensor shape."""
+    from ._sharding import ceil_div
+    if remote_buffer._shard_over is not None:
+        return remote_buffer._shard_over
+    size = grouping.const_rg.group_size
+    want = remote_buffer.tensor_shape
+    for k in sorted((d for d in range(1, size + 1) if size % d == 0), reverse=True):
+        if want == (ceil_div(nelms, k),):
+            return k
+    raise ValueError(f"RemoteBuffer[id={remote_buffer.remote_buffer_id}] holds tensors of shape "
+                     f"{want}, which is not the shard of a variable of {nelms} elements sharded "
+                     f"over {size} replicas: that is ({ceil_div(nelms, size)},) (flattened, padded "
+                     f"to a multiple of the shard count; see popxl.replica_sharded_buffer)")
+
+
+def remote_replica_sharded_variable(data: Any, remote_buffer: Any, offset: int = 0, dtype: Any = None,
+                                    name: Optional[str] = None, downcast: bool = True,
+                                    replica_grouping: Optional["ReplicaGrouping"] = None,
+                                    retrieval_mode: Optional[str] = "one_per_group",
+                                    log2_scale: Optional[int] = None,
+                                    nan_on_overflow: Optional[bool] = None) -> Variable:
+    """A variable stored in entry ``offset`` of ``remote_buffer``, scattered in equal shards
+    across the replicas (replicated tensor sharding): each replica's entry holds one shard
+    of the flattened value, zero padded to a multiple of the number of shards, so the
+    buffer's tensor shape is (ceil(nelms / shards),) and its ``meta_shape`` the variable's
+    shape (see :func:`replica_sharded_buffer`). ``ops.remote_load`` gives this replica's
+    shard; ``ops.collectives.replicated_all_gather`` of it the full value.
+    ``Session.get_tensor_data`` returns the full value (padding removed).
+
+    Raises:
+        ValueError: If replication is not enabled; if the buffer's meta shape is another
+            shape; if its tensor shape or dtype does not fit a shard of the variable; if
+            ``offset`` is out of range or the entry already holds a variable.
+    """
+    from ._sharding import ShardLayout
+    g = _main_graph("Remote variables")
+    _replication("replica sharded variable")
+    _check_retrieval_mode(retrieval_mode)
+    off = _check_remote_args(remote_buffer, offset)
+    arr = _resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow)
+    grouping = replica_grouping or g.ir.replica_grouping()
+    per = _per_group(arr, grouping.num_groups, name)
+    if remote_buffer.meta_shape not in ((), per.shape):
+        raise ValueError(f"Cannot use RemoteBuffer[id={remote_buffer.remote_buffer_id}] for replica "
+                         f"sharded variable of shape {per.shape}. The buffer's meta_shape has "
+                         f"already been set to: {remote_buffer.meta_shape}.")
+    k = _shard_over_for(remote_buffer, grouping, per.size)
+    layout = ShardLayout(grouping, k, per.shape)
+    if remote_buffer.tensor_dtype != _dtype.as_dtype(per.dtype):
+        remote_buffer.validate_tensor_matches_buffer(
+            _Described(name or "v", remote_buffer.tensor_shape, per.dtype))
+    remote_buffer.meta_shape = per.shape
+    remote_buffer._shard_over = k
+    return _remote_variable(arr, per, remote_buffer, off, name, replica_grouping, retrieval_mode, layout)
+
+
+def replica_sharded_buffer(shape: Iterable[int], dtype: Any, replica_grouping: Optional["ReplicaGrouping"] = None,
+                           shard_over: Optional[int] = None, entries: int = 1) -> Any:
+    """A remote buffer for replica-sharded variables of ``shape`` (with a leading group
+    dimension when ``replica_grouping`` has several groups): its tensor shape is the
+    flattened shard (ceil(nelms / shard_over),) and its ``meta_shape`` the variable's shape.
+
+    ``shard_over``: how many replicas of each replica group one value is sharded over
+    (default all of the group); with groups of 4 and ``shard_over`` 2 the members 0, 1 hold
+    one copy and the members 2, 3 another.
+
+    Raises:
+        ValueError: If ``shard_over`` exceeds the replica group size or does not divide it.
+    """
+    from ._sharding import ceil_div
+    from .remote_buffer import remote_buffer
+    g = context.get_current_graph()
+    grouping = (replica_grouping or g.ir.replica_grouping()).const_rg
+    size = grouping.group_size
+    shard_over = size if shard_over is None else int(shard_over)
+    if shard_over > size:
+        raise ValueError(f"The sharding group size ({shard_over}) must be less than or equal to "
+                         f"the replica group size ({size}). Note that if no replica grouping was "
+                         f"passed, the replica group size defaults to the IR's global replication "
+                         f"factor; and if no sharding group size was passed, it defaults to the "
+                         f"replica group size.")
+    if shard_over < 1 or size % shard_over:
+        raise ValueError(f"The replica group size ({size}) must be divisible by the sharding group "
+                         f"size ({shard_over}). Note that if no replica grouping was passed, the "
+                         f"replica group size defaults to the IR's global replication factor; and "
+                         f"if no sharding group size was passed, it defaults to the replica group "
+                         f"size.")
+    shape = tuple(int(d) for d in shape)
+    outer = 1 if replica_grouping is not None and replica_grouping.num_groups > 1 else 0
+    tensor_shape = shape[outer:]
+    nelms = int(np.prod(tensor_shape, dtype=np.int64))
+    buffer = remote_buffer((ceil_div(nelms, shard_over),), dtype, entries)
+    buffer.meta_shape = tensor_shape
+    buffer._shard_over = shard_over
+    return buffer
+
+
+def replica_sharded_variable(data: Any, dtype: Any = None, name: Optional[str] = None,
+                             downcast: bool = True, replica_grouping: Optional["ReplicaGrouping"] = None,
+                             shard_over: Optional[int] = None,
+                             retrieval_mode: Optional[str] = "one_per_group",
+                             log2_scale: Optional[int] = None,
+                             nan_on_overflow: Optional[bool] = None) -> tuple[Variable, Tensor]:
+    """Scatter a variable in equal shards across the replicas (replicated tensor sharding):
+    each replica holds only its shard, ceil(nelms / shard_over) elements of the flattened,
+    zero-padded value (see :func:`replica_sharded_buffer` for ``shard_over``).
+
+    Returns ``(var, shard)``: ``var`` is the full variable, used only with the session's
+    ``get_tensor_data`` / ``write_variable_data`` (the gathered value, padding removed);
+    ``shard`` is this replica's shard as a tensor of the main graph (meta shape the
+    variable's shape), loaded when the weights go to the device and stored back after every
+    run, so in-place updates of it persist. The session keeps only the shards:
+    [replicas, shard size] split over the replicas' devices.
+    """
+    g = _main_graph("Replica sharded variables")
+    arr = _resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow)
+    buffer = replica_sharded_buffer(arr.shape, dtype if dtype is not None else arr.dtype,
+                                    replica_grouping, shard_over)
+    var = remote_replica_sharded_variable(arr, buffer, 0, dtype, name, downcast, replica_grouping,
+                                          retrieval_mode)
+    import jax
+    layout = var._sharding
+    shard = g._add_tensor(g._new_id(f"{var.name}_rts"),
+                          jax.ShapeDtypeStruct((layout.shard_size,), var.dtype.as_numpy()))
+    shard._meta_shape = var.shape
+    var._shard = shard
+    return var, shard
 
 
 def constant(data: Any, dtype: Any = None, name: Optional[str] = None, downcast: bool = True,
@@ -375,11 +629,14 @@ def constant(data: Any, dtype: Any = None, name: Optional[str] = None, downcast:
 
 def graph_input(shape: Iterable[int], dtype: Any, name: Optional[str] = None, by_ref: bool = False,
                 meta_shape: Any = None) -> Tensor:
-    """Add an input to the current (sub)graph."""
+    """Add an input to the current (sub)graph (``meta_shape``: the full shape of the tensor
+    a replica shard belongs to, see :attr:`Tensor.meta_shape`)."""
     import jax
     g = context.get_current_graph()
     spec = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), _dtype.as_dtype(dtype).as_numpy())
-    return g._add_input(spec, name or "input", by_ref)
+    t = g._add_input(spec, name or "input", by_ref)
+    t._meta_shape = tuple(int(d) for d in meta_shape or ())
+    return t
 
 
 def graph_output(t: Tensor) -> None:

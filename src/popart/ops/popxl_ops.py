@@ -1,15 +1,16 @@
-"""Private ops of the popxl front-end (domain ai.popxl): host stream transfers, the gradient
-of a subgraph (VJP, differentiated by JAX), random ops seeded by a uint32[2] seed tensor, and
-the power-of-two scaled casts of popxl's float8 ops."""
+"""Private ops of the popxl front-end (domain ai.popxl): host stream transfers, remote buffer
+loads and stores, the gradient of a subgraph (VJP, differentiated by JAX), random ops seeded
+by a uint32[2] seed tensor, and the power-of-two scaled casts of popxl's float8 ops."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..tensorinfo import np_dtype
 from . import losses
-from .registry import LowerCtx, register
+from .registry import LowerCtx, is_static, register
 
 POPXL_DOMAIN = "ai.popxl"
 
@@ -129,3 +130,38 @@ def print_gradient(ctx: LowerCtx, x, title="", **_):
         return (g,)
     f.defvjp(lambda v: (v, None), bwd)
     return f(x)
+
+
+# ---------------------------------------------------------------------------------------
+# Remote buffers: the buffer [entries, *shape] is an input (hidden state the session keeps
+# between runs, see popxl/ops/remote.py); RemoteStore returns its new value.
+
+def _remote_entry(ctx: LowerCtx, buffer, offset, bufferid):
+    """The entry ``offset`` names: checked now when it is known, else when the program runs
+    (an offset out of [0, entries) fails the run)."""
+    n = int(buffer.shape[0])
+    if is_static(offset):
+        i = int(np.asarray(offset).reshape(-1)[0])
+        if not 0 <= i < n:
+            raise ctx.error(f"offset {i} is out of range for remote buffer {bufferid} with {n} "
+                            f"entries")
+        return i
+    i = jnp.asarray(offset).reshape(-1)[0].astype(jnp.int64)
+    ctx.check((i < 0) | (i >= n), f"offset {{offset}} is out of range for remote buffer "
+                                  f"{bufferid} with {n} entries", offset=i)
+    return jnp.clip(i, 0, n - 1).astype(jnp.int32)
+
+
+@_p("RemoteLoad")
+def remote_load(ctx: LowerCtx, buffer, offset, bufferid=0, **_):
+    """Entry ``offset`` of remote buffer ``buffer``."""
+    i = _remote_entry(ctx, buffer, offset, bufferid)
+    return lax.dynamic_index_in_dim(jnp.asarray(buffer), i, 0, keepdims=False)
+
+
+@_p("RemoteStore")
+def remote_store(ctx: LowerCtx, buffer, offset, x, bufferid=0, **_):
+    """The remote buffer with entry ``offset`` set to ``x``."""
+    i = _remote_entry(ctx, buffer, offset, bufferid)
+    buf = jnp.asarray(buffer)
+    return lax.dynamic_update_index_in_dim(buf, jnp.asarray(x).astype(buf.dtype).reshape(buf.shape[1:]), i, 0)

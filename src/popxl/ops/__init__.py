@@ -15,6 +15,7 @@ from ._base import GC, ONNX, POPXL, as_tensor, axes_list, inplace, ints, node, o
 from .call import (CallSiteInfo, call, call_with_info, conditional, conditional_with_info,
                    host_load, host_store, repeat, repeat_with_info)
 from . import collectives, var_updates  # noqa: F401
+from .remote import remote_load, remote_load_, remote_store  # noqa: F401
 
 _INT_MAX = np.iinfo(np.int64).max
 
@@ -644,9 +645,12 @@ dynamic_update_ = _make_inplace(dynamic_update)
 
 def init(shape: Iterable[int], dtype: Any, name: Optional[str] = None, init_type: str = "zero",
          meta_shape: Any = None) -> Tensor:
-    """A tensor of zeros (``init_type`` "zero" or "undef")."""
-    return node("Init", [], {"shape": [int(d) for d in shape], "data_type": onnx_type(dtype)}, GC,
-                name=name)[0]
+    """A tensor of zeros (``init_type`` "zero" or "undef"); ``meta_shape``: see
+    :attr:`popxl.Tensor.meta_shape`."""
+    out = node("Init", [], {"shape": [int(d) for d in shape], "data_type": onnx_type(dtype)}, GC,
+               name=name)[0]
+    out._meta_shape = tuple(int(d) for d in meta_shape or ())
+    return out
 
 
 def histogram(t: Tensor, levels: List[float], absolute_of_input: bool = False) -> Tensor:

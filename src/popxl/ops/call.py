@@ -196,8 +196,8 @@ def repeat(graph: Graph, repeat_count: int, *inputs: Any,
 def _branch(parent: Graph, graph: Graph, ins: list[Tensor], tag: str) -> IRGraph:
     """An If branch (no inputs) that calls ``graph`` on the parent's tensors ``ins``."""
     if graph._hidden or graph._by_ref_inputs:
-        raise NotImplementedError("conditional: branches that use host streams or by-reference "
-                                  "inputs are not supported")
+        raise NotImplementedError("conditional: branches that use host streams, remote buffers "
+                                  "or by-reference inputs are not supported")
     ir_graph = graph._finalize()
     br = IRGraph(name=f"{graph.name}__{tag}", opsets=dict(OPSETS), parent=parent._g)
     br.outputs = [f"{br.name}/out{i}" for i in range(len(ir_graph.outputs))]
@@ -237,8 +237,12 @@ def conditional(cond: Tensor, then_branch: Graph, else_branch: Graph, then_input
 # buffer is a graph input the session fills with zeros; each has an int32 counter.
 
 def _maker(key: tuple):
-    """Creates the main-graph tensor of hidden state ``key`` = (kind, stream)."""
+    """Creates the main-graph tensor of hidden state ``key`` = (kind, stream) or ("remote",
+    RemoteBuffer)."""
     kind, stream = key
+    if kind == "remote":
+        from .remote import remote_state_maker
+        return remote_state_maker(stream)
     if kind.endswith("#"):
         return lambda main: main._add_constant(np.array(0, np.int32), f"{stream.name}_counter")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
+import numpy as np
+
 from popart import CommGroup, CommGroupType  # noqa: F401  (popxl.ops.collectives.CommGroup)
 from popart.ir.graphcore_schema import COLLECTIVE_OPS
 
@@ -95,23 +97,31 @@ def replicated_all_reduce_(t: Tensor, op: Any = "add", group: Optional[ReplicaGr
     return inplace(t, y)
 
 
-def _reduce_scatter(t: Tensor, op: str, group: Optional[ReplicaGrouping], suffix: str) -> Tensor:
+def _reduce_scatter(t: Tensor, op: str, group: Optional[ReplicaGrouping], suffix: str,
+                    rts: bool = False) -> Tensor:
     g = _group(t, group)
-    return one("ReplicatedReduceScatter", t, domain=GC, name=t.name + suffix, collectiveOperator=op,
-               **_grouping_attr(g))
+    out = one("ReplicatedReduceScatter", t, domain=GC, name=t.name + suffix, collectiveOperator=op,
+              **_grouping_attr(g))
+    if rts:
+        out._meta_shape = tuple(t.shape)
+    return out
 
 
 def replicated_reduce_scatter(t: Tensor, op: Any = "add", group: Optional[ReplicaGrouping] = None,
                               configure_output_for_replicated_tensor_sharding: bool = False) -> Tensor:
     """Reduce the flattened ``t`` across each group; each replica keeps its rank's 1-D shard
-    (the flattened tensor padded to a multiple of the group size)."""
-    return _reduce_scatter(t, _collective_op(op), group, "_reduce_scattered")
+    (the flattened tensor padded to a multiple of the group size). With
+    ``configure_output_for_replicated_tensor_sharding`` the shard's meta shape is ``t``'s
+    shape (a replica-sharded tensor: ``replicated_all_gather`` gives ``t``'s shape back)."""
+    return _reduce_scatter(t, _collective_op(op), group, "_reduce_scattered",
+                           bool(configure_output_for_replicated_tensor_sharding))
 
 
 def replica_sharded_slice(t: Tensor, group: Optional[ReplicaGrouping] = None) -> Tensor:
-    """This replica's shard of the flattened ``t`` (a Local reduce-scatter: no communication);
-    its gradient is the all-gather of the shards' gradients."""
-    return _reduce_scatter(t, "Local", group, "_sharded_slice")
+    """This replica's shard of the flattened ``t`` (a Local reduce-scatter: no communication),
+    a replica-sharded tensor of meta shape ``t.shape``; its gradient is the all-gather of the
+    shards' gradients."""
+    return _reduce_scatter(t, "Local", group, "_sharded_slice", True)
 
 
 def replicated_slice(t: Tensor, axis: int = 0, group: Optional[ReplicaGrouping] = None) -> Tensor:
@@ -138,8 +148,9 @@ def replicated_all_gather(t: Tensor, axis: int = 0, group: Optional[ReplicaGroup
                           output_shape: str = "auto") -> Tensor:
     """Gather ``t`` from the replicas of each group (rank order). ``output_shape``:
     "new_axis" gives (group_size, *t.shape); "concat" concatenates along ``axis``;
-    "meta_shape" gives ``t.meta_shape``; "auto" is "meta_shape" for a tensor with a meta
-    shape, else "concat". Its gradient is this replica's slice of the output gradient.
+    "meta_shape" gives ``t.meta_shape`` (the shards of a replica-sharded tensor put together,
+    padding removed); "auto" is "meta_shape" for a tensor with a meta shape, else "concat".
+    Its gradient is this replica's slice of the output gradient.
 
     Raises:
         ValueError: for another ``output_shape`` or a non-int ``axis``.
@@ -155,8 +166,15 @@ def replicated_all_gather(t: Tensor, axis: int = 0, group: Optional[ReplicaGroup
     k = g.group_size
     if output_shape == "meta_shape":
         from . import reshape
+        meta = tuple(t.meta_shape)
+        n = int(np.prod(meta, dtype=np.int64))
+        if t.nelms * k < n:
+            raise ValueError(f"replicated_all_gather: the {k} shards of {t.nelms} elements of "
+                             f"'{t.id}' cannot hold its meta shape {meta}")
         out = one("ReplicatedAllGather", t, domain=GC, name=t.name + "_all_gathered", **_grouping_attr(g))
-        return reshape(out, t.meta_shape)
+        if out.nelms != n:    # the shards are padded to a multiple of the shard count
+            out = out[:n]
+        return reshape(out, meta)
     if t.rank == 0:
         x, shape = t, [k]
     else:

@@ -111,8 +111,9 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
     if graph._is_main:
         raise ValueError("autodiff differentiates subgraphs (made with ir.create_graph), not the main graph")
     if graph._hidden:
-        raise NotImplementedError(f"autodiff of graph '{graph.name}', which uses host streams, is "
-                                  f"not supported: load / store outside the differentiated graph")
+        raise NotImplementedError(f"autodiff of graph '{graph.name}', which uses host streams or "
+                                  f"remote buffers, is not supported: load / store outside the "
+                                  f"differentiated graph")
     provided = [t for t in graph._outputs if _float(t)] if grads_provided is None else list(grads_provided)
     required = [t for t in graph._inputs if _float(t)] if grads_required is None else list(grads_required)
     for t in provided:
