@@ -30,3 +30,14 @@ def test_example_runs(script: Path):
     assert proc.returncode == 0, \
         f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert f"{script.stem}: OK" in proc.stdout
+
+
+def test_two_ipu_examples_run_on_a_one_device_machine():
+    """Graphcore's sharding and pipelining programs call acquireAvailableDevice(2): with one
+    host device, the DeviceManager's system still has 2 IPUs (sharing the device)."""
+    for name in ("sharding", "pipelining"):
+        env = dict(os.environ, POPART_EXAMPLE_SMALL="1", POPART_HOST_DEVICES="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py")], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and f"{name}: OK" in proc.stdout, proc.stderr[-2000:]
