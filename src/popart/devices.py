@@ -288,7 +288,8 @@ class DeviceManager:
         """All devices of ``numIpus`` IPUs, attached or not (none are attached by this call)."""
         if DeviceType(deviceType) != DeviceType.Ipu:
             return []
-        return [self._hardware(i, g, pattern, connectionType, tilesPerIPU)
+        ipu_devices = _ipu_devices()
+        return [self._hardware(i, g, pattern, connectionType, tilesPerIPU, ipu_devices)
                 for i, g in enumerate(_device_groups()) if len(g) == numIpus]
 
     def tryAcquireAvailableDevice(self, numIpus: int = 1, tilesPerIpu: int = 0,
@@ -347,8 +348,8 @@ class DeviceManager:
 
     @staticmethod
     def _hardware(id: int, group: tuple, pattern: Any, connectionType: Any,
-                  tilesPerIPU: int) -> DeviceInfo:
-        ipu_devices = _ipu_devices()
+                  tilesPerIPU: int, ipu_devices: Optional[list] = None) -> DeviceInfo:
+        ipu_devices = ipu_devices or _ipu_devices()
         return DeviceInfo(DeviceType.Ipu, [ipu_devices[i] for i in group], id=id,
                           tilesPerIPU=tilesPerIPU or _DEFAULT_TILES,
                           connectionType=connectionType, pattern=pattern, exclusive=True,

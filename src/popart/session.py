@@ -976,17 +976,20 @@ class _Session:
         return {**{"var/" + k: v for k, v in program.variables.items()},
                 **{"opt/" + k: v for k, v in program.init_opt_state().items()}}
 
-    def _file_bytes_bound(self) -> int:
-        """The most bytes an executable file of this session may hold."""
-        tensors = sum(np.asarray(v).nbytes for v in self._saved_arrays().values())
+    def _file_bytes_bound(self, arrays: Optional[Mapping[str, Any]] = None) -> int:
+        """The most bytes an executable file of this session may hold (``arrays``: its
+        ``_saved_arrays()``, when the caller has them)."""
+        arrays = self._saved_arrays() if arrays is None else arrays
+        tensors = sum(np.asarray(v).nbytes for v in arrays.values())
         tensors += sum(np.asarray(v).nbytes for v in self._graph.initializers.values())
         return EXECUTABLE_SLACK + 2 * tensors
 
     def _read_executable(self, filename: str) -> dict:
         """A .popef file's executable and variables, every size bounded by this session's
         tensors and its signature checked (popart_exception naming what differs)."""
-        executable, arrays = read_executable(filename, self._signature(), self._saved_arrays(),
-                                             self._file_bytes_bound())
+        like = self._saved_arrays()
+        executable, arrays = read_executable(filename, self._signature(), like,
+                                             self._file_bytes_bound(like))
         loaded = {"executable": executable}
         if any(k.startswith("var/") for k in arrays):
             loaded["variables"] = {k[4:]: v for k, v in arrays.items() if k.startswith("var/")}

@@ -316,8 +316,9 @@ class Session:
         step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
                             donate_argnums=(0,))
         specs = self._specs()
-        jax.eval_shape(step.fn, *specs)   # the trace's run-time checks, also for a cached program
         self.executable_source = compile_step(step, specs, self._engine_cache_)
+        if self.executable_source == "engine cache":   # not traced: the run-time checks from
+            jax.eval_shape(step.fn, *specs)             # an abstract trace
         self._step = step
 
     # ------------------------------------------------------------------ context / device

@@ -22,6 +22,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from .graph import Graph, Node
+from .transforms import ancestors
 
 RECOMPUTE_OUTPUT = "__recompute_output"   # the Builder's annotation (RecomputeType)
 CHECKPOINT, RECOMPUTE = 1, 2              # RecomputeType values
@@ -55,14 +56,8 @@ def decreasing_intervals(n: int) -> list[tuple[int, int]]:
 
 def _path_to_loss(graph: Graph, loss: str) -> list[Node]:
     """The forward ops whose outputs reach the loss, in schedule (graph) order."""
-    producer = graph.producer()
-    needed, stack = set(), [loss]
-    while stack:
-        node = producer.get(stack.pop())
-        if node is not None and id(node) not in needed:
-            needed.add(id(node))
-            stack += [i for i in node.inputs if i]
-    return [n for n in graph.nodes if id(n) in needed]
+    needed = ancestors(graph, loss)
+    return [n for n in graph.nodes if any(o in needed for o in n.outputs if o)]
 
 
 def _can_recompute(node: Node) -> bool:
