@@ -258,6 +258,10 @@ class _Session:
         self._dev = (self._put(self._host_weights), self._put(self._host_opt_state))
         self._host_in_sync = True
 
+    def _device_to_host(self, which: int) -> dict:
+        """The device weights (0) or optimizer state (1) as host arrays by tensor id."""
+        return self._program.state_to_host(self._device_state()[which])
+
     def _device_state(self) -> tuple:
         """(weights, optimizer state) on the device, loading the engine if it is not."""
         if self._dev is None:
@@ -289,8 +293,9 @@ class _Session:
     def _prepared(self) -> bool:
         return self._program is not None and self._program.compiled is not None
 
-    def _put(self, tree: Mapping[str, Any]) -> dict:
-        return self._program.put(dict(tree))
+    def _put(self, tree: Mapping[str, Any]) -> Any:
+        """Weights or optimizer state in the program's device layout."""
+        return self._program.put_state(tree)
 
     def _hyper(self) -> dict:
         if not self._training:
@@ -490,9 +495,8 @@ class _Session:
         self._require_prepared("weightsToHost")
         if self._dev is None:   # engine not loaded: the host values are the latest
             return
-        to_host = self._program.to_host
-        self._host_weights = {k: to_host(v) for k, v in self._dev[0].items()}
-        self._host_opt_state = {k: to_host(v) for k, v in self._dev[1].items()}
+        self._host_weights = self._device_to_host(0)
+        self._host_opt_state = self._device_to_host(1)
         self._host_in_sync = True
 
     def areHostWeightsInSync(self) -> bool:
@@ -502,8 +506,7 @@ class _Session:
     def readWeights(self, weightsIo: Any) -> None:
         """Copy host weights (and optimizer state) into the arrays of a PyWeightsIO."""
         self._require_prepared("readWeights")
-        state = getattr(self, "_host_opt_state", None) or \
-            {k: self._program.to_host(v) for k, v in self._device_state()[1].items()}
+        state = getattr(self, "_host_opt_state", None) or self._device_to_host(1)
         for tid, dst in _weights_dict(weightsIo).items():
             src = self._host_weights.get(tid, state.get(tid))
             if src is None:
@@ -516,7 +519,7 @@ class _Session:
     def writeWeights(self, weightsIo: Any) -> None:
         """Write the arrays of a PyWeightsIO to the host weights (and the device)."""
         self._require_prepared("writeWeights")
-        opt = {k: self._program.to_host(v) for k, v in self._device_state()[1].items()}
+        opt = self._device_to_host(1)
         for tid, src in _weights_dict(weightsIo).items():
             target = self._host_weights if tid in self._host_weights else opt if tid in opt else None
             if target is None:

@@ -471,8 +471,22 @@ class StepProgram:
 
     # ------------------------------------------------------------------ placement, compile, run
     def put(self, tree: Any) -> Any:
-        """Place weights / optimizer state / the RNG key on the replicas' device(s)."""
+        """Place the RNG key or hyper-parameters on the replicas' device(s)."""
         return self.placement.put(tree)
+
+    def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
+        """Weights or optimizer state (host arrays by tensor id) in the step's device layout.
+        Here: one array per tensor on every replica's device; placements that split the state
+        over devices (virtual graphs, replicated tensor sharding) override this pair."""
+        return self.placement.put(dict(named))
+
+    def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
+        """The inverse of :meth:`put_state`: host arrays by tensor id."""
+        return {k: self.to_host(v) for k, v in state.items()}
+
+    def state_specs(self, named: Mapping[str, Any]) -> Any:
+        """The ShapeDtypeStruct tree of :meth:`put_state` for these host arrays."""
+        return arg_specs(dict(named))
 
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
         """Move a step's inputs to the device(s): one transfer per input. In a distributed
@@ -501,7 +515,8 @@ class StepProgram:
         feed_specs = {k: jax.ShapeDtypeStruct((cfg.batches_per_step, cfg.accumulation_factor,
                                                cfg.replication_factor, *i.shape()), i.np_dtype())
                       for k, i in self.input_infos.items()}
-        return arg_specs(dict(weights)), arg_specs(dict(opt_state)), arg_specs(key), feed_specs, arg_specs(dict(hyper))
+        return (self.state_specs(weights), self.state_specs(opt_state), arg_specs(key), feed_specs,
+                arg_specs(dict(hyper)))
 
     def compile(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
                 hyper: Mapping[str, Any], exported: Optional[bytes] = None,
