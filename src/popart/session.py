@@ -23,6 +23,7 @@ from . import logging as _log
 from .engine.als import check_settings as check_als_settings, snapshot as als_snapshot
 from .engine.executable import (EXECUTABLE_SLACK, EngineCache, canonical, executable_bytes,
                                 read_executable, runtime_signature)
+from .engine.pipeline import program_class
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
 from .engine import in_x64, x64
 from .engine.progress import compile_progress
@@ -284,7 +285,8 @@ class _Session:
             graph = self._graph
             if self._training:
                 graph = fuse_softmax_nll(graph, self._loss, self.patterns.isPatternEnabled)
-            program = StepProgram(graph, self._config(), self._input_infos, self._device)
+            program = program_class(self.options, self._device)(graph, self._config(), self._input_infos,
+                                                                 self._device)
             program.plan()
             self._program = program
         return self._program
@@ -419,7 +421,7 @@ class _Session:
                        if not a.startswith(GRAD_PREFIX) and a not in skip}
             cfg = dataclasses.replace(train.cfg, training=False, loss=None, optimizer=None,
                                       als=None, anchors=anchors)
-            program = StepProgram(self._graph, cfg, self._input_infos, self._device)
+            program = type(train)(self._graph, cfg, self._input_infos, self._device)
             program.plan()
             with jax.default_device(self._jax_device()):
                 program.compile(self._host_weights, {}, self._key, {})

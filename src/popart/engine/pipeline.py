@@ -1,0 +1,553 @@
+"""Virtual graphs and pipelining on a device mesh: PopART's model parallelism.
+
+Each IPU of a replica is one device of a mesh with axes (``REPLICA_AXIS``, ``IPU_AXIS``). The graph's top-level
+ops are cut into *stages*: the pipeline stages (``pipelineStage``) when pipelining is on, else
+the runs of consecutive ops on one virtual graph (``virtualGraph``, or an even split by a cost
+estimate for ``VirtualGraphMode.Auto``). Stage s runs on its IPU's device ``stage_ipu[s]``.
+
+Weights and optimizer state live only on their IPU: per dtype one flat buffer ``[ipus, L]``
+sharded over the IPU axis, each device's row holding its IPU's tensors (:class:`Layout`); every
+replica's devices hold their own copy. Inside
+one ``shard_map`` every device runs its own stages (``lax.switch`` on the axis index), and the
+tensors that cross from stage s to stage s+1 (PopART's IpuCopy; those needed further on pass
+through) move with a collective permute.
+
+The schedule is PopART's: in tick t stage s works on micro-batch t - s, so with pipelining the
+A micro-batches of a batch fill the pipeline (ramp-up), run every stage at once, and drain
+(ramp-down) in A + S - 1 ticks; without pipelining (sharding) each micro-batch passes the S
+stages in S ticks before the next starts. The backward pass is the autodiff of that schedule
+(the permutes reversed), so the gradients are the accumulated ones of the unpipelined run and
+the update, per device, is the same optimizer code on the device's own tensors.
+
+Features the placed program does not implement (automatic loss scaling,
+gradients of activations, variables written by ops, run-time index checks, norm clipping
+across IPUs, IPUs sharing a device) run the whole model on one device as before; a log line
+says which and why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import IrError
+from ..ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node
+from ..logging import getLogger
+from .compiled import CompiledStep, arg_specs
+from .lower import trace
+from .compiled import REPLICA_AXIS
+from .program import GRAD_PREFIX, StepConfig, StepProgram
+
+IPU_AXIS = "ipu"
+_logger = getLogger("session")
+
+
+# ---------------------------------------------------------------------------- stages
+@dataclass
+class StagePlan:
+    """How the graph's top-level ops split into stages, and what crosses between them."""
+    nodes: list                     # per stage: its nodes, in graph order
+    stage_ipu: list                 # per stage: the IPU (mesh index) it runs on
+    weights: list                   # per stage: the variables it owns
+    boundary: list                  # per stage s < S-1: tensor ids sent from s to s+1
+    produced_at: dict               # tensor id -> stage computing (or owning) it
+    pipelined: bool
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.nodes)
+
+    def ipu_of(self, tid: str) -> int:
+        return self.stage_ipu[self.produced_at.get(tid, 0)]
+
+
+def _auto_split(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[int]:
+    """VirtualGraphMode.Auto: contiguous runs of ops of about equal cost (the elements of
+    the weights an op reads plus those of its outputs), one per IPU."""
+    cost = [sum(sizes.get(t, 0) for t in list(nd.inputs) + list(nd.outputs) if t) or 1
+            for nd in graph.nodes]
+    total, acc, out = float(sum(cost)), 0.0, []
+    for c in cost:
+        out.append(min(n - 1, int(n * (acc + c / 2) / total)))
+        acc += c
+    return out
+
+
+def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
+                num_ipus: int, sizes: Mapping[str, int]) -> StagePlan:
+    """Cut ``graph`` into stages (see the module docstring)."""
+    nodes = graph.nodes
+    if options.virtualGraphMode.name == "Auto":
+        vgs = _auto_split(graph, num_ipus, sizes)
+    else:
+        vgs = [int(nd.annotations.get(VIRTUAL_GRAPH, 0)) for nd in nodes]
+    pipelined = bool(getattr(options, "enablePipelining", False))
+    if pipelined and all(PIPELINE_STAGE in nd.annotations for nd in nodes):
+        keys = [int(nd.annotations[PIPELINE_STAGE]) for nd in nodes]
+    elif pipelined:   # PopART: the pipeline stage of an op is its virtual graph
+        keys = vgs
+    else:             # sharding: runs of consecutive ops on one IPU
+        keys, run = [], -1
+        for i, v in enumerate(vgs):
+            run += i == 0 or v != vgs[i - 1]
+            keys.append(run)
+    order = sorted(set(keys))
+    stage_of = [order.index(k) for k in keys]
+    S = len(order)
+    staged: list[list[Node]] = [[] for _ in range(S)]
+    stage_ipu = [0] * S
+    for nd, s, v in zip(nodes, stage_of, vgs):
+        staged[s].append(nd)
+        stage_ipu[s] = v
+    produced_at: dict[str, int] = {}
+    consumed: dict[str, set] = {}
+    weights: list[list[str]] = [[] for _ in range(S)]
+    for nd, s in zip(nodes, stage_of):
+        for t in nd.inputs:
+            if not t:
+                continue
+            if t in variables and t not in produced_at:   # a weight lives where first read
+                produced_at[t] = s
+                weights[s].append(t)
+            if produced_at.get(t, -1) > s:
+                raise IrError(f"{nd.describe()} in pipeline stage {s} reads '{t}', which stage "
+                              f"{produced_at[t]} computes: a stage can only use tensors of "
+                              f"its own or earlier stages")
+            consumed.setdefault(t, set()).add(s)
+        for t in nd.outputs:
+            if t:
+                produced_at[t] = s
+    for w in variables:   # weights no op reads stay on the first IPU
+        if w not in produced_at:
+            produced_at[w] = 0
+            weights[0].append(w)
+    boundary = [sorted(t for t, at in produced_at.items() if at <= s and
+                       any(c > s for c in consumed.get(t, ())))
+                for s in range(S - 1)]
+    return StagePlan(staged, stage_ipu, weights, boundary, produced_at, pipelined)
+
+
+# ---------------------------------------------------------------------------- state layout
+class Layout:
+    """Where each tensor of a named set (the weights, or the optimizer state) lives: per
+    dtype one flat buffer ``[ipus, L]`` keyed ``"<kind>/<dtype>"``, the tensor at (its IPU's
+    row, an offset), zero-padded to the longest row."""
+
+    def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int) -> None:
+        self.kind, self.num_ipus = kind, num_ipus
+        self.slots: dict[str, tuple] = {}   # id -> (ipu, buffer key, offset, shape)
+        used: dict[tuple, int] = {}
+        for tid, spec in specs.items():
+            key, shape = f"{kind}/{np.dtype(spec.dtype).name}", tuple(np.shape(spec))
+            ipu = ipu_of(tid)
+            off = used.get((key, ipu), 0)
+            self.slots[tid] = (ipu, key, off, shape)
+            used[(key, ipu)] = off + int(np.prod(shape, dtype=np.int64))
+        self.lengths = {key: max(n for (k, _), n in used.items() if k == key)
+                        for key in sorted({k for k, _ in used})}
+
+    def specs(self) -> dict:
+        return {key: jax.ShapeDtypeStruct((self.num_ipus, n), np.dtype(key.split("/")[1]))
+                for key, n in self.lengths.items()}
+
+    def pack(self, named: Mapping[str, Any]) -> dict:
+        bufs = {key: np.zeros(s.shape, s.dtype) for key, s in self.specs().items()}
+        for tid, (ipu, key, off, shape) in self.slots.items():
+            v = np.asarray(named[tid]).reshape(-1)
+            bufs[key][ipu, off:off + v.size] = v
+        return bufs
+
+    def unpack(self, bufs: Mapping[str, Any], ipu: Optional[int] = None) -> dict:
+        """Tensors from the buffers: all of them from global ``[ipus, L]`` buffers (host or
+        device), or (``ipu`` given) that IPU's tensors from its own rows ``[L]``."""
+        out = {}
+        for tid, (i, key, off, shape) in self.slots.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            if ipu is None:
+                out[tid] = bufs[key][i, off:off + size].reshape(shape)
+            elif i == ipu:
+                out[tid] = bufs[key][off:off + size].reshape(shape)
+        return out
+
+    def repack(self, rows: Mapping[str, Any], ipu: int, named: Mapping[str, Any]) -> dict:
+        """An IPU's rows ``[L]`` with its tensors in ``named`` written in."""
+        rows = dict(rows)
+        for tid, v in named.items():
+            i, key, off, _ = self.slots[tid]
+            if i == ipu:
+                rows[key] = jax.lax.dynamic_update_slice(
+                    rows[key], jnp.ravel(v).astype(rows[key].dtype), (off,))
+        return rows
+
+
+# ---------------------------------------------------------------------------- the program
+def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
+    """Why ``program`` cannot run with its virtual graphs placed (None: it can)."""
+    cfg = program.cfg
+    devs = list(getattr(device, "jax_devices", None) or [])
+    if len(set(devs)) < len(devs):
+        return f"the device's {len(devs)} IPUs share {len(set(devs))} device(s)"
+    if cfg.als is not None:
+        return "automatic loss scaling"
+    if program.assigned:
+        return f"ops write variables ({', '.join(program.assigned[:3])})"
+    if program.run_checks:
+        return "run-time index checks"
+    if any(a.startswith(GRAD_PREFIX) and a[len(GRAD_PREFIX):] not in program.variables
+           for a in program.anchor_ids):
+        return "gradients of activations as anchors"
+    if cfg.training and getattr(cfg.optimizer, "clip_norm_settings", None):
+        return "gradient norm clipping"
+    return None
+
+
+class PlacedProgram(StepProgram):
+    """A StepProgram whose stages run on the devices of their IPUs (module docstring). When
+    the model needs what the placement lacks, it is the plain StepProgram."""
+
+    def __init__(self, graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
+                 device: Any = None) -> None:
+        super().__init__(graph, cfg, input_infos, device)
+        self.device_info = device
+        self.stages: Optional[StagePlan] = None
+        self.mesh: Optional[jax.sharding.Mesh] = None
+        self.weight_layout: Optional[Layout] = None
+        self.state_layout: Optional[Layout] = None
+
+    # -------------------------------------------------------------- planning
+    def plan(self) -> None:
+        super().plan()
+        why = _why_not_placed(self, self.device_info)
+        if why is not None:
+            _logger.info(f"Virtual graphs: {why} is not supported by the placed program; the "
+                         f"whole model runs on one device")
+            return
+        specs = self._tensor_specs()
+        sizes = {k: int(np.prod(s.shape)) for k, s in specs.items()}
+        R = self.cfg.replication_factor
+        n = int(getattr(self.device_info, "numIpus", 1) or 1) // R   # IPUs per replica
+        stages = plan_stages(self.graph_consts, self.variables, self.cfg.options, n, sizes)
+        ipus = max(stages.stage_ipu) + 1
+        if stages.num_stages < 2 or ipus < 2:
+            return
+        # replica r has IPUs r*n .. r*n + n-1
+        devs = np.array(self.device_info.jax_devices).reshape(R, n)[:, :ipus]
+        self.stages, self.specs, self.ipus = stages, specs, ipus
+        self.mesh = jax.sharding.Mesh(devs, (REPLICA_AXIS, IPU_AXIS))
+        self.uses_rng = True
+        owner = {k: w for w in self.trainable
+                 for k in (self.cfg.optimizer.init_state(w, self.variables[w]) if self.cfg.training else {})}
+        ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
+        self.weight_layout = Layout("weights", self.variables, ipu_of, ipus)
+        self.state_layout = Layout("state", self.init_opt_state(), ipu_of, ipus)
+        _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
+                     f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
+                     f"{[len(w) for w in self._weights_per_ipu()]}")
+
+    def _weights_per_ipu(self) -> list:
+        per = [[] for _ in range(self.ipus)]
+        for w in self.variables:
+            per[self.stages.ipu_of(w)].append(w)
+        return per
+
+    def _tensor_specs(self) -> dict:
+        """ShapeDtypeStruct of every tensor of one micro-batch's trace."""
+        specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype())
+                 for k, i in self.input_infos.items()}
+        wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
+
+        def probe(weights, feeds):
+            env = self._trace(weights, feeds, jax.random.key(0), training=self.cfg.training).env
+            return {k: v for k, v in env.items() if isinstance(v, (jax.Array, np.ndarray))
+                    or isinstance(v, jax.core.Tracer)}
+        return jax.eval_shape(probe, wspecs, specs)
+
+    @property
+    def placed(self) -> bool:
+        return self.stages is not None
+
+    @property
+    def schedule(self) -> list[list[tuple[int, int]]]:
+        """Per tick, the (stage, micro-batch) pairs that run (one batch of a training or
+        inference step): PopART's ramp-up, main and ramp-down phases."""
+        S, A = self.stages.num_stages, self.cfg.accumulation_factor
+        if not self.stages.pipelined:
+            return [[(s, m)] for m in range(A) for s in range(S)]
+        return [[(s, t - s) for s in range(S) if 0 <= t - s < A] for t in range(A + S - 1)]
+
+    # -------------------------------------------------------------- state layout
+    def _layout(self, names: Any) -> Layout:
+        """The layout of the weights or the optimizer state, told apart by their ids."""
+        ids = set(names)
+        if ids == set(self.variables):
+            return self.weight_layout
+        if ids == set(self.state_layout.slots):
+            return self.state_layout
+        raise IrError(f"Internal error: {sorted(ids)[:5]} are neither the weights nor the "
+                      f"optimizer state of the placed program")
+
+    def _buffers_layout(self, bufs: Mapping[str, Any]) -> Layout:
+        kinds = {k.split("/")[0] for k in bufs}
+        return self.weight_layout if kinds == {"weights"} else self.state_layout
+
+    def _state_sharding(self) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(IPU_AXIS))
+
+    def _mesh_sharding(self, *spec: Any) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+
+    def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
+        if not self.placed:
+            return super().put_state(named)
+        return jax.device_put(self._layout(named).pack(named), self._state_sharding())
+
+    def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
+        if not self.placed:
+            return super().state_to_host(state)
+        bufs = {k: self.to_host(v) for k, v in state.items()}
+        return {k: np.array(v) for k, v in self._buffers_layout(state).unpack(bufs).items()}
+
+    def state_specs(self, named: Mapping[str, Any]) -> Any:
+        if not self.placed:
+            return super().state_specs(named)
+        return self._layout(named).specs()
+
+    def put(self, tree: Any) -> Any:
+        if not self.placed:
+            return super().put(tree)
+        return jax.device_put(tree, self._mesh_sharding())
+
+    def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
+        if not self.placed:
+            return super().put_feeds(feeds)
+        return jax.device_put(dict(feeds), self._mesh_sharding(None, None, REPLICA_AXIS))
+
+    # -------------------------------------------------------------- the step
+    def _compiled_step(self) -> CompiledStep:
+        if not self.placed:
+            return super()._compiled_step()
+        state, rep = self._state_sharding(), self._mesh_sharding()
+        feeds = self._mesh_sharding(None, None, REPLICA_AXIS)
+        return CompiledStep(self._placed_step(), donate_argnums=(0, 1, 2),
+                            in_shardings=(state, state, rep, feeds, rep),
+                            out_shardings=(state, state, rep, rep))
+
+    def _stage_fn(self, s: int):
+        """Stage s on one micro-batch: (weights, feeds, received tensors, key) -> (the
+        tensors it sends on, its anchor values, its loss or 0)."""
+        st, cfg = self.stages, self.cfg
+        sub = Graph(name=f"{self.graph.name}/stage{s}", nodes=st.nodes[s],
+                    initializers=self.constants, tensor_info=self.graph.tensor_info,
+                    opsets=self.graph.opsets, constants=self.graph.constants)
+        sends = st.boundary[s] if s < st.num_stages - 1 else []
+        anchors = [a for a in self._fwd_anchor_ids() if self._anchor_stage(a) == s]
+        has_loss = cfg.training and st.produced_at.get(cfg.loss) == s
+
+        def run(weights, feeds, received, key, hyper):
+            R = cfg.replication_factor
+            t = trace(sub, {**feeds, **received}, key=jax.random.fold_in(key, s),
+                      training=cfg.training, weights=weights, options=cfg.options,
+                      platform=self.placement.platform, replication_factor=R,
+                      replica_axis=REPLICA_AXIS if R > 1 else None)
+            env = t.env
+            out = {k: jnp.asarray(env[k]) for k in sends}
+            anc = {a: jnp.asarray(env[a]) for a in anchors}
+            loss = jnp.zeros((), jnp.float32)
+            if has_loss:
+                scaled = env[cfg.loss] * jnp.asarray(self._hyper(hyper, "lossScaling"), env[cfg.loss].dtype)
+                loss = scaled.astype(jnp.float32)
+            return out, anc, loss
+        return run, sends, anchors
+
+    def _anchor_stage(self, a: str) -> int:
+        """The stage whose trace has anchor ``a``: its producer (or owner, for a weight), for
+        a graph input its first reader."""
+        st = self.stages
+        if a in st.produced_at:
+            return st.produced_at[a]
+        return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in nd.inputs), 0)
+
+    def _fwd_anchor_ids(self) -> list[str]:
+        opt = set(self.opt_state_ids())
+        return [a for a in self.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
+
+    def _zeros(self, ids) -> dict:
+        return {k: jnp.zeros(self.specs[k].shape, self.specs[k].dtype) for k in ids}
+
+    def _pipeline(self, wlayout: Layout):
+        """(weight rows of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
+        anchors {id: [1, 1, T, ...]}) for M micro-batches of one replica through the stages,
+        inside shard_map."""
+        st = self.stages
+        S, ipus = st.num_stages, self.ipus
+        stage_fns = [self._stage_fn(s) for s in range(S)]
+        feed_ids = {s: sorted({t for nd in st.nodes[s] for t in nd.inputs if t in self.input_infos} |
+                              {a for a in stage_fns[s][2] if a in self.input_infos})
+                    for s in range(S)}
+
+        def body(rows, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
+            M = keys.shape[0]
+            dev = jax.lax.axis_index(IPU_AXIS)
+            rows = {k: v[0] for k, v in rows.items()}
+            feeds, keys = {k: v[:, 0] for k, v in feeds.items()}, keys[:, 0]
+
+            def device_branch(d):
+                weights = wlayout.unpack(rows, d)
+
+                def branch(bufs, t):
+                    sent = [self._zeros(st.boundary[s]) for s in range(S - 1)]
+                    anchors, loss = {}, jnp.zeros((), jnp.float32)
+                    for s in range(S):
+                        run, sends, anc_ids = stage_fns[s]
+                        if st.stage_ipu[s] != d:
+                            anchors.update(self._zeros(anc_ids))
+                            continue
+                        m = t - s
+                        mc = jnp.clip(m, 0, M - 1)
+                        f = {k: feeds[k][mc] for k in feed_ids[s]}
+                        recv = bufs[s - 1] if s > 0 else {}
+                        # a tensor passed through a stage on the same device comes straight in
+                        w = {k: weights[k] for k in st.weights[s]}
+                        zero = (self._zeros(sends), self._zeros(anc_ids), jnp.zeros((), jnp.float32))
+                        out, anc, l_s = jax.lax.cond(
+                            (m >= 0) & (m < M),
+                            lambda f=f, recv=recv, w=w, run=run, mc=mc: run(w, f, recv, keys[mc], hyper),
+                            lambda zero=zero: zero)
+                        if s < S - 1:
+                            sent[s] = out
+                        anchors.update(anc)
+                        loss = loss + l_s
+                    return sent, anchors, loss
+                return branch
+
+            branches = [device_branch(d) for d in range(ipus)]
+
+            def tick(carry, t):
+                bufs, loss_acc = carry
+                sent, anchors, loss = jax.lax.switch(dev, branches, bufs, t)
+                moved = []
+                for s in range(S - 1):
+                    a, b = st.stage_ipu[s], st.stage_ipu[s + 1]
+                    # IpuCopy: to the next stage's device (kept where it is on the same one)
+                    moved.append(sent[s] if a == b else jax.lax.ppermute(sent[s], IPU_AXIS, [(a, b)]))
+                return (moved, loss_acc + loss), anchors
+
+            T = M + S - 1
+            bufs0 = [self._zeros(st.boundary[s]) for s in range(S - 1)]
+            (_, loss), anchors = jax.lax.scan(tick, (bufs0, jnp.zeros((), jnp.float32)),
+                                              jnp.arange(T))
+            return loss[None, None], {a: v[None, None] for a, v in anchors.items()}
+        return body
+
+    def _micro_groups(self) -> tuple[int, int]:
+        """(groups, micro-batches per group): pipelining sends a batch's A micro-batches
+        (inference: all the step's) through the pipeline together, sharding one at a time."""
+        n = self.cfg.accumulation_factor
+        if not self.cfg.training:   # inference: every micro-batch of the step
+            n *= self.cfg.batches_per_step
+        return (1, n) if self.stages.pipelined else (n, 1)
+
+    def _placed_step(self):
+        cfg, st = self.cfg, self.stages
+        P = jax.sharding.PartitionSpec
+        A, B, R = cfg.accumulation_factor, cfg.batches_per_step, cfg.replication_factor
+        G, M = self._micro_groups()
+        anchor_stage = {a: self._anchor_stage(a) for a in self._fwd_anchor_ids()}
+        trainable = self.trainable
+        anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
+        grad_anchors = [a for a in self.anchor_ids if a.startswith(GRAD_PREFIX)]
+
+        def run_group(wbufs, wlayout, feeds, keys, hyper):
+            """M micro-batches of every replica (feeds [M, R, ...]): (loss sum, anchors
+            {id: [M, R, ...]})."""
+            body = jax.shard_map(self._pipeline(wlayout), mesh=self.mesh,
+                                 in_specs=(P(IPU_AXIS), P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
+                                 out_specs=(P(REPLICA_AXIS, IPU_AXIS),) * 2, check_vma=False)
+            losses, anchors = body(wbufs, feeds, keys, hyper)
+            out = {a: jnp.swapaxes(v[:, st.stage_ipu[anchor_stage[a]],
+                                     anchor_stage[a]:anchor_stage[a] + M], 0, 1)
+                   for a, v in anchors.items()}
+            return jnp.sum(losses), out
+
+        def update(wlayout, slayout, wbufs, gbufs, sbufs, hyper):
+            """The optimizer on each device's own weights and state."""
+            ipus = self.ipus
+
+            def body(w, g, s, h):
+                w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own rows
+
+                def branch(d):
+                    def f(w, g, s):
+                        mine = [k for k in trainable if wlayout.slots[k][0] == d]
+                        if not mine:
+                            return w, s
+                        ws, gs = wlayout.unpack(w, d), wlayout.unpack(g, d)
+                        new_w, new_s = cfg.optimizer.apply({k: ws[k] for k in mine},
+                                                           {k: gs[k] for k in mine},
+                                                           slayout.unpack(s, d), h)
+                        return wlayout.repack(w, d, new_w), slayout.repack(s, d, new_s)
+                    return f
+                w, s = jax.lax.switch(jax.lax.axis_index(IPU_AXIS), [branch(d) for d in range(ipus)],
+                                      w, g, s)
+                return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
+            return jax.shard_map(body, mesh=self.mesh, in_specs=(P(IPU_AXIS),) * 3 + (P(),),
+                                 out_specs=(P(IPU_AXIS), P(IPU_AXIS)), check_vma=False)(
+                wbufs, gbufs, sbufs, hyper)
+
+        def step(weights, opt_state, key_data, feeds, hyper):
+            wlayout, slayout = self.weight_layout, self.state_layout
+            key = jax.random.wrap_key_data(key_data)
+
+            def batch(carry, xs):
+                wbufs, sbufs = carry
+                bfeeds, bkey = xs                                   # bfeeds: [A, R, ...]
+                bfeeds = {k: v.reshape((G, M) + v.shape[1:]) for k, v in bfeeds.items()}
+                keys = self._split(bkey, A * R).reshape((G, M, R))
+
+                def group(gacc, x):
+                    (_, anchors), grads = jax.value_and_grad(
+                        lambda w: run_group(w, wlayout, x[0], x[1], hyper), has_aux=True)(wbufs)
+                    return jax.tree_util.tree_map(jnp.add, gacc, grads), anchors
+                zeros = jax.tree_util.tree_map(jnp.zeros_like, wbufs)
+                gbufs, anchors = jax.lax.scan(group, zeros, (bfeeds, keys))
+                vals = self._per_micro(anchors)
+                if cfg.mean_reduction:
+                    gbufs = jax.tree_util.tree_map(lambda g: g / (A * R), gbufs)
+                grads = wlayout.unpack(gbufs)
+                for a in grad_anchors:   # the accumulated gradient, as the plain program gives
+                    vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
+                                               (A, R) + self.anchor_specs[a].shape)
+                wbufs, sbufs = update(wlayout, slayout, wbufs, gbufs, sbufs, hyper)
+                state = slayout.unpack(sbufs)
+                for a in anchor_opt:
+                    vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
+                return (wbufs, sbufs), vals
+
+            key, sub = self._split(key, 2)
+            if not cfg.training:   # no updates: the step's B x A micro-batches in one go
+                flat = {k: v.reshape((G, M) + v.shape[2:]) for k, v in feeds.items()}
+                keys = self._split(sub, B * A * R).reshape((G, M, R))
+                _, anchors = jax.lax.map(lambda x: run_group(weights, wlayout, x[0], x[1], hyper),
+                                         (flat, keys))
+                vals = {a: v.reshape((B, A) + v.shape[2:]) for a, v in anchors.items()}
+                return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
+            (weights, opt_state), vals = jax.lax.scan(
+                batch, (weights, opt_state), (feeds, self._split(sub, B)))
+            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
+        return step
+
+    @staticmethod
+    def _per_micro(anchors: dict) -> dict:
+        """Anchors [G, M, R, ...] of a batch as [A, R, ...]."""
+        return {a: v.reshape((-1,) + v.shape[2:]) for a, v in anchors.items()}
+
+
+def program_class(options: Any, device: Any) -> type:
+    """The step program for a session: placed when its virtual graphs span several IPUs."""
+    mode = getattr(getattr(options, "virtualGraphMode", None), "name", "Off")
+    if mode in ("Manual", "Auto") and int(getattr(device, "numIpus", 1) or 1) > 1:
+        return PlacedProgram
+    return StepProgram
