@@ -15,7 +15,9 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 from .errors import OptionError, popart_exception
 
@@ -67,6 +69,24 @@ def process_index() -> int:
 def process_count() -> int:
     import jax
     return jax.process_count() if _initialized else 1
+
+
+def local_rows(x: Any) -> np.ndarray:
+    """This process's rows of ``x``, an array split over the replicas along its leading
+    dimension (all of it when this process holds all of it)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards])
+
+
+def global_value(x: Any) -> np.ndarray:
+    """The whole value of ``x`` on every process. Across processes this is a collective:
+    every process of the job must call it, for the same arrays in the same order."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def check_options(options: object, local_replicas: int) -> int:

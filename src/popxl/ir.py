@@ -5,10 +5,11 @@ import popart
 
 import inspect
 import itertools
-import os
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
 
 from .graph import Graph
 from .replica_grouping import ReplicaGrouping
@@ -31,15 +32,20 @@ class Ir:
     """PopXL intermediate representation: a main graph and the subgraphs it calls."""
 
     def __init__(self, replication: Union[int, str] = 1) -> None:
+        """``replication``: the number of replicas, or "popdist": this instance's share of the
+        replicas of a job started by ``poprun`` (``popdist.popart.configureSessionOptions``:
+        ``replication_factor`` is then the job's, ``instance_replication_factor`` this
+        instance's)."""
         self._id = next(_IDS)
-        if replication == "popdist":
-            replication = int(os.environ.get("POPDIST_NUM_LOCAL_REPLICAS", "1"))
-        self._replication = int(replication)
-        if self._replication < 1:
-            raise ValueError(f"replication must be >= 1, got {replication}")
         self._num_host_transfers = 1
-        # The session options PopART keeps on its Ir (engine caching: POPXL_CACHE_DIR).
+        # The session options PopART keeps on its Ir (replication; engine caching).
         self._options = popart.SessionOptions()
+        self._use_popdist = replication == "popdist"
+        if self._use_popdist:
+            import popdist.popart
+            popdist.popart.configureSessionOptions(self._options)
+        else:
+            self.replication_factor = replication
         self._stream_names: set[str] = set()
         self._graph_names: dict[str, int] = {}
         self._variables: list = []
@@ -63,15 +69,29 @@ class Ir:
 
     @property
     def replication_factor(self) -> int:
-        return self._replication
+        """The number of replicas: with several instances (``Ir(replication="popdist")``),
+        of all of them (the global replication factor)."""
+        return self._options.getGlobalReplicationFactor()
 
     @replication_factor.setter
     def replication_factor(self, value: int) -> None:
-        self._replication = int(value)
+        """Set this instance's number of replicas (as popxl: ``replicatedGraphCount``),
+        before a session is made for the Ir."""
+        if getattr(self, "_session", None) is not None:
+            raise RuntimeError(f"The `Ir` {self.id} is already prepared, you probably have created "
+                               f"a session associated with this ir and cannot change the "
+                               f"replication_factor after this.")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"replication must be an int >= 1 or 'popdist', got {value!r}")
+        if value > 1:
+            self._options.enableReplicatedGraphs = True
+        self._options.replicatedGraphCount = int(value)
 
     @property
     def instance_replication_factor(self) -> int:
-        return self._replication
+        """The number of replicas of this instance (equal to ``replication_factor`` unless
+        the Ir is one of several instances)."""
+        return self._options.localReplicationFactor()
 
     @property
     def num_host_transfers(self) -> int:
@@ -153,11 +173,11 @@ class Ir:
         """Groups of ``group_size`` replicas ``stride`` apart (default: all replicas)."""
         if isinstance(stride, (list, tuple)):
             return self.replica_grouping_from_assignments(stride)
-        return ReplicaGrouping(self._replication, stride, group_size)
+        return ReplicaGrouping(self.replication_factor, stride, group_size)
 
     def replica_grouping_from_assignments(self, assignment: Sequence[int]) -> ReplicaGrouping:
         """A grouping with an arbitrary group for each replica."""
-        return ReplicaGrouping(self._replication, assignment=assignment)
+        return ReplicaGrouping(self.replication_factor, assignment=assignment)
 
     # ------------------------------------------------------------------ streams
     def get_all_h2d_streams(self) -> set[HostToDeviceStream]:
@@ -189,4 +209,5 @@ class Ir:
         atomic_write(folder / f"{check}.dot", ("\n".join(lines) + "\n").encode())
 
     def __repr__(self) -> str:
-        return f"Ir(id={self._id}, replication={self._replication}, graphs={[g.name for g in self._graphs]})"
+        return (f"Ir(id={self._id}, replication={self.replication_factor}, "
+                f"graphs={[g.name for g in self._graphs]})")

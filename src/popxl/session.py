@@ -11,7 +11,14 @@ only as its shards, [replicas, ceil(nelms / shards)]. Remote buffers are kept th
 memory kind (GPUs; ``POPXL_REMOTE_MEMORY_KIND`` chooses: "auto", "device", "pinned_host"),
 moved to the device for a run and back after it; remote variables are entries of them.
 With ``POPXL_CACHE_DIR`` (or the Ir's session options ``enableEngineCaching`` +
-``cachePath``) the program goes through the engine cache."""
+``cachePath``) the program goes through the engine cache.
+
+Several instances (``Ir(replication="popdist")`` in processes started by ``poprun``): the
+program is one SPMD program over the replicas of all instances (one mesh across the processes
+of the ``jax.distributed`` job), so collectives span instances. Streams carry this instance's
+replicas ([num_host_transfers, instance_replication_factor, ...]); host values of variables
+are global, as in popxl: every instance gives all groups' data, each sends its replicas'
+share, and ``weights_to_host`` gathers every replica's values on every instance."""
 from __future__ import annotations
 
 import os
@@ -25,11 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import popart
+from popart import distributed
 from popart.dataflow import validate_input
 from popart.engine import in_x64
-from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement
+from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, xla_errors
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.lower import CHECKS, first_failure, raise_failed_checks, trace
+from popart.errors import OptionError
 from popart.ir.graph import fingerprint
 from popart.logging import getLogger
 from popart.session import _serialised
@@ -118,10 +127,16 @@ class Session:
         self._ir = ir
         self.weights_to_host_on_exit = bool(weights_to_host_on_exit)
         self._was_attached: list[bool] = []
-        self._r = ir.replication_factor
+        self._local_r = ir.instance_replication_factor   # this instance's replicas (its streams)
+        try:   # all instances' replicas
+            self._r = distributed.check_options(ir._options, self._local_r)
+        except OptionError as e:
+            raise OptionError(f"popxl.Ir {ir.id} has replication_factor {ir.replication_factor} and "
+                              f"instance_replication_factor {self._local_r}: {e}") from None
         self._n = ir.num_host_transfers
-        self._device = _device(device_desc, self._r)
-        self._placement = Placement(self._r, self._device)
+        self._device = _device(device_desc, self._local_r)
+        self._placement = Placement(self._r, self._device,
+                                    across_processes=ir._options.enableDistributedReplicatedGraphs)
         main = ir.main_graph
         self._main_ir = main._finalize()
         self._variables: list[Variable] = list(ir._variables)
@@ -189,7 +204,8 @@ class Session:
         "pinned_host" where the devices have it, except on CPU, whose device memory is host
         memory. None: the devices' default (device) memory."""
         want = os.environ.get("POPXL_REMOTE_MEMORY_KIND", "auto").strip().lower() or "auto"
-        devices = self._placement.devices or [self._placement.device]
+        devices = [d for d in self._placement.devices or [self._placement.device]
+                   if d.process_index == jax.process_index()]
         try:
             kinds = set.intersection(*({m.kind for m in d.addressable_memories()} for d in devices))
             default = devices[0].default_memory().kind
@@ -246,9 +262,11 @@ class Session:
             self._host_all[v] = values[layout.data_group]
 
     def _put(self, values: dict) -> dict:
+        """The state on the replicas' devices from its global host values ([replicas, ...]):
+        across processes, each puts only its own replicas' rows."""
         shardings = self._state_shardings()
-        if getattr(self._placement, "across_processes", False):   # as Placement.put
-            return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(x))
+        if self._placement.across_processes:
+            return {k: jax.make_array_from_callback(x.shape, shardings[k], lambda i, x=x: x[i])
                     for k, x in values.items()}
         return jax.device_put(values, {k: shardings[k] for k in values})
 
@@ -294,7 +312,8 @@ class Session:
             return None
         main = self._ir.main_graph
         signature = {"session": "popxl.Session", "graph": fingerprint(self._main_ir),
-                     "replication": self._r, "num_host_transfers": self._n,
+                     "replication": self._r, "instance_replication": self._local_r,
+                     "num_host_transfers": self._n,
                      "devices": len(self._placement.devices),
                      "variables": {v.id: [list(v.shape), v.dtype.name] for v in self._variables},
                      "remote": {str(b.remote_buffer_id): [b.entries, list(b.tensor_shape), b.tensor_dtype.name]
@@ -392,7 +411,8 @@ class Session:
         if self._in_sync or self._dev is None:
             return
         for s in self._slots:
-            arr = self._placement.to_host(self._dev[s.key])
+            with xla_errors("Copying the weights to the host"):
+                arr = distributed.global_value(self._dev[s.key])   # every instance's replicas
             if s.kind == "variable":
                 self._set_host(s.var, arr)
             elif s.kind == "rts":
@@ -466,7 +486,7 @@ class Session:
         return [s for s, _ in self._h2d]
 
     def _host_shape(self, shape: tuple) -> tuple:
-        return tuple(d for d in (self._n, self._r) if d != 1) + tuple(shape)
+        return tuple(d for d in (self._n, self._local_r) if d != 1) + tuple(shape)
 
     def create_host_outputs(self) -> dict[DeviceToHostStream, np.ndarray]:
         """Zeroed output arrays, one per device-to-host stream."""
@@ -474,8 +494,8 @@ class Session:
 
     def _validate_streams(self, given: Mapping, expected: list, kind: str) -> None:
         """The streams given are exactly those expected, each with an array of the right
-        shape (popxl's rules: [num_host_transfers, replication, *shape], size-1 dimensions of
-        the first two dropped)."""
+        shape (popxl's rules: [num_host_transfers, instance_replication_factor, *shape],
+        size-1 dimensions of the first two dropped)."""
         got, want = set(given), set(expected)
         if got != want:
             unexpected = {str(x) for x in got - want}
@@ -495,13 +515,13 @@ class Session:
                                  f"shape {tuple(shape)} provided for {kind} stream {st.tensor_id} "
                                  f"is not large enough.\nIt should be at least of size "
                                  f"num_host_transfers = {self._n}")
-        if self._r > 1:
+        if self._local_r > 1:
             data_index += 1
-            if len(shape) <= repl_index or shape[repl_index] != self._r:
+            if len(shape) <= repl_index or shape[repl_index] != self._local_r:
                 size = shape[repl_index] if len(shape) > repl_index else None
                 raise ValueError(f"Dimension {repl_index} ({size}) of the array of shape "
                                  f"{tuple(shape)} provided for {kind} stream {st.tensor_id} is the "
-                                 f"wrong size.\nIt should be of size replication_factor = {self._r}")
+                                 f"wrong size.\nIt should be of size replication_factor = {self._local_r}")
         if tuple(d for d in shape if d != 1)[data_index:] == () and \
                 all(d == 1 for d in shape[data_index:]) and all(d == 1 for d in st.shape):
             return   # all-ones shapes (a scalar for a [1] stream) are not compared
@@ -511,11 +531,11 @@ class Session:
                              f"array shape = {tuple(shape)}")
 
     def _feed(self, s: HostToDeviceStream, a: np.ndarray) -> np.ndarray:
-        """A stream's (validated) input as [replicas, num_host_transfers, *shape], after
-        popart's StepIO rule (dtype, element count)."""
-        full = (self._n, self._r) + s.shape
+        """A stream's (validated) input as [instance replicas, num_host_transfers, *shape],
+        after popart's StepIO rule (dtype, element count)."""
+        full = (self._n, self._local_r) + s.shape
         info = TensorInfo(to_datatype(s.dtype.as_numpy()), list(s.shape))
-        a = validate_input(s.name, a, info, self._n, 1, self._r).reshape(full)
+        a = validate_input(s.name, a, info, self._n, 1, self._local_r).reshape(full)
         return np.ascontiguousarray(np.swapaxes(a, 0, 1))
 
     @_serialised
@@ -540,19 +560,25 @@ class Session:
         self._dev, outs = self._step(self._dev, self._placement.put(feeds, 0))
         self._in_sync = not self._slots
         if CHECKS in outs:
-            raise_failed_checks(first_failure(self._placement.to_host(outs.pop(CHECKS))), self._checks)
+            raise_failed_checks(first_failure(self._to_host(outs.pop(CHECKS))), self._checks)
         for s, t in self._d2h:
-            val = np.swapaxes(self._placement.to_host(outs[t.id]), 0, 1).reshape(self._host_shape(s.shape))
+            val = np.swapaxes(self._to_host(outs[t.id]), 0, 1).reshape(self._host_shape(s.shape))
             dst = outputs[s]
             if dst.size != val.size:
                 raise ValueError(f"Output array for stream '{s.name}' has shape {list(dst.shape)}; "
                                  f"expected {list(val.shape)}")
             np.copyto(dst, val.reshape(dst.shape), casting="unsafe")
 
+    @staticmethod
+    def _to_host(x: Any) -> np.ndarray:
+        """This instance's replicas' rows of a program output ([replicas, ...])."""
+        with xla_errors("Running the step"):
+            return distributed.local_rows(x)
+
     def run(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
             downcast_inputs: bool = True) -> dict[DeviceToHostStream, np.ndarray]:
         """Run once; returns an array per device-to-host stream, shaped [num_host_transfers,
-        replication, *shape] without size-1 dimensions."""
+        instance_replication_factor, *shape] without size-1 dimensions."""
         outputs = self.create_host_outputs()
         self.run_with_outputs(inputs, outputs, downcast_inputs)
         return outputs
