@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import IrError
 from ..ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node
+from ..tensornames import PREFIXES
 from ..logging import getLogger
 from .compiled import CompiledStep, arg_specs
 from .lower import trace
@@ -42,6 +43,9 @@ from .compiled import REPLICA_AXIS
 from .program import GRAD_PREFIX, StepConfig, StepProgram
 
 IPU_AXIS = "ipu"
+EXECUTION_PHASE = "__execution_phase"
+# Anchors of a pipeline's stashed / restored activations: the activation, per micro-batch.
+STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
 _logger = getLogger("session")
 
 
@@ -78,10 +82,16 @@ def _auto_split(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[int]:
 
 def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
                 num_ipus: int, sizes: Mapping[str, int]) -> StagePlan:
-    """Cut ``graph`` into stages (see the module docstring)."""
+    """Cut ``graph`` into stages (see the module docstring); execution phases are stages
+    too, phase p on IPU p mod ``num_ipus``."""
     nodes = graph.nodes
-    if options.virtualGraphMode.name == "Auto":
+    mode = options.virtualGraphMode.name
+    if mode == "Auto":
         vgs = _auto_split(graph, num_ipus, sizes)
+    elif mode == "ExecutionPhases":   # phase p on IPU p mod n, the phases in order
+        nodes = sorted(nodes, key=lambda nd: int(nd.annotations.get(EXECUTION_PHASE, 0)))
+        phases = [int(nd.annotations.get(EXECUTION_PHASE, 0)) for nd in nodes]
+        vgs = [p % num_ipus for p in phases]
     else:
         vgs = [int(nd.annotations.get(VIRTUAL_GRAPH, 0)) for nd in nodes]
     pipelined = bool(getattr(options, "enablePipelining", False))
@@ -128,6 +138,11 @@ def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
                        any(c > s for c in consumed.get(t, ())))
                 for s in range(S - 1)]
     return StagePlan(staged, stage_ipu, weights, boundary, produced_at, pipelined)
+
+
+def _unstash(tid: str) -> str:
+    """The activation a stash / restore anchor names (other ids unchanged)."""
+    return tid.split("___", 1)[1] if tid.startswith(STASH_PREFIXES) else tid
 
 
 # ---------------------------------------------------------------------------- state layout
@@ -213,13 +228,17 @@ class PlacedProgram(StepProgram):
         super().__init__(graph, cfg, input_infos, device)
         self.device_info = device
         self.stages: Optional[StagePlan] = None
+        self._specs: Optional[dict] = None
         self.mesh: Optional[jax.sharding.Mesh] = None
         self.weight_layout: Optional[Layout] = None
         self.state_layout: Optional[Layout] = None
 
     # -------------------------------------------------------------- planning
     def plan(self) -> None:
+        stash = [a for a in self.anchor_ids if a.startswith(STASH_PREFIXES)]
+        self.anchor_ids = [a for a in self.anchor_ids if a not in stash]
         super().plan()
+        self._plan_stash_anchors(stash)
         why = _why_not_placed(self, self.device_info)
         if why is not None:
             _logger.info(f"Virtual graphs: {why} is not supported by the placed program; the "
@@ -235,7 +254,7 @@ class PlacedProgram(StepProgram):
             return
         # replica r has IPUs r*n .. r*n + n-1
         devs = np.array(self.device_info.jax_devices).reshape(R, n)[:, :ipus]
-        self.stages, self.specs, self.ipus = stages, specs, ipus
+        self.stages, self.ipus = stages, ipus
         self.mesh = jax.sharding.Mesh(devs, (REPLICA_AXIS, IPU_AXIS))
         self.uses_rng = True
         owner = {k: w for w in self.trainable
@@ -247,6 +266,26 @@ class PlacedProgram(StepProgram):
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                      f"{[len(w) for w in self._weights_per_ipu()]}")
 
+    def _plan_stash_anchors(self, stash: list) -> None:
+        """``Stashed___X`` / ``Restored___X`` anchors: activation X of a pipelined training
+        step, which PopART stashes from its forward stage until its backward stage."""
+        if not stash:
+            return
+        if not (self.cfg.training and getattr(self.cfg.options, "enablePipelining", False)):
+            raise IrError(f"Anchor '{stash[0]}': stashed and restored tensors exist only in a "
+                          f"pipelined TrainingSession")
+        specs = self._tensor_specs()
+        for a in stash:
+            if _unstash(a) not in specs:
+                raise IrError(f"Anchor '{a}' names the stash of '{_unstash(a)}', which is not "
+                              f"a tensor of the model")
+            self.anchor_specs[a] = specs[_unstash(a)]
+        self.anchor_ids += stash
+
+    @staticmethod
+    def _value(env: Mapping[str, Any], tid: str) -> Any:
+        return jnp.asarray(env[_unstash(tid)])
+
     def _weights_per_ipu(self) -> list:
         per = [[] for _ in range(self.ipus)]
         for w in self.variables:
@@ -255,6 +294,8 @@ class PlacedProgram(StepProgram):
 
     def _tensor_specs(self) -> dict:
         """ShapeDtypeStruct of every tensor of one micro-batch's trace."""
+        if self._specs is not None:
+            return self._specs
         specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype())
                  for k, i in self.input_infos.items()}
         wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
@@ -263,7 +304,8 @@ class PlacedProgram(StepProgram):
             env = self._trace(weights, feeds, jax.random.key(0), training=self.cfg.training).env
             return {k: v for k, v in env.items() if isinstance(v, (jax.Array, np.ndarray))
                     or isinstance(v, jax.core.Tracer)}
-        return jax.eval_shape(probe, wspecs, specs)
+        self._specs = jax.eval_shape(probe, wspecs, specs)
+        return self._specs
 
     @property
     def placed(self) -> bool:
@@ -354,7 +396,7 @@ class PlacedProgram(StepProgram):
                       replica_axis=REPLICA_AXIS if R > 1 else None)
             env = t.env
             out = {k: jnp.asarray(env[k]) for k in sends}
-            anc = {a: jnp.asarray(env[a]) for a in anchors}
+            anc = {a: self._value(env, a) for a in anchors}
             loss = jnp.zeros((), jnp.float32)
             if has_loss:
                 scaled = env[cfg.loss] * jnp.asarray(self._hyper(hyper, "lossScaling"), env[cfg.loss].dtype)
@@ -365,7 +407,7 @@ class PlacedProgram(StepProgram):
     def _anchor_stage(self, a: str) -> int:
         """The stage whose trace has anchor ``a``: its producer (or owner, for a weight), for
         a graph input its first reader."""
-        st = self.stages
+        st, a = self.stages, _unstash(a)
         if a in st.produced_at:
             return st.produced_at[a]
         return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in nd.inputs), 0)
@@ -375,7 +417,7 @@ class PlacedProgram(StepProgram):
         return [a for a in self.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
 
     def _zeros(self, ids) -> dict:
-        return {k: jnp.zeros(self.specs[k].shape, self.specs[k].dtype) for k in ids}
+        return {k: jnp.zeros(self._specs[_unstash(k)].shape, self._specs[_unstash(k)].dtype) for k in ids}
 
     def _pipeline(self, wlayout: Layout):
         """(weight rows of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
@@ -546,8 +588,16 @@ class PlacedProgram(StepProgram):
 
 
 def program_class(options: Any, device: Any) -> type:
-    """The step program for a session: placed when its virtual graphs span several IPUs."""
+    """The step program for a session: placed when its virtual graphs (or execution phases)
+    span several IPUs. Off-chip tensor locations keep the tensors in device memory (a log
+    line says so): streaming them from host memory per phase is not implemented."""
+    off_chip = [name for name in ("weightTensorLocationSettings", "optimizerStateTensorLocationSettings",
+                                  "accumulatorTensorLocationSettings", "activationTensorLocationSettings")
+                if getattr(getattr(getattr(getattr(options, name, None), "location", None),
+                                   "storage", None), "name", "") == "OffChip"]
+    if off_chip:
+        _logger.info(f"{', '.join(off_chip)}: OffChip tensors stay resident in device memory")
     mode = getattr(getattr(options, "virtualGraphMode", None), "name", "Off")
-    if mode in ("Manual", "Auto") and int(getattr(device, "numIpus", 1) or 1) > 1:
+    if mode in ("Manual", "Auto", "ExecutionPhases") and int(getattr(device, "numIpus", 1) or 1) > 1:
         return PlacedProgram
     return StepProgram

@@ -1,0 +1,267 @@
+"""Virtual graphs and pipelining placed on devices (engine/pipeline.py): the same numbers as
+the whole model on one device, each IPU's weights and optimizer state only on its device, and
+PopART's pipeline schedule in the compiled program. Runs on the suite's 4 host devices."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import popart
+
+W, B = 32, 4   # layer width, batch
+
+
+def model(stage_ipu, skip=True, tied=True):
+    """One tanh(matmul) layer per pipeline stage on the given IPUs; optionally a skip
+    connection from stage 0 to the last stage and the first weight used again at the end
+    (tensors that cross more than one stage, a weight read on two IPUs)."""
+    rs = np.random.RandomState(0)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [B, W]), "x")
+    lab = b.addInputTensor(popart.TensorInfo("INT32", [B]), "label")
+    h, first, w0 = x, None, None
+    for i, ipu in enumerate(stage_ipu):
+        with b.virtualGraph(ipu), b.pipelineStage(i):
+            w = b.addInitializedInputTensor((rs.randn(W, W) * 0.3).astype(np.float32), f"w{i}")
+            w0 = w0 or w
+            h = b.aiOnnx.tanh([b.aiOnnx.matmul([h, w])])
+            first = first or h
+            if i == len(stage_ipu) - 1:
+                if skip:
+                    h = b.aiOnnx.add([h, first])
+                if tied:
+                    h = b.aiOnnx.matmul([h, w0])
+                p = b.aiOnnx.softmax([h], axis=1)
+                loss = b.aiGraphcore.nllloss([p, lab], reduction=popart.ReductionType.Mean)
+    return b, dict(x=x, label=lab, loss=loss, first=first, out=h)
+
+
+def session(stage_ipu, mode="Off", pipelined=False, A=4, bps=2, R=1, optimizer=None,
+            inference=False, **kw):
+    b, ids = model(stage_ipu, **kw)
+    o = popart.SessionOptions()
+    o.virtualGraphMode = getattr(popart.VirtualGraphMode, mode)
+    o.enablePipelining = pipelined
+    if A > 1:
+        o.enableGradientAccumulation, o.accumulationFactor = True, A
+    if R > 1:
+        o.enableReplicatedGraphs, o.replicatedGraphCount = True, R
+        o.accumulationAndReplicationReductionType = popart.ReductionType.Mean
+    ipus = (max(stage_ipu) + 1 if mode != "Off" else 1) * R
+    dev = popart.DeviceManager().acquireAvailableDevice(ipus)
+    anchors = [ids["loss"], ids["first"], ids["x"]] if not inference else [ids["out"], ids["x"]]
+    df = popart.DataFlow(bps, {a: popart.AnchorReturnType("ALL") for a in anchors})
+    if inference:
+        s = popart.InferenceSession(b.getModelProto(), df, dev, userOptions=o)
+    else:
+        s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], optimizer or popart.Adam(
+            {"defaultLearningRate": (0.01, False)}), dev, userOptions=o)
+    s.prepareDevice()
+    s.weightsFromHost()
+    return s, ids, dev
+
+
+def feeds(ids, bps, A, R=1):
+    rs = np.random.RandomState(1)
+    lead = (bps,) + ((A,) if A > 1 else ()) + ((R,) if R > 1 else ())
+    return {ids["x"]: rs.randn(*lead, B, W).astype(np.float32),
+            ids["label"]: rs.randint(0, W, lead + (B,)).astype(np.int32)}
+
+
+def train(stage_ipu, steps=2, **kw):
+    """Anchors of ``steps`` runs and the final weights (and optimizer state)."""
+    s, ids, dev = session(stage_ipu, **kw)
+    out = s.initAnchorArrays()
+    runs = []
+    for _ in range(steps):
+        s.run(popart.PyStepIO(feeds(ids, kw.get("bps", 2), kw.get("A", 4), kw.get("R", 1)), out))
+        runs.append({k: v.copy() for k, v in out.items()})
+    s.weightsToHost()
+    state = {k: np.zeros(v.shape, v.dtype) for k, v in s._host_opt_state.items()}
+    state.update({f"w{i}": np.zeros((W, W), np.float32) for i in range(len(stage_ipu))})
+    s.readWeights(popart.PyWeightsIO(state))
+    dev.detach()
+    return runs, state, s
+
+
+def assert_same(got, ref):
+    for g, r in zip(got[0], ref[0]):
+        for k in r:
+            np.testing.assert_allclose(g[k], r[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert sorted(got[1]) == sorted(ref[1])
+    for k in ref[1]:
+        np.testing.assert_allclose(got[1][k], ref[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+FOUR = [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return train(FOUR)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sharded", "pipelined"])
+def test_placed_training_equals_one_device(one_device, pipelined):
+    got = train(FOUR, mode="Manual", pipelined=pipelined)
+    assert got[2]._program.placed
+    assert_same(got, one_device)
+
+
+def test_each_ipu_holds_only_its_weights_and_optimizer_state(one_device):
+    _, _, s = train(FOUR, steps=1, mode="Manual", pipelined=True)
+    weights, state = s._dev
+    for bufs in (weights, state):
+        for buf in bufs.values():   # [ipus, L], one row per device
+            assert buf.shape[0] == 4
+            assert sorted(sh.device.id for sh in buf.addressable_shards) == \
+                sorted(d.id for d in s._program.mesh.devices.flat)
+            assert {sh.data.shape for sh in buf.addressable_shards} == {(1, buf.shape[1])}
+    assert weights["weights/float32"].shape[1] == W * W   # one layer's weight per device
+    # Adam: two W x W moments per weight on its IPU (and the step counter)
+    assert state["state/float32"].shape[1] == 2 * W * W + 1
+    # the compiled program's arguments on one device: about a quarter of the whole model's
+    whole = one_device[2]._program.compiled.memory_analysis().argument_size_in_bytes
+    placed = s._program.compiled.memory_analysis().argument_size_in_bytes
+    assert placed < 0.35 * whole, (placed, whole)
+
+
+def test_pipeline_schedule_in_the_compiled_program():
+    """PopART's schedule: stage s works on micro-batch t - s in tick t, all stages at once in
+    the main phase; the compiled step loops A + S - 1 ticks, each a collective permute of the
+    stages' outputs to the next devices (a timing-free check of the overlap)."""
+    _, _, s = train([0, 1, 2], steps=1, mode="Manual", pipelined=True, A=4)
+    p = s._program
+    assert p.schedule == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1), (2, 0)],
+                          [(0, 3), (1, 2), (2, 1)], [(1, 3), (2, 2)], [(2, 3)]]
+    hlo = p.compiled.as_text()
+    trips = {int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)}
+    assert 4 + 3 - 1 in trips
+    assert "collective-permute" in hlo
+
+
+def test_stages_sharing_ipus_and_replication(one_device):
+    """Four stages on two IPUs (stages 0 and 2 on IPU 0), two replicas: a (replica, ipu)
+    mesh of 4 devices; the same numbers as two replicas of the whole model."""
+    ref = train([0, 1, 0, 1], R=2, A=4, optimizer=popart.SGD(
+        {"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, True)}))
+    for pipelined in (False, True):
+        got = train([0, 1, 0, 1], mode="Manual", pipelined=pipelined, R=2, A=4, optimizer=popart.SGD(
+            {"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, True)}))
+        assert got[2]._program.mesh.devices.shape == (2, 2)
+        assert_same(got, ref)
+
+
+def test_auto_mode_splits_by_cost():
+    got = train(FOUR, mode="Auto", steps=1, skip=False, tied=False)
+    assert got[2]._program.stages.stage_ipu == [0, 1, 2, 3]
+    assert_same(got, train(FOUR, steps=1, skip=False, tied=False))
+
+
+def test_pipelined_inference_equals_one_device():
+    def infer(**kw):
+        s, ids, dev = session([0, 1, 2], inference=True, A=1, bps=4, **kw)
+        out = s.initAnchorArrays()
+        s.run(popart.PyStepIO(feeds(ids, 4, 1), out))
+        dev.detach()
+        return s, out
+    ref = infer()[1]
+    s, got = infer(mode="Manual", pipelined=True)
+    assert s._program.placed and s._program.stages.pipelined
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_weights_written_to_a_placed_session_are_used():
+    s, ids, dev = session(FOUR, mode="Manual", A=1)
+    new = {f"w{i}": np.full((W, W), 0.01 * (i + 1), np.float32) for i in range(4)}
+    s.writeWeights(popart.PyWeightsIO(new))
+    s.weightsFromHost()
+    back = {k: np.zeros_like(v) for k, v in new.items()}
+    s.readWeights(popart.PyWeightsIO(back))
+    for k in new:
+        np.testing.assert_array_equal(back[k], new[k])
+    out = s.initAnchorArrays()
+    f = feeds(ids, 2, 1)
+    s.run(popart.PyStepIO(f, out))
+    dev.detach()
+    h = np.tanh(f[ids["x"]][0] @ new["w0"])   # the first stage's output on the written weights
+    np.testing.assert_allclose(out[ids["first"]][0], h, rtol=1e-5)
+
+
+def test_unsupported_features_run_unplaced_with_a_log_line(caplog):
+    """Gradients of activations as anchors are not placed: the whole model runs on one
+    device, and the log says why."""
+    b, ids = model([0, 1])
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    dev = popart.DeviceManager().acquireAvailableDevice(2)
+    df = popart.DataFlow(1, {popart.reservedGradientPrefix() + ids["first"]: popart.AnchorReturnType("ALL")})
+    s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.ConstSGD(0.1), dev, userOptions=o)
+    with caplog.at_level("INFO"):
+        popart.getLogger("session").setLevel("INFO")
+        s.prepareDevice()
+    dev.detach()
+    assert not s._program.placed
+    assert any("gradients of activations" in r.getMessage() for r in caplog.records)
+
+
+def test_stashed_and_restored_activations_as_anchors():
+    """A pipelined step's ``Stashed___X`` / ``Restored___X`` anchors give activation X of
+    each micro-batch (what PopART stashes between X's forward and backward stages)."""
+    b, ids = model([0, 1, 2])
+    o = popart.SessionOptions()
+    o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
+    o.enableGradientAccumulation, o.accumulationFactor = True, 3
+    first = ids["first"]
+    names = [popart.reservedStashedPrefix() + first, popart.reservedRestoredPrefix() + first, first]
+    df = popart.DataFlow(1, {a: popart.AnchorReturnType("ALL") for a in names})
+    dev = popart.DeviceManager().acquireAvailableDevice(3)
+    s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.ConstSGD(0.1), dev, userOptions=o)
+    s.prepareDevice()
+    out = s.initAnchorArrays()
+    f = feeds(ids, 1, 3)
+    s.run(popart.PyStepIO(f, out))
+    dev.detach()
+    w0 = (np.random.RandomState(0).randn(W, W) * 0.3).astype(np.float32)   # model()'s first weight
+    for a in names:
+        np.testing.assert_allclose(out[a], np.tanh(f[ids["x"]][0] @ w0), rtol=1e-5, atol=1e-6)
+
+
+def test_execution_phases_run_on_alternating_ipus():
+    """VirtualGraphMode.ExecutionPhases: phase p on IPU p mod 2, in phase order; the same
+    numbers as the whole model on one device."""
+    rs = np.random.RandomState(0)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [B, W]), "x")
+    h = x
+    for p in range(4):
+        with b.executionPhase(p):
+            w = b.addInitializedInputTensor((rs.randn(W, W) * 0.3).astype(np.float32), f"w{p}")
+            h = b.aiOnnx.tanh([b.aiOnnx.matmul([h, w])])
+    with b.executionPhase(3):
+        loss = b.aiGraphcore.l1loss([h], 0.1)
+    runs = {}
+    for mode in ("Off", "ExecutionPhases"):
+        o = popart.SessionOptions()
+        o.virtualGraphMode = getattr(popart.VirtualGraphMode, mode)
+        if mode != "Off":
+            o.executionPhaseSettings.phases = 4
+        dev = popart.DeviceManager().acquireAvailableDevice(2 if mode != "Off" else 1)
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(2, [loss]), loss,
+                                   popart.ConstSGD(0.1), dev, userOptions=o)
+        s.prepareDevice()
+        s.weightsFromHost()
+        out = s.initAnchorArrays()
+        s.run(popart.PyStepIO({x: np.random.RandomState(2).randn(2, B, W).astype(np.float32)}, out))
+        weights = {f"w{p}": np.zeros((W, W), np.float32) for p in range(4)}
+        s.weightsToHost()
+        s.readWeights(popart.PyWeightsIO(weights))
+        dev.detach()
+        runs[mode] = (out[loss], weights, s)
+    assert runs["ExecutionPhases"][2]._program.stages.stage_ipu == [0, 1, 0, 1]
+    np.testing.assert_allclose(runs["ExecutionPhases"][0], runs["Off"][0], rtol=1e-5)
+    for k in runs["Off"][1]:
+        np.testing.assert_allclose(runs["ExecutionPhases"][1][k], runs["Off"][1][k], rtol=1e-5, atol=1e-6)
