@@ -479,6 +479,10 @@ class PlacedProgram(StepProgram):
 
             T = M + S - 1
             bufs0 = [self._zeros(st.boundary[s]) for s in range(S - 1)]
+            # The backward pass keeps each tick's received tensors (PopART's stash) and runs
+            # the tick's stages again (RecomputationType.Pipeline): residuals saved inside the
+            # switch would hold a copy of the device's weights per tick.
+            tick = jax.checkpoint(tick, policy=jax.checkpoint_policies.nothing_saveable)
             (_, loss), anchors = jax.lax.scan(tick, (bufs0, jnp.zeros((), jnp.float32)),
                                               jnp.arange(T))
             return loss[None, None], {a: v[None, None] for a, v in anchors.items()}
