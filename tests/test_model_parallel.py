@@ -120,8 +120,11 @@ def test_each_ipu_holds_only_its_weights_and_optimizer_state(one_device):
                 sorted(d.id for d in s._program.mesh.devices.flat)
             assert {sh.data.shape for sh in buf.addressable_shards} == {(1, buf.shape[1])}
     assert weights["weights/float32"].shape[1] == W * W   # one layer's weight per device
-    # Adam: two W x W moments per weight on its IPU (and the step counter)
-    assert state["state/float32"].shape[1] == 2 * W * W + 1
+    # Adam: the two moments of the device's weight, each in a row beside the weight's row
+    # (an elementwise update runs on whole rows), and its step counter
+    assert {k: v.shape[1] for k, v in state.items()} == {
+        "state/Accl1___/weights/float32/float32": W * W,
+        "state/Accl2___/weights/float32/float32": W * W, "state/float32": 1}
     # the compiled program's arguments on one device: about a quarter of the whole model's
     whole = one_device[2]._program.compiled.memory_analysis().argument_size_in_bytes
     placed = s._program.compiled.memory_analysis().argument_size_in_bytes
@@ -200,10 +203,14 @@ def test_unsupported_features_run_unplaced_with_a_log_line(caplog):
     dev = popart.DeviceManager().acquireAvailableDevice(2)
     df = popart.DataFlow(1, {popart.reservedGradientPrefix() + ids["first"]: popart.AnchorReturnType("ALL")})
     s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.ConstSGD(0.1), dev, userOptions=o)
-    with caplog.at_level("INFO"):
-        popart.getLogger("session").setLevel("INFO")
+    logger = popart.getLogger("session")
+    level = logger.getLevel()
+    logger.setLevel("INFO")
+    try:
         s.prepareDevice()
-    dev.detach()
+    finally:
+        logger.setLevel(level)
+        dev.detach()
     assert not s._program.placed
     assert any("gradients of activations" in r.getMessage() for r in caplog.records)
 
@@ -265,3 +272,15 @@ def test_execution_phases_run_on_alternating_ipus():
     np.testing.assert_allclose(runs["ExecutionPhases"][0], runs["Off"][0], rtol=1e-5)
     for k in runs["Off"][1]:
         np.testing.assert_allclose(runs["ExecutionPhases"][1][k], runs["Off"][1][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["Adam", "Lamb"])
+def test_updates_of_several_weights_per_ipu(mode):
+    """Two weights per IPU: Adam updates whole rows (its step counters per weight kept in
+    step), Lamb weight by weight (its norms are per weight); both equal one device."""
+    def opt():
+        return popart.Adam({"defaultLearningRate": (0.02, False), "defaultWeightDecay": (0.01, True)},
+                           mode=getattr(popart.AdamMode, mode))
+    got = train([0, 1, 0, 1], mode="Manual", optimizer=opt(), steps=2)
+    assert bool(got[2]._program.row_weights) == (mode == "Adam")
+    assert_same(got, train([0, 1, 0, 1], optimizer=opt(), steps=2))

@@ -244,6 +244,12 @@ class Optimizer:
     def loss_scaling(self) -> OptimizerValue:
         return self._ls
 
+    @property
+    def elementwise(self) -> bool:
+        """Whether each element's update depends only on that element (and its state): no
+        norms over a weight (Lamb) or over several weights (clipping)."""
+        return not self.clip_norm_settings
+
     def settings(self) -> dict[str, Any]:
         """Structural settings; a replacement optimizer must have the same."""
         return {k: getattr(self, k) for k in ("clip_norm_settings",) + self._SETTINGS}
@@ -425,6 +431,10 @@ class Adam(Optimizer):
         return {"Accl1___": (_dtype(self.accl1_type, w.dtype), 0.0),
                 "Accl2___": (_dtype(self.accl2_type, w.dtype), 0.0),
                 "Step___": (np.dtype(np.float32), 0.0)}
+
+    @property
+    def elementwise(self) -> bool:
+        return super().elementwise and self.mode not in (AdamMode.Lamb, AdamMode.LambNoBias)
 
     def _update(self, w, g, s, h, ls):
         M = AdamMode

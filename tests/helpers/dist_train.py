@@ -1,6 +1,7 @@
 """A worker of tests/test_distributed.py: trains the test MLP with global replication.
 
-Run under `popart launch -n 2`; writes its final weights and loss anchors to argv[1]/<pid>.npz."""
+Run under `popart launch -n 2`; writes its final weights and loss anchors to argv[1]/<pid>.npz.
+With argv[2] "rts": weights and optimizer state replica-sharded (tests/test_rts.py)."""
 import os
 import sys
 
@@ -21,6 +22,11 @@ opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, 1
 opts.enableDistributedReplicatedGraphs = True
 opts.globalReplicationFactor, opts.globalReplicaOffset = n, pid
 opts.accumulationAndReplicationReductionType = popart.ReductionType.Mean
+rts = sys.argv[2:] == ["rts"]
+if rts:
+    on = popart.TensorLocation(popart.TensorStorage.OnChip, popart.ReplicatedTensorSharding.On)
+    opts.weightTensorLocationSettings = popart.TensorLocationSettings(on, 0, 8)
+    opts.optimizerStateTensorLocationSettings = popart.TensorLocationSettings(on, 0, 8)
 df = popart.DataFlow(2, {ids["loss"]: popart.AnchorReturnType("ALL")})
 opt = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.5, True)})
 s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], opt,
@@ -33,4 +39,5 @@ s.run(popart.PyStepIO({ids["x"]: np.ascontiguousarray(X[:, pid]),   # PyStepIO w
 s.weightsToHost()
 w = {k: np.zeros(s.getInfo(ids[k]).shape(), np.float32) for k in ("w1", "b1", "w2")}
 s.readWeights(popart.PyWeightsIO({ids[k]: v for k, v in w.items()}))
-np.savez(os.path.join(out_dir, f"{pid}.npz"), loss=out[ids["loss"]], **w)
+shards = {"shard": s._dev[1]["Accl___" + ids["w1"]].addressable_shards[0].data.shape} if rts else {}
+np.savez(os.path.join(out_dir, f"{pid}.npz"), loss=out[ids["loss"]], **w, **shards)

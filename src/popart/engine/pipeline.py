@@ -1,16 +1,17 @@
 """Virtual graphs and pipelining on a device mesh: PopART's model parallelism.
 
-Each IPU of a replica is one device of a mesh with axes (``REPLICA_AXIS``, ``IPU_AXIS``). The graph's top-level
-ops are cut into *stages*: the pipeline stages (``pipelineStage``) when pipelining is on, else
-the runs of consecutive ops on one virtual graph (``virtualGraph``, or an even split by a cost
-estimate for ``VirtualGraphMode.Auto``). Stage s runs on its IPU's device ``stage_ipu[s]``.
+Each IPU of a replica is one device of a mesh with axes (``REPLICA_AXIS``, ``IPU_AXIS``).
+The graph's top-level ops are cut into *stages*: the pipeline stages (``pipelineStage``) when
+pipelining is on, else the runs of consecutive ops on one virtual graph (``virtualGraph``, or
+an even split by a cost estimate for ``VirtualGraphMode.Auto``). Stage s runs on its IPU's
+device ``stage_ipu[s]``.
 
 Weights and optimizer state live only on their IPU: per dtype one flat buffer ``[ipus, L]``
-sharded over the IPU axis, each device's row holding its IPU's tensors (:class:`Layout`); every
-replica's devices hold their own copy. Inside
-one ``shard_map`` every device runs its own stages (``lax.switch`` on the axis index), and the
-tensors that cross from stage s to stage s+1 (PopART's IpuCopy; those needed further on pass
-through) move with a collective permute.
+sharded over the IPU axis, each device's row holding its IPU's tensors (:class:`Layout`);
+every replica's devices hold their own copy. Inside one ``shard_map`` every device runs its
+own stages (``lax.switch`` on the axis index), and the tensors that cross from stage s to
+stage s+1 (PopART's IpuCopy; those needed further on pass through) move with a collective
+permute.
 
 The schedule is PopART's: in tick t stage s works on micro-batch t - s, so with pipelining the
 A micro-batches of a batch fill the pipeline (ramp-up), run every stage at once, and drain
@@ -19,10 +20,10 @@ stages in S ticks before the next starts. The backward pass is the autodiff of t
 (the permutes reversed), so the gradients are the accumulated ones of the unpipelined run and
 the update, per device, is the same optimizer code on the device's own tensors.
 
-Features the placed program does not implement (automatic loss scaling,
-gradients of activations, variables written by ops, run-time index checks, norm clipping
-across IPUs, IPUs sharing a device) run the whole model on one device as before; a log line
-says which and why.
+Features the placed program does not implement (automatic loss scaling, gradients of
+activations, variables written by ops, run-time index checks, norm clipping across IPUs,
+replicated tensor sharding, IPUs sharing a device) run the whole model on one device as
+before; a log line says which and why.
 """
 from __future__ import annotations
 
@@ -164,8 +165,15 @@ class Layout:
         self.lengths = {key: max(n for (k, _), n in used.items() if k == key)
                         for key in sorted({k for k, _ in used})}
 
+    def align(self, tid: str, like: tuple, key: str, length: int) -> None:
+        """Place ``tid`` at the IPU and offset of slot ``like`` (its weight's) in buffer
+        ``key`` of rows of ``length``: an elementwise optimizer then updates whole rows."""
+        ipu, _, off, shape = like
+        self.slots[tid] = (ipu, key, off, shape)
+        self.lengths[key] = length
+
     def specs(self) -> dict:
-        return {key: jax.ShapeDtypeStruct((self.num_ipus, n), np.dtype(key.split("/")[1]))
+        return {key: jax.ShapeDtypeStruct((self.num_ipus, n), np.dtype(key.split("/")[-1]))
                 for key, n in self.lengths.items()}
 
     def pack(self, named: Mapping[str, Any]) -> dict:
@@ -216,6 +224,8 @@ def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
         return "gradients of activations as anchors"
     if cfg.training and getattr(cfg.optimizer, "clip_norm_settings", None):
         return "gradient norm clipping"
+    if program.rts.stored or program.rts.scattered:
+        return "replicated tensor sharding"
     return None
 
 
@@ -261,7 +271,15 @@ class PlacedProgram(StepProgram):
                  for k in (self.cfg.optimizer.init_state(w, self.variables[w]) if self.cfg.training else {})}
         ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
         self.weight_layout = Layout("weights", self.variables, ipu_of, ipus)
-        self.state_layout = Layout("state", self.init_opt_state(), ipu_of, ipus)
+        self.row_weights = self._row_weights(owner)
+        state = self.init_opt_state()
+        aligned = {k: w for k, w in owner.items() if self.row_weights and k.split("___")[0] != "Step"}
+        self.state_layout = Layout("state", {k: v for k, v in state.items() if k not in aligned},
+                                   ipu_of, ipus)
+        for k, w in aligned.items():   # each state tensor beside its weight, row by row
+            like = self.weight_layout.slots[w]
+            key = f"state/{k[:-len(w)]}/{like[1]}/{np.dtype(state[k].dtype).name}"
+            self.state_layout.align(k, like, key, self.weight_layout.lengths[like[1]])
         _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                      f"{[len(w) for w in self._weights_per_ipu()]}")
@@ -285,6 +303,21 @@ class PlacedProgram(StepProgram):
     @staticmethod
     def _value(env: Mapping[str, Any], tid: str) -> Any:
         return jnp.asarray(env[_unstash(tid)])
+
+    def _row_weights(self, owner: Mapping[str, str]) -> dict[str, str]:
+        """Elementwise updates of whole rows: per weight buffer, a weight whose optimizer
+        values every weight of the buffer shares (empty when the update needs each weight
+        apart: Lamb's norms, clipping, per-weight values)."""
+        opt = self.cfg.optimizer
+        if not self.cfg.training or not opt.elementwise:
+            return {}
+        reps: dict[str, str] = {}
+        for w in self.trainable:
+            key = self.weight_layout.slots[w][1]
+            r = reps.setdefault(key, w)
+            if any(opt.hyper_value(w, n) != opt.hyper_value(r, n) for n in opt.hyper_names()):
+                return {}
+        return reps
 
     def _weights_per_ipu(self) -> list:
         per = [[] for _ in range(self.ipus)]
@@ -437,9 +470,8 @@ class PlacedProgram(StepProgram):
             feeds, keys = {k: v[:, 0] for k, v in feeds.items()}, keys[:, 0]
 
             def device_branch(d):
-                weights = wlayout.unpack(rows, d)
-
                 def branch(bufs, t):
+                    weights = wlayout.unpack(rows, d)   # sliced in the branch: only d's
                     sent = [self._zeros(st.boundary[s]) for s in range(S - 1)]
                     anchors, loss = {}, jnp.zeros((), jnp.float32)
                     for s in range(S):
@@ -524,6 +556,9 @@ class PlacedProgram(StepProgram):
 
             def body(w, g, s, h):
                 w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own rows
+                if self.row_weights:
+                    w, s = self._row_update(w, g, s, h)
+                    return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
 
                 def branch(d):
                     def f(w, g, s):
@@ -584,6 +619,35 @@ class PlacedProgram(StepProgram):
                 batch, (weights, opt_state), (feeds, self._split(sub, B)))
             return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
         return step
+
+    def _row_update(self, w: dict, g: dict, s: dict, h: dict) -> tuple[dict, dict]:
+        """An elementwise optimizer on whole rows, in place (no per-weight slices): each row
+        updated as one weight, its state rows beside it; per-weight scalars (Adam's step) read
+        from the device's first weight and written to all of its weights."""
+        opt, lay, dev = self.cfg.optimizer, self.state_layout, jax.lax.axis_index(IPU_AXIS)
+        w, s = dict(w), dict(s)
+        for wkey, r in self.row_weights.items():
+            spec = opt.init_state(r, self.variables[r])
+            state, scalars = {}, {}
+            for sid in spec:
+                key, prefix = lay.slots[sid][1], sid[:-len(r)]
+                if key.count("/") > 1:   # a row beside the weights' row
+                    state[sid] = s[key]
+                    continue
+                offs, mask = np.zeros(self.ipus, np.int32), np.zeros((self.ipus, lay.lengths[key]), bool)
+                for other in self.trainable:
+                    if self.weight_layout.slots[other][1] == wkey:
+                        ipu, _, off, _ = lay.slots[prefix + other]
+                        offs[ipu] = off if not mask[ipu].any() else offs[ipu]
+                        mask[ipu, off] = True
+                scalars[sid] = jnp.asarray(mask)[dev]
+                state[sid] = s[key][jnp.asarray(offs)[dev]]
+            new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]}, state, h)
+            w[wkey] = new_w[r]
+            for sid, v in new_s.items():
+                key = lay.slots[sid][1]
+                s[key] = jnp.where(scalars[sid], v, s[key]) if sid in scalars else v
+        return w, s
 
     @staticmethod
     def _per_micro(anchors: dict) -> dict:

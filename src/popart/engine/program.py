@@ -24,6 +24,7 @@ from ..ir import recompute
 from ..ir.graph import Graph
 from ..tensorinfo import TensorInfo
 from . import als as _als
+from . import rts as _rts
 from .compiled import REPLICA_AXIS, CompiledStep, Placement, arg_specs
 from .executable import EngineCache, compile_step
 from .lower import CHECKS, Trace, first_failure, raise_failed_checks, trace
@@ -106,6 +107,7 @@ class StepProgram:
         self.als_anchors: set = set()             # anchors the ALS step computes
         self.saved: Optional[frozenset] = None    # recomputation: what the backward pass keeps
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
+        self.rts = _rts.Layout(self.placement)    # replicated tensor sharding (plan() chooses)
 
     # ------------------------------------------------------------------ tracing helpers
     def _trace(self, weights, feeds, key, probes=None, training=False, saved=None) -> Trace:
@@ -190,6 +192,8 @@ class StepProgram:
             if cfg.als is not None:
                 self._plan_als(out["specs"])
         opt_ids = set(self.opt_state_ids())
+        self.rts = _rts.choose(cfg.options, self.placement, self.variables, self.init_opt_state(),
+                               self.trainable, cfg.accumulation_factor)
         for a in self.anchor_ids:
             if a in self.anchor_specs or a in opt_ids:
                 continue
@@ -362,9 +366,10 @@ class StepProgram:
 
         def step(weights, opt_state, key_data, feeds, hyper):
             key = jax.random.wrap_key_data(key_data)
+            whole = self.rts.gather(weights)
 
             def one(f, k):
-                return replicas(weights, f, self._split(k, R), hyper)[0]
+                return replicas(whole, f, self._split(k, R), hyper)[0]
 
             key, sub = self._split(key, 2)
             flat = jax.tree_util.tree_map(lambda a: a.reshape((n // chunk, chunk) + a.shape[2:]), feeds)
@@ -394,7 +399,7 @@ class StepProgram:
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
 
         def accumulate(grads_acc, count, grads):
-            g = {k: jnp.sum(v, axis=0) for k, v in grads.items()}          # replica reduction
+            g = self.rts.reduce_replicas(grads)                            # replica reduction
             if cfg.mean_reduction and cfg.running_mean:
                 n = count + 1.0
                 return {k: grads_acc[k] * (count / n) + g[k] / (R * n) for k in g}
@@ -406,6 +411,7 @@ class StepProgram:
             def batch(carry, xs):
                 weights, opt_state = carry
                 feeds, bkey = xs                                          # feeds: [A, R, ...]
+                whole = self.rts.gather(weights)                          # RTS: all-gathered
 
                 h = hyper
                 if self.als is not None:   # ALS: this batch's counter and finalLossScale
@@ -414,17 +420,17 @@ class StepProgram:
                 def micro_batch(acc, xa):
                     grads_acc, count, w_assign, stats_acc = acc
                     f, akey = xa                                          # f: [R, ...]
-                    vals, grads, assigns = replicas(weights, f, self._split(akey, R), h)
+                    vals, grads, assigns = replicas(whole, f, self._split(akey, R), h)
                     if self.als is not None:
                         stats_acc, vals = self._als_micro(vals, stats_acc)
                     if cfg.training:
                         grads_acc = accumulate(grads_acc, count, grads)
-                        w_assign = {k: jnp.mean(v, axis=0).astype(weights[k].dtype)
-                                    for k, v in assigns.items() if k in weights}
+                        w_assign = {k: jnp.mean(v, axis=0).astype(whole[k].dtype)
+                                    for k, v in assigns.items() if k in whole}
                     return (grads_acc, count + 1.0, w_assign, stats_acc), vals
 
-                zeros = {k: jnp.zeros_like(weights[k]) for k in self.trainable}
-                assign0 = {k: weights[k] for k in self.assigned if k in weights and cfg.training}
+                zeros = self.rts.accumulators({k: whole[k] for k in self.trainable})
+                assign0 = {k: whole[k] for k in self.assigned if k in whole and cfg.training}
                 stats0 = jnp.zeros((R, 2), jnp.float32) if self.als is not None else None
                 (grads, _, w_assign, stats_acc), vals = _scan(
                     micro_batch, (zeros, 0.0, assign0, stats0), (feeds, self._split(bkey, A)))
@@ -434,12 +440,13 @@ class StepProgram:
                     if self.als is not None:   # the update uses the batch's finalLossScale
                         self._als_batch_anchors(vals, stats_acc, final, static)
                         opt_state = self._auto_loss_scale(stats_acc, opt_state, h[_als.UPDATE])
-                    new_w, new_state = cfg.optimizer.apply(
-                        {k: weights[k] for k in self.trainable}, grads, opt_state, h)
+                    new_w, new_state = self.rts.update(
+                        cfg.optimizer.apply, {k: weights[k] for k in self.trainable}, grads,
+                        opt_state, h)
                     opt_state = {**opt_state, **new_state}
-                    weights = {**weights, **w_assign, **new_w}
-                    for a in anchor_opt:   # optimizer state after this batch's update
-                        vals[a] = jnp.broadcast_to(opt_state[a], (A, R) + jnp.shape(opt_state[a]))
+                    weights = {**weights, **self.rts.store(w_assign), **new_w}
+                    for a, v in self.rts.gather({a: opt_state[a] for a in anchor_opt}).items():
+                        vals[a] = jnp.broadcast_to(v, (A, R) + jnp.shape(v))   # after the update
                 return (weights, opt_state), vals
 
             key, sub = self._split(key, 2)
@@ -476,17 +483,22 @@ class StepProgram:
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
         """Weights or optimizer state (host arrays by tensor id) in the step's device layout.
-        Here: one array per tensor on every replica's device; placements that split the state
-        over devices (virtual graphs, replicated tensor sharding) override this pair."""
-        return self.placement.put(dict(named))
+        Here: one array per tensor on every replica's device, or its shards with replicated
+        tensor sharding (``engine/rts.py``); placements that split the state over devices
+        (virtual graphs) override these hooks."""
+        return self.rts.put(named)
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
-        """The inverse of :meth:`put_state`: host arrays by tensor id."""
-        return {k: self.to_host(v) for k, v in state.items()}
+        """The inverse of :meth:`put_state`: whole host arrays by tensor id."""
+        return self.rts.to_host(state)
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
         """The ShapeDtypeStruct tree of :meth:`put_state` for these host arrays."""
-        return arg_specs(dict(named))
+        return self.rts.specs(named)
+
+    def state_shardings(self, names: Any) -> Any:
+        """The step's sharding of the weights or optimizer state with these ids."""
+        return self.rts.shardings(names)
 
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
         """Move a step's inputs to the device(s): one transfer per input. In a distributed
@@ -506,9 +518,10 @@ class StepProgram:
 
     def _compiled_step(self) -> CompiledStep:
         state = self.placement.sharding()
+        w, s = self.state_shardings(self.variables), self.state_shardings(self.init_opt_state())
         return CompiledStep(self._step_fn(), donate_argnums=(0, 1, 2),
-                            in_shardings=(state, state, state, self.placement.sharding(FEED_REPLICA_DIM), state),
-                            out_shardings=(state, state, state, state))
+                            in_shardings=(w, s, state, self.placement.sharding(FEED_REPLICA_DIM), state),
+                            out_shardings=(w, s, state, state))
 
     def _arg_specs(self, weights, opt_state, key, hyper) -> tuple:
         cfg = self.cfg

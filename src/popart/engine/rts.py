@@ -1,0 +1,270 @@
+"""Replicated tensor sharding (RTS): PopART's ``TensorLocation.replicatedTensorSharding`` for
+the weights, optimizer state and gradient accumulators of a session's step.
+
+A sharded tensor is stored flattened and zero-padded to a multiple of the replication factor
+R, one 1/R slice per replica: on the replica's own device (a NamedSharding over the
+``REPLICA_AXIS`` mesh axis), or, when the replicas share one device, in the same layout
+there (no memory saving). In the step:
+
+* sharded weights are all-gathered for the forward pass (:meth:`Layout.gather`);
+* the replica reduction of the gradient of a weight updated on its shards is a
+  reduce-scatter: once per batch, after each replica accumulated its own gradients, or per
+  micro-batch into a sharded accumulator (:meth:`Layout.reduce_replicas`);
+* the optimizer update of a weight stored sharded or with sharded optimizer state runs on
+  the shards (:meth:`Layout.update`); what is stored whole is all-gathered after it (a
+  weight whose only sharded tensor is its accumulator is updated whole: the accumulated
+  gradient is all-gathered). Zero padding adds nothing to the norms Lamb and gradient
+  clipping take over the whole tensor (padded weights, gradients and state stay zero).
+
+Which tensors, as PopART's StreamingMemory transform chooses (determineTensorLocation): a
+tensor's location is ``tensorLocationSettingsOverride[id]`` if given, else its kind's
+``*TensorLocationSettings.location``; SGD's ``Accl___`` (optimizer state and accumulator)
+takes the accumulator settings when gradients are accumulated. Weights and optimizer state
+with fewer than their settings' ``minElementsForReplicatedTensorSharding`` elements stay
+whole (accumulators have no minimum); nothing is sharded without replication (a warning).
+Optimizer state is the state of a weight's shape (``Accl___``, ``Accl1___``, ``Accl2___``,
+``Accl3___``; ``Step___`` and scalars never shard), accumulators are the gradient
+accumulators of ``accumulationFactor > 1``. As in PopART, a sharded trained weight needs its
+optimizer state sharded too (OptionError otherwise).
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ..errors import OptionError
+from ..logging import getLogger
+from ..options import (CommGroupType, ReplicatedTensorSharding, TensorLocation,
+                       TensorLocationSettings)
+from ..tensornames import PREFIXES
+from .compiled import REPLICA_AXIS, Placement, arg_specs
+
+_logger = getLogger("session")
+WEIGHTS, STATE, ACCUM = ("weightTensorLocationSettings", "optimizerStateTensorLocationSettings",
+                         "accumulatorTensorLocationSettings")
+STATE_PREFIXES = tuple(PREFIXES[k] for k in ("Accl", "Accl1", "Accl2", "Accl3"))
+SHARED_PREFIX = PREFIXES["Accl"]   # optimizer state and accumulator (SGD)
+ACCUM_PREFIX = PREFIXES["Accum"]
+
+
+@dataclass
+class Layout:
+    """Which tensors are sharded and how the step moves between whole and sharded forms.
+    The empty layout (nothing sharded) leaves every tensor and the step as they are."""
+    placement: Placement
+    shapes: dict[str, tuple] = field(default_factory=dict)   # full shape of each tensor below
+    stored: frozenset = frozenset()      # weights and optimizer state kept sharded
+    owner: dict[str, str] = field(default_factory=dict)      # optimizer state id -> its weight
+    sharded_update: frozenset = frozenset()   # trained weights updated on their shards
+    scattered: frozenset = frozenset()   # trained weights with sharded gradient accumulators
+
+    @property
+    def R(self) -> int:
+        return self.placement.replication_factor
+
+    def padded(self, shape: tuple) -> int:
+        return -(-int(np.prod(shape, dtype=np.int64)) // self.R) * self.R
+
+    # ------------------------------------------------------------------ in the step
+    def _constrain(self, x: Any, sharded: bool) -> Any:
+        if self.placement.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, self._sharding(sharded))
+
+    def shard(self, x: Any) -> Any:
+        """A whole tensor as its shards: flattened, zero-padded, split over the replicas."""
+        flat = jnp.ravel(x)
+        return self._constrain(jnp.pad(flat, (0, self.padded(jnp.shape(x)) - flat.size)), True)
+
+    def unshard(self, x: Any, shape: tuple) -> Any:
+        """The inverse of :meth:`shard` (an all-gather)."""
+        n = int(np.prod(shape, dtype=np.int64))
+        return self._constrain(x, False)[:n].reshape(shape)
+
+    def gather(self, tree: Mapping[str, Any]) -> dict:
+        """Every tensor of ``tree`` whole (sharded ones all-gathered)."""
+        return {k: self.unshard(v, self.shapes[k]) if k in self.stored else v
+                for k, v in tree.items()}
+
+    def store(self, tree: Mapping[str, Any]) -> dict:
+        """Whole tensors in their stored form (the inverse of :meth:`gather`)."""
+        return {k: self.shard(v) if k in self.stored else v for k, v in tree.items()}
+
+    def accumulators(self, weights: Mapping[str, Any]) -> dict:
+        """Zero gradient accumulators of these (whole) weights: shards where the accumulator
+        is sharded, one whole tensor per replica ([R, ...], each on its replica's device)
+        for the other weights updated on shards, else one whole tensor."""
+        def zeros(k: str, v: Any) -> Any:
+            if k in self.scattered:
+                return self.shard(jnp.zeros_like(v))
+            if k in self.sharded_update:
+                return self._constrain(jnp.zeros((self.R,) + jnp.shape(v), v.dtype), True)
+            return jnp.zeros_like(v)
+        return {k: zeros(k, v) for k, v in weights.items()}
+
+    def reduce_replicas(self, grads: Mapping[str, Any]) -> dict:
+        """The replica reduction of a micro-batch's gradients [R, ...]: reduce-scattered into
+        the shards of a sharded accumulator, kept per replica for the other weights updated
+        on shards (reduce-scattered once, in :meth:`update`), else summed (all-reduce)."""
+        return {k: self._reduce_scatter(v) if k in self.scattered else
+                v if k in self.sharded_update else jnp.sum(v, axis=0) for k, v in grads.items()}
+
+    def _reduce_scatter(self, v: Any) -> Any:
+        """Per-replica tensors [R, ...] (replica r's on its device) summed into shards."""
+        rows = v.reshape(v.shape[0], -1)
+        rows = jnp.pad(rows, ((0, 0), (0, self.padded(v.shape[1:]) - rows.shape[1])))
+        if self.placement.mesh is None:
+            return jnp.sum(rows, axis=0)
+        P = jax.sharding.PartitionSpec
+        return jax.shard_map(lambda r: jax.lax.psum_scatter(r[0], REPLICA_AXIS, tiled=True),
+                             mesh=self.placement.mesh, in_specs=P(REPLICA_AXIS),
+                             out_specs=P(REPLICA_AXIS))(rows)
+
+    def update(self, apply: Callable, weights: Mapping[str, Any], grads: Mapping[str, Any],
+               state: Mapping[str, Any], hyper: Mapping[str, Any]) -> tuple[dict, dict]:
+        """``apply`` (``Optimizer.apply``) on the stored ``weights`` with the accumulated
+        ``grads`` (as :meth:`reduce_replicas` leaves them): the weights in
+        ``sharded_update`` with their gradients and state as shards, the rest whole.
+        Returns (weights, state) in their stored forms."""
+        def on_shards(k: str) -> bool:   # a weight, or a state tensor of a weight
+            return self.owner.get(k, k) in self.sharded_update
+
+        def view(k: str, v: Any) -> Any:   # stored form -> what the update takes
+            return self.shard(v) if on_shards(k) and k not in self.stored else v
+
+        def back(k: str, v: Any) -> Any:   # what the update gives -> stored form
+            return self.unshard(v, self.shapes[k]) if on_shards(k) and k not in self.stored else v
+
+        def grad(k: str, v: Any) -> Any:
+            if k in self.scattered:   # shards already
+                return v if on_shards(k) else self.unshard(v, self.shapes[k])
+            return self._reduce_scatter(v) if on_shards(k) else v
+
+        new_w, new_s = apply({k: view(k, v) for k, v in weights.items()},
+                             {k: grad(k, v) for k, v in grads.items()},
+                             {k: view(k, v) for k, v in state.items()}, hyper)
+        return {k: back(k, v) for k, v in new_w.items()}, {k: back(k, v) for k, v in new_s.items()}
+
+    # ------------------------------------------------------------------ host and placement
+    def _sharding(self, sharded: bool) -> jax.sharding.Sharding:
+        if self.placement.mesh is None or not sharded:
+            return self.placement.sharding()
+        return jax.sharding.NamedSharding(self.placement.mesh, jax.sharding.PartitionSpec(REPLICA_AXIS))
+
+    def put(self, named: Mapping[str, Any]) -> dict:
+        """Host arrays by tensor id on the device(s), sharded ones as shards (each process
+        places its own replicas' shards)."""
+        whole = {k: v for k, v in named.items() if k not in self.stored}
+        out = dict(self.placement.put(whole)) if whole else {}
+        for k in self.stored & set(named):
+            flat = np.ravel(np.asarray(named[k]))
+            flat = np.pad(flat, (0, self.padded(np.shape(named[k])) - flat.size))
+            out[k] = jax.make_array_from_callback(flat.shape, self._sharding(True),
+                                                  lambda idx, f=flat: f[idx])
+        return {k: out[k] for k in named}
+
+    def to_host(self, state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Device arrays by tensor id as whole host arrays."""
+        out = {}
+        for k, v in state.items():
+            if k in self.stored and not getattr(v, "is_fully_addressable", True):
+                v = multihost_utils.process_allgather(v, tiled=True)   # other processes' shards
+            host = Placement.to_host(v)
+            out[k] = host[:int(np.prod(self.shapes[k], dtype=np.int64))].reshape(
+                self.shapes[k]) if k in self.stored else host
+        return out
+
+    def specs(self, named: Mapping[str, Any]) -> dict:
+        """ShapeDtypeStruct of each tensor's stored form."""
+        return {k: jax.ShapeDtypeStruct((self.padded(np.shape(v)),), jnp.result_type(v))
+                if k in self.stored else arg_specs(v) for k, v in named.items()}
+
+    def shardings(self, names: Any) -> Any:
+        """The step's in/out sharding of a weights or state argument with these ids."""
+        names = list(names)
+        if not self.stored & set(names):
+            return self.placement.sharding()
+        return {k: self._sharding(k in self.stored) for k in names}
+
+
+# ---------------------------------------------------------------------- choosing tensors
+def _settings(options: Any, name: str) -> TensorLocationSettings:
+    tls = getattr(options, name)
+    where = f"SessionOptions.{name}"
+    if not isinstance(tls, TensorLocationSettings):
+        raise OptionError(f"{where}: expected a TensorLocationSettings, got {tls!r}")
+    _check_location(tls.location, f"{where}.location")
+    m = tls.minElementsForReplicatedTensorSharding
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+        raise OptionError(f"{where}.minElementsForReplicatedTensorSharding: expected an int "
+                          f">= 0, got {m!r}")
+    return tls
+
+
+def _check_location(loc: Any, where: str) -> bool:
+    """Whether ``loc`` asks for sharding; OptionError for what cannot be honoured."""
+    if not isinstance(loc, TensorLocation):
+        raise OptionError(f"{where}: expected a TensorLocation, got {loc!r}")
+    on = loc.replicatedTensorSharding == ReplicatedTensorSharding.On
+    if on and loc.shardingDomain.type != CommGroupType.All:
+        raise OptionError(f"{where}.shardingDomain: replicated tensor sharding over replica "
+                          f"sub-groups is not supported; expected CommGroup(CommGroupType.All), "
+                          f"got {loc.shardingDomain}")
+    return on
+
+
+def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
+           opt_state: Mapping[str, Any], trainable: list[str], accumulation_factor: int) -> Layout:
+    """The layout PopART's tensor location settings ask for (see the module docstring)."""
+    if options is None:
+        return Layout(placement)
+    settings = {n: _settings(options, n) for n in (WEIGHTS, STATE, ACCUM)}
+    overrides = dict(options.tensorLocationSettingsOverride or {})
+    accumulating = accumulation_factor > 1
+    owner = {p + w: w for w in trainable for p in STATE_PREFIXES
+             if p + w in opt_state and np.shape(opt_state[p + w]) == np.shape(variables[w])}
+
+    def kind(tid: str) -> str:
+        if tid.startswith(ACCUM_PREFIX) or (accumulating and tid.startswith(SHARED_PREFIX)):
+            return ACCUM
+        return STATE if tid in owner else WEIGHTS
+
+    def sharded(tid: str, shape: tuple) -> bool:
+        k = kind(tid)
+        where = (f"SessionOptions.tensorLocationSettingsOverride['{tid}']" if tid in overrides
+                 else f"SessionOptions.{k}.location")
+        if not _check_location(overrides.get(tid, settings[k].location), where):
+            return False
+        k = STATE if tid in owner else k   # the shared Accl___'s minimum: optimizer state's
+        return k == ACCUM or int(np.prod(shape)) >= settings[k].minElementsForReplicatedTensorSharding
+
+    shapes = {**{k: np.shape(v) for k, v in variables.items()},
+              **{k: np.shape(opt_state[k]) for k in owner}}
+    stored = {k for k, s in shapes.items() if sharded(k, s)}
+    accum = {w for w in trainable if accumulating and sharded(ACCUM_PREFIX + w, shapes[w])}
+    if not (stored or accum):
+        return Layout(placement)
+    if placement.replication_factor <= 1:
+        _logger.warn(f"Unable to shard tensors {sorted(stored | accum)} due to lack of "
+                     f"replication (replicated tensor sharding needs replicatedGraphCount > 1)")
+        return Layout(placement)
+    for s, w in owner.items():
+        if w in stored and s not in stored:
+            raise OptionError(
+                f"Weight '{w}' is replica-sharded but its optimizer state '{s}' is not: the "
+                f"update modifies a sharded tensor, but not all required sharded inputs could "
+                f"be connected. Adjust the replicated tensor sharding settings: expected "
+                f"SessionOptions.{kind(s)} to shard '{s}' too (replicatedTensorSharding On, "
+                f"minElementsForReplicatedTensorSharding <= {int(np.prod(shapes[s]))}), got "
+                f"{settings[kind(s)]}")
+    update = (stored & set(trainable)) | {owner[s] for s in stored if s in owner}
+    _logger.info(f"Replicated tensor sharding over {placement.replication_factor} replicas: "
+                 f"{sorted(stored)} stored sharded, accumulators of {sorted(accum)} sharded")
+    return Layout(placement, shapes=shapes, stored=frozenset(stored), owner=owner,
+                  sharded_update=frozenset(update), scattered=frozenset(accum))
