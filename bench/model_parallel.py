@@ -7,9 +7,9 @@ same model on one device.
 Memory per device is XLA's compiled memory analysis of the step (arguments: the device's
 weights and Adam state and the step's inputs; temporaries: activations and stashes). XLA's
 CPU backend enforces no memory limit, so ``--limit-mib`` is a per-device budget the table
-checks each configuration's total against. On a CPU the "devices" are ``POPART_HOST_DEVICES`` views of the same
-cores, so samples/s show the schedule's cost, not a speed-up; ``--gpu`` runs on the
-machine's accelerators.
+checks each configuration's total against. On a CPU the "devices" are
+``POPART_HOST_DEVICES`` views of the same cores, so samples/s show the schedule's cost, not a
+speed-up; ``--gpu`` runs on the machine's accelerators.
 """
 from __future__ import annotations
 

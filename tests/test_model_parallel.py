@@ -284,3 +284,56 @@ def test_updates_of_several_weights_per_ipu(mode):
     got = train([0, 1, 0, 1], mode="Manual", optimizer=opt(), steps=2)
     assert bool(got[2]._program.row_weights) == (mode == "Adam")
     assert_same(got, train([0, 1, 0, 1], optimizer=opt(), steps=2))
+
+
+def test_gather_index_checks_on_a_placed_pipeline():
+    """An embedding (Gather) on IPU 0, a matmul on IPU 1: the placed pipeline trains as one
+    device does, and an index out of range raises PopART's run-time error naming it."""
+    rs = np.random.RandomState(0)
+    b = popart.Builder()
+    idx = b.addInputTensor(popart.TensorInfo("INT32", [B]), "idx")
+    with b.virtualGraph(0), b.pipelineStage(0):
+        emb = b.addInitializedInputTensor(rs.randn(10, W).astype(np.float32), "emb")
+        h = b.aiOnnx.gather([emb, idx])
+    with b.virtualGraph(1), b.pipelineStage(1):
+        w = b.addInitializedInputTensor(rs.randn(W, 3).astype(np.float32), "w")
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([h, w])], 0.1)
+    results = []
+    for placed in (False, True):
+        o = popart.SessionOptions()
+        o.enableGradientAccumulation, o.accumulationFactor = True, 2
+        if placed:
+            o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
+        dev = popart.DeviceManager().acquireAvailableDevice(2 if placed else 1)
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                                   popart.ConstSGD(0.1), dev, userOptions=o)
+        s.prepareDevice()
+        s.weightsFromHost()
+        out = s.initAnchorArrays()
+        good = rs.randint(0, 10, (2, B)).astype(np.int32) if not results else results[0][2]
+        s.run(popart.PyStepIO({idx: good}, out))
+        weights = {"emb": np.zeros((10, W), np.float32), "w": np.zeros((W, 3), np.float32)}
+        s.weightsToHost()
+        s.readWeights(popart.PyWeightsIO(weights))
+        if placed:
+            assert s._program.placed
+            bad = good.copy()
+            bad[1, 2] = 12
+            with pytest.raises(popart.popart_runtime_error, match="12"):
+                s.run(popart.PyStepIO({idx: bad}, out))
+        dev.detach()
+        results.append((out[loss].copy(), weights, good))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+    for k in results[0][1]:
+        np.testing.assert_allclose(results[1][1][k], results[0][1][k], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_norm_clipping_spans_ipus():
+    """ClipNormSettings over weights on different IPUs: one norm over all of them (a sum
+    across the devices), as on one device; with Adam's whole-row update."""
+    def opt():
+        return popart.Adam({"defaultLearningRate": (0.05, False)}, clip_norm_settings=[
+            popart.ClipNormSettings(["w0", "w2"], 0.05), popart.ClipNormSettings.clipAllWeights(0.5)])
+    got = train(FOUR, mode="Manual", pipelined=True, optimizer=opt())
+    assert got[2]._program.placed and got[2]._program.row_weights
+    assert_same(got, train(FOUR, optimizer=opt()))

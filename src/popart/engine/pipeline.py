@@ -21,12 +21,13 @@ stages in S ticks before the next starts. The backward pass is the autodiff of t
 the update, per device, is the same optimizer code on the device's own tensors.
 
 Features the placed program does not implement (automatic loss scaling, gradients of
-activations, variables written by ops, run-time index checks, norm clipping across IPUs,
+activations, variables written by ops,
 replicated tensor sharding, IPUs sharing a device) run the whole model on one device as
 before; a log line says which and why.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -34,12 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import IrError
+from ..errors import IrError, OptimizerError
 from ..ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node
 from ..tensornames import PREFIXES
 from ..logging import getLogger
 from .compiled import CompiledStep, arg_specs
-from .lower import trace
+from .lower import CHECKS, RECORD, trace
 from .compiled import REPLICA_AXIS
 from .program import GRAD_PREFIX, StepConfig, StepProgram
 
@@ -47,6 +48,7 @@ IPU_AXIS = "ipu"
 EXECUTION_PHASE = "__execution_phase"
 # Anchors of a pipeline's stashed / restored activations: the activation, per micro-batch.
 STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
+CHECK_IDS = 1 << 16   # the run-time checks of stage s have ids s * CHECK_IDS + i
 _logger = getLogger("session")
 
 
@@ -217,13 +219,9 @@ def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
         return "automatic loss scaling"
     if program.assigned:
         return f"ops write variables ({', '.join(program.assigned[:3])})"
-    if program.run_checks:
-        return "run-time index checks"
     if any(a.startswith(GRAD_PREFIX) and a[len(GRAD_PREFIX):] not in program.variables
            for a in program.anchor_ids):
         return "gradients of activations as anchors"
-    if cfg.training and getattr(cfg.optimizer, "clip_norm_settings", None):
-        return "gradient norm clipping"
     if program.rts.stored or program.rts.scattered:
         return "replicated tensor sharding"
     return None
@@ -239,6 +237,7 @@ class PlacedProgram(StepProgram):
         self.device_info = device
         self.stages: Optional[StagePlan] = None
         self._specs: Optional[dict] = None
+        self._stage_checks: dict[int, list] = {}   # run-time checks of each stage's trace
         self.mesh: Optional[jax.sharding.Mesh] = None
         self.weight_layout: Optional[Layout] = None
         self.state_layout: Optional[Layout] = None
@@ -265,12 +264,18 @@ class PlacedProgram(StepProgram):
         # replica r has IPUs r*n .. r*n + n-1
         devs = np.array(self.device_info.jax_devices).reshape(R, n)[:, :ipus]
         self.stages, self.ipus = stages, ipus
+        self.has_checks = bool(self.run_checks)   # the whole graph's trace has run-time checks
         self.mesh = jax.sharding.Mesh(devs, (REPLICA_AXIS, IPU_AXIS))
         self.uses_rng = True
         owner = {k: w for w in self.trainable
                  for k in (self.cfg.optimizer.init_state(w, self.variables[w]) if self.cfg.training else {})}
         ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
         self.weight_layout = Layout("weights", self.variables, ipu_of, ipus)
+        # Norm clipping spans IPUs: the step clips the gradient rows (_clip), then updates
+        # with the optimizer less its clipping.
+        self.update_optimizer = copy.copy(self.cfg.optimizer)
+        if self.cfg.training:
+            self.update_optimizer.clip_norm_settings = []
         self.row_weights = self._row_weights(owner)
         state = self.init_opt_state()
         aligned = {k: w for k, w in owner.items() if self.row_weights and k.split("___")[0] != "Step"}
@@ -308,7 +313,7 @@ class PlacedProgram(StepProgram):
         """Elementwise updates of whole rows: per weight buffer, a weight whose optimizer
         values every weight of the buffer shares (empty when the update needs each weight
         apart: Lamb's norms, clipping, per-weight values)."""
-        opt = self.cfg.optimizer
+        opt = self.update_optimizer
         if not self.cfg.training or not opt.elementwise:
             return {}
         reps: dict[str, str] = {}
@@ -419,6 +424,9 @@ class PlacedProgram(StepProgram):
                     opsets=self.graph.opsets, constants=self.graph.constants)
         sends = st.boundary[s] if s < st.num_stages - 1 else []
         anchors = [a for a in self._fwd_anchor_ids() if self._anchor_stage(a) == s]
+        check = f"{CHECKS}/{s}"   # the stage's run-time checks: a record, like an anchor
+        if self.has_checks:
+            anchors.append(check)
         has_loss = cfg.training and st.produced_at.get(cfg.loss) == s
 
         def run(weights, feeds, received, key, hyper):
@@ -429,7 +437,14 @@ class PlacedProgram(StepProgram):
                       replica_axis=REPLICA_AXIS if R > 1 else None)
             env = t.env
             out = {k: jnp.asarray(env[k]) for k in sends}
-            anc = {a: self._value(env, a) for a in anchors}
+            anc = {a: self._value(env, a) for a in anchors if a != check}
+            if self.has_checks:
+                flags = t.check_flags()
+                anc[check] = self._zeros([check])[check] if flags is None else \
+                    flags.at[1].add(s * CHECK_IDS)
+                self._stage_checks[s] = list(t.checks)
+                self.run_checks = {s2 * CHECK_IDS + i: c for s2, cs in self._stage_checks.items()
+                                   for i, c in enumerate(cs)}
             loss = jnp.zeros((), jnp.float32)
             if has_loss:
                 scaled = env[cfg.loss] * jnp.asarray(self._hyper(hyper, "lossScaling"), env[cfg.loss].dtype)
@@ -441,6 +456,8 @@ class PlacedProgram(StepProgram):
         """The stage whose trace has anchor ``a``: its producer (or owner, for a weight), for
         a graph input its first reader."""
         st, a = self.stages, _unstash(a)
+        if a.startswith(CHECKS + "/"):
+            return int(a.split("/")[-1])
         if a in st.produced_at:
             return st.produced_at[a]
         return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in nd.inputs), 0)
@@ -450,7 +467,11 @@ class PlacedProgram(StepProgram):
         return [a for a in self.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
 
     def _zeros(self, ids) -> dict:
-        return {k: jnp.zeros(self._specs[_unstash(k)].shape, self._specs[_unstash(k)].dtype) for k in ids}
+        def spec(k: str) -> Any:
+            if k.startswith(CHECKS + "/"):
+                return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
+            return self._specs[_unstash(k)]
+        return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
     def _pipeline(self, wlayout: Layout):
         """(weight rows of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
@@ -533,7 +554,8 @@ class PlacedProgram(StepProgram):
         P = jax.sharding.PartitionSpec
         A, B, R = cfg.accumulation_factor, cfg.batches_per_step, cfg.replication_factor
         G, M = self._micro_groups()
-        anchor_stage = {a: self._anchor_stage(a) for a in self._fwd_anchor_ids()}
+        anchor_stage = {a: self._anchor_stage(a) for a in self._fwd_anchor_ids() +
+                        [f"{CHECKS}/{s}" for s in range(st.num_stages)]}
         trainable = self.trainable
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
         grad_anchors = [a for a in self.anchor_ids if a.startswith(GRAD_PREFIX)]
@@ -548,6 +570,9 @@ class PlacedProgram(StepProgram):
             out = {a: jnp.swapaxes(v[:, st.stage_ipu[anchor_stage[a]],
                                      anchor_stage[a]:anchor_stage[a] + M], 0, 1)
                    for a, v in anchors.items()}
+            checks = [out.pop(a) for a in list(out) if a.startswith(CHECKS + "/")]
+            if checks:   # every stage's records of each micro-batch: [M, R, stages, RECORD]
+                out[CHECKS] = jnp.stack(checks, axis=2)
             return jnp.sum(losses), out
 
         def update(wlayout, slayout, wbufs, gbufs, sbufs, hyper):
@@ -556,6 +581,7 @@ class PlacedProgram(StepProgram):
 
             def body(w, g, s, h):
                 w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own rows
+                g = self._clip(g, h)
                 if self.row_weights:
                     w, s = self._row_update(w, g, s, h)
                     return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
@@ -566,7 +592,7 @@ class PlacedProgram(StepProgram):
                         if not mine:
                             return w, s
                         ws, gs = wlayout.unpack(w, d), wlayout.unpack(g, d)
-                        new_w, new_s = cfg.optimizer.apply({k: ws[k] for k in mine},
+                        new_w, new_s = self.update_optimizer.apply({k: ws[k] for k in mine},
                                                            {k: gs[k] for k in mine},
                                                            slayout.unpack(s, d), h)
                         return wlayout.repack(w, d, new_w), slayout.repack(s, d, new_s)
@@ -620,11 +646,39 @@ class PlacedProgram(StepProgram):
             return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
         return step
 
+    def _clip(self, g: dict, h: dict) -> dict:
+        """The optimizer's gradient norm clipping on this device's gradient rows: each
+        group's norm of the unscaled gradients summed over the IPUs (a psum), its factor
+        applied to the group's elements, group after group as Optimizer.apply does."""
+        opt = self.cfg.optimizer
+        if not self.cfg.training or not opt.clip_norm_settings:
+            return g
+        dev, lay = jax.lax.axis_index(IPU_AXIS), self.weight_layout
+        ls = jnp.asarray(self._hyper(h, "lossScaling"), jnp.float32)
+        g = dict(g)
+        for c in opt.clip_norm_settings:
+            ids = list(self.trainable) if c.weightIds is None else c.weightIds
+            missing = [i for i in ids if i not in self.trainable]
+            if missing:
+                raise OptimizerError(f"ClipNormSettings: weights {missing} are not trainable weights "
+                              f"of the model (have {sorted(self.trainable)})")
+            masks = {k: np.zeros((self.ipus, n), bool) for k, n in lay.lengths.items()}
+            for i in ids:
+                ipu, key, off, shape = lay.slots[i]
+                masks[key][ipu, off:off + int(np.prod(shape, dtype=np.int64))] = True
+            mine = {k: jnp.asarray(m)[dev] for k, m in masks.items()}
+            part = sum(jnp.sum(jnp.where(mine[k], jnp.square(g[k].astype(jnp.float32) / ls), 0.0))
+                       for k in g)
+            norm = jnp.sqrt(jax.lax.psum(part, IPU_AXIS))
+            factor = c.maxNorm / jnp.maximum(norm, c.maxNorm)
+            g = {k: jnp.where(mine[k], v * factor.astype(v.dtype), v) for k, v in g.items()}
+        return g
+
     def _row_update(self, w: dict, g: dict, s: dict, h: dict) -> tuple[dict, dict]:
         """An elementwise optimizer on whole rows, in place (no per-weight slices): each row
         updated as one weight, its state rows beside it; per-weight scalars (Adam's step) read
         from the device's first weight and written to all of its weights."""
-        opt, lay, dev = self.cfg.optimizer, self.state_layout, jax.lax.axis_index(IPU_AXIS)
+        opt, lay, dev = self.update_optimizer, self.state_layout, jax.lax.axis_index(IPU_AXIS)
         w, s = dict(w), dict(s)
         for wkey, r in self.row_weights.items():
             spec = opt.init_state(r, self.variables[r])
