@@ -114,17 +114,17 @@ def test_each_ipu_holds_only_its_weights_and_optimizer_state(one_device):
     _, _, s = train(FOUR, steps=1, mode="Manual", pipelined=True)
     weights, state = s._dev
     for bufs in (weights, state):
-        for buf in bufs.values():   # [ipus, L], one row per device
+        for buf in bufs.values():   # [ipus, *block], one block per device
             assert buf.shape[0] == 4
             assert sorted(sh.device.id for sh in buf.addressable_shards) == \
                 sorted(d.id for d in s._program.mesh.devices.flat)
-            assert {sh.data.shape for sh in buf.addressable_shards} == {(1, buf.shape[1])}
-    assert weights["weights/float32"].shape[1] == W * W   # one layer's weight per device
-    # Adam: the two moments of the device's weight, each in a row beside the weight's row
-    # (an elementwise update runs on whole rows), and its step counter
-    assert {k: v.shape[1] for k, v in state.items()} == {
-        "state/Accl1___/weights/float32/float32": W * W,
-        "state/Accl2___/weights/float32/float32": W * W, "state/float32": 1}
+            assert {sh.data.shape for sh in buf.addressable_shards} == {(1,) + buf.shape[1:]}
+    # one layer's weight per device; Adam's two moments and step counter beside it
+    slot = "weights/float32/r2/0"
+    assert {k: v.shape[1:] for k, v in weights.items()} == {slot: (W, W)}
+    assert {k: v.shape[1:] for k, v in state.items()} == {
+        f"state/Accl1___/float32/{slot}": (W, W), f"state/Accl2___/float32/{slot}": (W, W),
+        f"state/Step___/float32/{slot}": ()}
     # the compiled program's arguments on one device: about a quarter of the whole model's
     whole = one_device[2]._program.compiled.memory_analysis().argument_size_in_bytes
     placed = s._program.compiled.memory_analysis().argument_size_in_bytes

@@ -42,7 +42,7 @@ from ..logging import getLogger
 from .compiled import CompiledStep, arg_specs
 from .lower import CHECKS, RECORD, trace
 from .compiled import REPLICA_AXIS
-from .program import GRAD_PREFIX, StepConfig, StepProgram
+from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan
 
 IPU_AXIS = "ipu"
 EXECUTION_PHASE = "__execution_phase"
@@ -150,62 +150,71 @@ def _unstash(tid: str) -> str:
 
 # ---------------------------------------------------------------------------- state layout
 class Layout:
-    """Where each tensor of a named set (the weights, or the optimizer state) lives: per
-    dtype one flat buffer ``[ipus, L]`` keyed ``"<kind>/<dtype>"``, the tensor at (its IPU's
-    row, an offset), zero-padded to the longest row."""
+    """Where each tensor of a named set (the weights, or the optimizer state) lives. The
+    tensors of one dtype and rank are numbered per IPU; slot j holds every IPU's j-th such
+    tensor in one array ``[ipus, *block]`` sharded over the IPU axis (key
+    ``"<kind>/<dtype>/r<rank>/<j>"``), ``block`` the largest extent of each dimension, the
+    rest zero. Uniform stages (a transformer's layers) need no padding: each device's block
+    is its tensor, and an elementwise update runs on whole blocks."""
 
     def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int) -> None:
-        self.kind, self.num_ipus = kind, num_ipus
-        self.slots: dict[str, tuple] = {}   # id -> (ipu, buffer key, offset, shape)
-        used: dict[tuple, int] = {}
+        self.num_ipus = num_ipus
+        self.slots: dict[str, tuple] = {}    # id -> (ipu, key, shape)
+        self.blocks: dict[str, tuple] = {}   # key -> (block shape, dtype name)
+        count: dict[tuple, int] = {}
         for tid, spec in specs.items():
-            key, shape = f"{kind}/{np.dtype(spec.dtype).name}", tuple(np.shape(spec))
-            ipu = ipu_of(tid)
-            off = used.get((key, ipu), 0)
-            self.slots[tid] = (ipu, key, off, shape)
-            used[(key, ipu)] = off + int(np.prod(shape, dtype=np.int64))
-        self.lengths = {key: max(n for (k, _), n in used.items() if k == key)
-                        for key in sorted({k for k, _ in used})}
+            dt, shape, ipu = np.dtype(spec.dtype).name, tuple(np.shape(spec)), ipu_of(tid)
+            j = count[(dt, len(shape), ipu)] = count.get((dt, len(shape), ipu), -1) + 1
+            self._place(tid, ipu, f"{kind}/{dt}/r{len(shape)}/{j}", shape, shape, dt)
 
-    def align(self, tid: str, like: tuple, key: str, length: int) -> None:
-        """Place ``tid`` at the IPU and offset of slot ``like`` (its weight's) in buffer
-        ``key`` of rows of ``length``: an elementwise optimizer then updates whole rows."""
-        ipu, _, off, shape = like
-        self.slots[tid] = (ipu, key, off, shape)
-        self.lengths[key] = length
+    def _place(self, tid: str, ipu: int, key: str, shape: tuple, block: tuple, dt: str) -> None:
+        self.slots[tid] = (ipu, key, shape)
+        old = self.blocks.get(key, (block, dt))[0]
+        self.blocks[key] = (tuple(max(a, b) for a, b in zip(old, block)), dt)
+
+    def align(self, tid: str, weight: tuple, weight_block: tuple, key: str, shape: tuple,
+              dt: str) -> None:
+        """Place optimizer state ``tid`` in slot ``key`` beside its weight's slot (``weight``:
+        (ipu, key, shape)): the weight's block when it has the weight's shape (an
+        elementwise update then runs on both blocks at once), else its own shape."""
+        self._place(tid, weight[0], key, shape, weight_block if shape == weight[2] else shape, dt)
 
     def specs(self) -> dict:
-        return {key: jax.ShapeDtypeStruct((self.num_ipus, n), np.dtype(key.split("/")[-1]))
-                for key, n in self.lengths.items()}
+        return {key: jax.ShapeDtypeStruct((self.num_ipus,) + block, np.dtype(dt))
+                for key, (block, dt) in self.blocks.items()}
+
+    @staticmethod
+    def _part(shape: tuple) -> tuple:
+        return tuple(slice(0, n) for n in shape)
 
     def pack(self, named: Mapping[str, Any]) -> dict:
         bufs = {key: np.zeros(s.shape, s.dtype) for key, s in self.specs().items()}
-        for tid, (ipu, key, off, shape) in self.slots.items():
-            v = np.asarray(named[tid]).reshape(-1)
-            bufs[key][ipu, off:off + v.size] = v
+        for tid, (ipu, key, shape) in self.slots.items():
+            bufs[key][(ipu,) + self._part(shape)] = named[tid]
         return bufs
 
     def unpack(self, bufs: Mapping[str, Any], ipu: Optional[int] = None) -> dict:
-        """Tensors from the buffers: all of them from global ``[ipus, L]`` buffers (host or
-        device), or (``ipu`` given) that IPU's tensors from its own rows ``[L]``."""
+        """Tensors from the slots: all of them from global ``[ipus, *block]`` arrays (host or
+        device), or (``ipu`` given) that IPU's tensors from its own blocks."""
         out = {}
-        for tid, (i, key, off, shape) in self.slots.items():
-            size = int(np.prod(shape, dtype=np.int64))
+        for tid, (i, key, shape) in self.slots.items():
             if ipu is None:
-                out[tid] = bufs[key][i, off:off + size].reshape(shape)
+                out[tid] = bufs[key][(i,) + self._part(shape)]
             elif i == ipu:
-                out[tid] = bufs[key][off:off + size].reshape(shape)
+                block = bufs[key]
+                out[tid] = block if tuple(block.shape) == shape else block[self._part(shape)]
         return out
 
-    def repack(self, rows: Mapping[str, Any], ipu: int, named: Mapping[str, Any]) -> dict:
-        """An IPU's rows ``[L]`` with its tensors in ``named`` written in."""
-        rows = dict(rows)
+    def repack(self, blocks: Mapping[str, Any], ipu: int, named: Mapping[str, Any]) -> dict:
+        """An IPU's blocks with its tensors in ``named`` written in."""
+        blocks = dict(blocks)
         for tid, v in named.items():
-            i, key, off, _ = self.slots[tid]
+            i, key, shape = self.slots[tid]
             if i == ipu:
-                rows[key] = jax.lax.dynamic_update_slice(
-                    rows[key], jnp.ravel(v).astype(rows[key].dtype), (off,))
-        return rows
+                v = jnp.asarray(v).astype(blocks[key].dtype)
+                blocks[key] = v if tuple(blocks[key].shape) == shape else \
+                    blocks[key].at[self._part(shape)].set(v)
+        return blocks
 
 
 # ---------------------------------------------------------------------------- the program
@@ -276,15 +285,14 @@ class PlacedProgram(StepProgram):
         self.update_optimizer = copy.copy(self.cfg.optimizer)
         if self.cfg.training:
             self.update_optimizer.clip_norm_settings = []
-        self.row_weights = self._row_weights(owner)
+        self.row_weights = self._row_weights()
         state = self.init_opt_state()
-        aligned = {k: w for k, w in owner.items() if self.row_weights and k.split("___")[0] != "Step"}
-        self.state_layout = Layout("state", {k: v for k, v in state.items() if k not in aligned},
-                                   ipu_of, ipus)
-        for k, w in aligned.items():   # each state tensor beside its weight, row by row
-            like = self.weight_layout.slots[w]
-            key = f"state/{k[:-len(w)]}/{like[1]}/{np.dtype(state[k].dtype).name}"
-            self.state_layout.align(k, like, key, self.weight_layout.lengths[like[1]])
+        self.state_layout = Layout("state", {}, ipu_of, ipus)
+        for k, w in owner.items():   # each state tensor in a slot beside its weight's
+            weight = self.weight_layout.slots[w]
+            dt = np.dtype(state[k].dtype).name
+            self.state_layout.align(k, weight, self.weight_layout.blocks[weight[1]][0],
+                                    f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
         _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                      f"{[len(w) for w in self._weights_per_ipu()]}")
@@ -309,10 +317,10 @@ class PlacedProgram(StepProgram):
     def _value(env: Mapping[str, Any], tid: str) -> Any:
         return jnp.asarray(env[_unstash(tid)])
 
-    def _row_weights(self, owner: Mapping[str, str]) -> dict[str, str]:
-        """Elementwise updates of whole rows: per weight buffer, a weight whose optimizer
-        values every weight of the buffer shares (empty when the update needs each weight
-        apart: Lamb's norms, clipping, per-weight values)."""
+    def _row_weights(self) -> dict[str, str]:
+        """Elementwise updates of whole blocks: per weight slot, a weight whose optimizer
+        values every weight of the slot shares (empty when the update needs each weight
+        apart: Lamb's norms, per-weight values)."""
         opt = self.update_optimizer
         if not self.cfg.training or not opt.elementwise:
             return {}
@@ -619,7 +627,7 @@ class PlacedProgram(StepProgram):
                         lambda w: run_group(w, wlayout, x[0], x[1], hyper), has_aux=True)(wbufs)
                     return jax.tree_util.tree_map(jnp.add, gacc, grads), anchors
                 zeros = jax.tree_util.tree_map(jnp.zeros_like, wbufs)
-                gbufs, anchors = jax.lax.scan(group, zeros, (bfeeds, keys))
+                gbufs, anchors = _scan(group, zeros, (bfeeds, keys))
                 vals = self._per_micro(anchors)
                 if cfg.mean_reduction:
                     gbufs = jax.tree_util.tree_map(lambda g: g / (A * R), gbufs)
@@ -662,12 +670,12 @@ class PlacedProgram(StepProgram):
             if missing:
                 raise OptimizerError(f"ClipNormSettings: weights {missing} are not trainable weights "
                               f"of the model (have {sorted(self.trainable)})")
-            masks = {k: np.zeros((self.ipus, n), bool) for k, n in lay.lengths.items()}
+            masks = {k: np.zeros(self.ipus, bool) for k in lay.blocks}
             for i in ids:
-                ipu, key, off, shape = lay.slots[i]
-                masks[key][ipu, off:off + int(np.prod(shape, dtype=np.int64))] = True
+                ipu, key, _ = lay.slots[i]
+                masks[key][ipu] = True   # the rest of a block is zero
             mine = {k: jnp.asarray(m)[dev] for k, m in masks.items()}
-            part = sum(jnp.sum(jnp.where(mine[k], jnp.square(g[k].astype(jnp.float32) / ls), 0.0))
+            part = sum(jnp.where(mine[k], jnp.sum(jnp.square(g[k].astype(jnp.float32) / ls)), 0.0)
                        for k in g)
             norm = jnp.sqrt(jax.lax.psum(part, IPU_AXIS))
             factor = c.maxNorm / jnp.maximum(norm, c.maxNorm)
@@ -675,32 +683,16 @@ class PlacedProgram(StepProgram):
         return g
 
     def _row_update(self, w: dict, g: dict, s: dict, h: dict) -> tuple[dict, dict]:
-        """An elementwise optimizer on whole rows, in place (no per-weight slices): each row
-        updated as one weight, its state rows beside it; per-weight scalars (Adam's step) read
-        from the device's first weight and written to all of its weights."""
-        opt, lay, dev = self.update_optimizer, self.state_layout, jax.lax.axis_index(IPU_AXIS)
+        """An elementwise optimizer on whole blocks, in place: each weight slot updated as
+        one weight (its representative's values), with the state slots beside it."""
+        opt, lay = self.update_optimizer, self.state_layout
         w, s = dict(w), dict(s)
         for wkey, r in self.row_weights.items():
-            spec = opt.init_state(r, self.variables[r])
-            state, scalars = {}, {}
-            for sid in spec:
-                key, prefix = lay.slots[sid][1], sid[:-len(r)]
-                if key.count("/") > 1:   # a row beside the weights' row
-                    state[sid] = s[key]
-                    continue
-                offs, mask = np.zeros(self.ipus, np.int32), np.zeros((self.ipus, lay.lengths[key]), bool)
-                for other in self.trainable:
-                    if self.weight_layout.slots[other][1] == wkey:
-                        ipu, _, off, _ = lay.slots[prefix + other]
-                        offs[ipu] = off if not mask[ipu].any() else offs[ipu]
-                        mask[ipu, off] = True
-                scalars[sid] = jnp.asarray(mask)[dev]
-                state[sid] = s[key][jnp.asarray(offs)[dev]]
-            new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]}, state, h)
+            keys = {sid: lay.slots[sid][1] for sid in opt.init_state(r, self.variables[r])}
+            new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]},
+                                     {sid: s[key] for sid, key in keys.items()}, h)
             w[wkey] = new_w[r]
-            for sid, v in new_s.items():
-                key = lay.slots[sid][1]
-                s[key] = jnp.where(scalars[sid], v, s[key]) if sid in scalars else v
+            s.update({keys[sid]: v for sid, v in new_s.items()})
         return w, s
 
     @staticmethod
