@@ -337,3 +337,45 @@ def test_gradient_norm_clipping_spans_ipus():
     got = train(FOUR, mode="Manual", pipelined=True, optimizer=opt())
     assert got[2]._program.placed and got[2]._program.row_weights
     assert_same(got, train(FOUR, optimizer=opt()))
+
+
+def test_batch_normalization_statistics_on_a_placed_pipeline():
+    """BatchNormalization on IPU 0 writes its running mean and variance (variables an op
+    assigns): the placed pipeline keeps them on their device with the values of one device
+    (the last micro-batch's statistics, as the unplaced step)."""
+    rs = np.random.RandomState(0)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [B, 3, 4, 4]), "x")
+    with b.virtualGraph(0), b.pipelineStage(0):
+        params = [b.addInitializedInputTensor(v, n) for v, n in (
+            (rs.rand(3).astype(np.float32) + 0.5, "scale"), (rs.randn(3).astype(np.float32), "bias"),
+            (np.zeros(3, np.float32), "mean"), (np.ones(3, np.float32), "var"))]
+        y = b.aiOnnx.batchnormalization([x] + params, 5)[0]
+    with b.virtualGraph(1), b.pipelineStage(1):
+        w = b.addInitializedInputTensor(rs.randn(48, 2).astype(np.float32), "w")
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([b.aiOnnx.reshape([y, b.aiOnnx.constant(
+            np.array([B, 48], np.int64))]), w])], 0.1)
+    feed = rs.randn(2, 2, B, 3, 4, 4).astype(np.float32)
+    results = []
+    for placed in (False, True):
+        o = popart.SessionOptions()
+        o.enableGradientAccumulation, o.accumulationFactor = True, 2
+        if placed:
+            o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
+        dev = popart.DeviceManager().acquireAvailableDevice(2 if placed else 1)
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(2, [loss]), loss,
+                                   popart.SGD({"defaultLearningRate": (0.1, False)}), dev, userOptions=o)
+        s.prepareDevice()
+        s.weightsFromHost()
+        out = s.initAnchorArrays()
+        s.run(popart.PyStepIO({x: feed}, out))
+        weights = {n: np.zeros(s.getInfo(n).shape(), np.float32) for n in ("scale", "bias", "mean", "var", "w")}
+        s.weightsToHost()
+        s.readWeights(popart.PyWeightsIO(weights))
+        dev.detach()
+        assert getattr(s._program, "placed", False) == placed
+        results.append((out[loss].copy(), weights))
+    assert not np.allclose(results[1][1]["mean"], 0)   # the statistics moved
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+    for k in results[0][1]:
+        np.testing.assert_allclose(results[1][1][k], results[0][1][k], rtol=1e-5, atol=1e-6, err_msg=k)

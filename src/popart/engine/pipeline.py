@@ -21,7 +21,7 @@ stages in S ticks before the next starts. The backward pass is the autodiff of t
 the update, per device, is the same optimizer code on the device's own tensors.
 
 Features the placed program does not implement (automatic loss scaling, gradients of
-activations, variables written by ops,
+activations,
 replicated tensor sharding, IPUs sharing a device) run the whole model on one device as
 before; a log line says which and why.
 """
@@ -49,6 +49,7 @@ EXECUTION_PHASE = "__execution_phase"
 # Anchors of a pipeline's stashed / restored activations: the activation, per micro-batch.
 STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
 CHECK_IDS = 1 << 16   # the run-time checks of stage s have ids s * CHECK_IDS + i
+ASSIGN = "__assign__"  # a stage's new value of a variable an op writes, passed like an anchor
 _logger = getLogger("session")
 
 
@@ -157,15 +158,18 @@ class Layout:
     rest zero. Uniform stages (a transformer's layers) need no padding: each device's block
     is its tensor, and an elementwise update runs on whole blocks."""
 
-    def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int) -> None:
+    def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int,
+                 frozen: frozenset = frozenset()) -> None:
         self.num_ipus = num_ipus
         self.slots: dict[str, tuple] = {}    # id -> (ipu, key, shape)
         self.blocks: dict[str, tuple] = {}   # key -> (block shape, dtype name)
         count: dict[tuple, int] = {}
-        for tid, spec in specs.items():
+        for tid, spec in specs.items():   # ``frozen`` tensors (not trained) in slots of their own
             dt, shape, ipu = np.dtype(spec.dtype).name, tuple(np.shape(spec)), ipu_of(tid)
-            j = count[(dt, len(shape), ipu)] = count.get((dt, len(shape), ipu), -1) + 1
-            self._place(tid, ipu, f"{kind}/{dt}/r{len(shape)}/{j}", shape, shape, dt)
+            group = (dt, len(shape), tid in frozen)
+            j = count[group + (ipu,)] = count.get(group + (ipu,), -1) + 1
+            self._place(tid, ipu, f"{kind}/{dt}/r{len(shape)}{'f' if tid in frozen else ''}/{j}",
+                        shape, shape, dt)
 
     def _place(self, tid: str, ipu: int, key: str, shape: tuple, block: tuple, dt: str) -> None:
         self.slots[tid] = (ipu, key, shape)
@@ -205,6 +209,14 @@ class Layout:
                 out[tid] = block if tuple(block.shape) == shape else block[self._part(shape)]
         return out
 
+    def write(self, bufs: Mapping[str, Any], named: Mapping[str, Any]) -> dict:
+        """Global ``[ipus, *block]`` arrays with the tensors in ``named`` written in."""
+        bufs = dict(bufs)
+        for tid, v in named.items():
+            ipu, key, shape = self.slots[tid]
+            bufs[key] = bufs[key].at[(ipu,) + self._part(shape)].set(jnp.asarray(v, bufs[key].dtype))
+        return bufs
+
     def repack(self, blocks: Mapping[str, Any], ipu: int, named: Mapping[str, Any]) -> dict:
         """An IPU's blocks with its tensors in ``named`` written in."""
         blocks = dict(blocks)
@@ -226,8 +238,6 @@ def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
         return f"the device's {len(devs)} IPUs share {len(set(devs))} device(s)"
     if cfg.als is not None:
         return "automatic loss scaling"
-    if program.assigned:
-        return f"ops write variables ({', '.join(program.assigned[:3])})"
     if any(a.startswith(GRAD_PREFIX) and a[len(GRAD_PREFIX):] not in program.variables
            for a in program.anchor_ids):
         return "gradients of activations as anchors"
@@ -279,7 +289,8 @@ class PlacedProgram(StepProgram):
         owner = {k: w for w in self.trainable
                  for k in (self.cfg.optimizer.init_state(w, self.variables[w]) if self.cfg.training else {})}
         ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
-        self.weight_layout = Layout("weights", self.variables, ipu_of, ipus)
+        self.weight_layout = Layout("weights", self.variables, ipu_of, ipus,
+                                    frozenset(self.variables) - set(self.trainable))
         # Norm clipping spans IPUs: the step clips the gradient rows (_clip), then updates
         # with the optimizer less its clipping.
         self.update_optimizer = copy.copy(self.cfg.optimizer)
@@ -435,6 +446,10 @@ class PlacedProgram(StepProgram):
         check = f"{CHECKS}/{s}"   # the stage's run-time checks: a record, like an anchor
         if self.has_checks:
             anchors.append(check)
+        assigns = [f"{ASSIGN}/{v}" for v in self.assigned
+                   if v in self.variables and st.produced_at.get(v) == s] \
+            if cfg.training else []
+        anchors += assigns
         has_loss = cfg.training and st.produced_at.get(cfg.loss) == s
 
         def run(weights, feeds, received, key, hyper):
@@ -445,7 +460,10 @@ class PlacedProgram(StepProgram):
                       replica_axis=REPLICA_AXIS if R > 1 else None)
             env = t.env
             out = {k: jnp.asarray(env[k]) for k in sends}
-            anc = {a: self._value(env, a) for a in anchors if a != check}
+            anc = {a: self._value(env, a) for a in anchors if a != check and a not in assigns}
+            for a in assigns:   # the variable's new value (unchanged when the op did not run)
+                v = a.split("/", 1)[1]
+                anc[a] = jnp.asarray(t.assignments.get(v, env[v]), self.variables[v].dtype)
             if self.has_checks:
                 flags = t.check_flags()
                 anc[check] = self._zeros([check])[check] if flags is None else \
@@ -466,6 +484,8 @@ class PlacedProgram(StepProgram):
         st, a = self.stages, _unstash(a)
         if a.startswith(CHECKS + "/"):
             return int(a.split("/")[-1])
+        if a.startswith(ASSIGN + "/"):
+            return st.produced_at[a.split("/", 1)[1]]
         if a in st.produced_at:
             return st.produced_at[a]
         return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in nd.inputs), 0)
@@ -478,6 +498,8 @@ class PlacedProgram(StepProgram):
         def spec(k: str) -> Any:
             if k.startswith(CHECKS + "/"):
                 return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
+            if k.startswith(ASSIGN + "/"):
+                return arg_specs(self.variables[k.split("/", 1)[1]])
             return self._specs[_unstash(k)]
         return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
@@ -563,7 +585,8 @@ class PlacedProgram(StepProgram):
         A, B, R = cfg.accumulation_factor, cfg.batches_per_step, cfg.replication_factor
         G, M = self._micro_groups()
         anchor_stage = {a: self._anchor_stage(a) for a in self._fwd_anchor_ids() +
-                        [f"{CHECKS}/{s}" for s in range(st.num_stages)]}
+                        [f"{CHECKS}/{s}" for s in range(st.num_stages)] +
+                        [f"{ASSIGN}/{v}" for v in self.assigned if v in self.variables]}
         trainable = self.trainable
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
         grad_anchors = [a for a in self.anchor_ids if a.startswith(GRAD_PREFIX)]
@@ -636,6 +659,9 @@ class PlacedProgram(StepProgram):
                     vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
                                                (A, R) + self.anchor_specs[a].shape)
                 wbufs, sbufs = update(wlayout, slayout, wbufs, gbufs, sbufs, hyper)
+                # variables ops write: the last micro-batch's value, averaged over the replicas
+                wbufs = wlayout.write(wbufs, {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
+                                              for a in list(vals) if a.startswith(ASSIGN + "/")})
                 state = slayout.unpack(sbufs)
                 for a in anchor_opt:
                     vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
