@@ -423,6 +423,7 @@ class _Session:
                                       als=None, anchors=anchors)
             program = type(train)(self._graph, cfg, self._input_infos, self._device)
             program.plan()
+            program.share_state_layout(train)   # it runs on the training program's weights
             with jax.default_device(self._jax_device()):
                 program.compile(self._host_weights, {}, self._key, {})
             self._fwd_program = program

@@ -308,6 +308,14 @@ class PlacedProgram(StepProgram):
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                      f"{[len(w) for w in self._weights_per_ipu()]}")
 
+    def share_state_layout(self, other: StepProgram) -> None:
+        if self.placed != getattr(other, "placed", False):
+            where = ("placed on the IPUs' devices", "on one device")
+            raise IrError(f"The forward-only program runs {where[not self.placed]} but the "
+                          f"training program {where[self.placed]}: they cannot share the weights")
+        if self.placed:
+            self.weight_layout = other.weight_layout
+
     def _plan_stash_anchors(self, stash: list) -> None:
         """``Stashed___X`` / ``Restored___X`` anchors: activation X of a pipelined training
         step, which PopART stashes from its forward stage until its backward stage."""

@@ -492,6 +492,9 @@ class StepProgram:
         """The inverse of :meth:`put_state`: whole host arrays by tensor id."""
         return self.rts.to_host(state)
 
+    def share_state_layout(self, other: "StepProgram") -> None:
+        """Take ``other``'s device layout of the weights (a program run on its weights)."""
+
     def state_specs(self, named: Mapping[str, Any]) -> Any:
         """The ShapeDtypeStruct tree of :meth:`put_state` for these host arrays."""
         return self.rts.specs(named)
