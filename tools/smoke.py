@@ -1,5 +1,6 @@
 """Smoke test of an installation: import popart, run a small inference and a small training
-session, save and reload the executable, train with two replicas on two devices. CI runs it in
+session, save and reload the executable, train with two replicas on two devices and with two
+pipeline stages on two devices. CI runs it in
 an environment holding the declared minimum versions of the dependencies (see .ci/run). Exits 0
 and prints "smoke: ok"."""
 from __future__ import annotations
@@ -69,6 +70,27 @@ def main() -> int:
     replicated.prepareDevice()
     out = replicated.initAnchorArrays()
     replicated.run(popart.PyStepIO({x: np.stack([X, X]), label: np.stack([L, L])}, out))
+    np.testing.assert_allclose(out[loss], [losses[0]] * 2, rtol=1e-5)
+
+    b = popart.Builder()   # the same model pipelined over two IPUs (two devices)
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 3]), "x")
+    label = b.addInputTensor(popart.TensorInfo("INT32", [4]), "label")
+    with b.virtualGraph(0), b.pipelineStage(0):
+        w = b.addInitializedInputTensor(onnx.numpy_helper.to_array(
+            onnx.load_from_string(model).graph.initializer[0]).copy(), "w")
+        logits = b.aiOnnx.matmul([x, w])
+    with b.virtualGraph(1), b.pipelineStage(1):
+        loss = b.aiGraphcore.nllloss([b.aiOnnx.softmax([logits], axis=1), label])
+    opts = popart.SessionOptions()
+    opts.virtualGraphMode, opts.enablePipelining = popart.VirtualGraphMode.Manual, True
+    opts.enableGradientAccumulation, opts.accumulationFactor = True, 2
+    piped = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                                   popart.ConstSGD(0.5), popart.DeviceManager().acquireAvailableDevice(2),
+                                   userOptions=opts)
+    piped.prepareDevice()
+    out = piped.initAnchorArrays()
+    piped.run(popart.PyStepIO({x: np.stack([X, X]), label: np.stack([L, L])}, out))
+    assert piped._program.placed
     np.testing.assert_allclose(out[loss], [losses[0]] * 2, rtol=1e-5)
     print(f"smoke: ok (training loss {losses[0]:.4f} -> {losses[-1]:.4f})")
     return 0
