@@ -132,6 +132,8 @@ def test_each_device_holds_only_its_ipus_variables():
         s.run({xs: data(1)[0]})
         placed, mesh_devices = s._placed, list(s._placed.mesh.devices.flat)
         assert [placed.layout.slots[v.id][0] for v in variables] == [0, 0, 1, 1, 2, 2, 3, 3]
+        versions = ir.main_graph._versions   # new values stay in the blocks: none is sent on
+        assert not placed.finals and not any(versions.get(t) in placed.home for e in placed.exports for t in e)
         for key, arr in s._dev.items():   # [replicas, ipus, *block]: one block per device
             assert arr.shape[:2] == (1, 4)
             assert sorted(sh.device.id for sh in arr.addressable_shards) == \
@@ -261,12 +263,24 @@ def _graph_on_two_ipus(x):
         return ops.call(g, x)[0]
 
 
+def _repeat_over_two_ipus(x):
+    def body(t):
+        with popxl.ipu(0):
+            t = t * 2.0
+        with popxl.ipu(1):
+            return t + 1.0
+    with popxl.ipu(0):
+        return ops.repeat(popxl.gir().create_graph(body, x), 2, x)[0]
+
+
 @pytest.mark.parametrize("build,device,why", [
     (_remote, "ipu_model", "remote buffers"),
     (_across_ipus, "ipu_model", "collectives across IPUs"),
     (_graph_on_two_ipus, "ipu_model", "ops on IPUs [0] in the graphs"),
+    (_repeat_over_two_ipus, "ipu_model", "ops on IPUs [0, 1] in the graphs ai.onnx::Loop"),
     (lambda x: x * 2.0, "cpu", "a device of 1 IPU(s)"),
-], ids=["remote buffer", "all_reduce across IPUs", "graph of IPU 0 called on IPU 1", "cpu"])
+], ids=["remote buffer", "all_reduce across IPUs", "graph of IPU 0 called on IPU 1",
+        "repeat over IPUs", "cpu"])
 def test_what_the_placed_program_lacks_runs_unplaced_with_a_log_line(build, device, why, caplog):
     ir, xs, ys = _small_ir(build)
     logger = popart.getLogger("session")

@@ -59,6 +59,7 @@ class Graph:
         self._hidden: dict[Hashable, Tensor] = {}      # key -> hidden input (or main-graph state)
         self._hidden_by_ref: set[Hashable] = set()
         self._entry: dict[Tensor, str] = {}            # input tensor -> its IR input id
+        self._versions: dict[str, str] = {}            # in-place result -> its tensor's first id
         self._stream_inputs: list = []                 # main graph: (kind, stream, buffer tensor)
         self._counter = itertools.count()
 

@@ -44,6 +44,7 @@ from popart.logging import getLogger
 from popart.session import _serialised
 from popart.tensorinfo import TensorInfo, to_datatype
 
+from ._placement import device_ipus, placed_program
 from .dtypes import to_numpy
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
@@ -134,7 +135,7 @@ class Session:
             raise OptionError(f"popxl.Ir {ir.id} has replication_factor {ir.replication_factor} and "
                               f"instance_replication_factor {self._local_r}: {e}") from None
         self._n = ir.num_host_transfers
-        self._device = _device(device_desc, self._local_r)
+        self._device = _device(device_desc, device_ipus(ir, device_desc, self._local_r))
         self._placement = Placement(self._r, self._device,
                                     across_processes=ir._options.enableDistributedReplicatedGraphs)
         main = ir.main_graph
@@ -148,6 +149,7 @@ class Session:
         self._host_all: dict[Variable, np.ndarray] = {}   # all_replicas variables: [replicas, ...]
         self._buffer_host: dict[str, np.ndarray] = {}     # remote buffers' last contents on the host
         self._slots = self._make_slots()
+        self._placed = placed_program(self)   # the main graph's IPUs on their own devices
         self._engine_cache_ = self._engine_cache()
         self._dev: Optional[dict] = None
         self._in_sync = True
@@ -243,7 +245,7 @@ class Session:
                         arr[:, off] = self._per_replica(v, self._host[v])
                 out[s.key] = arr
             out[s.key] = np.ascontiguousarray(out[s.key], dtype=s.dtype)
-        return out
+        return self._placed.pack(out) if self._placed else out
 
     def _set_host(self, v: Variable, arr: np.ndarray) -> None:
         """The host value of ``v`` from each replica's value ([replicas, *shape])."""
@@ -298,10 +300,14 @@ class Session:
     def _specs(self) -> tuple:
         r, n = self._r, self._n
         wspecs = {s.key: jax.ShapeDtypeStruct((r,) + tuple(s.shape), s.dtype) for s in self._slots}
+        if self._placed:
+            wspecs = self._placed.state_specs()
         fspecs = {t.id: jax.ShapeDtypeStruct((r, n) + s.shape, s.dtype.as_numpy()) for s, t in self._h2d}
         return wspecs, fspecs
 
     def _state_shardings(self) -> dict:
+        if self._placed:
+            return self._placed.state_shardings()
         split = self._placement.sharding(0)   # [replicas, ...]: one slice per replica's device
         return {s.key: split.with_memory_kind(s.memory_kind) if s.memory_kind else split
                 for s in self._slots}
@@ -315,6 +321,7 @@ class Session:
                      "replication": self._r, "instance_replication": self._local_r,
                      "num_host_transfers": self._n,
                      "devices": len(self._placement.devices),
+                     "ipus": self._placed.ipus if self._placed else 1,
                      "variables": {v.id: [list(v.shape), v.dtype.name] for v in self._variables},
                      "remote": {str(b.remote_buffer_id): [b.entries, list(b.tensor_shape), b.tensor_dtype.name]
                                 for b in self._ir._remote_buffers.values()
@@ -325,10 +332,15 @@ class Session:
                      **runtime_signature()}
         return EngineCache(o.cachePath, "popxl", signature)
 
+    def _feed_sharding(self) -> jax.sharding.Sharding:
+        """[replicas, ...] arrays: one slice per replica's device(s)."""
+        return self._placed.feed_sharding if self._placed else self._placement.sharding(0)
+
     def _compile(self) -> None:
-        split = self._placement.sharding(0)   # [replicas, ...]: one slice per replica's device
+        split = self._feed_sharding()
         state = self._state_shardings()
-        fn = self._placement.replicate(self._replica_fn(), in_axes=(0, 0))
+        fn = self._placed.step() if self._placed else \
+            self._placement.replicate(self._replica_fn(), in_axes=(0, 0))
         host = [s.key for s in self._slots if s.memory_kind]
         if host:
             fn = _in_device_memory(fn, host)
@@ -410,9 +422,12 @@ class Session:
         self._require_attached()
         if self._in_sync or self._dev is None:
             return
+        with xla_errors("Copying the weights to the host"):   # every instance's replicas
+            values = {k: distributed.global_value(v) for k, v in self._dev.items()}
+        if self._placed:
+            values = self._placed.unpack(values)
         for s in self._slots:
-            with xla_errors("Copying the weights to the host"):
-                arr = distributed.global_value(self._dev[s.key])   # every instance's replicas
+            arr = values[s.key]
             if s.kind == "variable":
                 self._set_host(s.var, arr)
             elif s.kind == "rts":
@@ -557,7 +572,11 @@ class Session:
         self._validate_streams(inputs, self.expected_inputs(), "input")
         self._validate_streams(outputs, [s for s, _ in self._d2h], "output")
         feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
-        self._dev, outs = self._step(self._dev, self._placement.put(feeds, 0))
+        if self._placed:
+            feeds = jax.device_put(feeds, self._feed_sharding())
+        else:
+            feeds = self._placement.put(feeds, 0)
+        self._dev, outs = self._step(self._dev, feeds)
         self._in_sync = not self._slots
         if CHECKS in outs:
             raise_failed_checks(first_failure(self._to_host(outs.pop(CHECKS))), self._checks)

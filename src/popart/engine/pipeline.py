@@ -304,6 +304,9 @@ class PlacedProgram(StepProgram):
             dt = np.dtype(state[k].dtype).name
             self.state_layout.align(k, weight, self.weight_layout.blocks[weight[1]][0],
                                     f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
+        if self.rts.off_chip:
+            _logger.info(f"OffChip tensors {sorted(self.rts.off_chip)} stay resident on their "
+                         f"IPUs' devices: the placed program does not stream them")
         _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                      f"{[len(w) for w in self._weights_per_ipu()]}")
@@ -737,14 +740,7 @@ class PlacedProgram(StepProgram):
 
 def program_class(options: Any, device: Any) -> type:
     """The step program for a session: placed when its virtual graphs (or execution phases)
-    span several IPUs. Off-chip tensor locations keep the tensors in device memory (a log
-    line says so): streaming them from host memory per phase is not implemented."""
-    off_chip = [name for name in ("weightTensorLocationSettings", "optimizerStateTensorLocationSettings",
-                                  "accumulatorTensorLocationSettings", "activationTensorLocationSettings")
-                if getattr(getattr(getattr(getattr(options, name, None), "location", None),
-                                   "storage", None), "name", "") == "OffChip"]
-    if off_chip:
-        _logger.info(f"{', '.join(off_chip)}: OffChip tensors stay resident in device memory")
+    span several IPUs."""
     mode = getattr(getattr(options, "virtualGraphMode", None), "name", "Off")
     if mode in ("Manual", "Auto", "ExecutionPhases") and int(getattr(device, "numIpus", 1) or 1) > 1:
         return PlacedProgram

@@ -46,6 +46,7 @@ from ..tensornames import PREFIXES
 from .compiled import REPLICA_AXIS, Placement, arg_specs
 
 _logger = getLogger("session")
+HOST_MEMORY = "pinned_host"   # where off-chip tensors live (a memory kind of the devices)
 WEIGHTS, STATE, ACCUM = ("weightTensorLocationSettings", "optimizerStateTensorLocationSettings",
                          "accumulatorTensorLocationSettings")
 STATE_PREFIXES = tuple(PREFIXES[k] for k in ("Accl", "Accl1", "Accl2", "Accl3"))
@@ -63,6 +64,7 @@ class Layout:
     owner: dict[str, str] = field(default_factory=dict)      # optimizer state id -> its weight
     sharded_update: frozenset = frozenset()   # trained weights updated on their shards
     scattered: frozenset = frozenset()   # trained weights with sharded gradient accumulators
+    off_chip: frozenset = frozenset()    # weights and optimizer state kept in host memory
 
     @property
     def R(self) -> int:
@@ -151,11 +153,26 @@ class Layout:
                              {k: view(k, v) for k, v in state.items()}, hyper)
         return {k: back(k, v) for k, v in new_w.items()}, {k: back(k, v) for k, v in new_s.items()}
 
+    def fetch(self, tree: Mapping[str, Any]) -> dict:
+        """In the step: off-chip tensors moved from host memory to the device."""
+        return {k: jax.device_put(v, self.target(k).with_memory_kind("device"))
+                if k in self.off_chip else v for k, v in tree.items()}
+
+    def evict(self, tree: Mapping[str, Any]) -> dict:
+        """In the step: off-chip tensors moved back to host memory (the inverse of fetch)."""
+        return {k: jax.device_put(v, self.target(k)) if k in self.off_chip else v
+                for k, v in tree.items()}
+
     # ------------------------------------------------------------------ host and placement
     def _sharding(self, sharded: bool) -> jax.sharding.Sharding:
         if self.placement.mesh is None or not sharded:
             return self.placement.sharding()
         return jax.sharding.NamedSharding(self.placement.mesh, jax.sharding.PartitionSpec(REPLICA_AXIS))
+
+    def target(self, k: str) -> jax.sharding.Sharding:
+        """Where tensor ``k`` is stored: sharded or not, in host memory when off-chip."""
+        sharding = self._sharding(k in self.stored)
+        return sharding.with_memory_kind(HOST_MEMORY) if k in self.off_chip else sharding
 
     def put(self, named: Mapping[str, Any]) -> dict:
         """Host arrays by tensor id on the device(s), sharded ones as shards (each process
@@ -167,6 +184,8 @@ class Layout:
             flat = np.pad(flat, (0, self.padded(np.shape(named[k])) - flat.size))
             out[k] = jax.make_array_from_callback(flat.shape, self._sharding(True),
                                                   lambda idx, f=flat: f[idx])
+        for k in self.off_chip & set(named):
+            out[k] = jax.device_put(out[k], self.target(k))
         return {k: out[k] for k in named}
 
     def to_host(self, state: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -188,9 +207,9 @@ class Layout:
     def shardings(self, names: Any) -> Any:
         """The step's in/out sharding of a weights or state argument with these ids."""
         names = list(names)
-        if not self.stored & set(names):
+        if not (self.stored | self.off_chip) & set(names):
             return self.placement.sharding()
-        return {k: self._sharding(k in self.stored) for k in names}
+        return {k: self.target(k) for k in names}
 
 
 # ---------------------------------------------------------------------- choosing tensors
@@ -244,16 +263,31 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
         k = STATE if tid in owner else k   # the shared Accl___'s minimum: optimizer state's
         return k == ACCUM or int(np.prod(shape)) >= settings[k].minElementsForReplicatedTensorSharding
 
+    def off_chip(tid: str, shape: tuple) -> bool:
+        k = kind(tid)
+        loc = overrides.get(tid, settings[k].location)
+        k = STATE if tid in owner else k
+        return getattr(loc.storage, "name", "") == "OffChip" and \
+            int(np.prod(shape)) >= settings[k].minElementsForOffChip
+
     shapes = {**{k: np.shape(v) for k, v in variables.items()},
               **{k: np.shape(opt_state[k]) for k in owner}}
+    host = frozenset(k for k, s in shapes.items() if off_chip(k, s))
+    if host and not _has_host_memory(placement):
+        _logger.info(f"OffChip tensors {sorted(host)} stay resident in device memory: the "
+                     f"{placement.platform} devices have no '{HOST_MEMORY}' memory")
+        host = frozenset()
+    elif host:
+        _logger.info(f"OffChip: {sorted(host)} kept in {HOST_MEMORY} memory, moved to the "
+                     f"device for each step and back")
     stored = {k for k, s in shapes.items() if sharded(k, s)}
     accum = {w for w in trainable if accumulating and sharded(ACCUM_PREFIX + w, shapes[w])}
     if not (stored or accum):
-        return Layout(placement)
+        return Layout(placement, shapes=shapes, off_chip=host)
     if placement.replication_factor <= 1:
         _logger.warn(f"Unable to shard tensors {sorted(stored | accum)} due to lack of "
                      f"replication (replicated tensor sharding needs replicatedGraphCount > 1)")
-        return Layout(placement)
+        return Layout(placement, shapes=shapes, off_chip=host)
     for s, w in owner.items():
         if w in stored and s not in stored:
             raise OptionError(
@@ -267,4 +301,14 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
     _logger.info(f"Replicated tensor sharding over {placement.replication_factor} replicas: "
                  f"{sorted(stored)} stored sharded, accumulators of {sorted(accum)} sharded")
     return Layout(placement, shapes=shapes, stored=frozenset(stored), owner=owner,
-                  sharded_update=frozenset(update), scattered=frozenset(accum))
+                  sharded_update=frozenset(update), scattered=frozenset(accum), off_chip=host)
+
+
+def _has_host_memory(placement: Placement) -> bool:
+    """Whether every device of the placement has the host memory kind."""
+    devices = [d for d in (placement.devices or [placement.device])
+               if d.process_index == jax.process_index()]
+    try:
+        return all(HOST_MEMORY in {m.kind for m in d.addressable_memories()} for d in devices)
+    except Exception:   # a backend without memory kinds
+        return False

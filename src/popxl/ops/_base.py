@@ -46,6 +46,8 @@ def inplace(t: Tensor, new: Tensor) -> Tensor:
     """Make ``t`` name the value ``new`` (the result of an in-place op on ``t``)."""
     if new.shape != t.shape:
         raise ValueError(f"In-place op on '{t.id}' would change its shape from {t.shape} to {new.shape}")
+    versions = t._graph._versions
+    versions[new._ir_id] = versions.get(t._ir_id, t._ir_id)
     t._ir_id = new._ir_id
     return t
 

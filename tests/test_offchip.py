@@ -1,0 +1,90 @@
+"""OffChip tensor locations: weights and optimizer state kept in host memory (the devices'
+``pinned_host`` memory kind), moved to the device for each step and back; the numbers of
+resident training."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import popart
+
+from test_training import data, mlp, read, train
+
+ADAM = {"defaultLearningRate": (0.01, False)}
+
+
+def off_chip(min_elements=2, rts=False):
+    loc = popart.TensorLocation(popart.TensorStorage.OffChip,
+                                popart.ReplicatedTensorSharding.On if rts else popart.ReplicatedTensorSharding.Off)
+    return popart.TensorLocationSettings(loc, min_elements, 8)
+
+
+def run(opts, replicas=1, steps=2):
+    b, ids, _ = mlp()
+    X, L = data(2, lead=(replicas,) if replicas > 1 else ())
+    if replicas > 1:
+        opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, replicas
+    dev = popart.DeviceManager().acquireAvailableDevice(replicas) if replicas > 1 else None
+    s, out = train(b, ids, popart.Adam(ADAM), 2, X, L, opts=opts, device=dev)
+    losses = [out[ids["loss"]].copy()]
+    for _ in range(steps - 1):
+        s.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
+        losses.append(out[ids["loss"]].copy())
+    return s, ids, losses, read(s, ids)
+
+
+@pytest.fixture(scope="module")
+def resident():
+    return run(popart.SessionOptions())
+
+
+def test_off_chip_weights_and_state_live_in_host_memory(resident):
+    o = popart.SessionOptions()
+    o.weightTensorLocationSettings = off_chip(min_elements=8)       # b1 (5 elements) stays
+    o.optimizerStateTensorLocationSettings = off_chip()
+    s, ids, losses, weights = run(o)
+    kinds = {k: v.sharding.memory_kind for k, v in s._dev[0].items()}
+    assert kinds == {ids["w1"]: "pinned_host", ids["w2"]: "pinned_host", ids["b1"]: "device"}
+    # the optimizer state too, but Adam's step counters (1 element < minElementsForOffChip)
+    assert {k: v.sharding.memory_kind for k, v in s._dev[1].items()} == {
+        k: "device" if k.startswith("Step___") else "pinned_host" for k in s._dev[1]}
+    for g, r in zip(losses, resident[2]):
+        np.testing.assert_array_equal(g, r)
+    for k in weights:
+        np.testing.assert_array_equal(weights[k], resident[3][k])
+
+
+def test_off_chip_override_and_executable_round_trip(tmp_path, resident):
+    """``tensorLocationSettingsOverride`` puts one tensor off chip; a saved executable of the
+    session loads and resumes with it there."""
+    o = popart.SessionOptions()
+    b, ids, _ = mlp()
+    o.tensorLocationSettingsOverride = {"Accl1___" + ids["w1"]: popart.TensorLocation(popart.TensorStorage.OffChip)}
+    s, ids, losses, _ = run(o, steps=1)
+    assert [k for k, v in s._dev[1].items() if v.sharding.memory_kind == "pinned_host"] == \
+        ["Accl1___" + ids["w1"]]
+    path = str(tmp_path / "exe.popef")
+    s.saveExecutable(path)
+    X, L = data(2)
+    df = popart.DataFlow(2, {ids["loss"]: popart.AnchorReturnType("ALL")})
+    again = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.Adam(ADAM),
+                                   popart.DeviceManager().createCpuDevice(), userOptions=o)
+    again.loadExecutable(path)
+    out = again.initAnchorArrays()
+    again.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
+    np.testing.assert_allclose(out[ids["loss"]], resident[2][1], rtol=1e-6)
+
+
+def test_off_chip_with_replicated_tensor_sharding():
+    """Sharded and off chip: each replica's shard in its device's host memory."""
+    ref = run(popart.SessionOptions(), replicas=2)
+    o = popart.SessionOptions()
+    o.optimizerStateTensorLocationSettings = off_chip(rts=True)
+    s, ids, losses, weights = run(o, replicas=2)
+    accl = s._dev[1]["Accl1___" + ids["w1"]]
+    assert accl.sharding.memory_kind == "pinned_host"
+    assert {sh.data.shape for sh in accl.addressable_shards} == {(accl.shape[0] // 2,)}
+    for g, r in zip(losses, ref[2]):
+        np.testing.assert_allclose(g, r, rtol=1e-5)
+    for k in weights:
+        np.testing.assert_allclose(weights[k], ref[3][k], rtol=1e-5, atol=1e-7)
