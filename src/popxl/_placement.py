@@ -165,9 +165,8 @@ class PlacedMain:
         # there. The other tensors that later stages (or the end of the run) use, the stage
         # computing them sends on, moved to the IPUs that use them.
         versions = session._ir.main_graph._versions   # in-place results -> their first id
-        variable = {t: versions.get(t, t) for nodes in self.nodes for n in nodes for t in n.outputs}
-        variable = {t: v for t, v in variable.items() if v in variables}
-        variable.update({v: v for v in variables})
+        var_of = {t: versions.get(t, t) for nodes in self.nodes for n in nodes for t in n.outputs}
+        var_of = {t: v for t, v in var_of.items() if v in variables} | {v: v for v in variables}
         in_block = {v: v for v in variables}
         self.from_block: list[dict] = []   # per stage: version read from the block -> variable
         self.to_block: list[dict] = []     # per stage: variable -> version written to the block
@@ -175,13 +174,13 @@ class PlacedMain:
         self.moves: dict[str, set[int]] = {}
         for s, nodes in enumerate(self.nodes):
             ipu = st.stage_ipu[s]
-            self.from_block.append({t: variable[t] for t in self.reads[s] if t in variable and
-                                    self.home[variable[t]] == ipu and in_block[variable[t]] == t})
+            self.from_block.append({t: var_of[t] for t in self.reads[s] if t in var_of and
+                                    self.home[var_of[t]] == ipu and in_block[var_of[t]] == t})
             for t in self.reads[s] - set(self.from_block[s]):
                 if st.produced_at.get(t, s) != s:
                     self._need(t, ipu)
-            self.to_block.append({variable[t]: t for n in nodes for t in n.outputs
-                                  if t in variable and self.home[variable[t]] == ipu})
+            self.to_block.append({var_of[t]: t for n in nodes for t in n.outputs
+                                  if t in var_of and self.home[var_of[t]] == ipu})
             in_block.update(self.to_block[s])
         # new values not in their blocks yet: written there at the end of the run
         self.finals = {s.graph_in: s.graph_out._ir_id for s in session._slots if s.graph_out is not None
@@ -248,14 +247,14 @@ class PlacedMain:
         def run(blocks: dict, received: dict, feeds: dict) -> tuple:
             mine = self.layout.unpack(blocks, ipu)
             weights = {t: mine[v] for t, v in self.from_block[s].items()}
-            t = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
-                      platform=sess._placement.platform, replication_factor=r,
-                      replica_axis=REPLICA_AXIS if r > 1 else None)
-            record = t.check_flags()
+            tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
+                       platform=sess._placement.platform, replication_factor=r,
+                       replica_axis=REPLICA_AXIS if r > 1 else None)
+            record = tr.check_flags()
             record = jnp.zeros(RECORD, jnp.int64) if record is None else record.at[1].add(len(checks))
-            checks.extend(t.checks)
-            blocks = self.layout.repack(blocks, ipu, {v: t.env[k] for v, k in self.to_block[s].items()})
-            return blocks, {k: jnp.asarray(t.env[k]) for k in exports}, record
+            checks.extend(tr.checks)
+            blocks = self.layout.repack(blocks, ipu, {v: tr.env[t] for v, t in self.to_block[s].items()})
+            return blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, record
         return run
 
     def step(self) -> Callable:
@@ -268,8 +267,8 @@ class PlacedMain:
             blocks, dev = {k: v[0, 0] for k, v in blocks.items()}, jax.lax.axis_index(IPU_AXIS)
             feeds = {k: v[0] for k, v in feeds.items()}
             feeds.update({k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()})
-            env: dict = {}          # cross-stage tensors: their value on the devices holding them
-            checks: list = []     # every stage's run-time checks
+            env: dict = {}      # tensors sent on: their value on the devices holding them
+            checks: list = []   # every stage's run-time checks
             records = []
             for s in range(st.num_stages):
                 a = st.stage_ipu[s]

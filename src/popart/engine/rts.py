@@ -26,6 +26,12 @@ Optimizer state is the state of a weight's shape (``Accl___``, ``Accl1___``, ``A
 ``Accl3___``; ``Step___`` and scalars never shard), accumulators are the gradient
 accumulators of ``accumulationFactor > 1``. As in PopART, a sharded trained weight needs its
 optimizer state sharded too (OptionError otherwise).
+
+The same settings place tensors off chip: storage ``OffChip`` and at least
+``minElementsForOffChip`` elements keep a weight or optimizer-state tensor in the devices'
+``pinned_host`` memory (sharded or not), fetched to device memory at the start of each step
+and evicted at its end (:meth:`Layout.fetch` / :meth:`Layout.evict`); on a backend without
+that memory kind they stay resident (a log line says so).
 """
 from __future__ import annotations
 
@@ -219,10 +225,10 @@ def _settings(options: Any, name: str) -> TensorLocationSettings:
     if not isinstance(tls, TensorLocationSettings):
         raise OptionError(f"{where}: expected a TensorLocationSettings, got {tls!r}")
     _check_location(tls.location, f"{where}.location")
-    m = tls.minElementsForReplicatedTensorSharding
-    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
-        raise OptionError(f"{where}.minElementsForReplicatedTensorSharding: expected an int "
-                          f">= 0, got {m!r}")
+    for name in ("minElementsForReplicatedTensorSharding", "minElementsForOffChip"):
+        m = getattr(tls, name)
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+            raise OptionError(f"{where}.{name}: expected an int >= 0, got {m!r}")
     return tls
 
 
@@ -272,6 +278,8 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
 
     shapes = {**{k: np.shape(v) for k, v in variables.items()},
               **{k: np.shape(opt_state[k]) for k in owner}}
+    stored = {k for k, s in shapes.items() if sharded(k, s)}
+    accum = {w for w in trainable if accumulating and sharded(ACCUM_PREFIX + w, shapes[w])}
     host = frozenset(k for k, s in shapes.items() if off_chip(k, s))
     if host and not _has_host_memory(placement):
         _logger.info(f"OffChip tensors {sorted(host)} stay resident in device memory: the "
@@ -280,8 +288,6 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
     elif host:
         _logger.info(f"OffChip: {sorted(host)} kept in {HOST_MEMORY} memory, moved to the "
                      f"device for each step and back")
-    stored = {k for k, s in shapes.items() if sharded(k, s)}
-    accum = {w for w in trainable if accumulating and sharded(ACCUM_PREFIX + w, shapes[w])}
     if not (stored or accum):
         return Layout(placement, shapes=shapes, off_chip=host)
     if placement.replication_factor <= 1:
