@@ -379,3 +379,51 @@ def test_batch_normalization_statistics_on_a_placed_pipeline():
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
     for k in results[0][1]:
         np.testing.assert_allclose(results[1][1][k], results[0][1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_tensors_read_inside_subgraphs_cross_stages():
+    """An If on IPU 1 whose branches read stage 0's activation from the enclosing graph: the
+    activation is sent to IPU 1, and the numbers are those of one device."""
+    from onnx import TensorProto, helper, numpy_helper
+    rs = np.random.RandomState(0)
+
+    def placed(node, ipu):
+        node.attribute.extend([helper.make_attribute("__ipu_number", ipu),
+                               helper.make_attribute("__pipeline_stage", ipu)])
+        return node
+
+    def branch(op, out):
+        return helper.make_graph([helper.make_node(op, ["h"], [out])], op, [],
+                                 [helper.make_tensor_value_info(out, TensorProto.FLOAT, [B, W])])
+    loss = helper.make_node("L1", ["z"], ["loss"], domain="ai.graphcore", reduction=0)
+    loss.attribute.extend([helper.make_attribute("lambda", 0.1)])
+    nodes = [placed(helper.make_node("MatMul", ["x", "w0"], ["m"]), 0),
+             placed(helper.make_node("Tanh", ["m"], ["h"]), 0),
+             placed(helper.make_node("If", ["c"], ["y"], then_branch=branch("Relu", "t"),
+                                     else_branch=branch("Neg", "e")), 1),
+             placed(helper.make_node("MatMul", ["y", "w1"], ["z"]), 1), placed(loss, 1)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, W]),
+                     helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array((rs.randn(W, W) * 0.3).astype(np.float32), "w0"),
+         numpy_helper.from_array(rs.randn(W, 2).astype(np.float32), "w1")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11),
+                                                    helper.make_opsetid("ai.graphcore", 1)])
+    feeds = {"x": rs.randn(2, B, W).astype(np.float32), "c": np.array([True, False])}
+    losses = []
+    for ipus in (1, 2):
+        o = popart.SessionOptions()
+        o.enableGradientAccumulation, o.accumulationFactor = True, 2
+        if ipus > 1:
+            o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
+        dev = popart.DeviceManager().acquireAvailableDevice(ipus)
+        s = popart.TrainingSession(model.SerializeToString(), popart.DataFlow(1, ["loss"]), "loss",
+                                   popart.ConstSGD(0.1), dev, userOptions=o)
+        s.prepareDevice()
+        out = s.initAnchorArrays()
+        s.run(popart.PyStepIO(feeds, out))
+        dev.detach()
+        assert getattr(s._program, "placed", False) == (ipus > 1)
+        losses.append(out["loss"].copy())
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)

@@ -6,9 +6,9 @@ pipelining is on, else the runs of consecutive ops on one virtual graph (``virtu
 an even split by a cost estimate for ``VirtualGraphMode.Auto``). Stage s runs on its IPU's
 device ``stage_ipu[s]``.
 
-Weights and optimizer state live only on their IPU: per dtype one flat buffer ``[ipus, L]``
-sharded over the IPU axis, each device's row holding its IPU's tensors (:class:`Layout`);
-every replica's devices hold their own copy. Inside one ``shard_map`` every device runs its
+Weights and optimizer state live only on their IPU, in slots: arrays ``[ipus, *block]``
+sharded over the IPU axis, each device's block holding one of its IPU's tensors
+(:class:`Layout`); every replica's devices hold their own copy. Inside one ``shard_map`` every device runs its
 own stages (``lax.switch`` on the axis index), and the tensors that cross from stage s to
 stage s+1 (PopART's IpuCopy; those needed further on pass through) move with a collective
 permute.
@@ -84,6 +84,17 @@ def _auto_split(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[int]:
     return out
 
 
+def _reads(node: Node) -> list[str]:
+    """The tensors ``node`` reads: its inputs and what the graphs it calls (If / Loop / Scan
+    bodies, Call's callee) read from outside them (a superset: every input of their nodes)."""
+    out = list(node.inputs)
+    for v in node.attrs.values():
+        for g in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(g, Graph):
+                out += [t for n in g.nodes for t in _reads(n)]
+    return out
+
+
 def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
                 num_ipus: int, sizes: Mapping[str, int]) -> StagePlan:
     """Cut ``graph`` into stages (see the module docstring); execution phases are stages
@@ -120,7 +131,7 @@ def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
     consumed: dict[str, set] = {}
     weights: list[list[str]] = [[] for _ in range(S)]
     for nd, s in zip(nodes, stage_of):
-        for t in nd.inputs:
+        for t in _reads(nd):
             if not t:
                 continue
             if t in variables and t not in produced_at:   # a weight lives where first read
@@ -291,7 +302,7 @@ class PlacedProgram(StepProgram):
         ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
         self.weight_layout = Layout("weights", self.variables, ipu_of, ipus,
                                     frozenset(self.variables) - set(self.trainable))
-        # Norm clipping spans IPUs: the step clips the gradient rows (_clip), then updates
+        # Norm clipping spans IPUs: the step clips the gradient blocks (_clip), then updates
         # with the optimizer less its clipping.
         self.update_optimizer = copy.copy(self.cfg.optimizer)
         if self.cfg.training:
@@ -515,7 +526,7 @@ class PlacedProgram(StepProgram):
         return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
     def _pipeline(self, wlayout: Layout):
-        """(weight rows of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
+        """(weight blocks of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
         anchors {id: [1, 1, T, ...]}) for M micro-batches of one replica through the stages,
         inside shard_map."""
         st = self.stages
@@ -525,15 +536,15 @@ class PlacedProgram(StepProgram):
                               {a for a in stage_fns[s][2] if a in self.input_infos})
                     for s in range(S)}
 
-        def body(rows, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
+        def body(blocks, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
             M = keys.shape[0]
             dev = jax.lax.axis_index(IPU_AXIS)
-            rows = {k: v[0] for k, v in rows.items()}
+            blocks = {k: v[0] for k, v in blocks.items()}
             feeds, keys = {k: v[:, 0] for k, v in feeds.items()}, keys[:, 0]
 
             def device_branch(d):
                 def branch(bufs, t):
-                    weights = wlayout.unpack(rows, d)   # sliced in the branch: only d's
+                    weights = wlayout.unpack(blocks, d)   # sliced in the branch: only d's
                     sent = [self._zeros(st.boundary[s]) for s in range(S - 1)]
                     anchors, loss = {}, jnp.zeros((), jnp.float32)
                     for s in range(S):
@@ -622,7 +633,7 @@ class PlacedProgram(StepProgram):
             ipus = self.ipus
 
             def body(w, g, s, h):
-                w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own rows
+                w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own blocks
                 g = self._clip(g, h)
                 if self.row_weights:
                     w, s = self._row_update(w, g, s, h)
@@ -692,7 +703,7 @@ class PlacedProgram(StepProgram):
         return step
 
     def _clip(self, g: dict, h: dict) -> dict:
-        """The optimizer's gradient norm clipping on this device's gradient rows: each
+        """The optimizer's gradient norm clipping on this device's gradient blocks: each
         group's norm of the unscaled gradients summed over the IPUs (a psum), its factor
         applied to the group's elements, group after group as Optimizer.apply does."""
         opt = self.cfg.optimizer
