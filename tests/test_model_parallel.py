@@ -95,6 +95,21 @@ def assert_same(got, ref):
         np.testing.assert_allclose(got[1][k], ref[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+def two_ipu_session(model, loss, ipus, optimizer, bps=1):
+    """A TrainingSession of a model annotated for two pipeline stages: on one device
+    (``ipus`` 1, annotations off) or pipelined over two; accumulation 2."""
+    o = popart.SessionOptions()
+    o.enableGradientAccumulation, o.accumulationFactor = True, 2
+    if ipus > 1:
+        o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
+    dev = popart.DeviceManager().acquireAvailableDevice(ipus)
+    s = popart.TrainingSession(model, popart.DataFlow(bps, [loss]), loss, optimizer, dev, userOptions=o)
+    s.prepareDevice()
+    s.weightsFromHost()
+    assert getattr(s._program, "placed", False) == (ipus > 1)
+    return s, dev
+
+
 FOUR = [0, 1, 2, 3]
 
 
@@ -300,15 +315,7 @@ def test_gather_index_checks_on_a_placed_pipeline():
         loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([h, w])], 0.1)
     results = []
     for placed in (False, True):
-        o = popart.SessionOptions()
-        o.enableGradientAccumulation, o.accumulationFactor = True, 2
-        if placed:
-            o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
-        dev = popart.DeviceManager().acquireAvailableDevice(2 if placed else 1)
-        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
-                                   popart.ConstSGD(0.1), dev, userOptions=o)
-        s.prepareDevice()
-        s.weightsFromHost()
+        s, dev = two_ipu_session(b.getModelProto(), loss, 2 if placed else 1, popart.ConstSGD(0.1))
         out = s.initAnchorArrays()
         good = rs.randint(0, 10, (2, B)).astype(np.int32) if not results else results[0][2]
         s.run(popart.PyStepIO({idx: good}, out))
@@ -316,7 +323,6 @@ def test_gather_index_checks_on_a_placed_pipeline():
         s.weightsToHost()
         s.readWeights(popart.PyWeightsIO(weights))
         if placed:
-            assert s._program.placed
             bad = good.copy()
             bad[1, 2] = 12
             with pytest.raises(popart.popart_runtime_error, match="12"):
@@ -358,22 +364,14 @@ def test_batch_normalization_statistics_on_a_placed_pipeline():
     feed = rs.randn(2, 2, B, 3, 4, 4).astype(np.float32)
     results = []
     for placed in (False, True):
-        o = popart.SessionOptions()
-        o.enableGradientAccumulation, o.accumulationFactor = True, 2
-        if placed:
-            o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
-        dev = popart.DeviceManager().acquireAvailableDevice(2 if placed else 1)
-        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(2, [loss]), loss,
-                                   popart.SGD({"defaultLearningRate": (0.1, False)}), dev, userOptions=o)
-        s.prepareDevice()
-        s.weightsFromHost()
+        s, dev = two_ipu_session(b.getModelProto(), loss, 2 if placed else 1,
+                                 popart.SGD({"defaultLearningRate": (0.1, False)}), bps=2)
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO({x: feed}, out))
         weights = {n: np.zeros(s.getInfo(n).shape(), np.float32) for n in ("scale", "bias", "mean", "var", "w")}
         s.weightsToHost()
         s.readWeights(popart.PyWeightsIO(weights))
         dev.detach()
-        assert getattr(s._program, "placed", False) == placed
         results.append((out[loss].copy(), weights))
     assert not np.allclose(results[1][1]["mean"], 0)   # the statistics moved
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
@@ -413,17 +411,9 @@ def test_tensors_read_inside_subgraphs_cross_stages():
     feeds = {"x": rs.randn(2, B, W).astype(np.float32), "c": np.array([True, False])}
     losses = []
     for ipus in (1, 2):
-        o = popart.SessionOptions()
-        o.enableGradientAccumulation, o.accumulationFactor = True, 2
-        if ipus > 1:
-            o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
-        dev = popart.DeviceManager().acquireAvailableDevice(ipus)
-        s = popart.TrainingSession(model.SerializeToString(), popart.DataFlow(1, ["loss"]), "loss",
-                                   popart.ConstSGD(0.1), dev, userOptions=o)
-        s.prepareDevice()
+        s, dev = two_ipu_session(model.SerializeToString(), "loss", ipus, popart.ConstSGD(0.1))
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO(feeds, out))
         dev.detach()
-        assert getattr(s._program, "placed", False) == (ipus > 1)
         losses.append(out["loss"].copy())
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
