@@ -88,3 +88,47 @@ def test_off_chip_with_replicated_tensor_sharding():
         np.testing.assert_allclose(g, r, rtol=1e-5)
     for k in weights:
         np.testing.assert_allclose(weights[k], ref[3][k], rtol=1e-5, atol=1e-7)
+
+
+def test_off_chip_weights_of_execution_phases():
+    """VirtualGraphMode.ExecutionPhases with OffChip weights and optimizer state: the placed
+    program keeps their slots in host memory between steps; the numbers of resident
+    training."""
+    rs = np.random.RandomState(0)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 16]), "x")
+    h = x
+    for p in range(4):
+        with b.executionPhase(p):
+            w = b.addInitializedInputTensor((rs.randn(16, 16) * 0.3).astype(np.float32), f"w{p}")
+            h = b.aiOnnx.tanh([b.aiOnnx.matmul([h, w])])
+    with b.executionPhase(3):
+        loss = b.aiGraphcore.l1loss([h], 0.1)
+    feed = rs.randn(2, 4, 16).astype(np.float32)
+    results = []
+    for off in (False, True):
+        o = popart.SessionOptions()
+        o.virtualGraphMode = popart.VirtualGraphMode.ExecutionPhases
+        o.executionPhaseSettings.phases = 4
+        if off:
+            o.weightTensorLocationSettings = off_chip()
+            o.optimizerStateTensorLocationSettings = off_chip()
+        dev = popart.DeviceManager().acquireAvailableDevice(2)
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(2, [loss]), loss,
+                                   popart.Adam(ADAM), dev, userOptions=o)
+        s.prepareDevice()
+        s.weightsFromHost()
+        out = s.initAnchorArrays()
+        for _ in range(2):
+            s.run(popart.PyStepIO({x: feed}, out))
+        weights = {f"w{p}": np.zeros((16, 16), np.float32) for p in range(4)}
+        s.weightsToHost()
+        s.readWeights(popart.PyWeightsIO(weights))
+        dev.detach()
+        assert s._program.placed
+        kinds = {v.sharding.memory_kind for state in s._dev for k, v in state.items() if "Step___" not in k}
+        assert kinds == ({"pinned_host"} if off else {"device"})
+        results.append((out[loss].copy(), weights))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
+    for k in results[0][1]:
+        np.testing.assert_allclose(results[1][1][k], results[0][1][k], rtol=1e-6)

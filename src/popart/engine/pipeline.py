@@ -42,6 +42,7 @@ from ..logging import getLogger
 from .compiled import CompiledStep, arg_specs
 from .lower import CHECKS, RECORD, trace
 from .compiled import REPLICA_AXIS
+from .rts import HOST_MEMORY
 from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan
 
 IPU_AXIS = "ipu"
@@ -268,6 +269,7 @@ class PlacedProgram(StepProgram):
         self.stages: Optional[StagePlan] = None
         self._specs: Optional[dict] = None
         self._stage_checks: dict[int, list] = {}   # run-time checks of each stage's trace
+        self.off_chip: frozenset = frozenset()      # slots kept in host memory
         self.mesh: Optional[jax.sharding.Mesh] = None
         self.weight_layout: Optional[Layout] = None
         self.state_layout: Optional[Layout] = None
@@ -315,12 +317,26 @@ class PlacedProgram(StepProgram):
             dt = np.dtype(state[k].dtype).name
             self.state_layout.align(k, weight, self.weight_layout.blocks[weight[1]][0],
                                     f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
-        if self.rts.off_chip:
-            _logger.info(f"OffChip tensors {sorted(self.rts.off_chip)} stay resident on their "
-                         f"IPUs' devices: the placed program does not stream them")
+        self.off_chip = self._off_chip_slots()
         _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                      f"{[len(w) for w in self._weights_per_ipu()]}")
+
+    def _off_chip_slots(self) -> frozenset:
+        """Slots whose tensors are all OffChip (``rts.choose`` picked them): kept in host
+        memory between steps, moved to the device for each step (not per phase: autodiff
+        through memory moves inside the placed program fails)."""
+        if not self.rts.off_chip:
+            return frozenset()
+        if not hasattr(jax, "memory"):   # jax < 0.7: no memory spaces inside shard_map
+            _logger.info(f"OffChip tensors {sorted(self.rts.off_chip)} stay resident: this "
+                         f"JAX cannot move memory inside a placed program")
+            return frozenset()
+        slots: dict[str, bool] = {}
+        for lay in (self.weight_layout, self.state_layout):
+            for tid, (_, key, _) in lay.slots.items():
+                slots[key] = slots.get(key, True) and tid in self.rts.off_chip
+        return frozenset(k for k, v in slots.items() if v)
 
     def share_state_layout(self, other: StepProgram) -> None:
         if self.placed != getattr(other, "placed", False):
@@ -414,8 +430,23 @@ class PlacedProgram(StepProgram):
         kinds = {k.split("/")[0] for k in bufs}
         return self.weight_layout if kinds == {"weights"} else self.state_layout
 
-    def _state_sharding(self) -> jax.sharding.NamedSharding:
-        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(IPU_AXIS))
+    def _state_sharding(self, layout: Optional["Layout"] = None) -> Any:
+        """Slots split over the IPU axis; with a layout, per slot, off-chip ones in host
+        memory."""
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(IPU_AXIS))
+        if layout is None or not self.off_chip:
+            return sharding
+        return {k: sharding.with_memory_kind(HOST_MEMORY) if k in self.off_chip else sharding
+                for k in layout.blocks}
+
+    def _fetch(self, blocks: Mapping[str, Any]) -> dict:
+        """Off-chip slots moved to device memory (at the start of the step)."""
+        return {k: jax.device_put(v, jax.memory.Space.Device) if k in self.off_chip else v
+                for k, v in blocks.items()}
+
+    def _evict(self, blocks: Mapping[str, Any]) -> dict:
+        return {k: jax.device_put(v, jax.memory.Space.Host) if k in self.off_chip else v
+                for k, v in blocks.items()}
 
     def _mesh_sharding(self, *spec: Any) -> jax.sharding.NamedSharding:
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
@@ -423,7 +454,8 @@ class PlacedProgram(StepProgram):
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
         if not self.placed:
             return super().put_state(named)
-        return jax.device_put(self._layout(named).pack(named), self._state_sharding())
+        layout = self._layout(named)
+        return jax.device_put(layout.pack(named), self._state_sharding(layout))
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
         if not self.placed:
@@ -434,7 +466,10 @@ class PlacedProgram(StepProgram):
     def state_specs(self, named: Mapping[str, Any]) -> Any:
         if not self.placed:
             return super().state_specs(named)
-        return self._layout(named).specs()
+        layout = self._layout(named)
+        shardings = self._state_sharding(layout)   # off-chip slots typed as host memory
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+                if k in self.off_chip else v for k, v in layout.specs().items()}
 
     def put(self, tree: Any) -> Any:
         if not self.placed:
@@ -450,11 +485,10 @@ class PlacedProgram(StepProgram):
     def _compiled_step(self) -> CompiledStep:
         if not self.placed:
             return super()._compiled_step()
-        state, rep = self._state_sharding(), self._mesh_sharding()
-        feeds = self._mesh_sharding(None, None, REPLICA_AXIS)
+        w, s = self._state_sharding(self.weight_layout), self._state_sharding(self.state_layout)
+        rep, feeds = self._mesh_sharding(), self._mesh_sharding(None, None, REPLICA_AXIS)
         return CompiledStep(self._placed_step(), donate_argnums=(0, 1, 2),
-                            in_shardings=(state, state, rep, feeds, rep),
-                            out_shardings=(state, state, rep, rep))
+                            in_shardings=(w, s, rep, feeds, rep), out_shardings=(w, s, rep, rep))
 
     def _stage_fn(self, s: int):
         """Stage s on one micro-batch: (weights, feeds, received tensors, key) -> (the
@@ -660,6 +694,7 @@ class PlacedProgram(StepProgram):
         def step(weights, opt_state, key_data, feeds, hyper):
             wlayout, slayout = self.weight_layout, self.state_layout
             key = jax.random.wrap_key_data(key_data)
+            weights, opt_state = self._fetch(weights), self._fetch(opt_state)   # OffChip
 
             def batch(carry, xs):
                 wbufs, sbufs = carry
@@ -696,10 +731,10 @@ class PlacedProgram(StepProgram):
                 _, anchors = jax.lax.map(lambda x: run_group(weights, wlayout, x[0], x[1], hyper),
                                          (flat, keys))
                 vals = {a: v.reshape((B, A) + v.shape[2:]) for a, v in anchors.items()}
-                return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
+                return self._evict(weights), self._evict(opt_state), jax.random.key_data(key), self._reduce_anchors(vals)
             (weights, opt_state), vals = jax.lax.scan(
                 batch, (weights, opt_state), (feeds, self._split(sub, B)))
-            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
+            return self._evict(weights), self._evict(opt_state), jax.random.key_data(key), self._reduce_anchors(vals)
         return step
 
     def _clip(self, g: dict, h: dict) -> dict:
