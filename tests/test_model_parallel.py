@@ -39,9 +39,11 @@ def model(stage_ipu, skip=True, tied=True):
 
 
 def session(stage_ipu, mode="Off", pipelined=False, A=4, bps=2, R=1, optimizer=None,
-            inference=False, **kw):
+            inference=False, configure=None, **kw):
     b, ids = model(stage_ipu, **kw)
     o = popart.SessionOptions()
+    if configure is not None:
+        configure(o)
     o.virtualGraphMode = getattr(popart.VirtualGraphMode, mode)
     o.enablePipelining = pipelined
     if A > 1:
@@ -417,3 +419,20 @@ def test_tensors_read_inside_subgraphs_cross_stages():
         dev.detach()
         losses.append(out["loss"].copy())
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+
+
+def test_replica_sharded_optimizer_state_on_a_placed_pipeline():
+    """Two replicas x two IPUs with the optimizer state sharded over the replicas: each
+    device holds half of its IPU's Adam moments; the numbers of the unsharded run."""
+    def opts_rts(o):
+        on = popart.TensorLocation(popart.TensorStorage.OnChip, popart.ReplicatedTensorSharding.On)
+        o.optimizerStateTensorLocationSettings = popart.TensorLocationSettings(on, 0, 8)
+    ref = train([0, 1], R=2, A=2)
+    got = train([0, 1], mode="Manual", pipelined=True, R=2, A=2, configure=opts_rts)
+    p = got[2]._program
+    assert p.placed and p.rts_slots
+    for k in p.rts_slots:
+        buf = got[2]._dev[1][k]
+        assert {sh.data.shape for sh in buf.addressable_shards} == {(1, buf.shape[1] // 2)}
+        assert len(buf.addressable_shards) == 4
+    assert_same(got, ref)

@@ -22,7 +22,7 @@ the update, per device, is the same optimizer code on the device's own tensors.
 
 Features the placed program does not implement (automatic loss scaling, gradients of
 activations,
-replicated tensor sharding, IPUs sharing a device) run the whole model on one device as
+replicated tensor sharding of weights or accumulators, IPUs sharing a device) run the whole model on one device as
 before; a log line says which and why.
 """
 from __future__ import annotations
@@ -253,8 +253,8 @@ def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
     if any(a.startswith(GRAD_PREFIX) and a[len(GRAD_PREFIX):] not in program.variables
            for a in program.anchor_ids):
         return "gradients of activations as anchors"
-    if program.rts.stored or program.rts.scattered:
-        return "replicated tensor sharding"
+    if program.rts.scattered or program.rts.stored & set(program.variables):
+        return "replicated tensor sharding of weights or gradient accumulators"
     return None
 
 
@@ -270,6 +270,7 @@ class PlacedProgram(StepProgram):
         self._specs: Optional[dict] = None
         self._stage_checks: dict[int, list] = {}   # run-time checks of each stage's trace
         self.off_chip: frozenset = frozenset()      # slots kept in host memory
+        self.rts_slots: frozenset = frozenset()     # state slots sharded over the replicas
         self.mesh: Optional[jax.sharding.Mesh] = None
         self.weight_layout: Optional[Layout] = None
         self.state_layout: Optional[Layout] = None
@@ -318,6 +319,14 @@ class PlacedProgram(StepProgram):
             self.state_layout.align(k, weight, self.weight_layout.blocks[weight[1]][0],
                                     f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
         self.off_chip = self._off_chip_slots()
+        self.rts_slots = frozenset(k for k in self.state_layout.blocks if all(
+            t in self.rts.stored for t, (_, key, _) in self.state_layout.slots.items() if key == k))
+        if self.rts_slots and not self.row_weights:
+            _logger.info("Virtual graphs: replicated tensor sharding of the optimizer state needs "
+                         "an elementwise update with the same values for every weight; the whole "
+                         "model runs on one device")
+            self.stages = self.mesh = None
+            return
         _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                      f"{[len(w) for w in self._weights_per_ipu()]}")
@@ -434,10 +443,38 @@ class PlacedProgram(StepProgram):
         """Slots split over the IPU axis; with a layout, per slot, off-chip ones in host
         memory."""
         sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(IPU_AXIS))
-        if layout is None or not self.off_chip:
+        if layout is None or not (self.off_chip or self.rts_slots):
             return sharding
-        return {k: sharding.with_memory_kind(HOST_MEMORY) if k in self.off_chip else sharding
-                for k in layout.blocks}
+
+        def of(k: str) -> jax.sharding.Sharding:
+            sh = jax.sharding.NamedSharding(self.mesh, self._slot_spec(k))
+            return sh.with_memory_kind(HOST_MEMORY) if k in self.off_chip else sh
+        return {k: of(k) for k in layout.blocks}
+
+    def _slot_spec(self, key: str) -> Any:
+        """A slot's partition: over the IPUs, and over the replicas for sharded state."""
+        P = jax.sharding.PartitionSpec
+        return P(IPU_AXIS, REPLICA_AXIS) if key in self.rts_slots else P(IPU_AXIS)
+
+    def _chunk(self, key: str) -> tuple[int, int]:
+        """(elements of a replica-sharded slot's block, elements per replica)."""
+        n = int(np.prod(self.state_layout.blocks[key][0], dtype=np.int64))
+        return n, -(-n // self.cfg.replication_factor)
+
+    def _sharded_slots(self, bufs: Mapping[str, Any], to_shards: bool) -> dict:
+        """Slots ``[ipus, *block]`` as replica-sharded ``[ipus, R * chunk]`` (flattened,
+        zero-padded) or back; host or traced arrays."""
+        out = dict(bufs)
+        for k in self.rts_slots & set(bufs):
+            n, c = self._chunk(k)
+            v, R = bufs[k], self.cfg.replication_factor
+            if to_shards:
+                flat = v.reshape(v.shape[0], -1)
+                out[k] = flat if R * c == n else (np.pad if isinstance(v, np.ndarray) else jnp.pad)(
+                    flat, ((0, 0), (0, R * c - n)))
+            else:
+                out[k] = v[:, :n].reshape((v.shape[0],) + self.state_layout.blocks[k][0])
+        return out
 
     def _fetch(self, blocks: Mapping[str, Any]) -> dict:
         """Off-chip slots moved to device memory (at the start of the step)."""
@@ -455,21 +492,23 @@ class PlacedProgram(StepProgram):
         if not self.placed:
             return super().put_state(named)
         layout = self._layout(named)
-        return jax.device_put(layout.pack(named), self._state_sharding(layout))
+        return jax.device_put(self._sharded_slots(layout.pack(named), True), self._state_sharding(layout))
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
         if not self.placed:
             return super().state_to_host(state)
-        bufs = {k: self.to_host(v) for k, v in state.items()}
+        bufs = self._sharded_slots({k: self.to_host(v) for k, v in state.items()}, False)
         return {k: np.array(v) for k, v in self._buffers_layout(state).unpack(bufs).items()}
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
         if not self.placed:
             return super().state_specs(named)
         layout = self._layout(named)
-        shardings = self._state_sharding(layout)   # off-chip slots typed as host memory
-        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
-                if k in self.off_chip else v for k, v in layout.specs().items()}
+        specs = layout.specs()
+        for k in self.rts_slots & set(specs):   # replica-sharded state: [ipus, R * chunk]
+            specs[k] = jax.ShapeDtypeStruct((self.ipus, self.cfg.replication_factor * self._chunk(k)[1]),
+                                            specs[k].dtype)
+        return specs
 
     def put(self, tree: Any) -> Any:
         if not self.placed:
@@ -687,8 +726,9 @@ class PlacedProgram(StepProgram):
                 w, s = jax.lax.switch(jax.lax.axis_index(IPU_AXIS), [branch(d) for d in range(ipus)],
                                       w, g, s)
                 return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
-            return jax.shard_map(body, mesh=self.mesh, in_specs=(P(IPU_AXIS),) * 3 + (P(),),
-                                 out_specs=(P(IPU_AXIS), P(IPU_AXIS)), check_vma=False)(
+            sspec = {k: self._slot_spec(k) for k in sbufs}
+            return jax.shard_map(body, mesh=self.mesh, in_specs=(P(IPU_AXIS), P(IPU_AXIS), sspec, P()),
+                                 out_specs=(P(IPU_AXIS), sspec), check_vma=False)(
                 wbufs, gbufs, sbufs, hyper)
 
         def step(weights, opt_state, key_data, feeds, hyper):
@@ -719,7 +759,7 @@ class PlacedProgram(StepProgram):
                 # variables ops write: the last micro-batch's value, averaged over the replicas
                 wbufs = wlayout.write(wbufs, {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
                                               for a in list(vals) if a.startswith(ASSIGN + "/")})
-                state = slayout.unpack(sbufs)
+                state = slayout.unpack(self._sharded_slots(sbufs, False))
                 for a in anchor_opt:
                     vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
                 return (wbufs, sbufs), vals
@@ -772,9 +812,17 @@ class PlacedProgram(StepProgram):
         w, s = dict(w), dict(s)
         for wkey, r in self.row_weights.items():
             keys = {sid: lay.slots[sid][1] for sid in opt.init_state(r, self.variables[r])}
-            new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]},
-                                     {sid: s[key] for sid, key in keys.items()}, h)
-            w[wkey] = new_w[r]
+            sharded = [k for k in keys.values() if k in self.rts_slots]
+            wk, gk = w[wkey], g[wkey]
+            if sharded:   # this replica's chunk of the weight's block, beside its state's
+                n, c = self._chunk(sharded[0])
+                start = jax.lax.axis_index(REPLICA_AXIS) * c
+                wk, gk = (jax.lax.dynamic_slice(jnp.pad(jnp.ravel(v), (0, self.cfg.replication_factor
+                                                                        * c - n)), (start,), (c,))
+                          for v in (wk, gk))
+            new_w, new_s = opt.apply({r: wk}, {r: gk}, {sid: s[key] for sid, key in keys.items()}, h)
+            w[wkey] = new_w[r] if not sharded else jax.lax.all_gather(
+                new_w[r], REPLICA_AXIS, tiled=True)[:n].reshape(w[wkey].shape)
             s.update({keys[sid]: v for sid, v in new_s.items()})
         return w, s
 
