@@ -299,28 +299,8 @@ class PlacedProgram(StepProgram):
         self.stages, self.ipus = stages, ipus
         self.has_checks = bool(self.run_checks)   # the whole graph's trace has run-time checks
         self.mesh = jax.sharding.Mesh(devs, (REPLICA_AXIS, IPU_AXIS))
-        self.uses_rng = True
-        owner = {k: w for w in self.trainable
-                 for k in (self.cfg.optimizer.init_state(w, self.variables[w]) if self.cfg.training else {})}
-        ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
-        self.weight_layout = Layout("weights", self.variables, ipu_of, ipus,
-                                    frozenset(self.variables) - set(self.trainable))
-        # Norm clipping spans IPUs: the step clips the gradient blocks (_clip), then updates
-        # with the optimizer less its clipping.
-        self.update_optimizer = copy.copy(self.cfg.optimizer)
-        if self.cfg.training:
-            self.update_optimizer.clip_norm_settings = []
-        self.row_weights = self._row_weights()
-        state = self.init_opt_state()
-        self.state_layout = Layout("state", {}, ipu_of, ipus)
-        for k, w in owner.items():   # each state tensor in a slot beside its weight's
-            weight = self.weight_layout.slots[w]
-            dt = np.dtype(state[k].dtype).name
-            self.state_layout.align(k, weight, self.weight_layout.blocks[weight[1]][0],
-                                    f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
-        self.off_chip = self._off_chip_slots()
-        self.rts_slots = frozenset(k for k in self.state_layout.blocks if all(
-            t in self.rts.stored for t, (_, key, _) in self.state_layout.slots.items() if key == k))
+        self.uses_rng = True   # keys per micro-batch and replica, folded per stage
+        self._plan_layouts()
         if self.rts_slots and not self.row_weights:
             _logger.info("Virtual graphs: replicated tensor sharding of the optimizer state needs "
                          "an elementwise update with the same values for every weight; the whole "
@@ -330,6 +310,33 @@ class PlacedProgram(StepProgram):
         _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                      f"{[len(w) for w in self._weights_per_ipu()]}")
+
+    def _plan_layouts(self) -> None:
+        """The slots of the weights and of the optimizer state (each state tensor beside its
+        weight's slot), which slots live off chip or sharded over the replicas, and how the
+        optimizer updates them."""
+        cfg, stages = self.cfg, self.stages
+        owner = {k: w for w in self.trainable
+                 for k in (cfg.optimizer.init_state(w, self.variables[w]) if cfg.training else {})}
+        ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
+        self.weight_layout = Layout("weights", self.variables, ipu_of, self.ipus,
+                                    frozenset(self.variables) - set(self.trainable))
+        # Norm clipping spans IPUs: the step clips the gradient blocks (_clip), then updates
+        # with the optimizer less its clipping.
+        self.update_optimizer = copy.copy(cfg.optimizer)
+        if cfg.training:
+            self.update_optimizer.clip_norm_settings = []
+        self.row_weights = self._row_weights()
+        state = self.init_opt_state()
+        self.state_layout = Layout("state", {}, ipu_of, self.ipus)
+        for k, w in owner.items():
+            weight = self.weight_layout.slots[w]
+            dt = np.dtype(state[k].dtype).name
+            self.state_layout.align(k, weight, self.weight_layout.blocks[weight[1]][0],
+                                    f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
+        self.off_chip = self._off_chip_slots()
+        self.rts_slots = frozenset(k for k in self.state_layout.blocks if all(
+            t in self.rts.stored for t, (_, key, _) in self.state_layout.slots.items() if key == k))
 
     def _off_chip_slots(self) -> frozenset:
         """Slots whose tensors are all OffChip (``rts.choose`` picked them): kept in host
