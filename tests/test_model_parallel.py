@@ -382,8 +382,9 @@ def test_batch_normalization_statistics_on_a_placed_pipeline():
 
 
 def test_tensors_read_inside_subgraphs_cross_stages():
-    """An If on IPU 1 whose branches read stage 0's activation from the enclosing graph: the
-    activation is sent to IPU 1, and the numbers are those of one device."""
+    """An If on IPU 1 whose branches read stage 0's activation and a graph input from the
+    enclosing graph: the activation is sent to IPU 1, the input fed there, and the numbers
+    are those of one device."""
     from onnx import TensorProto, helper, numpy_helper
     rs = np.random.RandomState(0)
 
@@ -392,15 +393,15 @@ def test_tensors_read_inside_subgraphs_cross_stages():
                                helper.make_attribute("__pipeline_stage", ipu)])
         return node
 
-    def branch(op, out):
-        return helper.make_graph([helper.make_node(op, ["h"], [out])], op, [],
+    def branch(op, out, inputs=("h",)):
+        return helper.make_graph([helper.make_node(op, list(inputs), [out])], op, [],
                                  [helper.make_tensor_value_info(out, TensorProto.FLOAT, [B, W])])
     loss = helper.make_node("L1", ["z"], ["loss"], domain="ai.graphcore", reduction=0)
     loss.attribute.extend([helper.make_attribute("lambda", 0.1)])
     nodes = [placed(helper.make_node("MatMul", ["x", "w0"], ["m"]), 0),
              placed(helper.make_node("Tanh", ["m"], ["h"]), 0),
              placed(helper.make_node("If", ["c"], ["y"], then_branch=branch("Relu", "t"),
-                                     else_branch=branch("Neg", "e")), 1),
+                                     else_branch=branch("Sub", "e", ("h", "x"))), 1),
              placed(helper.make_node("MatMul", ["y", "w1"], ["z"]), 1), placed(loss, 1)]
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, W]),

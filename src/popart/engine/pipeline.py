@@ -590,7 +590,7 @@ class PlacedProgram(StepProgram):
             return st.produced_at[a.split("/", 1)[1]]
         if a in st.produced_at:
             return st.produced_at[a]
-        return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in nd.inputs), 0)
+        return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in _reads(nd)), 0)
 
     def _fwd_anchor_ids(self) -> list[str]:
         opt = set(self.opt_state_ids())
@@ -612,7 +612,7 @@ class PlacedProgram(StepProgram):
         st = self.stages
         S, ipus = st.num_stages, self.ipus
         stage_fns = [self._stage_fn(s) for s in range(S)]
-        feed_ids = {s: sorted({t for nd in st.nodes[s] for t in nd.inputs if t in self.input_infos} |
+        feed_ids = {s: sorted({t for nd in st.nodes[s] for t in _reads(nd) if t in self.input_infos} |
                               {a for a in stage_fns[s][2] if a in self.input_infos})
                     for s in range(S)}
 
