@@ -211,15 +211,15 @@ def test_weights_written_to_a_placed_session_are_used():
     np.testing.assert_allclose(out[ids["first"]][0], h, rtol=1e-5)
 
 
-def test_unsupported_features_run_unplaced_with_a_log_line(caplog):
-    """Gradients of activations as anchors are not placed: the whole model runs on one
-    device, and the log says why."""
-    b, ids = model([0, 1])
+def test_ipus_sharing_devices_run_unplaced_with_a_log_line(caplog):
+    """Eight IPUs on the suite's four devices: the whole model runs on one device, and the log
+    says why."""
+    b, ids = model(list(range(8)), skip=False, tied=False)
     o = popart.SessionOptions()
     o.virtualGraphMode = popart.VirtualGraphMode.Manual
-    dev = popart.DeviceManager().acquireAvailableDevice(2)
-    df = popart.DataFlow(1, {popart.reservedGradientPrefix() + ids["first"]: popart.AnchorReturnType("ALL")})
-    s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.ConstSGD(0.1), dev, userOptions=o)
+    dev = popart.DeviceManager().createIpuModelDevice({"numIPUs": 8})
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [ids["loss"]]), ids["loss"],
+                               popart.ConstSGD(0.1), dev, userOptions=o)
     logger = popart.getLogger("session")
     level = logger.getLevel()
     logger.setLevel("INFO")
@@ -227,9 +227,35 @@ def test_unsupported_features_run_unplaced_with_a_log_line(caplog):
         s.prepareDevice()
     finally:
         logger.setLevel(level)
-        dev.detach()
     assert not s._program.placed
-    assert any("gradients of activations" in r.getMessage() for r in caplog.records)
+    assert any("IPUs share" in r.getMessage() for r in caplog.records)
+
+
+def test_gradients_of_activations_as_anchors():
+    """``Gradient___X`` of an activation (and of an input) per micro-batch, from a placed
+    pipeline: those of one device."""
+    def grads(**kw):
+        b, ids = model([0, 1, 2])
+        names = [popart.reservedGradientPrefix() + t for t in (ids["first"], ids["x"])]
+        o = popart.SessionOptions()
+        o.enableGradientAccumulation, o.accumulationFactor = True, 3
+        if kw:
+            o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
+        dev = popart.DeviceManager().acquireAvailableDevice(3 if kw else 1)
+        df = popart.DataFlow(1, {a: popart.AnchorReturnType("ALL") for a in names + [ids["loss"]]})
+        s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.ConstSGD(0.1), dev,
+                                   userOptions=o)
+        s.prepareDevice()
+        out = s.initAnchorArrays()
+        s.run(popart.PyStepIO(feeds(ids, 1, 3), out))
+        dev.detach()
+        assert getattr(s._program, "placed", False) == bool(kw)
+        return out
+    ref, got = grads(), grads(placed=True)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert np.abs(ref[k]).max() > 0
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 def test_stashed_and_restored_activations_as_anchors():

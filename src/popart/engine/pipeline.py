@@ -20,8 +20,7 @@ stages in S ticks before the next starts. The backward pass is the autodiff of t
 (the permutes reversed), so the gradients are the accumulated ones of the unpipelined run and
 the update, per device, is the same optimizer code on the device's own tensors.
 
-Features the placed program does not implement (automatic loss scaling, gradients of
-activations,
+Features the placed program does not implement (automatic loss scaling,
 replicated tensor sharding of weights or accumulators, IPUs sharing a device) run the whole model on one device as
 before; a log line says which and why.
 """
@@ -51,6 +50,7 @@ EXECUTION_PHASE = "__execution_phase"
 STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
 CHECK_IDS = 1 << 16   # the run-time checks of stage s have ids s * CHECK_IDS + i
 ASSIGN = "__assign__"  # a stage's new value of a variable an op writes, passed like an anchor
+PROBE = "__probe__"    # zeros added to a tensor whose gradient is anchored, passed like a feed
 _logger = getLogger("session")
 
 
@@ -250,9 +250,6 @@ def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
         return f"the device's {len(devs)} IPUs share {len(set(devs))} device(s)"
     if cfg.als is not None:
         return "automatic loss scaling"
-    if any(a.startswith(GRAD_PREFIX) and a[len(GRAD_PREFIX):] not in program.variables
-           for a in program.anchor_ids):
-        return "gradients of activations as anchors"
     if program.rts.scattered or program.rts.stored & set(program.variables):
         return "replicated tensor sharding of weights or gradient accumulators"
     return None
@@ -556,10 +553,12 @@ class PlacedProgram(StepProgram):
 
         def run(weights, feeds, received, key, hyper):
             R = cfg.replication_factor
+            probes = {k[len(PROBE) + 1:]: v for k, v in feeds.items() if k.startswith(PROBE + "/")}
+            feeds = {k: v for k, v in feeds.items() if not k.startswith(PROBE + "/")}
             t = trace(sub, {**feeds, **received}, key=jax.random.fold_in(key, s),
                       training=cfg.training, weights=weights, options=cfg.options,
                       platform=self.placement.platform, replication_factor=R,
-                      replica_axis=REPLICA_AXIS if R > 1 else None)
+                      replica_axis=REPLICA_AXIS if R > 1 else None, probes=probes)
             env = t.env
             out = {k: jnp.asarray(env[k]) for k in sends}
             anc = {a: self._value(env, a) for a in anchors if a != check and a not in assigns}
@@ -592,6 +591,19 @@ class PlacedProgram(StepProgram):
             return st.produced_at[a]
         return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in _reads(nd)), 0)
 
+    def _probes(self) -> list[str]:
+        """The tensors (not weights) whose gradients are anchored."""
+        return [a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)
+                and a[len(GRAD_PREFIX):] not in self.variables] if self.cfg.training else []
+
+    def _probe_stages(self, x: str) -> list[int]:
+        """Where tensor x's probe is added: the stage computing it, or every stage reading
+        it (a graph input, fed to each)."""
+        st = self.stages
+        if x in st.produced_at:
+            return [st.produced_at[x]]
+        return [s for s in range(st.num_stages) if any(x in _reads(nd) for nd in st.nodes[s])]
+
     def _fwd_anchor_ids(self) -> list[str]:
         opt = set(self.opt_state_ids())
         return [a for a in self.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
@@ -613,7 +625,8 @@ class PlacedProgram(StepProgram):
         S, ipus = st.num_stages, self.ipus
         stage_fns = [self._stage_fn(s) for s in range(S)]
         feed_ids = {s: sorted({t for nd in st.nodes[s] for t in _reads(nd) if t in self.input_infos} |
-                              {a for a in stage_fns[s][2] if a in self.input_infos})
+                              {a for a in stage_fns[s][2] if a in self.input_infos} |
+                              {f"{PROBE}/{x}" for x in self._probes() if s in self._probe_stages(x)})
                     for s in range(S)}
 
         def body(blocks, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
@@ -691,7 +704,8 @@ class PlacedProgram(StepProgram):
                         [f"{ASSIGN}/{v}" for v in self.assigned if v in self.variables]}
         trainable = self.trainable
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
-        grad_anchors = [a for a in self.anchor_ids if a.startswith(GRAD_PREFIX)]
+        grad_anchors = [a for a in self.anchor_ids if a.startswith(GRAD_PREFIX)
+                        and a[len(GRAD_PREFIX):] in self.variables]
 
         def run_group(wbufs, wlayout, feeds, keys, hyper):
             """M micro-batches of every replica (feeds [M, R, ...]): (loss sum, anchors
@@ -750,8 +764,12 @@ class PlacedProgram(StepProgram):
                 keys = self._split(bkey, A * R).reshape((G, M, R))
 
                 def group(gacc, x):
-                    (_, anchors), grads = jax.value_and_grad(
-                        lambda w: run_group(w, wlayout, x[0], x[1], hyper), has_aux=True)(wbufs)
+                    probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + self._specs[p].shape, self._specs[p].dtype)
+                              for p in self._probes()}   # gradients of activations: per micro-batch
+                    (_, anchors), (grads, pgrads) = jax.value_and_grad(
+                        lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], hyper),
+                        argnums=(0, 1), has_aux=True)(wbufs, probes)
+                    anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()})
                     return jax.tree_util.tree_map(jnp.add, gacc, grads), anchors
                 zeros = jax.tree_util.tree_map(jnp.zeros_like, wbufs)
                 gbufs, anchors = _scan(group, zeros, (bfeeds, keys))
