@@ -263,24 +263,33 @@ def _graph_on_two_ipus(x):
         return ops.call(g, x)[0]
 
 
-def _repeat_over_two_ipus(x):
-    def body(t):
-        with popxl.ipu(0):
-            t = t * 2.0
-        with popxl.ipu(1):
-            return t + 1.0
+def _two_ipus_body(t):
     with popxl.ipu(0):
-        return ops.repeat(popxl.gir().create_graph(body, x), 2, x)[0]
+        t = t * 2.0
+    with popxl.ipu(1):
+        return t + 1.0
+
+
+def _repeat_over_two_ipus(x):
+    with popxl.ipu(0):
+        return ops.repeat(popxl.gir().create_graph(_two_ipus_body, x), 2, x)[0]
+
+
+def _repeat_of_a_call_over_two_ipus(x):
+    g = popxl.gir().create_graph(_two_ipus_body, x)
+    with popxl.ipu(0):
+        return ops.repeat(popxl.gir().create_graph(lambda t: ops.call(g, t)[0], x), 2, x)[0]
 
 
 @pytest.mark.parametrize("build,device,why", [
     (_remote, "ipu_model", "remote buffers"),
     (_across_ipus, "ipu_model", "collectives across IPUs"),
     (_graph_on_two_ipus, "ipu_model", "ops on IPUs [0] in the graphs"),
-    (_repeat_over_two_ipus, "ipu_model", "ops on IPUs [0, 1] in the graphs ai.onnx::Loop"),
+    (_repeat_of_a_call_over_two_ipus, "ipu_model",
+     "ops on IPUs [0, 1] in the graphs ai.onnx::Loop"),
     (lambda x: x * 2.0, "cpu", "a device of 1 IPU(s)"),
 ], ids=["remote buffer", "all_reduce across IPUs", "graph of IPU 0 called on IPU 1",
-        "repeat over IPUs", "cpu"])
+        "repeat of a call over IPUs", "cpu"])
 def test_what_the_placed_program_lacks_runs_unplaced_with_a_log_line(build, device, why, caplog):
     ir, xs, ys = _small_ir(build)
     logger = popart.getLogger("session")
@@ -302,3 +311,95 @@ def test_ipus_per_replica_is_popxl_count():
     assert ipus_per_replica(ir) == 3
     assert device_ipus(ir, "ipu_model", 1) == 4 and device_ipus(ir, "ipu_model", 2) == 8
     assert device_ipus(ir, "cpu", 1) == 1
+
+
+def test_a_repeat_over_two_ipus_runs_placed():
+    x = np.array([1.0, -1.0, 0.5], np.float32)
+    ys = []
+    for device in ("ipu_model", "cpu"):
+        ir, xs, y_s = _small_ir(_repeat_over_two_ipus)
+        with popxl.Session(ir, device) as s:
+            assert (s._placed is not None) == (device == "ipu_model")
+            ys.append(s.run({xs: x})[y_s])
+    np.testing.assert_allclose(ys[0], ys[1], rtol=1e-6)
+    np.testing.assert_allclose(ys[0], (x * 2 + 1) * 2 + 1, rtol=1e-6)
+
+
+T = 3   # training steps per ops.repeat
+
+
+def repeat_training_ir(load_inside: bool) -> tuple:
+    """A training step (layer 0 on IPU 0, ipu_copy, layer 1 and the loss on IPU 1, autodiff,
+    var updates) repeated T times by ops.repeat in the main graph; its input x host_loaded
+    and its loss host_stored inside the step (T host transfers), or x loaded once before the
+    repeat and the last step's loss carried out of the repeat and streamed out. Returns (ir,
+    x stream, loss stream, variables)."""
+    rng = np.random.default_rng(0)
+    ir = popxl.Ir()
+    ir.num_host_transfers = T if load_inside else 1
+    spec = popxl.TensorSpec((B, D), popxl.float32)
+    with ir.main_graph, popxl.in_sequence():
+        xs = popxl.h2d_stream((B, D), popxl.float32, "x")
+        loss_s = popxl.d2h_stream((), popxl.float32, "loss")
+        ws = []
+        for i in range(2):
+            with popxl.ipu(i):
+                ws += [popxl.variable(rng.normal(size=(D, D)).astype(np.float32) * 0.5, name=f"w{i}"),
+                       popxl.variable(rng.normal(size=D).astype(np.float32), name=f"b{i}")]
+        fwd = ir.create_graph(_layer, spec, ws[0], ws[1])
+        bwd = popxl.transforms.autodiff(fwd)
+
+        def step(loss: popxl.Tensor, x: popxl.Tensor, w0: popxl.TensorByRef, b0: popxl.TensorByRef,
+                 w1: popxl.TensorByRef, b1: popxl.TensorByRef) -> popxl.Tensor:
+            with popxl.ipu(0):
+                if load_inside:
+                    x = ops.host_load(xs)
+                f0 = ops.call_with_info(fwd, x, w0, b0)
+            h = ops.ipu_copy(f0.outputs[0], 1)
+            with popxl.ipu(1):
+                f1 = ops.call_with_info(fwd, h, w1, b1)
+                y = f1.outputs[0]
+                loss = ops.sum(y * y) * 0.5
+                if load_inside:
+                    ops.host_store(loss_s, loss)
+                gh, gw, gb = ops.call(bwd.graph, y, inputs_dict=bwd.inputs_dict(f1))
+                ops.var_updates.accumulate_(w1, gw, -LR)
+                ops.var_updates.copy_var_update_(b1, b1 - gb * LR)
+            g = ops.ipu_copy(gh, 0)
+            with popxl.ipu(0):
+                _, gw, gb = ops.call(bwd.graph, g, inputs_dict=bwd.inputs_dict(f0))
+                ops.var_updates.accumulate_(w0, gw, -LR)
+                ops.var_updates.copy_var_update_(b0, b0 - gb * LR)
+            return loss
+
+        step_g = ir.create_graph(step, popxl.TensorSpec((), popxl.float32), spec, *ws)
+        with popxl.ipu(0):
+            x = popxl.constant(np.zeros((B, D), np.float32)) if load_inside else ops.host_load(xs)
+            loss0 = popxl.constant(np.float32(0))
+        loss, = ops.repeat(step_g, T, loss0, x, *ws)
+        if not load_inside:
+            with popxl.ipu(1):
+                ops.host_store(loss_s, loss)
+    return ir, xs, loss_s, ws
+
+
+@pytest.mark.parametrize("load_inside", [False, True], ids=["host_load before", "host_load inside"])
+def test_a_repeated_training_step_over_two_ipus_runs_placed(load_inside):
+    shape = (2, T, B, D) if load_inside else (2, B, D)   # [runs, (transfers,) B, D]
+    x = np.random.default_rng(2).normal(size=shape).astype(np.float32)
+    ir, *rest = repeat_training_ir(load_inside)
+    got = run(ir, *rest, "ipu_model", x)
+    placed = got[3]._placed
+    assert placed is not None and len(placed.loops) == 1
+    assert [placed.layout.slots[v.id][0] for v in rest[2]] == [0, 0, 1, 1]
+    for key, arr in got[3]._dev.items():   # one block per device, its IPU's variables only
+        assert all(sh.data.shape == (1, 1) + arr.shape[2:] for sh in arr.addressable_shards)
+    ir, *rest = repeat_training_ir(load_inside)
+    ref = run(ir, *rest, "cpu", x)
+    assert ref[3]._placed is None
+    for a, b in zip(got[:3], ref[:3]):
+        _assert_close(a, b)
+    steps = x if load_inside else np.repeat(x[:, None], T, axis=1)   # each step's input
+    losses, final = numpy_training(list(ir._variable_data.values()), steps[:, :, None])
+    np.testing.assert_allclose(got[0], losses if load_inside else losses[:, -1], rtol=1e-5)
+    _assert_close(got[2], final)

@@ -18,16 +18,22 @@ each device's blocks holding its IPU's variables only. Its new values (in-place 
 ``ops.var_updates``) computed on its IPU go into its block; one computed elsewhere moves
 there at the end of the run.
 
+``ops.repeat`` in the main graph of a graph whose ops span IPUs runs as a ``lax.fori_loop``
+around that graph's own stages (cut the same way): its inputs move to the IPUs reading them,
+its loop-carried values to those IPUs and the IPU computing them each iteration; variables
+it takes by reference stay in their blocks, updated in place every iteration.
+
 What the placed program does not do runs unplaced, the whole main graph on one device per
 replica, with a log line saying why: remote buffers and replica-sharded variables,
-collectives across IPUs (``ops.collectives.all_reduce``), a called graph with ops on
-another IPU than its call site (``ops.repeat`` of a graph spanning IPUs among them), several
-instances, a device without a distinct device per IPU of each replica.
+collectives across IPUs (``ops.collectives.all_reduce``), any other called graph with ops on
+another IPU than its call site, several instances, a device without a distinct device per
+IPU of each replica.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +92,45 @@ def _node_ipu(node: Node) -> int:
     return inner.pop() if len(inner) == 1 else 0
 
 
+def _spanning_loop(node: Node) -> Optional[IRGraph]:
+    """The graph an ``ops.repeat`` (a Loop whose body only calls it) repeats when its ops are on
+    other IPUs than the repeat, each op's called graphs on that op's IPU; else None."""
+    body = node.attrs.get("body")
+    if node.op_type != "Loop" or len(body.nodes) != 1 or body.nodes[0].op_type != "Call":
+        return None
+    callee = body.nodes[0].attrs["callee"]
+    inner = list(_nested(node))
+    if not _ipus_of(inner) - {_node_ipu(node)} or any(n.op_type in ("Loop", "AllReduce") for n in inner):
+        return None
+    if any(_ipus_of(_nested(n)) - {_node_ipu(n)} or PlacedMain._free(n) for n in callee.nodes):
+        return None
+    return callee
+
+
+def _renamed(g: IRGraph, prefix: str) -> IRGraph:
+    """A copy of ``g`` with ``prefix`` before its tensor ids (the graphs its ops call unchanged)."""
+    ren = lambda t: prefix + t if t else t   # noqa: E731
+    return dataclasses.replace(
+        g, inputs=[ren(t) for t in g.inputs], outputs=[ren(t) for t in g.outputs],
+        nodes=[dataclasses.replace(n, inputs=[ren(t) for t in n.inputs], outputs=[ren(t) for t in n.outputs])
+               for n in g.nodes],
+        initializers={ren(k): v for k, v in g.initializers.items()},
+        tensor_info={ren(k): v for k, v in g.tensor_info.items()}, constants={ren(t) for t in g.constants})
+
+
+class _Unsupported(Exception):
+    pass
+
+
+class _Loop(NamedTuple):
+    """A main-graph ``ops.repeat`` run placed: stages [first, end) repeated ``trips`` times."""
+    first: int
+    end: int
+    trips: int
+    ins: list      # (main input, callee input) pairs
+    outs: list     # (main output, callee input, callee output carried into it or None)
+
+
 def _mesh_devices(device: Any, replicas: int, ipus: int) -> Optional[np.ndarray]:
     """[replicas, ipus] devices: replica r's IPUs are the device's IPUs r*n, r*n + 1, ...
     (n: the device's IPUs per replica); None unless all are distinct."""
@@ -112,7 +157,7 @@ def _why_not(session: "Session", ipus: int) -> Optional[str]:
         inner = list(_nested(top))
         if any(n.op_type == "AllReduce" for n in (top, *inner)):
             return "collectives across IPUs (ops.collectives.all_reduce)"
-        if _ipus_of(inner) - {_node_ipu(top)}:
+        if _ipus_of(inner) - {_node_ipu(top)} and _spanning_loop(top) is None:
             return (f"ops on IPUs {sorted(_ipus_of(inner))} in the graphs {top.describe()} on "
                     f"IPU {_node_ipu(top)} calls")
     return None
@@ -129,7 +174,12 @@ def placed_program(session: "Session") -> Optional["PlacedMain"]:
         _logger.info(f"popxl.Session: {why} is not supported by the placed program; the main "
                      f"graph runs on one device per replica")
         return None
-    placed = PlacedMain(session, ipus)
+    try:
+        placed = PlacedMain(session, ipus)
+    except _Unsupported as e:
+        _logger.info(f"popxl.Session: {e} is not supported by the placed program; the main "
+                     f"graph runs on one device per replica")
+        return None
     if len(set(placed.stages.stage_ipu)) < 2:   # all ops on one IPU
         return None
     per_ipu = [list(placed.home.values()).count(i) for i in range(ipus)]
@@ -145,52 +195,110 @@ class PlacedMain:
         self.session, self.ipus, self.replicas = session, ipus, session._r
         main = session._main_ir
         variables = {s.graph_in: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in session._slots}
+        # The ops in program order, a spanning repeat's graph's ops in its place; segment k
+        # (runs of ops between and inside repeats) offsets their IPU by k * ipus, so that no
+        # stage crosses a repeat's bounds.
+        flat: list = []
+        repeats: list = []
+        for n in main.nodes:
+            callee = _spanning_loop(n)
+            if callee is None:
+                flat.append((n, 2 * len(repeats)))
+            else:
+                repeats.append((n, callee, _renamed(callee, f"repeat{len(repeats)}/")))
+                callee = repeats[-1][2]
+                flat += [(m, 2 * len(repeats) - 1) for m in callee.nodes]
+        self.graphs = [main] + [c for *_, c in repeats]
         # Planning copies of the nodes: their IPU as annotation, the tensors that the graphs
         # they call read from the main graph (If branches) as inputs.
         plan = [Node(n.op_type, list(n.inputs) + sorted(self._free(n)), list(n.outputs), {},
-                     n.domain, annotations={VIRTUAL_GRAPH: _node_ipu(n)}) for n in main.nodes]
-        original = {id(p): n for p, n in zip(plan, main.nodes)}
+                     n.domain, annotations={VIRTUAL_GRAPH: _node_ipu(n) + k * ipus}) for n, k in flat]
+        original = {id(p): n for p, (n, _) in zip(plan, flat)}
         options = popart.SessionOptions()
         options.virtualGraphMode = popart.VirtualGraphMode.Manual
-        self.stages: StagePlan = plan_stages(IRGraph(nodes=plan), variables, options, ipus, {})
+        segments = 2 * len(repeats) + 1
+        self.stages: StagePlan = plan_stages(IRGraph(nodes=plan), {}, options, ipus * segments, {})
         st = self.stages
+        segment = [v // ipus for v in st.stage_ipu]
+        st.stage_ipu = [v % ipus for v in st.stage_ipu]
         self.reads = [{t for n in nodes for t in n.inputs if t} for nodes in st.nodes]
         self.nodes = [[original[id(n)] for n in nodes] for nodes in st.nodes]
+        # variables: a version's variable, each callee input a repeat takes a variable's
+        # version by reference (or only reads) standing for that variable
+        versions = dict(session._ir.main_graph._versions)   # in-place results -> their first id
+        self.loops: list[_Loop] = []
+        alias = {v: v for v in variables}
+        for k, (n, original_callee, callee) in enumerate(repeats):
+            for g in session._ir._graphs:
+                if g._g is original_callee:
+                    versions.update({f"repeat{k}/{a}": f"repeat{k}/{b}" for a, b in g._versions.items()})
+            in_loop = [s for s, seg in enumerate(segment) if seg == 2 * k + 1]
+            trips, cond = (main.initializers.get(t) for t in n.inputs[:2])
+            body = n.attrs["body"]
+            results = list(body.nodes[0].outputs)
+            if trips is None or cond is None or not bool(cond) or len(callee.inputs) != len(n.inputs) - 2:
+                raise _Unsupported(f"{n.describe()} without a trip count known at compile time")
+            outs = [(y, c, callee.outputs[results.index(o)] if o in results else None)
+                    for y, c, o in zip(n.outputs, callee.inputs, body.outputs[1:])]
+            for x, (_, c, o) in zip(n.inputs[2:], outs):
+                v = alias.get(versions.get(x, x))
+                if v is not None and (o is not None or c not in versions.values()):
+                    alias[c] = v
+                elif v is not None:
+                    raise _Unsupported(f"a repeated graph changing variable '{v}' passed by value")
+            ins = list(zip(n.inputs[2:], callee.inputs))
+            self.loops.append(_Loop(in_loop[0], in_loop[-1] + 1, int(trips), ins, outs))
+        var_of = {t: alias.get(versions.get(t, t)) for nodes in self.nodes for n in nodes
+                  for t in [*n.inputs, *n.outputs]} | {v: v for v in variables}
+        var_of = {t: v for t, v in var_of.items() if v is not None}
         created = {s.graph_in: s.var._placement[0] for s in session._slots}
-        read = {t for r in self.reads for t in r}
-        self.home = {v: st.ipu_of(v) if v in read else int(created[v] or 0) for v in variables}
+        self.home = {}
+        for s, r in enumerate(self.reads):   # a variable's IPU: that of its first reader
+            for v in sorted({var_of[t] for t in r if t in var_of}):
+                self.home.setdefault(v, st.stage_ipu[s])
+        self.home = {v: self.home.get(v, int(created[v] or 0)) for v in variables}
         self.layout = Layout("variables", variables, self.home.__getitem__, ipus)
         # A variable's block holds one version of it (at first its value before the run): a
         # stage on its IPU reads that version from the block and writes its last new version
         # there. The other tensors that later stages (or the end of the run) use, the stage
-        # computing them sends on, moved to the IPUs that use them.
-        versions = session._ir.main_graph._versions   # in-place results -> their first id
-        var_of = {t: versions.get(t, t) for nodes in self.nodes for n in nodes for t in n.outputs}
-        var_of = {t: v for t, v in var_of.items() if v in variables} | {v: v for v in variables}
+        # computing them sends on; they move to the IPUs using them (step).
         in_block = {v: v for v in variables}
         self.from_block: list[dict] = []   # per stage: version read from the block -> variable
         self.to_block: list[dict] = []     # per stage: variable -> version written to the block
-        self.exports: list[set[str]] = [set() for _ in st.nodes]
-        self.moves: dict[str, set[int]] = {}
         for s, nodes in enumerate(self.nodes):
             ipu = st.stage_ipu[s]
+            for loop in self.loops:
+                for (x, c), (y, _, o) in zip(loop.ins, loop.outs):
+                    if c in var_of and s == loop.first:
+                        if in_block[var_of[c]] != x:
+                            raise _Unsupported(f"a repeat of an older version of '{x}'")
+                        in_block[var_of[c]] = c
             self.from_block.append({t: var_of[t] for t in self.reads[s] if t in var_of and
                                     self.home[var_of[t]] == ipu and in_block[var_of[t]] == t})
-            for t in self.reads[s] - set(self.from_block[s]):
-                if st.produced_at.get(t, s) != s:
-                    self._need(t, ipu)
             self.to_block.append({var_of[t]: t for n in nodes for t in n.outputs
                                   if t in var_of and self.home[var_of[t]] == ipu})
             in_block.update(self.to_block[s])
+            for loop in self.loops:
+                for (x, c), (y, _, o) in zip(loop.ins, loop.outs):
+                    if c in var_of and s == loop.end - 1:
+                        if in_block[var_of[c]] != (o or c):
+                            raise _Unsupported(f"a repeated graph updating '{x}' off its IPU")
+                        in_block[var_of[c]] = y
         # new values not in their blocks yet: written there at the end of the run
         self.finals = {s.graph_in: s.graph_out._ir_id for s in session._slots if s.graph_out is not None
                        and s.graph_out._ir_id != in_block[s.graph_in]}
-        for v, out in self.finals.items():
-            self._need(out, self.home[v])
         self.d2h = {t.id: session._d2h_final[s]._ir_id for s, t in session._d2h}
-        for out in self.d2h.values():
-            if out in st.produced_at:
-                self._need(out, self.ipu_of(out))
+        self.var_of = var_of
+        used = {*self.finals.values(), *self.d2h.values()}
+        for s, nodes in enumerate(self.nodes):
+            used |= self.reads[s] - set(self.from_block[s]) - {t for n in nodes for t in n.outputs}
+        for loop in self.loops:
+            used |= {x for x, _ in loop.ins} | {o for *_, o in loop.outs if o}
+            if any(c in var_of and y in used for y, c, _ in loop.outs):
+                raise _Unsupported("a variable a repeat updates read off its IPU after the repeat")
+        self.exports = [{t for n in nodes for t in n.outputs if t in used} | (set(self.from_block[s]) & used)
+                        for s, nodes in enumerate(self.nodes)]
+        self.out_ipu: dict[str, int] = {}
         self.mesh = jax.sharding.Mesh(_mesh_devices(session._device, self.replicas, ipus),
                                       (REPLICA_AXIS, IPU_AXIS))
 
@@ -200,13 +308,6 @@ class PlacedMain:
 
     def ipu_of(self, t: str) -> int:
         return self.stages.ipu_of(t)
-
-    def _need(self, t: str, ipu: int) -> None:
-        """Tensor ``t`` is used on ``ipu``: its stage sends it on, moved there if elsewhere."""
-        s = self.stages.produced_at[t]
-        self.exports[s].add(t)
-        if self.stages.stage_ipu[s] != ipu:
-            self.moves.setdefault(t, set()).add(ipu)
 
     # ------------------------------------------------------------------ device state
     def state_specs(self) -> dict:
@@ -237,11 +338,13 @@ class PlacedMain:
         """Stage s on its IPU's devices: (the device's blocks, received tensors, feeds) -> (the
         blocks with its variables' new versions, the tensors it sends on, the record of its
         first failed check, numbered after ``checks``, which it extends with its own)."""
-        main, sess = self.session._main_ir, self.session
+        main, sess, gs = self.session._main_ir, self.session, self.graphs
         ipu, exports = self.stages.stage_ipu[s], sorted(self.exports[s])
-        sub = IRGraph(name=f"{main.name}/stage{s}", nodes=self.nodes[s], tensor_info=main.tensor_info,
-                      initializers={k: v for k, v in main.initializers.items() if k not in self.home},
-                      opsets=main.opsets, constants=main.constants)
+        sub = IRGraph(name=f"{main.name}/stage{s}", nodes=self.nodes[s],
+                      tensor_info={k: v for g in gs for k, v in g.tensor_info.items()},
+                      initializers={k: v for g in gs for k, v in g.initializers.items()
+                                    if k not in self.home},
+                      opsets=main.opsets, constants=set().union(*(g.constants for g in gs)))
         r = self.replicas
 
         def run(blocks: dict, received: dict, feeds: dict) -> tuple:
@@ -262,17 +365,30 @@ class PlacedMain:
         (new slots, device-to-host values [replicas, N, ...] and run-time checks)."""
         st, sess, n = self.stages, self.session, self.session._n
         d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_numpy()) for s, t in sess._d2h}
+        main, everywhere = sess._main_ir, set(range(self.ipus))
 
         def body(blocks: dict, feeds: dict) -> tuple:   # this device's [1, 1, *block], [1, N, ...]
             blocks, dev = {k: v[0, 0] for k, v in blocks.items()}, jax.lax.axis_index(IPU_AXIS)
             feeds = {k: v[0] for k, v in feeds.items()}
             feeds.update({k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()})
-            env: dict = {}      # tensors sent on: their value on the devices holding them
+            # tensors sent on: their value on every device, and the IPUs whose devices hold it
+            env: dict = {}
+            at: dict[str, set[int]] = {}
             checks: list = []   # every stage's run-time checks
-            records = []
-            for s in range(st.num_stages):
+
+            def get(env: dict, at: dict, t: str, ipus: Any) -> Any:
+                """``t`` (a tensor sent on, a feed or a constant), moved to ``ipus`` (IpuCopy)."""
+                if t not in env:
+                    env[t], at[t] = feeds.get(t, main.initializers.get(t)), set(everywhere)
+                v = env[t] = jnp.asarray(env[t])
+                for b in sorted(set(ipus) - at[t]):
+                    v = jnp.where(dev == b, jax.lax.ppermute(v, IPU_AXIS, [(min(at[t]), b)]), v)
+                env[t], at[t] = v, at[t] | set(ipus)
+                return v
+
+            def stage(s: int, blocks: dict, env: dict, at: dict, records: list) -> dict:
                 a = st.stage_ipu[s]
-                received = {t: env[t] for t in self.reads[s] if t in env}
+                received = {t: get(env, at, t, [a]) for t in self.reads[s] if t in env}
                 run = self._stage_fn(s, checks)
                 # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
                 shapes = jax.eval_shape(self._stage_fn(s, []), blocks, received, feeds)[1:]
@@ -281,17 +397,53 @@ class PlacedMain:
                 blocks, out, record = jax.lax.cond(dev == a, run, zeros, blocks, received, feeds)
                 records.append(record)
                 for t, v in out.items():
-                    for b in sorted(self.moves.get(t, ())):   # IpuCopy: to the IPUs that use it
-                        v = jnp.where(dev == b, jax.lax.ppermute(v, IPU_AXIS, [(a, b)]), v)
-                    env[t] = v
+                    env[t], at[t] = v, {a}
+                return blocks
+
+            def repeat(loop: _Loop, blocks: dict, records: list) -> dict:
+                """The repeat's stages in a fori_loop: a carried value on the IPUs reading it
+                and the one computing it, an input on the IPUs reading it."""
+                carried = {c: o for _, c, o in loop.outs if o and c not in self.var_of}
+                where = {c: {st.stage_ipu[s] for s in range(loop.first, loop.end)
+                             if c in self.reads[s] and c not in self.from_block[s]}
+                         | ({self.ipu_of(carried[c])} if c in carried else set()) for _, c in loop.ins}
+                for x, c in loop.ins:
+                    if c not in self.var_of:
+                        env[c] = get(env, at, x, where[c])
+                        at[c] = set(where[c] if c in carried else at[x])
+
+                def iteration(_: Any, carry: tuple) -> tuple:
+                    blocks, vals, failed = carry
+                    env2, at2, recs = {**env, **vals}, {k: set(v) for k, v in at.items()}, []
+                    for s in range(loop.first, loop.end):
+                        blocks = stage(s, blocks, env2, at2, recs)
+                    new = {c: get(env2, at2, o, where[c]) for c, o in carried.items()}
+                    return blocks, new, jnp.where(failed[0] != 0, failed, first_failure(jnp.stack(recs)))
+                blocks, vals, failed = jax.lax.fori_loop(0, loop.trips, iteration, (
+                    blocks, {c: env[c] for c in carried}, jnp.zeros(RECORD, jnp.int64)))
+                records.append(failed)
+                for y, c, _ in loop.outs:
+                    if c not in self.var_of:
+                        env[y], at[y] = vals.get(c, env[c]), set(at[c])
+                return blocks
+
+            records: list = []
+            starts = {loop.first: loop for loop in self.loops}
+            s = 0
+            while s < st.num_stages:
+                if s in starts:
+                    blocks, s = repeat(starts[s], blocks, records), starts[s].end
+                else:
+                    blocks, s = stage(s, blocks, env, at, records), s + 1
             sess._checks[:] = checks
 
             def write(d: int) -> Callable:   # device d's variables' new values into its blocks
                 return lambda blocks, new: self.layout.repack(blocks, d, new)
             if self.finals:
-                new = {v: env[out] for v, out in self.finals.items()}
+                new = {v: get(env, at, out, [self.home[v]]) for v, out in self.finals.items()}
                 blocks = jax.lax.switch(dev, [write(d) for d in range(self.ipus)], blocks, new)
             outs = {t: env.get(out, feeds.get(out)) for t, out in self.d2h.items()}
+            self.out_ipu = {t: min(at.get(out, {0})) for t, out in self.d2h.items()}
             if checks:
                 outs[CHECKS] = first_failure(jnp.stack(records))
             return ({k: v[None, None] for k, v in blocks.items()},
@@ -302,9 +454,5 @@ class PlacedMain:
             state, outs = jax.shard_map(body, mesh=self.mesh, in_specs=(spec, P(REPLICA_AXIS)),
                                         out_specs=(spec, spec), check_vma=False)(state, feeds)
             # each output from the devices of the IPU computing it; checks from every device
-            return state, {t: v if t == CHECKS else v[:, self._out_ipu(t)] for t, v in outs.items()}
+            return state, {t: v if t == CHECKS else v[:, self.out_ipu[t]] for t, v in outs.items()}
         return program
-
-    def _out_ipu(self, t: str) -> int:
-        out = self.d2h[t]
-        return self.ipu_of(out) if out in self.stages.produced_at else 0
