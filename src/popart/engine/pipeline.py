@@ -337,13 +337,9 @@ class PlacedProgram(StepProgram):
 
     def _off_chip_slots(self) -> frozenset:
         """Slots whose tensors are all OffChip (``rts.choose`` picked them): kept in host
-        memory between steps, moved to the device for each step (not per phase: autodiff
-        through memory moves inside the placed program fails)."""
+        memory between steps, moved to the device for each step (not per phase: JAX's
+        shard_map does not carry memory spaces into its body)."""
         if not self.rts.off_chip:
-            return frozenset()
-        if not hasattr(jax, "memory"):   # jax < 0.7: no memory spaces inside shard_map
-            _logger.info(f"OffChip tensors {sorted(self.rts.off_chip)} stay resident: this "
-                         f"JAX cannot move memory inside a placed program")
             return frozenset()
         slots: dict[str, bool] = {}
         for lay in (self.weight_layout, self.state_layout):
@@ -445,7 +441,8 @@ class PlacedProgram(StepProgram):
 
     def _state_sharding(self, layout: Optional["Layout"] = None) -> Any:
         """Slots split over the IPU axis; with a layout, per slot, off-chip ones in host
-        memory."""
+        memory (the step's arguments and results there: the compiled program moves them to
+        the device and back)."""
         sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(IPU_AXIS))
         if layout is None or not (self.off_chip or self.rts_slots):
             return sharding
@@ -479,15 +476,6 @@ class PlacedProgram(StepProgram):
             else:
                 out[k] = v[:, :n].reshape((v.shape[0],) + self.state_layout.blocks[k][0])
         return out
-
-    def _fetch(self, blocks: Mapping[str, Any]) -> dict:
-        """Off-chip slots moved to device memory (at the start of the step)."""
-        return {k: jax.device_put(v, jax.memory.Space.Device) if k in self.off_chip else v
-                for k, v in blocks.items()}
-
-    def _evict(self, blocks: Mapping[str, Any]) -> dict:
-        return {k: jax.device_put(v, jax.memory.Space.Host) if k in self.off_chip else v
-                for k, v in blocks.items()}
 
     def _mesh_sharding(self, *spec: Any) -> jax.sharding.NamedSharding:
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
@@ -755,7 +743,6 @@ class PlacedProgram(StepProgram):
         def step(weights, opt_state, key_data, feeds, hyper):
             wlayout, slayout = self.weight_layout, self.state_layout
             key = jax.random.wrap_key_data(key_data)
-            weights, opt_state = self._fetch(weights), self._fetch(opt_state)   # OffChip
 
             def batch(carry, xs):
                 wbufs, sbufs = carry
@@ -796,10 +783,10 @@ class PlacedProgram(StepProgram):
                 _, anchors = jax.lax.map(lambda x: run_group(weights, wlayout, x[0], x[1], hyper),
                                          (flat, keys))
                 vals = {a: v.reshape((B, A) + v.shape[2:]) for a, v in anchors.items()}
-                return self._evict(weights), self._evict(opt_state), jax.random.key_data(key), self._reduce_anchors(vals)
+                return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
             (weights, opt_state), vals = jax.lax.scan(
                 batch, (weights, opt_state), (feeds, self._split(sub, B)))
-            return self._evict(weights), self._evict(opt_state), jax.random.key_data(key), self._reduce_anchors(vals)
+            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
         return step
 
     def _clip(self, g: dict, h: dict) -> dict:

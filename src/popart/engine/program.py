@@ -366,7 +366,7 @@ class StepProgram:
 
         def step(weights, opt_state, key_data, feeds, hyper):
             key = jax.random.wrap_key_data(key_data)
-            whole = self.rts.gather(self.rts.fetch(weights))
+            whole = self.rts.gather(weights)
 
             def one(f, k):
                 return replicas(whole, f, self._split(k, R), hyper)[0]
@@ -407,7 +407,6 @@ class StepProgram:
 
         def step(weights, opt_state, key_data, feeds, hyper):
             key = jax.random.wrap_key_data(key_data)
-            weights, opt_state = self.rts.fetch(weights), self.rts.fetch(opt_state)   # OffChip
 
             def batch(carry, xs):
                 weights, opt_state = carry
@@ -453,7 +452,7 @@ class StepProgram:
             key, sub = self._split(key, 2)
             (weights, opt_state), vals = _scan(
                 batch, (weights, opt_state), (feeds, self._split(sub, B)))
-            return self.rts.evict(weights), self.rts.evict(opt_state), jax.random.key_data(key), self._reduce_anchors(vals)
+            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
 
         return step
 

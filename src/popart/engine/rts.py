@@ -29,8 +29,8 @@ optimizer state sharded too (OptionError otherwise).
 
 The same settings place tensors off chip: storage ``OffChip`` and at least
 ``minElementsForOffChip`` elements keep a weight or optimizer-state tensor in the devices'
-``pinned_host`` memory (sharded or not), fetched to device memory at the start of each step
-and evicted at its end (:meth:`Layout.fetch` / :meth:`Layout.evict`); on a backend without
+``pinned_host`` memory (sharded or not): the step's arguments and results live there, and the
+compiled program moves them to device memory for the step and back; on a backend without
 that memory kind they stay resident (a log line says so).
 """
 from __future__ import annotations
@@ -158,16 +158,6 @@ class Layout:
                              {k: grad(k, v) for k, v in grads.items()},
                              {k: view(k, v) for k, v in state.items()}, hyper)
         return {k: back(k, v) for k, v in new_w.items()}, {k: back(k, v) for k, v in new_s.items()}
-
-    def fetch(self, tree: Mapping[str, Any]) -> dict:
-        """In the step: off-chip tensors moved from host memory to the device."""
-        return {k: jax.device_put(v, self.target(k).with_memory_kind("device"))
-                if k in self.off_chip else v for k, v in tree.items()}
-
-    def evict(self, tree: Mapping[str, Any]) -> dict:
-        """In the step: off-chip tensors moved back to host memory (the inverse of fetch)."""
-        return {k: jax.device_put(v, self.target(k)) if k in self.off_chip else v
-                for k, v in tree.items()}
 
     # ------------------------------------------------------------------ host and placement
     def _sharding(self, sharded: bool) -> jax.sharding.Sharding:
