@@ -43,10 +43,9 @@ import popart
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
 from popart.engine.pipeline import IPU_AXIS, Layout, StagePlan, plan_stages
-from popart.ir.graph import VIRTUAL_GRAPH, Graph as IRGraph, Node
+from popart.ir.graph import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
-from .graph import _free_ids
 
 if TYPE_CHECKING:
     from .ir import Ir
@@ -102,7 +101,7 @@ def _spanning_loop(node: Node) -> Optional[IRGraph]:
     inner = list(_nested(node))
     if not _ipus_of(inner) - {_node_ipu(node)} or any(n.op_type in ("Loop", "AllReduce") for n in inner):
         return None
-    if any(_ipus_of(_nested(n)) - {_node_ipu(n)} or PlacedMain._free(n) for n in callee.nodes):
+    if any(_ipus_of(_nested(n)) - {_node_ipu(n)} or outer_reads(n) for n in callee.nodes):
         return None
     return callee
 
@@ -211,7 +210,7 @@ class PlacedMain:
         self.graphs = [main] + [c for *_, c in repeats]
         # Planning copies of the nodes: their IPU as annotation, the tensors that the graphs
         # they call read from the main graph (If branches) as inputs.
-        plan = [Node(n.op_type, list(n.inputs) + sorted(self._free(n)), list(n.outputs), {},
+        plan = [Node(n.op_type, reads(n), list(n.outputs), {},
                      n.domain, annotations={VIRTUAL_GRAPH: _node_ipu(n) + k * ipus}) for n, k in flat]
         original = {id(p): n for p, (n, _) in zip(plan, flat)}
         options = popart.SessionOptions()
@@ -301,10 +300,6 @@ class PlacedMain:
         self.out_ipu: dict[str, int] = {}
         self.mesh = jax.sharding.Mesh(_mesh_devices(session._device, self.replicas, ipus),
                                       (REPLICA_AXIS, IPU_AXIS))
-
-    @staticmethod
-    def _free(node: Node) -> set[str]:
-        return {t for v in node.attrs.values() if isinstance(v, IRGraph) for t in _free_ids(v)}
 
     def ipu_of(self, t: str) -> int:
         return self.stages.ipu_of(t)

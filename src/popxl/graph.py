@@ -20,7 +20,7 @@ from popart.engine import in_x64
 from popart.engine.lower import trace_node
 from popart.engine.compiled import REPLICA_AXIS
 from popart.ir.graph import Graph as IRGraph
-from popart.ir.graph import Node
+from popart.ir.graph import Node, reads
 
 from . import context
 from .tensor import Constant, Tensor, Variable
@@ -30,19 +30,6 @@ if TYPE_CHECKING:
 
 # Opsets every popxl graph imports: the op versions popxl's ops are written against.
 OPSETS = {"ai.onnx": 18, "ai.graphcore": 1, "ai.popxl": 1}
-
-
-def _free_ids(g: IRGraph) -> set[str]:
-    """Ids a graph (or graphs nested in its nodes' attributes) reads from enclosing scopes."""
-    defined = set(g.inputs) | set(g.initializers)
-    free: set[str] = set()
-    for n in g.nodes:
-        free |= {i for i in n.inputs if i and i not in defined}
-        for v in n.attrs.values():
-            if isinstance(v, IRGraph):
-                free |= _free_ids(v) - defined
-        defined |= {o for o in n.outputs if o}
-    return free
 
 
 class Graph:
@@ -232,12 +219,8 @@ class Graph:
     @in_x64
     def _infer(self, node: Node) -> list[Optional[jax.ShapeDtypeStruct]]:
         """Output shapes / dtypes of ``node`` by tracing its lowering abstractly."""
-        ids = [i for i in node.inputs if i]
-        for v in node.attrs.values():
-            if isinstance(v, IRGraph):
-                ids += sorted(_free_ids(v))
         static, specs = {}, {}
-        for i in dict.fromkeys(ids):
+        for i in reads(node):
             if i in self._g.constants:
                 static[i] = self._g.initializers[i]
             else:

@@ -35,11 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import IrError, OptimizerError
-from ..ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node
+from ..ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node, reads
 from ..tensornames import PREFIXES
 from ..logging import getLogger
 from .compiled import CompiledStep, arg_specs
-from .lower import CHECKS, RECORD, trace
+from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
 from .rts import HOST_MEMORY
 from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan
@@ -85,17 +85,6 @@ def _auto_split(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[int]:
     return out
 
 
-def _reads(node: Node) -> list[str]:
-    """The tensors ``node`` reads: its inputs and what the graphs it calls (If / Loop / Scan
-    bodies, Call's callee) read from outside them (a superset: every input of their nodes)."""
-    out = list(node.inputs)
-    for v in node.attrs.values():
-        for g in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(g, Graph):
-                out += [t for n in g.nodes for t in _reads(n)]
-    return out
-
-
 def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
                 num_ipus: int, sizes: Mapping[str, int]) -> StagePlan:
     """Cut ``graph`` into stages (see the module docstring); execution phases are stages
@@ -132,7 +121,7 @@ def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
     consumed: dict[str, set] = {}
     weights: list[list[str]] = [[] for _ in range(S)]
     for nd, s in zip(nodes, stage_of):
-        for t in _reads(nd):
+        for t in reads(nd):
             if not t:
                 continue
             if t in variables and t not in produced_at:   # a weight lives where first read
@@ -264,7 +253,6 @@ class PlacedProgram(StepProgram):
         super().__init__(graph, cfg, input_infos, device)
         self.device_info = device
         self.stages: Optional[StagePlan] = None
-        self._specs: Optional[dict] = None
         self._stage_checks: dict[int, list] = {}   # run-time checks of each stage's trace
         self.off_chip: frozenset = frozenset()      # slots kept in host memory
         self.rts_slots: frozenset = frozenset()     # state slots sharded over the replicas
@@ -283,8 +271,7 @@ class PlacedProgram(StepProgram):
             _logger.info(f"Virtual graphs: {why} is not supported by the placed program; the "
                          f"whole model runs on one device")
             return
-        specs = self._tensor_specs()
-        sizes = {k: int(np.prod(s.shape)) for k, s in specs.items()}
+        sizes = {k: int(np.prod(s.shape)) for k, s in self.tensor_specs.items()}
         R = self.cfg.replication_factor
         n = int(getattr(self.device_info, "numIpus", 1) or 1) // R   # IPUs per replica
         stages = plan_stages(self.graph_consts, self.variables, self.cfg.options, n, sizes)
@@ -363,7 +350,7 @@ class PlacedProgram(StepProgram):
         if not (self.cfg.training and getattr(self.cfg.options, "enablePipelining", False)):
             raise IrError(f"Anchor '{stash[0]}': stashed and restored tensors exist only in a "
                           f"pipelined TrainingSession")
-        specs = self._tensor_specs()
+        specs = self.tensor_specs
         for a in stash:
             if _unstash(a) not in specs:
                 raise IrError(f"Anchor '{a}' names the stash of '{_unstash(a)}', which is not "
@@ -395,21 +382,6 @@ class PlacedProgram(StepProgram):
         for w in self.variables:
             per[self.stages.ipu_of(w)].append(w)
         return per
-
-    def _tensor_specs(self) -> dict:
-        """ShapeDtypeStruct of every tensor of one micro-batch's trace."""
-        if self._specs is not None:
-            return self._specs
-        specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype())
-                 for k, i in self.input_infos.items()}
-        wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
-
-        def probe(weights, feeds):
-            env = self._trace(weights, feeds, jax.random.key(0), training=self.cfg.training).env
-            return {k: v for k, v in env.items() if isinstance(v, (jax.Array, np.ndarray))
-                    or isinstance(v, jax.core.Tracer)}
-        self._specs = jax.eval_shape(probe, wspecs, specs)
-        return self._specs
 
     @property
     def placed(self) -> bool:
@@ -540,13 +512,10 @@ class PlacedProgram(StepProgram):
         has_loss = cfg.training and st.produced_at.get(cfg.loss) == s
 
         def run(weights, feeds, received, key, hyper):
-            R = cfg.replication_factor
             probes = {k[len(PROBE) + 1:]: v for k, v in feeds.items() if k.startswith(PROBE + "/")}
             feeds = {k: v for k, v in feeds.items() if not k.startswith(PROBE + "/")}
-            t = trace(sub, {**feeds, **received}, key=jax.random.fold_in(key, s),
-                      training=cfg.training, weights=weights, options=cfg.options,
-                      platform=self.placement.platform, replication_factor=R,
-                      replica_axis=REPLICA_AXIS if R > 1 else None, probes=probes)
+            t = self._trace(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
+                            training=cfg.training, graph=sub)
             env = t.env
             out = {k: jnp.asarray(env[k]) for k in sends}
             anc = {a: self._value(env, a) for a in anchors if a != check and a not in assigns}
@@ -577,7 +546,7 @@ class PlacedProgram(StepProgram):
             return st.produced_at[a.split("/", 1)[1]]
         if a in st.produced_at:
             return st.produced_at[a]
-        return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in _reads(nd)), 0)
+        return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in reads(nd)), 0)
 
     def _probes(self) -> list[str]:
         """The tensors (not weights) whose gradients are anchored."""
@@ -590,7 +559,7 @@ class PlacedProgram(StepProgram):
         st = self.stages
         if x in st.produced_at:
             return [st.produced_at[x]]
-        return [s for s in range(st.num_stages) if any(x in _reads(nd) for nd in st.nodes[s])]
+        return [s for s in range(st.num_stages) if any(x in reads(nd) for nd in st.nodes[s])]
 
     def _fwd_anchor_ids(self) -> list[str]:
         opt = set(self.opt_state_ids())
@@ -602,7 +571,7 @@ class PlacedProgram(StepProgram):
                 return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
             if k.startswith(ASSIGN + "/"):
                 return arg_specs(self.variables[k.split("/", 1)[1]])
-            return self._specs[_unstash(k)]
+            return self.tensor_specs[_unstash(k)]
         return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
     def _pipeline(self, wlayout: Layout):
@@ -612,7 +581,7 @@ class PlacedProgram(StepProgram):
         st = self.stages
         S, ipus = st.num_stages, self.ipus
         stage_fns = [self._stage_fn(s) for s in range(S)]
-        feed_ids = {s: sorted({t for nd in st.nodes[s] for t in _reads(nd) if t in self.input_infos} |
+        feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in self.input_infos} |
                               {a for a in stage_fns[s][2] if a in self.input_infos} |
                               {f"{PROBE}/{x}" for x in self._probes() if s in self._probe_stages(x)})
                     for s in range(S)}
@@ -751,7 +720,7 @@ class PlacedProgram(StepProgram):
                 keys = self._split(bkey, A * R).reshape((G, M, R))
 
                 def group(gacc, x):
-                    probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + self._specs[p].shape, self._specs[p].dtype)
+                    probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + self.tensor_specs[p].shape, self.tensor_specs[p].dtype)
                               for p in self._probes()}   # gradients of activations: per micro-batch
                     (_, anchors), (grads, pgrads) = jax.value_and_grad(
                         lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], hyper),

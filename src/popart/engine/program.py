@@ -110,9 +110,11 @@ class StepProgram:
         self.rts = _rts.Layout(self.placement)    # replicated tensor sharding (plan() chooses)
 
     # ------------------------------------------------------------------ tracing helpers
-    def _trace(self, weights, feeds, key, probes=None, training=False, saved=None) -> Trace:
+    def _trace(self, weights, feeds, key, probes=None, training=False, saved=None,
+               graph: Optional[Graph] = None) -> Trace:
+        """One trace of the session's graph (or of ``graph``, a part of it) as the step runs it."""
         axis = REPLICA_AXIS if self.cfg.replication_factor > 1 else None
-        return trace(self.graph_consts, feeds, key=key, training=training, weights=weights,
+        return trace(self.graph_consts if graph is None else graph, feeds, key=key, training=training, weights=weights,
                      replica_axis=axis, replication_factor=self.cfg.replication_factor,
                      options=self.cfg.options, probes=probes, platform=self.placement.platform,
                      saved=saved)
@@ -141,10 +143,10 @@ class StepProgram:
             out["rng"] = t.used_rng()
             out["act"] = sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
                              for v in env.values() if isinstance(v, jax.core.Tracer))
-            if cfg.training:   # every tensor's type: tracked gradients (ALS), recomputation
-                out["specs"] = {k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
-                                for k, v in env.items()
-                                if isinstance(v, (jax.Array, np.ndarray, jax.core.Tracer))}
+            # every tensor's type (one replica's): tracked gradients (ALS), recomputation, stages
+            out["specs"] = {k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
+                            for k, v in env.items()
+                            if isinstance(v, (jax.Array, np.ndarray, jax.core.Tracer))}
             if cfg.training:
                 if cfg.loss not in env:
                     raise popart_exception(f"The loss tensor '{cfg.loss}' is not a tensor of the model")
@@ -165,6 +167,7 @@ class StepProgram:
         else:
             self.anchor_specs = jax.eval_shape(probe, wspecs, specs)
         self.assigned = out["assigned"]
+        self.tensor_specs: dict = out["specs"]
         self.run_checks = out["checks"]
         for o, dtype in out["dtypes"].items():   # ONNX Runtime rejects these models too
             info = self.graph.tensor_info.get(o)

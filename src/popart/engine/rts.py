@@ -250,19 +250,21 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
             return ACCUM
         return STATE if tid in owner else WEIGHTS
 
-    def sharded(tid: str, shape: tuple) -> bool:
+    def location(tid: str) -> tuple[TensorLocation, bool, str]:
+        """(tid's location, checked; whether it asks for sharding; the kind whose settings'
+        minimums apply: the shared Accl___'s are the optimizer state's)."""
         k = kind(tid)
         where = (f"SessionOptions.tensorLocationSettingsOverride['{tid}']" if tid in overrides
                  else f"SessionOptions.{k}.location")
-        if not _check_location(overrides.get(tid, settings[k].location), where):
-            return False
-        k = STATE if tid in owner else k   # the shared Accl___'s minimum: optimizer state's
-        return k == ACCUM or int(np.prod(shape)) >= settings[k].minElementsForReplicatedTensorSharding
+        loc = overrides.get(tid, settings[k].location)
+        return loc, _check_location(loc, where), STATE if tid in owner else k
+
+    def sharded(tid: str, shape: tuple) -> bool:
+        _, on, k = location(tid)
+        return on and (k == ACCUM or int(np.prod(shape)) >= settings[k].minElementsForReplicatedTensorSharding)
 
     def off_chip(tid: str, shape: tuple) -> bool:
-        k = kind(tid)
-        loc = overrides.get(tid, settings[k].location)
-        k = STATE if tid in owner else k
+        loc, _, k = location(tid)
         return getattr(loc.storage, "name", "") == "OffChip" and \
             int(np.prod(shape)) >= settings[k].minElementsForOffChip
 

@@ -70,6 +70,32 @@ class Graph:
         return out
 
 
+def free_ids(graph: Graph) -> set[str]:
+    """The ids ``graph`` (with the graphs its nodes call) reads from enclosing scopes."""
+    defined = set(graph.inputs) | set(graph.initializers)
+    free: set[str] = set()
+    for n in graph.nodes:
+        free |= {i for i in reads(n) if i not in defined}
+        defined |= {o for o in n.outputs if o}
+    return free
+
+
+def outer_reads(node: Node) -> set[str]:
+    """The ids the graphs ``node`` calls (If / Loop / Scan bodies, Call's callee) read from
+    ``node``'s graph."""
+    out: set[str] = set()
+    for v in node.attrs.values():
+        for g in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(g, Graph):
+                out |= free_ids(g)
+    return out
+
+
+def reads(node: Node) -> list[str]:
+    """Every id ``node`` reads from its graph: its inputs, then its called graphs' reads."""
+    return list(dict.fromkeys([i for i in node.inputs if i] + sorted(outer_reads(node))))
+
+
 def fingerprint(graph: Graph) -> str:
     """A hash of everything about ``graph`` that shapes its compiled program: nodes (types,
     tensors, attributes with nested graphs, annotations), inputs, outputs, declared types,
