@@ -92,34 +92,123 @@ def test_standard_keeps_the_smallest_live_sets_of_each_interval():
     assert kept == expected and 0 < len(kept) < len(names)
 
 
-def train(method, monkeypatch=None, remat_on_cpu=False):
-    if remat_on_cpu:
-        monkeypatch.setattr(program, "REMAT_PLATFORMS", program.REMAT_PLATFORMS + ("cpu",))
-    b, x, loss, _ = chain(layers=6, width=16)
+def train(method, build=None, feeds=None, anchors=(), seed=None):
+    """Two batches of SGD; returns (session, anchors, w0 after the step)."""
+    b, x, loss, _ = chain(layers=6, width=16) if build is None else build()
     o = popart.SessionOptions()
     o.autoRecomputation = getattr(popart.RecomputationType, method)
-    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(2, [loss]), loss,
+    flow = popart.DataFlow(2, [loss, *anchors])
+    s = popart.TrainingSession(b.getModelProto(), flow, loss,
                                popart.SGD({"defaultLearningRate": (0.05, False)}), CPU(), userOptions=o)
     s.prepareDevice()
+    if seed is not None:
+        s.setRandomSeed(seed)
     out = s.initAnchorArrays()
-    s.run(popart.PyStepIO({x: np.random.RandomState(1).randn(2, 4, 16).astype(np.float32)}, out))
-    w = np.zeros((16, 16), np.float32)
+    X = np.random.RandomState(1).randn(2, *s.getInfo(x).shape()).astype(np.float32)
+    s.run(popart.PyStepIO({x: X, **(feeds or {})}, out))
+    w = np.zeros(s.getInfo("w0").shape(), np.float32)
     s.weightsToHost()
     s.readWeights(popart.PyWeightsIO({"w0": w}))
-    return s, out[loss], w
+    return s, out, w
 
 
-def test_recomputed_training_has_the_same_numbers(monkeypatch):
-    _, loss0, w0 = train("NoRecompute")
-    s, loss1, w1 = train("Standard", monkeypatch, remat_on_cpu=True)
-    assert s._program.saved is not None
+@pytest.fixture(scope="module")
+def plain():
+    return train("NoRecompute")
+
+
+def lowered(s):
     step = s._program.step
-    lowered = step._jitted.lower(*step._specs).as_text()
-    assert "optimization_barrier" in lowered           # jax.checkpoint's rematerialisation
-    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
-    np.testing.assert_allclose(w1, w0, rtol=1e-6)
+    return step._jitted.lower(*step._specs).as_text()
 
 
-def test_recomputation_is_not_applied_on_the_cpu():
-    s, _, _ = train("Standard")
-    assert s._program.saved is None   # XLA's CPU compiler would undo it (see the log line)
+@pytest.mark.parametrize("method", ["Standard", "RecomputeAll"])
+def test_recomputed_training_has_the_same_numbers(plain, method):
+    _, out0, w0 = plain
+    s, out1, w1 = train(method)
+    assert s._program.segments
+    assert "stablehlo.case" in lowered(s)   # each segment's recomputation, in a conditional
+    for k in out0:
+        np.testing.assert_array_equal(out1[k], out0[k])
+    np.testing.assert_array_equal(w1, w0)
+
+
+def test_behind_barriers_the_numbers_are_the_same(plain, monkeypatch):
+    """The GPU / TPU form (optimisation barriers, no conditional) gives the same numbers."""
+    from popart.engine import lower
+    monkeypatch.setattr(lower, "BARRIER_PLATFORMS", lower.BARRIER_PLATFORMS + ("cpu",))
+    s, out1, w1 = train("Standard")
+    text = lowered(s)
+    assert "optimization_barrier" in text and "stablehlo.case" not in text
+    np.testing.assert_array_equal(out1[next(iter(out1))], plain[1][next(iter(out1))])
+    np.testing.assert_array_equal(w1, plain[2])
+
+
+def deep(manual, layers=8, width=64, batch=512):
+    """A chain whose hand annotations checkpoint every 4th layer and recompute the rest."""
+    def build():
+        b = popart.Builder()
+        x = b.addInputTensor(popart.TensorInfo("FLOAT", [batch, width]), "x")
+        rs, h = np.random.RandomState(0), x
+        for i in range(layers):
+            w = b.addInitializedInputTensor((rs.randn(width, width) / 8).astype(np.float32), f"w{i}")
+            m = b.aiOnnx.matmul([h, w])
+            h = b.aiOnnx.tanh([m])
+            if manual:
+                b.recomputeOutputInBackwardPass(m, popart.RecomputeType.Recompute)
+                b.recomputeOutputInBackwardPass(
+                    h, popart.RecomputeType.Checkpoint if i % 4 == 3 else popart.RecomputeType.Recompute)
+        loss = b.aiGraphcore.l1loss([h], 0.1, reduction=popart.ReductionType.Sum)
+        return b, x, loss, None
+    return build
+
+
+def test_recomputation_lowers_peak_temporary_memory():
+    """Segments of 8 ops between hand-made checkpoints: the compiled step's temporaries fall
+    (the backward pass holds one segment's activations at a time), the numbers stay."""
+    runs = {m: train("NoRecompute", build=deep(m)) for m in (False, True)}
+    temp = {m: s._program.step.compiled.memory_analysis().temp_size_in_bytes for m, (s, _, _) in runs.items()}
+    assert [len(g.nodes) for g in runs[True][0]._program.segments] == [8, 8]
+    assert temp[True] < 0.7 * temp[False], temp
+    np.testing.assert_array_equal(runs[True][2], runs[False][2])
+
+
+def mixed():
+    """Recomputed ops around ones a segment cannot hold: Dropout (random), BatchNormalization
+    in training (updates its statistics), an anchored activation gradient (a probe), a
+    compile-time tensor (Shape) made and read inside a segment, and an integer tensor (ArgMax,
+    a hand-made checkpoint) one segment gives the next."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 8]), "x")
+    rs, h, ids = np.random.RandomState(0), x, {}
+    for i in range(3):
+        w = b.addInitializedInputTensor((rs.randn(8, 8) / 3).astype(np.float32), f"w{i}")
+        h = b.aiOnnx.tanh([b.aiOnnx.matmul([h, w])])
+        shape = b.aiOnnx.shape([h])
+        h = b.aiOnnx.reshape([b.aiOnnx.sigmoid([h]), shape])
+        top = b.aiOnnx.argmax([h], axis=1, keepdims=1)   # an integer tensor a segment gives
+        b.recomputeOutputInBackwardPass(top, popart.RecomputeType.Checkpoint)
+        h = b.aiOnnx.add([h, b.aiOnnx.cast([top], "FLOAT")])
+        if i == 0:
+            h = b.aiOnnx.dropout([h], 1, 0.3)[0]
+        if i == 1:
+            ones, zeros = np.ones(8, np.float32), np.zeros(8, np.float32)
+            h = b.aiOnnx.batchnormalization([h] + [b.addInitializedInputTensor(v) for v in
+                                                   (ones, zeros, zeros, ones)], 5)[0]
+            ids["probe"] = h
+    loss = b.aiGraphcore.l1loss([h], 0.1, reduction=popart.ReductionType.Sum)
+    return b, x, loss, ids
+
+
+def test_segments_leave_out_ops_with_side_effects():
+    ids = mixed()[3]
+    anchors = [popart.reservedGradientPrefix() + ids["probe"]]
+    runs = {m: train(m, build=mixed, anchors=anchors, seed=7) for m in ("NoRecompute", "RecomputeAll")}
+    s = runs["RecomputeAll"][0]
+    assert s._program.segments
+    held = {s._program.graph.nodes[i].op_type for g in s._program.segments for i in g.nodes}
+    assert {"Shape", "ArgMax", "Cast"} <= held and not held & {"Dropout", "BatchNormalization"}
+    assert any(s._program.graph.nodes[g.nodes[-1]].op_type == "ArgMax" for g in s._program.segments)
+    for k, v in runs["NoRecompute"][1].items():
+        np.testing.assert_allclose(runs["RecomputeAll"][1][k], v, rtol=1e-6)
+    np.testing.assert_allclose(runs["RecomputeAll"][2], runs["NoRecompute"][2], rtol=1e-6)

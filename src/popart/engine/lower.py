@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
-from jax.ad_checkpoint import checkpoint_name
 
 from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError,
                       popart_exception, popart_runtime_error)
 from ..ir.graph import Graph, Node
-from ..ir.recompute import SAVED_NAME
+from ..ir.recompute import Segment
 from ..logging import getLogger
 from ..ops import registry
 from ..ops.registry import ONNX_DOMAIN, is_static
@@ -88,9 +87,16 @@ class TraceState:
     remote_buffers: dict = field(default_factory=dict)  # RemoteStore / RemoteLoad, one execution
     checks: list = field(default_factory=list)     # records of NodeCtx.check in this trace
     registry: list = field(default_factory=list)   # RunCheck by id, shared with nested traces
-    saved: Optional[frozenset] = None   # recomputation: tensors the backward pass keeps
+    remat: Optional["Remat"] = None      # recomputation: the top graph's recompute segments
+    effects: Optional[set] = None        # when a set: collects id(node) of nodes with side effects
     _counter: itertools.count = field(default_factory=itertools.count)
     rng_draws: int = 0
+
+    def footprint(self) -> tuple:
+        """What a node with side effects changes (random draws, variable updates, run-time
+        checks, remote buffers)."""
+        return (self.rng_draws, len(self.checks), len(self.registry), len(self.assignments),
+                len(self.remote_buffers))
 
     def used_rng(self) -> bool:
         """Whether any op of this trace drew a random key."""
@@ -371,16 +377,90 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
     for tid in list(local):
         if tid in state.probes:
             local[tid] = local[tid] + state.probes[tid]
-    for node in graph.nodes:
+    remat = state.remat if state.remat is not None and state.remat.nodes is graph.nodes else None
+    for i, node in enumerate(graph.nodes):
+        if remat is not None and i in remat.members:   # runs with its segment, at its end
+            if i in remat.at:
+                local.update(run_segment(remat.at[i], graph, env, state))
+            continue
+        before = state.footprint() if state.effects is not None else None
         outs = lower_node(node, graph, env, state)
+        if before is not None and state.footprint() != before:
+            state.effects.add(id(node))
         for tid, val in zip(node.outputs, outs):
             if tid:
                 if tid in state.probes and val is not None:
                     val = val + state.probes[tid]
-                if state.saved is not None and tid in state.saved and isinstance(val, jax.core.Tracer):
-                    val = checkpoint_name(val, SAVED_NAME)   # kept for the backward pass
                 local[tid] = val
     return local
+
+
+# Backends whose XLA compiler keeps optimisation barriers until it schedules: there they keep
+# a recomputation apart from the forward pass; elsewhere (the CPU) a conditional does.
+BARRIER_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+@dataclass
+class Remat:
+    """The recompute segments of one graph (``ir.recompute.segments``) and a run-time true
+    value the compiler cannot fold (``one``, a step argument)."""
+    nodes: list                      # the graph's node list (segments index into it)
+    segments: list[Segment]
+    one: Any = None
+
+    def __post_init__(self) -> None:
+        self.at = {s.nodes[-1]: s for s in self.segments}
+        self.members = {i for s in self.segments for i in s.nodes}
+
+
+def run_segment(seg: Segment, graph: Graph, env: Mapping[str, Any], state: TraceState) -> dict:
+    """Run a recompute segment's nodes as one function whose backward pass stores only the
+    traced tensors it reads and runs the nodes again (a ``jax.custom_vjp``). The
+    recomputation is kept apart from the forward pass, so that the compiler cannot merge the
+    two back: behind an optimisation barrier, or on the CPU (whose compiler removes
+    barriers) in a conditional on ``state.remat.one``. Returns ``seg.gives``' values."""
+    nodes = [graph.nodes[i] for i in seg.nodes]
+    traced = [t for t in seg.reads if isinstance(env[t], (jax.Array, jax.core.Tracer))]
+    fixed = {t: env[t] for t in seg.reads if t not in traced}   # known at compile time
+    diff = [jnp.issubdtype(jnp.result_type(env[t]), jnp.inexact) for t in traced]
+    known: dict = {}   # gives known at compile time (Shape, ...): they stay NumPy values
+
+    def forward(*vals: Any) -> tuple:
+        local = {**fixed, **dict(zip(traced, vals))}
+        for node in nodes:
+            for tid, val in zip(node.outputs, lower_node(node, graph, local, state)):
+                if tid:
+                    local[tid] = val
+        known.update((t, local[t]) for t in seg.gives if is_static(local[t]))
+        return tuple(local[t] for t in seg.gives if t not in known)
+
+    def bwd(res: tuple, cts: tuple) -> tuple:
+        vals, one = res
+        # the float0 cotangents of integer outputs are constants, rebuilt where they are used
+        real = tuple(c for c in cts if c.dtype != jax.dtypes.float0)
+        zero = [None if c.dtype != jax.dtypes.float0 else np.zeros(c.shape, c.dtype) for c in cts]
+
+        def gradients(vals: tuple, real: tuple) -> tuple:
+            it = iter(real)
+            _, vjp = jax.vjp(forward, *vals)
+            g = vjp(tuple(next(it) if z is None else z for z in zero))
+            return tuple(gi for gi, d in zip(g, diff) if d)
+
+        if state.platform in BARRIER_PLATFORMS:
+            grads = gradients(*jax.lax.optimization_barrier((vals, real)))
+        else:
+            grads = jax.lax.cond(one > 0, gradients, lambda v, c: tuple(
+                jnp.zeros_like(x) for x, d in zip(v, diff) if d), vals, real)
+        it = iter(grads)
+        return tuple(next(it) if d else None for d in diff), None
+
+    @jax.custom_vjp
+    def segment(vals: tuple, one: Any) -> tuple:
+        return forward(*vals)
+
+    segment.defvjp(lambda vals, one: (forward(*vals), (vals, one)), bwd)
+    out = segment(tuple(env[t] for t in traced), state.remat.one)
+    return {**known, **dict(zip([t for t in seg.gives if t not in known], out))}
 
 
 @dataclass
@@ -412,17 +492,18 @@ class Trace:
 def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: bool = False,
           weights: Optional[Mapping[str, Any]] = None, replica_axis: Optional[str] = None,
           replication_factor: int = 1, options: Any = None, platform: Optional[str] = None,
-          probes: Optional[Mapping[str, Any]] = None,
-          saved: Optional[frozenset] = None) -> Trace:
+          probes: Optional[Mapping[str, Any]] = None, remat: Optional[Remat] = None,
+          effects: Optional[set] = None) -> Trace:
     """Trace ``graph`` once on ``feeds`` (and ``weights``, which override initializers):
     the engine's one entry for front-ends. ``key`` is the base PRNG key (default key(0));
     ``replica_axis`` the vmap / shard_map axis replicas run under; ``probes`` zero tensors
-    added to intermediate tensors whose gradients a session anchors; ``saved`` the tensors
-    a recomputing backward pass keeps (named for ``jax.checkpoint``'s policy)."""
+    added to intermediate tensors whose gradients a session anchors; ``remat`` the graph's
+    recompute segments; ``effects`` a set that collects id(node) of the nodes with side
+    effects (what a segment may not hold)."""
     state = TraceState(training=training, rng_key=key, replica_axis=replica_axis,
                        replication_factor=replication_factor, options=options,
                        probes=probes or {}, platform=platform or jax.default_backend(),
-                       saved=saved)
+                       remat=remat, effects=effects)
     return Trace(execute(graph, feeds, state, weights=weights), state)
 
 

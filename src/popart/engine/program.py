@@ -21,13 +21,13 @@ from ..dataflow import AnchorReturnTypeId
 from ..errors import ModelError, popart_exception
 from ..logging import getLogger
 from ..ir import recompute
-from ..ir.graph import Graph
+from ..ir.graph import Graph, reads
 from ..tensorinfo import TensorInfo
 from . import als as _als
 from . import rts as _rts
 from .compiled import REPLICA_AXIS, CompiledStep, Placement, arg_specs
 from .executable import EngineCache, compile_step
-from .lower import CHECKS, Trace, first_failure, raise_failed_checks, trace
+from .lower import CHECKS, Remat, Trace, first_failure, raise_failed_checks, trace
 
 GRAD_PREFIX = "Gradient___"
 _logger = getLogger("session")
@@ -35,8 +35,9 @@ _logger = getLogger("session")
 ALS_FACTOR = _als.FACTOR                 # lossScaleUpdateFactor (optimizer state, anchorable)
 ALS_COUNTER = _als.COUNTER               # the updatePeriod counter (state, updatePeriod > 1)
 ALS_FINAL = _als.FINAL                   # finalLossScale: the loss scale each batch runs with
-# Backends whose XLA compiler keeps jax.checkpoint's rematerialisation (optimisation barriers).
-REMAT_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+# Recomputation's run-time true (engine/lower.py: run_segment), a step argument among the
+# optimizer's values so that the compiler cannot fold it.
+RECOMPUTE_ONE = "__recompute_one"
 FEED_REPLICA_DIM = 2   # a step's inputs are [batches_per_step, accumulation, replicas, ...]
 
 
@@ -105,19 +106,19 @@ class StepProgram:
         self.uses_rng = True
         self.als: Optional[_als.AlsPlan] = None   # automatic loss scaling (plan() makes it)
         self.als_anchors: set = set()             # anchors the ALS step computes
-        self.saved: Optional[frozenset] = None    # recomputation: what the backward pass keeps
+        self.segments: list = []                  # recomputation (ir.recompute.segments)
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
         self.rts = _rts.Layout(self.placement)    # replicated tensor sharding (plan() chooses)
 
     # ------------------------------------------------------------------ tracing helpers
-    def _trace(self, weights, feeds, key, probes=None, training=False, saved=None,
-               graph: Optional[Graph] = None) -> Trace:
+    def _trace(self, weights, feeds, key, probes=None, training=False, remat=None,
+               graph: Optional[Graph] = None, effects: Optional[set] = None) -> Trace:
         """One trace of the session's graph (or of ``graph``, a part of it) as the step runs it."""
         axis = REPLICA_AXIS if self.cfg.replication_factor > 1 else None
         return trace(self.graph_consts if graph is None else graph, feeds, key=key, training=training, weights=weights,
                      replica_axis=axis, replication_factor=self.cfg.replication_factor,
                      options=self.cfg.options, probes=probes, platform=self.placement.platform,
-                     saved=saved)
+                     remat=remat, effects=effects)
 
     @staticmethod
     def _value(env, tid):
@@ -133,9 +134,13 @@ class StepProgram:
         wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
         out = {}
 
+        effects: set = set()   # id(node) of the nodes with side effects
+
         def probe(weights, feeds):
-            t = self._trace(weights, feeds, jax.random.key(0), training=cfg.training)
+            t = self._trace(weights, feeds, jax.random.key(0), training=cfg.training, effects=effects)
             env = t.env
+            out["traced"] = {k for k, v in env.items() if isinstance(v, jax.core.Tracer)}
+            out["known"] = {k for k, v in env.items() if isinstance(v, (np.ndarray, np.generic))}
             out["ids"] = set(env)
             out["assigned"] = list(t.assignments)
             out["checks"] = list(t.checks)
@@ -182,18 +187,9 @@ class StepProgram:
                                        f"reduction, but its shape is {list(out['loss_shape'])}; "
                                        f"use a loss op with reduction Sum or Mean")
             self.trainable = [k for k in self.variables if k not in self.assigned]
-            nbytes = {k: int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for k, v in out["specs"].items()}
-            method = recompute.method_name(getattr(cfg.options, "autoRecomputation", None))
-            saved = recompute.checkpoint_ids(self.graph, cfg.loss, method, nbytes)
-            if saved is not None and self.placement.platform not in REMAT_PLATFORMS:
-                _logger.info(f"Recomputation ({method} and recomputeOutput annotations) is not "
-                             f"applied on {self.placement.platform}: XLA's CPU compiler removes "
-                             f"rematerialisation barriers and merges the recomputed values "
-                             f"back, so it would only cost time")
-                saved = None
-            self.saved = None if saved is None else frozenset(saved)
             if cfg.als is not None:
                 self._plan_als(out["specs"])
+            self._plan_recompute(out["specs"], out["traced"], out["known"], effects)
         opt_ids = set(self.opt_state_ids())
         self.rts = _rts.choose(cfg.options, self.placement, self.variables, self.init_opt_state(),
                                self.trainable, cfg.accumulation_factor)
@@ -205,6 +201,32 @@ class StepProgram:
             raise popart_exception(f"Anchor '{a}' names no tensor of the model (it has "
                                    f"{len(out['ids'])} tensors, e.g. "
                                    f"{', '.join(sorted(out['ids'])[:8])})")
+
+    def _plan_recompute(self, specs: dict, traced: set, known: set, effects: set) -> None:
+        """The recompute segments PopART's annotations ask for (``ir.recompute``): segments
+        hold no node with side effects, none whose output is probed (anchored or ALS-tracked
+        gradients) and none with outputs other than arrays (``traced``, or ``known`` at compile
+        time); nodes that read and make only known values run in place."""
+        cfg = self.cfg
+        nbytes = {k: int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for k, v in specs.items()}
+        method = recompute.method_name(getattr(cfg.options, "autoRecomputation", None))
+        marks = recompute.annotate(self.graph, cfg.loss, method, nbytes)
+        if recompute.RECOMPUTE not in marks.values():
+            return
+        probed = {a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)}
+        probed |= set(self.als.tracked) if self.als is not None else set()
+        nodes = self.graph_consts.nodes
+        outs = [[o for o in n.outputs if o] for n in nodes]
+        static = {i for i, n in enumerate(nodes) if id(n) not in effects
+                  and not any(t in traced for t in outs[i] + reads(n))}
+        movable = {i for i, n in enumerate(nodes) if id(n) not in effects and i not in static
+                   and all((t in traced or t in known) and t not in probed for t in outs[i])}
+        keep = {cfg.loss, *self.anchor_ids}
+        self.segments = recompute.segments(self.graph_consts, marks, movable, static, keep)
+        _logger.info(f"Recomputation ({method} and recomputeOutput annotations): "
+                     f"{len(self.segments)} segment(s) of "
+                     f"{sum(len(g.nodes) for g in self.segments)} op(s) run again in the "
+                     f"backward pass")
 
     def _plan_als(self, specs: dict) -> None:
         """Automatic loss scaling: the tracked gradients (``als.tracked_tensors``), PopART's
@@ -259,22 +281,21 @@ class StepProgram:
                        **{t: self.als.specs[t] for t in tracked if t not in trainable}}
 
         def micro(weights, feeds, key, hyper):
+            remat = Remat(self.graph_consts.nodes, self.segments, hyper[RECOMPUTE_ONE]) \
+                if self.segments else None
             train_w = {k: weights[k] for k in trainable}
             other_w = {k: v for k, v in weights.items() if k not in train_w}
             probe_shapes = probe_specs
             probes0 = {p: jnp.zeros(s.shape, s.dtype) for p, s in probe_shapes.items()}
 
             def loss_fn(tw, probes):
-                t = self._trace({**other_w, **tw}, feeds, key, probes, training=True, saved=self.saved)
+                t = self._trace({**other_w, **tw}, feeds, key, probes, training=True, remat=remat)
                 loss = t.env[cfg.loss]
                 ls = self._hyper(hyper, "lossScaling")   # with ALS: finalLossScale
                 scaled = loss * jnp.asarray(ls, loss.dtype)
                 vals = self._with_checks({a: self._value(t.env, a) for a in fwd_ids}, t)
                 return scaled, (vals, dict(t.assignments))
 
-            if self.saved is not None:   # recomputation: keep only the checkpoints' outputs
-                loss_fn = jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.save_only_these_names(
-                    recompute.SAVED_NAME))
             (_, (vals, assigns)), (gw, gp) = jax.value_and_grad(
                 loss_fn, argnums=(0, 1), has_aux=True)(train_w, probes0)
             for g in grad_ids:
@@ -535,7 +556,12 @@ class StepProgram:
                                                cfg.replication_factor, *i.shape()), i.np_dtype())
                       for k, i in self.input_infos.items()}
         return (self.state_specs(weights), self.state_specs(opt_state), arg_specs(key), feed_specs,
-                arg_specs(dict(hyper)))
+                arg_specs(self._step_hyper(hyper)))
+
+    def _step_hyper(self, hyper: Mapping[str, Any]) -> dict:
+        """The step's hyper-parameter argument: the optimizer's values, and recomputation's
+        run-time true."""
+        return {**hyper, RECOMPUTE_ONE: np.float32(1)} if self.segments else dict(hyper)
 
     def compile(self, weights: Mapping[str, Any], opt_state: Mapping[str, Any], key: Any,
                 hyper: Mapping[str, Any], exported: Optional[bytes] = None,
@@ -553,4 +579,4 @@ class StepProgram:
         return self.step.export()
 
     def run(self, weights, opt_state, key, feeds, hyper):
-        return self.step(weights, opt_state, key, self.put_feeds(feeds), self.put(hyper))
+        return self.step(weights, opt_state, key, self.put_feeds(feeds), self.put(self._step_hyper(hyper)))

@@ -13,20 +13,24 @@ Recompute (they are computed again when the backward pass needs them): by hand w
   recomputed, then the ops between the last checkpoints and the loss are kept
   (``allCheckpointAfterLastCheckpoint``: recomputing them would be immediate anyway).
 
-On XLA the result is a ``jax.checkpoint`` policy over the step's loss function: the outputs of
-checkpoint ops are named (``jax.ad_checkpoint.checkpoint_name``) and saved, everything else is
-recomputed in the backward pass (:func:`checkpoint_ids`)."""
+On XLA the annotations become recompute *segments* (:func:`segments`): each run of
+consecutive Recompute ops, closed by the Checkpoint op after it, is one function whose
+backward pass stores only what the segment reads (Checkpoint outputs, weights, inputs) and runs
+the segment again, just before its own gradients, to get everything else
+(``engine/lower.py: run_segment``). So the backward pass holds one segment's recomputed
+activations at a time, as PopART's recompute ops do. A Recompute output read past its segment
+(a skip connection to a later segment) is stored instead."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Collection, Mapping
 
-from .graph import Graph, Node
+from .graph import Graph, Node, reads
 from .transforms import ancestors
 
 RECOMPUTE_OUTPUT = "__recompute_output"   # the Builder's annotation (RecomputeType)
 CHECKPOINT, RECOMPUTE = 1, 2              # RecomputeType values
-SAVED_NAME = "popart_checkpoint"          # checkpoint_name of kept tensors
 
 # Ops PopART's ``isNorm()`` is true for.
 NORM_OPS = frozenset({"BatchNormalization", "GroupNormalization", "InstanceNormalization",
@@ -112,14 +116,47 @@ def annotate(graph: Graph, loss: str, method: str, nbytes: Mapping[str, int]) ->
     return marks
 
 
-def checkpoint_ids(graph: Graph, loss: str, method: str, nbytes: Mapping[str, int]) -> Optional[set[str]]:
-    """The tensors the backward pass keeps (outputs of checkpoint ops, and of ops off the
-    loss's path), or None when no op is recomputed (JAX's default: keep what autodiff needs)."""
-    marks = annotate(graph, loss, method, nbytes)
-    recomputed = {k for k, v in marks.items() if v == RECOMPUTE}
-    if not recomputed:
-        return None
-    return {o for n in graph.nodes if id(n) not in recomputed for o in n.outputs if o}
+@dataclass(frozen=True)
+class Segment:
+    """Forward ops recomputed together in the backward pass: ``nodes`` (indices into the
+    graph's nodes; the segment runs at the last one), the tensors it ``reads`` from before
+    it and those it ``gives`` to the rest of the graph."""
+    nodes: tuple[int, ...]
+    reads: tuple[str, ...]
+    gives: tuple[str, ...]
+
+
+def segments(graph: Graph, marks: Mapping[int, int], movable: Collection[int],
+             static: Collection[int], keep: Collection[str]) -> list[Segment]:
+    """The recompute segments of ``graph`` for ``annotate``'s ``marks`` (see the module
+    docstring). ``movable``: indices of the nodes a segment may hold (no side effects: no
+    random draws, variable updates or run-time checks; array outputs); ``static``: indices of
+    the nodes computed at compile time (they run in place and never split a segment);
+    ``keep``: tensors the step reads besides the graph's own outputs (loss, anchors)."""
+    nodes, out, run = graph.nodes, [], []
+    wanted = set(graph.outputs) | set(keep)
+
+    def close() -> None:
+        if any(marks.get(id(nodes[i])) == RECOMPUTE for i in run):
+            inside = set(run)
+            made = {o for i in run for o in nodes[i].outputs if o}
+            needed = {t for j, n in enumerate(nodes) if j not in inside for t in reads(n)}
+            read = dict.fromkeys(t for i in run for t in reads(nodes[i]) if t not in made)
+            gives = [o for i in run for o in nodes[i].outputs if o and (o in needed or o in wanted)]
+            out.append(Segment(tuple(run), tuple(read), tuple(gives)))
+        run.clear()
+
+    for i, n in enumerate(nodes):
+        if i in static:
+            continue
+        if i not in movable:
+            close()
+            continue
+        run.append(i)
+        if marks.get(id(n)) != RECOMPUTE:   # a Checkpoint op (or one off the loss's path)
+            close()
+    close()
+    return out
 
 
 def method_name(value: Any) -> str:
