@@ -159,9 +159,11 @@ class Sessions:
         self.anchors = self.train.initAnchorArrays()
         ib, ix, il, iprobs, _ = build(model, n_test)
         assert (ix, il, iprobs) == (self.image, self.label, self.probs)
+        writable = popart.SessionOptions()
+        writable.constantWeights = False   # the trained weights are written in (writeWeights)
         self.infer = popart.InferenceSession(
             ib.getModelProto(), popart.DataFlow(1, {iprobs: popart.AnchorReturnType("ALL")}),
-            device, name=f"{model}-test")
+            device, userOptions=writable, name=f"{model}-test")
         self.infer.prepareDevice()
         self.compile_seconds = time.perf_counter() - t0
 

@@ -91,7 +91,10 @@ assert np.allclose(losses, torch_losses, atol=1e-4), "popart and PyTorch trainin
 trained = os.path.join(tmp.name, "trained_model.onnx")
 session.modelToHost(trained)
 infer_flow = popart.DataFlow(1, {output_name: popart.AnchorReturnType("ALL")})
-fresh = popart.InferenceSession(model_path, infer_flow, popart.DeviceManager().createCpuDevice())
+writable = popart.SessionOptions()
+writable.constantWeights = False   # PopART freezes an inference session's weights by default
+fresh = popart.InferenceSession(model_path, infer_flow, popart.DeviceManager().createCpuDevice(),
+                                userOptions=writable)
 fresh.prepareDevice()
 fresh.resetHostWeights(trained)   # the exported (untrained) weights -> the trained ones
 fresh.weightsFromHost()

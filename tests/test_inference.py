@@ -268,13 +268,17 @@ def test_rng_state_roundtrip_and_info():
     b = popart.Builder()
     x = b.addInputTensor(popart.TensorInfo("FLOAT", [4]))
     y = b.aiOnnx.sqrt([x])
-    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU())
+    opts = popart.SessionOptions()
+    opts.enableLoadAndOffloadRNGState = True
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU(), userOptions=opts)
     s.setRandomSeed(42)
     assert s.getRandomSeed() == 42
+    with pytest.raises(popart.popart_exception, match="getRNGState: the session is not prepared"):
+        s.getRNGState()   # PopART: Devicex::prepare() must be called first
+    s.prepareDevice()
     state = s.getRNGState()
     s.setRNGState(state)
     assert s.getRNGState() == state
-    s.prepareDevice()
     assert s.getInfo(y) == popart.TensorInfo("FLOAT", [4])
     assert {x, y} <= s.getTensorIds()
     assert s.replicationFactor == 1 and s.accumulationFactor == 1
@@ -347,3 +351,25 @@ def test_external_data_is_loaded_and_confined_to_the_model_folder(tmp_path):
     onnx.save(model, str(tmp_path / "bad.onnx"))
     with pytest.raises(popart.popart_exception, match="leaves the model's folder"):
         popart.InferenceSession(str(tmp_path / "bad.onnx"), popart.DataFlow(1, [y]), CPU())
+
+
+def test_rng_state_needs_its_option_and_constant_weights_are_frozen():
+    """PopART's session.cpp: get/setRNGState need enableLoadAndOffloadRNGState; an inference
+    session with constantWeights (the default) refuses writeWeights / resetHostWeights."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [1, 3]))
+    w = b.addInitializedInputTensor(np.ones((3, 3), np.float32))
+    y = b.aiOnnx.matmul([x, w])
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU())
+    s.prepareDevice()
+    for call in (s.getRNGState, lambda: s.setRNGState([0, 0])):
+        with pytest.raises(popart.OptionError, match="enableLoadAndOffloadRNGState must be set to True"):
+            call()
+    with pytest.raises(popart.OptionError, match="Cannot call writeWeights when constantWeights is set"):
+        s.writeWeights(popart.PyWeightsIO({w: np.zeros((3, 3), np.float32)}))
+    with pytest.raises(popart.OptionError, match="Cannot call resetHostWeights when constantWeights"):
+        s.resetHostWeights(b.getModelProto())
+    s.weightsFromHost()
+    out = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: np.ones((1, 3), np.float32)}, out))
+    np.testing.assert_array_equal(out[y], np.full((1, 3), 3.0))   # weights unchanged

@@ -117,10 +117,13 @@ def evaluate(session: popart.InferenceSession, image: str, label: str, probs: st
 
 
 def _eval_session(model: str | bytes, probs: str, loss: str, device: popart.DeviceInfo,
-                  name: str) -> popart.InferenceSession:
+                  name: str, writable: bool = False) -> popart.InferenceSession:
+    """An evaluation session; ``writable``: its weights may be written (constantWeights off)."""
     flow = popart.DataFlow(EVAL_BATCHES_PER_STEP, {probs: popart.AnchorReturnType("ALL"),
                                                    loss: popart.AnchorReturnType("ALL")})
-    session = popart.InferenceSession(model, flow, device, name=name)
+    opts = popart.SessionOptions()
+    opts.constantWeights = not writable
+    session = popart.InferenceSession(model, flow, device, name=name, userOptions=opts)
     session.prepareDevice()
     return session
 
@@ -145,7 +148,7 @@ def run_demo(epochs: int = 10, output: str = ".", device: Optional[popart.Device
     t0 = time.perf_counter()
     train.prepareDevice()
     train.weightsFromHost()
-    infer = _eval_session(proto, probs, loss, device, "digits-eval")
+    infer = _eval_session(proto, probs, loss, device, "digits-eval", writable=True)
     log(f"compiled the training and evaluation programs in {time.perf_counter() - t0:.2f} s")
     weights = {w: np.zeros(builder.getTensorShape(w), np.float32)
                for w in builder.getTrainableTensorIds()}

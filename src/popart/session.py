@@ -305,6 +305,17 @@ class _Session:
         return {k: np.float32(v) for k, v in
                 self._optimizer.non_const_feed(self._program.trainable).items()}
 
+    def _require_writable_weights(self, what: str) -> None:
+        """A prepared session whose weights may change: PopART freezes an inference session's
+        weights when SessionOptions.constantWeights is True (its default)."""
+        self._require_prepared(what)
+        if not self._training and getattr(self.options, "constantWeights", True):
+            raise OptionError(f"Cannot call {what} when constantWeights is set. Set "
+                              f"`constantWeights` to False in the `SessionOption`s when "
+                              f"initialising the session to enable this behaviour "
+                              f"(SessionOptions.constantWeights is True for this "
+                              f"InferenceSession)")
+
     def _require_prepared(self, what: str) -> StepProgram:
         if not self._prepared:
             raise popart_exception(f"{what}: the session is not prepared; call prepareDevice() first")
@@ -521,7 +532,7 @@ class _Session:
     @_serialised
     def writeWeights(self, weightsIo: Any) -> None:
         """Write the arrays of a PyWeightsIO to the host weights (and the device)."""
-        self._require_prepared("writeWeights")
+        self._require_writable_weights("writeWeights")
         opt = self._device_to_host(1)
         for tid, src in _weights_dict(weightsIo).items():
             target = self._host_weights if tid in self._host_weights else opt if tid in opt else None
@@ -549,7 +560,7 @@ class _Session:
         error unless ``ignoreWeightsInModelWithoutCorrespondingHostWeight``, one whose type or
         shape differs always is; nothing changes when one is raised. Saved optimizer state
         this session has none of (an inference session) is skipped."""
-        self._require_prepared("resetHostWeights")
+        self._require_writable_weights("resetHostWeights")
         proto, base = load_model(modelProtoOrFilename)
         state = getattr(self, "_host_opt_state", None) or {}
         new_weights, new_state = {}, {}
@@ -1063,6 +1074,11 @@ class _Session:
             raise ArgumentError(f"setRandomSeed(): incompatible function arguments: seedValue "
                                 f"must be an unsigned 64-bit integer (0 <= seed < 2**64), got "
                                 f"{seedValue!r}")
+        if self._program is not None and not self._program.uses_rng and \
+                not getattr(self.options, "enableStochasticRounding", False):
+            _logger.warn("Trying to set the random seed, but this session has no random "
+                         "behaviour (no random ops, enableStochasticRounding False); the seed "
+                         "is kept and has no effect")
         seed = int(seedValue)
         self._set_key(_key_data(seed - 2 ** 64 if seed >= 2 ** 63 else seed))   # int64 bits
         self._seed = seed
@@ -1073,13 +1089,26 @@ class _Session:
     def getRandomSeed(self) -> int:
         return self._seed
 
+    def _require_rng_state(self, what: str, verb: str) -> None:
+        """PopART's checks of get/setRNGState: the option that enables them, then a prepared
+        session (before anything changes)."""
+        if not getattr(self.options, "enableLoadAndOffloadRNGState", False):
+            raise OptionError(f"Trying to {verb} the RNG state, but the session option "
+                              f"enableLoadAndOffloadRNGState must be set to True ({what}: "
+                              f"SessionOptions.enableLoadAndOffloadRNGState is False)")
+        self._require_prepared(what)
+
     @_serialised
     def getRNGState(self) -> list[int]:
+        """The state of the random number generator (enableLoadAndOffloadRNGState, prepared)."""
+        self._require_rng_state("getRNGState", "get")
         key = self._key if self._key is not None else _key_data(self._seed)
         return [int(v) for v in np.asarray(key).ravel()]
 
     @_serialised
     def setRNGState(self, rngValue: Iterable[int]) -> None:
+        """Set the random number generator's state (as getRNGState returned it)."""
+        self._require_rng_state("setRNGState", "set")
         data = np.asarray(list(rngValue), dtype=np.uint32)
         expected = _key_data(0).shape
         if data.size != int(np.prod(expected)):
