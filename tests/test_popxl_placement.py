@@ -281,15 +281,17 @@ def _repeat_of_a_call_over_two_ipus(x):
         return ops.repeat(popxl.gir().create_graph(lambda t: ops.call(g, t)[0], x), 2, x)[0]
 
 
-@pytest.mark.parametrize("build,device,why", [
-    (_remote, "ipu_model", "remote buffers"),
-    (_across_ipus, "ipu_model", "collectives across IPUs"),
-    (_graph_on_two_ipus, "ipu_model", "ops on IPUs [0] in the graphs"),
-    (_repeat_of_a_call_over_two_ipus, "ipu_model",
-     "ops on IPUs [0, 1] in the graphs ai.onnx::Loop"),
+def _conditional_over_two_ipus(x):
+    g = popxl.gir().create_graph(_two_ipus_body, x)
+    with popxl.ipu(0):
+        return ops.conditional(popxl.constant(True), g, g, [x], [x])[0]
+
+
+@pytest.mark.parametrize("build,device,why", [   # remote buffers, all_reduce, calls: see
+    (_conditional_over_two_ipus, "ipu_model",       # test_popxl_placement_rts.py
+     "ops on IPUs [0, 1] in the graphs ai.onnx::If"),
     (lambda x: x * 2.0, "cpu", "a device of 1 IPU(s)"),
-], ids=["remote buffer", "all_reduce across IPUs", "graph of IPU 0 called on IPU 1",
-        "repeat of a call over IPUs", "cpu"])
+], ids=["conditional over IPUs", "cpu"])
 def test_what_the_placed_program_lacks_runs_unplaced_with_a_log_line(build, device, why, caplog):
     ir, xs, ys = _small_ir(build)
     logger = popart.getLogger("session")

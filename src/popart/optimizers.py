@@ -43,6 +43,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -176,6 +177,7 @@ class Optimizer:
     _UNSET: dict[str, float] = {}          # per-weight hyper-parameter -> PopART's default
     _KEY_ALIASES: dict[str, str] = {}      # extra constructor keys -> hyper-parameter
     _SETTINGS: tuple[str, ...] = ()        # structural attributes, fixed once compiled
+    norm_axis: str | None = None   # engines updating replica shards: the shards' mesh axis
 
     def __init__(self, values: Mapping[str, Any] | float | None,
                  clip_norm_settings: Iterable[ClipNormSettings] = (),
@@ -332,6 +334,13 @@ class Optimizer:
             new_s.update({p + wid: s2[p].astype(spec[p][0]) for p in spec})
         return new_w, new_s
 
+    def _sum_squares(self, x: Array) -> Array:
+        """The sum of the squares of a tensor's elements (Lamb's norms): of every shard's
+        elements when an engine updates shards, which sums the shards' partial sums over
+        ``norm_axis`` (a shard_map axis)."""
+        s = jnp.sum(jnp.square(x))
+        return s if self.norm_axis is None else jax.lax.psum(s, self.norm_axis)
+
     # ------------------------------------------------------------- implemented per optimizer
     def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
         """State tensor prefix -> (dtype, initial value) for one weight."""
@@ -454,8 +463,8 @@ class Adam(Optimizer):
         if not l2:
             u = u + wd * w
         if self.mode in (M.Lamb, M.LambNoBias):
-            r1 = jnp.minimum(jnp.sqrt(jnp.sum(jnp.square(w))), h["maxWeightNorm"])
-            r2 = jnp.sqrt(jnp.sum(jnp.square(u)))
+            r1 = jnp.minimum(jnp.sqrt(self._sum_squares(w)), h["maxWeightNorm"])
+            r2 = jnp.sqrt(self._sum_squares(u))
             ok = (r1 > 0) & (r2 > 0)
             u = u * jnp.where(ok, r1 / jnp.where(ok, r2, 1.0), 1.0)
         return w - h["learningRate"] * u, {"Accl1___": m, "Accl2___": v, "Step___": t}

@@ -18,20 +18,32 @@ each device's blocks holding its IPU's variables only. Its new values (in-place 
 ``ops.var_updates``) computed on its IPU go into its block; one computed elsewhere moves
 there at the end of the run.
 
-``ops.repeat`` in the main graph of a graph whose ops span IPUs runs as a ``lax.fori_loop``
-around that graph's own stages (cut the same way): its inputs move to the IPUs reading them,
-its loop-carried values to those IPUs and the IPU computing them each iteration; variables
-it takes by reference stay in their blocks, updated in place every iteration.
+Replica-sharded variables (``replica_sharded_variable``: their shard tensors) and remote
+buffers (``[entries, *shape]``: their state tensors, which ``ops.remote_load`` /
+``ops.remote_store`` read and update) are variables here too, so device (r, i) holds replica
+r's shards, 1/R of IPU i's sharded variables, and the buffers of IPU i, nothing of the other
+IPUs'. Collectives over the replicas run inside the stages, over the devices of the stage's
+IPU. Remote buffers kept in host memory between runs (``Session.remote_memory_kind``, as
+unplaced) have slots of their own with that memory kind.
+
+An ``ops.call`` of a graph whose ops span IPUs (in the main graph or a graph it repeats)
+is inlined: that graph's ops take its place (those outside any ``ipu`` block on the call's
+IPU). An all-reduce across IPUs (``ops.collectives.all_reduce``) runs on its op's IPU, its
+inputs moved there and its results to the IPUs reading them. ``ops.repeat`` in the main
+graph of a graph whose ops span IPUs runs as a ``lax.fori_loop`` around that graph's own
+stages (cut the same way): its inputs move to the IPUs reading them, its loop-carried values
+to those IPUs and the IPU computing them each iteration; variables it takes by reference
+stay in their blocks, updated in place every iteration.
 
 What the placed program does not do runs unplaced, the whole main graph on one device per
-replica, with a log line saying why: remote buffers and replica-sharded variables,
-collectives across IPUs (``ops.collectives.all_reduce``), any other called graph with ops on
-another IPU than its call site, several instances, a device without a distinct device per
-IPU of each replica.
+replica, with a log line saying why: any other called graph with ops on another IPU than
+its call site (conditionals, repeats nesting loops), several instances, a device without a
+distinct device per IPU of each replica.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
 
@@ -83,12 +95,13 @@ def device_ipus(ir: "Ir", device_desc: Any, replicas: int) -> int:
     return 2 ** math.ceil(math.log2(n * replicas))
 
 
-def _node_ipu(node: Node) -> int:
-    """The IPU an op runs on: its ``ipu`` block's, else that of the ops it calls, else 0."""
+def _node_ipu(node: Node, default: int = 0) -> int:
+    """The IPU an op runs on: its ``ipu`` block's, else that of the ops it calls, else
+    ``default``."""
     if VIRTUAL_GRAPH in node.annotations:
         return int(node.annotations[VIRTUAL_GRAPH])
     inner = _ipus_of(_nested(node))
-    return inner.pop() if len(inner) == 1 else 0
+    return inner.pop() if len(inner) == 1 else default
 
 
 def _spanning_loop(node: Node) -> Optional[IRGraph]:
@@ -99,22 +112,79 @@ def _spanning_loop(node: Node) -> Optional[IRGraph]:
         return None
     callee = body.nodes[0].attrs["callee"]
     inner = list(_nested(node))
-    if not _ipus_of(inner) - {_node_ipu(node)} or any(n.op_type in ("Loop", "AllReduce") for n in inner):
+    if not _ipus_of(inner) - {_node_ipu(node)} or any(n.op_type == "Loop" for n in inner):
         return None
     if any(_ipus_of(_nested(n)) - {_node_ipu(n)} or outer_reads(n) for n in callee.nodes):
         return None
     return callee
 
 
-def _renamed(g: IRGraph, prefix: str) -> IRGraph:
-    """A copy of ``g`` with ``prefix`` before its tensor ids (the graphs its ops call unchanged)."""
-    ren = lambda t: prefix + t if t else t   # noqa: E731
+def _renamed(g: IRGraph, new_id: Callable[[str], str], ipu: Optional[int] = None) -> IRGraph:
+    """A copy of ``g`` with its tensor ids renamed by ``new_id`` (the graphs its ops call
+    unchanged); with ``ipu``, each op outside any ``ipu`` block on that IPU (or on the IPU of
+    the ops it calls)."""
+    ren = lambda t: new_id(t) if t else t   # noqa: E731
+    where = (lambda n: n.annotations) if ipu is None else \
+        (lambda n: {**n.annotations, VIRTUAL_GRAPH: _node_ipu(n, ipu)})   # noqa: E731
     return dataclasses.replace(
         g, inputs=[ren(t) for t in g.inputs], outputs=[ren(t) for t in g.outputs],
-        nodes=[dataclasses.replace(n, inputs=[ren(t) for t in n.inputs], outputs=[ren(t) for t in n.outputs])
-               for n in g.nodes],
+        nodes=[dataclasses.replace(n, inputs=[ren(t) for t in n.inputs], outputs=[ren(t) for t in n.outputs],
+                                   annotations=where(n)) for n in g.nodes],
         initializers={ren(k): v for k, v in g.initializers.items()},
         tensor_info={ren(k): v for k, v in g.tensor_info.items()}, constants={ren(t) for t in g.constants})
+
+
+def _inline_calls(session: "Session") -> tuple[IRGraph, dict]:
+    """The session's main graph with each call of a graph whose ops span IPUs, in it or in a
+    graph it repeats, replaced by that graph's ops (recursively; ids prefixed ``call<k>/``,
+    its inputs and outputs the call's); and per id of that graph and of the graphs it
+    repeats, each in-place result's first id (popxl's tensor versions) in it."""
+    known = {id(g._g): g._versions for g in session._ir._graphs}
+    out: dict[int, dict] = {}
+    count = itertools.count()
+
+    def inline(g: IRGraph, versions: dict) -> IRGraph:   # adds to ``versions``: g's
+        nodes, inlined = [], []
+        for n in g.nodes:
+            body, callee, ipu = n.attrs.get("body"), n.attrs.get("callee"), _node_ipu(n)
+            if n.op_type == "Loop" and len(body.nodes) == 1 and body.nodes[0].op_type == "Call":
+                call, old = body.nodes[0], body.nodes[0].attrs["callee"]
+                own = dict(known.get(id(old), {}))
+                new = inline(old, own)
+                out[id(new)] = own
+                if new is not old:
+                    call = dataclasses.replace(call, attrs={**call.attrs, "callee": new})
+                    body = dataclasses.replace(body, nodes=[call])
+                    n = dataclasses.replace(n, attrs={**n.attrs, "body": body})
+            if n.op_type != "Call" or not _ipus_of(_nested(n)) - {ipu}:
+                nodes.append(n)
+                continue
+            made = {t for m in callee.nodes for t in m.outputs}
+            ids, copies = dict(zip(callee.inputs, n.inputs)), []
+            prefix = f"call{next(count)}/"
+            for o, y in zip(callee.outputs, n.outputs):   # an input, or an output twice: copied
+                if o in made and o not in ids:
+                    ids[o] = y
+                else:
+                    copies.append(Node("Identity", [ids.get(o, prefix + o)], [y],
+                                       annotations={VIRTUAL_GRAPH: ipu}))
+            new_id = lambda t, ids=ids, prefix=prefix: ids.get(t, prefix + t)   # noqa: E731
+            own = {new_id(a): new_id(b) for a, b in known.get(id(callee), {}).items()}
+            inlined.append(inline(_renamed(callee, new_id, ipu), own))
+            versions.update({a: versions.get(b, b) for a, b in own.items()})
+            nodes += inlined[-1].nodes + copies
+        if len(nodes) == len(g.nodes) and all(a is b for a, b in zip(nodes, g.nodes)):
+            return g
+        gs = [g, *inlined]
+        return dataclasses.replace(
+            g, nodes=nodes, initializers={k: v for h in gs for k, v in h.initializers.items()},
+            tensor_info={k: v for h in gs for k, v in h.tensor_info.items()},
+            constants=set().union(*(h.constants for h in gs)))
+
+    versions = dict(session._ir.main_graph._versions)
+    main = inline(session._main_ir, versions)
+    out[id(main)] = versions
+    return main, out
 
 
 class _Unsupported(Exception):
@@ -141,21 +211,24 @@ def _mesh_devices(device: Any, replicas: int, ipus: int) -> Optional[np.ndarray]
     return grid if len(set(grid.flat)) == grid.size else None
 
 
-def _why_not(session: "Session", ipus: int) -> Optional[str]:
-    """Why the session's main graph cannot run placed on ``ipus`` IPUs per replica (None:
-    it can)."""
-    if any(s.kind != "variable" for s in session._slots):
-        return "remote buffers or replica-sharded variables"
+def _created_ipu(slot: Any) -> int:
+    """The IPU a slot's tensor was created on (a remote buffer: its state tensor's, else its
+    first remote variable's), else 0."""
+    made = [t for t in (slot.var, slot.graph_out, *slot.entries) if t is not None]
+    return int(made[0]._placement[0] or 0) if made else 0
+
+
+def _why_not(session: "Session", ipus: int, main: IRGraph) -> Optional[str]:
+    """Why the session's main graph (``main``: with its calls inlined) cannot run placed on
+    ``ipus`` IPUs per replica (None: it can)."""
     if session._placement.across_processes:
         return "several instances"
     dev, r = session._device, session._r
     if _mesh_devices(dev, r, ipus) is None:
         return (f"a device of {dev.numIpus} IPU(s) on {len(set(dev.jax_devices))} device(s) for "
                 f"{r} replica(s) of {ipus} IPUs")
-    for top in session._main_ir.nodes:
+    for top in main.nodes:
         inner = list(_nested(top))
-        if any(n.op_type == "AllReduce" for n in (top, *inner)):
-            return "collectives across IPUs (ops.collectives.all_reduce)"
         if _ipus_of(inner) - {_node_ipu(top)} and _spanning_loop(top) is None:
             return (f"ops on IPUs {sorted(_ipus_of(inner))} in the graphs {top.describe()} on "
                     f"IPU {_node_ipu(top)} calls")
@@ -168,13 +241,14 @@ def placed_program(session: "Session") -> Optional["PlacedMain"]:
     ipus = ipus_per_replica(session._ir)
     if ipus < 2:
         return None
-    why = _why_not(session, ipus)
+    main, versions = _inline_calls(session)
+    why = _why_not(session, ipus, main)
     if why is not None:
         _logger.info(f"popxl.Session: {why} is not supported by the placed program; the main "
                      f"graph runs on one device per replica")
         return None
     try:
-        placed = PlacedMain(session, ipus)
+        placed = PlacedMain(session, ipus, main, versions)
     except _Unsupported as e:
         _logger.info(f"popxl.Session: {e} is not supported by the placed program; the main "
                      f"graph runs on one device per replica")
@@ -190,9 +264,10 @@ def placed_program(session: "Session") -> Optional["PlacedMain"]:
 class PlacedMain:
     """A session's main graph as stages on the devices of their IPUs (module docstring)."""
 
-    def __init__(self, session: "Session", ipus: int) -> None:
-        self.session, self.ipus, self.replicas = session, ipus, session._r
-        main = session._main_ir
+    def __init__(self, session: "Session", ipus: int, main: IRGraph, graph_versions: dict) -> None:
+        """``main``: the session's main graph with its calls inlined; ``graph_versions``: the
+        tensor versions of it and of the graphs it repeats (``_inline_calls``)."""
+        self.session, self.ipus, self.replicas, self.main = session, ipus, session._r, main
         variables = {s.graph_in: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in session._slots}
         # The ops in program order, a spanning repeat's graph's ops in its place; segment k
         # (runs of ops between and inside repeats) offsets their IPU by k * ipus, so that no
@@ -204,7 +279,7 @@ class PlacedMain:
             if callee is None:
                 flat.append((n, 2 * len(repeats)))
             else:
-                repeats.append((n, callee, _renamed(callee, f"repeat{len(repeats)}/")))
+                repeats.append((n, callee, _renamed(callee, f"repeat{len(repeats)}/".__add__)))
                 callee = repeats[-1][2]
                 flat += [(m, 2 * len(repeats) - 1) for m in callee.nodes]
         self.graphs = [main] + [c for *_, c in repeats]
@@ -224,13 +299,12 @@ class PlacedMain:
         self.nodes = [[original[id(n)] for n in nodes] for nodes in st.nodes]
         # variables: a version's variable, each callee input a repeat takes a variable's
         # version by reference (or only reads) standing for that variable
-        versions = dict(session._ir.main_graph._versions)   # in-place results -> their first id
+        versions = dict(graph_versions[id(main)])   # in-place results -> their first id
         self.loops: list[_Loop] = []
         alias = {v: v for v in variables}
         for k, (n, original_callee, callee) in enumerate(repeats):
-            for g in session._ir._graphs:
-                if g._g is original_callee:
-                    versions.update({f"repeat{k}/{a}": f"repeat{k}/{b}" for a, b in g._versions.items()})
+            versions.update({f"repeat{k}/{a}": f"repeat{k}/{b}"
+                             for a, b in graph_versions[id(original_callee)].items()})
             in_loop = [s for s, seg in enumerate(segment) if seg == 2 * k + 1]
             trips, cond = (main.initializers.get(t) for t in n.inputs[:2])
             body = n.attrs["body"]
@@ -250,13 +324,17 @@ class PlacedMain:
         var_of = {t: alias.get(versions.get(t, t)) for nodes in self.nodes for n in nodes
                   for t in [*n.inputs, *n.outputs]} | {v: v for v in variables}
         var_of = {t: v for t, v in var_of.items() if v is not None}
-        created = {s.graph_in: s.var._placement[0] for s in session._slots}
+        created = {s.graph_in: _created_ipu(s) for s in session._slots}
         self.home = {}
         for s, r in enumerate(self.reads):   # a variable's IPU: that of its first reader
             for v in sorted({var_of[t] for t in r if t in var_of}):
                 self.home.setdefault(v, st.stage_ipu[s])
-        self.home = {v: self.home.get(v, int(created[v] or 0)) for v in variables}
-        self.layout = Layout("variables", variables, self.home.__getitem__, ipus)
+        self.home = {v: self.home.get(v, created[v]) for v in variables}
+        # remote buffers kept in host memory between runs: in slots of their own (tagged),
+        # whose sharding carries the memory kind
+        kinds = {s.graph_in: s.memory_kind for s in session._slots if s.memory_kind}
+        self.layout = Layout("variables", variables, self.home.__getitem__, ipus, {t: "host" for t in kinds})
+        self.host_slots = {key: kinds[t] for t, (_, key, _) in self.layout.slots.items() if t in kinds}
         # A variable's block holds one version of it (at first its value before the run): a
         # stage on its IPU reads that version from the block and writes its last new version
         # there. The other tensors that later stages (or the end of the run) use, the stage
@@ -311,7 +389,8 @@ class PlacedMain:
 
     def state_shardings(self) -> dict:
         sharding = jax.sharding.NamedSharding(self.mesh, P(REPLICA_AXIS, IPU_AXIS))
-        return {k: sharding for k in self.layout.specs()}
+        return {k: sharding.with_memory_kind(self.host_slots[k]) if k in self.host_slots else sharding
+                for k in self.layout.specs()}
 
     @property
     def feed_sharding(self) -> jax.sharding.NamedSharding:
@@ -319,21 +398,24 @@ class PlacedMain:
         return jax.sharding.NamedSharding(self.mesh, P(REPLICA_AXIS))
 
     def pack(self, values: dict) -> dict:
-        """The slots [replicas, ipus, *block] from each variable's values [replicas, *shape]."""
-        per = [self.layout.pack({k: v[r] for k, v in values.items()}) for r in range(self.replicas)]
+        """The slots [replicas, ipus, *block] from the session's state values [replicas, ...]
+        (keyed by its slots' keys)."""
+        per = [self.layout.pack({s.graph_in: values[s.key][r] for s in self.session._slots})
+               for r in range(self.replicas)]
         return {k: np.stack([p[k] for p in per]) for k in per[0]}
 
     def unpack(self, bufs: dict) -> dict:
-        """Each variable's values [replicas, *shape] from the slots [replicas, ipus, *block]."""
+        """The session's state values [replicas, ...] (keyed by its slots' keys) from the slots
+        [replicas, ipus, *block]."""
         per = [self.layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.replicas)]
-        return {k: np.stack([p[k] for p in per]) for k in per[0]}
+        return {s.key: np.stack([p[s.graph_in] for p in per]) for s in self.session._slots}
 
     # ------------------------------------------------------------------ the program
     def _stage_fn(self, s: int, checks: list) -> Callable:
         """Stage s on its IPU's devices: (the device's blocks, received tensors, feeds) -> (the
         blocks with its variables' new versions, the tensors it sends on, the record of its
         first failed check, numbered after ``checks``, which it extends with its own)."""
-        main, sess, gs = self.session._main_ir, self.session, self.graphs
+        main, sess, gs = self.main, self.session, self.graphs
         ipu, exports = self.stages.stage_ipu[s], sorted(self.exports[s])
         sub = IRGraph(name=f"{main.name}/stage{s}", nodes=self.nodes[s],
                       tensor_info={k: v for g in gs for k, v in g.tensor_info.items()},
@@ -360,7 +442,7 @@ class PlacedMain:
         (new slots, device-to-host values [replicas, N, ...] and run-time checks)."""
         st, sess, n = self.stages, self.session, self.session._n
         d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_numpy()) for s, t in sess._d2h}
-        main, everywhere = sess._main_ir, set(range(self.ipus))
+        main, everywhere = self.main, set(range(self.ipus))
 
         def body(blocks: dict, feeds: dict) -> tuple:   # this device's [1, 1, *block], [1, N, ...]
             blocks, dev = {k: v[0, 0] for k, v in blocks.items()}, jax.lax.axis_index(IPU_AXIS)

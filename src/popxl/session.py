@@ -341,7 +341,7 @@ class Session:
         state = self._state_shardings()
         fn = self._placed.step() if self._placed else \
             self._placement.replicate(self._replica_fn(), in_axes=(0, 0))
-        host = [s.key for s in self._slots if s.memory_kind]
+        host = list(self._placed.host_slots) if self._placed else [s.key for s in self._slots if s.memory_kind]
         if host:
             fn = _in_device_memory(fn, host)
         step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),

@@ -20,9 +20,22 @@ stages in S ticks before the next starts. The backward pass is the autodiff of t
 (the permutes reversed), so the gradients are the accumulated ones of the unpipelined run and
 the update, per device, is the same optimizer code on the device's own tensors.
 
-Features the placed program does not implement (automatic loss scaling,
-replicated tensor sharding of weights or accumulators, IPUs sharing a device) run the whole model on one device as
-before; a log line says which and why.
+Replicated tensor sharding (the tensors ``rts.choose`` picks): a slot all of whose tensors are
+sharded is stored ``[ipus, padded]``, each device holding 1/R of its IPU's block (flattened,
+zero-padded as ``rts.Layout`` pads a tensor), weights and optimizer state alike. The stages
+take those weights, and the weights updated on shards or with sharded accumulators, as the
+replica's shard and all-gather them over the replica axis (the IPU's devices only): once per
+group of micro-batches, or in every tick where the accumulators are sharded. The placed
+program has no accumulator tensors (gradients accumulate in the autodiff of the tick loop and
+over groups), so a sharded accumulator is the shard's cotangent: the backward pass
+reduce-scatters each tick's gradient into it, and it is all 1/R in size. The update runs on
+the shards of the weights stored or with state stored sharded (Lamb's norms sum the shards'
+squares over the replicas; per-weight values go weight by weight in the IPU's branch), and
+all-gathers what is stored whole; a weight whose only sharded tensor is its accumulator is
+updated whole (its gradient all-gathered), as in ``rts.Layout.update``.
+
+Features the placed program does not implement (automatic loss scaling, IPUs sharing a
+device) run the whole model on one device as before; a log line says which and why.
 """
 from __future__ import annotations
 
@@ -153,24 +166,25 @@ def _unstash(tid: str) -> str:
 # ---------------------------------------------------------------------------- state layout
 class Layout:
     """Where each tensor of a named set (the weights, or the optimizer state) lives. The
-    tensors of one dtype and rank are numbered per IPU; slot j holds every IPU's j-th such
-    tensor in one array ``[ipus, *block]`` sharded over the IPU axis (key
-    ``"<kind>/<dtype>/r<rank>/<j>"``), ``block`` the largest extent of each dimension, the
-    rest zero. Uniform stages (a transformer's layers) need no padding: each device's block
-    is its tensor, and an elementwise update runs on whole blocks."""
+    tensors of one dtype, rank and tag are numbered per IPU; slot j holds every IPU's j-th
+    such tensor in one array ``[ipus, *block]`` sharded over the IPU axis (key
+    ``"<kind>/<dtype>/r<rank><tag>/<j>"``), ``block`` the largest extent of each dimension,
+    the rest zero. Uniform stages (a transformer's layers) need no padding: each device's
+    block is its tensor, and an elementwise update runs on whole blocks. A slot sharded over
+    the replicas is stored ``[ipus, padded]``: each block flattened, zero-padded and split
+    (``PlacedProgram.rts_slots``)."""
 
     def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int,
-                 frozen: frozenset = frozenset()) -> None:
+                 tags: Mapping[str, str] = {}) -> None:
         self.num_ipus = num_ipus
         self.slots: dict[str, tuple] = {}    # id -> (ipu, key, shape)
         self.blocks: dict[str, tuple] = {}   # key -> (block shape, dtype name)
         count: dict[tuple, int] = {}
-        for tid, spec in specs.items():   # ``frozen`` tensors (not trained) in slots of their own
+        for tid, spec in specs.items():   # tagged tensors (frozen, sharded) in slots of their own
             dt, shape, ipu = np.dtype(spec.dtype).name, tuple(np.shape(spec)), ipu_of(tid)
-            group = (dt, len(shape), tid in frozen)
+            group = (dt, len(shape), tags.get(tid, ""))
             j = count[group + (ipu,)] = count.get(group + (ipu,), -1) + 1
-            self._place(tid, ipu, f"{kind}/{dt}/r{len(shape)}{'f' if tid in frozen else ''}/{j}",
-                        shape, shape, dt)
+            self._place(tid, ipu, f"{kind}/{dt}/r{len(shape)}{group[2]}/{j}", shape, shape, dt)
 
     def _place(self, tid: str, ipu: int, key: str, shape: tuple, block: tuple, dt: str) -> None:
         self.slots[tid] = (ipu, key, shape)
@@ -198,16 +212,19 @@ class Layout:
             bufs[key][(ipu,) + self._part(shape)] = named[tid]
         return bufs
 
-    def unpack(self, bufs: Mapping[str, Any], ipu: Optional[int] = None) -> dict:
+    def unpack(self, bufs: Mapping[str, Any], ipu: Optional[int] = None,
+               shards: frozenset = frozenset()) -> dict:
         """Tensors from the slots: all of them from global ``[ipus, *block]`` arrays (host or
-        device), or (``ipu`` given) that IPU's tensors from its own blocks."""
+        device), or (``ipu`` given) that IPU's tensors from its own blocks (the blocks of the
+        slots in ``shards``, a replica's shards of whole blocks, as they are)."""
         out = {}
         for tid, (i, key, shape) in self.slots.items():
             if ipu is None:
                 out[tid] = bufs[key][(i,) + self._part(shape)]
             elif i == ipu:
                 block = bufs[key]
-                out[tid] = block if tuple(block.shape) == shape else block[self._part(shape)]
+                out[tid] = block if tuple(block.shape) == shape or key in shards else \
+                    block[self._part(shape)]
         return out
 
     def write(self, bufs: Mapping[str, Any], named: Mapping[str, Any]) -> dict:
@@ -218,14 +235,16 @@ class Layout:
             bufs[key] = bufs[key].at[(ipu,) + self._part(shape)].set(jnp.asarray(v, bufs[key].dtype))
         return bufs
 
-    def repack(self, blocks: Mapping[str, Any], ipu: int, named: Mapping[str, Any]) -> dict:
-        """An IPU's blocks with its tensors in ``named`` written in."""
+    def repack(self, blocks: Mapping[str, Any], ipu: int, named: Mapping[str, Any],
+               shards: frozenset = frozenset()) -> dict:
+        """An IPU's blocks with its tensors in ``named`` written in (the inverse of
+        :meth:`unpack`)."""
         blocks = dict(blocks)
         for tid, v in named.items():
             i, key, shape = self.slots[tid]
             if i == ipu:
                 v = jnp.asarray(v).astype(blocks[key].dtype)
-                blocks[key] = v if tuple(blocks[key].shape) == shape else \
+                blocks[key] = v if tuple(blocks[key].shape) == shape or key in shards else \
                     blocks[key].at[self._part(shape)].set(v)
         return blocks
 
@@ -239,8 +258,6 @@ def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
         return f"the device's {len(devs)} IPUs share {len(set(devs))} device(s)"
     if cfg.als is not None:
         return "automatic loss scaling"
-    if program.rts.scattered or program.rts.stored & set(program.variables):
-        return "replicated tensor sharding of weights or gradient accumulators"
     return None
 
 
@@ -255,7 +272,9 @@ class PlacedProgram(StepProgram):
         self.stages: Optional[StagePlan] = None
         self._stage_checks: dict[int, list] = {}   # run-time checks of each stage's trace
         self.off_chip: frozenset = frozenset()      # slots kept in host memory
-        self.rts_slots: frozenset = frozenset()     # state slots sharded over the replicas
+        self.rts_slots: frozenset = frozenset()     # slots stored sharded over the replicas
+        self.update_slots: frozenset = frozenset()  # slots the update takes as shards
+        self.tick_slots: frozenset = frozenset()    # weight slots with sharded accumulators
         self.mesh: Optional[jax.sharding.Mesh] = None
         self.weight_layout: Optional[Layout] = None
         self.state_layout: Optional[Layout] = None
@@ -285,15 +304,11 @@ class PlacedProgram(StepProgram):
         self.mesh = jax.sharding.Mesh(devs, (REPLICA_AXIS, IPU_AXIS))
         self.uses_rng = True   # keys per micro-batch and replica, folded per stage
         self._plan_layouts()
-        if self.rts_slots and not self.row_weights:
-            _logger.info("Virtual graphs: replicated tensor sharding of the optimizer state needs "
-                         "an elementwise update with the same values for every weight; the whole "
-                         "model runs on one device")
-            self.stages = self.mesh = None
-            return
         _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                      f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
-                     f"{[len(w) for w in self._weights_per_ipu()]}")
+                     f"{[len(w) for w in self._weights_per_ipu()]}; slots sharded over the "
+                     f"replicas {sorted(self.rts_slots)}, with sharded accumulators "
+                     f"{sorted(self.tick_slots)}")
 
     def _plan_layouts(self) -> None:
         """The slots of the weights and of the optimizer state (each state tensor beside its
@@ -303,35 +318,43 @@ class PlacedProgram(StepProgram):
         owner = {k: w for w in self.trainable
                  for k in (cfg.optimizer.init_state(w, self.variables[w]) if cfg.training else {})}
         ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
-        self.weight_layout = Layout("weights", self.variables, ipu_of, self.ipus,
-                                    frozenset(self.variables) - set(self.trainable))
+        rts = self.rts   # weights stored or updated on replica shards in slots of their own
+        tags = {w: ("" if w in self.trainable else "f") +
+                ("s" if w in rts.stored | rts.sharded_update else "") for w in self.variables}
+        self.weight_layout = Layout("weights", self.variables, ipu_of, self.ipus, tags)
         # Norm clipping spans IPUs: the step clips the gradient blocks (_clip), then updates
-        # with the optimizer less its clipping.
+        # with the optimizer less its clipping; on shards, Lamb's norms sum over the replicas.
         self.update_optimizer = copy.copy(cfg.optimizer)
+        self.shard_optimizer = copy.copy(cfg.optimizer)
         if cfg.training:
-            self.update_optimizer.clip_norm_settings = []
+            self.update_optimizer.clip_norm_settings = self.shard_optimizer.clip_norm_settings = []
+            self.shard_optimizer.norm_axis = REPLICA_AXIS
         self.row_weights = self._row_weights()
         state = self.init_opt_state()
         self.state_layout = Layout("state", {}, ipu_of, self.ipus)
+        beside = {self.weight_layout.slots[w][1]: set() for w in self.trainable}
         for k, w in owner.items():
             weight = self.weight_layout.slots[w]
             dt = np.dtype(state[k].dtype).name
             self.state_layout.align(k, weight, self.weight_layout.blocks[weight[1]][0],
                                     f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
-        self.off_chip = self._off_chip_slots()
-        self.rts_slots = frozenset(k for k in self.state_layout.blocks if all(
-            t in self.rts.stored for t, (_, key, _) in self.state_layout.slots.items() if key == k))
+            if np.shape(state[k]) == weight[2]:   # elementwise state: updated as the weight is
+                beside[weight[1]].add(self.state_layout.slots[k][1])
+        self.off_chip = self._slots_of(rts.off_chip)
+        self.rts_slots = self._slots_of(rts.stored)
+        self.tick_slots = self._slots_of(rts.scattered) & set(beside)
+        self.update_slots = frozenset(k for w, ss in beside.items()
+                                      if ({w} | ss) & self.rts_slots for k in {w} | ss)
 
-    def _off_chip_slots(self) -> frozenset:
-        """Slots whose tensors are all OffChip (``rts.choose`` picked them): kept in host
-        memory between steps, moved to the device for each step (not per phase: JAX's
-        shard_map does not carry memory spaces into its body)."""
-        if not self.rts.off_chip:
-            return frozenset()
+    def _slots_of(self, ids: frozenset) -> frozenset:
+        """The slots all of whose tensors are in ``ids`` (as ``rts.choose`` picked them).
+        Off-chip slots are kept in host memory between steps and moved to the device for
+        each step (not per phase: JAX's shard_map does not carry memory spaces into its
+        body)."""
         slots: dict[str, bool] = {}
         for lay in (self.weight_layout, self.state_layout):
             for tid, (_, key, _) in lay.slots.items():
-                slots[key] = slots.get(key, True) and tid in self.rts.off_chip
+                slots[key] = slots.get(key, True) and tid in ids
         return frozenset(k for k, v in slots.items() if v)
 
     def share_state_layout(self, other: StepProgram) -> None:
@@ -339,8 +362,9 @@ class PlacedProgram(StepProgram):
             where = ("placed on the IPUs' devices", "on one device")
             raise IrError(f"The forward-only program runs {where[not self.placed]} but the "
                           f"training program {where[self.placed]}: they cannot share the weights")
-        if self.placed:
+        if self.placed:   # the training program's weight slots, sharded ones too
             self.weight_layout = other.weight_layout
+            self.rts_slots = other.rts_slots & set(other.weight_layout.blocks)
 
     def _plan_stash_anchors(self, stash: list) -> None:
         """``Stashed___X`` / ``Restored___X`` anchors: activation X of a pipelined training
@@ -363,9 +387,9 @@ class PlacedProgram(StepProgram):
         return jnp.asarray(env[_unstash(tid)])
 
     def _row_weights(self) -> dict[str, str]:
-        """Elementwise updates of whole blocks: per weight slot, a weight whose optimizer
-        values every weight of the slot shares (empty when the update needs each weight
-        apart: Lamb's norms, per-weight values)."""
+        """Elementwise updates of whole blocks (or their shards): per weight slot, a weight
+        whose optimizer values every weight of the slot shares (empty when the update needs
+        each weight apart: Lamb's norms, per-weight values)."""
         opt = self.update_optimizer
         if not self.cfg.training or not opt.elementwise:
             return {}
@@ -424,29 +448,32 @@ class PlacedProgram(StepProgram):
             return sh.with_memory_kind(HOST_MEMORY) if k in self.off_chip else sh
         return {k: of(k) for k in layout.blocks}
 
-    def _slot_spec(self, key: str) -> Any:
-        """A slot's partition: over the IPUs, and over the replicas for sharded state."""
+    def _slot_spec(self, key: str, sharded: Optional[frozenset] = None) -> Any:
+        """A slot's partition: over the IPUs, and over the replicas for the slots in
+        ``sharded`` (default: those stored sharded)."""
         P = jax.sharding.PartitionSpec
-        return P(IPU_AXIS, REPLICA_AXIS) if key in self.rts_slots else P(IPU_AXIS)
+        sharded = self.rts_slots if sharded is None else sharded
+        return P(IPU_AXIS, REPLICA_AXIS) if key in sharded else P(IPU_AXIS)
 
-    def _chunk(self, key: str) -> tuple[int, int]:
-        """(elements of a replica-sharded slot's block, elements per replica)."""
-        n = int(np.prod(self.state_layout.blocks[key][0], dtype=np.int64))
-        return n, -(-n // self.cfg.replication_factor)
+    def _block(self, key: str) -> tuple:
+        """The block shape of a weight or state slot."""
+        return (self.weight_layout if key.startswith("weights/") else self.state_layout).blocks[key][0]
 
-    def _sharded_slots(self, bufs: Mapping[str, Any], to_shards: bool) -> dict:
-        """Slots ``[ipus, *block]`` as replica-sharded ``[ipus, R * chunk]`` (flattened,
-        zero-padded) or back; host or traced arrays."""
+    def _sharded_slots(self, bufs: Mapping[str, Any], to_shards: bool,
+                       keys: Optional[frozenset] = None) -> dict:
+        """Slots ``[ipus, *block]`` as replica-sharded ``[ipus, padded]`` (each block as
+        ``rts.Layout.shard`` stores a tensor) or back: the slots in ``keys`` (default: those
+        stored sharded); host or traced (global) arrays."""
         out = dict(bufs)
-        for k in self.rts_slots & set(bufs):
-            n, c = self._chunk(k)
-            v, R = bufs[k], self.cfg.replication_factor
+        for k in (self.rts_slots if keys is None else keys) & set(bufs):
+            v, block = bufs[k], self._block(k)
+            n, padded = int(np.prod(block, dtype=np.int64)), self.rts.padded(block)
             if to_shards:
                 flat = v.reshape(v.shape[0], -1)
-                out[k] = flat if R * c == n else (np.pad if isinstance(v, np.ndarray) else jnp.pad)(
-                    flat, ((0, 0), (0, R * c - n)))
+                out[k] = flat if padded == n else (np.pad if isinstance(v, np.ndarray) else jnp.pad)(
+                    flat, ((0, 0), (0, padded - n)))
             else:
-                out[k] = v[:, :n].reshape((v.shape[0],) + self.state_layout.blocks[k][0])
+                out[k] = v[:, :n].reshape((v.shape[0],) + block)
         return out
 
     def _mesh_sharding(self, *spec: Any) -> jax.sharding.NamedSharding:
@@ -469,9 +496,8 @@ class PlacedProgram(StepProgram):
             return super().state_specs(named)
         layout = self._layout(named)
         specs = layout.specs()
-        for k in self.rts_slots & set(specs):   # replica-sharded state: [ipus, R * chunk]
-            specs[k] = jax.ShapeDtypeStruct((self.ipus, self.cfg.replication_factor * self._chunk(k)[1]),
-                                            specs[k].dtype)
+        for k in self.rts_slots & set(specs):   # replica-sharded: [ipus, padded]
+            specs[k] = jax.ShapeDtypeStruct((self.ipus, self.rts.padded(self._block(k))), specs[k].dtype)
         return specs
 
     def put(self, tree: Any) -> Any:
@@ -574,10 +600,24 @@ class PlacedProgram(StepProgram):
             return self.tensor_specs[_unstash(k)]
         return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
+    @property
+    def view_slots(self) -> frozenset:
+        """The weight slots the stages take as this replica's shards (all-gathered before
+        use, their gradients reduce-scattered): those stored sharded, updated on shards, or
+        with sharded accumulators."""
+        return (self.rts_slots | self.update_slots | self.tick_slots) & set(self.weight_layout.blocks)
+
+    def _gather(self, blocks: Mapping[str, Any], keys: frozenset) -> dict:
+        """This device's blocks, those of the slots in ``keys`` all-gathered from shards."""
+        return {k: self.rts.unshard_local(v, self._block(k)) if k in keys else v
+                for k, v in blocks.items()}
+
     def _pipeline(self, wlayout: Layout):
         """(weight blocks of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
         anchors {id: [1, 1, T, ...]}) for M micro-batches of one replica through the stages,
-        inside shard_map."""
+        inside shard_map. Sharded weights are all-gathered once, those with sharded
+        accumulators in every tick (the backward pass reduce-scatters each tick's gradient
+        into their shards)."""
         st = self.stages
         S, ipus = st.num_stages, self.ipus
         stage_fns = [self._stage_fn(s) for s in range(S)]
@@ -589,11 +629,12 @@ class PlacedProgram(StepProgram):
         def body(blocks, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
             M = keys.shape[0]
             dev = jax.lax.axis_index(IPU_AXIS)
-            blocks = {k: v[0] for k, v in blocks.items()}
+            blocks = self._gather({k: v[0] for k, v in blocks.items()},
+                                  self.view_slots - self.tick_slots)
             feeds, keys = {k: v[:, 0] for k, v in feeds.items()}, keys[:, 0]
 
             def device_branch(d):
-                def branch(bufs, t):
+                def branch(bufs, t, blocks):
                     weights = wlayout.unpack(blocks, d)   # sliced in the branch: only d's
                     sent = [self._zeros(st.boundary[s]) for s in range(S - 1)]
                     anchors, loss = {}, jnp.zeros((), jnp.float32)
@@ -624,7 +665,8 @@ class PlacedProgram(StepProgram):
 
             def tick(carry, t):
                 bufs, loss_acc = carry
-                sent, anchors, loss = jax.lax.switch(dev, branches, bufs, t)
+                sent, anchors, loss = jax.lax.switch(dev, branches, bufs, t,
+                                                     self._gather(blocks, self.tick_slots))
                 moved = []
                 for s in range(S - 1):
                     a, b = st.stage_ipu[s], st.stage_ipu[s + 1]
@@ -667,8 +709,9 @@ class PlacedProgram(StepProgram):
         def run_group(wbufs, wlayout, feeds, keys, hyper):
             """M micro-batches of every replica (feeds [M, R, ...]): (loss sum, anchors
             {id: [M, R, ...]})."""
+            wspec = {k: self._slot_spec(k, self.view_slots) for k in wbufs}
             body = jax.shard_map(self._pipeline(wlayout), mesh=self.mesh,
-                                 in_specs=(P(IPU_AXIS), P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
+                                 in_specs=(wspec, P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
                                  out_specs=(P(REPLICA_AXIS, IPU_AXIS),) * 2, check_vma=False)
             losses, anchors = body(wbufs, feeds, keys, hyper)
             out = {a: jnp.swapaxes(v[:, st.stage_ipu[anchor_stage[a]],
@@ -680,33 +723,42 @@ class PlacedProgram(StepProgram):
             return jnp.sum(losses), out
 
         def update(wlayout, slayout, wbufs, gbufs, sbufs, hyper):
-            """The optimizer on each device's own weights and state."""
-            ipus = self.ipus
+            """The optimizer on each device's own weights and state: on this replica's shards
+            for the slots in ``update_slots`` (gradients reduce-scattered, the rest sliced),
+            else on whole blocks (sharded accumulators all-gathered)."""
+            ipus, on, views = self.ipus, self.update_slots, self.view_slots
 
             def body(w, g, s, h):
                 w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own blocks
-                g = self._clip(g, h)
+                g = self._clip(g, h, views)
+                w, s = ({k: self.rts.shard_local(v) if k in on - self.rts_slots else v
+                         for k, v in x.items()} for x in (w, s))
+                g = self._gather(g, views - on)
                 if self.row_weights:
                     w, s = self._row_update(w, g, s, h)
-                    return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
-
-                def branch(d):
-                    def f(w, g, s):
-                        mine = [k for k in trainable if wlayout.slots[k][0] == d]
-                        if not mine:
-                            return w, s
-                        ws, gs = wlayout.unpack(w, d), wlayout.unpack(g, d)
-                        new_w, new_s = self.update_optimizer.apply({k: ws[k] for k in mine},
-                                                           {k: gs[k] for k in mine},
-                                                           slayout.unpack(s, d), h)
-                        return wlayout.repack(w, d, new_w), slayout.repack(s, d, new_s)
-                    return f
-                w, s = jax.lax.switch(jax.lax.axis_index(IPU_AXIS), [branch(d) for d in range(ipus)],
-                                      w, g, s)
+                else:
+                    def branch(d):
+                        def f(w, g, s):
+                            mine = [k for k in trainable if wlayout.slots[k][0] == d]
+                            ws, gs = wlayout.unpack(w, d, on), wlayout.unpack(g, d, on)
+                            ss, new_w, new_s = slayout.unpack(s, d, on), {}, {}
+                            for sharded in (False, True):
+                                ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
+                                if ids:
+                                    nw, ns = self._optimizer(sharded).apply(
+                                        {k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss, h)
+                                    new_w.update(nw)
+                                    new_s.update(ns)
+                            return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
+                        return f
+                    w, s = jax.lax.switch(jax.lax.axis_index(IPU_AXIS),
+                                          [branch(d) for d in range(ipus)], w, g, s)
+                w, s = (self._gather(x, on - self.rts_slots) for x in (w, s))
                 return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
-            sspec = {k: self._slot_spec(k) for k in sbufs}
-            return jax.shard_map(body, mesh=self.mesh, in_specs=(P(IPU_AXIS), P(IPU_AXIS), sspec, P()),
-                                 out_specs=(P(IPU_AXIS), sspec), check_vma=False)(
+            wspec, sspec = ({k: self._slot_spec(k) for k in x} for x in (wbufs, sbufs))
+            gspec = {k: self._slot_spec(k, views) for k in gbufs}
+            return jax.shard_map(body, mesh=self.mesh, in_specs=(wspec, gspec, sspec, P()),
+                                 out_specs=(wspec, sspec), check_vma=False)(
                 wbufs, gbufs, sbufs, hyper)
 
         def step(weights, opt_state, key_data, feeds, hyper):
@@ -724,22 +776,31 @@ class PlacedProgram(StepProgram):
                               for p in self._probes()}   # gradients of activations: per micro-batch
                     (_, anchors), (grads, pgrads) = jax.value_and_grad(
                         lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], hyper),
-                        argnums=(0, 1), has_aux=True)(wbufs, probes)
+                        argnums=(0, 1), has_aux=True)(wview, probes)
                     anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()})
                     return jax.tree_util.tree_map(jnp.add, gacc, grads), anchors
-                zeros = jax.tree_util.tree_map(jnp.zeros_like, wbufs)
+                # the stages' weights: shards where view_slots says; their gradients, and so
+                # the accumulators, are shards too
+                wview = self._sharded_slots(wbufs, True, self.view_slots - self.rts_slots)
+                zeros = jax.tree_util.tree_map(jnp.zeros_like, wview)
                 gbufs, anchors = _scan(group, zeros, (bfeeds, keys))
                 vals = self._per_micro(anchors)
                 if cfg.mean_reduction:
                     gbufs = jax.tree_util.tree_map(lambda g: g / (A * R), gbufs)
-                grads = wlayout.unpack(gbufs)
-                for a in grad_anchors:   # the accumulated gradient, as the plain program gives
-                    vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
-                                               (A, R) + self.anchor_specs[a].shape)
-                wbufs, sbufs = update(wlayout, slayout, wbufs, gbufs, sbufs, hyper)
+                if grad_anchors:   # the accumulated gradient, as the plain program gives
+                    grads = wlayout.unpack(self._sharded_slots(gbufs, False, self.view_slots))
+                    for a in grad_anchors:
+                        vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
+                                                   (A, R) + self.anchor_specs[a].shape)
+                trained = {wlayout.slots[k][1] for k in trainable}
+                wbufs, sbufs = update(wlayout, slayout, wbufs, {k: gbufs[k] for k in trained},
+                                      sbufs, hyper)
                 # variables ops write: the last micro-batch's value, averaged over the replicas
-                wbufs = wlayout.write(wbufs, {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
-                                              for a in list(vals) if a.startswith(ASSIGN + "/")})
+                written = {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
+                           for a in list(vals) if a.startswith(ASSIGN + "/")}
+                slots = frozenset(wlayout.slots[v][1] for v in written)
+                wbufs = self._sharded_slots(wlayout.write(self._sharded_slots(
+                    wbufs, False, slots), written), True, slots)
                 state = slayout.unpack(self._sharded_slots(sbufs, False))
                 for a in anchor_opt:
                     vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
@@ -758,10 +819,11 @@ class PlacedProgram(StepProgram):
             return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
         return step
 
-    def _clip(self, g: dict, h: dict) -> dict:
-        """The optimizer's gradient norm clipping on this device's gradient blocks: each
-        group's norm of the unscaled gradients summed over the IPUs (a psum), its factor
-        applied to the group's elements, group after group as Optimizer.apply does."""
+    def _clip(self, g: dict, h: dict, sharded: frozenset) -> dict:
+        """The optimizer's gradient norm clipping on this device's gradient blocks (the
+        replica's shards of those in ``sharded``): each group's norm of the unscaled gradients
+        summed over the IPUs (and the shards over the replicas), its factor applied to the
+        group's elements, group after group as Optimizer.apply does."""
         opt = self.cfg.optimizer
         if not self.cfg.training or not opt.clip_norm_settings:
             return g
@@ -779,31 +841,32 @@ class PlacedProgram(StepProgram):
                 ipu, key, _ = lay.slots[i]
                 masks[key][ipu] = True   # the rest of a block is zero
             mine = {k: jnp.asarray(m)[dev] for k, m in masks.items()}
-            part = sum(jnp.where(mine[k], jnp.sum(jnp.square(g[k].astype(jnp.float32) / ls)), 0.0)
-                       for k in g)
+            parts = {k: jnp.where(mine[k], jnp.sum(jnp.square(v.astype(jnp.float32) / ls)), 0.0)
+                     for k, v in g.items()}
+            part = sum(v for k, v in parts.items() if k not in sharded)
+            if sharded & set(g):
+                part = part + jax.lax.psum(sum(v for k, v in parts.items() if k in sharded),
+                                           REPLICA_AXIS)
             norm = jnp.sqrt(jax.lax.psum(part, IPU_AXIS))
             factor = c.maxNorm / jnp.maximum(norm, c.maxNorm)
             g = {k: jnp.where(mine[k], v * factor.astype(v.dtype), v) for k, v in g.items()}
         return g
 
+    def _optimizer(self, on_shards: bool) -> Any:
+        """The optimizer of an update on whole tensors, or on shards (norms over replicas)."""
+        return self.shard_optimizer if on_shards else self.update_optimizer
+
     def _row_update(self, w: dict, g: dict, s: dict, h: dict) -> tuple[dict, dict]:
-        """An elementwise optimizer on whole blocks, in place: each weight slot updated as
-        one weight (its representative's values), with the state slots beside it."""
-        opt, lay = self.update_optimizer, self.state_layout
-        w, s = dict(w), dict(s)
+        """The optimizer on whole blocks (or their shards, ``update_slots``), in place: each
+        weight slot updated as one weight (its representative's values), with the state
+        slots beside it."""
+        lay, w, s = self.state_layout, dict(w), dict(s)
         for wkey, r in self.row_weights.items():
+            opt = self._optimizer(wkey in self.update_slots)
             keys = {sid: lay.slots[sid][1] for sid in opt.init_state(r, self.variables[r])}
-            sharded = [k for k in keys.values() if k in self.rts_slots]
-            wk, gk = w[wkey], g[wkey]
-            if sharded:   # this replica's chunk of the weight's block, beside its state's
-                n, c = self._chunk(sharded[0])
-                start = jax.lax.axis_index(REPLICA_AXIS) * c
-                wk, gk = (jax.lax.dynamic_slice(jnp.pad(jnp.ravel(v), (0, self.cfg.replication_factor
-                                                                        * c - n)), (start,), (c,))
-                          for v in (wk, gk))
-            new_w, new_s = opt.apply({r: wk}, {r: gk}, {sid: s[key] for sid, key in keys.items()}, h)
-            w[wkey] = new_w[r] if not sharded else jax.lax.all_gather(
-                new_w[r], REPLICA_AXIS, tiled=True)[:n].reshape(w[wkey].shape)
+            new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]},
+                                     {sid: s[key] for sid, key in keys.items()}, h)
+            w[wkey] = new_w[r]
             s.update({keys[sid]: v for sid, v in new_s.items()})
         return w, s
 

@@ -95,6 +95,20 @@ class Layout:
         n = int(np.prod(shape, dtype=np.int64))
         return self._constrain(x, False)[:n].reshape(shape)
 
+    def shard_local(self, x: Any) -> Any:
+        """Inside a shard_map over ``REPLICA_AXIS``: this replica's shard of the whole tensor
+        ``x`` (its slice of :meth:`shard`'s result)."""
+        n = self.padded(jnp.shape(x))
+        flat = jnp.pad(jnp.ravel(x), (0, n - jnp.size(x)))
+        return jax.lax.dynamic_slice(flat, (jax.lax.axis_index(REPLICA_AXIS) * (n // self.R),),
+                                     (n // self.R,))
+
+    def unshard_local(self, x: Any, shape: tuple) -> Any:
+        """Inside a shard_map over ``REPLICA_AXIS``: the whole tensor of ``shape`` from this
+        replica's shard ``x`` (an all-gather; the inverse of :meth:`shard_local`)."""
+        n = int(np.prod(shape, dtype=np.int64))
+        return jax.lax.all_gather(x, REPLICA_AXIS, tiled=True)[:n].reshape(shape)
+
     def gather(self, tree: Mapping[str, Any]) -> dict:
         """Every tensor of ``tree`` whole (sharded ones all-gathered)."""
         return {k: self.unshard(v, self.shapes[k]) if k in self.stored else v
