@@ -212,3 +212,27 @@ def test_segments_leave_out_ops_with_side_effects():
     for k, v in runs["NoRecompute"][1].items():
         np.testing.assert_allclose(runs["RecomputeAll"][1][k], v, rtol=1e-6)
     np.testing.assert_allclose(runs["RecomputeAll"][2], runs["NoRecompute"][2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("devices", [2, 1])
+def test_replicated_recomputation_has_the_same_numbers(devices):
+    """Two replicas on their own devices (shard_map) or sharing one (vmap), accumulation 2."""
+    def run(manual):
+        b, x, loss, _ = deep(manual, layers=4, width=16, batch=8)()
+        o = popart.SessionOptions()
+        o.enableReplicatedGraphs, o.replicatedGraphCount = True, 2
+        o.enableGradientAccumulation, o.accumulationFactor = True, 2
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(2, [loss]), loss,
+                                   popart.SGD({"defaultLearningRate": (0.05, False)}),
+                                   popart.DeviceManager().acquireAvailableDevice(devices), userOptions=o)
+        s.prepareDevice()
+        out = s.initAnchorArrays()
+        s.run(popart.PyStepIO({x: np.random.RandomState(1).randn(2, 2, 2, 8, 16).astype(np.float32)}, out))
+        w = np.zeros((16, 16), np.float32)
+        s.weightsToHost()
+        s.readWeights(popart.PyWeightsIO({"w0": w}))
+        return s, out[loss], w
+    (_, l0, w0), (s, l1, w1) = run(False), run(True)
+    assert s._program.segments
+    np.testing.assert_array_equal(l1, l0)
+    np.testing.assert_array_equal(w1, w0)

@@ -35,6 +35,9 @@ after the loss's type), ``summedHistograms``, ``summedCastedHistograms``,
 ``summedHistograms_reduced`` and ``Gradient___<id>_statistics`` (each tracked gradient's
 Histogram output).
 
+A placed program (``engine/pipeline.py``) forms no per-micro-batch weight gradients; it takes
+the histograms from :meth:`AlsPlan.tap`, the same rule applied to a tensor's cotangent.
+
 Which gradients are tracked is :func:`tracked_tensors`; the misuse errors are
 :func:`check_settings` and :func:`plan` (PopART's words). Not matched: the loss is scaled in
 its own type, so a float16 loss with ``finalLossScale`` above 65504 overflows, where PopART's
@@ -375,16 +378,33 @@ class AlsPlan:
         final = static * opt_state[FACTOR]
         return opt_state, {**hyper, "lossScaling": final, UPDATE: on}, final, static
 
+    def histogram(self, g: Any) -> Any:
+        """[2] uint32: gradient g's [count |g| < level, count of the rest] (inf and NaN are
+        not below the level)."""
+        lower = jnp.sum(jnp.abs(g) < jnp.asarray(self.level, jnp.float16), dtype=jnp.uint32)
+        return jnp.stack([lower, jnp.uint32(np.size(g)) - lower])
+
     def histograms(self, grads: Sequence[Any], on: Any) -> Any:
-        """[tracked, 2] uint32: each gradient's [count |g| < level, count of the rest] (inf
-        and NaN are not below the level); zeros when this batch does not update."""
-        level = jnp.asarray(self.level, jnp.float16)
-        rows = []
-        for g in grads:
-            lower = jnp.sum(jnp.abs(g) < level, dtype=jnp.uint32)
-            rows.append(jnp.stack([lower, jnp.uint32(np.size(g)) - lower]))
-        stats = jnp.stack(rows)
+        """[tracked, 2] uint32: each gradient's :meth:`histogram`; zeros when this batch does
+        not update (``on`` false)."""
+        return self.gate(jnp.stack([self.histogram(g) for g in grads]), on)
+
+    @staticmethod
+    def gate(stats: Any, on: Any) -> Any:
+        """Statistics, or zeros in a batch that does not update."""
         return jnp.where(on, stats, jnp.zeros_like(stats))
+
+    def tap(self, x: Any, stat: Any) -> Any:
+        """x, with the histogram of its gradient as the gradient of ``stat`` (a float32 [2]
+        zero): the statistics of a gradient that only autodiff forms (x's cotangent passes
+        through unchanged)."""
+        @jax.custom_vjp
+        def f(x: Any, stat: Any) -> Any:
+            return x
+
+        f.defvjp(lambda x, stat: (x, None),
+                 lambda _, g: (g, self.histogram(g).astype(jnp.float32)))
+        return f(x, stat)
 
     def update(self, factor: Any, stats: Any, on: Any) -> Any:
         """LossScaleUpdateOpx: halve when upper > f * lower, else double (float32 compare);

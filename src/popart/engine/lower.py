@@ -13,7 +13,7 @@ import functools
 import itertools
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +83,7 @@ class TraceState:
     options: Any = None
     platform: str = field(default_factory=jax.default_backend)  # where the program runs
     probes: Mapping[str, Any] = field(default_factory=dict)  # id -> zero probe (intermediate grads)
+    taps: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)  # id -> identity fn
     assignments: dict = field(default_factory=dict)  # variable id -> new value (e.g. BN stats)
     remote_buffers: dict = field(default_factory=dict)  # RemoteStore / RemoteLoad, one execution
     checks: list = field(default_factory=list)     # records of NodeCtx.check in this trace
@@ -377,6 +378,8 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
     for tid in list(local):
         if tid in state.probes:
             local[tid] = local[tid] + state.probes[tid]
+        if tid in state.taps:
+            local[tid] = state.taps[tid](local[tid])
     remat = state.remat if state.remat is not None and state.remat.nodes is graph.nodes else None
     for i, node in enumerate(graph.nodes):
         if remat is not None and i in remat.members:   # runs with its segment, at its end
@@ -391,6 +394,8 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
             if tid:
                 if tid in state.probes and val is not None:
                     val = val + state.probes[tid]
+                if tid in state.taps and val is not None:
+                    val = state.taps[tid](val)
                 local[tid] = val
     return local
 
@@ -493,17 +498,20 @@ def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: 
           weights: Optional[Mapping[str, Any]] = None, replica_axis: Optional[str] = None,
           replication_factor: int = 1, options: Any = None, platform: Optional[str] = None,
           probes: Optional[Mapping[str, Any]] = None, remat: Optional[Remat] = None,
-          effects: Optional[set] = None) -> Trace:
+          effects: Optional[set] = None,
+          taps: Optional[Mapping[str, Callable[[Any], Any]]] = None) -> Trace:
     """Trace ``graph`` once on ``feeds`` (and ``weights``, which override initializers):
     the engine's one entry for front-ends. ``key`` is the base PRNG key (default key(0));
     ``replica_axis`` the vmap / shard_map axis replicas run under; ``probes`` zero tensors
-    added to intermediate tensors whose gradients a session anchors; ``remat`` the graph's
+    added to intermediate tensors whose gradients a session anchors; ``taps`` functions
+    applied to tensors where they enter the trace (identities in value whose backward pass
+    records statistics of the gradient, e.g. ``als.AlsPlan.tap``); ``remat`` the graph's
     recompute segments; ``effects`` a set that collects id(node) of the nodes with side
     effects (what a segment may not hold)."""
     state = TraceState(training=training, rng_key=key, replica_axis=replica_axis,
                        replication_factor=replication_factor, options=options,
-                       probes=probes or {}, platform=platform or jax.default_backend(),
-                       remat=remat, effects=effects)
+                       probes=probes or {}, taps=taps or {},
+                       platform=platform or jax.default_backend(), remat=remat, effects=effects)
     return Trace(execute(graph, feeds, state, weights=weights), state)
 
 

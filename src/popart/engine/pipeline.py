@@ -34,8 +34,15 @@ squares over the replicas; per-weight values go weight by weight in the IPU's br
 all-gathers what is stored whole; a weight whose only sharded tensor is its accumulator is
 updated whole (its gradient all-gathered), as in ``rts.Layout.update``.
 
-Features the placed program does not implement (automatic loss scaling, IPUs sharing a
-device) run the whole model on one device as before; a log line says which and why.
+Automatic loss scaling: no per-micro-batch gradient of a weight exists here, so each tracked
+tensor is tapped (``als.AlsPlan.tap``) in the stage computing (or owning) it, where its
+cotangent is its total gradient; the tap gives that gradient's histogram as the gradient of a
+zero statistics input fed per micro-batch like the probes. The batch then runs the one-device
+step's ALS code on those histograms. The factor and the updatePeriod counter belong to no IPU:
+they are replicated entries beside the state slots (``Layout.add_global``).
+
+IPUs sharing a device (fewer devices than IPUs) run the whole model on one device as before; a
+log line says so.
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ from .compiled import CompiledStep, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
 from .rts import HOST_MEMORY
+from . import als as _als
 from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan
 
 IPU_AXIS = "ipu"
@@ -64,6 +72,7 @@ STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
 CHECK_IDS = 1 << 16   # the run-time checks of stage s have ids s * CHECK_IDS + i
 ASSIGN = "__assign__"  # a stage's new value of a variable an op writes, passed like an anchor
 PROBE = "__probe__"    # zeros added to a tensor whose gradient is anchored, passed like a feed
+TAP = "__tap__"        # ALS: zeros whose gradient is a tracked gradient's histogram, like a feed
 _logger = getLogger("session")
 
 
@@ -176,9 +185,11 @@ class Layout:
 
     def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int,
                  tags: Mapping[str, str] = {}) -> None:
-        self.num_ipus = num_ipus
+        self.num_ipus, self.kind = num_ipus, kind
         self.slots: dict[str, tuple] = {}    # id -> (ipu, key, shape)
         self.blocks: dict[str, tuple] = {}   # key -> (block shape, dtype name)
+        self.globals: dict[str, str] = {}    # id -> key of a replicated tensor (add_global)
+        self.global_specs: dict[str, Any] = {}   # key -> ShapeDtypeStruct
         count: dict[tuple, int] = {}
         for tid, spec in specs.items():   # tagged tensors (frozen, sharded) in slots of their own
             dt, shape, ipu = np.dtype(spec.dtype).name, tuple(np.shape(spec)), ipu_of(tid)
@@ -198,9 +209,19 @@ class Layout:
         elementwise update then runs on both blocks at once), else its own shape."""
         self._place(tid, weight[0], key, shape, weight_block if shape == weight[2] else shape, dt)
 
+    def add_global(self, tid: str, value: Any) -> None:
+        """A tensor no IPU owns (automatic loss scaling's factor and counter): stored whole,
+        replicated on every device, under its own key."""
+        key = self.globals[tid] = f"{self.kind}/global/{tid}"
+        self.global_specs[key] = jax.ShapeDtypeStruct(np.shape(value), np.asarray(value).dtype)
+
+    @property
+    def ids(self) -> set:
+        return set(self.slots) | set(self.globals)
+
     def specs(self) -> dict:
-        return {key: jax.ShapeDtypeStruct((self.num_ipus,) + block, np.dtype(dt))
-                for key, (block, dt) in self.blocks.items()}
+        return {**{key: jax.ShapeDtypeStruct((self.num_ipus,) + block, np.dtype(dt))
+                   for key, (block, dt) in self.blocks.items()}, **self.global_specs}
 
     @staticmethod
     def _part(shape: tuple) -> tuple:
@@ -210,14 +231,17 @@ class Layout:
         bufs = {key: np.zeros(s.shape, s.dtype) for key, s in self.specs().items()}
         for tid, (ipu, key, shape) in self.slots.items():
             bufs[key][(ipu,) + self._part(shape)] = named[tid]
+        for tid, key in self.globals.items():
+            bufs[key][...] = named[tid]
         return bufs
 
     def unpack(self, bufs: Mapping[str, Any], ipu: Optional[int] = None,
                shards: frozenset = frozenset()) -> dict:
         """Tensors from the slots: all of them from global ``[ipus, *block]`` arrays (host or
         device), or (``ipu`` given) that IPU's tensors from its own blocks (the blocks of the
-        slots in ``shards``, a replica's shards of whole blocks, as they are)."""
-        out = {}
+        slots in ``shards``, a replica's shards of whole blocks, as they are); the global
+        tensors with all of them."""
+        out = {} if ipu is not None else {tid: bufs[key] for tid, key in self.globals.items()}
         for tid, (i, key, shape) in self.slots.items():
             if ipu is None:
                 out[tid] = bufs[key][(i,) + self._part(shape)]
@@ -231,6 +255,10 @@ class Layout:
         """Global ``[ipus, *block]`` arrays with the tensors in ``named`` written in."""
         bufs = dict(bufs)
         for tid, v in named.items():
+            if tid in self.globals:
+                key = self.globals[tid]
+                bufs[key] = jnp.asarray(v, bufs[key].dtype)
+                continue
             ipu, key, shape = self.slots[tid]
             bufs[key] = bufs[key].at[(ipu,) + self._part(shape)].set(jnp.asarray(v, bufs[key].dtype))
         return bufs
@@ -252,12 +280,9 @@ class Layout:
 # ---------------------------------------------------------------------------- the program
 def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
     """Why ``program`` cannot run with its virtual graphs placed (None: it can)."""
-    cfg = program.cfg
     devs = list(getattr(device, "jax_devices", None) or [])
     if len(set(devs)) < len(devs):
         return f"the device's {len(devs)} IPUs share {len(set(devs))} device(s)"
-    if cfg.als is not None:
-        return "automatic loss scaling"
     return None
 
 
@@ -340,6 +365,8 @@ class PlacedProgram(StepProgram):
                                     f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
             if np.shape(state[k]) == weight[2]:   # elementwise state: updated as the weight is
                 beside[weight[1]].add(self.state_layout.slots[k][1])
+        for k in [k for k in state if k not in owner]:   # no weight's: automatic loss scaling's
+            self.state_layout.add_global(k, state[k])
         self.off_chip = self._slots_of(rts.off_chip)
         self.rts_slots = self._slots_of(rts.stored)
         self.tick_slots = self._slots_of(rts.scattered) & set(beside)
@@ -426,7 +453,7 @@ class PlacedProgram(StepProgram):
         ids = set(names)
         if ids == set(self.variables):
             return self.weight_layout
-        if ids == set(self.state_layout.slots):
+        if ids == self.state_layout.ids:
             return self.state_layout
         raise IrError(f"Internal error: {sorted(ids)[:5]} are neither the weights nor the "
                       f"optimizer state of the placed program")
@@ -440,13 +467,15 @@ class PlacedProgram(StepProgram):
         memory (the step's arguments and results there: the compiled program moves them to
         the device and back)."""
         sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(IPU_AXIS))
-        if layout is None or not (self.off_chip or self.rts_slots):
+        if layout is None or not (self.off_chip or self.rts_slots or layout.globals):
             return sharding
 
         def of(k: str) -> jax.sharding.Sharding:
+            if k in layout.global_specs:   # replicated
+                return self._mesh_sharding()
             sh = jax.sharding.NamedSharding(self.mesh, self._slot_spec(k))
             return sh.with_memory_kind(HOST_MEMORY) if k in self.off_chip else sh
-        return {k: of(k) for k in layout.blocks}
+        return {k: of(k) for k in layout.specs()}
 
     def _slot_spec(self, key: str, sharded: Optional[frozenset] = None) -> Any:
         """A slot's partition: over the IPUs, and over the replicas for the slots in
@@ -539,9 +568,11 @@ class PlacedProgram(StepProgram):
 
         def run(weights, feeds, received, key, hyper):
             probes = {k[len(PROBE) + 1:]: v for k, v in feeds.items() if k.startswith(PROBE + "/")}
-            feeds = {k: v for k, v in feeds.items() if not k.startswith(PROBE + "/")}
+            taps = {k[len(TAP) + 1:]: (lambda x, stat=v: self.als.tap(x, stat))
+                    for k, v in feeds.items() if k.startswith(TAP + "/")}
+            feeds = {k: v for k, v in feeds.items() if not k.startswith((PROBE + "/", TAP + "/"))}
             t = self._trace(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
-                            training=cfg.training, graph=sub)
+                            training=cfg.training, graph=sub, taps=taps)
             env = t.env
             out = {k: jnp.asarray(env[k]) for k in sends}
             anc = {a: self._value(env, a) for a in anchors if a != check and a not in assigns}
@@ -577,7 +608,14 @@ class PlacedProgram(StepProgram):
     def _probes(self) -> list[str]:
         """The tensors (not weights) whose gradients are anchored."""
         return [a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)
-                and a[len(GRAD_PREFIX):] not in self.variables] if self.cfg.training else []
+                and a[len(GRAD_PREFIX):] not in self.variables
+                and a not in self.als_anchors] if self.cfg.training else []
+
+    def _tracked(self) -> list[str]:
+        """The tensors whose gradients automatic loss scaling tracks: each is tapped
+        (``als.AlsPlan.tap``) in the stage that computes (or owns) it, where its cotangent is
+        its total gradient."""
+        return list(self.als.tracked) if self.als is not None else []
 
     def _probe_stages(self, x: str) -> list[int]:
         """Where tensor x's probe is added: the stage computing it, or every stage reading
@@ -588,7 +626,7 @@ class PlacedProgram(StepProgram):
         return [s for s in range(st.num_stages) if any(x in reads(nd) for nd in st.nodes[s])]
 
     def _fwd_anchor_ids(self) -> list[str]:
-        opt = set(self.opt_state_ids())
+        opt = set(self.opt_state_ids()) | self.als_anchors
         return [a for a in self.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
 
     def _zeros(self, ids) -> dict:
@@ -623,7 +661,8 @@ class PlacedProgram(StepProgram):
         stage_fns = [self._stage_fn(s) for s in range(S)]
         feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in self.input_infos} |
                               {a for a in stage_fns[s][2] if a in self.input_infos} |
-                              {f"{PROBE}/{x}" for x in self._probes() if s in self._probe_stages(x)})
+                              {f"{PROBE}/{x}" for x in self._probes() if s in self._probe_stages(x)} |
+                              {f"{TAP}/{x}" for x in self._tracked() if st.produced_at[x] == s})
                     for s in range(S)}
 
         def body(blocks, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
@@ -770,14 +809,26 @@ class PlacedProgram(StepProgram):
                 bfeeds, bkey = xs                                   # bfeeds: [A, R, ...]
                 bfeeds = {k: v.reshape((G, M) + v.shape[1:]) for k, v in bfeeds.items()}
                 keys = self._split(bkey, A * R).reshape((G, M, R))
+                # the state no IPU owns (ALS): replicated, updated outside the IPUs' update
+                glob = {t: sbufs[k] for t, k in slayout.globals.items()}
+                sbufs = {k: v for k, v in sbufs.items() if k not in slayout.global_specs}
+                h = hyper
+                if self.als is not None:   # this batch's counter and finalLossScale
+                    glob, h, final, static = self.als.begin(glob, hyper)
 
                 def group(gacc, x):
                     probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + self.tensor_specs[p].shape, self.tensor_specs[p].dtype)
                               for p in self._probes()}   # gradients of activations: per micro-batch
+                    probes.update({f"{TAP}/{t}": jnp.zeros((M, R, 2), jnp.float32)
+                                   for t in self._tracked()})   # ALS: histograms per micro-batch
                     (_, anchors), (grads, pgrads) = jax.value_and_grad(
-                        lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], hyper),
+                        lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], h),
                         argnums=(0, 1), has_aux=True)(wview, probes)
-                    anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()})
+                    anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()
+                                    if k.startswith(PROBE + "/")})
+                    if self._tracked():   # [M, R, tracked, 2]
+                        anchors[_als.STATS] = jnp.stack(
+                            [pgrads[f"{TAP}/{t}"] for t in self._tracked()], axis=2)
                     return jax.tree_util.tree_map(jnp.add, gacc, grads), anchors
                 # the stages' weights: shards where view_slots says; their gradients, and so
                 # the accumulators, are shards too
@@ -792,9 +843,12 @@ class PlacedProgram(StepProgram):
                     for a in grad_anchors:
                         vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
                                                    (A, R) + self.anchor_specs[a].shape)
+                if self.als is not None:   # the update uses the batch's finalLossScale
+                    glob = self._als_batch(vals, glob, final, static, h[_als.UPDATE])
                 trained = {wlayout.slots[k][1] for k in trainable}
                 wbufs, sbufs = update(wlayout, slayout, wbufs, {k: gbufs[k] for k in trained},
-                                      sbufs, hyper)
+                                      sbufs, h)
+                sbufs = {**sbufs, **{slayout.globals[t]: v for t, v in glob.items()}}
                 # variables ops write: the last micro-batch's value, averaged over the replicas
                 written = {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
                            for a in list(vals) if a.startswith(ASSIGN + "/")}
@@ -869,6 +923,19 @@ class PlacedProgram(StepProgram):
             w[wkey] = new_w[r]
             s.update({keys[sid]: v for sid, v in new_s.items()})
         return w, s
+
+    def _als_batch(self, vals: dict, glob: dict, final: Any, static: Any, on: Any) -> dict:
+        """Automatic loss scaling after a batch's micro-batches, as the plain step does it:
+        the histograms [A, R, tracked, 2] of the taps (``vals``' ``als.STATS``) accumulated
+        micro-batch by micro-batch, the ALS anchors added to ``vals``, and the global state
+        ``glob`` with the updated factor."""
+        R = self.cfg.replication_factor
+        stats = self.als.gate(vals.pop(_als.STATS).astype(jnp.uint32), on)
+        stats_acc, per_micro = _scan(lambda acc, st: self._als_micro(st, acc),
+                                     jnp.zeros((R, 2), jnp.float32), stats)
+        vals.update(per_micro)
+        self._als_batch_anchors(vals, stats_acc, final, static)
+        return self._auto_loss_scale(stats_acc, glob, on)
 
     @staticmethod
     def _per_micro(anchors: dict) -> dict:

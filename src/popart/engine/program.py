@@ -112,13 +112,14 @@ class StepProgram:
 
     # ------------------------------------------------------------------ tracing helpers
     def _trace(self, weights, feeds, key, probes=None, training=False, remat=None,
-               graph: Optional[Graph] = None, effects: Optional[set] = None) -> Trace:
+               graph: Optional[Graph] = None, effects: Optional[set] = None,
+               taps: Optional[Mapping[str, Any]] = None) -> Trace:
         """One trace of the session's graph (or of ``graph``, a part of it) as the step runs it."""
         axis = REPLICA_AXIS if self.cfg.replication_factor > 1 else None
         return trace(self.graph_consts if graph is None else graph, feeds, key=key, training=training, weights=weights,
                      replica_axis=axis, replication_factor=self.cfg.replication_factor,
                      options=self.cfg.options, probes=probes, platform=self.placement.platform,
-                     remat=remat, effects=effects)
+                     remat=remat, effects=effects, taps=taps)
 
     @staticmethod
     def _value(env, tid):
@@ -322,12 +323,11 @@ class StepProgram:
         if flags is not None:
             raise_failed_checks(self.to_host(flags), self.run_checks)
 
-    def _als_micro(self, vals: dict, stats_acc: Any) -> tuple[Any, dict]:
-        """Automatic loss scaling in a micro-batch (all replicas): take the tracked gradients'
-        histograms [R, tracked, 2] out of ``vals``, add their sum (cast to float32) to the
-        batch's statistics accumulator [R, 2] and give the statistics anchors of this
-        micro-batch (each [R, ...])."""
-        stats = vals.pop(_als.STATS)
+    def _als_micro(self, stats: Any, stats_acc: Any) -> tuple[Any, dict]:
+        """Automatic loss scaling in a micro-batch (all replicas): add the sum of the tracked
+        gradients' histograms ``stats`` [R, tracked, 2] (cast to float32) to the batch's
+        statistics accumulator [R, 2]; (the accumulator, the statistics anchors of this
+        micro-batch, each [R, ...])."""
         summed = jnp.sum(stats, axis=1, dtype=jnp.uint32)               # summedHistograms
         casted = summed.astype(jnp.float32)                             # summedCastedHistograms
         stats_acc = stats_acc + casted                                  # Accum___autoLossScaleStats
@@ -337,8 +337,7 @@ class StepProgram:
             per_micro[_als.REDUCED] = jnp.broadcast_to(jnp.sum(casted, axis=0), (R, 2))
         for k, t in enumerate(self.als.tracked):
             per_micro[self.als.stats_anchor(t)] = stats[:, k]
-        vals.update({a: v for a, v in per_micro.items() if a in self.als_anchors})
-        return stats_acc, vals
+        return stats_acc, {a: v for a, v in per_micro.items() if a in self.als_anchors}
 
     def _auto_loss_scale(self, stats_acc: Any, opt_state: dict, on: Any) -> dict:
         """Automatic loss scaling after a batch's micro-batches: the statistics summed over
@@ -446,7 +445,8 @@ class StepProgram:
                     f, akey = xa                                          # f: [R, ...]
                     vals, grads, assigns = replicas(whole, f, self._split(akey, R), h)
                     if self.als is not None:
-                        stats_acc, vals = self._als_micro(vals, stats_acc)
+                        stats_acc, als_vals = self._als_micro(vals.pop(_als.STATS), stats_acc)
+                        vals.update(als_vals)
                     if cfg.training:
                         grads_acc = accumulate(grads_acc, count, grads)
                         w_assign = {k: jnp.mean(v, axis=0).astype(whole[k].dtype)
