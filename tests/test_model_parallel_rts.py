@@ -155,3 +155,24 @@ def test_forward_only_program_runs_on_the_sharded_weights():
     fwd = s._fwd_program
     assert fwd.placed and fwd.rts_slots == {"weights/float32/r2s/0"}
     np.testing.assert_allclose(out[ids["first"]], np.tanh(f[ids["x"]][0] @ w0), rtol=1e-5, atol=1e-6)
+
+
+def test_forward_only_program_runs_on_off_chip_weights():
+    """The forward-only program takes the training program's off-chip slots too (host memory
+    between runs); training goes on after it."""
+    def configure(o):
+        o.weightTensorLocationSettings = popart.TensorLocationSettings(
+            popart.TensorLocation(popart.TensorStorage.OffChip), 0, 0)
+        o.createImplicitPipeliningFwdOnlyProgram = True
+    s, ids, dev = session([0, 1], mode="Manual", pipelined=True, R=1, A=A, bps=1, configure=configure)
+    out, f = s.initAnchorArrays(), feeds(ids, 1, A, 1)
+    s.run(popart.PyStepIO(f, out))
+    w0 = np.zeros((W, W), np.float32)
+    s.weightsToHost()
+    s.readWeights(popart.PyWeightsIO({"w0": w0}))
+    s.run("implicitPipeliningFwdOnly", popart.PyStepIO(f, out))
+    np.testing.assert_allclose(out[ids["first"]], np.tanh(f[ids["x"]][0] @ w0), rtol=1e-5, atol=1e-6)
+    s.run(popart.PyStepIO(f, out))
+    dev.detach()
+    assert s._fwd_program.off_chip == s._program.off_chip != frozenset()
+    assert {v.sharding.memory_kind for v in s._dev[0].values()} == {"pinned_host"}

@@ -389,9 +389,10 @@ class PlacedProgram(StepProgram):
             where = ("placed on the IPUs' devices", "on one device")
             raise IrError(f"The forward-only program runs {where[not self.placed]} but the "
                           f"training program {where[self.placed]}: they cannot share the weights")
-        if self.placed:   # the training program's weight slots, sharded ones too
+        if self.placed:   # the training program's weight slots, sharded or off chip too
             self.weight_layout = other.weight_layout
             self.rts_slots = other.rts_slots & set(other.weight_layout.blocks)
+            self.off_chip = other.off_chip & set(other.weight_layout.blocks)
 
     def _plan_stash_anchors(self, stash: list) -> None:
         """``Stashed___X`` / ``Restored___X`` anchors: activation X of a pipelined training
