@@ -104,13 +104,7 @@ class DistributedOptimizer:
         o.globalReplicationFactor = local * n
         o.globalReplicaOffset = local * rank()
         o.accumulationAndReplicationReductionType = ReductionType.Mean
-        if s._prepared:   # compiled for one process: again, with the job's replicas
-            s.weightsToHost()
-            weights = dict(s._host_weights)
-            s._program = None
-            s.prepareDevice()
-            s._host_weights.update(weights)
-            s.weightsFromHost()
+        s._recompile()   # compiled for one process already: again, with the job's replicas
 
     def broadcast_weights(self, root_rank: int = 0) -> None:
         broadcast_weights(self.session, root_rank)

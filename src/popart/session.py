@@ -224,6 +224,18 @@ class _Session:
         return devs[0] if devs else jax.local_devices()[0]
 
     # ------------------------------------------------------------------ compile
+    def _recompile(self) -> None:
+        """Plan and compile again for the current options (e.g. replication changed by
+        ``popart.horovod``), keeping the current weights; nothing to do before prepareDevice."""
+        if not self._prepared:
+            return
+        self.weightsToHost()
+        weights = dict(self._host_weights)
+        self._program = None
+        self.prepareDevice()
+        self._host_weights.update(weights)
+        self.weightsFromHost()
+
     @_serialised
     def prepareDevice(self, loadEngine: bool = True) -> None:
         """Trace the whole step and compile it once with XLA (once per session: a second call
