@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .ir.graph import Graph
-from .ir.transforms import ancestors
+from .ir.transforms import gradient_flow
 from .options import IrSerializationFormat
 from .tensorinfo import TensorInfo
 
@@ -90,29 +90,25 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
 
 
 def _backward(g: Graph, infos: dict, training: dict) -> list[dict]:
-    """Grad ops (reverse order, only where a gradient reaches) and var updates."""
-    needs = {training["loss"]}
-    wanted = ancestors(g, training["loss"])   # tensors whose gradient is needed
-    trainable = set(training["trainable"])
-    reached = set(trainable)   # tensors computed from trained weights: the ones with gradients
-    for n in g.nodes:
-        if any(i in reached for i in n.inputs if i):
-            reached.update(o for o in n.outputs if o)
+    """Grad ops (reverse order, where ``ir.transforms.gradient_flow`` has a gradient flow)
+    and var updates."""
+    def is_float(t: str) -> bool:
+        info = infos.get(t)
+        return info is not None and np.issubdtype(info.np_dtype(), np.floating)
+
+    has_grad, edges = gradient_flow(g, training["loss"], training["trainable"], is_float)
     ops = []
-    for n in reversed(g.nodes):
-        outs = [o for o in n.outputs if o in needs]
-        if not outs:
-            continue
-        ins = [i for i in n.inputs if i and i in wanted and i in reached]
+    for k, n in reversed(list(enumerate(g.nodes))):
+        ins = [t for i, t in enumerate(n.inputs) if (k, i) in edges]
         if not ins:
             continue
-        needs.update(ins)
+        outs = [o for o in n.outputs if o in has_grad]
         ops.append(_op(f"{n.op_type}Grad", f"{n.name or n.outputs[0]}_Grad",
                        [GRAD + o for o in outs] + [i for i in n.inputs if i],
                        [GRAD + i for i in ins], {}, infos))
     for w in training["trainable"]:
         update = _var_update_type(training["optimizer"], w)
-        if w in needs:
+        if w in has_grad:
             ops.append(_op(update, f"{update}_{w}", [w, GRAD + w], ["UpdatedVar___" + w], {}, infos))
     return ops
 

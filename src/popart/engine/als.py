@@ -55,6 +55,7 @@ import numpy as np
 
 from ..errors import OptimizerError, OptionError, popart_exception
 from ..ir.graph import Graph
+from ..ir.transforms import gradient_flow
 from ..logging import getLogger
 from ..tensorinfo import TensorInfo, to_datatype
 
@@ -81,10 +82,6 @@ _PRE = "[PreAutomaticLossScale] "
 # which Flatten / Squeeze / Unsqueeze are, TransposeOp, IdentityOp, NopOp, DetachOp).
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity",
                       "Nop", "Detach"})
-# Ops with no gradient at all, and inputs that get none (SoftmaxNll, the fused
-# Softmax -> Nll of ir/transforms.py, sends the gradient to the logits only).
-NO_GRAD_OPS = frozenset({"Detach", "Shape", "Size", "StopGradient"})
-NO_GRAD_INPUTS = {"SoftmaxNll": (1, 2)}
 # Forward ops whose gradient of input i is the output's gradient itself when input i has the
 # output's shape: the grad op (a ReduceSum over no axes) becomes Identity (OpToIdentity) and
 # PostNRepl removes it.
@@ -192,41 +189,6 @@ def check_settings(settings: Any, training: bool, optimizer: Any, options: Any,
             "'toTrackTensors' has not been set")
 
 
-def _gradient_flow(graph: Graph, loss: str, trainable: Sequence[str],
-                   specs: Mapping[str, Any]) -> tuple[set, set]:
-    """(tensors with a gradient, forward edges (node index, input index) a gradient flows
-    back through). A tensor has a gradient when it is floating point, depends on a trainable
-    weight through differentiable ops and the loss depends on it (PopART's autodiff grows grad
-    ops only there)."""
-    def is_float(t):
-        s = specs.get(t)
-        return s is not None and jnp.issubdtype(s.dtype, jnp.floating)
-
-    from_w = {w for w in trainable if is_float(w)}
-    for n in graph.nodes:
-        if n.op_type in NO_GRAD_OPS:
-            continue
-        if any(i in from_w for i in n.inputs if i):
-            from_w.update(o for o in n.outputs if o and is_float(o))
-
-    def grad_inputs(n):
-        if n.op_type in NO_GRAD_OPS:
-            return []
-        skip = NO_GRAD_INPUTS.get(n.op_type, ())
-        return [(i, t) for i, t in enumerate(n.inputs) if t and i not in skip]
-
-    to_loss = {loss}
-    for n in reversed(graph.nodes):
-        if any(o in to_loss for o in n.outputs if o):
-            to_loss.update(t for _, t in grad_inputs(n))
-    has_grad = from_w & to_loss
-    edges = set()
-    for k, n in enumerate(graph.nodes):
-        if any(o in has_grad for o in n.outputs if o):
-            edges.update((k, i) for i, t in grad_inputs(n) if t in has_grad)
-    return has_grad, edges
-
-
 def _loss_scale_edges(graph: Graph, loss: str, specs: Mapping[str, Any], edges: set) -> set:
     """The gradient edges that give no tracked float16 grad-op output because of the loss
     scale: the loss op's (its grad op reads the loss-scaling optimizer tensor) and, for a
@@ -294,7 +256,8 @@ def tracked_tensors(settings: Any, graph: Graph, loss: str, variables: Sequence[
     the total gradient is tracked here instead, once: the counts agree for tensors with one
     consumer on the gradient path.
     """
-    has_grad, edges = _gradient_flow(graph, loss, trainable, specs)
+    has_grad, edges = gradient_flow(graph, loss, trainable, lambda t: t in specs and jnp.issubdtype(
+        specs[t].dtype, jnp.floating))
     is_fp16 = lambda t: t in has_grad and np.dtype(specs[t].dtype) == np.float16   # noqa: E731
     method = _method(settings)
     if method == "GradientsOfUserSpecifiedTensors":

@@ -36,6 +36,39 @@ def ancestors(graph: Graph, tensor: str) -> set[str]:
     return seen
 
 
+# Ops with no gradient at all, and inputs that get none (SoftmaxNll, the fused Softmax -> Nll
+# below, sends the gradient to the logits only).
+NO_GRAD_OPS = frozenset({"Detach", "Shape", "Size", "StopGradient"})
+NO_GRAD_INPUTS = {"SoftmaxNll": (1, 2)}
+
+
+def gradient_flow(graph: Graph, loss: str, trainable: Any,
+                  is_float: Callable[[str], bool]) -> tuple[set, set]:
+    """(tensors with a gradient, forward edges (node index, input index) a gradient flows
+    back through), as PopART's autodiff grows grad ops: a tensor has a gradient when it is
+    floating point (``is_float``), depends on a trainable weight through ops with gradients
+    and the loss depends on it."""
+    from_w = {w for w in trainable if is_float(w)}
+    for n in graph.nodes:
+        if n.op_type not in NO_GRAD_OPS and any(i in from_w for i in n.inputs if i):
+            from_w.update(o for o in n.outputs if o and is_float(o))
+
+    def grad_inputs(n: Node) -> list[tuple[int, str]]:
+        if n.op_type in NO_GRAD_OPS:
+            return []
+        skip = NO_GRAD_INPUTS.get(n.op_type, ())
+        return [(i, t) for i, t in enumerate(n.inputs) if t and i not in skip]
+
+    to_loss = {loss}
+    for n in reversed(graph.nodes):
+        if any(o in to_loss for o in n.outputs if o):
+            to_loss.update(t for _, t in grad_inputs(n))
+    has_grad = from_w & to_loss
+    edges = {(k, i) for k, n in enumerate(graph.nodes) if any(o in has_grad for o in n.outputs if o)
+             for i, t in grad_inputs(n) if t in has_grad}
+    return has_grad, edges
+
+
 def fuse_softmax_nll(graph: Graph, loss: str, enabled: Callable[[str], bool]) -> Graph:
     """``graph`` with each ai.graphcore Nll whose probabilities come from a Softmax replaced
     by a SoftmaxNll node (same output), where PopART's SoftmaxGradDirect pattern would fuse
