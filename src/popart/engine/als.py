@@ -39,9 +39,12 @@ A placed program (``engine/pipeline.py``) forms no per-micro-batch weight gradie
 the histograms from :meth:`AlsPlan.tap`, the same rule applied to a tensor's cotangent.
 
 Which gradients are tracked is :func:`tracked_tensors`; the misuse errors are
-:func:`check_settings` and :func:`plan` (PopART's words). Not matched: the loss is scaled in
-its own type, so a float16 loss with ``finalLossScale`` above 65504 overflows, where PopART's
-mixed-precision loss-grad ops take the float32 scale.
+:func:`check_settings` and :func:`plan` (PopART's words). A float16 loss from Nll,
+SoftmaxNll or L1 (:data:`MPLGO_LOSS_OPS`) is scaled and differentiated in float32, as
+PopART's mixed-precision loss-grad ops take the float32 scale (``lower.run_float32_loss``): a
+``finalLossScale`` above 65504 reaches the float16 gradients without overflowing. A float16
+loss from another op is scaled in float16 (PopART keeps the loss-grad region in float32 and
+casts down after it).
 """
 from __future__ import annotations
 

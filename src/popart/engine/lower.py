@@ -22,7 +22,7 @@ import onnx
 
 from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError,
                       popart_exception, popart_runtime_error)
-from ..ir.graph import Graph, Node
+from ..ir.graph import Graph, Node, reads
 from ..ir.recompute import Segment
 from ..logging import getLogger
 from ..ops import registry
@@ -89,6 +89,8 @@ class TraceState:
     checks: list = field(default_factory=list)     # records of NodeCtx.check in this trace
     registry: list = field(default_factory=list)   # RunCheck by id, shared with nested traces
     remat: Optional["Remat"] = None      # recomputation: the top graph's recompute segments
+    float32_loss: Optional[str] = None   # a float16 loss whose gradient runs in float32 ...
+    loss32: Any = None                   # ... and its value as float32, to scale and differentiate
     effects: Optional[set] = None        # when a set: collects id(node) of nodes with side effects
     _counter: itertools.count = field(default_factory=itertools.count)
     rng_draws: int = 0
@@ -387,7 +389,10 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
                 local.update(run_segment(remat.at[i], graph, env, state))
             continue
         before = state.footprint() if state.effects is not None else None
-        outs = lower_node(node, graph, env, state)
+        if state.float32_loss is not None and state.float32_loss in node.outputs:
+            outs = run_float32_loss(node, graph, env, state)
+        else:
+            outs = lower_node(node, graph, env, state)
         if before is not None and state.footprint() != before:
             state.effects.add(id(node))
         for tid, val in zip(node.outputs, outs):
@@ -468,6 +473,36 @@ def run_segment(seg: Segment, graph: Graph, env: Mapping[str, Any], state: Trace
     return {**known, **dict(zip([t for t in seg.gives if t not in known], out))}
 
 
+def run_float32_loss(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceState) -> list:
+    """A float16 loss op (Nll, SoftmaxNll, L1) as PopART's mixed-precision loss-grad ops run it
+    under EnsureFp32LossScale: the forward pass in float16 as usual, the backward pass in
+    float32 from a float32 loss (``state.loss32``), so that a loss scale above float16's
+    range reaches the inputs' gradients (then float16) without overflowing. Returns the
+    node's outputs (the loss in float16, as without this)."""
+    traced = [t for t in reads(node) if isinstance(env[t], (jax.Array, jax.core.Tracer))]
+    fixed = {t: env[t] for t in reads(node) if t not in traced}
+    diff = [jnp.issubdtype(jnp.result_type(env[t]), jnp.inexact) for t in traced]
+
+    def loss(vals: tuple, upcast: bool) -> Any:   # the loss ops have the loss as one output
+        vals = [v.astype(jnp.float32) if upcast and d and v.dtype == jnp.float16 else v
+                for v, d in zip(vals, diff)]
+        got = lower_node(node, graph, {**fixed, **dict(zip(traced, vals))}, state)
+        return jnp.asarray(got[0]).astype(jnp.float32)
+
+    def bwd(vals: tuple, ct: Any) -> tuple:
+        _, vjp = jax.vjp(lambda *v: loss(v, True), *vals)
+        grads = vjp(ct)
+        return (tuple(g.astype(v.dtype) if d else None for g, v, d in zip(grads, vals, diff)),)
+
+    @jax.custom_vjp
+    def f(vals: tuple) -> Any:
+        return loss(vals, False)
+
+    f.defvjp(lambda vals: (loss(vals, False), vals), bwd)
+    state.loss32 = f(tuple(env[t] for t in traced))
+    return [state.loss32.astype(jnp.float16)]
+
+
 @dataclass
 class Trace:
     """What tracing a graph once gives a front-end: every tensor's value (``env``) and the
@@ -493,13 +528,19 @@ class Trace:
         """The record of the first failed run-time check (None: the trace has no checks)."""
         return check_flags(self._state)
 
+    def scalable_loss(self, loss: str) -> Any:
+        """The loss to scale and differentiate: float32 where the trace runs its gradient in
+        float32 (``float32_loss``), else the loss itself."""
+        return self._state.loss32 if self._state.loss32 is not None else self.env[loss]
+
 
 def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: bool = False,
           weights: Optional[Mapping[str, Any]] = None, replica_axis: Optional[str] = None,
           replication_factor: int = 1, options: Any = None, platform: Optional[str] = None,
           probes: Optional[Mapping[str, Any]] = None, remat: Optional[Remat] = None,
           effects: Optional[set] = None,
-          taps: Optional[Mapping[str, Callable[[Any], Any]]] = None) -> Trace:
+          taps: Optional[Mapping[str, Callable[[Any], Any]]] = None,
+          float32_loss: Optional[str] = None) -> Trace:
     """Trace ``graph`` once on ``feeds`` (and ``weights``, which override initializers):
     the engine's one entry for front-ends. ``key`` is the base PRNG key (default key(0));
     ``replica_axis`` the vmap / shard_map axis replicas run under; ``probes`` zero tensors
@@ -507,11 +548,13 @@ def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: 
     applied to tensors where they enter the trace (identities in value whose backward pass
     records statistics of the gradient, e.g. ``als.AlsPlan.tap``); ``remat`` the graph's
     recompute segments; ``effects`` a set that collects id(node) of the nodes with side
-    effects (what a segment may not hold)."""
+    effects (what a segment may not hold); ``float32_loss`` a float16 loss whose gradient
+    runs in float32 (:func:`run_float32_loss`, :meth:`Trace.scalable_loss`)."""
     state = TraceState(training=training, rng_key=key, replica_axis=replica_axis,
                        replication_factor=replication_factor, options=options,
                        probes=probes or {}, taps=taps or {},
-                       platform=platform or jax.default_backend(), remat=remat, effects=effects)
+                       platform=platform or jax.default_backend(), remat=remat, effects=effects,
+                       float32_loss=float32_loss)
     return Trace(execute(graph, feeds, state, weights=weights), state)
 
 

@@ -589,7 +589,8 @@ class PlacedProgram(StepProgram):
                                    for i, c in enumerate(cs)}
             loss = jnp.zeros((), jnp.float32)
             if has_loss:
-                scaled = env[cfg.loss] * jnp.asarray(self._hyper(hyper, "lossScaling"), env[cfg.loss].dtype)
+                loss = t.scalable_loss(cfg.loss)
+                scaled = loss * jnp.asarray(self._hyper(hyper, "lossScaling"), loss.dtype)
                 loss = scaled.astype(jnp.float32)
             return out, anc, loss
         return run, sends, anchors

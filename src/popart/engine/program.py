@@ -107,6 +107,7 @@ class StepProgram:
         self.als: Optional[_als.AlsPlan] = None   # automatic loss scaling (plan() makes it)
         self.als_anchors: set = set()             # anchors the ALS step computes
         self.segments: list = []                  # recomputation (ir.recompute.segments)
+        self.float32_loss: Optional[str] = None   # ALS: a float16 loss differentiated in float32
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
         self.rts = _rts.Layout(self.placement)    # replicated tensor sharding (plan() chooses)
 
@@ -119,7 +120,8 @@ class StepProgram:
         return trace(self.graph_consts if graph is None else graph, feeds, key=key, training=training, weights=weights,
                      replica_axis=axis, replication_factor=self.cfg.replication_factor,
                      options=self.cfg.options, probes=probes, platform=self.placement.platform,
-                     remat=remat, effects=effects, taps=taps)
+                     remat=remat, effects=effects, taps=taps,
+                     float32_loss=self.float32_loss if training else None)
 
     @staticmethod
     def _value(env, tid):
@@ -190,6 +192,10 @@ class StepProgram:
             self.trainable = [k for k in self.variables if k not in self.assigned]
             if cfg.als is not None:
                 self._plan_als(out["specs"])
+                loss_op = self.graph.producer().get(cfg.loss)
+                if loss_op is not None and loss_op.op_type in _als.MPLGO_LOSS_OPS and \
+                        np.dtype(out["specs"][cfg.loss].dtype) == np.float16:
+                    self.float32_loss = cfg.loss   # EnsureFp32LossScale: a float32 loss scale
             self._plan_recompute(out["specs"], out["traced"], out["known"], effects)
         opt_ids = set(self.opt_state_ids())
         self.rts = _rts.choose(cfg.options, self.placement, self.variables, self.init_opt_state(),
@@ -291,7 +297,7 @@ class StepProgram:
 
             def loss_fn(tw, probes):
                 t = self._trace({**other_w, **tw}, feeds, key, probes, training=True, remat=remat)
-                loss = t.env[cfg.loss]
+                loss = t.scalable_loss(cfg.loss)
                 ls = self._hyper(hyper, "lossScaling")   # with ALS: finalLossScale
                 scaled = loss * jnp.asarray(ls, loss.dtype)
                 vals = self._with_checks({a: self._value(t.env, a) for a in fwd_ids}, t)
