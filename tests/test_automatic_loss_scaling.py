@@ -605,3 +605,20 @@ def test_loss_scale_past_float16_range():
         trained[ls] = read_weight(s, w)
     assert np.isfinite(trained[2.0 ** 17]).all()
     np.testing.assert_array_equal(trained[2.0 ** 17], trained[1024.0])
+
+
+def test_tap_counts_are_exact_past_float32_integers():
+    """A tap's histogram of a gradient with more than 2**24 elements (float32's exact
+    integers) is exact: its counts travel as two base-4096 digits."""
+    import jax
+    import jax.numpy as jnp
+    from popart.engine import als
+    plan = als.AlsPlan(tracked=[], specs={}, level=np.float16(8188.0), f=np.float32(1e-7),
+                       period=1, loss_scaling_id="lossScaling_FLOAT16")
+    n = 2 ** 24 + 2 ** 20 + 3
+    scale = jnp.where(jnp.arange(n) % 1001 == 0, jnp.float16(10000.0), jnp.float16(1.0))   # upper: 1 in 1001
+    stat = jax.grad(lambda s: jnp.sum((plan.tap(jnp.ones(n, jnp.float16), s) * scale).astype(jnp.float32)))(
+        jnp.zeros(als.STAT_SHAPE, jnp.float32))
+    upper = (n + 1000) // 1001
+    assert (n - upper) % 2 == 1 and n - upper > 2 ** 24   # not a float32
+    np.testing.assert_array_equal(np.asarray(plan.counts(stat)), [n - upper, upper])

@@ -35,8 +35,11 @@ after the loss's type), ``summedHistograms``, ``summedCastedHistograms``,
 ``summedHistograms_reduced`` and ``Gradient___<id>_statistics`` (each tracked gradient's
 Histogram output).
 
-A placed program (``engine/pipeline.py``) forms no per-micro-batch weight gradients; it takes
-the histograms from :meth:`AlsPlan.tap`, the same rule applied to a tensor's cotangent.
+The histograms come from :meth:`AlsPlan.tap`: the tracked tensor is tapped where the trace
+makes it (or takes it in, a weight), and the tap's backward pass gives the histogram of its
+cotangent, the tensor's total gradient, as the gradient of a small statistics input. So no
+tracked gradient is kept whole, and a placed program (``engine/pipeline.py``), which forms no
+per-micro-batch weight gradients, takes them the same way.
 
 Which gradients are tracked is :func:`tracked_tensors`; the misuse errors are
 :func:`check_settings` and :func:`plan` (PopART's words). A float16 loss from Nll,
@@ -307,6 +310,10 @@ def tracked_tensors(settings: Any, graph: Graph, loss: str, variables: Sequence[
     return sorted((t for t in chosen if is_fp16(t)), key=lambda t: order.get(t, len(order)))
 
 
+STAT_SHAPE = (2, 2)   # a tap's statistics: [lower, upper] x two base-4096 digits
+_DIGIT = 4096
+
+
 @dataclass
 class AlsPlan:
     """What the step needs: the tracked forward tensors, the histogram level, the update's f,
@@ -350,27 +357,32 @@ class AlsPlan:
         lower = jnp.sum(jnp.abs(g) < jnp.asarray(self.level, jnp.float16), dtype=jnp.uint32)
         return jnp.stack([lower, jnp.uint32(np.size(g)) - lower])
 
-    def histograms(self, grads: Sequence[Any], on: Any) -> Any:
-        """[tracked, 2] uint32: each gradient's :meth:`histogram`; zeros when this batch does
-        not update (``on`` false)."""
-        return self.gate(jnp.stack([self.histogram(g) for g in grads]), on)
-
     @staticmethod
     def gate(stats: Any, on: Any) -> Any:
         """Statistics, or zeros in a batch that does not update."""
         return jnp.where(on, stats, jnp.zeros_like(stats))
 
     def tap(self, x: Any, stat: Any) -> Any:
-        """x, with the histogram of its gradient as the gradient of ``stat`` (a float32 [2]
-        zero): the statistics of a gradient that only autodiff forms (x's cotangent passes
-        through unchanged)."""
+        """x, with the :meth:`histogram` of its gradient as the gradient of ``stat`` (a
+        float32 zero of :data:`STAT_SHAPE`; :meth:`counts` reads it): the statistics of a
+        gradient that only autodiff forms (x's cotangent passes through unchanged). Each
+        count goes as two float32 digits in base 4096, exact up to 2**36 elements."""
         @jax.custom_vjp
         def f(x: Any, stat: Any) -> Any:
             return x
 
-        f.defvjp(lambda x, stat: (x, None),
-                 lambda _, g: (g, self.histogram(g).astype(jnp.float32)))
+        def bwd(_: Any, g: Any) -> tuple:
+            h = self.histogram(g)
+            return g, jnp.stack([h // _DIGIT, h % _DIGIT], axis=-1).astype(jnp.float32)
+
+        f.defvjp(lambda x, stat: (x, None), bwd)
         return f(x, stat)
+
+    @staticmethod
+    def counts(stat_grads: Any) -> Any:
+        """[..., 2] uint32 histograms from the gradients [..., *STAT_SHAPE] of :meth:`tap`."""
+        digits = stat_grads.astype(jnp.uint32)
+        return digits[..., 0] * _DIGIT + digits[..., 1]
 
     def update(self, factor: Any, stats: Any, on: Any) -> Any:
         """LossScaleUpdateOpx: halve when upper > f * lower, else double (float32 compare);

@@ -47,6 +47,7 @@ log line says so.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -569,7 +570,7 @@ class PlacedProgram(StepProgram):
 
         def run(weights, feeds, received, key, hyper):
             probes = {k[len(PROBE) + 1:]: v for k, v in feeds.items() if k.startswith(PROBE + "/")}
-            taps = {k[len(TAP) + 1:]: (lambda x, stat=v: self.als.tap(x, stat))
+            taps = {k[len(TAP) + 1:]: functools.partial(self.als.tap, stat=v)
                     for k, v in feeds.items() if k.startswith(TAP + "/")}
             feeds = {k: v for k, v in feeds.items() if not k.startswith((PROBE + "/", TAP + "/"))}
             t = self._trace(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
@@ -821,14 +822,14 @@ class PlacedProgram(StepProgram):
                 def group(gacc, x):
                     probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + self.tensor_specs[p].shape, self.tensor_specs[p].dtype)
                               for p in self._probes()}   # gradients of activations: per micro-batch
-                    probes.update({f"{TAP}/{t}": jnp.zeros((M, R, 2), jnp.float32)
+                    probes.update({f"{TAP}/{t}": jnp.zeros((M, R) + _als.STAT_SHAPE, jnp.float32)
                                    for t in self._tracked()})   # ALS: histograms per micro-batch
                     (_, anchors), (grads, pgrads) = jax.value_and_grad(
                         lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], h),
                         argnums=(0, 1), has_aux=True)(wview, probes)
                     anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()
                                     if k.startswith(PROBE + "/")})
-                    if self._tracked():   # [M, R, tracked, 2]
+                    if self._tracked():   # [M, R, tracked, *STAT_SHAPE]
                         anchors[_als.STATS] = jnp.stack(
                             [pgrads[f"{TAP}/{t}"] for t in self._tracked()], axis=2)
                     return jax.tree_util.tree_map(jnp.add, gacc, grads), anchors
@@ -928,11 +929,12 @@ class PlacedProgram(StepProgram):
 
     def _als_batch(self, vals: dict, glob: dict, final: Any, static: Any, on: Any) -> dict:
         """Automatic loss scaling after a batch's micro-batches, as the plain step does it:
-        the histograms [A, R, tracked, 2] of the taps (``vals``' ``als.STATS``) accumulated
+        the histograms [A, R, tracked, 2] of the taps (``vals``' ``als.STATS``, in
+        :meth:`als.AlsPlan.counts`' digits) accumulated
         micro-batch by micro-batch, the ALS anchors added to ``vals``, and the global state
         ``glob`` with the updated factor."""
         R = self.cfg.replication_factor
-        stats = self.als.gate(vals.pop(_als.STATS).astype(jnp.uint32), on)
+        stats = self.als.gate(self.als.counts(vals.pop(_als.STATS)), on)
         stats_acc, per_micro = _scan(lambda acc, st: self._als_micro(st, acc),
                                      jnp.zeros((R, 2), jnp.float32), stats)
         vals.update(per_micro)

@@ -9,6 +9,7 @@ the host moves only the step's inputs and anchors.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -284,32 +285,33 @@ class StepProgram:
         trainable = self.trainable
         probe_ids = [g for g in grad_ids if g not in trainable]
         tracked = self.als.tracked if self.als is not None else []   # ALS: gradients of these
-        probe_specs = {**{p: self.anchor_specs[GRAD_PREFIX + p] for p in probe_ids},
-                       **{t: self.als.specs[t] for t in tracked if t not in trainable}}
+        probe_specs = {p: self.anchor_specs[GRAD_PREFIX + p] for p in probe_ids}
 
         def micro(weights, feeds, key, hyper):
             remat = Remat(self.graph_consts.nodes, self.segments, hyper[RECOMPUTE_ONE]) \
                 if self.segments else None
             train_w = {k: weights[k] for k in trainable}
             other_w = {k: v for k, v in weights.items() if k not in train_w}
-            probe_shapes = probe_specs
-            probes0 = {p: jnp.zeros(s.shape, s.dtype) for p, s in probe_shapes.items()}
+            probes0 = {p: jnp.zeros(s.shape, s.dtype) for p, s in probe_specs.items()}
+            stats0 = {t: jnp.zeros(_als.STAT_SHAPE, jnp.float32) for t in tracked}
 
-            def loss_fn(tw, probes):
-                t = self._trace({**other_w, **tw}, feeds, key, probes, training=True, remat=remat)
+            def loss_fn(tw, probes, stats):
+                taps = {t: functools.partial(self.als.tap, stat=stats[t]) for t in tracked}
+                t = self._trace({**other_w, **tw}, feeds, key, probes, training=True, remat=remat,
+                                taps=taps)
                 loss = t.scalable_loss(cfg.loss)
                 ls = self._hyper(hyper, "lossScaling")   # with ALS: finalLossScale
                 scaled = loss * jnp.asarray(ls, loss.dtype)
                 vals = self._with_checks({a: self._value(t.env, a) for a in fwd_ids}, t)
                 return scaled, (vals, dict(t.assignments))
 
-            (_, (vals, assigns)), (gw, gp) = jax.value_and_grad(
-                loss_fn, argnums=(0, 1), has_aux=True)(train_w, probes0)
+            (_, (vals, assigns)), (gw, gp, gs) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1, 2), has_aux=True)(train_w, probes0, stats0)
             for g in grad_ids:
                 vals[GRAD_PREFIX + g] = gw[g] if g in gw else gp[g]
             if tracked:   # ALS: the Histogram of every tracked gradient of this micro-batch
-                vals[_als.STATS] = self.als.histograms(
-                    [gw[t] if t in gw else gp[t] for t in tracked], hyper[_als.UPDATE])
+                vals[_als.STATS] = self.als.gate(self.als.counts(
+                    jnp.stack([gs[t] for t in tracked])), hyper[_als.UPDATE])
             return vals, gw, assigns
         return micro
 
