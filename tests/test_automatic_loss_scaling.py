@@ -581,17 +581,24 @@ def test_error_leaves_the_session_usable_after_the_fix():
     assert out["finalLossScale"] == 2.0
 
 
-def test_loss_scale_past_float16_range():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_loss_scale_past_float16_range(recompute):
     """A float16 Nll loss scaled by 2**17 (finalLossScale past float16's 65504): the loss's
     gradient runs in float32 (PopART's mixed-precision loss-grad ops under
     EnsureFp32LossScale), so the float16 gradients stay finite and the step trains as with a
-    small loss scale (without it the loss's gradient is inf and the weights NaN)."""
+    small loss scale (without it the loss's gradient is inf and the weights NaN); also when
+    the ops before the loss are recomputed."""
     batch, rs = 64, np.random.RandomState(1)
     b = popart.Builder()
     x = b.addInputTensor(popart.TensorInfo("FLOAT16", [batch, I]), "x")
     lab = b.addInputTensor(popart.TensorInfo("INT32", [batch]), "label")
     w = b.addInitializedInputTensor(np.random.RandomState(0).randn(I, O).astype(np.float16), "w")
-    probs = b.aiOnnx.softmax([b.aiOnnx.matmul([x, w])], axis=1)
+    logits = b.aiOnnx.matmul([x, w])
+    if recompute:   # a recompute segment just before the loss
+        b.recomputeOutputInBackwardPass(logits, popart.RecomputeType.Recompute)
+    probs = b.aiOnnx.softmax([logits], axis=1)
+    if recompute:   # ... which would close with the loss op (kept out: it runs in float32)
+        b.recomputeOutputInBackwardPass(probs, popart.RecomputeType.Recompute)
     loss = b.aiGraphcore.nllloss([probs, lab], reduction=popart.ReductionType.Mean)
     inputs = {x: (rs.randn(batch, I) * 0.05).astype(np.float16),
               lab: rs.randint(0, O, batch).astype(np.int32)}
@@ -604,6 +611,7 @@ def test_loss_scale_past_float16_range():
         assert out["finalLossScale"] == ls
         trained[ls] = read_weight(s, w)
     assert np.isfinite(trained[2.0 ** 17]).all()
+    assert s._program.float32_loss == loss and bool(s._program.segments) == recompute
     np.testing.assert_array_equal(trained[2.0 ** 17], trained[1024.0])
 
 

@@ -423,6 +423,14 @@ class Remat:
         self.members = {i for s in self.segments for i in s.nodes}
 
 
+def _split_reads(ids: Any, env: Mapping[str, Any]) -> tuple[list, dict, list]:
+    """The traced tensors among ``ids`` (a custom_vjp's arguments), the rest (known at compile
+    time, closed over) by id, and whether each traced one is differentiable (inexact)."""
+    traced = [t for t in ids if isinstance(env[t], (jax.Array, jax.core.Tracer))]
+    fixed = {t: env[t] for t in ids if t not in traced}
+    return traced, fixed, [jnp.issubdtype(jnp.result_type(env[t]), jnp.inexact) for t in traced]
+
+
 def run_segment(seg: Segment, graph: Graph, env: Mapping[str, Any], state: TraceState) -> dict:
     """Run a recompute segment's nodes as one function whose backward pass stores only the
     traced tensors it reads and runs the nodes again (a ``jax.custom_vjp``). The
@@ -430,9 +438,7 @@ def run_segment(seg: Segment, graph: Graph, env: Mapping[str, Any], state: Trace
     two back: behind an optimisation barrier, or on the CPU (whose compiler removes
     barriers) in a conditional on ``state.remat.one``. Returns ``seg.gives``' values."""
     nodes = [graph.nodes[i] for i in seg.nodes]
-    traced = [t for t in seg.reads if isinstance(env[t], (jax.Array, jax.core.Tracer))]
-    fixed = {t: env[t] for t in seg.reads if t not in traced}   # known at compile time
-    diff = [jnp.issubdtype(jnp.result_type(env[t]), jnp.inexact) for t in traced]
+    traced, fixed, diff = _split_reads(seg.reads, env)
     known: dict = {}   # gives known at compile time (Shape, ...): they stay NumPy values
 
     def forward(*vals: Any) -> tuple:
@@ -479,9 +485,7 @@ def run_float32_loss(node: Node, graph: Graph, env: Mapping[str, Any], state: Tr
     float32 from a float32 loss (``state.loss32``), so that a loss scale above float16's
     range reaches the inputs' gradients (then float16) without overflowing. Returns the
     node's outputs (the loss in float16, as without this)."""
-    traced = [t for t in reads(node) if isinstance(env[t], (jax.Array, jax.core.Tracer))]
-    fixed = {t: env[t] for t in reads(node) if t not in traced}
-    diff = [jnp.issubdtype(jnp.result_type(env[t]), jnp.inexact) for t in traced]
+    traced, fixed, diff = _split_reads(reads(node), env)
 
     def loss(vals: tuple, upcast: bool) -> Any:   # the loss ops have the loss as one output
         vals = [v.astype(jnp.float32) if upcast and d and v.dtype == jnp.float16 else v

@@ -213,7 +213,8 @@ class StepProgram:
     def _plan_recompute(self, specs: dict, traced: set, known: set, effects: set) -> None:
         """The recompute segments PopART's annotations ask for (``ir.recompute``): segments
         hold no node with side effects, none whose output is probed (anchored or ALS-tracked
-        gradients) and none with outputs other than arrays (``traced``, or ``known`` at compile
+        gradients) or is a float16 loss differentiated in float32, and none with outputs other
+        than arrays (``traced``, or ``known`` at compile
         time); nodes that read and make only known values run in place."""
         cfg = self.cfg
         nbytes = {k: int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for k, v in specs.items()}
@@ -223,6 +224,7 @@ class StepProgram:
             return
         probed = {a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)}
         probed |= set(self.als.tracked) if self.als is not None else set()
+        probed |= {self.float32_loss} if self.float32_loss else set()   # run_float32_loss
         nodes = self.graph_consts.nodes
         outs = [[o for o in n.outputs if o] for n in nodes]
         static = {i for i, n in enumerate(nodes) if id(n) not in effects
