@@ -378,10 +378,7 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
     local.update(weights or {})
     local.update(feeds)
     for tid in list(local):
-        if tid in state.probes:
-            local[tid] = local[tid] + state.probes[tid]
-        if tid in state.taps:
-            local[tid] = state.taps[tid](local[tid])
+        local[tid] = _instrumented(tid, local[tid], state)
     remat = state.remat if state.remat is not None and state.remat.nodes is graph.nodes else None
     for i, node in enumerate(graph.nodes):
         if remat is not None and i in remat.members:   # runs with its segment, at its end
@@ -397,12 +394,17 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
             state.effects.add(id(node))
         for tid, val in zip(node.outputs, outs):
             if tid:
-                if tid in state.probes and val is not None:
-                    val = val + state.probes[tid]
-                if tid in state.taps and val is not None:
-                    val = state.taps[tid](val)
-                local[tid] = val
+                local[tid] = _instrumented(tid, val, state)
     return local
+
+
+def _instrumented(tid: str, val: Any, state: TraceState) -> Any:
+    """A tensor as the trace keeps it: its probe added, its tap applied (where it has them)."""
+    if val is not None and tid in state.probes:
+        val = val + state.probes[tid]
+    if val is not None and tid in state.taps:
+        val = state.taps[tid](val)
+    return val
 
 
 # Backends whose XLA compiler keeps optimisation barriers until it schedules: there they keep

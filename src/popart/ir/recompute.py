@@ -135,13 +135,18 @@ def segments(graph: Graph, marks: Mapping[int, int], movable: Collection[int],
     ``keep``: tensors the step reads besides the graph's own outputs (loss, anchors)."""
     nodes, out, run = graph.nodes, [], []
     wanted = set(graph.outputs) | set(keep)
+    node_reads = [reads(n) for n in nodes]
+    readers: dict[str, set[int]] = {}
+    for j, ids in enumerate(node_reads):
+        for t in ids:
+            readers.setdefault(t, set()).add(j)
 
     def close() -> None:
         if any(marks.get(id(nodes[i])) == RECOMPUTE for i in run):
             inside = set(run)
             made = {o for i in run for o in nodes[i].outputs if o}
-            needed = {t for j, n in enumerate(nodes) if j not in inside for t in reads(n)}
-            read = dict.fromkeys(t for i in run for t in reads(nodes[i]) if t not in made)
+            needed = {t for t in made if readers.get(t, set()) - inside}
+            read = dict.fromkeys(t for i in run for t in node_reads[i] if t not in made)
             gives = [o for i in run for o in nodes[i].outputs if o and (o in needed or o in wanted)]
             out.append(Segment(tuple(run), tuple(read), tuple(gives)))
         run.clear()
