@@ -8,6 +8,7 @@ inputs must be static.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -94,6 +95,7 @@ class TraceState:
     effects: Optional[set] = None        # when a set: collects id(node) of nodes with side effects
     _counter: itertools.count = field(default_factory=itertools.count)
     rng_draws: int = 0
+    scope_names: dict = field(default_factory=dict)  # id(node) -> its name in the program
 
     def footprint(self) -> tuple:
         """What a node with side effects changes (random draws, variable updates, run-time
@@ -320,6 +322,18 @@ def _check_signature(node: Node, version: int, inputs: list) -> None:
                 f"both of one type ({formal.type_str}); insert a Cast")
 
 
+def node_scope_name(node: Node, graph: Graph, names: Optional[dict] = None) -> str:
+    """The name a node's ops carry in the compiled program (``jax.named_scope``): the node's
+    name, else ``<OpType>_<n>`` with n its position in its graph, so that profiles and memory
+    dumps of the compiled program name the user's nodes. ``names`` caches a graph's names."""
+    if node.name:
+        return node.name
+    names = {} if names is None else names
+    if id(node) not in names:
+        names.update((id(n), f"{n.op_type}_{i}") for i, n in enumerate(graph.nodes))
+    return names.get(id(node), node.op_type)
+
+
 def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceState) -> list:
     """Run one node's lowering; returns its output values (None for absent optional outputs)."""
     version = graph.opsets.get(node.domain, 1)
@@ -334,15 +348,18 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
     if node.domain == ONNX_DOMAIN:
         _check_signature(node, version, inputs)
     ctx = NodeCtx(node, version, env, state)
+    name = node_scope_name(node, graph, state.scope_names)
+    scope = jax.named_scope(name) if name else contextlib.nullcontext()
     has_body = any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
                    for v in node.attrs.values())   # bodies may read traced outer tensors
     try:
         if not opdef.random and not has_body and all(is_static(x) for x in inputs):
-            with jax.ensure_compile_time_eval():
+            with jax.ensure_compile_time_eval(), scope:
                 outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
             outs = [_to_static(o) for o in outs]
         else:
-            outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
+            with scope:
+                outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
     except popart_exception:
         raise
     except Exception as e:   # a lowering's own error: the node's inputs or attributes are invalid
