@@ -144,6 +144,35 @@ def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction, ignoreIndex=None
     return f(logits, lax.stop_gradient(probs), *_nll_parts(probs, label, ignoreIndex))
 
 
+def nll_with_softmax_grad_direct(ctx: LowerCtx, probs, label, loss_grad, reduction,
+                                 ignore_index):
+    """PopART's NlllWithSoftmaxGradDirect (``popx/op/softmaxx.cpp``), computed directly from
+    ``probs`` that are already a softmax over the last axis: the loss -log(p[label] + 1e-7),
+    masked by ``ignore_index`` and reduced (Mean over the labels, or over those not ignored,
+    at least 1), and d logits = (p - onehot(label)) x loss_grad (``loss_grad`` broadcast with
+    trailing axes; masked; Mean divides by the non-ignored labels, or without
+    ``ignore_index`` by ``probs.shape[0]``, as ``NllOpx::handleLossGradScaling`` does). Both
+    in ``probs``' dtype; a float32 ``loss_grad`` scales float16 probabilities in float32. No
+    gradient flows through this op (PopART's grad ops have none)."""
+    r = reduction_type(ctx, reduction)
+    p, lab = lax.stop_gradient(jnp.asarray(probs)), jnp.asarray(label)
+    onehot, keep, count = _nll_parts(p, lab, ignore_index)
+    logp = jnp.log(jnp.sum(p * onehot, -1) + jnp.asarray(1e-7, p.dtype)) * keep
+    if r == "NoReduction":
+        loss = -logp
+    else:
+        work = jnp.float32 if p.dtype == jnp.float16 else p.dtype
+        div = count if (r == "Mean" and ignore_index is not None) else logp.size if r == "Mean" else 1
+        loss = (-jnp.sum(logp.astype(work)) / jnp.asarray(div, work)).astype(p.dtype)
+    g = lax.stop_gradient(jnp.asarray(loss_grad))
+    g = g.reshape(g.shape + (1,) * (p.ndim - g.ndim))
+    work = jnp.promote_types(g.dtype, p.dtype)
+    if r == "Mean":
+        g = g.astype(work) / jnp.asarray(count if ignore_index is not None else p.shape[0], work)
+    dx = (p - onehot).astype(work) * keep[..., None].astype(work) * g.astype(work)
+    return loss, dx.astype(p.dtype)
+
+
 @_g("L1")
 def l1(ctx: LowerCtx, x, *, reduction, **attrs):
     """lambda * |x|, reduced; its gradient is lambda * sign(x) (0 at 0), as L1Grad's. The

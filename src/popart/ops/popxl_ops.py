@@ -93,13 +93,10 @@ def split_random_seed(ctx: LowerCtx, seed, **_):
 
 
 @_p("NllWithSoftmaxGrad")
-def nll_with_softmax_grad(ctx: LowerCtx, logits, labels, loss_grad, reduction="Mean", ignoreIndex=None, **_):
-    """Nll of softmax(logits) and its gradient w.r.t. the logits, times ``loss_grad``: PopART's
-    NlllWithSoftmaxGradDirect (loss -log(p + 1e-7), gradient (p - onehot) * loss_grad)."""
-    f = lambda z: losses.softmax_nll(ctx, z, jax.nn.softmax(z, -1), labels, reduction, ignoreIndex)
-    loss, pull = jax.vjp(f, logits)
-    (dx,) = pull(jnp.broadcast_to(jnp.asarray(loss_grad, loss.dtype), loss.shape))
-    return loss, dx
+def nll_with_softmax_grad(ctx: LowerCtx, probs, labels, loss_grad, reduction="Mean", ignoreIndex=None, **_):
+    """popxl's nll_loss_with_softmax_grad: PopART's NlllWithSoftmaxGradDirect on ``probs``
+    that are already softmax outputs (``losses.nll_with_softmax_grad_direct``)."""
+    return losses.nll_with_softmax_grad_direct(ctx, probs, labels, loss_grad, reduction, ignoreIndex)
 
 
 @_p("Pow2ScaleThenCast")

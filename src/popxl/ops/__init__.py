@@ -691,10 +691,25 @@ def io_tile_copy(t: Tensor) -> Tensor:
 # Losses
 
 
+_NLL_REDUCTIONS = {"mean": "Mean", "sum": "Sum", "none": "NoReduction"}
+
+
+def _nll_reduction(reduction: Any) -> str:
+    """popxl's reduction string ("mean" / "sum" / "none"; a ReductionType is accepted too)."""
+    if not isinstance(reduction, str):
+        return reduction_name(reduction)
+    if reduction not in _NLL_REDUCTIONS:
+        raise ValueError(f"Not a valid reduction: {reduction}. "
+                         f"Must choose from: {', '.join(_NLL_REDUCTIONS)}")
+    return _NLL_REDUCTIONS[reduction]
+
+
 def nll_loss(probs: Tensor, labels: Tensor, ignore_index: Optional[int] = None,
              reduction: Any = "mean", log_prob: bool = False) -> Tensor:
-    """Negative log likelihood of ``labels`` under ``probs`` (class axis last)."""
-    attrs = {"reduction": reduction_name(reduction), "inputIsLogProbability": int(log_prob)}
+    """Negative log likelihood of ``labels`` under ``probs`` (class axis last): PopART's Nll,
+    -log(max(p[label], 1e-7)) (6.104e-5 in float16), or -p[label] with ``log_prob``; labels
+    equal to ``ignore_index`` count for nothing. Differentiated with NllGrad's rule."""
+    attrs = {"reduction": _nll_reduction(reduction), "inputIsLogProbability": int(log_prob)}
     if ignore_index is not None:
         attrs["ignoreIndex"] = int(ignore_index)
     return node("Nll", [probs, labels], attrs, GC)[0]
@@ -703,12 +718,14 @@ def nll_loss(probs: Tensor, labels: Tensor, ignore_index: Optional[int] = None,
 def nll_loss_with_softmax_grad(probs: Tensor, labels: Tensor, loss_grad: Union[float, Tensor] = 1,
                                ignore_index: Optional[int] = None, reduction: Any = "mean"
                                ) -> Tuple[Tensor, Tensor]:
-    """Softmax of ``probs`` (logits), its nll loss, and the loss's gradient w.r.t. ``probs``
-    scaled by ``loss_grad``."""
-    attrs = {"reduction": reduction_name(reduction)}
+    """PopART's NlllWithSoftmaxGradDirect: ``probs`` are the output of a softmax (over the
+    last axis) of some ``x``; returns the nll loss -log(p[label] + 1e-7) (reduced) and
+    dE/dx = (p - onehot(label)) * ``loss_grad`` (a float32 constant when a number), scaled
+    as the loss is reduced and zero for ignored labels (see docs/popxl_ops.md)."""
+    attrs = {"reduction": _nll_reduction(reduction)}
     if ignore_index is not None:
         attrs["ignoreIndex"] = int(ignore_index)
-    g = as_tensor(loss_grad, probs)
+    g = loss_grad if isinstance(loss_grad, Tensor) else constant(loss_grad, "float32")
     loss, dx = node("NllWithSoftmaxGrad", [probs, labels, g], attrs, POPXL, 2)
     return loss, dx
 
