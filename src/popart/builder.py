@@ -78,7 +78,7 @@ import onnx.defs
 from onnx import AttributeProto, helper, numpy_helper
 
 from .errors import BuilderError, ModelError, UnsupportedOperatorError, popart_exception
-from .fileio import atomic_write
+from .fileio import atomic_write, initializer_proto
 from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH
 from .ir.graphcore_schema import BY_METHOD as _GRAPHCORE_METHODS
 from .ir.graphcore_schema import COMM_GROUP_TYPES as _COMM_GROUP_TYPES
@@ -764,7 +764,7 @@ class Builder:
             array = array.astype(np.float32)
         tid = self._new_id(self.getNameScope(_debug_name(debug) or "init_input"))
         try:
-            tensor = numpy_helper.from_array(array, tid)
+            tensor = initializer_proto(array, tid)   # PopART's storage field
         except Exception as e:
             raise popart_exception(f"addInitializedInputTensor: cannot store an array of dtype "
                                    f"{array.dtype} ({e})") from None

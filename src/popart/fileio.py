@@ -12,9 +12,11 @@ import stat
 import tempfile
 import threading
 import zipfile
-from typing import Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import numpy as np
+import onnx
+from onnx import helper, numpy_helper
 
 from .errors import popart_exception
 
@@ -218,3 +220,85 @@ def _read_npy(f, declared: int, spec: ArraySpec, what: str) -> np.ndarray:
         raise popart_exception(f"{what}: truncated ({len(data)} of {nbytes} bytes)")
     arr = np.frombuffer(data, dtype=dtype).copy()
     return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
+
+
+# ------------------------------------------------------------------------------ initializer storage
+# The narrow types PopART's BuilderImpl::populateTensorProtoFromConstVoidData memcpy'd into a
+# wider field (ONNX type -> (numpy type, field, field's numpy type)): their bytes packed into
+# the first entries. Every other type it stores one element per entry.
+_PACKED = {onnx.TensorProto.FLOAT16: (np.float16, "int32_data", "<i4"),
+           onnx.TensorProto.INT8: (np.int8, "int32_data", "<i4"),
+           onnx.TensorProto.UINT8: (np.uint8, "int32_data", "<i4"),
+           onnx.TensorProto.INT16: (np.int16, "int32_data", "<i4"),
+           onnx.TensorProto.UINT16: (np.uint16, "int32_data", "<i4"),
+           onnx.TensorProto.BOOL: (np.uint8, "int32_data", "<i4"),
+           onnx.TensorProto.UINT32: (np.uint32, "uint64_data", "<u8")}
+
+
+def initializer_proto(array: Any, name: str) -> onnx.TensorProto:
+    """``array`` as a TensorProto in the field PopART's Builder stores its type in
+    (``populateTensorProtoFromConstVoidData``): FLOAT in ``float_data``; INT8..INT32, UINT8,
+    UINT16, BOOL and FLOAT16 in ``int32_data``; INT64 in ``int64_data``; UINT32 / UINT64 in
+    ``uint64_data`` (DOUBLE in ``double_data``, other types where ONNX puts them), never
+    ``raw_data``. Elements are written as ONNX defines them, one value per entry (PopART
+    packed the narrow types' bytes, which no other tool reads: :func:`unpack_popart_data`
+    reads that form)."""
+    array = np.asarray(array)
+    if array.dtype.kind in "OUS":   # strings: string_data, as ONNX has them
+        return numpy_helper.from_array(array, name)
+    dtype = helper.np_dtype_to_tensor_dtype(array.dtype)
+    field = _FIXED_FIELDS.get(dtype)
+    if field is None:
+        return helper.make_tensor(name, dtype, list(array.shape), array.reshape(-1), raw=False)
+    t = onnx.TensorProto(name=name, data_type=dtype, dims=list(array.shape))
+    data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    if data:   # the field's packed wire form (tag, length, little-endian values): no lists
+        t.MergeFromString(_varint(field << 3 | 2) + _varint(len(data)) + data)
+    return t
+
+
+# Fields whose entries are fixed-size little-endian values (field numbers of onnx.proto).
+_FIXED_FIELDS = {onnx.TensorProto.FLOAT: onnx.TensorProto.FLOAT_DATA_FIELD_NUMBER,
+                 onnx.TensorProto.DOUBLE: onnx.TensorProto.DOUBLE_DATA_FIELD_NUMBER}
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def unpack_popart_data(t: onnx.TensorProto) -> onnx.TensorProto:
+    """``t``, or a copy of it with its data one element per entry where it has PopART's
+    packed layout (the narrow types' bytes memcpy'd into ``int32_data`` / ``uint64_data``).
+    Told apart where the two layouts differ: FLOAT16 with ceil(n/2) entries for n > 1
+    elements, or an entry outside the narrow type's range with every entry past the packed
+    bytes zero. A packed tensor whose entries all fit the narrow type (e.g. INT8 [5, 0, 0, 0,
+    7]) reads as ONNX defines it."""
+    spec = _PACKED.get(t.data_type)
+    if spec is None or t.HasField("raw_data"):
+        return t
+    np_type, field, field_type = spec
+    values = getattr(t, field)
+    n = int(np.prod(t.dims, dtype=np.int64))
+    width = np.dtype(np_type).itemsize
+    used = -(-n * width // np.dtype(field_type).itemsize)   # entries the packed bytes fill
+    entries = np.asarray(values, dtype=np.uint64 if field == "uint64_data" else np.int64)
+    if t.data_type == onnx.TensorProto.FLOAT16 and n > 1 and len(entries) == used:
+        packed = True
+    elif len(entries) == n and n > 0 and not entries[used:].any():
+        lo, hi = (0, 1) if t.data_type == onnx.TensorProto.BOOL else \
+            (np.iinfo(np_type).min, np.iinfo(np_type).max)
+        packed = bool(((entries < lo) | (entries > hi)).any())
+    else:
+        packed = False
+    if not packed:
+        return t
+    out = onnx.TensorProto()
+    out.CopyFrom(t)
+    out.ClearField(field)
+    out.raw_data = entries[:used].astype(field_type).tobytes()[:n * width]
+    return out

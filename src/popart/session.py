@@ -33,7 +33,7 @@ from .errors import (ArgumentError, IrError, OptimizerError, OptionError, OutOfM
                      StepIOError, WeightsIOError, popart_exception)
 from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
 from .tensornames import PREFIXES as _RESERVED_PREFIXES
-from .fileio import atomic_patch, atomic_write, note_own_file, read_exact
+from .fileio import atomic_patch, atomic_write, initializer_proto, note_own_file, read_exact
 from .ir.onnx_import import (OPTIMIZER_STATE_PREFIXES, ModelLike, external_data_path,
                              external_info, external_sources, import_model, is_external, load_model,
                              raw_bytes, set_external, sparse_to_numpy, tensor_to_numpy)
@@ -735,10 +735,10 @@ class _Session:
             if (base not in inits and base not in sparse) or sid in inits or sid in sparse:
                 continue
             weight = inits.get(base)
-            t = numpy_helper.from_array(np.asarray(value), sid)
+            t = initializer_proto(value, sid)   # PopART's typed field, as its Builder's
             if weight is not None and is_external(weight):
                 loc = external_info(weight).get("location", "")
-                set_external(t, loc, ends[loc], len(t.raw_data))
+                set_external(t, loc, ends[loc], len(raw_bytes(t)))
                 ends[loc] += int(external_info(t)["length"])
             model.graph.initializer.append(t)
             inits[sid] = t
@@ -751,7 +751,8 @@ class _Session:
     @staticmethod
     def _store_like(t: onnx.TensorProto, value: Any) -> None:
         """Tensor ``t``'s data := ``value``, in ``t``'s storage form (``raw_data`` stays
-        ``raw_data``, a typed field stays that field); unchanged when the value is."""
+        ``raw_data``, otherwise PopART's typed field, ``fileio.initializer_proto``);
+        unchanged when the value is."""
         value = np.asarray(value)
         try:
             old = tensor_to_numpy(t, None)
@@ -761,13 +762,10 @@ class _Session:
             value = value.astype(old.dtype, copy=False)
             if old.shape == value.shape and old.tobytes() == np.ascontiguousarray(value).tobytes():
                 return
-        raw = numpy_helper.from_array(value, t.name)
-        typed = [f for f in _Session._TYPED_FIELDS if len(getattr(t, f))]
-        if t.HasField("raw_data") or not typed:
-            t.raw_data = raw.raw_data
+        if t.HasField("raw_data"):
+            t.raw_data = numpy_helper.from_array(value, t.name).raw_data
             return
-        new = onnx.helper.make_tensor(t.name, t.data_type, list(t.dims), value.reshape(-1),
-                                      raw=False)
+        new = initializer_proto(value, t.name)   # PopART's typed field, one value per entry
         for f in _Session._TYPED_FIELDS:
             t.ClearField(f)
             getattr(t, f).extend(getattr(new, f))
@@ -792,8 +790,7 @@ class _Session:
             if len(sp.indices.dims) == 2 else flat
         typed = not sp.values.HasField("raw_data") and \
             any(len(getattr(sp.values, f)) for f in _Session._TYPED_FIELDS)
-        new = (onnx.helper.make_tensor(sp.values.name, sp.values.data_type, [vals.size], vals,
-                                       raw=False) if typed
+        new = (initializer_proto(vals, sp.values.name) if typed
                else numpy_helper.from_array(vals, sp.values.name))
         sp.values.CopyFrom(new)
         sp.indices.CopyFrom(numpy_helper.from_array(idx.astype(np.int64), sp.indices.name))

@@ -13,7 +13,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import ModelError, UnsupportedOperatorError, popart_exception
-from ..fileio import atomic_patch, is_own_file, note_own_file, read_exact
+from ..fileio import atomic_patch, is_own_file, note_own_file, read_exact, unpack_popart_data
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, canonical_domain, decode_attr
 from ..tensorinfo import TensorInfo, to_datatype
 from .graph import Graph, Node
@@ -157,7 +157,7 @@ def tensor_to_numpy(t: onnx.TensorProto, base_dir: Optional[str],
     if any(d < 0 for d in t.dims):
         raise ModelError(f"Tensor '{t.name}' has negative dims {list(t.dims)}")
     try:
-        return numpy_helper.to_array(t)
+        return numpy_helper.to_array(unpack_popart_data(t))
     except Exception as e:   # data that does not fit the type and dims, an unknown type
         raise ModelError(f"Tensor '{t.name}' (data type {t.data_type}, dims {list(t.dims)}) "
                          f"cannot be read: {' '.join(str(e).split())}") from None

@@ -1,0 +1,123 @@
+"""PopART's long tail on the session side (issue 25): initializer storage fields, checks at
+session construction, anchors and StepIO, random seeds, logging, PopART's messages."""
+import logging
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import popart
+from popart.fileio import initializer_proto, unpack_popart_data
+
+TP = onnx.TensorProto
+
+
+def _fields(t):
+    return [f.name for f, _ in t.ListFields() if f.name.endswith("_data")]
+
+
+# ------------------------------------------------------------------ item 3: storage fields
+# BuilderImpl::populateTensorProtoFromConstVoidData's field per type.
+POPART_FIELD = {np.float32: "float_data", np.int8: "int32_data", np.uint8: "int32_data",
+                np.int16: "int32_data", np.uint16: "int32_data", np.int32: "int32_data",
+                np.bool_: "int32_data", np.float16: "int32_data", np.int64: "int64_data",
+                np.uint32: "uint64_data", np.uint64: "uint64_data"}
+
+
+@pytest.mark.parametrize("dtype", list(POPART_FIELD))
+def test_builder_initializer_fields(dtype):
+    value = np.array([[1, 0, 1], [0, 1, 1]]).astype(dtype)
+    b = popart.Builder()
+    b.addInitializedInputTensor(value)
+    (t,) = onnx.load_from_string(b.getModelProto()).graph.initializer
+    assert _fields(t) == [POPART_FIELD[dtype]] and not t.HasField("raw_data")
+    assert len(getattr(t, POPART_FIELD[dtype])) == value.size   # one value per entry (ONNX)
+    np.testing.assert_array_equal(numpy_helper.to_array(t), value)   # onnx reads it as given
+
+
+def _popart_packed(value, field, field_dtype, entries):
+    """A TensorProto as PopART memcpy'd ``value``'s bytes into ``field`` (``entries`` long)."""
+    t = TP(name="w", data_type=onnx.helper.np_dtype_to_tensor_dtype(value.dtype),
+           dims=list(value.shape))
+    buf = np.zeros(entries, field_dtype)
+    buf.view(np.uint8)[:value.nbytes] = np.frombuffer(value.tobytes(), np.uint8)
+    getattr(t, field).extend(buf.tolist())
+    return t
+
+
+@pytest.mark.parametrize("value", [
+    np.array([1.5, -2.25, 65504, 3], np.float16),
+    np.array([1.5, -2.25, 7], np.float16),
+    np.array([-1, 5, 0, 127, -128], np.int8),
+    np.array([300, -7, 2], np.int16),
+    np.array([True, True, False], np.bool_),
+    np.array([4000000000, 7, 1], np.uint32)])
+def test_reads_popart_packed_layouts(value):
+    field, fdt = ("uint64_data", np.uint64) if value.dtype == np.uint32 else ("int32_data", np.int32)
+    n = -(-value.size // 2) if value.dtype == np.float16 else value.size
+    t = _popart_packed(value, field, fdt, n)
+    np.testing.assert_array_equal(numpy_helper.to_array(unpack_popart_data(t)), value)
+    # and through a session: the initializer feeds an Identity output
+    g = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                               [onnx.helper.make_tensor_value_info("y", t.data_type, list(value.shape))],
+                               [t])
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 11)])
+    s = popart.InferenceSession(model.SerializeToString(), popart.DataFlow(1, ["y"]),
+                                popart.DeviceManager().createCpuDevice())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({}, anchors))
+    np.testing.assert_array_equal(anchors["y"], value)
+
+
+def test_ambiguous_packed_int8_reads_as_onnx():
+    """All entries inside int8's range: read one value per entry (what ONNX defines)."""
+    t = TP(name="w", data_type=TP.INT8, dims=[5])
+    t.int32_data.extend([5, 7, 0, 0, 0])
+    assert unpack_popart_data(t) is t
+    np.testing.assert_array_equal(numpy_helper.to_array(unpack_popart_data(t)), [5, 7, 0, 0, 0])
+
+
+def test_initializer_proto_float_fast_path_exact():
+    a = np.random.default_rng(0).standard_normal((7, 9)).astype(np.float32)
+    t = initializer_proto(a, "a")
+    assert _fields(t) == ["float_data"] and list(t.dims) == [7, 9]
+    np.testing.assert_array_equal(np.array(t.float_data, np.float32).reshape(7, 9), a)
+
+
+@pytest.fixture(scope="module")
+def trained_model(tmp_path_factory):
+    """modelToHost of a session trained one step with momentum SGD on a Builder model."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    w = b.addInitializedInputTensor(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    k = b.addInitializedInputTensor(np.array([3, 1], np.int32), "k")
+    y = b.aiOnnx.mul([x, w])
+    loss = b.aiGraphcore.l1loss([y], 1.0, reduction=popart.ReductionType.Sum)
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                               popart.SGD({"defaultLearningRate": (0.5, False),
+                                           "defaultMomentum": (0.9, False)}),
+                               popart.DeviceManager().createCpuDevice())
+    s.prepareDevice()
+    s.weightsFromHost()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: np.ones([2, 3], np.float32)}, anchors))
+    fn = str(tmp_path_factory.mktemp("m") / "trained.onnx")
+    s.modelToHost(fn)
+    return onnx.load(fn), w, k
+
+
+def test_model_to_host_fields_and_order(trained_model):
+    model, w, k = trained_model
+    names = [t.name for t in model.graph.initializer]
+    assert names[:2] == [w, k]                    # the original initializers first, in order
+    assert len(names) > 2 and all(n.startswith(("Accl", "Step", "Accum")) for n in names[2:])
+    for t in model.graph.initializer:             # every one in PopART's typed field
+        assert not t.HasField("raw_data")
+        assert _fields(t) == [{TP.FLOAT: "float_data", TP.INT32: "int32_data"}[t.data_type]]
+    got = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    # L1 sum of x*w with x = 1: d/dw = sign(w) (0 at w = 0: PopART's L1Grad), lr 0.5, first step
+    w0 = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(got[w], w0 - 0.5 * np.sign(w0), rtol=1e-6)
+    np.testing.assert_array_equal(got[k], [3, 1])
