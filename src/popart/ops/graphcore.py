@@ -99,7 +99,8 @@ def binary_const_scalar(ctx: LowerCtx, x, value=0.0, op="Add", scalar_in_lhs=0, 
 
 @_g("IncrementMod")
 def increment_mod(ctx: LowerCtx, x, *, increment, modulus, **_):
-    return jnp.remainder(x + _cast(increment, x), _cast(modulus, x))
+    """(x + increment) rem modulus, the remainder with the dividend's sign (popops Rem)."""
+    return jnp.fmod(x + _cast(increment, x), _cast(modulus, x))
 
 
 @_g("Bucketize")
