@@ -20,15 +20,43 @@ from ..tensor import Tensor, constant
 from ._base import GC, ONNX, POPXL, inplace, node
 
 
+class _SubgraphOp:
+    """The op a :class:`CallSiteInfo` describes: the called graph, the calling graph, the
+    IR node and where the called graph's outputs start among the node's outputs. Outputs
+    are read from the node, so outputs that ``transforms.autodiff`` adds to the called graph
+    later appear at existing call sites too."""
+
+    def __init__(self, graph: Graph, parent: Graph, node_: Node, inputs: list[Tensor],
+                 first_output: int = 0) -> None:
+        self.graph, self.parent, self.node = graph, parent, node_
+        self.inputs, self.first_output = list(inputs), first_output
+
+    def outputs(self) -> list[Tensor]:
+        ids = self.node.outputs[self.first_output:self.first_output + len(self.graph._outputs)]
+        return [self.parent._tensors[i] for i in ids]
+
+
 class CallSiteInfo:
     """A call site: the called graph, the parent tensors passed in and the outputs."""
 
-    def __init__(self, graph: Graph, inputs: list[Tensor], outputs: list[Tensor]) -> None:
-        self._graph, self._inputs, self._outputs = graph, list(inputs), list(outputs)
+    def __init__(self, subgraph_op: _SubgraphOp) -> None:
+        self._op = subgraph_op
 
     @property
     def called_graph(self) -> Graph:
-        return self._graph
+        return self._op.graph
+
+    @property
+    def _graph(self) -> Graph:
+        return self._op.graph
+
+    @property
+    def _inputs(self) -> list[Tensor]:
+        return self._op.inputs
+
+    @property
+    def _outputs(self) -> list[Tensor]:
+        return self._op.outputs()
 
     @property
     def inputs(self) -> tuple[Tensor, ...]:
@@ -136,7 +164,7 @@ def call_with_info(graph: Graph, *inputs: Any, inputs_dict: Optional[Mapping[Ten
     outs = node("Call", all_in, {"callee": ir_graph}, GC, len(ir_graph.outputs),
                 name=f"call_{graph.name}")
     _connect_by_ref(graph, all_in, outs[n_out:])
-    return CallSiteInfo(graph, user_in, outs[:n_out])
+    return CallSiteInfo(_SubgraphOp(graph, parent, parent._g.nodes[-1], user_in))
 
 
 def call(graph: Graph, *inputs: Any, inputs_dict: Optional[Mapping[Tensor, Any]] = None,
@@ -184,7 +212,7 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any,
     for i, t in enumerate(graph._all_inputs()):
         if id(t) in ref_pos:
             inplace(all_in[i], outs[i])
-    return CallSiteInfo(graph, user_in, outs[:n_out])
+    return CallSiteInfo(_SubgraphOp(graph, parent, parent._g.nodes[-1], user_in))
 
 
 def repeat(graph: Graph, repeat_count: int, *inputs: Any,
@@ -222,7 +250,7 @@ def conditional_with_info(cond: Tensor, then_branch: Graph, else_branch: Graph,
     attrs = {"then_branch": _branch(parent, then_branch, t_in, "then"),
              "else_branch": _branch(parent, else_branch, e_in, "else")}
     outs = node("If", [cond], attrs, ONNX, len(then_branch._outputs), name="conditional")
-    return CallSiteInfo(then_branch, t_in, outs)
+    return CallSiteInfo(_SubgraphOp(then_branch, parent, parent._g.nodes[-1], t_in))
 
 
 def conditional(cond: Tensor, then_branch: Graph, else_branch: Graph, then_inputs: Any = None,

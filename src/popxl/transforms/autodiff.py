@@ -1,13 +1,26 @@
-"""popxl.transforms.autodiff: the gradient graph of a graph.
+"""popxl.transforms.autodiff: the gradient graph of a graph, as PopXL builds it.
 
-The gradient graph holds one ai.popxl::VJP node that keeps the forward IR graph as an
-attribute and lowers to ``jax.vjp`` over it: it recomputes the forward pass from the forward
-inputs and pulls the provided output gradients back. So its expected inputs are the provided
-output gradients followed by every forward input."""
+Nothing is recomputed. Each forward op on a path from ``grads_required`` to
+``grads_provided`` gets one grad op (ai.popxl::OpVJP) in the gradient graph that reads the
+forward tensors PopART's grad op reads (its ``gradInputInfo()``, table ``GRAD_READS``):
+forward inputs, forward outputs, or none. Those forward tensors are inputs of the gradient
+graph; any that is not already an input or output of the forward graph becomes a new output
+of it (and of every existing call of it), so callers pass them on from the forward call
+(``GradGraphInfo.inputs_dict``). The numbers are our lowerings' (with PopART's custom VJPs):
+the vjp of the op's lowering at its saved inputs, or, for ops whose grad reads only the
+output (Relu, Sigmoid, ...), PopART's formula from that output (``FROM_OUTPUT``)."""
 from __future__ import annotations
 
 import enum
+import dataclasses
 from typing import Any, Iterable, Mapping, Optional
+
+import numpy as np
+
+from popart.ir.graph import Graph as IRGraph
+from popart.ir.graph import Node
+from popart.ir.transforms import NO_GRAD_OPS
+from popart.ops.popxl_grad import FROM_OUTPUT
 
 from ..graph import Graph
 from ..ops._base import POPXL
@@ -97,50 +110,202 @@ class GradGraphInfo:
                 f"expected_outputs={list(self._expected_outputs)}]")
 
 
+# What each op type's grad op reads of the forward op (PopART's gradInputInfo(), willow/src/op):
+# "none": nothing but the output gradient (linear and shape ops: the vjp of the lowering at
+# zeros is the gradient); "out": its output only (FROM_OUTPUT gives the gradient from it);
+# "in+out": inputs and outputs; "other": for each input's gradient the other inputs (bilinear
+# ops: MatMulLhsGradOp reads the rhs, ...). Any other op type reads its inputs ("in"). Inputs that are not
+# floating point (indices, labels, offsets) are read whenever the op is differentiated.
+GRAD_READS = {
+    **dict.fromkeys(("Add", "Sub", "Neg", "Sum", "Identity", "Reshape", "Transpose", "Flatten",
+                     "Squeeze", "Unsqueeze", "Expand", "ReduceSum", "ReduceMean", "Concat",
+                     "Slice", "Split", "Scale", "Cast", "ReplicatedAllReduce",
+                     "ReplicatedAllReduceInplace", "ReplicatedAllGather",
+                     "ReplicatedReduceScatter"), "none"),
+    **dict.fromkeys(FROM_OUTPUT, "out"),
+    **dict.fromkeys(("MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool", "ReduceMax",
+                     "ReduceMin", "ReduceL2", "ReduceLogSumExp"), "in+out"),
+    **dict.fromkeys(("MatMul", "Mul", "Conv"), "other"),
+}
+_NO_GRAD = NO_GRAD_OPS | {"ArgMax", "ArgMin", "Equal", "Greater", "Less", "GreaterOrEqual",
+                          "LessOrEqual", "NonZero", "Detach"}
+
+
 def _float(t: Tensor) -> bool:
     return t.dtype.is_floating_point
+
+
+class _Fwd:
+    """The forward graph seen by IR ids: specs, constants and the popxl tensor of each id."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph, self.ir = graph, graph._finalize()
+        self.consts = set(self.ir.initializers)
+        self.in_ids = [graph._entry[t] for t in graph._inputs]
+        self._by_id: dict[str, Tensor] = {}
+        for t in list(graph._tensors.values()) + list(graph._outputs):
+            self._by_id[t._ir_id] = t
+        for t in graph._inputs:
+            self._by_id[graph._entry[t]] = t
+
+    def tensor(self, tid: str) -> Tensor:
+        if tid not in self._by_id:    # an earlier version of a tensor changed in place
+            self._by_id[tid] = Tensor(self.graph, tid)
+        return self._by_id[tid]
+
+    def is_float(self, tid: str) -> bool:
+        return _float(self.tensor(tid))
+
+
+def _plan(fwd: _Fwd, provided: list[str], required: list[str]) -> tuple[list, set]:
+    """The forward nodes to differentiate, last first, each with (output indices that have a
+    gradient, its traced input ids that get one), and every id that gets a gradient."""
+    from_req = set(required)
+    for n in fwd.ir.nodes:
+        if n.op_type not in _NO_GRAD and any(i in from_req for i in n.inputs if i):
+            from_req.update(o for o in n.outputs if o and fwd.is_float(o))
+    has_grad, plan = set(provided), []
+    for n in reversed(fwd.ir.nodes):
+        outs = [k for k, o in enumerate(n.outputs) if o and o in has_grad]
+        wrt = [i for i in dict.fromkeys(n.inputs) if i and i in from_req and i not in fwd.consts
+               and fwd.is_float(i)]
+        if n.op_type in _NO_GRAD or not outs or not wrt:
+            continue
+        plan.append((n, outs, wrt))
+        has_grad.update(wrt)
+    return plan, has_grad
+
+
+def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], str]:
+    """The forward input ids and output ids that the grad op of ``n`` reads to give the
+    gradients of ``wrt``, and the op type when the gradient comes from its output
+    (``FROM_OUTPUT``: ops of one traced input)."""
+    traced = [i for i in dict.fromkeys(n.inputs) if i and i not in fwd.consts]
+    kind = GRAD_READS.get(n.op_type, "in")
+    if kind == "out" and len(traced) != 1:
+        kind = "in"
+    if kind == "other" and any(n.inputs.count(w) > 1 for w in wrt):
+        kind = "in"   # x * x: the gradient reads x
+    ins = [i for i in traced if kind in ("in", "in+out") or not fwd.is_float(i)
+           or (kind == "other" and any(w != i for w in wrt))]
+    outs = [o for o in n.outputs if o] if kind in ("out", "in+out") else []
+    return ins, outs, n.op_type if kind == "out" else ""
+
+
+def _one_node_graph(fwd: _Fwd, n: Node) -> IRGraph:
+    traced = [i for i in dict.fromkeys(n.inputs) if i and i not in fwd.consts]
+    return IRGraph(name=f"{fwd.graph.name}/{n.name}", nodes=[dataclasses.replace(n, outputs=list(n.outputs))],
+                   inputs=traced, outputs=[o for o in n.outputs if o],
+                   initializers={i: fwd.ir.initializers[i] for i in n.inputs if i in fwd.consts},
+                   opsets=dict(fwd.ir.opsets), constants={i for i in n.inputs if i in fwd.consts},
+                   parent=fwd.ir.parent)
+
+
+def _stitch(graph: Graph, ts: list[Tensor]) -> None:
+    """Make ``ts`` outputs of ``graph``, and of every call of it (PopART's AddFwdOutputStitcher)."""
+    if not ts:
+        return
+    old_ir = graph._finalize()
+    n_old = len(graph._outputs)
+    sites = []
+    for g in graph.ir._graphs:
+        for node in g._g.nodes:
+            if node.op_type == "Call" and node.attrs.get("callee") is old_ir:
+                sites.append((g, node))
+            elif any(_calls(v, old_ir) for v in node.attrs.values() if isinstance(v, IRGraph)):
+                raise RuntimeError(f"[AddFwdOutputStitcher] Unable to add outputs to graph "
+                                   f"'{graph.name}': it is called by {node.describe()}, not by a "
+                                   f"call op (differentiate it before repeat / conditional calls it)")
+    graph._outputs.extend(ts)
+    graph._finalize()
+    for g, node in sites:
+        for k, t in enumerate(ts):
+            tid = g._new_id("autodiff_output")
+            g._add_tensor(tid, t._spec)
+            node.outputs.insert(n_old + k, tid)
+
+
+def _calls(body: IRGraph, callee: IRGraph) -> bool:
+    return any(n.attrs.get("callee") is callee or
+               any(_calls(v, callee) for v in n.attrs.values() if isinstance(v, IRGraph))
+               for n in body.nodes)
 
 
 def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
              grads_required: Optional[Iterable[Tensor]] = None,
              called_graphs_grad_info: Optional[Mapping[Graph, GradGraphInfo]] = None,
              return_all_grad_graphs: bool = False) -> Any:
-    """Differentiate ``graph``: gradients of ``grads_required`` (default: its floating-point
-    inputs) given gradients of ``grads_provided`` (default: its floating-point outputs).
-    Subgraphs it calls are differentiated through by JAX."""
+    """Differentiate ``graph``: gradients of ``grads_required`` (default: the inputs that get
+    one) given gradients of ``grads_provided`` (default: the floating-point outputs that lead
+    to them); both may be any tensors of ``graph``. The forward tensors the grad ops read
+    become inputs of the gradient graph (and outputs of ``graph`` where they are neither)."""
     if graph._is_main:
         raise ValueError("autodiff differentiates subgraphs (made with ir.create_graph), not the main graph")
     if graph._hidden:
         raise NotImplementedError(f"autodiff of graph '{graph.name}', which uses host streams or "
                                   f"remote buffers, is not supported: load / store outside the "
                                   f"differentiated graph")
-    provided = [t for t in graph._outputs if _float(t)] if grads_provided is None else list(grads_provided)
-    required = [t for t in graph._inputs if _float(t)] if grads_required is None else list(grads_required)
-    for t in provided:
-        if t not in graph._outputs:
-            raise NotImplementedError(f"grads_provided: '{t.id}' is not an output of graph "
-                                      f"'{graph.name}' (only outputs are supported)")
-    for t in required:
-        if t not in graph._inputs:
-            raise NotImplementedError(f"grads_required: '{t.id}' is not an input of graph "
-                                      f"'{graph.name}' (only inputs are supported)")
-    fwd_ir = graph._finalize()
+    for what, ts in (("grads_provided", grads_provided), ("grads_required", grads_required)):
+        for t in ts or ():
+            if not isinstance(t, Tensor) or t._graph is not graph:
+                raise ValueError(f"{what}: {t!r} is not a tensor of graph '{graph.name}'")
+    fwd = _Fwd(graph)
+    ids = lambda ts: [t._ir_id if t not in graph._inputs else graph._entry[t] for t in ts]
+    provided = ids([t for t in graph._outputs if _float(t)] if grads_provided is None else grads_provided)
+    required = ids([t for t in graph._inputs if _float(t)] if grads_required is None else grads_required)
+    plan, has_grad = _plan(fwd, provided, required)
+    if grads_required is None:
+        required = [r for r in required if r in has_grad]
+    if grads_provided is None:
+        used = {o for n, outs, _ in plan for k, o in enumerate(n.outputs) if k in outs}
+        provided = [p for p in dict.fromkeys(provided) if p in used or p in required]
+        plan, has_grad = _plan(fwd, provided, required)
+    reads = {id(n): _reads(fwd, n, wrt) for n, _, wrt in plan}
+    saved = sorted({t for ins, outs, _ in reads.values() for t in ins + outs})
+    out_ids = {t._ir_id for t in graph._outputs}
+    _stitch(graph, [fwd.tensor(t) for t in saved if t not in fwd.in_ids and t not in out_ids])
+
     grad = graph.ir.create_empty_graph(f"{graph.name}_grad")
     with grad:
-        g_ins = [graph_input(t.shape, t.dtype, f"Gradient___{t.name}") for t in provided]
-        f_ins = [graph_input(t.shape, t.dtype, t.name) for t in graph._inputs]
-        attrs = {"fwd": fwd_ir, "provided": [graph._outputs.index(t) for t in provided],
-                 "required": [graph._inputs.index(t) for t in required]}
-        outs = grad._add_node("VJP", g_ins + f_ins, attrs, POPXL, len(required),
-                              name=f"Gradient___{graph.name}")
-        for o in outs:
-            graph_output(o)
+        gsum: dict[str, list[Tensor]] = {}
+        for p in provided:
+            t = fwd.tensor(p)
+            gsum.setdefault(p, []).append(graph_input(t.shape, t.dtype, f"Gradient___{t.name}"))
+        val = {t: graph_input(fwd.tensor(t).shape, fwd.tensor(t).dtype, fwd.tensor(t).name)
+               for t in saved}
+
+        def total(tid: str) -> Tensor:
+            parts = gsum.get(tid, [])
+            if not parts:
+                t = fwd.tensor(tid)
+                from ..tensor import constant
+                return constant(np.zeros(t.shape, t.dtype.as_numpy()), t.dtype, name=f"Gradient___{t.name}")
+            if len(parts) > 1:
+                gsum[tid] = [grad._add_node("Sum", parts, name=f"Gradient___{fwd.tensor(tid).name}")[0]]
+            return gsum[tid][0]
+
+        for n, outs, wrt in plan:
+            sub = _one_node_graph(fwd, n)
+            ins, souts, rule = reads[id(n)]
+            attrs = {"fwd": sub, "provided": [sub.outputs.index(n.outputs[k]) for k in outs],
+                     "required": [sub.inputs.index(i) for i in wrt],
+                     "given": [sub.inputs.index(i) for i in ins],
+                     "specs": [[list(fwd.tensor(i).shape), fwd.tensor(i).dtype.as_numpy().name]
+                               for i in sub.inputs],
+                     "n_saved_out": len(souts), "rule": rule}
+            g_outs = [total(n.outputs[k]) for k in outs]
+            res = grad._add_node("OpVJP", g_outs + [val[i] for i in ins] + [val[o] for o in souts],
+                                 attrs, POPXL, len(wrt), name=f"{n.name}_grad")
+            for i, r in zip(wrt, res):
+                gsum.setdefault(i, []).append(r)
+        for r in required:
+            graph_output(total(r))
     grad._finalize()
     info = GradGraphInfo(
         grad, graph,
-        [ExpectedConnection(t, ExpectedConnectionType.FwdGrad) for t in provided] +
-        [ExpectedConnection(t, ExpectedConnectionType.Fwd) for t in graph._inputs],
-        [ExpectedConnection(t, ExpectedConnectionType.FwdGrad) for t in required])
+        [ExpectedConnection(fwd.tensor(t), ExpectedConnectionType.FwdGrad) for t in provided] +
+        [ExpectedConnection(fwd.tensor(t), ExpectedConnectionType.Fwd) for t in saved],
+        [ExpectedConnection(fwd.tensor(t), ExpectedConnectionType.FwdGrad) for t in required])
     if return_all_grad_graphs:
-        return [info]
+        return {graph: info}
     return info

@@ -1,0 +1,47 @@
+"""The grad op of one forward op (ai.popxl::OpVJP), as popxl's autodiff builds grad graphs:
+it reads the saved forward tensors that PopART's grad op reads (gradInputInfo) and never
+recomputes anything before them. Ops whose grad reads only the output (PopART's ReluGrad,
+SigmoidGrad, ...) get their gradient from that output (``FROM_OUTPUT``); the others get the
+vjp of the op's lowering at its saved inputs (inputs the grad does not read, as for linear
+ops, are zeros of their shape)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .popxl_ops import _p, vjp
+from .registry import LowerCtx
+
+
+def _softmax_from_output(g, y, axis=-1, **_):
+    """SoftmaxGradOp: y * (g - sum(g * y, axis))."""
+    return y * (g - jnp.sum(g * y, axis=int(axis), keepdims=True))
+
+
+FROM_OUTPUT = {
+    "Relu": lambda g, y, **_: jnp.where(y > 0, g, g * jnp.zeros((), g.dtype)),  # ReluGradOpx
+    "Sigmoid": lambda g, y, **_: g * y * (1 - y),                             # SigmoidGradOpx
+    "Tanh": lambda g, y, **_: g * (1 - y * y),                                # TanhGradOpx
+    "Exp": lambda g, y, **_: g * y,                                           # ExpGradOpx
+    "Sqrt": lambda g, y, **_: g / (y * 2),                                    # SqrtGradOpx
+    "Softmax": _softmax_from_output,
+}
+
+
+@_p("OpVJP")
+def op_vjp(ctx: LowerCtx, *ins, fwd, provided, required, given, specs, n_saved_out=0,
+           rule="", **_):
+    """Gradients of inputs ``required`` of the one-node graph ``fwd`` given the gradients of
+    its outputs ``provided``. Inputs: those gradients, the forward inputs ``given`` (indices
+    of ``fwd.inputs``), then ``n_saved_out`` forward outputs. ``rule``: the op type whose
+    gradient comes from its output (``FROM_OUTPUT``)."""
+    n, m = len(provided), len(given)
+    grads, vals = ins[:n], ins[n:n + m]
+    if rule:
+        y = jnp.asarray(ins[n + m])
+        return [FROM_OUTPUT[rule](jnp.asarray(grads[0], y.dtype).reshape(y.shape), y,
+                                  **fwd.nodes[0].attrs)]
+    xs = [jnp.zeros(tuple(s), np.dtype(d)) for s, d in specs]
+    for i, v in zip(given, vals):
+        xs[i] = v
+    return vjp(ctx, *grads, *xs, fwd=fwd, provided=provided, required=required)
