@@ -767,3 +767,6 @@ def lamb_square(t: Tensor) -> Tensor:
     """The sum of the squares of all elements of ``t`` (a float32 scalar; LAMB's norms)."""
     return one("ReduceSumSquare", cast(t, "float32") if t.dtype.name != "float32" else t, None,
                keepdims=0)
+
+
+from ._op_modules import log2, remote_code_load  # noqa: E402,F401  (and PopXL's per-op modules)
