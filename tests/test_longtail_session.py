@@ -121,3 +121,116 @@ def test_model_to_host_fields_and_order(trained_model):
     w0 = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_allclose(got[w], w0 - 0.5 * np.sign(w0), rtol=1e-6)
     np.testing.assert_array_equal(got[k], [3, 1])
+
+
+# ------------------------------------------------------------------ models without the Builder
+def _model(nodes, inputs, outputs, inits=(), opset=11):
+    """An ONNX model: ``inputs`` / ``outputs`` as (name, elem type, shape)."""
+    vi = lambda n, t, s: onnx.helper.make_tensor_value_info(n, t, s)
+    g = onnx.helper.make_graph(nodes, "g", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                               [numpy_helper.from_array(v, k) for k, v in inits])
+    return onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", opset),
+                                                    onnx.helper.make_opsetid("ai.graphcore", 1)]
+                                  ).SerializeToString()
+
+
+def _node(op, ins, outs, domain="", **attrs):
+    return onnx.helper.make_node(op, ins, outs, domain=domain, **attrs)
+
+
+CPU = popart.DeviceManager().createCpuDevice
+W23 = ("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def _training(model, loss, anchors=None, opts=None, device=None):
+    return popart.TrainingSession(model, popart.DataFlow(1, anchors or [loss]), loss,
+                                  popart.ConstSGD(0.1), device or CPU(), userOptions=opts)
+
+
+# ------------------------------------------------------------------ item 4: construction checks
+def test_shape_inference_errors_raise_at_construction():
+    """A Softmax axis out of range, an Add that does not broadcast: the constructor raises
+    (PopART's Ir::prepare), before any prepareDevice."""
+    bad_axis = _model([_node("Mul", ["x", "w"], ["m"]), _node("Softmax", ["m"], ["y"], axis=5)],
+                      [("x", TP.FLOAT, [2, 3])], [("y", TP.FLOAT, [2, 3])], [W23])
+    bad_bcast = _model([_node("Mul", ["x", "w"], ["m"]), _node("Add", ["m", "z"], ["y"])],
+                       [("x", TP.FLOAT, [2, 3]), ("z", TP.FLOAT, [4])], [("y", TP.FLOAT, [2, 3])],
+                       [W23])
+    for model in (bad_axis, bad_bcast):
+        with pytest.raises(popart.popart_exception):
+            popart.InferenceSession(model, popart.DataFlow(1, ["y"]), CPU())
+
+
+def _loss_model(keepdims, axes):
+    return _model([_node("Mul", ["x", "w"], ["m"]),
+                   _node("ReduceSum", ["m"], ["loss"], keepdims=keepdims, **axes)],
+                  [("x", TP.FLOAT, [2, 3])], [("loss", TP.FLOAT, None)], [W23])
+
+
+def test_loss_of_more_than_one_element_rejected_at_construction():
+    with pytest.raises(popart.popart_exception) as e:
+        _training(_loss_model(0, {"axes": [1]}), "loss")
+    assert e.value.args[0] == "Loss tensor, 'loss', must be a scalar tensor"   # Ir::setFinalLoss
+
+
+def test_loss_with_one_element_trains():
+    """A loss of shape [1, 1] (ReduceSum keepdims=1) is accepted; its gradient is x."""
+    s = _training(_loss_model(1, {}), "loss", anchors=["loss", "Gradient___w"])
+    s.prepareDevice()
+    s.weightsFromHost()
+    anchors = s.initAnchorArrays()
+    x = np.array([[1, 2, 3], [4, 5, 6]], np.float32)
+    s.run(popart.PyStepIO({"x": x}, anchors))
+    assert anchors["loss"].shape == (1, 1)
+    np.testing.assert_allclose(anchors["loss"].reshape(()), (x * W23[1]).sum())
+    np.testing.assert_allclose(anchors["Gradient___w"], x)
+
+
+def test_virtual_graph_beyond_the_device_checked_at_prepare_device():
+    m = _model([_node("Mul", ["x", "w"], ["y"])], [("x", TP.FLOAT, [2, 3])],
+               [("y", TP.FLOAT, [2, 3])], [W23])
+    model = onnx.load_from_string(m)
+    a = model.graph.node[0].attribute.add()
+    a.name, a.type, a.i = "__ipu_number", onnx.AttributeProto.INT, 3
+    opts = popart.SessionOptions()
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    s = popart.InferenceSession(model.SerializeToString(), popart.DataFlow(1, ["y"]),
+                                popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
+                                userOptions=opts)   # constructed: the device is not checked yet
+    with pytest.raises(popart.popart_exception, match=r"has been assigned to an invalid virtual "
+                                                      r"graph 3\. numIPUs = 2\."):
+        s.prepareDevice()
+
+
+# ------------------------------------------------------------------ item 12: seeds
+def test_seed_attribute_rejected_by_sessions_not_by_the_onnx_backend():
+    model = _model([_node("RandomUniform", [], ["r"], shape=[3], seed=2.0),
+                    _node("Add", ["x", "r"], ["y"])],
+                   [("x", TP.FLOAT, [3])], [("y", TP.FLOAT, [3])])
+    with pytest.raises(popart.popart_exception) as e:
+        popart.InferenceSession(model, popart.DataFlow(1, ["y"]), CPU())
+    assert e.value.args[0] == ("ai.onnx.RandomUniform:1: Optional seed attribute is not "
+                               "supported. Use session::setRandomSeed instead.")
+    from popart import onnx_backend
+    out = onnx_backend.prepare(onnx.load_from_string(model)).run([np.zeros(3, np.float32)])[0]
+    assert out.shape == (3,) and ((0 <= out) & (out < 1)).all()
+
+
+def test_set_random_seed_rules(caplog):
+    rand = _model([_node("RandomUniform", [], ["r"], shape=[3]), _node("Add", ["x", "r"], ["y"])],
+                  [("x", TP.FLOAT, [3])], [("y", TP.FLOAT, [3])])
+    s = popart.InferenceSession(rand, popart.DataFlow(1, ["y"]), CPU())
+    with pytest.raises(popart.popart_runtime_error) as e:
+        s.setRandomSeed(3)
+    assert e.value.args[0] == ("There is no executatable. Try calling Session::prepareDevice "
+                               "first.")
+    s.prepareDevice()
+    s.setRandomSeed(3)
+    assert s.getRandomSeed() == 3
+    plain = _model([_node("Neg", ["x"], ["y"])], [("x", TP.FLOAT, [3])], [("y", TP.FLOAT, [3])])
+    s = popart.InferenceSession(plain, popart.DataFlow(1, ["y"]), CPU())
+    with caplog.at_level(logging.WARNING, logger="popart.session"):
+        s.setRandomSeed(3)   # before prepareDevice too: nothing to seed, nothing done
+    assert "Trying to set the random seed, but this session has no random behaviour. Doing " \
+           "nothing." in caplog.text
+    assert s.getRandomSeed() == 0

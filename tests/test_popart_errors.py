@@ -202,9 +202,8 @@ def test_loss_tensor_checks():
     opt = popart.ConstSGD(0.1)
     with pytest.raises(IrError, match="Could not find loss tensor 'nope' in main graph tensors"):
         popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [z]), "nope", opt, CPU())
-    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [z]), z, opt, CPU())
-    with pytest.raises(popart_exception, match="must be a scalar"):
-        s.prepareDevice()
+    with pytest.raises(popart_exception, match="must be a scalar"):   # Ir::prepare: constructor
+        popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [z]), z, opt, CPU())
 
 
 def _annotated(vgraphs, stages=None):
@@ -235,9 +234,10 @@ def test_virtual_graph_annotations_in_manual_mode():
                                       "with virtual graph information"):
         inference(proto, [out], manual)
     proto, x, out = _annotated([0, 1, 1])
+    one_ipu = inference(proto, [out], manual)     # the device is checked in prepareDevice
     with pytest.raises(IrError, match="has been assigned to an invalid virtual graph 1. "
                                       "numIPUs = 1."):
-        inference(proto, [out], manual)          # a one-IPU device
+        one_ipu.prepareDevice()                  # (IrLowering, as PopART)
     s = inference(proto, [out], manual, two_ipus())
     np.testing.assert_allclose(run(s, {x: np.array([1, -1], np.float32)})[out],
                                np.exp([-1.0, 0.0]), rtol=1e-6)
@@ -386,7 +386,7 @@ def test_weights_io_checks():
 # ---------------------------------------------------------------- session arguments
 def test_random_seed_must_be_an_unsigned_64_bit_integer():
     b, x, w, y, z = model()
-    s = inference(b.getModelProto(), [z])
+    s = inference(b.getModelProto(), [z], options(enableStochasticRounding=True))   # seedable
     s.prepareDevice()
     for bad in (-1, 1.5, "3", 2 ** 64, True):
         with pytest.raises(ArgumentError, match="seedValue must be an unsigned 64-bit integer"):

@@ -261,9 +261,8 @@ def test_non_scalar_loss_is_an_error():
     w = b.addInitializedInputTensor(np.ones(3, np.float32))
     y = b.aiOnnx.mul([x, w])
     loss = b.aiGraphcore.identityloss([y], reduction=popart.ReductionType.NoReduction)
-    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, popart.ConstSGD(0.1), CPU())
-    with pytest.raises(popart.popart_exception, match="scalar"):
-        s.prepareDevice()
+    with pytest.raises(popart.popart_exception, match="scalar"):   # in the constructor, as PopART
+        popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, popart.ConstSGD(0.1), CPU())
 
 
 def test_dropout_seeded_training_and_inactive_in_inference():
@@ -276,8 +275,8 @@ def test_dropout_seeded_training_and_inactive_in_inference():
 
     def run(seed):
         s = popart.TrainingSession(proto, popart.DataFlow(2, [d]), loss, popart.SGD({"defaultLearningRate": (0.0, False)}), CPU())
-        s.setRandomSeed(seed)
         s.prepareDevice()
+        s.setRandomSeed(seed)   # PopART: once the executable exists
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO({x: np.ones((2, 64), np.float32)}, out))
         return out[d]

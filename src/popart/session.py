@@ -30,7 +30,8 @@ from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
 from .ir.transforms import fuse_softmax_nll
 from .errors import (ArgumentError, IrError, OptimizerError, OptionError, OutOfMemoryException,
-                     StepIOError, WeightsIOError, popart_exception)
+                     StepIOError, WeightsIOError, popart_exception, popart_runtime_error)
+from .ops import registry as _registry
 from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
 from .tensornames import PREFIXES as _RESERVED_PREFIXES
 from .fileio import atomic_patch, atomic_write, initializer_proto, note_own_file, read_exact
@@ -138,6 +139,7 @@ class _Session:
             check_als_settings(als_snapshot(als), self._training, self._optimizer, self.options,
                                self._graph)
         self._verify_ir()
+        self._infos = self._infer_shapes()
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
 
@@ -184,6 +186,23 @@ class _Session:
             raise OptionError("> 1 execution phases requires VirtualGraphMode::ExecutionPhases")
         if not self._training:
             _check_not_pruned_empty(self._graph, self._dataFlow.anchors())
+        _check_no_seed_attributes(self._graph)
+
+    def _infer_shapes(self) -> dict[str, TensorInfo]:
+        """Every tensor's TensorInfo, inferred at construction as PopART's Ir::prepare does
+        (each op's setup): invalid axes, shapes that do not broadcast, Nll labels that do not
+        match and the rest of shape inference raise here, not in prepareDevice. A training
+        session's loss may have one element (shape [], [1], [1, 1], ...), not more
+        (Ir::setFinalLoss)."""
+        infos = {**self._input_infos,
+                 **infer_graph(self._graph, overrides=self._input_infos)}
+        loss = infos.get(self._loss) if self._training else None
+        if loss is not None and loss.nelms() > 1:
+            e = IrError(f"Loss tensor, '{self._loss}', must be a scalar tensor")
+            e.add_note(f"Its shape is {loss.shape()}: reduce it with a loss op of reduction "
+                       f"Sum or Mean (popart.ReductionType)")
+            raise e
+        return infos
 
     def _check_training_args(self) -> None:
         if not isinstance(self._loss, str) or not self._loss:
@@ -242,6 +261,7 @@ class _Session:
         does nothing)."""
         if self._prepared:
             return
+        _check_virtual_graph_range(self._graph, self.options, self._device, self.replicationFactor)
         program = self._plan()
         self._host_weights = {k: np.array(v) for k, v in program.variables.items()}
         opt_state = dict(program.init_opt_state())
@@ -806,11 +826,7 @@ class _Session:
         if format != IrSerializationFormat.JSON:
             raise popart_exception(f"_serializeIr: format must be IrSerializationFormat.JSON, got {format!r}")
         program = self._plan()
-        infos = dict(self._input_infos)
-        try:
-            infos.update(infer_graph(self._graph, overrides=self._input_infos))
-        except popart_exception:
-            pass   # shapes unknown for some tensors: serialised without them
+        infos = dict(self._infos)
         training = None
         if self._training:
             training = {"loss": self._loss, "trainable": program.trainable, "optimizer": self._optimizer}
@@ -1059,7 +1075,7 @@ class _Session:
     def getInfo(self, id: str) -> TensorInfo:
         if id in self._input_infos:
             return self._input_infos[id]
-        infos = infer_graph(self._graph, [id], self._input_infos)
+        infos = self._infos
         if id not in infos:
             raise popart_exception(f"getInfo: '{id}' is not a tensor of the model")
         return infos[id]
@@ -1083,11 +1099,11 @@ class _Session:
             raise ArgumentError(f"setRandomSeed(): incompatible function arguments: seedValue "
                                 f"must be an unsigned 64-bit integer (0 <= seed < 2**64), got "
                                 f"{seedValue!r}")
-        if self._program is not None and not self._program.uses_rng and \
-                not getattr(self.options, "enableStochasticRounding", False):
+        if not self._requires_random_seed():
             _logger.warn("Trying to set the random seed, but this session has no random "
-                         "behaviour (no random ops, enableStochasticRounding False); the seed "
-                         "is kept and has no effect")
+                         "behaviour. Doing nothing.")
+            return
+        self._assert_executable_loaded()
         seed = int(seedValue)
         self._set_key(_key_data(seed - 2 ** 64 if seed >= 2 ** 63 else seed))   # int64 bits
         self._seed = seed
@@ -1096,7 +1112,33 @@ class _Session:
         self._key = self._program.put(key) if self._prepared else key
 
     def getRandomSeed(self) -> int:
+        """The seed last set (Session::getRandomSeed: 0, with a warning, in a session with
+        no random behaviour; a prepared session needed otherwise)."""
+        if not self._requires_random_seed():
+            _logger.warn("Trying to get the random seed, but this session has no random "
+                         "behaviour. Doing nothing.")
+            return 0
+        self._assert_executable_loaded()
         return self._seed
+
+    def _requires_random_seed(self) -> bool:
+        """RandomSetup::requiresRandomSeed: the IR has random ops (what the compiled step
+        draws, once planned; before that, the graph's random ops: Dropout only when
+        training), or enableStochasticRounding."""
+        if getattr(self.options, "enableStochasticRounding", False):
+            return True
+        if self._program is not None:
+            return bool(self._program.uses_rng)
+        return any(_lookup(g, n).random and (self._training or n.op_type != "Dropout")
+                   for g, n in _all_nodes(self._graph))
+
+    def _assert_executable_loaded(self) -> None:
+        if not self._prepared:
+            e = popart_runtime_error("There is no executatable. Try calling "
+                                     "Session::prepareDevice first.")
+            e.add_note("(PopART's text, its spelling included.) Call prepareDevice() before "
+                       "setRandomSeed / getRandomSeed.")
+            raise e
 
     def _require_rng_state(self, what: str, verb: str) -> None:
         """PopART's checks of get/setRNGState: the option that enables them, then a prepared
@@ -1288,6 +1330,36 @@ def _check_replication_options(o: Any) -> None:
                           f"larger than global replication factor: {g}")
 
 
+def _all_nodes(graph: Graph) -> Iterable[tuple[Graph, Any]]:
+    """(graph, node) for every node of ``graph`` and of the subgraphs its nodes hold."""
+    for n in graph.nodes:
+        yield graph, n
+        for v in n.attrs.values():
+            for sub in (v if isinstance(v, list) else [v]):
+                if isinstance(sub, Graph):
+                    yield from _all_nodes(sub)
+
+
+def _lookup(graph: Graph, node: Any) -> Any:
+    return _registry.lookup(node.domain, node.op_type, graph.opsets.get(node.domain, 1))
+
+
+# The random ops whose ONNX ``seed`` attribute PopART refuses (RandomBaseOp::errorIfSeedIsSet).
+_SEEDED_RANDOM_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike")
+
+
+def _check_no_seed_attributes(graph: Graph) -> None:
+    """PopART's random ops take their seed from the session (setRandomSeed), never from an
+    ONNX ``seed`` attribute (the ONNX backend, popart.onnx_backend, keeps accepting it)."""
+    for g, n in _all_nodes(graph):
+        if n.domain == "ai.onnx" and n.op_type in _SEEDED_RANDOM_OPS and "seed" in n.attrs:
+            since = onnx.defs.get_schema(n.op_type, g.opsets.get("ai.onnx", 1)).since_version
+            e = popart_exception(f"ai.onnx.{n.op_type}:{since}: Optional seed attribute is not "
+                                 f"supported. Use session::setRandomSeed instead.")
+            e.add_note(f"{n.describe()} has seed={n.attrs['seed']}")
+            raise e
+
+
 def _main_ops(graph: Graph) -> list:
     """The main graph's nodes PopART counts as ops (its Constant nodes become tensors)."""
     return [n for n in graph.nodes if not (n.op_type == "Constant" and n.domain == "ai.onnx")]
@@ -1334,9 +1406,17 @@ def _check_virtual_graphs(graph: Graph, o: Any, device: Any, replicas: int) -> N
         raise IrError("SessionOptions flag virtualGraphMode is VirtualGraphMode::Manual, but no "
                       "Ops have been annotated with virtual graph information. This is an "
                       "inconsistent combination. ")
+
+
+def _check_virtual_graph_range(graph: Graph, o: Any, device: Any, replicas: int) -> None:
+    """IrLowering's check once the device is known (prepareDevice): every virtual graph id
+    names an IPU of the device (per replica)."""
+    if o.virtualGraphMode.name == "Off":
+        return
     n = _num_virtual_graphs(o, device, replicas)
-    for op, v in zip(ops, ids):
-        if not 0 <= int(v) < n:
+    for op in _main_ops(graph):
+        v = op.annotations.get(VIRTUAL_GRAPH)
+        if v is not None and not 0 <= int(v) < n:
             raise IrError(f"{_op_str(graph, op)} has been assigned to an invalid virtual graph "
                           f"{int(v)}. numIPUs = {n}.")
 

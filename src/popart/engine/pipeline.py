@@ -592,7 +592,7 @@ class PlacedProgram(StepProgram):
             if has_loss:
                 loss = t.scalable_loss(cfg.loss)
                 scaled = loss * jnp.asarray(self._hyper(hyper, "lossScaling"), loss.dtype)
-                loss = scaled.astype(jnp.float32)
+                loss = scaled.astype(jnp.float32).reshape(())   # a loss of shape [1] too
             return out, anc, loss
         return run, sends, anchors
 

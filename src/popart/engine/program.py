@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..dataflow import AnchorReturnTypeId
-from ..errors import ModelError, popart_exception
+from ..errors import IrError, ModelError, popart_exception
 from ..logging import getLogger
 from ..ir import recompute
 from ..ir.graph import Graph, reads
@@ -186,10 +186,11 @@ class StepProgram:
         self.uses_rng = out["rng"]
         self.activation_bytes = out["act"]   # every traced tensor of one micro-batch
         if cfg.training:
-            if out["loss_shape"] != ():
-                raise popart_exception(f"The loss tensor '{cfg.loss}' must be a scalar after "
-                                       f"reduction, but its shape is {list(out['loss_shape'])}; "
-                                       f"use a loss op with reduction Sum or Mean")
+            if int(np.prod(out["loss_shape"])) != 1:   # PopART: one element ([1], [1, 1] too)
+                e = IrError(f"Loss tensor, '{cfg.loss}', must be a scalar tensor")
+                e.add_note(f"Its shape is {list(out['loss_shape'])}: use a loss op with "
+                           f"reduction Sum or Mean")
+                raise e
             self.trainable = [k for k in self.variables if k not in self.assigned]
             if cfg.als is not None:
                 self._plan_als(out["specs"])
@@ -301,7 +302,7 @@ class StepProgram:
                 taps = {t: functools.partial(self.als.tap, stat=stats[t]) for t in tracked}
                 t = self._trace({**other_w, **tw}, feeds, key, probes, training=True, remat=remat,
                                 taps=taps)
-                loss = t.scalable_loss(cfg.loss)
+                loss = t.scalable_loss(cfg.loss).reshape(())   # one element: [1] too
                 ls = self._hyper(hyper, "lossScaling")   # with ALS: finalLossScale
                 scaled = loss * jnp.asarray(ls, loss.dtype)
                 vals = self._with_checks({a: self._value(t.env, a) for a in fwd_ids}, t)
