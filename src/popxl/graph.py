@@ -48,7 +48,6 @@ class Graph:
         self._entry: dict[Tensor, str] = {}            # input tensor -> its IR input id
         self._versions: dict[str, str] = {}            # in-place result -> its tensor's first id
         self._stream_inputs: list = []                 # main graph: (kind, stream, buffer tensor)
-        self._counter = itertools.count()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -129,11 +128,11 @@ class Graph:
         return self
 
     def __enter__(self) -> "Graph":
-        context._CTX.graphs.append(self)
+        context.get_current_context().push_graph(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        context._CTX.graphs.pop()
+        context.get_current_context().pop_graph()
 
     def __repr__(self) -> str:
         return f"Graph[id={self.id} inputs={[t.id for t in self._inputs]} " \
@@ -144,12 +143,18 @@ class Graph:
         return self is self._ir._main
 
     # ------------------------------------------------------------------ tensors
-    def _new_id(self, name: str) -> str:
-        base = context.scope_prefix() + (name or "t")
+    def _create_tensor_id(self, name: Optional[str] = None) -> str:
+        """A new tensor id (PopXL's rule): ``name`` (default "t") after the name scopes and the
+        graph's scope (a subgraph's id; none for the main graph), made unique in the graph by
+        the Ir's ``__t<n>`` suffix."""
+        name = "/".join((*context.get_current_context().name_scopes, name or "t"))
+        base = name if self._is_main else f"{self.id}/{name}"
         tid = base
         while tid in self._specs:
-            tid = f"{base}_{next(self._counter)}"
+            tid = f"{base}__t{next(self._ir._intermediate_ids)}"
         return tid
+
+    _new_id = _create_tensor_id
 
     def _add_tensor(self, tid: str, spec: jax.ShapeDtypeStruct, cls: type = Tensor,
                     **kw: Any) -> Tensor:
@@ -246,6 +251,7 @@ class Graph:
     def _add_node(self, op_type: str, inputs: Iterable[Optional[Tensor]], attrs: Optional[dict] = None,
                   domain: str = "ai.onnx", num_outputs: int = 1, name: Optional[str] = None) -> list[Tensor]:
         """Append one IR node; returns its output tensors (shapes from the lowering)."""
+        inputs = list(inputs)
         ins = []
         for t in inputs:
             if t is None:
@@ -269,8 +275,9 @@ class Graph:
         for _ in range(num_outputs):
             outs.append(self._new_id(base))
             self._specs[outs[-1]] = None  # reserve the id
-        node = Node(op_type, ins, outs, dict(attrs or {}), domain, name=base,
-                    annotations=context.current_annotations())
+        ctx = context.get_current_context()
+        node = Node(op_type, ins, outs, dict(attrs or {}), domain,
+                    name="/".join((*ctx.name_scopes, base)), annotations=context.current_annotations())
         try:
             specs = self._infer(node)
         except Exception:
@@ -284,5 +291,8 @@ class Graph:
                 del self._specs[o]
                 continue
             result.append(self._add_tensor(o, s))
+        # PopXL's debug record of the op (layer "popxl"; see popxl.context.op_debug_context)
+        node._debug_info = context._op_debug_info(base, inputs, context._user_location())
+        context._set_outputs(node._debug_info, result)
         context.op_created(self, node)
         return result

@@ -49,12 +49,14 @@ class Ir:
         self._stream_names: set[str] = set()
         self._graph_names: dict[str, int] = {}
         self._variables: list = []
-        self._variable_data: dict = {}
+        self._variable_data: dict = {}       # Variable -> host value (an np.memmap kept as is)
+        self._has_read_only_memmap = False   # a variable's data is a read-only np.memmap
         self._remote_buffers: dict = {}      # id -> popxl.RemoteBuffer
         self._remote_entries: dict = {}      # (RemoteBuffer, offset) -> its remote Variable
         self._h2d: list[HostToDeviceStream] = []
         self._d2h: list[DeviceToHostStream] = []
         self._graphs: list[Graph] = []
+        self._intermediate_ids = itertools.count()   # PopART's Ir::createIntermediateTensorId
         self._main = Graph(self, "main")
         self._graphs.append(self._main)
 
@@ -153,15 +155,16 @@ class Ir:
                                for k, a in items]
                         arguments[name] = dict(new) if isinstance(arg, dict) else \
                             type(arg)(t for _, t in new) if isinstance(arg, tuple) else [t for _, t in new]
-            outputs = func(*bound.args, **bound.kwargs)
-            if outputs is None:
+            result = func(*bound.args, **bound.kwargs)
+            if result is None:
                 outputs = []
-            elif isinstance(outputs, Tensor):
-                outputs = [outputs]
-            outputs = list(outputs)
+            elif isinstance(result, Tensor):
+                outputs = [result]
+            else:
+                outputs = list(result) if isinstance(result, typing.Iterable) else [result]
             if not all(isinstance(o, Tensor) for o in outputs):
                 raise ValueError("Output of subgraph must be None, a Tensor or an iterable of "
-                                 f"Tensors. Value {outputs}")
+                                 f"Tensors. Output type: {type(result)}. Value {result}")
             for o in outputs:
                 graph_output(o)
         graph._finalize()

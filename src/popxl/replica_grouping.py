@@ -1,7 +1,7 @@
 """ReplicaGrouping: how replicas are grouped for variables and collectives."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 class ReplicaGrouping:
@@ -136,6 +136,26 @@ class ReplicaGrouping:
         for c, a in zip(self.const_rg.assignment, self._assignment):
             out.setdefault(a, c)
         return [out[a] for a in sorted(out)]
+
+    def _to_variable_settings(self, retrieval_mode: Optional[str] = None) -> Any:
+        """This grouping as ``popart.VariableSettings(stride, group_size, mode)``.
+
+        Raises:
+            NotImplementedError: for a grouping without a constant stride.
+            ValueError: for a ``retrieval_mode`` other than None, "one_per_group" or
+                "all_replicas".
+        """
+        from popart.options import VariableRetrievalMode, VariableSettings
+        if not self.is_const:
+            raise NotImplementedError("This ReplicaGrouping has a non-constant stride and has no "
+                                      "PopART C++ ReplicaGrouping or VariableSettings "
+                                      "representation. ")
+        modes = {None: VariableRetrievalMode.OnePerGroup,
+                 "one_per_group": VariableRetrievalMode.OnePerGroup,
+                 "all_replicas": VariableRetrievalMode.AllReplicas}
+        if retrieval_mode not in modes:
+            raise ValueError(f"Invalid retrieval_mode: {retrieval_mode}")
+        return VariableSettings(self._stride, self._group_size, modes[retrieval_mode])
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ReplicaGrouping) and self._assignment == other._assignment

@@ -126,7 +126,10 @@ class Session:
     @in_x64
     def __init__(self, ir: Ir, device_desc: Any = "cpu", weights_to_host_on_exit: bool = True) -> None:
         self._ir = ir
-        self.weights_to_host_on_exit = bool(weights_to_host_on_exit)
+        self.weights_to_host_on_exit = bool(weights_to_host_on_exit) and not ir._has_read_only_memmap
+        if weights_to_host_on_exit and ir._has_read_only_memmap:
+            _logger.info("Weights to host has been disabled as the `ir` contains a read-only "
+                         "memmaped variable.")
         self._was_attached: list[bool] = []
         self._local_r = ir.instance_replication_factor   # this instance's replicas (its streams)
         try:   # all instances' replicas
@@ -145,7 +148,9 @@ class Session:
         self._d2h = [(s, t) for k, s, t in main._stream_inputs if k == "d2h"]
         self._d2h_final = {s: main._hidden[("d2h", s)] for s, _ in self._d2h}
         self._main_ir.inputs = [t.id for _, t in self._h2d + self._d2h]
-        self._host: dict[Variable, np.ndarray] = {v: np.array(ir._variable_data[v]) for v in self._variables}
+        self._host: dict[Variable, np.ndarray] = {   # a variable's np.memmap is kept, not copied
+            v: d if isinstance(d, np.memmap) else np.array(d)
+            for v, d in ((v, ir._variable_data[v]) for v in self._variables)}
         self._host_all: dict[Variable, np.ndarray] = {}   # all_replicas variables: [replicas, ...]
         self._buffer_host: dict[str, np.ndarray] = {}     # remote buffers' last contents on the host
         self._slots = self._make_slots()
@@ -250,16 +255,23 @@ class Session:
     def _set_host(self, v: Variable, arr: np.ndarray) -> None:
         """The host value of ``v`` from each replica's value ([replicas, *shape])."""
         g = v.replica_grouping
-        self._host[v] = arr[g.first_replicas()] if g is not None and g.num_groups > 1 else arr[0]
+        self._store_host(v, arr[g.first_replicas()] if g is not None and g.num_groups > 1 else arr[0])
         if v.retrieval_mode == "all_replicas" and self._r > 1:
             self._host_all[v] = arr
+
+    def _store_host(self, v: Variable, value: np.ndarray) -> None:
+        """Set the host value of ``v``: written into its np.memmap when it has one."""
+        if isinstance(self._host.get(v), np.memmap):
+            self._host[v][...] = value
+        else:
+            self._host[v] = value
 
     def _set_host_sharded(self, v: Variable, shards: np.ndarray) -> None:
         """The host value of a replica-sharded ``v`` from each replica's shard
         ([replicas, shard size]): each group's shards put together, padding removed."""
         layout = v._sharding
         values = layout.group_values(shards)
-        self._host[v] = values if layout.num_groups > 1 else values[0]
+        self._store_host(v, values if layout.num_groups > 1 else values[0])
         if v.retrieval_mode == "all_replicas" and self._r > 1:
             self._host_all[v] = values[layout.data_group]
 
@@ -418,7 +430,15 @@ class Session:
     @in_x64
     def weights_to_host(self) -> None:
         """Copy the device values of the variables to the host (remote variables: their
-        entries; replica-sharded variables: the shards put together)."""
+        entries; replica-sharded variables: the shards put together); a variable made from an
+        np.memmap gets the values written into it and flushed.
+
+        Raises:
+            Exception: if the Ir has a variable made from a read-only np.memmap (PopXL's rule).
+        """
+        if self._ir._has_read_only_memmap:
+            raise Exception("Writing data from device to host is not possible as the `ir` "
+                            "contains a read-only memmap.")
         self._require_attached()
         if self._in_sync or self._dev is None:
             return
@@ -440,6 +460,8 @@ class Session:
                         self._set_host_sharded(v, entry)
                     else:
                         self._set_host(v, entry)
+        for v in self._variables:
+            v._flush_data_if_memmap()
         self._in_sync = True
 
     def get_tensor_data(self, tensor: Union[Variable, Constant]) -> np.ndarray:
@@ -491,7 +513,10 @@ class Session:
                     raise ValueError(f"Variable '{v.id}' has host shape {list(want)}, data has {list(arr.shape)}")
             if self.is_attached and not self._in_sync:
                 self.weights_to_host()
-            self._host[v] = np.array(arr)
+            if v.retrieval_mode == "all_replicas" and v.replica_grouping.group_size > 1:
+                raise NotImplementedError(f'Copying to tensor {v.id} with "all_replicas" retreval '
+                                          f'mode is not yet supported.')
+            self._store_host(v, np.array(arr))
             self._host_all.pop(v, None)
         if self.is_attached:
             self.weights_from_host()

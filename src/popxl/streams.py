@@ -12,7 +12,7 @@ class _Stream:
     def __init__(self, shape: Iterable[int], dtype: Any, name: Optional[str]) -> None:
         self._shape = tuple(int(d) for d in shape)
         self._dtype = _dtype.as_dtype(dtype)
-        ir = context.get_current_graph().ir if context._CTX.graphs else None
+        ir = context.get_current_graph().ir if context._CTX._graphs else None
         base = name or type(self).__name__
         if ir is not None:
             n, k = base, 0

@@ -2,6 +2,7 @@
 functions that make them (variable, constant, graph_input, graph_output)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import numpy as np
@@ -9,27 +10,55 @@ import numpy as np
 from . import context
 from .dtypes import dtype as _dtype
 from .errors import UndefinedValue
+from .tensorlocation import TileSet
 
 if TYPE_CHECKING:
     from .graph import Graph
     from .replica_grouping import ReplicaGrouping
 
-TensorLike = Union["Tensor", float, int, bool, np.ndarray, list]
+#: Scalar types that can be coerced into a Tensor.
+ScalarType = Union[int, float, bool]
+#: Container types that can be coerced into a Tensor.
+HostTensor = Union[np.ndarray, Iterable[ScalarType]]
+host_tensor_types: tuple = (np.ndarray, Iterable)
+try:
+    import torch as _torch
+    HostTensor = Union[HostTensor, _torch.Tensor]   # type: ignore[misc]
+    host_tensor_types = (*host_tensor_types, _torch.Tensor)
+except ModuleNotFoundError:  # pragma: no cover
+    pass
+#: Container and scalar types that can be coerced into a Tensor.
+HostScalarTensor = Union[ScalarType, HostTensor]
+#: Tensors and types that can be coerced into a Tensor.
+TensorLike = Union["Tensor", HostScalarTensor]
+
+#: PopART's tile sets by popxl's names for them.
+TILE_SET_MAP = {TileSet.Compute: "compute", TileSet.IO: "io", TileSet.Undefined: "undefined"}
 
 
-class TensorSpec:
-    """Shape and dtype of a tensor (used to declare graph inputs)."""
+class TensorSpec(Mapping):
+    """Shape, dtype and meta shape of a tensor (used to declare graph inputs). A mapping
+    of "shape", "dtype" and "meta_shape", so ``popxl.graph_input(**spec)`` works."""
 
     def __init__(self, shape: Iterable[int], dtype: Any, meta_shape: Iterable[int] = ()) -> None:
         self.shape = tuple(int(d) for d in shape)
         self.dtype = _dtype.as_dtype(dtype)
         self.meta_shape = tuple(meta_shape)
 
+    def to_dict(self) -> dict:
+        return {"shape": self.shape, "dtype": self.dtype, "meta_shape": self.meta_shape}
+
     def to_tuple(self) -> tuple:
         return self.shape, self.dtype, self.meta_shape
 
     def __iter__(self):
-        return iter(self.to_tuple())
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TensorSpec) and self.to_tuple() == other.to_tuple()
@@ -38,7 +67,7 @@ class TensorSpec:
         return hash(self.to_tuple())
 
     def __repr__(self) -> str:
-        return f"TensorSpec(shape={self.shape}, dtype={self.dtype})"
+        return f"TensorSpec(shape={self.shape}, dtype={self.dtype}, meta_shape={self.meta_shape})"
 
 
 class TensorLocationInfo:
@@ -87,7 +116,9 @@ class Tensor:
 
     @property
     def name(self) -> str:
-        return self._id.rsplit("/", 1)[-1]
+        """The id without the graph scope: the name scopes and the name ('foo/bar')."""
+        scope = self.scope
+        return self._id[len(scope) + 1:] if scope and self._id.startswith(scope + "/") else self._id
 
     @property
     def scope(self) -> str:
@@ -185,8 +216,13 @@ class Tensor:
         return f"{type(self).__name__}[{self.id} {self.dtype.name} {self.shape}]"
 
     def __len__(self) -> int:
+        """The size of axis 0.
+
+        Raises:
+            ValueError: for a scalar.
+        """
         if not self.shape:
-            raise TypeError("len() of a 0-d tensor")
+            raise ValueError("Tensor is a scalar and doesn't have a length.")
         return self.shape[0]
 
     def __bool__(self) -> bool:
@@ -200,7 +236,12 @@ class Tensor:
         tensor's dtype)."""
         if isinstance(value, Tensor):
             return value
-        return constant(value, dtype or self.dtype)
+        t = constant(value, dtype or self.dtype)
+        if t.nelms == 0:
+            raise ValueError("The value has 0 elements - this is most likely a mistake. If not, "
+                             "initialise the tensor explicitly before using in an operation. For "
+                             f"example: `popxl.variable([])`. Type: {type(value)}. Value: {value}")
+        return t
 
     # ------------------------------------------------------------------ methods
     def transpose(self, permutation: Optional[Iterable[int]] = None) -> "Tensor":
@@ -273,6 +314,7 @@ class Tensor:
     def __truediv__(self, o): return self._bin("div", o)
     def __rtruediv__(self, o): return self._bin("div", o, True)
     def __mod__(self, o): return self._bin("fmod", o)
+    def __rmod__(self, o): return self._bin("fmod", o, True)
     def __pow__(self, o): return self._bin("pow", o)
     def __rpow__(self, o): return self._bin("pow", o, True)
     def __matmul__(self, o): return self._bin("matmul", o)
@@ -282,7 +324,9 @@ class Tensor:
     def __ge__(self, o): return self._bin("greater_equal", o)
     def __le__(self, o): return self._bin("less_equal", o)
     def __and__(self, o): return self._bin("logical_and", o)
+    def __rand__(self, o): return self._bin("logical_and", o, True)
     def __or__(self, o): return self._bin("logical_or", o)
+    def __ror__(self, o): return self._bin("logical_or", o, True)
     def __iadd__(self, o):
         from . import ops
         return ops.add_(self, self._ensure_tensor(o))
@@ -298,6 +342,12 @@ class Tensor:
     def __invert__(self) -> "Tensor":
         from . import ops
         return ops.logical_not(self)
+
+    # No iteration or ``in`` through __getitem__ (PopXL's choice: its errors would mislead).
+    __iter__ = None
+    __contains__ = None
+    # NumPy defers to the reflected operators: ``np.ndarray @ Tensor`` is ``Tensor.__rmatmul__``.
+    __array_ufunc__ = None
 
 
 class Variable(Tensor):
@@ -316,6 +366,12 @@ class Variable(Tensor):
         self._remote: Optional[tuple] = None   # (RemoteBuffer, offset) of a remote variable
         self._sharding: Any = None             # ShardLayout of a replica-sharded variable
         self._shard: Optional[Tensor] = None   # replica_sharded_variable: the shard tensor
+        self._memmap_arr: Optional[np.memmap] = None   # the np.memmap holding its host value
+
+    def _flush_data_if_memmap(self) -> None:
+        """Write the host value to the memmap's file (a variable made from an np.memmap)."""
+        if self._memmap_arr is not None:
+            self._memmap_arr.flush()
 
     @property
     def location_info(self) -> TensorLocationInfo:
@@ -355,11 +411,34 @@ class TensorByRef(Tensor):
 
 def _resolve_data(data: Any, dtype: Any, downcast: bool, log2_scale: Optional[int] = None,
                   nan_on_overflow: Optional[bool] = None) -> np.ndarray:
+    """``data`` as a NumPy array (``popxl.utils.to_numpy``); an ``np.memmap`` is returned
+    itself, never copied.
+
+    Raises:
+        ValueError: for an ``np.memmap`` that is not C-ordered and aligned, that needs
+            downcasting, or whose dtype conflicts with ``dtype``.
+    """
     if isinstance(data, Tensor):
         raise TypeError("A popxl Tensor cannot be used as the data of a variable or constant")
     from .utils import to_numpy
     return to_numpy(data, None if dtype is None else _dtype.as_dtype(dtype), downcast,
-                    log2_scale=log2_scale, nan_on_overflow=nan_on_overflow)
+                    copy=not isinstance(data, np.memmap), log2_scale=log2_scale,
+                    nan_on_overflow=nan_on_overflow)
+
+
+def _host_value(arr: np.ndarray, grouping: "ReplicaGrouping", tid: str) -> np.ndarray:
+    """The host value a variable keeps: the ``np.memmap`` itself (PopXL does not copy it;
+    ``Session.weights_to_host`` writes into it and flushes it), else a copy. A memmap with a
+    non-const replica grouping is copied, with PopXL's warning."""
+    if isinstance(arr, np.memmap):
+        if grouping.is_const:
+            return arr
+        import popart
+        popart.getLogger().warn(f"In creation of variable {tid}, you have passed np.memmap data "
+                                f"and a non-const replica grouping, which requires us to make a "
+                                f"copy of your np.memmap data. Your variable will be treated as "
+                                f"NOT an np.memmap.")
+    return np.array(arr)
 
 
 def _check_retrieval_mode(retrieval_mode: Optional[str]) -> None:
@@ -400,13 +479,15 @@ def variable(data: Any, dtype: Any = None, name: Optional[str] = None, downcast:
     _check_retrieval_mode(retrieval_mode)
     arr = _resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow)
     ir = g.ir
-    groups = 1 if replica_grouping is None else replica_grouping.num_groups
-    per = _per_group(arr, groups, name)
-    t = g._add_constant(np.array(per), name or "v", cls=Variable,
-                        replica_grouping=replica_grouping or ir.replica_grouping(),
-                        retrieval_mode=retrieval_mode or "one_per_group")
+    ir._has_read_only_memmap |= isinstance(arr, np.memmap) and not arr.flags.writeable
+    grouping = replica_grouping or ir.replica_grouping()
+    per = _per_group(arr, grouping.num_groups, name)
+    host = _host_value(arr, grouping, g._create_tensor_id(name))
+    t = g._add_constant(per if host is arr else np.array(per), name or "t", cls=Variable,
+                        replica_grouping=grouping, retrieval_mode=retrieval_mode or "one_per_group")
     ir._variables.append(t)
-    ir._variable_data[t] = np.array(arr)
+    ir._variable_data[t] = host
+    t._memmap_arr = host if isinstance(host, np.memmap) else None
     return t
 
 
@@ -430,14 +511,18 @@ def _remote_variable(arr: np.ndarray, per: np.ndarray, remote_buffer: Any, offse
     if taken is not None:
         raise ValueError(f"Entry {offset} of RemoteBuffer[id={remote_buffer.remote_buffer_id}] "
                          f"already holds remote variable '{taken.id}'")
-    t = g._add_tensor(g._new_id(name or "v"), jax.ShapeDtypeStruct(per.shape, per.dtype), Variable,
-                      replica_grouping=replica_grouping or ir.replica_grouping(),
-                      retrieval_mode=retrieval_mode or "one_per_group")
+    grouping = replica_grouping or ir.replica_grouping()
+    ir._has_read_only_memmap |= isinstance(arr, np.memmap) and not arr.flags.writeable
+    tid = g._create_tensor_id(name)
+    host = _host_value(arr, grouping, tid)
+    t = g._add_tensor(tid, jax.ShapeDtypeStruct(per.shape, per.dtype), Variable,
+                      replica_grouping=grouping, retrieval_mode=retrieval_mode or "one_per_group")
     t._remote = (remote_buffer, offset)
     t._sharding = sharding
     ir._remote_entries[(remote_buffer, offset)] = t
     ir._variables.append(t)
-    ir._variable_data[t] = np.array(arr)
+    ir._variable_data[t] = host
+    t._memmap_arr = host if isinstance(host, np.memmap) else None
     return t
 
 
@@ -623,8 +708,8 @@ def constant(data: Any, dtype: Any = None, name: Optional[str] = None, downcast:
     """A constant of the current graph (``log2_scale`` / ``nan_on_overflow``: float8 data, as
     :func:`variable`)."""
     g = context.get_current_graph()
-    return g._add_constant(_resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow),
-                           name or "c")
+    arr = _resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow)
+    return g._add_constant(np.array(arr) if isinstance(arr, np.memmap) else arr, name or "t")
 
 
 def graph_input(shape: Iterable[int], dtype: Any, name: Optional[str] = None, by_ref: bool = False,
