@@ -203,3 +203,42 @@ def test_call_site_info_signature_and_all_grad_graphs():
         assert list(res) == [g] and res[g].forward_graph is g
         with pytest.raises(ValueError, match="not a tensor of graph"):
             popxl.transforms.autodiff(g, grads_required=[popxl.constant(1.0)])
+
+
+def test_called_graphs_are_differentiated_and_called_not_recomputed():
+    """A graph calling another twice: autodiff differentiates the callee too (its relu output
+    becomes its output and the outer graph's), the outer gradient graph calls the callee's
+    gradient graph; return_all_grad_graphs gives both, called_graphs_grad_info reuses one."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        inner = ir.create_graph(lambda a, w: ops.relu(a @ w), popxl.TensorSpec((4, 3), popxl.float32),
+                                popxl.TensorSpec((3, 3), popxl.float32))
+
+        def outer(x, w):
+            (h,) = ops.call(inner, x, w)
+            (h2,) = ops.call(inner, h * 2.0, w)
+            return ops.sum(h2 * h)
+
+        fwd = ir.create_graph(outer, popxl.TensorSpec((4, 3), popxl.float32), popxl.TensorSpec((3, 3), popxl.float32))
+        infos = popxl.transforms.autodiff(fwd, return_all_grad_graphs=True)
+        assert set(infos) == {fwd, inner}
+        bwd, inner_bwd = infos[fwd], infos[inner]
+        called = [n.attrs["callee"] for n in bwd.graph._g.nodes if n.op_type == "Call"]
+        assert called == [inner_bwd.graph._g] * 2
+        assert {n.op_type for n in bwd.graph._g.nodes} <= {"OpVJP", "Sum", "Call"}
+        assert {n.op_type for n in inner_bwd.graph._g.nodes} <= {"OpVJP", "Sum"}
+        again = popxl.transforms.autodiff(fwd, called_graphs_grad_info={inner: inner_bwd})
+        assert [n.attrs["callee"] for n in again.graph._g.nodes if n.op_type == "Call"] == called
+        Xs, Ws = X, RNG.normal(size=(3, 3)).astype(np.float32)
+        x, w = popxl.variable(Xs, name="x"), popxl.variable(Ws, name="w")
+        info = ops.call_with_info(fwd, x, w)
+        ginfo = ops.call_with_info(bwd.graph, 1.0, inputs_dict=bwd.inputs_dict(info))
+        grads = bwd.fwd_parent_ins_to_grad_parent_outs(info, ginfo)
+    got = _run(ir, {"loss": info.outputs[0], "dx": grads[x], "dw": grads[w]})
+    tx, tw = torch.tensor(Xs, requires_grad=True), torch.tensor(Ws, requires_grad=True)
+    th = torch.relu(tx @ tw)
+    loss = (torch.relu((th * 2.0) @ tw) * th).sum()
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(got["dx"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["dw"], tw.grad.numpy(), rtol=1e-5, atol=1e-5)

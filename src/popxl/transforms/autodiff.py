@@ -24,8 +24,8 @@ from popart.ops.popxl_grad import FROM_OUTPUT
 
 from ..graph import Graph
 from ..ops._base import POPXL
-from ..ops.call import CallSiteInfo
-from ..tensor import Tensor, graph_input, graph_output
+from ..ops.call import CallSiteInfo, call
+from ..tensor import Tensor, constant, graph_input, graph_output
 
 
 class ExpectedConnectionType(enum.Enum):
@@ -58,7 +58,8 @@ class GradGraphInfo:
     def __init__(self, graph: Graph, fwd_graph: Graph, expected_inputs: list[ExpectedConnection],
                  expected_outputs: list[ExpectedConnection]) -> None:
         self._graph, self._fwd = graph, fwd_graph
-        self._expected_inputs, self._expected_outputs = expected_inputs, expected_outputs
+        self._expected_inputs = expected_inputs
+        self._expected_outputs = expected_outputs
 
     @property
     def graph(self) -> Graph:
@@ -149,8 +150,9 @@ class _Fwd:
             self._by_id[graph._entry[t]] = t
 
     def tensor(self, tid: str) -> Tensor:
-        if tid not in self._by_id:    # an earlier version of a tensor changed in place
-            self._by_id[tid] = Tensor(self.graph, tid)
+        if tid not in self._by_id:    # an output stitched since, or an earlier version of a
+            t = self.graph._tensors.get(tid)   # tensor that an in-place op changed
+            self._by_id[tid] = t if t is not None and t._ir_id == tid else Tensor(self.graph, tid)
         return self._by_id[tid]
 
     def is_float(self, tid: str) -> bool:
@@ -190,6 +192,25 @@ def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], st
            or (kind == "other" and any(w != i for w in wrt))]
     outs = [o for o in n.outputs if o] if kind in ("out", "in+out") else []
     return ins, outs, n.op_type if kind == "out" else ""
+
+
+def _callee(graph: Graph, n: Node) -> Optional[Graph]:
+    """The popxl graph a Call node calls, when its gradient is a call of the callee's
+    gradient graph (callees with host streams, remote buffers or by-reference inputs are
+    differentiated through the call op instead)."""
+    if n.op_type != "Call" or not isinstance(n.attrs.get("callee"), IRGraph):
+        return None
+    g = next((g for g in graph.ir._graphs if g._g is n.attrs["callee"]), None)
+    return None if g is None or g._hidden or g._by_ref_inputs else g
+
+
+def _site_id(n: Node, callee: Graph, t: Tensor) -> str:
+    """The id at call node ``n`` of an input or output ``t`` of the called graph."""
+    if t in callee._inputs:
+        return n.inputs[callee._inputs.index(t)]
+    if t in callee._outputs:
+        return n.outputs[callee._outputs.index(t)]
+    raise ValueError(f"Tensor '{t.id}' is not an input or output of graph '{callee.name}'")
 
 
 def _one_node_graph(fwd: _Fwd, n: Node) -> IRGraph:
@@ -260,8 +281,23 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
         used = {o for n, outs, _ in plan for k, o in enumerate(n.outputs) if k in outs}
         provided = [p for p in dict.fromkeys(provided) if p in used or p in required]
         plan, has_grad = _plan(fwd, provided, required)
-    reads = {id(n): _reads(fwd, n, wrt) for n, _, wrt in plan}
-    saved = sorted({t for ins, outs, _ in reads.values() for t in ins + outs})
+    infos: dict[Graph, GradGraphInfo] = dict(called_graphs_grad_info or {})
+    calls = {}
+    for n, _, _ in plan:       # called graphs first: their added outputs are read here
+        callee = _callee(graph, n)
+        if callee is not None:
+            if callee not in infos:
+                infos.update(autodiff(callee, called_graphs_grad_info=infos, return_all_grad_graphs=True))
+            calls[id(n)] = (callee, infos[callee])
+    reads = {}
+    for n, _, wrt in plan:
+        if id(n) in calls:
+            callee, sub = calls[id(n)]
+            reads[id(n)] = ([_site_id(n, callee, e.fwd_tensor) for e in sub.expected_inputs
+                             if e.connection_type == ExpectedConnectionType.Fwd], [], "")
+        else:
+            reads[id(n)] = _reads(fwd, n, wrt)
+    saved = sorted({t for ins, outs, _ in reads.values() for t in ins + outs} - fwd.consts)
     out_ids = {t._ir_id for t in graph._outputs}
     _stitch(graph, [fwd.tensor(t) for t in saved if t not in fwd.in_ids and t not in out_ids])
 
@@ -278,13 +314,35 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
             parts = gsum.get(tid, [])
             if not parts:
                 t = fwd.tensor(tid)
-                from ..tensor import constant
                 return constant(np.zeros(t.shape, t.dtype.as_numpy()), t.dtype, name=f"Gradient___{t.name}")
             if len(parts) > 1:
                 gsum[tid] = [grad._add_node("Sum", parts, name=f"Gradient___{fwd.tensor(tid).name}")[0]]
             return gsum[tid][0]
 
+        def value(tid: str) -> Tensor:
+            if tid in val:
+                return val[tid]
+            return constant(fwd.ir.initializers[tid], fwd.tensor(tid).dtype, name=fwd.tensor(tid).name)
+
         for n, outs, wrt in plan:
+            if id(n) in calls:
+                callee, sub = calls[id(n)]
+                ins = []
+                for e in sub.expected_inputs:
+                    tid = _site_id(n, callee, e.fwd_tensor)
+                    if e.connection_type == ExpectedConnectionType.FwdGrad:
+                        if e.fwd_tensor not in callee._outputs:
+                            raise ValueError(f"The gradient graph of '{callee.name}' expects the "
+                                             f"gradient of '{e.fwd_tensor.id}', not an output of it")
+                        ins.append(total(tid))
+                    else:
+                        ins.append(value(tid))
+                res = call(sub.graph, *ins)
+                for e, r in zip(sub.expected_outputs, res):
+                    for j, t in enumerate(callee._inputs):
+                        if t is e.fwd_tensor and n.inputs[j] in wrt:
+                            gsum.setdefault(n.inputs[j], []).append(r)
+                continue
             sub = _one_node_graph(fwd, n)
             ins, souts, rule = reads[id(n)]
             attrs = {"fwd": sub, "provided": [sub.outputs.index(n.outputs[k]) for k in outs],
@@ -294,7 +352,7 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
                                for i in sub.inputs],
                      "n_saved_out": len(souts), "rule": rule}
             g_outs = [total(n.outputs[k]) for k in outs]
-            res = grad._add_node("OpVJP", g_outs + [val[i] for i in ins] + [val[o] for o in souts],
+            res = grad._add_node("OpVJP", g_outs + [value(i) for i in ins] + [val[o] for o in souts],
                                  attrs, POPXL, len(wrt), name=f"{n.name}_grad")
             for i, r in zip(wrt, res):
                 gsum.setdefault(i, []).append(r)
@@ -307,5 +365,5 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
         [ExpectedConnection(fwd.tensor(t), ExpectedConnectionType.Fwd) for t in saved],
         [ExpectedConnection(fwd.tensor(t), ExpectedConnectionType.FwdGrad) for t in required])
     if return_all_grad_graphs:
-        return {graph: info}
+        return {**infos, graph: info}
     return info
