@@ -116,9 +116,12 @@ float16 = dtype("float16", np.float16, False, True, True, alias="half", torch_na
 float32 = dtype("float32", np.float32, False, True, True, _b.float, alias="float", torch_name="float32")
 float64 = dtype("float64", np.float64, False, True, True, alias="double", torch_name="float64")
 bfloat16 = dtype("bfloat16", ml_dtypes.bfloat16, False, True, True, torch_name="bfloat16")
-float8_143 = dtype("float8_143", ml_dtypes.float8_e4m3fnuz, False, True, True,
+# the NumPy dtypes of float8 host data (PopXL's are uint8 records; here ml_dtypes' formats)
+np_dtype_float8_143 = np.dtype(ml_dtypes.float8_e4m3fnuz)
+np_dtype_float8_152 = np.dtype(ml_dtypes.float8_e5m2fnuz)
+float8_143 = dtype("float8_143", np_dtype_float8_143, False, True, True,
                    torch_name="float8_e4m3fnuz")
-float8_152 = dtype("float8_152", ml_dtypes.float8_e5m2fnuz, False, True, True,
+float8_152 = dtype("float8_152", np_dtype_float8_152, False, True, True,
                    torch_name="float8_e5m2fnuz")
 complex64 = dtype("complex64", np.complex64, False, False, True, torch_name="complex64", is_complex=True)
 complex128 = dtype("complex128", np.complex128, False, False, True, torch_name="complex128",

@@ -2,7 +2,8 @@
 float8_e4m3fnuz (popxl.float8_143) and float8_e5m2fnuz (popxl.float8_152)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections import namedtuple
+from typing import Any, List, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -110,3 +111,104 @@ def host_fp8_mse_scale_pb(src: Any, dtype: Optional[_dtype] = None) -> int:
     if dtype not in _FP8:
         raise RuntimeError(f"dtype {dtype} not currently supported.")
     return host_fp8_mse_scale(src, dtype)[1]
+
+
+# ---------------------------------------------------------------------------------------
+# PopXL's histogram estimate of the best float8 scale: the exponents of the data are counted in
+# a histogram, and each scaling bias b in [min_scaling_bias, max_scaling_bias] is scored by the
+# squared error of the values it underflows, rounds and overflows. (host_fp8_mse_scale above
+# measures the error of each scale directly instead.)
+
+torch_imported = _torch is not None
+max_scaling_bias = 31
+min_scaling_bias = -31
+
+FpDef = namedtuple("FpDef", ["num_exp_bits", "num_mantissa_bits", "fix_exponent_bias", "include_denorm",
+                             "has_nans"])
+FpDef.__doc__ = ("A floating-point format: exponent and mantissa bits, exponent bias, whether its "
+                 "denormals count, whether an exponent code is kept for NaN.")
+ieee_fp32_no_denorms = FpDef(8, 23, 127, False, True)
+ieee_fp16_denorms = FpDef(5, 10, 15, True, True)
+float8_152_def = FpDef(5, 2, 16, True, False)
+float8_143_def = FpDef(4, 3, 8, True, False)
+
+
+def find_exponential_range(fp_def: FpDef) -> Tuple[int, int]:
+    """(lowest, highest) power of two of the format's values without scaling (the lowest
+    that of its smallest denormal when denormals count): (-10, 7) for float8_143."""
+    lo = 1 - fp_def.fix_exponent_bias - (fp_def.num_mantissa_bits if fp_def.include_denorm else 0)
+    hi = (1 << fp_def.num_exp_bits) - 1 - int(fp_def.has_nans) - fp_def.fix_exponent_bias
+    return lo, hi
+
+
+def log_histogram(src: np.ndarray, ftype: FpDef) -> Tuple[np.ndarray, List[float]]:
+    """Counts of ``|src|`` by power of two over ``ftype``'s range: ``limits`` are
+    ``2**lo, ..., 2**(hi-1)``; bin 0 counts the values below ``limits[0]``, bin ``i`` those
+    in ``[limits[i-1], limits[i])``, the last bin those above ``limits[-1]`` (a value equal
+    to it too)."""
+    lo, hi = find_exponential_range(ftype)
+    limits = [2.0 ** i for i in range(lo, hi)]
+    a = np.abs(np.asarray(src, np.float64).reshape(-1))
+    exp = np.frexp(a)[1]
+    bins = np.where(a < limits[0], 0, np.where(a > limits[-1], len(limits), exp - lo))
+    return np.bincount(bins, minlength=len(limits) + 1).astype(np.float64), limits
+
+
+class CandidateConfig:
+    """A destination format ``dest_ftype`` (of dtype ``format``) for data of ``src_type``
+    (numpy float16 / float32) whose exponents follow ``src_ftype``: the relative squared
+    rounding error of the destination's mantissa, the number of powers of two it spans, and
+    the histogram indices of the source exponents that the scaling biases can bring into
+    range (``min_src_exp_index`` .. ``max_src_exp_index``, ``num_exp_src`` of them)."""
+
+    def __init__(self, format: Any, src_ftype: FpDef, dest_ftype: FpDef, src_type: Any) -> None:
+        self.format = format
+        self.exponent_size = dest_ftype.num_exp_bits
+        self.mantissa_size = dest_ftype.num_mantissa_bits
+        self.fix_exponent_bias = dest_ftype.fix_exponent_bias
+        src_mantissa = (ieee_fp32_no_denorms if np.dtype(src_type) == np.float32 else ieee_fp16_denorms)
+        self.quantisation_error = 2.0 ** (-2.0 * (src_mantissa.num_mantissa_bits - self.mantissa_size))
+        src_lo, src_hi = find_exponential_range(src_ftype)
+        dst_lo, dst_hi = find_exponential_range(dest_ftype)
+        self.format_span = dst_hi - dst_lo + 1
+        self.min_src_exp_index = max(dst_lo + min_scaling_bias - src_lo, 0)
+        self.max_src_exp_index = min(dst_lo + max_scaling_bias - src_lo, src_hi - src_lo)
+        self.num_exp_src = self.max_src_exp_index - self.min_src_exp_index + 1
+
+
+def calculate_metric_mse(histogram: np.ndarray, limits: List[float], src_bias_starting_indices: Any,
+                         candidate: CandidateConfig) -> Tuple[float, int]:
+    """(lowest error, its scaling bias) over the scaling biases ``min_scaling_bias + k``,
+    the ``k``-th putting the format's lowest power of two at histogram index
+    ``src_bias_starting_indices[k]`` = ``m``: the error sums, weighted by ``histogram``, the
+    values below index ``m`` (underflow to 0, plus ``(limits[0] / 2)**2`` when there are
+    any), the rounding error of the ``format_span`` indices from ``m``, and the distance to
+    ``limits[k + format_span - 1]`` of those above (overflow). Among equal errors the middle
+    bias."""
+    span, q = candidate.format_span, candidate.quantisation_error
+    sq = np.asarray(limits, np.float64) ** 2
+    h = np.asarray(histogram, np.float64)[1:len(limits) + 1]
+    scored = []
+    for k, m in enumerate(int(v) for v in src_bias_starting_indices):
+        top = min(m + span, len(limits))
+        err = float(np.sum(sq[:m] * h[:m])) + ((limits[0] / 2) ** 2 if m > 0 else 0.0)
+        err += float(np.sum(sq[m:top] * h[m:top])) * q
+        if top < len(limits):
+            err += float(np.sum((limits[k + span - 1] - np.asarray(limits[top:])) ** 2 * h[top:]))
+        scored.append((err, k + min_scaling_bias))
+    best = min(e for e, _ in scored)
+    ties = sorted(b for e, b in scored if e == best)
+    return best, ties[len(ties) // 2]
+
+
+def calculate_candidate_metric(hist_norm: np.ndarray, limits: List[float], candidate: CandidateConfig,
+                               metric_type: Optional[str] = None) -> Tuple[float, int]:
+    """:func:`calculate_metric_mse` over every scaling bias ``candidate`` allows.
+
+    Raises:
+        RuntimeError: ``metric_type`` other than "MSE".
+    """
+    if metric_type != "MSE":
+        raise RuntimeError("Only MSE metric is supported.")
+    starts = np.arange(candidate.min_src_exp_index, candidate.min_src_exp_index + candidate.num_exp_src)
+    return calculate_metric_mse(hist_norm, limits, starts, candidate)

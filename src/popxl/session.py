@@ -49,9 +49,15 @@ from .dtypes import to_numpy
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
 from .tensor import Constant, Variable
+from .utils import _to_device_info
 
 
 _logger = getLogger("session")
+
+# the stream -> array maps of Session.run / run_with_outputs (PopXL's names)
+d2hStreamBufferMaps = Mapping[DeviceToHostStream, np.ndarray]
+h2dStreamBufferMaps = Mapping[HostToDeviceStream, Any]
+StreamBufferMaps = Union[h2dStreamBufferMaps, d2hStreamBufferMaps]
 
 
 @dataclass
@@ -93,19 +99,10 @@ def _device(desc: Any, replicas: int) -> Any:
     ``replicas`` IPUs, detached (the session attaches it when its context is entered)."""
     if isinstance(desc, popart.DeviceInfo):
         return desc
-    dm = popart.DeviceManager()
-    if desc == "cpu":
-        if replicas > 1:
-            raise ValueError(f"For a cpu device, multiple devices (provided: {replicas}) are not "
-                             f"supported.")
-        dev = dm.createCpuDevice()
-    elif desc == "ipu_model":
-        dev = dm.createIpuModelDevice({"numIPUs": replicas})
-    elif desc == "ipu_hw":
-        dev = dm.acquireAvailableDevice(replicas)
+    if desc == "ipu_hw":
+        dev = popart.DeviceManager().acquireAvailableDevice(replicas)
     else:
-        raise ValueError(f"Incorrect device type provided: {desc}, must be one of: `ipu_hw`, "
-                         f"`ipu_model`, `cpu`")
+        dev = _to_device_info(desc, replicas)
     dev.detach()
     return dev
 
@@ -370,6 +367,11 @@ class Session:
         return self._ir
 
     @property
+    def ir_(self) -> Ir:
+        """The session's Ir (PopXL's attribute name)."""
+        return self._ir
+
+    @property
     def device(self) -> Any:
         """The session's ``popart.DeviceInfo``."""
         return self._device
@@ -532,6 +534,21 @@ class Session:
         """Zeroed output arrays, one per device-to-host stream."""
         return {s: np.zeros(self._host_shape(s.shape), s.dtype.as_numpy()) for s, _ in self._d2h}
 
+    def _expected_outputs(self) -> list[DeviceToHostStream]:
+        return [s for s, _ in self._d2h]
+
+    def _validate_run_inputs(self, inputs: h2dStreamBufferMaps) -> None:
+        """Check ``inputs`` as :meth:`run` does: every expected input stream and no other,
+        each with an array of the right shape.
+
+        Raises:
+            ValueError: a stream missing or unexpected, or an array of the wrong shape."""
+        self._validate_streams(inputs, self.expected_inputs(), "input")
+
+    def _validate_run_outputs(self, outputs: d2hStreamBufferMaps) -> None:
+        """:meth:`_validate_run_inputs` for the output arrays of :meth:`run_with_outputs`."""
+        self._validate_streams(outputs, self._expected_outputs(), "output")
+
     def _validate_streams(self, given: Mapping, expected: list, kind: str) -> None:
         """The streams given are exactly those expected, each with an array of the right
         shape (popxl's rules: [num_host_transfers, instance_replication_factor, *shape],
@@ -594,8 +611,8 @@ class Session:
         self._require_attached()
         inputs = {s: to_numpy(a, downcast=downcast_inputs) for s, a in (inputs or {}).items()}
         outputs = dict(outputs or {})
-        self._validate_streams(inputs, self.expected_inputs(), "input")
-        self._validate_streams(outputs, [s for s, _ in self._d2h], "output")
+        self._validate_run_inputs(inputs)
+        self._validate_run_outputs(outputs)
         feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
         if self._placed:
             feeds = jax.device_put(feeds, self._feed_sharding())

@@ -8,8 +8,14 @@ from .dtypes import dtype as _dtype
 from .tensor import TensorSpec
 
 
-class _Stream:
+class Stream:
+    """A host stream: its shape, dtype and name (``tensor_id``). Made by :func:`h2d_stream` /
+    :func:`d2h_stream`, not directly."""
+
     def __init__(self, shape: Iterable[int], dtype: Any, name: Optional[str]) -> None:
+        if type(self) is Stream:
+            raise NotImplementedError("Cannot construct a popxl.Stream directly. Use `h2d_stream` or "
+                                      "`d2h_stream`.")
         self._shape = tuple(int(d) for d in shape)
         self._dtype = _dtype.as_dtype(dtype)
         ir = context.get_current_graph().ir if context._CTX._graphs else None
@@ -47,11 +53,11 @@ class _Stream:
         return f"{type(self).__name__}({self._name}, {self._shape}, {self._dtype.name})"
 
 
-class HostToDeviceStream(_Stream):
+class HostToDeviceStream(Stream):
     """A stream of host data that ``ops.host_load`` reads, one element per load."""
 
 
-class DeviceToHostStream(_Stream):
+class DeviceToHostStream(Stream):
     """A stream that ``ops.host_store`` writes, one element per store."""
 
 

@@ -1,10 +1,14 @@
 """Host-side helpers: :func:`to_numpy` (the conversion popxl applies to variable, constant
-and stream data) and :func:`table_to_string`."""
+and stream data), :func:`table_to_string`, and the devices sessions run on
+(:func:`_to_device_info`)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import re
+from typing import Any, Literal, Optional, Sequence
 
 import numpy as np
+
+import popart
 
 from .dtypes import _DOWNCAST, dtype as _dtype, float8_143, float8_152
 from .dtypes import to_numpy as _to_numpy
@@ -14,6 +18,11 @@ try:
     import torch as _torch
 except ModuleNotFoundError:  # pragma: no cover
     _torch = None
+
+torch_imported = _torch is not None
+HW_DEVICE_CONNECTION_TIMEOUT = int(1e4)   # seconds PopXL waits for IPUs to become free
+# the 64-bit types popxl stores as 32-bit ones (``downcast``)
+downcast_np_dtypes = {np.dtype(k): np.dtype(v) for k, v in _DOWNCAST.items()}
 
 
 def to_numpy(x: Any, dtype: Optional[_dtype] = None, downcast: bool = True, copy: bool = True,
@@ -83,3 +92,40 @@ def table_to_string(rows: Sequence[Sequence], delimiter: str = " | ", header: bo
         if header and i == 0 and len(rows) > 1:
             lines.append("-" * (len(line) + 1))
     return "".join(line + "\n" for line in lines)
+
+
+def _offline_device_from_str(device_type: str, num_ipus: Optional[int] = None) -> popart.DeviceInfo:
+    """An offline device of the IPU system ``device_type`` ("ipu2", ...)."""
+    return popart.DeviceManager().createOfflineIpuFromSystemString(device_type, num_ipus or 0)
+
+
+def _to_device_info(device_type: Literal["ipu_hw", "ipu_model", "cpu"], num_ipus: int = 1,
+                    use_popdist: bool = False) -> popart.DeviceInfo:
+    """The device a session of ``num_ipus`` IPUs runs on: "cpu" (one), "ipu_model", "ipu_hw"
+    (an offline device like the first available device of ``num_ipus`` IPUs; with
+    ``use_popdist`` this instance's device of popdist), or an IPU system name ("ipu2").
+
+    Raises:
+        ValueError: "cpu" with ``num_ipus`` > 1; another ``device_type``.
+        RuntimeError: "ipu_hw" with no device of ``num_ipus`` IPUs.
+    """
+    dm = popart.DeviceManager()
+    if device_type == "cpu":
+        if num_ipus > 1:
+            raise ValueError(f"For a cpu device, multiple devices (provided: {num_ipus}) are not supported.")
+        return dm.createCpuDevice()
+    if device_type == "ipu_model":
+        return dm.createIpuModelDevice({"numIPUs": num_ipus})
+    if device_type == "ipu_hw":
+        if use_popdist:
+            import popdist.popart
+            return popdist.popart.getDevice(connectionType=popart.DeviceConnectionType.OnDemand)
+        devices = dm.enumerateDevices(numIpus=num_ipus)
+        if not devices:
+            raise RuntimeError(f"Failed to acquire device with {num_ipus} IPUs. Ensure that there are "
+                               "sufficient IPUs available.")
+        return dm.createOfflineIpuFromDeviceInfo(devices[0])
+    if isinstance(device_type, str) and re.fullmatch(r"ipu\d+", device_type):
+        return _offline_device_from_str(device_type, num_ipus)
+    raise ValueError(f"Incorrect device type provided: {device_type}, must be one of: `ipu_hw`, "
+                     "`ipu_model`, `cpu`")
