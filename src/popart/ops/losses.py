@@ -59,15 +59,21 @@ def _grad_eps(dtype) -> float:
 
 
 def _nll_parts(probs, label, ignore_index):
-    """(one-hot of the labels [.., C], per-sample keep mask, Mean's divisor) over the last
-    (class) axis. Mean divides by the number of samples, or with ``ignore_index`` by the
-    number of labels that are not ignored (at least 1), as PopART does."""
+    """(one-hot of the labels [.., C], per-sample keep mask, Mean's divisor of the loss,
+    Mean's divisor of the gradient) over the last (class) axis. With ``ignore_index`` both
+    are the number of labels not ignored (at least 1); without, the loss divides by the
+    number of labels and the gradient by ``probs.shape[0]`` (NllOpx::
+    applyScalingInPlaceForMeanReduction reads dim 0 of the gradient in probs' shape: the
+    same for [N, C] probs, not for [N, S, C])."""
     lab = jnp.asarray(label).astype(jnp.int32)
     onehot = (lab[..., None] == jnp.arange(probs.shape[-1], dtype=jnp.int32)).astype(probs.dtype)
     if ignore_index is None:
-        return onehot, jnp.ones(lab.shape, probs.dtype), jnp.asarray(lab.size, probs.dtype)
+        first = probs.shape[0] if probs.ndim else 1
+        return (onehot, jnp.ones(lab.shape, probs.dtype), jnp.asarray(lab.size, probs.dtype),
+                jnp.asarray(first, probs.dtype))
     keep = (lab != ignore_index).astype(probs.dtype)
-    return onehot, keep, jnp.maximum(jnp.sum(keep), 1)
+    count = jnp.maximum(jnp.sum(keep), 1)
+    return onehot, keep, count, count
 
 
 def _scale_grad(g, keep, count, r: str):
@@ -84,22 +90,22 @@ def nll_loss(ctx: LowerCtx, probs, label, reduction: str, ignore_index, log_inpu
     r = reduction_type(ctx, reduction)
 
     @jax.custom_vjp
-    def f(p, onehot, keep, count):
+    def f(p, onehot, keep, count, gcount):
         picked = jnp.sum(p * onehot, -1)
         if not log_input:
             picked = jnp.log(jnp.maximum(picked, jnp.asarray(_log_eps(p.dtype), p.dtype)))
         return reduce_loss(ctx, -picked * keep, r, count)
 
-    def fwd(p, onehot, keep, count):
-        return f(p, onehot, keep, count), (p, onehot, keep, count)
+    def fwd(p, onehot, keep, count, gcount):
+        return f(p, onehot, keep, count, gcount), (p, onehot, keep, gcount)
 
     def bwd(res, g):
-        p, onehot, keep, count = res
+        p, onehot, keep, gcount = res
         if log_input:
             d = -onehot
         else:
             d = -onehot / jnp.maximum(p, jnp.asarray(_grad_eps(p.dtype), p.dtype))
-        return (d * _scale_grad(g, keep, count, r)).astype(p.dtype), None, None, None
+        return (d * _scale_grad(g, keep, gcount, r)).astype(p.dtype), None, None, None, None
 
     f.defvjp(fwd, bwd)
     return f(probs, *_nll_parts(probs, label, ignore_index))
@@ -126,19 +132,19 @@ def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction, ignoreIndex=None
     r = reduction_type(ctx, reduction)
 
     @jax.custom_vjp
-    def f(z, p, onehot, keep, count):
+    def f(z, p, onehot, keep, count, gcount):
         picked = jnp.sum(p * onehot, -1)
         eps = jnp.asarray(1e-7 if fuseLoss else _log_eps(p.dtype), p.dtype)
         picked = jnp.log(picked + eps if fuseLoss else jnp.maximum(picked, eps))
         return reduce_loss(ctx, -picked * keep, r, count).astype(z.dtype)
 
-    def fwd(z, p, onehot, keep, count):
-        return f(z, p, onehot, keep, count), (p, onehot, keep, count)
+    def fwd(z, p, onehot, keep, count, gcount):
+        return f(z, p, onehot, keep, count, gcount), (p, onehot, keep, gcount)
 
     def bwd(res, g):
-        p, onehot, keep, count = res
-        d = (p - onehot) * _scale_grad(g, keep, count, r)
-        return d.astype(logits.dtype), None, None, None, None
+        p, onehot, keep, gcount = res
+        d = (p - onehot) * _scale_grad(g, keep, gcount, r)
+        return d.astype(logits.dtype), None, None, None, None, None
 
     f.defvjp(fwd, bwd)
     return f(logits, lax.stop_gradient(probs), *_nll_parts(probs, label, ignoreIndex))
@@ -156,7 +162,7 @@ def nll_with_softmax_grad_direct(ctx: LowerCtx, probs, label, loss_grad, reducti
     gradient flows through this op (PopART's grad ops have none)."""
     r = reduction_type(ctx, reduction)
     p, lab = lax.stop_gradient(jnp.asarray(probs)), jnp.asarray(label)
-    onehot, keep, count = _nll_parts(p, lab, ignore_index)
+    onehot, keep, count, gcount = _nll_parts(p, lab, ignore_index)
     logp = jnp.log(jnp.sum(p * onehot, -1) + jnp.asarray(1e-7, p.dtype)) * keep
     if r == "NoReduction":
         loss = -logp
@@ -168,7 +174,7 @@ def nll_with_softmax_grad_direct(ctx: LowerCtx, probs, label, loss_grad, reducti
     g = g.reshape(g.shape + (1,) * (p.ndim - g.ndim))
     work = jnp.promote_types(g.dtype, p.dtype)
     if r == "Mean":
-        g = g.astype(work) / jnp.asarray(count if ignore_index is not None else p.shape[0], work)
+        g = g.astype(work) / gcount.astype(work)
     dx = (p - onehot).astype(work) * keep[..., None].astype(work) * g.astype(work)
     return loss, dx.astype(p.dtype)
 

@@ -148,7 +148,17 @@ def scale(t: Tensor, factor: float) -> Tensor:
 
 
 def scaled_add(X: Tensor, Y: Tensor, a: Union[float, Tensor] = 1.0, b: Union[float, Tensor] = 1.0) -> Tensor:
-    """a * X + b * Y (scalars or scalar tensors)."""
+    """a * X + b * Y (scalars or scalar tensors). PopART's ScaledAddOpx takes a tensor ``a``
+    only with a tensor ``b``, and a tensor ``b`` only with ``a`` == 1.
+
+    Raises:
+        popart_exception: for those two combinations, with PopART's message.
+    """
+    from popart.errors import popart_exception
+    if isinstance(a, Tensor) and not isinstance(b, Tensor):
+        raise popart_exception("Unsupported tensor scale0 with non-tensor scale1.")
+    if isinstance(b, Tensor) and not isinstance(a, Tensor) and float(a) != 1.0:
+        raise popart_exception(f"Unsupported scale0 {float(a)} with tensor scale1.")
     attrs, ins = {}, [X, Y, None, None]
     if isinstance(a, Tensor):
         ins[2] = a
@@ -399,33 +409,31 @@ def conv_transpose_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor, str
     return _pow2scale_then_cast(y, log2_scale, "float16")
 
 
-_RESIZE_MODES = ("nearest", "linear", "cubic")
-_NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
-_COORD_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize")
+_RESIZE_CHOICES = (("interpolate type", ("nearest", "linear", "cubic")),
+                   ("interpolate type", ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")),
+                   ("interpolate type", ("half_pixel", "pytorch_half_pixel", "align_corners",
+                                         "asymmetric", "tf_crop_and_resize")))
 
 
 def interpolate(t: Tensor, scale_factor: Tuple[float, ...] = (1.0, 1.0, 1.0, 1.0), mode: str = "nearest",
                 nearest_mode: str = "round_prefer_floor",
                 coordinate_transformation_mode: str = "half_pixel") -> Tensor:
-    """Resize ``t`` by ``scale_factor`` (one per dimension; output size
-    ``floor(size * scale)``) with ONNX Resize's ``mode``, ``nearest_mode`` and
-    ``coordinate_transformation_mode``.
+    """PopART's Resize: each dimension resized by ``scale_factor`` (output size
+    floor(size * scale)) with ONNX Resize's ``mode``, ``nearest_mode`` and
+    ``coordinate_transformation_mode``; gradients as PopART's ResizeGrad (see
+    docs/popxl_ops.md: nearest by its own rule, linear not differentiable).
 
     Raises:
-        ValueError: for an unknown mode, or ``scale_factor`` not of ``t``'s rank.
+        ValueError: an unknown mode (PopXL's message).
+        popart_exception: ``scale_factor`` not of ``t``'s rank, or ``tf_crop_and_resize``
+            (which PopART's Resize does not implement).
     """
-    for v, allowed, what in ((mode, _RESIZE_MODES, "interpolate type"),
-                             (nearest_mode, _NEAREST_MODES, "interpolate nearest type"),
-                             (coordinate_transformation_mode, _COORD_MODES,
-                              "interpolate coordinate transformation type")):
+    for v, (what, allowed) in zip((mode, nearest_mode, coordinate_transformation_mode), _RESIZE_CHOICES):
         if v not in allowed:
-            raise ValueError(f"{what} {v} is not valid, must be one of {', '.join(allowed)}.")
-    scales = [float(v) for v in scale_factor]
-    if len(scales) != t.rank:
-        raise ValueError(f"interpolate: {len(scales)} scale factors for a tensor of rank {t.rank}")
-    sc = constant(np.asarray(scales, np.float32), "float32", name="scales")
-    return one("Resize", t, None, sc, mode=mode, nearest_mode=nearest_mode,
-               coordinate_transformation_mode=coordinate_transformation_mode)
+            raise ValueError(f"{what} {v} is not valid, must be {', '.join(allowed[:-1])} or "
+                             f"{allowed[-1]}.")
+    return one("Resize", t, domain=POPXL, scales=[float(v) for v in scale_factor], mode=mode,
+               nearest_mode=nearest_mode, coordinate_transformation_mode=coordinate_transformation_mode)
 
 
 def roi_align(t: Tensor, rois: Tensor, batch_index: Tensor, output_size: Tuple[int, int],
@@ -497,7 +505,15 @@ def transpose(t: Tensor, permutation: Optional[Iterable[int]] = None) -> Tensor:
 
 
 def concat(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
+    """Concatenate ``ts`` along ``axis``.
+
+    Raises:
+        TypeError: the tensors' dtypes differ (float8_143 with float8_152 too).
+    """
     ts = list(ts)
+    types_ = [t.dtype for t in ts]
+    if len(set(types_)) > 1:
+        raise TypeError(f"All inputs to a concat operation must have the same type: {types_}")
     return node("Concat", ts, {"axis": int(axis)})[0]
 
 
@@ -533,8 +549,23 @@ def slice(t: Tensor, start: Any = None, stop: Any = None, step: Any = None, axis
     return one("Slice", t, ints(start), ints(stop), ints(axis), ints(step))
 
 
-def subsample(t: Tensor, strides: Iterable[int]) -> Tensor:
-    return one("Subsample", t, domain=GC, strides=[int(s) for s in strides])
+def subsample(t: Tensor, strides: Union[int, Iterable[int]]) -> Tensor:
+    """Every ``strides[i]``-th element of dimension i, from the first (size
+    ceil(n / stride)). An int is the stride of dimension 0; missing strides are 1.
+
+    Raises:
+        ValueError: more strides than ``t`` has dimensions.
+        popart_exception: a stride of 0.
+    """
+    strides = [int(strides)] if isinstance(strides, (int, np.integer)) else [int(s) for s in strides]
+    if len(strides) > t.rank:
+        raise ValueError("The length of subsample `strides` must not be greater than the rank of "
+                         "the input tensor.")
+    strides += [1] * (t.rank - len(strides))
+    if 0 in strides:
+        from popart.errors import popart_exception
+        raise popart_exception(f"Strides invalid. 0 stride at index {strides.index(0)}")
+    return one("Subsample", t, domain=GC, strides=strides)
 
 
 # View ops: popxl's in-place spellings return an alias; here they return a new tensor (a later
@@ -654,6 +685,15 @@ def init(shape: Iterable[int], dtype: Any, name: Optional[str] = None, init_type
 
 
 def histogram(t: Tensor, levels: List[float], absolute_of_input: bool = False) -> Tensor:
+    """uint32 counts of ``t``'s elements (or their absolute values) in the len(levels) + 1
+    bins (-inf, l0), [l0, l1), ..., [l_last, inf).
+
+    Raises:
+        ValueError: ``levels`` not strictly increasing.
+    """
+    levels = [float(v) for v in levels]
+    if not all(a < b for a, b in zip(levels, levels[1:])):
+        raise ValueError(f"The input levels `{levels}` is not a monotonically increasing list.")
     return one("Histogram", t, domain=GC, levels=list(levels), absoluteOfInput=int(absolute_of_input))
 
 
