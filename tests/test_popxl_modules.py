@@ -216,8 +216,9 @@ def test_conditional_site_info_maps_both_branches():
         c = popxl.variable(np.ones(3, np.float32), name="c")
         cond = popxl.constant(True)
         tg, eg = ir.create_graph(then_fn, a, b), ir.create_graph(else_fn, c)
-        (out,) = ops.conditional(cond, tg, eg, [a, b], [c])
-    info = ConditionalSiteInfo(tg, eg, cond, [a, b], [c], [out])
+        info = ops.conditional_with_info(cond, tg, eg, [a, b], [c])
+        (out,) = info.outputs
+    assert isinstance(info, ConditionalSiteInfo)
     assert info.called_graph == (tg, eg) and info.inputs == (cond, a, b, c) and info.outputs == (out,)
     assert info.graph_to_parent_input_index(1) == 2 and info.graph_to_parent_input_index(0, False) == 3
     assert [info.is_parent_index_in_then_branch(i) for i in (1, 2, 3)] == [True, True, False]

@@ -250,7 +250,8 @@ def conditional_with_info(cond: Tensor, then_branch: Graph, else_branch: Graph,
     attrs = {"then_branch": _branch(parent, then_branch, t_in, "then"),
              "else_branch": _branch(parent, else_branch, e_in, "else")}
     outs = node("If", [cond], attrs, ONNX, len(then_branch._outputs), name="conditional")
-    return CallSiteInfo(_SubgraphOp(then_branch, parent, parent._g.nodes[-1], t_in))
+    from ._op_modules import ConditionalSiteInfo   # (popxl.ops.conditional's, as in PopXL)
+    return ConditionalSiteInfo(then_branch, else_branch, cond, t_in, e_in, outs)
 
 
 def conditional(cond: Tensor, then_branch: Graph, else_branch: Graph, then_inputs: Any = None,
