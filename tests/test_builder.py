@@ -36,7 +36,7 @@ def test_add_example_from_user_guide():
     assert len({i1, i2, o}) == 3
     assert b.getInputTensorIds() == [i1, i2] and b.getOutputTensorIds() == [o]
     model = model_of(b)
-    assert {(op.domain, op.version) for op in model.opset_import} == {("", 11)}
+    assert {(op.domain, op.version) for op in model.opset_import} == {("", 10)}
     x, y = np.random.rand(2, 1, 2, 32, 32).astype(np.float32)
     (out,) = run(b, {i1: x, i2: y})
     np.testing.assert_allclose(out, x + y)
@@ -89,7 +89,8 @@ def test_conv_with_attributes_matches_numpy():
     o = b.aiOnnx.conv([x, w, bias], dilations=[2, 1], group=2, pads=[1, 2, 0, 1], strides=[2, 1])
     b.addOutputTensor(o)
     node = node_of(model_of(b), o)
-    assert {a.name for a in node.attribute} == {"dilations", "group", "pads", "strides"}
+    assert {a.name for a in node.attribute} == {"dilations", "group", "pads", "strides",
+                                                "__debug_info_id"}
     xv = np.random.randn(1, 4, 9, 9).astype(np.float32)
     (out,) = run(b, {x: xv})
     ref = conv2d_ref(xv, wv, bv, [1, 2, 0, 1], [2, 1], [2, 1], 2)
@@ -115,7 +116,7 @@ def test_gemm_cast_constant_reshape_const():
 
 
 def test_multi_output_ops():
-    b = Builder()
+    b = Builder(opsets={"ai.onnx": 11, "ai.graphcore": 1})
     x = b.addInputTensor("FLOAT", [6, 4])
     parts = b.aiOnnx.split([x], 3, axis=0)
     assert isinstance(parts, list) and len(parts) == 3
@@ -134,7 +135,7 @@ def test_multi_output_ops():
 def test_opset_selection():
     b = Builder(opsets={"ai.onnx": 9, "ai.graphcore": 1})
     assert b.aiOnnx.version == 9 and b.aiOnnxOpset9 is b.aiOnnx
-    with pytest.raises(popart_exception, match="already 9"):
+    with pytest.raises(popart_exception, match="already defined as 9"):
         b.aiOnnxOpset11
     with pytest.raises(AttributeError):  # Range appears in opset 11
         b.aiOnnx.range
@@ -146,8 +147,8 @@ def test_opset_selection():
 
     b2 = Builder()
     assert b2.aiOnnxOpset10.version == 10 and b2.aiOnnx.version == 10
-    assert not hasattr(b2.aiOnnx, "upsample")  # deprecated in opset 10
-    assert Builder().aiOnnx.version == 11
+    assert hasattr(b2.aiOnnx, "upsample")  # deprecated in ONNX 10; PopART's opset 10 keeps it
+    assert Builder().aiOnnx.version == 10
     newest = Builder().__getattr__(f"aiOnnxOpset{MAX_AI_ONNX_OPSET}")
     assert newest.version == MAX_AI_ONNX_OPSET and callable(newest.gelu)
     with pytest.raises(ValueError):
@@ -211,7 +212,7 @@ def test_annotation_context_managers_and_setters():
     assert not b.nodeHasAttribute("__pipeline_stage", o1)
     assert b.getFloatNodeAttribute("__schedule_priority", o4) == 2.5
     assert b.getStringVectorNodeAttribute("__outline_attributes", o4) == ["a:1", "b:2"]
-    assert b.getAllNodeAttributeNames(o5) == [] and not b.hasVirtualGraph(o5)
+    assert b.getAllNodeAttributeNames(o5) == ["__debug_info_id"] and not b.hasVirtualGraph(o5)
     b.virtualGraph(o5, 1)
     b.pipelineStage(o5, 4)
     b.recomputeOutputInBackwardPass(o5)
@@ -220,7 +221,8 @@ def test_annotation_context_managers_and_setters():
     b.setSerializeMatMul({o5}, "output_channels", 4, True)
     b.excludePatterns(o5, ["MatMulLhsGradOp"])
     b.setInplacePreferences(o5, {"ReluInplace": 10.0})
-    b.setEnableConvDithering(o5, 1)
+    with pytest.raises(popart_exception, match="only be called on convolutions"):
+        b.setEnableConvDithering(o5, 1)   # Neg: PopART accepts Conv only
     assert b.getVirtualGraph(o5) == 1 and b.getPipelineStage(o5) == 4
     assert b.getRecomputeOutputInBackwardPass(o5) and not b.getRecomputeOutputInBackwardPass(o4)
     assert b.getPartialsType(o5) == "HALF" and b.getPartialsType(o4) == ""
@@ -284,8 +286,8 @@ def test_subgraph_logical_if():
     b.addOutputTensor(o)
     model = model_of(b)
     if_node = node_of(model, o)
-    assert if_node.op_type == "If" and {a.name for a in if_node.attribute} == {"then_branch",
-                                                                             "else_branch"}
+    assert if_node.op_type == "If" and {a.name for a in if_node.attribute} == {
+        "then_branch", "else_branch", "__debug_info_id"}
     xv = np.array([1, -2, 3], np.float32)
     np.testing.assert_allclose(run(b, {cond: np.array(True), x: xv})[0], 2 * xv)
     np.testing.assert_allclose(run(b, {cond: np.array(False), x: xv})[0], -xv)
@@ -322,7 +324,7 @@ def test_graphcore_call_and_opset_import():
     assert (node.domain, node.op_type, node.name) == ("ai.graphcore", "Call", "mycall")
     callee = onnx.helper.get_attribute_value(node.attribute[0])
     assert [n.op_type for n in callee.node] == ["Sin"] and callee.input[0].name == a
-    assert {(op.domain, op.version) for op in model.opset_import} == {("", 11),
+    assert {(op.domain, op.version) for op in model.opset_import} == {("", 10),
                                                                       ("ai.graphcore", 1)}
 
 
@@ -382,13 +384,14 @@ def test_extend_existing_model_with_nllloss():
         labels = b2.addInputTensor("INT32", [4])
         nll = b2.aiGraphcore.nllloss([probs, labels], reduction="Sum", ignoreIndex=0)
         assert labels == "input" and nll not in (x, w, probs)
-        assert b2.getInputTensorIds() == ["data", labels]
+        assert b2.getInputTensorIds() == ["data", "weights", labels]
         assert b2.isInitializer("weights") and b2.getTrainableTensorIds() == ["weights"]
         assert probs in b2.getValueTensorIds() or probs in b2.getOutputTensorIds()
         model = model_of(b2)
         node = node_of(model, nll)
         assert (node.domain, node.op_type) == ("ai.graphcore", "Nll")
-        assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} == {
+        assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
+                if a.name != "__debug_info_id"} == {
             "reduction": b"Sum", "ignoreIndex": 0, "inputIsLogProbability": 0}
         assert b2.getTensorShape(probs) == [4, 10]
 
@@ -435,12 +438,13 @@ def test_every_graphcore_table_op_builds():
             assert b._graph.node[-1].op_type == schema.op_type
     b.aiGraphcore.init([2, 3], "FLOAT", 1, 0)
     b.aiGraphcore.zeros([4], "INT32")
-    convs = b.aiGraphcore.multiconv([[x, x], [x, x, x]], strides=[[1, 1], [2, 2]])
+    x4 = b.addInputTensor("FLOAT", [1, 2, 4, 4])   # a conv's data needs spatial dimensions
+    convs = b.aiGraphcore.multiconv([[x4, x4], [x4, x4, x]], strides=[[1, 1], [2, 2]])
     assert len(convs) == 2
     model = model_of(b)
     assert {n.domain for n in model.graph.node} == {"ai.graphcore"}
     mc = model.graph.node[-1]
-    assert list(mc.input) == [x, x, "", x, x, x]
+    assert list(mc.input) == [x4, x4, "", x4, x4, x]
     assert onnx.helper.get_attribute_value(mc.attribute[0]) == [1, 1, 2, 2]
 
 

@@ -14,8 +14,13 @@ Op interfaces
   BatchNormalization, MaxPool, LSTM, If, Loop, Scan, ...). Returns one id for single-output
   ops, else a list. Only attributes that are given (not ``None``, not ``[]``) are written;
   ONNX's defaults apply to the rest. ``to`` / ``dtype`` accept PopART dtype strings.
-  One ai.onnx version per model: the one in ``opsets``, else the first ``aiOnnxOpsetN`` used,
-  else 11.
+  One ai.onnx version per model, as PopART's Builder: the one in ``opsets`` (or a loaded
+  model's), else the first ``aiOnnxOpsetN`` used, else ``aiOnnx`` = opset 10
+  (``popart.defaultAiOnnxOpset``); asking for another version after that raises PopART's
+  RuntimeError. Opsets 6..11 have PopART's ops (10 and 11 keep the deprecated ``upsample``,
+  11 keeps ``scatter``), ops without inputs (``randomuniform``, ``randomnormal``, ...) take
+  no ``args``, and ``auto_pad`` (not in PopART's bindings) is keyword-only. An argument an
+  op cannot take raises TypeError (:class:`~popart.errors.ArgumentError`).
 * ``builder.aiGraphcore`` (= ``aiGraphcoreOpset1``): nodes in domain ``"ai.graphcore"``,
   opset 1, from the table in ``popart.ir.graphcore_schema`` (method -> op type, attributes
   with PopART's defaults, outputs), which the engine also reads its attribute defaults from.
@@ -77,9 +82,12 @@ import onnx
 import onnx.defs
 from onnx import AttributeProto, helper, numpy_helper
 
-from .errors import BuilderError, ModelError, UnsupportedOperatorError, popart_exception
+from .debug_info import DebugContext, DebugInfo
+from .errors import (ArgumentError, BuilderError, ModelError, UnsupportedOperatorError,
+                     popart_exception)
 from .fileio import atomic_write, initializer_proto
 from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH
+from .logging import getLogger
 from .ir.graphcore_schema import BY_METHOD as _GRAPHCORE_METHODS
 from .ir.graphcore_schema import COMM_GROUP_TYPES as _COMM_GROUP_TYPES
 from .ir.graphcore_schema import REQUIRED, OpSchema
@@ -93,6 +101,7 @@ from .tensorinfo import DataType, TensorInfo, np_dtype, onnx_dtype, to_datatype
 
 # Annotation attribute names (the placement ones are the IR's: ir.graph)
 EXECUTION_PHASE = "__execution_phase"
+DEBUG_INFO_ID = "__debug_info_id"
 RECOMPUTE_OUTPUT = "__recompute_output"
 SCHEDULE_PRIORITY = "__schedule_priority"
 OUTLINE_ATTRIBUTES = "__outline_attributes"
@@ -109,10 +118,11 @@ OUTPUT_TENSOR_LOCATION = "__output_tensor_location"
 COMM_GROUP_TYPE = "__comm_group_type"
 COMM_GROUP_SIZE = "__comm_group_size"
 
-DEFAULT_AI_ONNX_OPSET = 11
+DEFAULT_AI_ONNX_OPSET = 10      # PopART's defaultAiOnnxOpset (graphcoreoperators.hpp)
 DEFAULT_AI_GRAPHCORE_OPSET = 1
 MIN_AI_ONNX_OPSET = 6
 MAX_AI_ONNX_OPSET = onnx.defs.onnx_opset_version()
+POPART_MAX_AI_ONNX_OPSET = 11   # PopART's opsets (6..11) keep ops ONNX deprecated since
 
 
 class RecomputeType(enum.IntEnum):
@@ -145,6 +155,21 @@ def _debug_name(value: Any) -> str:
     return name() if callable(name) else str(name or "")
 
 
+_BUILDER_LOG = getLogger("builder")
+
+
+def _BuilderDebugInfo(debug: Any, op_type: str, inputs: Sequence[str]) -> DebugInfo:
+    """PopART's BuilderDebugInfo: a "popartbuilder" DebugInfo for one Builder call."""
+    context = debug if isinstance(debug, DebugContext) else DebugContext._from(
+        _debug_name(debug), "Builder", depth=2)
+    info = DebugInfo(context, "popartbuilder")
+    info.setValue("category", "api")
+    info.setValue("api", op_type)
+    if len(inputs):
+        info.setValue("inputs", list(inputs))
+    return info
+
+
 def _as_id_set(names: Union[str, Iterable[str]]) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
@@ -158,9 +183,14 @@ def _make_attr(op: str, name: str, value: Any, attr_type: Optional[int] = None) 
     A sub-graph Builder becomes a GraphProto; a NumPy array a TensorProto."""
     try:
         if isinstance(value, Builder):
-            value, attr_type = value._subgraph_proto(), G
+            value, attr_type = value._subgraph_proto(
+                captures=re.search(r"::If(-\d+)?$", op) is not None), G
         elif isinstance(value, onnx.GraphProto):
             attr_type = G
+        elif isinstance(value, np.ndarray) and attr_type in (I, F, S):
+            value = value.item()             # a 0-d array as a scalar, as pybind11 takes it
+        elif isinstance(value, np.ndarray) and attr_type in (INTS, FLOATS, STRINGS):
+            value = value.tolist()
         elif attr_type == T or isinstance(value, np.ndarray):
             value, attr_type = numpy_helper.from_array(np.asarray(value)), T
         elif (attr_type == I and name in _DTYPE_ATTRIBUTES
@@ -200,20 +230,23 @@ def _make_attr(op: str, name: str, value: Any, attr_type: Optional[int] = None) 
 
 
 def _bind(what: str, params: Sequence[str], required: set, str_params: set,
-          positional: Sequence[Any], keywords: dict) -> dict:
+          positional: Sequence[Any], keywords: dict, keyword_only: Sequence[str] = ()) -> dict:
     """Bind an op method's arguments (after ``args``) to ``params``; ``debugContext`` is
     one of them. Accepts ``debugPrefix`` / ``name`` / ``debugName`` for the debug name and a
-    trailing positional string as the debug name."""
+    trailing positional string as the debug name. ``keyword_only`` params take no
+    positional argument. Arguments the op cannot take raise TypeError (ArgumentError), as
+    PopART's bindings do."""
     positional = list(positional)
     values: dict[str, Any] = {}
     debug = next((p for p in params if p == "debugContext" or p in _DEBUG_KEYWORDS), "debugContext")
-    if (positional and isinstance(positional[-1], str) and len(positional) <= len(params)
-            and params[len(positional) - 1] not in str_params):
+    by_position = [p for p in params if p not in keyword_only]
+    if (positional and isinstance(positional[-1], str) and len(positional) <= len(by_position)
+            and by_position[len(positional) - 1] not in str_params):
         values[debug] = positional.pop()
-    if len(positional) > len(params):
-        raise popart_exception(f"{what} takes at most {len(params)} argument(s) after the "
-                               f"inputs ({', '.join(params)}), got {len(positional)}")
-    values.update(zip(params, positional))
+    if len(positional) > len(by_position):
+        raise ArgumentError(f"{what} takes at most {len(by_position)} positional argument(s) "
+                            f"after the inputs ({', '.join(by_position)}), got {len(positional)}")
+    values.update(zip(by_position, positional))
     for key, value in keywords.items():
         if key not in params and (key in _DEBUG_KEYWORDS or key == "debugContext"):
             key = debug
@@ -221,10 +254,9 @@ def _bind(what: str, params: Sequence[str], required: set, str_params: set,
             key = key[:-1]  # e.g. lambda_ for the attribute "lambda"
         if key not in params:
             known = ", ".join(p for p in params if p != debug) or "none"
-            raise popart_exception(f"{what} has no attribute '{key}'; its attributes are: "
-                                   f"{known}")
+            raise ArgumentError(f"{what} has no attribute '{key}'; its attributes are: {known}")
         if key in values:
-            raise popart_exception(f"{what} got more than one value for '{key}'")
+            raise ArgumentError(f"{what} got more than one value for '{key}'")
         values[key] = value
     for name in params:
         if name in required and values.get(name) is None:
@@ -232,13 +264,20 @@ def _bind(what: str, params: Sequence[str], required: set, str_params: set,
     return values
 
 
-def _signature(params: Sequence[str], defaults: dict, with_args: bool = True) -> inspect.Signature:
+def _signature(params: Sequence[str], defaults: dict, with_args: bool = True,
+               keyword_only: Sequence[str] = ()) -> inspect.Signature:
+    """The signature _bind implements. It shows ``**keywords`` where a parameter's own name
+    is a Python keyword (``lambda``, shown as ``lambda_``: both are accepted) or the debug
+    parameter is not ``debugContext`` (which is accepted too)."""
     p = [inspect.Parameter("args", inspect.Parameter.POSITIONAL_OR_KEYWORD)] if with_args else []
-    for name in params:
+    for name in [n for n in params if n not in keyword_only] + list(keyword_only):
         d = defaults.get(name, inspect.Parameter.empty)
         p.append(inspect.Parameter(name + "_" if keyword.iskeyword(name) else name,
-                                   inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   inspect.Parameter.KEYWORD_ONLY if name in keyword_only
+                                   else inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                    default=inspect.Parameter.empty if d is REQUIRED else d))
+    if any(keyword.iskeyword(n) for n in params) or "debugContext" not in params:
+        p.append(inspect.Parameter("keywords", inspect.Parameter.VAR_KEYWORD))
     return inspect.Signature(p)
 
 
@@ -249,7 +288,7 @@ def _signature(params: Sequence[str], defaults: dict, with_args: bool = True) ->
 _DEBUG_PARAMETER = {"If": "name"}
 _ONNX_METHOD_NAMES = {"If": "logical_if", "And": "logical_and", "Or": "logical_or",
                       "Not": "logical_not", "Xor": "logical_xor"}
-_LATE_ATTRIBUTES = ("auto_pad",)  # after the others, so positional calls match PopART
+_LATE_ATTRIBUTES = ("auto_pad",)  # not in PopART's bindings: keyword-only, after the others
 
 
 class _UnknownOpError(UnsupportedOperatorError, AttributeError):
@@ -270,7 +309,9 @@ def _schema_table(domain: str, version: int) -> dict:
             name = _ONNX_METHOD_NAMES.get(s.name, s.name.lower())
             if name not in best or best[name].since_version < s.since_version:
                 best[name] = s
-    return {k: s for k, s in best.items() if not s.deprecated}
+    # PopART's generated opsets (6..11) keep ops ONNX deprecated (Upsample-10, Scatter-11)
+    return {k: s for k, s in best.items()
+            if not s.deprecated or version <= POPART_MAX_AI_ONNX_OPSET}
 
 
 class Opset:
@@ -316,10 +357,12 @@ class _SchemaOpset(Opset):
         required = {a.name for a in attrs if a.required} | ({"num_outputs"} if variadic else set())
         str_params = {n for n, t in types.items() if t in (S, STRINGS)
                       or n in _DTYPE_ATTRIBUTES} | {debug}
+        late = tuple(n for n in _LATE_ATTRIBUTES if n in types)
         builder = self._builder
+        opset = self.version
 
         def method(args: Sequence[str], *positional: Any, **keywords: Any) -> Any:
-            v = _bind(op, params, required, str_params, positional, keywords)
+            v = _bind(op, params, required, str_params, positional, keywords, late)
             args = [args] if isinstance(args, str) else list(args)   # one id where the reference says str
             if not schema.min_input <= len(args) <= schema.max_input:
                 raise popart_exception(f"Op {op} takes {schema.min_input}..{schema.max_input} "
@@ -331,17 +374,27 @@ class _SchemaOpset(Opset):
                     raise popart_exception(f"Op {op}: num_outputs must be in "
                                            f"{schema.min_output}..{schema.max_output}, got {n_out}")
             attributes = [_make_attr(op, k, v[k], types[k]) for k in types
-                          if not _is_unset(v.get(k))]
-            if types.get("axis") == I and not _is_unset(v.get("axis")) and args:
+                          if not _is_unset(v.get(k)) or (   # PopART's optional Reduce axes
+                              k == "axes" and schema.name.startswith("Reduce") and v.get(k) is not None)]
+            if types.get("axis") == I and not _is_unset(v.get("axis")) and args and (
+                    "broadcast" not in types or v.get("broadcast")):   # else axis is ignored
                 builder._check_axis(op, schema.name, args[0], int(v["axis"]))
+            _check_window(builder, schema.name, args, v)
             outs = builder._add_node(schema.name, schema.domain, args, attributes, n_out,
-                                     v.get(debug))
+                                     v.get(debug), (schema.since_version, opset))
             return outs[0] if schema.max_output == 1 else outs
 
-        method.__name__ = schema.name.lower()
-        method.__doc__ = f"Add an {op} node (see the ONNX operator documentation)."
-        method.__signature__ = _signature(params, {**defaults, debug: ""})
-        return method
+        if schema.max_input == 0:   # no inputs: no args parameter (RandomUniform, ...)
+            def no_inputs(*positional: Any, **keywords: Any) -> Any:
+                return method([], *positional, **keywords)
+            final = no_inputs
+        else:
+            final = method
+        final.__name__ = schema.name.lower()
+        final.__doc__ = f"Add an {op} node (see the ONNX operator documentation)."
+        final.__signature__ = _signature(params, {**defaults, debug: ""},
+                                         with_args=schema.max_input > 0, keyword_only=late)
+        return final
 
 
 class AiOnnx(_SchemaOpset):
@@ -352,6 +405,7 @@ class AiOnnx(_SchemaOpset):
             raise ValueError(f"Unsupported or unrecognized ai.onnx version: {version} "
                              f"(supported: {MIN_AI_ONNX_OPSET}..{MAX_AI_ONNX_OPSET})")
         super().__init__(builder, version)
+        self.aiOnnx = self   # PopART's delegate attribute (there, the C++ opset object)
 
     def __str__(self) -> str:
         return f"AiOnnx{self.version}"
@@ -360,9 +414,7 @@ class AiOnnx(_SchemaOpset):
         """Add a Constant node holding the NumPy value ``value``. From opset 11,
         ``(value, is_value_sparse=False, debugContext="")``: ``is_value_sparse`` stores the
         non-zeros of ``value`` as the ``sparse_value`` attribute (a SparseTensorProto with
-        linear indices); before, ``(value, debugContext="")``, as PopART's opsets 6-10."""
-        if self.version < 11 and not isinstance(is_value_sparse, (bool, np.bool_, int)):
-            is_value_sparse, debugContext = False, is_value_sparse   # (value, debugContext)
+        linear indices); opsets 6-10 take ``(value, debugContext="")``, as PopART's."""
         array = np.asarray(value)
         if not is_value_sparse:
             attr = _make_attr("Constant", "value", array, T)
@@ -377,21 +429,40 @@ class AiOnnx(_SchemaOpset):
         return self._builder._add_node("Constant", "", [], [attr], 1, debugContext)[0]
 
 
+def _constant_before_11(self: AiOnnx, value: Any, debugContext: Any = "") -> str:
+    """Add a Constant node holding the NumPy value ``value`` (opsets 6-10: the second
+    positional argument is the debug name, as PopART's)."""
+    if not isinstance(debugContext, str) and type(debugContext).__name__ != "DebugContext":
+        raise ArgumentError(f"constant(): debugContext must be a str or DebugContext, got "
+                            f"{debugContext!r} (ai.onnx opset {self.version} has no "
+                            f"is_value_sparse; it is opset 11's)")
+    return AiOnnx.constant(self, value, False, debugContext)
+
+
 class AiOnnxMl(_SchemaOpset):
     """The ai.onnx.ml operators at one opset version."""
 
     _domain = ONNX_ML_DOMAIN
 
+    def __init__(self, builder: "Builder", version: int) -> None:
+        super().__init__(builder, version)
+        self.aiOnnxMl = self   # PopART's delegate attribute
+
 
 # PopART's class names: AiOnnx6 .. AiOnnxN (and AiOnnxOpsetN aliases).
 for _v in range(MIN_AI_ONNX_OPSET, MAX_AI_ONNX_OPSET + 1):
     globals()[f"AiOnnx{_v}"] = globals()[f"AiOnnxOpset{_v}"] = type(
-        f"AiOnnx{_v}", (AiOnnx,), {"__doc__": f"Builder interface for ai.onnx version {_v}."})
+        f"AiOnnx{_v}", (AiOnnx,), {"__doc__": f"Builder interface for ai.onnx version {_v}.",
+                                   **({"constant": _constant_before_11} if _v < 11 else {})})
 del _v
 
 
 # ---------------------------------------------------------------------------------------
 # ai.graphcore interface, from the table in ir.graphcore_schema
+
+# The name PopART's Python layer (builder.py) gives the debug parameter of these methods
+_GRAPHCORE_DEBUG_PARAMETER = {"call": "debugName", "packedDataBlock": "debugName"}
+
 
 class AiGraphcore(Opset):
     """The ai.graphcore operators (opset 1); methods come from ``ir.graphcore_schema``."""
@@ -400,6 +471,7 @@ class AiGraphcore(Opset):
         if int(version) != 1:
             raise ValueError(f"Unsupported or unrecognized ai.graphcore version: {version}")
         super().__init__(builder, version)
+        self.aiGraphcore = self   # PopART's delegate attribute
 
     def __getattr__(self, name: str) -> Any:
         schema = _GRAPHCORE_METHODS.get(name)
@@ -417,7 +489,7 @@ class AiGraphcore(Opset):
         op = f"{GRAPHCORE_DOMAIN}::{schema.op_type}"
         variadic = schema.outputs == "n"
         names = [a.name for a in schema.attrs]
-        debug = schema.debug_name
+        debug = _GRAPHCORE_DEBUG_PARAMETER.get(schema.method, schema.debug_name)
         names.insert(len(names) if schema.debug_at is None else schema.debug_at, debug)
         params = (["num_outputs"] if variadic else []) + names
         required = {a.name for a in schema.attrs if a.default is REQUIRED} | (
@@ -439,7 +511,7 @@ class AiGraphcore(Opset):
             count = int(v["num_outputs"]) if variadic else schema.outputs
             args = [args] if isinstance(args, str) else list(args)   # one id where the reference says str
             outs = builder._add_node(schema.op_type, GRAPHCORE_DOMAIN, args, attributes,
-                                     count, v.get(debug))
+                                     count, v.get(debug), (self.version, self.version))
             return outs[0] if schema.outputs == 1 else (None if schema.outputs == 0 else outs)
 
         method.__name__ = schema.method
@@ -476,20 +548,35 @@ class AiGraphcore(Opset):
                   cycleBackOff: Optional[float] = None,
                   enableConvDithering: Sequence[int] = (), debugContext: Any = "") -> list[str]:
         """Add a MultiConv node: one convolution per entry of ``args`` ([data, weight, bias?])."""
-        n = len(args)
+        n, name = len(args), _debug_name(debugContext)
+        if n < 1:
+            raise BuilderError(f"MultiConvOp '{name}' has no input tensors. Provide at least "
+                               f"one set of inputs")
         inputs: list[str] = []
         for conv in args:
-            if not 2 <= len(conv) <= 3:
-                raise popart_exception(f"MultiConv: each convolution takes [data, weight] or "
-                                       f"[data, weight, bias], got {list(conv)}")
+            if len(conv) < 2:
+                raise BuilderError(f"Each convolution of MultiConvOp '{name}' must have at least "
+                                   f"two inputs - data and weights")
+            if len(conv) > 3:
+                raise BuilderError(f"Each convolution of MultiConvOp '{name}' can have at most "
+                                   f"three inputs - data, weights, and bias")
             inputs += list(conv) + [""] * (3 - len(conv))
+        per_conv = {"dilations": dilations, "inDilations": inDilations, "pads": pads,
+                    "outPads": outPads, "strides": strides}
+        for key, value in (*per_conv.items(),
+                           ("availableMemoryProportions", availableMemoryProportions),
+                           ("partialsTypes", partialsTypes),
+                           ("enableConvDithering", enableConvDithering)):
+            if len(value) not in (0, n):
+                raise BuilderError(f"For MultiConvOp '{name}', number of {key} parameter sets "
+                                   f"({len(value)}) does not match the number of input sets "
+                                   f"({n})")
+        for i, conv in enumerate(args):   # each conv as a Conv (builder_helper's verifyConvBase)
+            _check_conv(self._builder, list(conv), {k: list(v[i]) if len(v) else []
+                                                    for k, v in per_conv.items()})
         attrs = []
-        for key, value in (("dilations", dilations), ("inDilations", inDilations),
-                           ("pads", pads), ("outPads", outPads), ("strides", strides)):
-            if value:
-                if len(value) != n:
-                    raise popart_exception(f"MultiConv: '{key}' needs one list per convolution "
-                                           f"({n}), got {len(value)}")
+        for key, value in per_conv.items():
+            if len(value):
                 attrs.append(_make_attr("MultiConv", key, [x for c in value for x in c], INTS))
         for key, value, kind in (("availableMemoryProportions", availableMemoryProportions, FLOATS),
                                  ("partialsTypes", partialsTypes, STRINGS),
@@ -559,7 +646,7 @@ class _Model:
         self.node_names: set[str] = set()
         self.id_counts: dict[tuple, int] = {}
         self.revision = 0                      # bumped on every change (shape cache key)
-        self.shape_cache: tuple = (-1, {})
+        self.shape_cache: tuple = (-1, {}, False)   # (revision, types, engine part done)
         self.shape_error = ""                  # why the engine's inference failed, if it did
         self.subgraph_count = 0
 
@@ -578,6 +665,8 @@ class Builder:
         self._parent: Optional[Builder] = None
         self._graph = onnx.GraphProto(name="BuilderGraph")
         self._known: set[str] = set()
+        self._order: list[str] = []   # graph inputs and initializers, as added (PopART's inputs)
+        self._from_parent: set[str] = set()   # inputs added by addInputTensorFromParentGraph
         self._context: dict[str, list] = {}
         self._scope: list[str] = []
         self._scope_prefix = ""
@@ -619,6 +708,8 @@ class Builder:
             else:
                 shared.opsets[op.domain] = op.version
         g = self._graph
+        self._order = list(dict.fromkeys([v.name for v in g.input]
+                                         + [t.name for t in g.initializer]))
         self._known = ({v.name for v in g.input} | {t.name for t in g.initializer}
                        | {o for n in g.node for o in n.output if o})
         shared.used_ids |= _all_names(g)
@@ -626,20 +717,23 @@ class Builder:
 
     # -- opsets -------------------------------------------------------------------------
 
-    def _select_onnx_version(self, version: int) -> None:
+    def _select_onnx_version(self, version: int, name: str = "") -> None:
+        """The first ai.onnx opset a Builder uses wins (PopART's builder.py); another one
+        after it raises PopART's RuntimeError."""
         chosen = self._shared.onnx_version
         if chosen is not None and chosen != version:
-            raise popart_exception(f"Invalid opset 'aiOnnxOpset{version}' selected: the ai.onnx "
-                                   f"opset of this model is already {chosen}")
+            raise BuilderError(f"Invalid opset '{name or f'aiOnnxOpset{version}'}' selected. "
+                               f"Opset for domain ai.onnx already defined as {chosen}")
         AiOnnx(self, version)  # validates the version
         self._shared.onnx_version = version
 
     @property
     def aiOnnx(self) -> AiOnnx:
-        return self._onnx_opset(self._shared.onnx_version or DEFAULT_AI_ONNX_OPSET)
+        """The chosen ai.onnx opset; opset 10 (``popart.defaultAiOnnxOpset``) if none is."""
+        return self._onnx_opset(self._shared.onnx_version or DEFAULT_AI_ONNX_OPSET, "aiOnnx")
 
-    def _onnx_opset(self, version: int) -> AiOnnx:
-        self._select_onnx_version(version)
+    def _onnx_opset(self, version: int, name: str = "") -> AiOnnx:
+        self._select_onnx_version(version, name)
         key = f"_aiOnnx{version}"
         if key not in self.__dict__:
             self.__dict__[key] = globals()[f"AiOnnx{version}"](self, version)
@@ -648,8 +742,16 @@ class Builder:
     def __getattr__(self, name: str) -> Any:
         m = re.fullmatch(r"aiOnnxOpset(\d+)", name)
         if m:
-            return self._onnx_opset(int(m.group(1)))
+            return self._onnx_opset(int(m.group(1)), name)
         raise AttributeError(f"'Builder' object has no attribute '{name}'")
+
+    def aiOnnxOpsetVersion(self, version: int) -> None:
+        """Check that ai.onnx opset ``version`` exists (ValueError if not). As in PopART, it
+        chooses nothing: ``aiOnnx`` is still the opset chosen by the constructor or the
+        first ``aiOnnxOpsetN`` used, else opset 10."""
+        if not isinstance(version, (int, np.integer)) or not (
+                MIN_AI_ONNX_OPSET <= int(version) <= MAX_AI_ONNX_OPSET):
+            raise ValueError(f"Unsupported or unrecognized ai.Onnx version: {version}")
 
     @property
     def aiGraphcore(self) -> AiGraphcore:
@@ -719,6 +821,7 @@ class Builder:
         self._graph.input.append(helper.make_tensor_value_info(tid, info.onnx_dtype(),
                                                                info.shape()))
         self._known.add(tid)
+        self._order.append(tid)
         self._changed()
         return tid
 
@@ -732,6 +835,7 @@ class Builder:
         tid = self._new_id(self.getNameScope(_debug_name(debugContext) or "input"))
         self._graph.input.append(onnx.ValueInfoProto(name=tid))
         self._known.add(tid)
+        self._order.append(tid)
         self._changed()
         return tid
 
@@ -746,6 +850,8 @@ class Builder:
             value.CopyFrom(found)
         self._graph.input.append(value)
         self._known.add(tensorId)
+        self._order.append(tensorId)
+        self._from_parent.add(tensorId)
         self._changed()
 
     def addInitializedInputTensor(self, initVal: Any, *args: Any, **kwargs: Any) -> str:
@@ -770,6 +876,7 @@ class Builder:
                                    f"{array.dtype} ({e})") from None
         self._graph.initializer.append(tensor)
         self._known.add(tid)
+        self._order.append(tid)
         self._changed()
         return tid
 
@@ -811,8 +918,11 @@ class Builder:
 
     def _add_node(self, op_type: str, domain: str, inputs: Sequence[str],
                   attributes: Sequence[AttributeProto], num_outputs: int,
-                  debug: Any = "") -> list[str]:
-        """Append a node; returns its output ids. ``attributes`` are AttributeProtos."""
+                  debug: Any = "", versions: Optional[tuple] = None) -> list[str]:
+        """Append a node; returns its output ids. ``attributes`` are AttributeProtos;
+        ``versions`` = (the op's version, the opset's) for the DEBUG line, found if None.
+        As PopART's, the node gets a ``__debug_info_id`` (the id of a "popartbuilder"
+        DebugInfo recording the call)."""
         domain = "" if domain in ("", ONNX_DOMAIN) else domain
         what = f"{domain or ONNX_DOMAIN}::{op_type}"
         if isinstance(inputs, str):
@@ -825,11 +935,20 @@ class Builder:
             if tid and not self._has_tensor(tid):
                 raise popart_exception(f"Op {what}: input tensor '{tid}' does not exist in this "
                                        f"graph or an enclosing one")
+        info = _BuilderDebugInfo(debug, op_type, inputs)
+        if _BUILDER_LOG.isEnabledFor("DEBUG"):
+            op_version, opset = versions or self._op_versions(op_type, domain)
+            _BUILDER_LOG.debug("Adding {}.{}:{} to builder opset:{}, numInputs:{} numOutputs:{} "
+                               "numAttributes:{} name:{}", domain or ONNX_DOMAIN, op_type,
+                               op_version, opset, len(inputs), num_outputs,
+                               len(attributes) + 1, info.getPathName())
         base = self.getNameScope(_debug_name(debug) or op_type)
         outputs = [self._new_id(f"{base}:{i}") for i in range(num_outputs)]
+        info.setValue("outputs", outputs)
         name = self._new_id(base, self._shared.node_names)
         node = helper.make_node(op_type, list(inputs), outputs, name=name, domain=domain)
         node.attribute.extend(attributes)
+        node.attribute.append(helper.make_attribute(DEBUG_INFO_ID, info.getId()))
         names = {a.name for a in attributes}
         for key, stack in self._context.items():
             if key not in names:
@@ -840,6 +959,18 @@ class Builder:
         self._known.update(outputs)
         self._changed()
         return outputs
+
+    def _op_versions(self, op_type: str, domain: str) -> tuple[int, int]:
+        """(the op's since-version, the opset's version) of a node about to be added."""
+        if domain in ("", ONNX_DOMAIN, ONNX_ML_DOMAIN):
+            opset = (self._shared.onnx_version or DEFAULT_AI_ONNX_OPSET if not domain
+                     else self._shared.opsets.get(domain, 1))
+            try:
+                return onnx.defs.get_schema(op_type, opset, domain).since_version, opset
+            except Exception:
+                return opset, opset
+        version = self._shared.opsets.get(domain, DEFAULT_AI_GRAPHCORE_OPSET)
+        return version, version
 
     def customOp(self, opName: str, opVersion: int, domain: str, inputs: Sequence[str],
                  attributes: Optional[dict] = None, numOutputs: int = 1,
@@ -864,18 +995,26 @@ class Builder:
         """A child builder whose graph becomes a GraphProto attribute (If / Loop / Scan /
         Call); it can read this graph's tensors."""
         child = Builder.__new__(Builder)
-        child.__dict__.update(_shared=self._shared, _parent=self, _known=set(), _context={},
+        child.__dict__.update(_shared=self._shared, _parent=self, _known=set(), _order=[], _from_parent=set(), _context={},
                               _scope=[], _scope_prefix=self.getNameScope())
         self._shared.subgraph_count += 1
         child._graph = onnx.GraphProto(name=f"subgraph_{self._shared.subgraph_count}")
         return child
 
-    def _subgraph_proto(self) -> onnx.GraphProto:
+    def _subgraph_proto(self, captures: bool = False) -> onnx.GraphProto:
+        """This sub-graph as a GraphProto. ``captures`` (an If branch, which ONNX gives no
+        inputs): the inputs added by addInputTensorFromParentGraph are left out, so the
+        branch reads those tensors of the enclosing graph by name, as PopART's If does. A
+        Call body keeps them: its inputs bind to the Call's inputs by position."""
         if self._parent is None:
             raise popart_exception("A main graph builder cannot be used as a sub-graph: "
                                    "use createSubgraphBuilder()")
         g = onnx.GraphProto()
         g.CopyFrom(self._graph)
+        if captures:
+            kept = [v for v in g.input if v.name not in self._from_parent]
+            del g.input[:]
+            g.input.extend(kept)
         return g
 
     # -- the model ----------------------------------------------------------------------
@@ -968,16 +1107,17 @@ class Builder:
         self._graph.name = name
 
     def getInputTensorIds(self) -> list[str]:
-        inits = {t.name for t in self._graph.initializer}
-        return [v.name for v in self._graph.input if v.name not in inits]
+        """The graph's inputs, initializers (weights) included, in the order they were
+        added: PopART's Builder makes every initializer a graph input too."""
+        return list(self._order)
 
     def getOutputTensorIds(self) -> list[str]:
         return [v.name for v in self._graph.output]
 
     def getValueTensorIds(self) -> list[str]:
-        """Ids of the intermediate tensors (node outputs that are not graph outputs)."""
-        outs = set(self.getOutputTensorIds())
-        return [o for n in self._graph.node for o in n.output if o and o not in outs]
+        """Ids of every node's outputs, graph outputs included (PopART's value_info, which
+        its Builder fills for each node output as the node is added)."""
+        return [o for n in self._graph.node for o in n.output if o]
 
     def getTrainableTensorIds(self) -> list[str]:
         """Initializers of a floating-point type."""
@@ -986,15 +1126,32 @@ class Builder:
     def isInitializer(self, id: str) -> bool:
         return any(t.name == id for t in self._graph.initializer)
 
-    def _inferred_types(self) -> dict:
+    def _inferred_types(self, engine: bool = True) -> dict:
         """Tensor id -> (ONNX elem type, shape) for every tensor whose type is known, from
-        declarations, ONNX shape inference and (for ops ONNX does not know) the engine."""
+        declarations, ONNX shape inference, PopART's Builder-time rules and (``engine``: for
+        ops ONNX does not know) the engine."""
         shared = self._shared
-        if shared.shape_cache[0] == shared.revision:
-            return shared.shape_cache[1]
-        cache: dict = {}
-        shared.shape_error = ""
+        revision, cache, complete = shared.shape_cache
+        if revision == shared.revision and (complete or not engine):
+            return cache
         model = self._model(external=False, typed=False)
+        if revision != shared.revision:
+            cache = self._onnx_types(model)
+        if engine and any(o not in cache for g in _all_graphs(model.graph) for n in g.node
+                          for o in n.output if o):
+            try:  # best effort: the engine may not lower every op
+                from .engine.shapes import infer_tensor_infos
+                for tid, info in infer_tensor_infos(model).items():
+                    cache.setdefault(tid, (info.onnx_dtype(), info.shape()))
+            except Exception as e:
+                shared.shape_error = f"{type(e).__name__}: {e}"
+        shared.shape_cache = (shared.revision, cache, engine)
+        return cache
+
+    def _onnx_types(self, model: onnx.ModelProto) -> dict:
+        """The types ONNX shape inference and PopART's Builder-time rules (defs.cpp) find."""
+        cache: dict = {}
+        self._shared.shape_error = ""
         try:
             model = onnx.shape_inference.infer_shapes(model)
         except Exception:
@@ -1007,16 +1164,29 @@ class Builder:
                 if tt.elem_type and tt.HasField("shape"):
                     cache[v.name] = (tt.elem_type, [d.dim_value if d.HasField("dim_value")
                                                     else -1 for d in tt.shape.dim])
-        if any(o not in cache for g in _all_graphs(model.graph) for n in g.node
-               for o in n.output if o):
-            try:  # best effort: the engine may not lower every op
-                from .engine.shapes import infer_tensor_infos
-                for tid, info in infer_tensor_infos(model).items():
-                    cache.setdefault(tid, (info.onnx_dtype(), info.shape()))
-            except Exception as e:
-                shared.shape_error = f"{type(e).__name__}: {e}"
-        shared.shape_cache = (shared.revision, cache)
+        for g in _all_graphs(model.graph):   # PopART's Builder-time rules (defs.cpp)
+            for n in g.node:
+                rule = _BUILDER_SHAPE_RULES.get(n.op_type) if n.domain == GRAPHCORE_DOMAIN \
+                    else None
+                types = [cache.get(i) for i in n.input]
+                if rule and n.output and types and types[0] is not None:
+                    found = rule(n, types)
+                    if found is not None:
+                        cache[n.output[0]] = found
         return cache
+
+    def _known_shape(self, tensor_id: str) -> Optional[list[int]]:
+        """The shape of ``tensor_id`` where it is known now (declared or inferred, every
+        dimension known), else None: PopART's Builder checks only such shapes."""
+        if not tensor_id or not self._has_tensor(tensor_id):
+            return None
+        declared = self._find_value_info(tensor_id)
+        if declared is not None and declared.type.tensor_type.HasField("shape"):
+            dims = declared.type.tensor_type.shape.dim
+            shape = [d.dim_value if d.HasField("dim_value") else -1 for d in dims]
+        else:   # ONNX's inference and PopART's rules only: as PopART's Builder knows them
+            shape = self._inferred_types(engine=False).get(tensor_id, (0, [-1]))[1]
+        return None if any(d < 0 for d in shape) else list(shape)
 
     def _tensor_type(self, tensor_id: str) -> tuple[int, list[int]]:
         if not self._has_tensor(tensor_id):
@@ -1274,12 +1444,135 @@ class Builder:
         if enableConvDithering not in (0, 1):
             raise BuilderError(f"enableConvDithering must be a bool value (0 or 1, got "
                                f"{enableConvDithering!r})")
+        op_type = self._find_node(_as_id_set(nodeOutputName)).op_type
+        if op_type != "Conv":
+            raise BuilderError(f"Builder::setEnableConvDithering should only be called on "
+                               f"convolutions but was given: {op_type}")
         self._annotate(ENABLE_CONV_DITHERING, _as_id_set(nodeOutputName),
                        int(enableConvDithering), int)
 
 
 # ---------------------------------------------------------------------------------------
 # Module helpers used by the Builder
+
+def _seq(values: Iterable) -> str:
+    """A sequence as PopART prints one: [1 2 3]."""
+    return "[" + " ".join(str(v) for v in values) + "]"
+
+
+def _spatial_out_shape(in_shape: Sequence[int], kernel: Sequence[int], attrs: dict,
+                       ceil_mode: bool) -> list[int]:
+    """HasReceptiveFieldOp::getSpatialOutShape (willow/src/op/receptive.cpp)."""
+    n = len(in_shape)
+    pads = attrs.get("pads") or [0] * 2 * n
+    out_pads = attrs.get("outPads") or [0] * 2 * n
+    strides = attrs.get("strides") or [1] * n
+    dil = attrs.get("dilations") or [1] * n
+    in_dil = attrs.get("inDilations") or [1] * n
+    auto_pad = attrs.get("auto_pad") or "NOTSET"
+    rnd = np.ceil if ceil_mode else np.floor
+    out = []
+    for d in range(n):
+        size = in_dil[d] * (in_shape[d] - 1) + 1
+        if auto_pad == "VALID":
+            size = int(np.ceil((size - (kernel[d] - 1)) / strides[d]))
+        elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            size = int(np.ceil(size / strides[d]))
+        else:
+            size += pads[d] + pads[n + d] - 1 - dil[d] * (kernel[d] - 1)
+            size = int(rnd(size / strides[d])) + 1
+        out.append(size + out_pads[d] + out_pads[n + d])
+    return out
+
+
+def _check_window_parameters(shape: Optional[list], kernel: Sequence[int], attrs: dict,
+                             ceil_mode: bool = False) -> None:
+    """builder_helper.cpp's verifyWindowParameters, where the input's shape is known."""
+    if shape is None:
+        return
+    n = len(shape) - 2
+    if n < 1:
+        raise BuilderError("Input tensor has no spatial dimensions")
+    lengths = (("strides", n, "Length of strides vector {} != number of spatial dimensions {}"),
+               ("pads", 2 * n, "Padding vector (length {}) does not have 2 values for each "
+                               "spatial dimension {}"),
+               ("dilations", n, "Length of dilations vector {} != number of spatial dimensions "
+                                "{}"),
+               ("inDilations", n, "Length of inDilations vector {} != number of spatial "
+                                  "dimensions {}"))
+    for key, expected, message in lengths:
+        given = attrs.get(key) or []
+        if given and len(given) != expected:
+            raise BuilderError(message.format(len(given), n))
+    if len(kernel):
+        out = _spatial_out_shape(shape[2:], kernel, attrs, ceil_mode)
+        if any(d < 0 for d in out):
+            raise BuilderError(f"Window parameter values combine to give invalid spatial "
+                               f"output shape: {_seq(out)}")
+
+
+def _check_conv(builder: "Builder", inputs: Sequence[str], attrs: dict) -> None:
+    """builder_helper.cpp's verifyConvBase: the kernel_shape attribute against the weights'
+    shape, then the window parameters."""
+    if len(inputs) < 2:
+        raise BuilderError(f"Conv requires at least two inputs: data, and weights. "
+                           f"{len(inputs)} inputs provided.")
+    weights = builder._known_shape(inputs[1])
+    kernel: list[int] = []
+    if weights is not None:
+        kernel = list(weights[2:])
+        given = attrs.get("kernel_shape")
+        if given and list(given) != kernel:
+            raise BuilderError(f"kernel_shape, {_seq(given)}, does not match inferred shape "
+                               f"from weight input '{inputs[1]}', {_seq(kernel)}")
+    _check_window_parameters(builder._known_shape(inputs[0]), kernel, attrs)
+
+
+def _check_window(builder: "Builder", op_type: str, inputs: Sequence[str], values: dict) -> None:
+    """The Builder-time checks PopART's generated Builder makes (builder_helper.cpp) on
+    Conv, AveragePool, MaxPool and Pad-2."""
+    if op_type == "Conv":
+        _check_conv(builder, inputs, values)
+    elif op_type in ("AveragePool", "MaxPool") and inputs:
+        _check_window_parameters(builder._known_shape(inputs[0]), values.get("kernel_shape")
+                                 or [], values, bool(values.get("ceil_mode") or 0))
+    elif op_type == "Pad" and values.get("pads") is not None and inputs:
+        shape = builder._known_shape(inputs[0])
+        if shape is not None and len(values["pads"]) != 2 * len(shape):
+            raise BuilderError(f"Padding vector (length {len(values['pads'])}) doesn't contain "
+                               f"2 entries per input dimension {len(shape)}")
+
+
+def _nll_like_rule(label_index: int) -> Any:
+    """defs.cpp's LossShapeInference<i>: input 0's type; shape of input i when reduction
+    is "None", else a scalar."""
+    def rule(node: onnx.NodeProto, types: list) -> Optional[tuple]:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        reduction = attrs.get("reduction", b"Mean")
+        reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+        if reduction != "None":
+            return types[0][0], []
+        if len(types) > label_index and types[label_index] is not None:
+            return types[0][0], list(types[label_index][1])
+        return None
+    return rule
+
+
+def _subsample_rule(node: onnx.NodeProto, types: list) -> Optional[tuple]:
+    """defs.cpp's SubsampleShapeInference: each dimension divided by its stride, rounded
+    down (the IR's setup rounds up, as Poplar does)."""
+    strides = next((list(a.ints) for a in node.attribute if a.name == "strides"), None)
+    elem, shape = types[0]
+    strides = strides or [1] * len(shape)
+    if len(strides) != len(shape) or 0 in strides:
+        return None
+    return elem, [d // s if d >= 0 else -1 for d, s in zip(shape, strides)]
+
+
+# ai.graphcore ops whose Builder-time shape inference (PopART's defs.cpp, run as the ops are
+# added) differs from the engine's: (node, [input (elem, shape) or None]) -> (elem, shape)
+_BUILDER_SHAPE_RULES = {"Subsample": _subsample_rule, "Nll": _nll_like_rule(1),
+                        "L1": _nll_like_rule(0), "IdentityLoss": _nll_like_rule(0)}
 
 def _recompute_value(value: Any) -> int:
     if isinstance(value, bool):  # the old API: True = recompute, False = checkpoint

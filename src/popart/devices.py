@@ -171,6 +171,21 @@ class DeviceInfo:
         return self._version
 
     @property
+    def ipuVersion(self) -> str:
+        """The IPU version ("ipu1", "ipu2", ...): PopART's DeviceInfo.ipuVersion."""
+        return self._version
+
+    @property
+    def tilesPerIpu(self) -> int:
+        """PopART's second spelling of :attr:`tilesPerIPU`."""
+        return self._tiles
+
+    @property
+    def numWorkerContexts(self) -> int:
+        """Worker contexts per tile: 6 on every IPU (Poplar's Target::getNumWorkerContexts)."""
+        return 6
+
+    @property
     def connectionType(self) -> Any:
         return self._connection
 

@@ -54,6 +54,8 @@ class RecoveryAction(enum.Enum):
     IPU_RESET = 0
     PARTITION_RESET = 1
     POWER_CYCLE = 2
+    LINK_RESET = 3     # PopART's binding also lists these two (poplar::RecoveryAction)
+    FULL_RESET = 4
 
 
 class poplar_recoverable_runtime_error(poplar_system_runtime_error):
@@ -82,6 +84,7 @@ class OutOfMemoryException(popart_exception):
     def __init__(self, e: object = "") -> None:
         super().__init__(str(e))
         self._summary = str(e)
+        self.error = e   # PopART's: the exception (here: or message) it wraps
 
     def getSummaryReport(self) -> str:
         return self._summary

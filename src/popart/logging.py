@@ -168,7 +168,8 @@ class Logger:
         return f"Logger('{self.module}', level={self.getLevel()})"
 
 
-def getLogger(module: str = "popart") -> Logger:
-    """The logger of a PopART module: one of :data:`MODULES`."""
+def getLogger(name: str = "all") -> Logger:
+    """The logger of a PopART module: one of :data:`MODULES`, or ``"all"`` (PopART's
+    default, the same as ``"popart"`` here: its ``setLevel`` sets every module's level)."""
     _configure()
-    return Logger(module)
+    return Logger("popart" if name == "all" else name)

@@ -376,8 +376,9 @@ class SGD(Optimizer):
                  accumulatorAndMomentum: SGDAccumulatorAndMomentum =
                  SGDAccumulatorAndMomentum.Combined,
                  accumType: Any = DataType.UNDEFINED, accl1Type: Any = DataType.UNDEFINED,
-                 **hyper: Any) -> None:
+                 debugContext: Any = "sgd", **hyper: Any) -> None:
         super().__init__(values, clip_norm_settings, **hyper)
+        self.debugContext = debugContext   # PopART's; names nothing here
         self.accumulatorAndMomentum = SGDAccumulatorAndMomentum(accumulatorAndMomentum)
         self.accum_type, self.accl1_type = to_datatype(accumType), to_datatype(accl1Type)
 
@@ -429,8 +430,10 @@ class Adam(Optimizer):
                  accum_type: Any = DataType.UNDEFINED, accl1_type: Any = DataType.FLOAT,
                  accl2_type: Any = DataType.FLOAT,
                  clip_norm_settings: Iterable[ClipNormSettings] = (),
-                 scaled_optimizer_state: bool = False, **hyper: Any) -> None:
+                 scaled_optimizer_state: bool = False, debugContext: Any = "adam",
+                 **hyper: Any) -> None:
         super().__init__(values, clip_norm_settings, **hyper)
+        self.debugContext = debugContext   # PopART's; names nothing here
         self.mode, self.weight_decay_mode = AdamMode(mode), WeightDecayMode(weight_decay_mode)
         self.accum_type, self.accl1_type, self.accl2_type = (
             to_datatype(accum_type), to_datatype(accl1_type), to_datatype(accl2_type))
@@ -490,8 +493,10 @@ class Adaptive(Optimizer):
                  weight_decay_mode: WeightDecayMode = WeightDecayMode.Decay,
                  accum_type: Any = DataType.UNDEFINED, accl1_type: Any = DataType.FLOAT,
                  accl2_type: Any = DataType.FLOAT, accl3_type: Any = DataType.UNDEFINED,
-                 rmsprop_tf_variant: bool = False, **hyper: Any) -> None:
+                 rmsprop_tf_variant: bool = False, debugContext: Any = "adaptive",
+                 **hyper: Any) -> None:
         super().__init__(values, (), **hyper)
+        self.debugContext = debugContext   # PopART's; names nothing here
         self.mode, self.weight_decay_mode = AdaptiveMode(mode), WeightDecayMode(weight_decay_mode)
         self.accum_type, self.accl1_type, self.accl2_type, self.accl3_type = (
             to_datatype(t) for t in (accum_type, accl1_type, accl2_type, accl3_type))

@@ -729,6 +729,7 @@ class SessionOptions:
                 self._values.update(enableEngineCaching=True, cachePath=os.environ[var])
 
     def __setattr__(self, name: str, value: Any) -> None:
+        name = _OPTION_ALIASES.get(name, name)
         if name not in _DEFAULTS:
             raise OptionError(f"SessionOptions has no option '{name}' (assigned {value!r}); "
                               "see the PopART API reference, section 13.1.3, for the options")
@@ -795,6 +796,11 @@ def _option_property(name: str) -> property:
                     doc=f"Session option {name} (default {_DEFAULTS[name]!r}).")
 
 
+# Second names PopART's Python layer gives options (popart/__init__.py): alias -> option
+_OPTION_ALIASES = {"updatableBuffers": "updatableNamedBuffers"}
+
 for _name in _DEFAULTS:
     setattr(SessionOptions, _name, _option_property(_name))
-del _name
+for _alias, _name in _OPTION_ALIASES.items():
+    setattr(SessionOptions, _alias, _option_property(_name))
+del _name, _alias

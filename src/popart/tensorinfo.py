@@ -3,7 +3,7 @@ NumPy / ml_dtypes."""
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -136,6 +136,7 @@ class TensorInfo:
     """
 
     def __init__(self, *args: Any) -> None:
+        self._meta: list[int] = []
         if len(args) == 1 and isinstance(args[0], TensorInfo):
             self._dtype, self._shape = args[0]._dtype, list(args[0]._shape)
         elif len(args) == 1 and isinstance(args[0], np.ndarray):
@@ -177,6 +178,30 @@ class TensorInfo:
 
     def np_dtype(self) -> np.dtype:
         return np_dtype(self._dtype)
+
+    def set(self, dataType: Any, shape: Optional[Sequence[int]] = None,
+            metaShape: Optional[Sequence[int]] = None) -> None:
+        """Set the data type, and the shape and meta shape when given (PopART's overloads:
+        ``set(dataType)``, ``set(dataType, shape)``, ``set(dataType, shape, metaShape)``)."""
+        self._dtype = to_datatype(dataType)
+        if shape is not None:
+            self._shape = [int(d) for d in shape]
+        if metaShape is not None:
+            self._meta = [int(d) for d in metaShape]
+
+    def metaShape(self) -> list[int]:
+        """The meta shape (PopART's, for replicated tensor sharding); [] unless set."""
+        return list(self._meta)
+
+    def strides(self, shape: Sequence[int]) -> list[int]:
+        """Row-major strides in bytes of ``shape`` with this data type's element size, as
+        NumPy's ``ndarray.strides`` (PopART's TensorInfo::strides)."""
+        strides = [0] * len(shape)
+        step = self.np_dtype().itemsize
+        for i in range(len(shape) - 1, -1, -1):
+            strides[i] = step
+            step *= int(shape[i])
+        return strides
 
     def onnx_dtype(self) -> int:
         return onnx_dtype(self._dtype)
