@@ -20,6 +20,7 @@ import numpy as np
 from popart.ir.graph import Graph as IRGraph
 from popart.ir.graph import Node
 from popart.ir.transforms import NO_GRAD_OPS
+from popart.ops.collectives import op_name
 from popart.ops.popxl_grad import FROM_OUTPUT
 
 from ..graph import Graph
@@ -186,6 +187,9 @@ def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], st
     kind = GRAD_READS.get(n.op_type, "in")
     if kind == "out" and len(traced) != 1:
         kind = "in"
+    if "collectiveOperator" in n.attrs and \
+            op_name(None, n.attrs["collectiveOperator"]) not in ("add", "mean", "local"):
+        kind = "in"   # a max / min / mul reduction: its gradient depends on the values
     if kind == "other" and any(n.inputs.count(w) > 1 for w in wrt):
         kind = "in"   # x * x: the gradient reads x
     ins = [i for i in traced if kind in ("in", "in+out") or not fwd.is_float(i)
