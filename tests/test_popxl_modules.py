@@ -7,6 +7,7 @@ typing_ / merge_exchange) behave as PopXL's, checked against NumPy."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -53,6 +54,8 @@ def test_op_modules_hold_the_package_objects_and_package_attributes_stay_functio
     assert ops.collectives.all_reduce is sys.modules["popxl.ops.collectives.all_reduce"].all_reduce
     assert callable(ops.var_updates.adam_updater)
     assert ops.remote_code_load is importlib.import_module("popxl.ops.code_copy").remote_code_load
+    assert importlib.util.find_spec("popxl.ops.conv").name == "popxl.ops.conv"
+    assert importlib.reload(sys.modules["popxl.ops.conv"]).conv is ops.conv and callable(ops.conv)
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,11 +12,13 @@ PopART C++ IR objects in PopXL (``multi_conv_options``, ``receptive_attributes``
 Python records of the same fields here."""
 from __future__ import annotations
 
-import importlib.machinery
+import importlib.abc
+import importlib.util
 import math
 import sys
 import types
 from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
 from typing import Any, Dict, Iterable, List, Literal, Optional, Tuple, Union
 
 from popart import ReductionType, ScatterReduction
@@ -360,21 +362,31 @@ def process_args(start: _Ints = None, stop: _Ints = None, step: _Ints = None,
 # ---------------------------------------------------------------------------------------
 
 
+class _OpModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds (``importlib.util.find_spec``) and fills the modules of :data:`_TABLE`."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Optional[ModuleSpec]:
+        pkg, _, mod = fullname.rpartition(".")
+        return ModuleSpec(fullname, self, origin=__file__) if pkg == __package__ and mod in _TABLE else None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        ops, here = _ops(), globals()
+        names = _TABLE[module.__name__.rpartition(".")[2]].split()
+        module.__doc__ = f"PopXL's ``{module.__name__}``: {', '.join(names)} (see ``{__name__}``)."
+        for n in names:
+            setattr(module, n, vars(ops)[n] if n in vars(ops) else here[n])
+
+
 def _materialise() -> None:
-    """Register a module ``popxl.ops.<name>`` for each entry of :data:`_TABLE` that is not a
-    real module, without changing the attributes of ``popxl.ops``."""
-    ops, here = _ops(), globals()
-    for mod, names in _TABLE.items():
-        full = f"{__package__}.{mod}"
-        if full in sys.modules:
-            continue
-        m = types.ModuleType(full, f"PopXL's ``{full}``: {', '.join(names.split())} (defined in "
-                                   f"``{__package__}``; see ``{__name__}``).")
-        m.__spec__ = importlib.machinery.ModuleSpec(full, None, origin=__file__)
-        m.__package__ = __package__
-        for n in names.split():
-            setattr(m, n, vars(ops)[n] if n in vars(ops) else here[n])
-        sys.modules[full] = m
+    """Register the modules of :data:`_TABLE` in ``sys.modules`` now, so importing one does
+    not set it as an attribute of ``popxl.ops`` (where the op functions stay)."""
+    finder = _OpModules()
+    sys.meta_path.append(finder)
+    for mod in _TABLE:
+        spec = finder.find_spec(f"{__package__}.{mod}")
+        m = importlib.util.module_from_spec(spec)
+        finder.exec_module(m)
+        sys.modules[spec.name] = m
 
 
 _materialise()
