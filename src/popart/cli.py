@@ -4,8 +4,9 @@
                           [--device cpu|ipumodel:N|gpu] [--output DIR] [--runs N] [--verbose]
     popart demo [--epochs N] [--output DIR]
     popart devices
-    popart launch -n N SCRIPT.py [ARGS ...]   (stops every process when one fails; exits
-                                               with that process's status)
+    popart launch -n N SCRIPT.py [ARGS ...]   (when one process fails, stops the others and
+                                               exits with its status; SIGINT / SIGTERM stop
+                                               them all: 130 / 143; see docs/multiprocess.md)
 
 Errors print one line, ``popart: error: <message>``, and exit with status 1 (``--verbose``
 shows the traceback instead).
@@ -252,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="run a script as N processes of one distributed job "
                         "(global replication; PopRun-style); when one fails, all are stopped "
-                        "and its exit status is returned")
+                        "and its exit status is returned; SIGINT / SIGTERM stop every process "
+                        "(exit 130 / 143); output lines are prefixed by [rank I]")
     la.add_argument("--num-processes", "-n", type=int, required=True, metavar="N")
     la.add_argument("--port", type=int, default=12355, help="coordinator port on 127.0.0.1")
     la.add_argument("script", help="the Python script")

@@ -54,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet = None if args.only_output_from_instance is None else \
         [i != args.only_output_from_instance for i in range(n)]
     return distributed.launch(list(args.command), n, port=args.port, env_for=env_for,
-                              python=False, quiet=quiet)
+                              python=False, quiet=quiet, prog="poprun")
 
 
 if __name__ == "__main__":
