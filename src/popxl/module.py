@@ -9,7 +9,7 @@ class Module:
     it, and calling the module builds its ops in the current graph."""
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("popxl.Module subclasses must define build()")
+        raise NotImplementedError("Your popxl.Module must override `build` method")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.build(*args, **kwargs)

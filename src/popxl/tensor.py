@@ -719,7 +719,7 @@ def graph_input(shape: Iterable[int], dtype: Any, name: Optional[str] = None, by
     import jax
     g = context.get_current_graph()
     spec = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), _dtype.as_dtype(dtype).as_numpy())
-    t = g._add_input(spec, name or "input", by_ref)
+    t = g._add_input(spec, name or "t", by_ref)
     t._meta_shape = tuple(int(d) for d in meta_shape or ())
     return t
 
