@@ -484,3 +484,62 @@ def test_lamb_square_sums_in_float32(outs):
     x = (XR.astype(np.float16) * np.float16(100)).astype(np.float32)
     assert outs["lamb16"].dtype == np.float32
     np.testing.assert_allclose(outs["lamb16"], np.sum(x.astype(np.float64) ** 2), rtol=1e-5)
+
+
+def test_view_ops_alias_their_input():
+    """PopXL's reshape_ / transpose_ (Tensor.T_) / slice_ / concat_ return aliases: an
+    in-place op on the view changes the input (a variable keeps the change), and one on the
+    input changes the view."""
+    x0 = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(x0, name="x")
+        ops.add_(ops.slice_(x, [0, 1], [3, 4], [2, 2]), 100.0)     # rows 0, 2; columns 1, 3
+        r = x.reshape_((4, 3))
+        ops.mul_(x, 2.0)                                            # seen through r
+        ops.scaled_add_(x.T_, popxl.constant(np.ones((4, 3), np.float32)), 1.0, 0.5)
+        a = popxl.variable(np.zeros(2, np.float32), name="a")
+        b = popxl.variable(np.ones(3, np.float32), name="b")
+        c = ops.concat_([a, b])
+        ops.add_(c, 5.0)
+        ops.add_(a, 1.0)
+        plain = ops.reshape(x, (12,))
+        ops.add_(plain, 1000.0)                                     # not a view: x unchanged
+        got = _run(ir, {"r": r + 0.0, "c": c + 0.0, "x": x + 0.0, "a": a + 0.0, "b": b + 0.0})
+    want = x0.copy()
+    want[::2, 1::2] += 100
+    want = want * 2 + 0.5
+    np.testing.assert_array_equal(got["x"], want)
+    np.testing.assert_array_equal(got["r"], want.reshape(4, 3))   # r follows every update of x
+    np.testing.assert_array_equal(got["c"], [6.0] * 5)
+    np.testing.assert_array_equal(got["a"], [6.0, 6.0])
+    np.testing.assert_array_equal(got["b"], [6.0, 6.0, 6.0])
+
+
+@pytest.mark.parametrize("what,msg", [
+    ("cast", "Floating point 8 is not supported for training"),
+    ("matmul", "Using a scaled matmul in a backwards pass is currently not supported.")])
+def test_float8_ops_have_no_gradient(what, msg):
+    """PopART's float8 ops throw from getGradOps (op/pow2scalethencast.cpp, op/matmul.cpp)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(A8, name="x")
+
+        def fn(v):
+            s = popxl.constant(np.int32(0))
+            q = ops.pow2scale_cast_to_fp8(v, s, popxl.float8_143)
+            if what == "matmul":
+                return ops.matmul_pow2scaled(q, popxl.constant(ml_dtypes_cast(B8, "143")), s)
+            return ops.pow2scale_cast_from_fp8(q, s, popxl.float32)
+        with pytest.raises(popart.popart_exception, match=msg):
+            out = _grad(ir, fn, x, popxl.constant(np.ones((3, 2) if what == "matmul" else (3, 4),
+                                                          np.float16 if what == "matmul" else np.float32)))
+            _run(ir, {"g": out})
+
+
+def test_pow2scale_cast_from_fp8_needs_float8_input():
+    ir = popxl.Ir()
+    with ir.main_graph:
+        with pytest.raises(popart.popart_exception, match="Casting from FLOAT8 is only supported for "
+                                                          "FLOAT8_143 and FLOAT8_152 input types"):
+            ops.pow2scale_cast_from_fp8(popxl.constant(X8), popxl.constant(np.int32(0)), popxl.float16)

@@ -99,13 +99,21 @@ def nll_with_softmax_grad(ctx: LowerCtx, probs, labels, loss_grad, reduction="Me
     return losses.nll_with_softmax_grad_direct(ctx, probs, labels, loss_grad, reduction, ignoreIndex)
 
 
+_NO_FP8_GRAD = {   # getGradOps of PopART's float8 ops (op/pow2scalethencast.cpp, castthenpow2scale.cpp,
+    # matmul.cpp, conv.cpp)
+    "cast": "Floating point 8 is not supported for training. This is for op {}.",
+    "matmul": "Using a scaled matmul in a backwards pass is currently not supported.",
+    "conv": "Using a scaled convolution in a backwards pass is currently not supported."}
+
+
 @_p("Pow2ScaleThenCast")
-def pow2scale_then_cast(ctx: LowerCtx, x, log2_scale, to=1, saturate=0, **_):
+def pow2scale_then_cast(ctx: LowerCtx, x, log2_scale, to=1, saturate=0, no_grad="", **_):
     """``cast(x * 2**log2_scale, to)``: the product exact in float32 (float64 for float64
     data), then one rounding to ``to``. Float8 results out of range are NaN, or the largest
     finite value with ``saturate``. popxl's float8 casts and pow2-scaled matmul / conv. A
     log2_scale outside [-32, 32) fails the run, as PopART's
-    ``throwIfLog2ScaleTensorNotInRange`` (default on) makes it."""
+    ``throwIfLog2ScaleTensorNotInRange`` (default on) makes it. ``no_grad`` ("cast",
+    "matmul", "conv"): differentiating the op raises PopART's error for that float8 op."""
     from .math import saturate_cast
     dt = np_dtype(int(to))
     x = jnp.asarray(x)
@@ -114,7 +122,19 @@ def pow2scale_then_cast(ctx: LowerCtx, x, log2_scale, to=1, saturate=0, **_):
                                      "{log2_scale})", log2_scale=s)
     work = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
     y = x.astype(work) * jnp.ldexp(jnp.ones((), work), s)
-    return saturate_cast(y, dt, saturate) if dt.name.startswith("float8") else y.astype(dt)
+    y = saturate_cast(y, dt, saturate) if dt.name.startswith("float8") else y.astype(dt)
+    if not no_grad:
+        return y
+
+    @jax.custom_vjp
+    def f(v):
+        return y
+
+    def bwd(_, g):
+        from ..errors import popart_exception
+        raise popart_exception(_NO_FP8_GRAD[no_grad].format(ctx.name))
+    f.defvjp(lambda v: (y, None), bwd)
+    return f(x)
 
 
 # ---------------------------------------------------------------------------------------

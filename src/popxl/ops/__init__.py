@@ -11,7 +11,7 @@ import numpy as np
 from ..dtypes import dtype as _dtype
 from ..tensor import Tensor, constant
 from ._base import GC, ONNX, POPXL, as_tensor, axes_list, inplace, ints, node, one, onnx_type, \
-    reduction_name
+    reduction_name, view
 from .call import (CallSiteInfo, call, call_with_info, conditional, conditional_with_info,
                    host_load, host_store, repeat, repeat_with_info)
 from . import collectives, var_updates  # noqa: F401
@@ -207,9 +207,10 @@ def _check_pow2scaled(a: Tensor, b: Tensor, log2_scale: Tensor, what: str) -> No
         raise TypeError("Log2 scale tensor must be of type popxl.int32")
 
 
-def _pow2scale_then_cast(t: Tensor, log2_scale: Tensor, to: Any, saturate: bool = False) -> Tensor:
-    return one("Pow2ScaleThenCast", t, log2_scale, domain=POPXL, to=onnx_type(to),
-               saturate=int(saturate))
+def _pow2scale_then_cast(t: Tensor, log2_scale: Tensor, to: Any, no_grad: str) -> Tensor:
+    """``cast(t * 2**log2_scale, to)``; differentiating it raises PopART's error for the
+    float8 op ``no_grad`` ("cast", "matmul" or "conv": PopART has no float8 grad ops)."""
+    return one("Pow2ScaleThenCast", t, log2_scale, domain=POPXL, to=onnx_type(to), no_grad=no_grad)
 
 
 def _to_f32(t: Tensor) -> Tensor:
@@ -226,7 +227,7 @@ def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor,
         ValueError: ``log2_scale`` not a scalar.
     """
     _check_pow2scaled(lhs, rhs, log2_scale, "matmul")
-    return _pow2scale_then_cast(one("MatMul", _to_f32(lhs), _to_f32(rhs)), log2_scale, "float16")
+    return _pow2scale_then_cast(one("MatMul", _to_f32(lhs), _to_f32(rhs)), log2_scale, "float16", "matmul")
 
 
 def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor, data_type: Any) -> Tensor:
@@ -241,7 +242,7 @@ def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor, data_type: Any) -> Tens
     if dt.name not in ("float8_143", "float8_152"):
         raise TypeError(f"Data type {dt} not supported for pow2scale_cast_to_fp8")
     _check_log2_scale(log2_scale)
-    return _pow2scale_then_cast(t, log2_scale, dt)
+    return _pow2scale_then_cast(t, log2_scale, dt, "cast")
 
 
 def pow2scale_cast_from_fp8(t: Tensor, log2_scale: Tensor, data_type: Any) -> Tensor:
@@ -256,7 +257,11 @@ def pow2scale_cast_from_fp8(t: Tensor, log2_scale: Tensor, data_type: Any) -> Te
     if dt.name not in ("float16", "float32"):
         raise TypeError(f"Data type {dt} not supported for pow2scale_cast_from_fp8")
     _check_log2_scale(log2_scale)
-    return _pow2scale_then_cast(t, log2_scale, dt)
+    if t.dtype.name not in ("float8_143", "float8_152"):
+        from popart.errors import popart_exception
+        raise popart_exception("Casting from FLOAT8 is only supported for FLOAT8_143 and FLOAT8_152 "
+                               f"input types. This is for op pow2scale_cast_from_fp8 of '{t.id}'.")
+    return _pow2scale_then_cast(t, log2_scale, dt, "cast")
 
 
 def _check_log2_scale(log2_scale: Tensor) -> None:
@@ -372,7 +377,7 @@ def conv_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor, stride: Tuple
     """
     _check_pow2scaled(t, weight, log2_scale, "conv")
     y = node("Conv", [_to_f32(t), _to_f32(weight)], _conv_attrs(stride, padding, dilation, groups, pad_type))[0]
-    return _pow2scale_then_cast(y, log2_scale, "float16")
+    return _pow2scale_then_cast(y, log2_scale, "float16", "conv")
 
 
 def _conv_transpose_attrs(stride, padding, dilation, groups, pad_type, output_padding, output_shape) -> dict:
@@ -406,7 +411,7 @@ def conv_transpose_pow2scaled(t: Tensor, weight: Tensor, log2_scale: Tensor, str
     _check_pow2scaled(t, weight, log2_scale, "conv")
     attrs = _conv_transpose_attrs(stride, padding, dilation, groups, pad_type, output_padding, output_shape)
     y = node("ConvTranspose", [_to_f32(t), _to_f32(weight)], attrs)[0]
-    return _pow2scale_then_cast(y, log2_scale, "float16")
+    return _pow2scale_then_cast(y, log2_scale, "float16", "conv")
 
 
 _RESIZE_CHOICES = (("interpolate type", ("nearest", "linear", "cubic")),
@@ -568,10 +573,64 @@ def subsample(t: Tensor, strides: Union[int, Iterable[int]]) -> Tensor:
     return one("Subsample", t, domain=GC, strides=strides)
 
 
-# View ops: popxl's in-place spellings return an alias; here they return a new tensor (a later
-# in-place change of the view does not reach the original).
-reshape_, transpose_, slice_, flatten_ = reshape, transpose, slice, flatten
-concat_ = concat
+# View ops: popxl's in-place spellings return an alias of their input(s): an in-place op on
+# the view changes the input, and one on the input changes the view (``_base.view``).
+
+
+def reshape_(t: Tensor, shape: Iterable[int]) -> Tensor:
+    """:func:`reshape`, as an alias of ``t``."""
+    out = reshape(t, shape)
+    return view(t, out, lambda b: reshape(b, out.shape), lambda b, v: reshape(v, b.shape))
+
+
+def flatten_(t: Tensor) -> Tensor:
+    """:func:`flatten`, as an alias of ``t``."""
+    return reshape_(t, (-1,))
+
+
+def transpose_(t: Tensor, permutation: Optional[Iterable[int]] = None) -> Tensor:
+    """:func:`transpose`, as an alias of ``t``."""
+    perm = list(range(t.rank))[::-1] if permutation is None else [int(p) % t.rank for p in permutation]
+    inv = list(np.argsort(perm))
+    return view(t, transpose(t, perm), lambda b: transpose(b, perm), lambda b, v: transpose(v, inv))
+
+
+def slice_(t: Tensor, start: Any = None, stop: Any = None, step: Any = None, axis: Any = None) -> Tensor:  # noqa: A001
+    """:func:`slice`, as an alias of ``t`` (writing the view scatters its elements back)."""
+    out = slice(t, start, stop, step, axis)
+    if out.rank == 0 or t.nelms == 0:
+        return out
+    positions = np.arange(t.nelms).reshape(t.shape)
+    sel = _slice_index(t, start, stop, step, axis)
+    flat = constant(positions[sel].reshape(-1).astype(np.int32), "int32", name="slice_positions")
+    return view(t, out, lambda b: slice(b, start, stop, step, axis),
+                lambda b, v: reshape(scatter(reshape(b, (-1,)), flat, reshape(v, (-1,))), b.shape))
+
+
+def _slice_index(t: Tensor, start: Any, stop: Any, step: Any, axis: Any) -> tuple:
+    """The NumPy index of :func:`slice`'s elements (ONNX Slice's clamping is Python's)."""
+    def lst(v):
+        return None if v is None else ([v] if isinstance(v, (int, np.integer)) else list(v))
+    start, stop, step, axis = lst(start), lst(stop), lst(step), lst(axis)
+    n = len(next(v for v in (start, stop, step, axis, [0]) if v is not None))
+    axis = axis if axis is not None else list(range(n))
+    step = step or [1] * n
+    key = [builtins.slice(None)] * t.rank
+    for i, ax in enumerate(axis):
+        key[int(ax) % t.rank] = builtins.slice(None if start is None else int(start[i]),
+                                               None if stop is None else int(stop[i]), int(step[i]))
+    return tuple(key)
+
+
+def concat_(ts: Iterable[Tensor], axis: int = 0) -> Tensor:
+    """:func:`concat`, as an alias of every tensor of ``ts``."""
+    ts = list(ts)
+    out = concat(ts, axis)
+    ax, offsets = int(axis) % out.rank, np.cumsum([0] + [t.shape[int(axis)] for t in ts])
+    for t, lo, hi in zip(ts, offsets[:-1], offsets[1:]):
+        view(t, out, lambda b: concat(ts, axis),
+             lambda b, v, lo=int(lo), hi=int(hi): slice(v, [lo], [hi], [1], [ax]))
+    return out
 
 
 def _getitem(t: Tensor, key: Any) -> Tensor:

@@ -42,14 +42,30 @@ def ints(values: Union[int, Iterable[int]]) -> Tensor:
     return constant(np.asarray(values, np.int64).reshape(-1), "int64", name="const_i64")
 
 
-def inplace(t: Tensor, new: Tensor) -> Tensor:
-    """Make ``t`` name the value ``new`` (the result of an in-place op on ``t``)."""
+def inplace(t: Tensor, new: Tensor, _from: Optional[Tensor] = None) -> Tensor:
+    """Make ``t`` name the value ``new`` (the result of an in-place op on ``t``); the tensors
+    that alias ``t`` (see :func:`view`) follow."""
     if new.shape != t.shape:
         raise ValueError(f"In-place op on '{t.id}' would change its shape from {t.shape} to {new.shape}")
     versions = t._graph._versions
     versions[new._ir_id] = versions.get(t._ir_id, t._ir_id)
     t._ir_id = new._ir_id
+    for base, back in getattr(t, "_alias_of", ()):   # t is a view: write it into its base
+        if base is not _from and base._graph is t._graph:
+            inplace(base, back(base, t), t)
+    for v, fwd in getattr(t, "_aliases", ()):        # t has views: they read its new value
+        if v is not _from and v._graph is t._graph:
+            inplace(v, fwd(t), t)
     return t
+
+
+def view(base: Tensor, out: Tensor, fwd: Any, back: Any) -> Tensor:
+    """Make ``out`` (``fwd(base)``) an alias of ``base``, as PopXL's view-changing in-place
+    ops (``reshape_``, ``transpose_``, ``slice_``, ...) return: an in-place op on ``out``
+    changes ``base`` (to ``back(base, out)``), and one on ``base`` changes ``out``."""
+    out._alias_of = [*getattr(out, "_alias_of", ()), (base, back)]
+    base._aliases = [*getattr(base, "_aliases", ()), (out, fwd)]
+    return out
 
 
 def onnx_type(dt: Any) -> int:
