@@ -300,7 +300,7 @@ def get_source_location(offset: int) -> SourceLocation:
     while frame is not None and depth < offset:
         frame, depth = frame.f_back, depth + 1
     if frame is None:
-        stack = len(_frames(sys._getframe(1)))
+        stack = len(_frames(sys._getframe(0)))   # PopXL counts this function's frame too
         raise IndexError(f"Incorrect source location offset. Stack {stack}, Offset {offset + 1}")
     return SourceLocation(frame.f_code.co_name, os.path.realpath(frame.f_code.co_filename),
                           frame.f_lineno)

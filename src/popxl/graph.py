@@ -10,7 +10,6 @@ graph: ops read it through remote loads.
 """
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional
 
 import jax
