@@ -242,3 +242,24 @@ def test_called_graphs_are_differentiated_and_called_not_recomputed():
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
     np.testing.assert_allclose(got["dx"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["dw"], tw.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_defaults_and_graphs_that_cannot_get_outputs():
+    """By default the gradients of the inputs that get one (not the int labels, not an unused
+    input), from the outputs that lead to them; a graph that repeat already calls cannot get
+    the outputs its grad ops need (PopART's AddFwdOutputStitcher error)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        def f(x, labels, unused):
+            return ops.nll_loss(ops.softmax(ops.tanh(x), axis=-1), labels)
+
+        g = ir.create_graph(f, popxl.TensorSpec((4, 3), popxl.float32), popxl.TensorSpec((4,), popxl.int32),
+                            popxl.TensorSpec((2,), popxl.float32))
+        info = popxl.transforms.autodiff(g)
+        assert [e.fwd_tensor for e in info.expected_outputs] == [g.inputs[0]]
+        assert info.expected_inputs[0].fwd_tensor is g.outputs[0]
+        assert g.inputs[1] in info.inputs          # NllGrad reads the labels
+        r = ir.create_graph(lambda a: ops.sigmoid(ops.tanh(a)) * 1.0, popxl.TensorSpec((2,), popxl.float32))
+        ops.repeat(r, 2, popxl.constant(np.zeros(2, np.float32)))
+        with pytest.raises(RuntimeError, match="AddFwdOutputStitcher"):
+            popxl.transforms.autodiff(r)
