@@ -217,3 +217,27 @@ def test_a_rank_failing_while_another_writes_its_model_leaves_the_old_or_the_new
     assert len(versions) >= 2
     assert np.isclose(versions, w.sum(), rtol=0, atol=1e-5).any(), (w.sum(), versions[-3:])
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp_")]
+
+
+def test_popdist_and_hvd_init_take_the_rank_from_mpi_variables(monkeypatch):
+    """Under an MPI launcher (PopRun's own, horovodrun) the rank comes from Open MPI's
+    variables; without a coordinator address the error says which variables to set."""
+    import popart
+    import popdist
+    from popart import distributed, horovod
+    assert not distributed.is_distributed()
+    for k in (distributed.ENV_COORDINATOR, "MASTER_ADDR", "HOROVOD_RANK", "HOROVOD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    for init, name in ((popdist.init, "popdist.init"), (horovod.init, "hvd.init")):
+        with pytest.raises(popart.popart_exception, match=rf"{name}: rank 1 of 2 processes, but "
+                           rf"no coordinator address: set {distributed.ENV_COORDINATOR} .* or "
+                           rf"MASTER_ADDR / MASTER_PORT"):
+            init()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "x")
+    with pytest.raises(popart.popart_exception, match="OMPI_COMM_WORLD_SIZE .* must be integers"):
+        popdist.init()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")      # a job of one process: nothing to join
+    popdist.init()
+    assert not distributed.is_distributed() and horovod.size() == 1

@@ -172,6 +172,51 @@ def initialize_from_env() -> bool:
     return True
 
 
+# Rank variables of the launchers Horovod / PopRun programs use: (rank, size, local rank,
+# local size).
+RANK_VARIABLES = (("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+                  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                   "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                  ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+
+
+def launcher_ranks() -> Optional[tuple[int, int, int, int]]:
+    """(rank, size, local rank, local size) from the first launcher's variables set, if any."""
+    for names in RANK_VARIABLES:
+        if names[0] in os.environ and names[1] in os.environ:
+            try:
+                rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
+                return (rank, size, int(os.environ.get(names[2], rank)),
+                        int(os.environ.get(names[3], size)))
+            except ValueError:
+                raise popart_exception(f"{names[0]} / {names[1]} / {names[2]} / {names[3]} must "
+                                       f"be integers, got " + ", ".join(
+                                           repr(os.environ.get(n)) for n in names)) from None
+    return None
+
+
+def join(caller: str) -> None:
+    """Join the job this process was started in: one ``popart launch`` / ``poprun`` started
+    (``POPART_DIST_*``; ``import popart`` has joined it already), or one a Horovod / MPI
+    launcher started (:data:`RANK_VARIABLES`, plus the coordinator from
+    ``POPART_DIST_COORDINATOR`` or ``MASTER_ADDR`` / ``MASTER_PORT``). Without either, a job
+    of one process. ``caller`` names the API in errors."""
+    if is_distributed() or initialize_from_env():
+        return
+    ranks = launcher_ranks()
+    if ranks is None or ranks[1] == 1:
+        return
+    coordinator = os.environ.get(ENV_COORDINATOR)
+    if coordinator is None and "MASTER_ADDR" in os.environ:
+        coordinator = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '12355')}"
+    if coordinator is None:
+        raise popart_exception(
+            f"{caller}: rank {ranks[0]} of {ranks[1]} processes, but no coordinator address: "
+            f"set {ENV_COORDINATOR} (host:port of rank 0) or MASTER_ADDR / MASTER_PORT, or "
+            f"start the processes with `popart launch -n {ranks[1]} ...`")
+    initialize(coordinator, ranks[1], ranks[0])
+
+
 def is_distributed() -> bool:
     return _initialized
 

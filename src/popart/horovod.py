@@ -11,7 +11,6 @@ averaged across the processes inside the compiled step, as Horovod's averaging a
 does, so every rank applies the same update."""
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import numpy as np
@@ -20,41 +19,13 @@ from . import distributed
 from .errors import popart_exception
 from .options import ReductionType
 
-# Rank variables of the launchers Horovod programs use: (rank, size, local rank, local size).
-_RANK_VARIABLES = (("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
-                   ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                   ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
-
-
-def _launcher_ranks() -> Optional[tuple[int, int, int, int]]:
-    for names in _RANK_VARIABLES:
-        if names[0] in os.environ and names[1] in os.environ:
-            rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
-            return (rank, size, int(os.environ.get(names[2], rank)),
-                    int(os.environ.get(names[3], size)))
-    return None
-
-
 def init() -> None:
     """Join the job: the one ``popart launch`` started (``import popart`` has joined it
     already), or one a Horovod / MPI launcher started (rank variables, plus the coordinator
     from ``POPART_DIST_COORDINATOR`` or ``MASTER_ADDR`` / ``MASTER_PORT``). Without either,
-    a job of one process."""
-    if distributed.is_distributed() or distributed.initialize_from_env():
-        return
-    ranks = _launcher_ranks()
-    if ranks is None or ranks[1] == 1:
-        return
-    coordinator = os.environ.get(distributed.ENV_COORDINATOR)
-    if coordinator is None and "MASTER_ADDR" in os.environ:
-        coordinator = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '12355')}"
-    if coordinator is None:
-        raise popart_exception(
-            f"hvd.init: rank {ranks[0]} of {ranks[1]} processes, but no coordinator address: "
-            f"set {distributed.ENV_COORDINATOR} (host:port of rank 0) or MASTER_ADDR / "
-            f"MASTER_PORT, or start the processes with `popart launch -n {ranks[1]} ...`")
-    distributed.initialize(coordinator, ranks[1], ranks[0])
+    a job of one process. A rank that fails then ends at once, without waiting for the
+    others (docs/multiprocess.md)."""
+    distributed.join("hvd.init")
 
 
 def size() -> int:
@@ -69,13 +40,13 @@ def rank() -> int:
 
 def local_rank() -> int:
     """This process's index among the job's processes on this host."""
-    ranks = _launcher_ranks()
+    ranks = distributed.launcher_ranks()
     return ranks[2] if ranks is not None else rank()
 
 
 def local_size() -> int:
     """The job's processes on this host."""
-    ranks = _launcher_ranks()
+    ranks = distributed.launcher_ranks()
     return ranks[3] if ranks is not None else size()
 
 

@@ -34,10 +34,12 @@ def isUsingPopdist() -> bool:
 
 
 def init() -> None:
-    """Join the job's distributed runtime (``import popart`` has joined it already when
-    ``poprun`` started the process)."""
+    """Join the job's distributed runtime: ``import popart`` has joined it already when this
+    package's ``poprun`` started the process; under an MPI launcher (PopRun's own) the rank
+    comes from Open MPI's variables and the coordinator from ``MASTER_ADDR`` /
+    ``MASTER_PORT`` (``popart.horovod.init``'s rules)."""
     from popart import distributed
-    distributed.initialize_from_env()   # a no-op when ``import popart`` has joined already
+    distributed.join("popdist.init")
 
 
 def getNumInstances() -> int:
