@@ -112,6 +112,15 @@ class TesterBuilder:
         return getattr(self._builder, name)
 
 
+def _graphs(graph: onnx.GraphProto):
+    """``graph`` and the sub-graphs in its nodes' attributes."""
+    yield graph
+    for n in graph.node:
+        for a in n.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                yield from _graphs(g)
+
+
 class RefData:
     """What ``reference`` gets: the gradient flowing into each returned output, the values the
     session computed, the fed inputs and the forward model (for ONNX references)."""
@@ -170,7 +179,13 @@ class RefData:
         """The returned forward tensors computed by onnx.reference.ReferenceEvaluator on the
         forward model (None for gradients and weights), from ``feeds`` (default: the inputs)."""
         from onnx.reference import ReferenceEvaluator
-        ev = ReferenceEvaluator(self.model)
+        m = onnx.load_from_string(self.model)
+        for g in _graphs(m.graph):   # the reference hands If / Loop / Scan every attribute
+            for n in g.node:         # and rejects PopART's __debug_info_id
+                kept = [a for a in n.attribute if not a.name.startswith("__")]
+                del n.attribute[:]
+                n.attribute.extend(kept)
+        ev = ReferenceEvaluator(m)
         return self._forward(lambda names, f: ev.run(names, f), feeds)
 
     def onnxruntime(self, feeds: Optional[dict] = None) -> list:
@@ -326,6 +341,7 @@ class OpTester:
         else:
             session = popart.InferenceSession(**kwargs)
         session.prepareDevice()
+        session.weightsFromHost()   # PopART: required before a training session's run
         self.sessions += 1
         if seed is not None:
             session.setRandomSeed(seed)
