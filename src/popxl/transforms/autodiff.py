@@ -232,12 +232,12 @@ def _stitch(graph: Graph, ts: list[Tensor]) -> None:
         return
     old_ir = graph._finalize()
     n_old = len(graph._outputs)
-    sites = []
+    sites, own = [], {id(g._g) for g in graph.ir._graphs}
     for g in graph.ir._graphs:
         for node in g._g.nodes:
             if node.op_type == "Call" and node.attrs.get("callee") is old_ir:
                 sites.append((g, node))
-            elif any(_calls(v, old_ir) for v in node.attrs.values() if isinstance(v, IRGraph)):
+            elif any(_calls(v, old_ir, own) for v in node.attrs.values() if isinstance(v, IRGraph)):
                 raise RuntimeError(f"[AddFwdOutputStitcher] Unable to add outputs to graph "
                                    f"'{graph.name}': it is called by {node.describe()}, not by a "
                                    f"call op (differentiate it before repeat / conditional calls it)")
@@ -250,10 +250,13 @@ def _stitch(graph: Graph, ts: list[Tensor]) -> None:
             node.outputs.insert(n_old + k, tid)
 
 
-def _calls(body: IRGraph, callee: IRGraph) -> bool:
-    return any(n.attrs.get("callee") is callee or
-               any(_calls(v, callee) for v in n.attrs.values() if isinstance(v, IRGraph))
-               for n in body.nodes)
+def _calls(body: IRGraph, callee: IRGraph, own: set) -> bool:
+    """Whether a wrapper ``body`` (a repeat's loop body, a conditional's branch; not a popxl
+    graph, ids ``own``, whose calls are call sites of their own) calls ``callee``."""
+    return id(body) not in own and any(
+        n.attrs.get("callee") is callee or
+        any(_calls(v, callee, own) for v in n.attrs.values() if isinstance(v, IRGraph))
+        for n in body.nodes)
 
 
 def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
