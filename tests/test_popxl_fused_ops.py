@@ -244,12 +244,14 @@ def outs():
         ops.relu_(ops.sub_(vi, 10.0))
         t["inplace"] = vi + 0.0
         t["lamb16"] = ops.lamb_square(popxl.constant(XR.astype(np.float16) * 100))
+        t["ln3"] = ops.layer_norm(xr, popxl.constant(LN_W), popxl.constant(LN_B), eps=1e-3)
     return _run(ir, t)
 
 
 A8 = RNG.uniform(-4, 4, size=(3, 4)).astype(np.float32)
 B8 = RNG.uniform(-4, 4, size=(4, 2)).astype(np.float32)
 GY = RNG.normal(size=(2, 7, 3)).astype(np.float32)
+LN_W, LN_B = np.array([1.5, -0.5, 2.0], np.float32), np.array([0.1, 0.2, -0.3], np.float32)
 
 
 def ml_dtypes_cast(x, fmt):
@@ -543,3 +545,13 @@ def test_pow2scale_cast_from_fp8_needs_float8_input():
         with pytest.raises(popart.popart_exception, match="Casting from FLOAT8 is only supported for "
                                                           "FLOAT8_143 and FLOAT8_152 input types"):
             ops.pow2scale_cast_from_fp8(popxl.constant(X8), popxl.constant(np.int32(0)), popxl.float16)
+
+
+def test_layer_norm_is_group_norm_with_one_group(outs):
+    """group_norm.py: layer_norm = group_norm(num_groups=1): [N, C, ...] normalised per sample
+    over C and the rest, weight and bias per channel C (GroupNormOp)."""
+    x = XR.astype(np.float64)
+    m = x.mean((1, 2), keepdims=True)
+    v = x.var((1, 2), keepdims=True)
+    ref = (x - m) / np.sqrt(v + 1e-3) * LN_W[:, None] + LN_B[:, None]
+    np.testing.assert_allclose(outs["ln3"], ref, rtol=1e-5, atol=1e-5)

@@ -325,8 +325,10 @@ def group_norm(t: Tensor, weight: Tensor, bias: Tensor, num_groups: int, eps: fl
 
 
 def layer_norm(t: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
-    """Layer normalisation over the last dimension."""
-    return one("LayerNormalization", t, weight, bias, axis=-1, epsilon=float(eps))
+    """PopXL's layer_norm: :func:`group_norm` with one group, so each sample (dimension 0)
+    is normalised over all its other dimensions, and ``weight`` / ``bias`` are per channel
+    (dimension 1): for [N, C] the usual layer norm over C."""
+    return group_norm(t, weight, bias, 1, eps)
 
 
 def batch_norm_inference(t: Tensor, scale: Tensor, bias: Tensor, mean: Tensor, var: Tensor,
