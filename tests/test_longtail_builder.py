@@ -141,6 +141,10 @@ def test_signatures_are_the_generated_bindings():
         b.aiOnnx.conv([x, w], [1, 1], 1, [3, 3], [1, 1, 1, 1], [1, 1], "a", "b")
     with pytest.raises(TypeError):
         b.aiOnnx.constant(np.ones(2, F32), True)      # opset 10 has no is_value_sparse
+    with pytest.raises(TypeError):
+        b.aiOnnx.add([x, 1])                           # an id that is not a str
+    with pytest.raises(TypeError):
+        b.aiOnnx.leakyrelu([x], alpha="high")          # a FLOAT attribute
 
 
 def test_builder_shape_inference_subsample_floor_and_nll():

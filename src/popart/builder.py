@@ -225,8 +225,8 @@ def _make_attr(op: str, name: str, value: Any, attr_type: Optional[int] = None) 
         raise
     except (TypeError, ValueError, AttributeError) as e:
         kind = AttributeProto.AttributeType.Name(attr_type) if attr_type else "attribute"
-        raise popart_exception(f"Op {op}: invalid value {value!r} for attribute '{name}' "
-                               f"(expected {kind}): {e}") from None
+        raise ArgumentError(f"Op {op}: invalid value {value!r} for attribute '{name}' "
+                            f"(expected {kind}): {e}") from None
 
 
 def _bind(what: str, params: Sequence[str], required: set, str_params: set,
@@ -926,12 +926,12 @@ class Builder:
         domain = "" if domain in ("", ONNX_DOMAIN) else domain
         what = f"{domain or ONNX_DOMAIN}::{op_type}"
         if isinstance(inputs, str):
-            raise popart_exception(f"Op {what}: inputs must be a list of tensor ids, got the "
-                                   f"string '{inputs}'")
+            raise ArgumentError(f"Op {what}: inputs must be a list of tensor ids, got the "
+                                f"string '{inputs}'")
         for tid in inputs:
             if not isinstance(tid, str):
-                raise popart_exception(f"Op {what}: inputs must be tensor ids (str), got "
-                                       f"{tid!r}")
+                raise ArgumentError(f"Op {what}: inputs must be tensor ids (str), got "
+                                    f"{tid!r}")
             if tid and not self._has_tensor(tid):
                 raise popart_exception(f"Op {what}: input tensor '{tid}' does not exist in this "
                                        f"graph or an enclosing one")
