@@ -394,7 +394,7 @@ def test_print_tensor_copy_var_update_nop(op_tester, capfd):
     op_tester.run(init_builder, lambda ref: [x, x], step_type="train")
 
 
-def test_abort_raises_only_when_true(op_tester, caplog):
+def test_abort_raises_only_when_true(op_tester):
     def init_builder(condition):
         def init(builder):
             c = builder.addInputTensor(np.array(condition))
@@ -402,12 +402,8 @@ def test_abort_raises_only_when_true(op_tester, caplog):
             return [builder.aiOnnx.identity([c])]
         return init
     op_tester.run(init_builder(False), lambda ref: [np.array(False)])
-    with pytest.raises(popart.popart_runtime_error, match="Running the step"):
+    with pytest.raises(popart.poplar_runtime_error, match="Abort"):   # as poplar's AbortOnCondition
         op_tester.run(init_builder(True), None)
-    # the session's message keeps the start of the host callback's traceback: the reason is
-    # in the callback's log record
-    assert any("Abort op reached with a true condition" in str(r.exc_info and r.exc_info[1])
-               for r in caplog.records)
 
 
 def test_collectives(op_tester):

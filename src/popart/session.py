@@ -195,7 +195,8 @@ class _Session:
         session's loss may have one element (shape [], [1], [1, 1], ...), not more
         (Ir::setFinalLoss)."""
         infos = {**self._input_infos,
-                 **infer_graph(self._graph, overrides=self._input_infos)}
+                 **infer_graph(self._graph, overrides=self._input_infos, training=self._training,
+                               options=self.options)}
         loss = infos.get(self._loss) if self._training else None
         if loss is not None and loss.nelms() > 1:
             e = IrError(f"Loss tensor, '{self._loss}', must be a scalar tensor")

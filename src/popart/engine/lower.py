@@ -42,6 +42,7 @@ class RunCheck:
     fails, each ``{name}`` of ``message`` is replaced by its value on the host."""
     message: str
     names: tuple
+    error: type = popart_runtime_error   # what the session raises when it fails
 
     def text(self, values: Any) -> str:
         msg = self.message
@@ -70,7 +71,8 @@ def raise_failed_checks(record: Any, registry: list) -> None:
     if record is not None and registry:
         rec = np.asarray(record).reshape(-1)
         if rec[0]:
-            raise popart_runtime_error(registry[int(rec[1])].text(rec[2:]))
+            check = registry[int(rec[1])]
+            raise check.error(check.text(rec[2:]))
 
 
 @dataclass
@@ -209,14 +211,17 @@ class NodeCtx:
         """Remote buffer id -> [(offset, value)] stores of this graph execution."""
         return self._state.remote_buffers
 
-    def check(self, failed: Any, message: str, **values: Any) -> None:
+    def check(self, failed: Any, message: str, error_class: Optional[type] = None,
+              **values: Any) -> None:
         """Fail the run with ``message`` (naming this node; each ``{name}`` replaced by
         ``values[name]``, an int scalar; at most 4) when ``failed`` (a bool scalar) is true.
         Known at compile time: raises ModelError now. Otherwise its record becomes an output
         of the program (or of the control-flow body, see ``run_body``) and the session raises
-        popart_runtime_error after the run."""
-        check = RunCheck(f"{self.node.describe()}: {message}", tuple(values))
-        if not isinstance(failed, jax.core.Tracer):
+        popart_runtime_error (or ``error_class``, which also defers a failure known at compile
+        time to the run) after the run."""
+        check = RunCheck(f"{self.node.describe()}: {message}", tuple(values),
+                         error_class or popart_runtime_error)
+        if not isinstance(failed, jax.core.Tracer) and error_class is None:
             if bool(np.asarray(failed)):
                 raise ModelError(check.text(np.asarray(v) for v in values.values()))
             return
@@ -298,6 +303,8 @@ def _check_signature(node: Node, version: int, inputs: list) -> None:
             raise ModelError(f"{node.describe()}: attribute {name} is {node.attrs[name]}; it "
                              f"must be 0 or 1")
     axis, rank = node.attrs.get("axis"), getattr(inputs[0] if inputs else None, "ndim", None)
+    if "broadcast" in schema.attributes and not node.attrs.get("broadcast"):
+        axis = None   # Add-6 and the other legacy-broadcast ops ignore axis without broadcast
     if type(axis) is int and rank is not None:
         problem = axis_problem(node.op_type, axis, rank)
         if problem:
@@ -306,7 +313,8 @@ def _check_signature(node: Node, version: int, inputs: list) -> None:
     for k, x in enumerate(inputs):
         formal = schema.inputs[min(k, len(schema.inputs) - 1)]
         dtype = getattr(x, "dtype", None)
-        if dtype is None or isinstance(x, list) or not formal.is_homogeneous:
+        if dtype is None or isinstance(x, list) or not formal.is_homogeneous \
+                or registry.popart_accepts(node.op_type, k, inputs):   # PopART's looser rules
             continue
         allowed = _allowed_types(schema, formal.type_str)
         if allowed and _type_kind(_type_str(dtype)) not in {_type_kind(t) for t in allowed}:

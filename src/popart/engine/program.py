@@ -23,6 +23,7 @@ from ..errors import IrError, ModelError, popart_exception
 from ..logging import getLogger
 from ..ir import recompute
 from ..ir.graph import Graph, reads
+from ..ops import registry
 from ..tensorinfo import TensorInfo
 from . import als as _als
 from . import rts as _rts
@@ -180,7 +181,9 @@ class StepProgram:
         self.run_checks = out["checks"]
         for o, dtype in out["dtypes"].items():   # ONNX Runtime rejects these models too
             info = self.graph.tensor_info.get(o)
-            if info is not None and dtype is not None and np.dtype(dtype) != info.np_dtype():
+            if info is not None and dtype is not None and np.dtype(dtype) != info.np_dtype() \
+                    and not any(o in n.outputs and n.op_type in registry.POPART_OUTPUT_TYPES
+                                for n in self.graph.nodes):   # PopART's own output types
                 raise ModelError(f"Graph output '{o}' is declared as {info.data_type()}, but the "
                                  f"model computes {np.dtype(dtype)} for it")
         self.uses_rng = out["rng"]

@@ -37,13 +37,17 @@ def input_specs(graph: Graph, overrides: Optional[Mapping[str, TensorInfo]] = No
 
 @in_x64
 def infer_graph(graph: Graph, ids: Optional[Iterable[str]] = None,
-                overrides: Optional[Mapping[str, TensorInfo]] = None) -> dict[str, TensorInfo]:
-    """TensorInfo of ``ids`` (default: every tensor) by tracing the graph abstractly."""
+                overrides: Optional[Mapping[str, TensorInfo]] = None,
+                training: bool = False, options: Any = None) -> dict[str, TensorInfo]:
+    """TensorInfo of ``ids`` (default: every tensor) by tracing the graph abstractly; with
+    ``training``, as a training session's forward pass (BatchNormalization's statistics
+    outputs, active dropout); with a session's ``options``, by PopART's rules where they
+    differ from ONNX's (ArgMax's INT32, Scan's concatenated outputs)."""
     specs = input_specs(graph, overrides)
     wanted = list(ids) if ids is not None else graph.all_tensor_ids()
 
     def fn(feeds):
-        env = trace(graph, feeds).env
+        env = trace(graph, feeds, training=training, options=options).env
         return {k: env[k] for k in wanted if k in env and env[k] is not None}
 
     out = jax.eval_shape(fn, specs)

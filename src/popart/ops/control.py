@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import UnsupportedOperatorError
-from .registry import CHECK_RECORD_SIZE, GRAPHCORE_DOMAIN, LowerCtx, register
+from .registry import CHECK_RECORD_SIZE, GRAPHCORE_DOMAIN, LowerCtx, onnx_semantics, register
 
 
 def _static_value(x):
@@ -172,7 +172,8 @@ def _loop(ctx: LowerCtx, m=None, cond=None, *v_init, body):
     return list(vals)
 
 
-def _scan_core(ctx: LowerCtx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, out_dirs):
+def _scan_core(ctx: LowerCtx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, out_dirs,
+               concat=False):
     xs = [jnp.moveaxis(jnp.asarray(x), a % jnp.ndim(x), 0) for x, a in zip(xs, in_axes)]
     xs = [jnp.flip(x, 0) if d else x for x, d in zip(xs, in_dirs)]
     states = [jnp.asarray(s) for s in states]
@@ -185,20 +186,36 @@ def _scan_core(ctx: LowerCtx, body, states, xs, n_out_scan, in_axes, in_dirs, ou
     n = xs[0].shape[0] if xs else 0
     fin, (ys, records) = lax.scan(f, states, (jnp.arange(n), xs), length=n)
     ys = [jnp.flip(y, 0) if d else y for y, d in zip(ys, out_dirs)]
-    ys = [jnp.moveaxis(y, 0, a % y.ndim) for y, a in zip(ys, out_axes)]
+    if concat:   # PopART's ScanOp: each iteration's output is a block along its axis
+        ys = [_concat_blocks(y, a) for y, a in zip(ys, out_axes)]
+    else:
+        ys = [jnp.moveaxis(y, 0, a % y.ndim) for y, a in zip(ys, out_axes)]
     return list(fin) + ys, records   # records: for ctx.check_record
+
+
+def _concat_blocks(y, axis):
+    """[n, *s] -> s with s[axis] * n, the n blocks in order along ``axis`` (of s's rank)."""
+    if y.ndim == 1:
+        return y
+    a = axis % (y.ndim - 1)
+    y = jnp.moveaxis(y, 0, a)
+    return y.reshape(y.shape[:a] + (y.shape[a] * y.shape[a + 1],) + y.shape[a + 2:])
 
 
 @register("Scan", since=9)
 def scan(ctx: LowerCtx, *ins, body, num_scan_inputs, scan_input_axes=None, scan_input_directions=None,
          scan_output_axes=None, scan_output_directions=None, **_):
+    """ONNX's Scan; in a PopART session PopART's ScanOp, whose scan outputs concatenate each
+    iteration's output along its axis (the body output's rank, that axis times the trip count)
+    instead of stacking them on a new one."""
     n_state = len(ins) - num_scan_inputs
     n_out_scan = len(body.outputs) - n_state
     outs, records = _scan_core(ctx, body, ins[:n_state], ins[n_state:], n_out_scan,
                                scan_input_axes or [0] * num_scan_inputs,
                                scan_input_directions or [0] * num_scan_inputs,
                                scan_output_axes or [0] * n_out_scan,
-                               scan_output_directions or [0] * n_out_scan)
+                               scan_output_directions or [0] * n_out_scan,
+                               concat=not onnx_semantics(ctx))
     ctx.check_record(records)
     return outs
 

@@ -10,7 +10,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from .registry import add, LowerCtx, register
+from .registry import add, LowerCtx, opid, popart_error, register
 
 
 def c(x, v):
@@ -217,7 +217,15 @@ def _pow(a, b):
     return _pow_float(a, jnp.asarray(b).astype(jnp.result_type(a)))
 
 
-BINARY.update(Div=_div, Pow=_pow)
+def _mul(a, b):
+    """MulOp::setup: float16 times a float32 tensor of one element (either side) is float16."""
+    ta, tb = jnp.result_type(a), jnp.result_type(b)
+    if ta != tb and jnp.float16 in (ta, tb):
+        a, b = jnp.asarray(a).astype(jnp.float16), jnp.asarray(b).astype(jnp.float16)
+    return jnp.multiply(a, b)
+
+
+BINARY.update(Div=_div, Pow=_pow, Mul=_mul)
 # Binary ops that existed before opset 7 with the legacy broadcast / axis attributes.
 LEGACY_BCAST = ("Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less")
 
@@ -249,8 +257,20 @@ def _variadic(name: str, fn: Callable, xs: tuple) -> Any:
     return out / len(xs) if name == "Mean" else out
 
 
+def _variadic_6(ctx: LowerCtx, name: str, fn: Callable, xs: tuple) -> Any:
+    """VariadicOp::setup: the version-6 ops take inputs of one type and shape only."""
+    if any(jnp.shape(x) != jnp.shape(xs[0]) or jnp.result_type(x) != jnp.result_type(xs[0])
+           for x in xs):
+        raise popart_error(ctx, f"Inputs to {opid(ctx)} do not all the same type & shape, with "
+                           f"opid.version = 6", "inputs " + ", ".join(
+                               f"{jnp.shape(x)}/{jnp.result_type(x)}" for x in xs)
+                           + ": version 8 broadcasts")
+    return _variadic(name, fn, xs)
+
+
 for _name, _fn in VARIADIC.items():
-    add(_name, lambda ctx, *xs, _fn=_fn, _n=_name, **_: _variadic(_n, _fn, xs))
+    add(_name, lambda ctx, *xs, _fn=_fn, _n=_name, **_: _variadic_6(ctx, _n, _fn, xs), since=1)
+    add(_name, lambda ctx, *xs, _fn=_fn, _n=_name, **_: _variadic(_n, _fn, xs), since=8)
 
 
 @register("Mod", since=10)

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..errors import poplar_runtime_error
 from ..tensorinfo import np_dtype
 from . import nn
-from .elementwise import gelu_tanh
-from .registry import add, GRAPHCORE_DOMAIN, LowerCtx, register
+from .elementwise import gelu_tanh, with_popart_grad
+from .registry import add, GRAPHCORE_DOMAIN, LowerCtx, opid, popart_error, register
 
 
 def _g(name, **kw):
@@ -27,6 +28,14 @@ def _cast(v, x):
 
 # ---------------------------------------------------------------------------------------
 # Elementwise: one row each
+
+def _atan2_grad(g, out, a, b):
+    """Atan2Arg0GradOpPattern g * b / (a^2 + b^2), Atan2Arg1GradOpPattern g * -a / (a^2 +
+    b^2); 0 for both where a = b = 0 (PyTorch's value there, not the patterns' 0 / 0)."""
+    d = a * a + b * b
+    d = jnp.where(d == 0, jnp.ones((), d.dtype), d)
+    return g * (b / d), g * (-a / d)
+
 
 UNARY = {
     "Gelu": gelu_tanh,        # PopART's (popnn GELU) gradient
@@ -46,7 +55,7 @@ UNARY = {
     "ZerosLike": jnp.zeros_like,
 }
 BINARY = {
-    "Atan2": jnp.arctan2,
+    "Atan2": with_popart_grad(jnp.arctan2, _atan2_grad),
     "Remainder": lambda a, b: jnp.remainder(a, _cast(b, a)),  # sign of the divisor
     "Fmod": lambda a, b: jnp.fmod(a, _cast(b, a)),            # sign of the dividend
     "BitwiseAnd": jnp.bitwise_and,
@@ -120,6 +129,19 @@ def reshape(ctx: LowerCtx, x, *, shape, **_):
 
 @_g("Reverse")
 def reverse(ctx: LowerCtx, x, *, dimensions, **_):
+    """ReverseBaseOp::setup's checks: dimensions in [0, rank), each at most once."""
+    op, seen = f"{ctx.name} ({opid(ctx)})", set()
+    for d in dimensions:
+        if d < 0:
+            msg = f"ReverseOp '{op}' invalid dimension '{d}'. Only positive dimensions are supported"
+        elif d >= x.ndim:
+            msg = f"ReverseOp '{op}' invalid dimension '{d}' for input tensor of rank {x.ndim}"
+        elif d in seen:
+            msg = f"Dimension {d} appears multiple times in the list of dimensions of ReverseOp '{op}'"
+        else:
+            seen.add(d)
+            continue
+        raise popart_error(ctx, msg, f"dimensions {list(dimensions)}: each in [0, {x.ndim}) once")
     return jnp.flip(x, tuple(dimensions)) if dimensions else x
 
 
@@ -244,10 +266,12 @@ def batch_normalization(ctx: LowerCtx, x, scale, b, mean, var, *, epsilon, momen
 @_g("MultiConv")
 def multi_conv(ctx: LowerCtx, *ins, dilations=(), inDilations=(), pads=(), outPads=(), strides=(), **_):
     """Independent convolutions; inputs [X0, W0, B0, X1, W1, B1, ...] (or pairs without
-    biases); list attributes are per convolution, nested or flattened."""
+    biases). List attributes are per convolution, nested or flattened as PopART's
+    MultiConvBaseOp keeps them: convolution i's entries start after those of the ones before
+    it (its spatial rank each, pads twice that), so convolutions of different ranks mix."""
     n = ctx.num_outputs
     per = len(ins) // n
-    outs = []
+    outs, before = [], 0   # spatial dimensions of the convolutions before this one
     for i in range(n):
         x, w, b = (list(ins[i * per:(i + 1) * per]) + [None])[:3]
         sp = x.ndim - 2
@@ -257,13 +281,14 @@ def multi_conv(ctx: LowerCtx, *ins, dilations=(), inDilations=(), pads=(), outPa
                 return None
             if isinstance(v[0], (list, tuple)):
                 return list(v[i]) or None
-            return list(v[i * k:(i + 1) * k]) or None
-        ind, op = pick(inDilations, sp), pick(outPads, 2 * sp)
+            return list(v[before * k:(before + sp) * k]) or None
+        ind, op = pick(inDilations, 1), pick(outPads, 2)
         if (ind and any(d != 1 for d in ind)) or (op and any(p != 0 for p in op)):
             raise ctx.error("inDilations / outPads other than 1 / 0 are not supported")
         g = x.shape[1] // w.shape[1]
-        outs.append(nn.conv(ctx, x, w, b, dilations=pick(dilations, sp), group=g,
-                            pads=pick(pads, 2 * sp), strides=pick(strides, sp)))
+        outs.append(nn.conv(ctx, x, w, b, dilations=pick(dilations, 1), group=g,
+                            pads=pick(pads, 2), strides=pick(strides, 1)))
+        before += sp
     return outs
 
 
@@ -479,12 +504,14 @@ def print_tensor(ctx: LowerCtx, x, *, print_gradient, title, **_):
 
 @_g("Abort")
 def abort(ctx: LowerCtx, cond=None, **_):
-    """Raises at run time (XLA reports a runtime error from the host callback) when the
-    condition input is true, or always without one."""
-    def host(c):
-        if np.any(c):
-            raise RuntimeError(f"{ctx.name}: Abort op reached with a true condition")
-    jax.debug.callback(host, jnp.asarray(True if cond is None else cond))
+    """AbortOpx: the run stops with poplar_runtime_error when the scalar condition input is
+    non-zero, and always without one (poplar's Abort / AbortOnCondition)."""
+    if cond is not None and jnp.size(cond) > 1:
+        raise popart_error(ctx, "Conditional abort op can only test a scalar tensor",
+                           f"the condition '{ctx.input_ids[0]}' has shape {list(jnp.shape(cond))}")
+    failed = True if cond is None else jnp.asarray(cond).reshape(()) != 0
+    ctx.check(failed, "Abort program reached" + ("" if cond is None else " (its condition is true)"),
+              error_class=poplar_runtime_error)
     return []
 
 

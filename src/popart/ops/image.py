@@ -43,6 +43,7 @@ _NEAREST = {
     "round_prefer_ceil": lambda v: np.floor(v + 0.5),
     "floor": np.floor, "ceil": np.ceil,
     "simple": np.floor,
+    "pytorch": np.floor,   # PopART's: floor(i / scale) in float32, whatever the coordinate mode
 }
 
 
@@ -58,7 +59,10 @@ def interp_matrix(ctx: LowerCtx, mode, coord_mode, nearest_mode, n_in, n_out, sc
                   exclude_outside, antialias, roi=(0.0, 1.0)):
     """[n_out, n_in] weights of one axis, and the mask of output positions that fall
     outside the input (only used by tf_crop_and_resize)."""
-    x = _coord(coord_mode, np.arange(n_out, dtype=np.float64), scale, n_in, n_out, *roi)
+    if mode == "nearest" and nearest_mode == "pytorch":
+        x = np.arange(n_out, dtype=np.float32) / np.float32(scale)
+    else:
+        x = _coord(coord_mode, np.arange(n_out, dtype=np.float64), scale, n_in, n_out, *roi)
     outside = (x < 0) | (x > n_in - 1)
     m = np.zeros((n_out, n_in))
     if mode == "nearest":
@@ -94,7 +98,8 @@ def resize_core(ctx: LowerCtx, x, out_shape, scales, mode, coord_mode, nearest_m
     work = jnp.float32 if is_int else x.dtype
     valid = None
     for ax, (n_in, n_out, sc) in enumerate(zip(x.shape, out_shape, scales)):
-        if n_in == n_out and sc == 1.0 and coord_mode != "tf_crop_and_resize":
+        if n_in == n_out and (sc == 1.0 or nearest_mode == "pytorch" and mode == "nearest") \
+                and coord_mode != "tf_crop_and_resize":   # PopART's pytorch mode: by shape
             continue
         r = (roi[ax], roi[ax + x.ndim]) if roi is not None else (0.0, 1.0)
         m, outside = interp_matrix(ctx, mode, coord_mode, nearest_mode, n_in, n_out, sc, cubic_a,
@@ -127,11 +132,14 @@ def _opt_static(ctx: LowerCtx, v, what):
 @register("Resize", since=10)
 def resize(ctx: LowerCtx, x, roi=None, scales=None, sizes=None, mode="nearest", antialias=0, axes=None,
            coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0,
-           extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", nearest_mode="round_prefer_floor",
+           extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", nearest_mode=None,
            **_):
-    if ctx.version < 11:  # Resize-10: inputs (X, scales), asymmetric coordinates
+    """ONNX's Resize. Resize-10 (inputs X, scales) is PopART's: nearest_mode "pytorch"
+    (floor(i / scale), resizing only the axes whose size changes) unless the node sets
+    another; linear keeps ONNX's asymmetric coordinates."""
+    if ctx.version < 11:
         scales, roi = roi, None
-        coordinate_transformation_mode, nearest_mode = "asymmetric", "floor"
+        coordinate_transformation_mode, nearest_mode = "asymmetric", nearest_mode or "pytorch"
     r = x.ndim
     axes = [a % r for a in axes] if axes else list(range(r))
     scales = _opt_static(ctx, scales, "Resize scales")

@@ -7,7 +7,7 @@ import numpy as np
 from jax import lax
 
 from .elementwise import c
-from .registry import add, LowerCtx, register
+from .registry import add, LowerCtx, onnx_semantics, register
 
 I64 = jnp.int64
 
@@ -104,7 +104,7 @@ def _arg(fn):
             i = x.shape[ax] - 1 - fn(jnp.flip(x, ax), axis=ax, keepdims=bool(keepdims))
         else:
             i = fn(x, axis=ax, keepdims=bool(keepdims))
-        return i.astype(I64)
+        return i.astype(I64 if onnx_semantics(ctx) else jnp.int32)   # PopART's ArgExtremaOp: INT32
     return lower
 
 add("ArgMax", _arg(jnp.argmax))

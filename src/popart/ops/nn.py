@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import LowerCtx, register
+from .registry import LowerCtx, fmt_float, onnx_semantics, opid, popart_error, register
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -225,7 +225,16 @@ def conv_transpose(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=Non
     in_sp = x.shape[2:]
     opad = _list(output_padding, n, 0)
     full = [s * (i - 1) + op + (kk - 1) * d + 1 for s, i, op, kk, d in zip(strides, in_sp, opad, k, dil)]
-    if output_shape or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+    if not onnx_semantics(ctx):   # PopART's ConvTransposeOp::setup: auto_pad only places the
+        if output_shape:          # cropping output_shape asks for, the odd one at the start
+            if auto_pad == "VALID":   # for SAME_UPPER, at the end otherwise; pads otherwise
+                raise popart_error(ctx, "`VALID` type for auto_pad cannot be used if the "
+                                   "`output_shape` is also set")
+            tot = [f - t for f, t in zip(full, list(output_shape)[-n:])]
+            lo = [t - t // 2 if auto_pad == "SAME_UPPER" else t // 2 for t in tot]
+            pads = lo + [t - l for t, l in zip(tot, lo)]
+        pads = pads or [0] * (2 * n)
+    elif output_shape or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         target = list(output_shape)[-n:] if output_shape else [i * s for i, s in zip(in_sp, strides)]
         tot = [f - t for f, t in zip(full, target)]
         if auto_pad == "SAME_UPPER":
@@ -432,8 +441,8 @@ def _bn_fwd(x, scale, b, epsilon, grad_rstd_scale=1.0):
     centered = x - _bcast(mean.astype(x.dtype), x)
     var = _channel_sums(jnp.square(centered.astype(mean.dtype))) / n
     rstd = lax.rsqrt(var + epsilon)
-    y = centered * _bcast((rstd * scale).astype(x.dtype), x) + _bcast(b, x)
-    out = (y, mean.astype(x.dtype), var.astype(x.dtype))
+    y = centered * _bcast((rstd * scale).astype(x.dtype), x) + _bcast(b, x).astype(x.dtype)
+    out = (y, mean.astype(scale.dtype), var.astype(scale.dtype))   # the statistics' type
     return out, (x, mean, rstd, scale)
 
 
@@ -467,7 +476,7 @@ def batch_norm(ctx: LowerCtx, x, scale, b, mean, var, epsilon, momentum, trainin
     by sqrt((n - 1) / n) before it saves the variance, so the gradient uses the product."""
     if not training:
         y = (x - _bcast(mean, x)) * lax.rsqrt(_bcast(var, x) + epsilon) * _bcast(scale, x) + _bcast(b, x)
-        return y, mean, var, None, None
+        return y.astype(x.dtype), mean, var, None, None
     n = x.size // x.shape[1]
     c = math.sqrt((n - 1) / n) if unbiased_running and n > 0 else 1.0
     y, bm, bv = batch_norm_train(x, scale, b, float(epsilon), c)
@@ -477,7 +486,7 @@ def batch_norm(ctx: LowerCtx, x, scale, b, mean, var, epsilon, momentum, trainin
     new_v = lax.stop_gradient(var * momentum + rv * (1 - momentum)).astype(var.dtype)
     ctx.assign(ctx.input_ids[3], new_m)
     ctx.assign(ctx.input_ids[4], new_v)
-    return y, new_m, new_v, bm, bv
+    return y, new_m, new_v, bm.astype(mean.dtype), bv.astype(var.dtype)
 
 
 @register("BatchNormalization")
@@ -574,6 +583,9 @@ def dropout(ctx: LowerCtx, x, ratio_in=None, training_mode=None, ratio=0.5, is_t
     """Active in a training session's forward pass, or when the training_mode input is true
     (a run-time training_mode selects at run time). Kept elements are scaled by 1/(1-ratio)."""
     r = ratio if ratio_in is None else ratio_in
+    if ctx.version < 12 and not 0 <= ratio < 1:   # DropoutBaseOp::validateRatioAttribute
+        raise popart_error(ctx, f"{opid(ctx)} ratio value {fmt_float(ratio)} is not valid. Please "
+                           f"use a value in the interval [0,1)", "the 'ratio' attribute")
     active = bool(ctx.training and not is_test)
     if training_mode is not None:
         active = bool(training_mode) if isinstance(training_mode, (np.ndarray, np.generic, bool)) \

@@ -98,7 +98,9 @@ def reduce_axes(ctx: LowerCtx, x, axes, noop_with_empty_axes):
 
 def _attr_form(fn):
     def lower(ctx: LowerCtx, x, axes=None, keepdims=1, noop_with_empty_axes=0, **_):
-        ax = reduce_axes(ctx, x, axes, noop_with_empty_axes)
+        # PopART's ReduceOp: an 'axes' attribute that is there but empty reduces nothing
+        # (an absent one reduces every axis)
+        ax = reduce_axes(ctx, x, axes, noop_with_empty_axes or axes is not None)
         return fn(x, ax, bool(keepdims))
     return lower
 

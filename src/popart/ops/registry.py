@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnx.defs
 
-from ..errors import UnsupportedOperatorError
+from ..errors import ModelError, UnsupportedOperatorError
 from ..ir.graphcore_schema import node_defaults as _graphcore_node_defaults
 
 ONNX_DOMAIN = "ai.onnx"
@@ -102,10 +102,12 @@ class LowerCtx(Protocol):
     def remote_buffers(self) -> dict:
         """Remote buffer id -> [(offset, value)] stores of this graph execution."""
 
-    def check(self, failed: Any, message: str, **values: Any) -> None:
+    def check(self, failed: Any, message: str, error_class: Optional[type] = None,
+              **values: Any) -> None:
         """A run-time check: when ``failed`` (bool scalar) is true the run raises
-        popart_runtime_error with ``message`` (naming this node; ``{name}`` replaced by the int
-        scalar ``values[name]``); known at compile time, ModelError now."""
+        popart_runtime_error (or ``error_class``) with ``message`` (naming this node;
+        ``{name}`` replaced by the int scalar ``values[name]``); known at compile time,
+        ModelError now (with ``error_class``: still at run time)."""
 
 
 def is_static(x: Any) -> bool:
@@ -234,3 +236,78 @@ def decode_attr(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [decode_attr(v) for v in value]
     return value
+
+
+# ---------------------------------------------------------------------------------------
+# PopART's own rules where they differ from ONNX's schemas
+
+def opid(ctx: LowerCtx) -> str:
+    """The node's operator as PopART prints an OperatorIdentifier: ``ai.onnx.Dropout:10``."""
+    return f"{ctx.domain}.{ctx.op_type}:{ctx.version}"
+
+
+def onnx_semantics(ctx: LowerCtx) -> bool:
+    """True outside PopART's sessions (the ONNX backend, one-shot runs: no SessionOptions),
+    where ONNX's own rules apply where PopART's differ (ArgMax's INT64, Scan's stacked
+    outputs)."""
+    return getattr(ctx, "options", None) is None
+
+
+def debug_name(ctx: LowerCtx) -> str:
+    """The node as PopART's Op::debugName prints it: ``Op(name (opid), inputs=[..], outputs=[..])``."""
+    return (f"Op({ctx.name + ' (' + opid(ctx) + ')' if ctx.name else opid(ctx)}, inputs=["
+            f"{', '.join(i for i in ctx.input_ids if i)}], outputs=[{', '.join(ctx.output_ids)}])")
+
+
+def fmt_float(v: float) -> str:
+    """A float attribute as PopART's messages print it (the shortest float32 form: 1, 0.5)."""
+    return np.format_float_positional(np.float32(v), trim="-")
+
+
+def popart_error(ctx: LowerCtx, message: str, note: str = "") -> ModelError:
+    """A popart_exception whose message is PopART's own text (``message``); the node and
+    ``note`` (what is valid, what to do) go in an exception note."""
+    e = ModelError(message)
+    e.add_note(f"node '{ctx.name}' ({ctx.domain}::{ctx.op_type}-{ctx.version})"
+               + (f": {note}" if note else ""))
+    return e
+
+
+def _fp16_with_fp32_scalar(inputs: list) -> bool:
+    """MulOp::setup: fp16 with an fp32 tensor of one element (either side) gives fp16."""
+    kinds = [(np.dtype(x.dtype), int(np.prod(np.shape(x)))) for x in inputs[:2]]
+    ok = [(d == np.float16) or (d == np.float32 and n == 1) for d, n in kinds]
+    return len(kinds) == 2 and all(ok) and kinds[0][0] != kinds[1][0]
+
+
+_FLOATS = {np.dtype(np.float16), np.dtype(np.float32)}
+_SHAPE_INTS = {np.dtype(np.int32), np.dtype(np.int64)}
+# (op type, input position) -> the dtypes PopART takes there whatever ONNX's type parameter
+# says, from each op's creator / setup(); a callable decides from all the inputs.
+POPART_INPUT_TYPES: dict[tuple[str, int], Any] = {
+    **{("BatchNormalization", k): _FLOATS for k in (1, 2, 3, 4)},   # statistics of their own type
+    ("Expand", 1): _SHAPE_INTS, ("ConstantOfShape", 0): _SHAPE_INTS,
+    ("Clip", 1): "f", ("Clip", 2): "f",          # read as float scalars at construction
+    ("If", 0): "biuf",                           # any scalar; non-zero is true
+    ("Gather", 1): "iu",                         # GatherOp never checks the index type
+    ("Mul", 0): _fp16_with_fp32_scalar, ("Mul", 1): _fp16_with_fp32_scalar,
+}
+
+
+# Ops whose output type PopART decides otherwise than ONNX's inference (which the Builder
+# declares): ArgMax / ArgMin give INT32, Mul float16 with a float32 scalar, BatchNormalization
+# its statistics in their own type.
+POPART_OUTPUT_TYPES = {"ArgMax", "ArgMin", "Mul", "BatchNormalization"}
+
+
+def popart_accepts(op_type: str, k: int, inputs: list) -> bool:
+    """True when PopART takes input ``k`` of an ai.onnx ``op_type`` node with the given
+    ``inputs`` (arrays) where ONNX's schema would not (its type or a type bound to another
+    input's)."""
+    rule = POPART_INPUT_TYPES.get((op_type, k))
+    if rule is None:
+        return False
+    if callable(rule):
+        return rule(inputs)
+    dtype = np.dtype(getattr(inputs[k], "dtype", np.float32))
+    return dtype in rule if isinstance(rule, set) else dtype.kind in rule

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .registry import GRAPHCORE_DOMAIN, LowerCtx, register
+from .registry import GRAPHCORE_DOMAIN, LowerCtx, debug_name, popart_error, register
 
 HI = lax.Precision.HIGHEST
 
@@ -90,6 +90,11 @@ def onnx_rnn(ctx: LowerCtx, kind, x, w, r, b, lens, h0, c0, p, direction, hidden
     if direction not in ("forward", "reverse", "bidirectional"):
         raise ctx.error(f"direction '{direction}' is not forward, reverse or bidirectional")
     H = r.shape[-1]
+    if hidden_size is not None and hidden_size != H:   # BaseOnnxRNNOp::checkHiddenSize
+        raise popart_error(ctx, f"hidden_size attribute passed to {debug_name(ctx)} ({hidden_size}) "
+                           f"does not match hidden size calculated from recurrenceWeights tensor "
+                           f"({H}).", f"R has shape {list(r.shape)}: hidden_size must be its last "
+                           f"dimension")
     g = {"LSTM": 4, "GRU": 3, "RNN": 1}[kind]
     lens = jnp.full((B,), T, jnp.int32) if lens is None else jnp.asarray(lens).astype(jnp.int32)
     zeros = jnp.zeros((nd, B, H), x.dtype)

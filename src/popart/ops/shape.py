@@ -9,7 +9,7 @@ import onnx
 from jax import lax
 
 from .math import saturate_cast
-from .registry import add, LowerCtx, register
+from .registry import add, LowerCtx, popart_error, register
 
 I64 = np.int64
 
@@ -152,8 +152,24 @@ def expand(ctx: LowerCtx, x, shape, **_):
 
 add("Tile", lambda ctx, x, tiles, axis, **_: jnp.tile(x, [int(ctx.static(tiles, "tiles")) if i == int(
     ctx.static(axis, "axis")) else 1 for i in range(x.ndim)]), since=1, static_inputs=(1, 2))
-add("Tile", lambda ctx, x, repeats, **_: jnp.tile(x, ints(ctx, repeats, "repeats")),
-    since=6, static_inputs=(1,))
+def tile(ctx: LowerCtx, x, repeats, **_):
+    """TileOp::connectInTensor's checks: repeats of rank 1, one per dimension, each >= 1."""
+    reps = ctx.static(repeats, "repeats")
+    rid, problem = ctx.input_ids[1], ""
+    if reps.ndim != 1:
+        problem = f"'Repeats' tensor `{rid}' should be rank 1 in TileOp constructor"
+    elif reps.size != x.ndim:
+        problem = (f"'Repeats' tensor `{rid}' should have one element for each dimension of the "
+                   f"data tensor")
+    elif (reps < 1).any():
+        i = int(np.argmax(reps < 1))
+        problem = f"'Repeats' tensor `{rid}' has invalid value `{int(reps[i])}' at index {i}"
+    if problem:
+        raise popart_error(ctx, problem, f"repeats {reps.tolist()} for data of shape {list(x.shape)}")
+    return jnp.tile(x, [int(v) for v in reps])
+
+
+add("Tile", tile, since=6, static_inputs=(1,))
 
 
 def _pad(ctx: LowerCtx, x, pads, mode="constant", value=0.0, axes=None):
@@ -240,7 +256,9 @@ def _checked_indices(ctx: LowerCtx, idx, sizes, k: int = 1, first_axis: int = 0)
         sizes = n.reshape(-1)                    # they repeat along idx's last axis
         cols = idx.reshape(-1, sizes.size)
         big, small = cols.max(axis=0), cols.min(axis=0)
-        bad = (big >= sizes) | (small < -sizes)
+        bad = big >= sizes
+        if idx.dtype.kind != "u":   # -size would wrap around in an unsigned type
+            bad = bad | (small < -sizes)
         j = xp.argmax(bad)                       # the first axis with an index out of range
         data = ctx.input_ids[0] if ctx.input_ids else "data"
         ctx.check(bad[j], f"index {{index}} in '{ctx.input_ids[k]}' is out of range for axis "
