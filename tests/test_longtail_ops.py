@@ -216,15 +216,22 @@ def resize_pytorch(x, scales):
     return x
 
 
-def test_resize10_nearest_is_pytorch_mode_and_add6_ignores_axis():
+def test_resize10_is_popart_resize_and_add6_ignores_axis():
+    """Resize-10: nearest_mode "pytorch" and half_pixel coordinates (getNearestMode and the
+    creator's defaults in willow/src/op/resize.cpp)."""
     x = RNG.standard_normal((1, 2, 2, 5)).astype(np.float32)
     scales = [1, 1, 1.2, 0.6]          # axis 2 keeps its size: not resized at all
     b = popart.Builder()
     xi = b.addInputTensor(popart.TensorInfo(x), "x")
     y = b.aiOnnxOpset10.resize([xi, b.aiOnnxOpset10.constant(np.array(scales, np.float32))])
-    _, out = run_session(b, {xi: x}, [y])
+    up = b.aiOnnxOpset10.resize([xi, b.aiOnnxOpset10.constant(np.array([1, 1, 2, 1.4], np.float32))],
+                                mode="linear")
+    _, out = run_session(b, {xi: x}, [y, up])
     np.testing.assert_array_equal(out[y], resize_pytorch(x, scales))
     assert not np.array_equal(out[y][:, :, 1], x[:, :, 0, [0, 1, 3]])   # ONNX's floor(i/1.2) = 0
+    # linear: PopART's default half_pixel coordinates, as PyTorch's bilinear
+    ref = F.interpolate(torch.from_numpy(x), scale_factor=(2, 1.4), mode="bilinear", align_corners=False)
+    np.testing.assert_allclose(out[up], ref.numpy(), rtol=1e-5, atol=1e-6)
 
     b = popart.Builder()
     a = b.addInputTensor(popart.TensorInfo(X4), "a")

@@ -473,7 +473,10 @@ def test_upsample_and_resize10(op_tester):
     op_tester.run(one_op("Upsample", [x], mode="nearest", scales=[1.0, 1.0, 2.0, 3.0]), ORT,
                   opsets={"ai.onnx": 7})
     op_tester.run(one_op("Resize", [x, sc], mode="nearest"), ORT, opsets={"ai.onnx": 10})
-    op_tester.run(one_op("Resize", [x, sc], mode="linear"), ORT, opsets={"ai.onnx": 10})
+    # PopART's Resize-10 linear: half_pixel coordinates (its default), as PyTorch's bilinear
+    op_tester.run(one_op("Resize", [x, sc], mode="linear"), lambda ref: [F.interpolate(
+        torch.from_numpy(x), scale_factor=(2, 1.5), mode="bilinear", align_corners=False)],
+        opsets={"ai.onnx": 10}, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["linear", "nearest", "cubic"])

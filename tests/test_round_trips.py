@@ -596,6 +596,9 @@ OLD_FORMS = {
     "upsample7_scales": (7, lambda b, o, x: o.upsample([x], [1.0, 1.0, 2.0, 3.0])),
     "upsample9_input": (9, lambda b, o, x: o.upsample([x, o.constant(np.array([1, 1, 2, 2], np.float32))])),
     "resize10_linear": (10, lambda b, o, x: o.resize([x, o.constant(np.array([1, 1, 2, 0.5], np.float32))],
+                                                     mode="linear"),   # PopART's: half_pixel
+                        11, lambda b, o, x: o.resize([x, o.constant(np.zeros(0, np.float32)),
+                                                      o.constant(np.array([1, 1, 2, 0.5], np.float32))],
                                                      mode="linear")),
     "resize11_asymmetric": (11, lambda b, o, x: o.resize(
         [x, o.constant(np.zeros(0, np.float32)), o.constant(np.array([1, 1, 2, 2], np.float32))],

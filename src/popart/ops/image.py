@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import LowerCtx, register
+from .registry import LowerCtx, onnx_semantics, register
 
 HI = lax.Precision.HIGHEST
 
@@ -134,12 +134,14 @@ def resize(ctx: LowerCtx, x, roi=None, scales=None, sizes=None, mode="nearest", 
            coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0,
            extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", nearest_mode=None,
            **_):
-    """ONNX's Resize. Resize-10 (inputs X, scales) is PopART's: nearest_mode "pytorch"
-    (floor(i / scale), resizing only the axes whose size changes) unless the node sets
-    another; linear keeps ONNX's asymmetric coordinates."""
+    """ONNX's Resize. Resize-10 (inputs X, scales) in a session is PopART's: nearest_mode
+    "pytorch" (floor(i / scale), resizing only the axes whose size changes) and half_pixel
+    coordinates unless the node sets others; elsewhere ONNX's (asymmetric, floor)."""
     if ctx.version < 11:
         scales, roi = roi, None
-        coordinate_transformation_mode, nearest_mode = "asymmetric", nearest_mode or "pytorch"
+        if onnx_semantics(ctx):
+            coordinate_transformation_mode, nearest_mode = "asymmetric", "floor"
+        nearest_mode = nearest_mode or "pytorch"
     r = x.ndim
     axes = [a % r for a in axes] if axes else list(range(r))
     scales = _opt_static(ctx, scales, "Resize scales")
@@ -160,7 +162,7 @@ def resize(ctx: LowerCtx, x, roi=None, scales=None, sizes=None, mode="nearest", 
                 sc[a], out[a] = n / x.shape[a], n
     elif scales is not None:
         for a, s in zip(axes, scales):
-            sc[a], out[a] = float(s), int(math.floor(x.shape[a] * float(s)))
+            sc[a], out[a] = float(s), int(np.floor(np.float32(x.shape[a]) * np.float32(s)))  # float32
     else:
         raise ctx.error("one of scales or sizes is required")
     if roi is not None and len(axes) != r:
