@@ -164,12 +164,8 @@ def nll_with_softmax_grad_direct(ctx: LowerCtx, probs, label, loss_grad, reducti
     p, lab = lax.stop_gradient(jnp.asarray(probs)), jnp.asarray(label)
     onehot, keep, count, gcount = _nll_parts(p, lab, ignore_index)
     logp = jnp.log(jnp.sum(p * onehot, -1) + jnp.asarray(1e-7, p.dtype)) * keep
-    if r == "NoReduction":
-        loss = -logp
-    else:
-        work = jnp.float32 if p.dtype == jnp.float16 else p.dtype
-        div = count if (r == "Mean" and ignore_index is not None) else logp.size if r == "Mean" else 1
-        loss = (-jnp.sum(logp.astype(work)) / jnp.asarray(div, work)).astype(p.dtype)
+    work = jnp.float32 if p.dtype == jnp.float16 else p.dtype    # float16 sums in float32
+    loss = reduce_loss(ctx, -logp.astype(work), r, count.astype(work)).astype(p.dtype)
     g = lax.stop_gradient(jnp.asarray(loss_grad))
     g = g.reshape(g.shape + (1,) * (p.ndim - g.ndim))
     work = jnp.promote_types(g.dtype, p.dtype)
