@@ -155,10 +155,16 @@ class RefData:
 
     @property
     def model(self) -> bytes:
-        """The serialized forward model (without the tester's loss); the returned forward
-        tensors are its graph outputs."""
+        """The serialized forward model (without the tester's loss and PopART's "__"
+        annotations, which onnx.reference rejects on Conv, If, Loop, ...); the returned
+        forward tensors are its graph outputs."""
         if self._model is None:
             m = onnx.load_from_string(self._full_model)
+            for g in _graphs(m.graph):
+                for n in g.node:
+                    kept = [a for a in n.attribute if not a.name.startswith("__")]
+                    del n.attribute[:]
+                    n.attribute.extend(kept)
             if self._loss_nodes:
                 keep = [n for n in m.graph.node if not set(n.output) & self._loss_nodes]
                 del m.graph.node[:]
@@ -179,13 +185,7 @@ class RefData:
         """The returned forward tensors computed by onnx.reference.ReferenceEvaluator on the
         forward model (None for gradients and weights), from ``feeds`` (default: the inputs)."""
         from onnx.reference import ReferenceEvaluator
-        m = onnx.load_from_string(self.model)
-        for g in _graphs(m.graph):   # the reference hands If / Loop / Scan every attribute
-            for n in g.node:         # and rejects PopART's __debug_info_id
-                kept = [a for a in n.attribute if not a.name.startswith("__")]
-                del n.attribute[:]
-                n.attribute.extend(kept)
-        ev = ReferenceEvaluator(m)
+        ev = ReferenceEvaluator(self.model)
         return self._forward(lambda names, f: ev.run(names, f), feeds)
 
     def onnxruntime(self, feeds: Optional[dict] = None) -> list:
