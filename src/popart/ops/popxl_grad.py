@@ -18,6 +18,15 @@ def _softmax_from_output(g, y, axis=-1, **_):
     return y * (g - jnp.sum(g * y, axis=int(axis), keepdims=True))
 
 
+def _clip_from_output(g, y, lo=None, hi=None, **_):
+    """ClipGradOpx: g where the output is neither bound (a missing bound never is)."""
+    keep = jnp.ones(y.shape, bool)
+    for b in (lo, hi):
+        if b is not None:
+            keep = keep & (y != jnp.asarray(b, y.dtype))
+    return jnp.where(keep, g, g * jnp.zeros((), g.dtype))
+
+
 FROM_OUTPUT = {
     "Relu": lambda g, y, **_: jnp.where(y > 0, g, g * jnp.zeros((), g.dtype)),  # ReluGradOpx
     "Sigmoid": lambda g, y, **_: g * y * (1 - y),                             # SigmoidGradOpx
@@ -25,6 +34,7 @@ FROM_OUTPUT = {
     "Exp": lambda g, y, **_: g * y,                                           # ExpGradOpx
     "Sqrt": lambda g, y, **_: g / (y * 2),                                    # SqrtGradOpx
     "Softmax": _softmax_from_output,
+    "Clip": _clip_from_output,
 }
 
 
@@ -39,7 +49,8 @@ def op_vjp(ctx: LowerCtx, *ins, fwd, provided, required, given, specs, n_saved_o
     grads, vals = ins[:n], ins[n:n + m]
     if rule:
         y = jnp.asarray(ins[n + m])
-        return [FROM_OUTPUT[rule](jnp.asarray(grads[0], y.dtype).reshape(y.shape), y,
+        consts = [fwd.initializers[i] if i else None for i in fwd.nodes[0].inputs[1:]]
+        return [FROM_OUTPUT[rule](jnp.asarray(grads[0], y.dtype).reshape(y.shape), y, *consts,
                                   **fwd.nodes[0].attrs)]
     xs = [jnp.zeros(tuple(s), np.dtype(d)) for s, d in specs]
     for i, v in zip(given, vals):

@@ -11,21 +11,24 @@ the vjp of the op's lowering at its saved inputs, or, for ops whose grad reads o
 output (Relu, Sigmoid, ...), PopART's formula from that output (``FROM_OUTPUT``)."""
 from __future__ import annotations
 
+import contextlib
 import enum
 import dataclasses
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
+from popart.errors import popart_exception
 from popart.ir.graph import Graph as IRGraph
 from popart.ir.graph import Node
+from popart.ir.recompute import RECOMPUTE_OUTPUT
 from popart.ir.transforms import NO_GRAD_OPS
 from popart.ops.collectives import op_name
 from popart.ops.popxl_grad import FROM_OUTPUT
 
 from ..graph import Graph
 from ..ops._base import POPXL
-from ..ops.call import CallSiteInfo, call
+from ..ops.call import CallSiteInfo, call, conditional
 from ..tensor import Tensor, constant, graph_input, graph_output
 
 
@@ -112,22 +115,28 @@ class GradGraphInfo:
                 f"expected_outputs={list(self._expected_outputs)}]")
 
 
-# What each op type's grad op reads of the forward op (PopART's gradInputInfo(), willow/src/op):
-# "none": nothing but the output gradient (linear and shape ops: the vjp of the lowering at
-# zeros is the gradient); "out": its output only (FROM_OUTPUT gives the gradient from it);
-# "in+out": inputs and outputs; "other": for each input's gradient the other inputs (bilinear
-# ops: MatMulLhsGradOp reads the rhs, ...). Any other op type reads its inputs ("in"). Inputs that are not
-# floating point (indices, labels, offsets) are read whenever the op is differentiated.
+# What each op type's grad op reads of the forward op (PopART's gradInputInfo(), willow/src/op;
+# its grad ops for inputs that need no gradient are pruned): "none": nothing but the output
+# gradient (linear ops: the vjp of the lowering at zeros is the gradient); "out": its output
+# only (FROM_OUTPUT gives the gradient from it); "in+out": inputs and outputs (PopART's
+# ElementWiseBinaryGradOp, NonLinearVariadicGradOp, pooling and reduction grads); "other": for
+# each input's gradient the other inputs (MatMulLhsGradOp reads the rhs, ConvDataGradOp the
+# weights, ...); (inputs, outputs): those indices (GroupNormGradOp: x, scale, mean, inv std).
+# Any other op type reads its inputs ("in"). Inputs that are not floating point (indices,
+# labels, seeds, conditions) are read whenever the op is differentiated.
 GRAD_READS = {
-    **dict.fromkeys(("Add", "Sub", "Neg", "Sum", "Identity", "Reshape", "Transpose", "Flatten",
-                     "Squeeze", "Unsqueeze", "Expand", "ReduceSum", "ReduceMean", "Concat",
-                     "Slice", "Split", "Scale", "Cast", "ReplicatedAllReduce",
-                     "ReplicatedAllReduceInplace", "ReplicatedAllGather",
-                     "ReplicatedReduceScatter"), "none"),
+    **dict.fromkeys(("Add", "Sub", "Neg", "Sum", "Mean", "Identity", "Reshape", "Transpose",
+                     "Flatten", "Squeeze", "Unsqueeze", "Expand", "ReduceSum", "ReduceMean",
+                     "Concat", "Slice", "Split", "Scale", "Cast", "Subsample", "Resize", "Gather",
+                     "GroupedGather", "DynamicSlice", "DynamicUpdate", "OneHot", "Where",
+                     "Dropout", "PrintTensor", "ReplicatedAllReduce", "ReplicatedAllReduceInplace",
+                     "ReplicatedAllGather", "ReplicatedReduceScatter"), "none"),
     **dict.fromkeys(FROM_OUTPUT, "out"),
     **dict.fromkeys(("MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool", "ReduceMax",
-                     "ReduceMin", "ReduceL2", "ReduceLogSumExp"), "in+out"),
-    **dict.fromkeys(("MatMul", "Mul", "Conv"), "other"),
+                     "ReduceMin", "ReduceL2", "ReduceLogSumExp", "Mul", "Div", "Pow", "Fmod",
+                     "Atan2", "Max", "Min"), "in+out"),
+    **dict.fromkeys(("MatMul", "Conv"), "other"),
+    "GroupNormalization": ((0, 1), (1, 2)),
 }
 _NO_GRAD = NO_GRAD_OPS | {"ArgMax", "ArgMin", "Equal", "Greater", "Less", "GreaterOrEqual",
                           "LessOrEqual", "NonZero", "Detach"}
@@ -160,18 +169,42 @@ class _Fwd:
         return _float(self.tensor(tid))
 
 
+def _branches(graph: Graph, n: Node) -> Optional[tuple[Graph, Graph]]:
+    """The popxl graphs of a ``conditional``'s If node (each branch calls one on parent
+    tensors that are no inputs of the If node)."""
+    if n.op_type != "If":
+        return None
+    gs = []
+    for b in ("then_branch", "else_branch"):
+        body = n.attrs.get(b)
+        callee = body.nodes[0].attrs.get("callee") if isinstance(body, IRGraph) and \
+            len(body.nodes) == 1 and body.nodes[0].op_type == "Call" else None
+        gs.append(next((g for g in graph.ir._graphs if g._g is callee), None))
+    if None in gs or any(g._hidden or g._by_ref_inputs for g in gs):
+        return None
+    return gs[0], gs[1]
+
+
+def _inputs(graph: Graph, n: Node) -> list[str]:
+    """The ids ``n`` reads: its inputs, and for a conditional those its branches call with."""
+    if _branches(graph, n) is None:
+        return n.inputs
+    return list(dict.fromkeys(n.inputs + [i for b in ("then_branch", "else_branch")
+                                          for i in n.attrs[b].nodes[0].inputs]))
+
+
 def _plan(fwd: _Fwd, provided: list[str], required: list[str]) -> tuple[list, set]:
     """The forward nodes to differentiate, last first, each with (output indices that have a
     gradient, its traced input ids that get one), and every id that gets a gradient."""
     from_req = set(required)
     for n in fwd.ir.nodes:
-        if n.op_type not in _NO_GRAD and any(i in from_req for i in n.inputs if i):
+        if n.op_type not in _NO_GRAD and any(i in from_req for i in _inputs(fwd.graph, n) if i):
             from_req.update(o for o in n.outputs if o and fwd.is_float(o))
     has_grad, plan = set(provided), []
     for n in reversed(fwd.ir.nodes):
         outs = [k for k, o in enumerate(n.outputs) if o and o in has_grad]
-        wrt = [i for i in dict.fromkeys(n.inputs) if i and i in from_req and i not in fwd.consts
-               and fwd.is_float(i)]
+        wrt = [i for i in dict.fromkeys(_inputs(fwd.graph, n)) if i and i in from_req
+               and i not in fwd.consts and fwd.is_float(i)]
         if n.op_type in _NO_GRAD or not outs or not wrt:
             continue
         plan.append((n, outs, wrt))
@@ -191,7 +224,12 @@ def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], st
             op_name(None, n.attrs["collectiveOperator"]) not in ("add", "mean", "local"):
         kind = "in"   # a max / min / mul reduction: its gradient depends on the values
     if kind == "other" and any(n.inputs.count(w) > 1 for w in wrt):
-        kind = "in"   # x * x: the gradient reads x
+        kind = "in"   # x @ x: the gradient reads x
+    if isinstance(kind, tuple):
+        in_idx, out_idx = kind
+        read = {i for k, i in enumerate(n.inputs) if k in in_idx}
+        ins = [i for i in traced if i in read or not fwd.is_float(i)]
+        return ins, [n.outputs[k] for k in out_idx if k < len(n.outputs) and n.outputs[k]], ""
     ins = [i for i in traced if kind in ("in", "in+out") or not fwd.is_float(i)
            or (kind == "other" and any(w != i for w in wrt))]
     outs = [o for o in n.outputs if o] if kind in ("out", "in+out") else []
@@ -226,21 +264,25 @@ def _one_node_graph(fwd: _Fwd, n: Node) -> IRGraph:
                    parent=fwd.ir.parent)
 
 
-def _stitch(graph: Graph, ts: list[Tensor]) -> None:
-    """Make ``ts`` outputs of ``graph``, and of every call of it (PopART's AddFwdOutputStitcher)."""
-    if not ts:
-        return
+def _call_sites(graph: Graph) -> tuple[list, bool]:
+    """The Call nodes that call ``graph`` (with their graphs), and whether a repeat /
+    conditional wrapper calls it too (then PopART's SafeAddFwdOutputStitcher recomputes)."""
     old_ir = graph._finalize()
-    n_old = len(graph._outputs)
-    sites, own = [], {id(g._g) for g in graph.ir._graphs}
+    sites, wrapped, own = [], False, {id(g._g) for g in graph.ir._graphs}
     for g in graph.ir._graphs:
         for node in g._g.nodes:
             if node.op_type == "Call" and node.attrs.get("callee") is old_ir:
                 sites.append((g, node))
             elif any(_calls(v, old_ir, own) for v in node.attrs.values() if isinstance(v, IRGraph)):
-                raise RuntimeError(f"[AddFwdOutputStitcher] Unable to add outputs to graph "
-                                   f"'{graph.name}': it is called by {node.describe()}, not by a "
-                                   f"call op (differentiate it before repeat / conditional calls it)")
+                wrapped = True
+    return sites, wrapped
+
+
+def _stitch(graph: Graph, ts: list[Tensor], sites: list) -> None:
+    """Make ``ts`` outputs of ``graph``, and of every call of it (PopART's AddFwdOutputStitcher)."""
+    if not ts:
+        return
+    n_old = len(graph._outputs)
     graph._outputs.extend(ts)
     graph._finalize()
     for g, node in sites:
@@ -259,6 +301,32 @@ def _calls(body: IRGraph, callee: IRGraph, own: set) -> bool:
         for n in body.nodes)
 
 
+def _recomputed(fwd: _Fwd, ids: set) -> list[Node]:
+    """The forward nodes that recompute ``ids`` from the forward inputs (PopART's
+    RecomputeStitcher: the forward graph copied into the gradient graph, then pruned)."""
+    need, nodes = set(ids), []
+    for n in reversed(fwd.ir.nodes):
+        if any(o in need for o in n.outputs if o):
+            nodes.append(n)
+            need.update(i for i in n.inputs if i)
+    return nodes[::-1]
+
+
+def _grad_annotations(n: Node) -> dict:
+    """A grad op's annotations: its forward op's (PopART makes grad ops with the forward
+    op's settings: IPU, tile set, execution context, ...), never recomputed."""
+    return {k: v for k, v in n.annotations.items() if k != RECOMPUTE_OUTPUT}
+
+
+@contextlib.contextmanager
+def _placed(graph: Graph, annotations: dict):
+    """The nodes added to ``graph`` inside get ``annotations``, not the current context's."""
+    k = len(graph._g.nodes)
+    yield
+    for node in graph._g.nodes[k:]:
+        node.annotations = dict(annotations)
+
+
 def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
              grads_required: Optional[Iterable[Tensor]] = None,
              called_graphs_grad_info: Optional[Mapping[Graph, GradGraphInfo]] = None,
@@ -266,7 +334,8 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
     """Differentiate ``graph``: gradients of ``grads_required`` (default: the inputs that get
     one) given gradients of ``grads_provided`` (default: the floating-point outputs that lead
     to them); both may be any tensors of ``graph``. The forward tensors the grad ops read
-    become inputs of the gradient graph (and outputs of ``graph`` where they are neither)."""
+    become inputs of the gradient graph (and outputs of ``graph`` where they are neither;
+    for a graph that repeat / conditional call, they are recomputed in the gradient graph)."""
     if graph._is_main:
         raise ValueError("autodiff differentiates subgraphs (made with ir.create_graph), not the main graph")
     if graph._hidden:
@@ -284,33 +353,54 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
     plan, has_grad = _plan(fwd, provided, required)
     if grads_required is None:
         required = [r for r in required if r in has_grad]
+    missing = [r for r in required if r not in has_grad]
+    if missing:
+        name = f"{graph.name}_grad"
+        raise popart_exception(
+            f"[Autodiff] Unable to provide required gradient output for fwd id "
+            f"'{fwd.tensor(missing[0]).id}' in bwd graph subgraph "
+            f"'{name}_{graph.ir._graph_names.get(name, 0)}'")
     if grads_provided is None:
         used = {o for n, outs, _ in plan for k, o in enumerate(n.outputs) if k in outs}
         provided = [p for p in dict.fromkeys(provided) if p in used or p in required]
         plan, has_grad = _plan(fwd, provided, required)
     infos: dict[Graph, GradGraphInfo] = dict(called_graphs_grad_info or {})
-    calls = {}
+    subs = {}   # Call / If node -> the called graphs and their gradient graphs
     for n, _, _ in plan:       # called graphs first: their added outputs are read here
         callee = _callee(graph, n)
+        called = (callee,) if callee is not None else _branches(graph, n)
+        for g in called or ():
+            if g not in infos:
+                infos.update(autodiff(g, called_graphs_grad_info=infos, return_all_grad_graphs=True))
         if callee is not None:
-            if callee not in infos:
-                infos.update(autodiff(callee, called_graphs_grad_info=infos, return_all_grad_graphs=True))
-            calls[id(n)] = (callee, infos[callee])
+            subs[id(n)] = [(callee, infos[callee], n)]
+        elif called:     # a branch's site: the ids its Call reads, the If node's outputs
+            subs[id(n)] = [(g, infos[g], Node("Call", n.attrs[b].nodes[0].inputs, n.outputs))
+                           for g, b in zip(called, ("then_branch", "else_branch"))]
     reads = {}
     for n, _, wrt in plan:
-        if id(n) in calls:
-            callee, sub = calls[id(n)]
-            reads[id(n)] = ([_site_id(n, callee, e.fwd_tensor) for e in sub.expected_inputs
-                             if e.connection_type == ExpectedConnectionType.Fwd], [], "")
+        if id(n) in subs:
+            reads[id(n)] = (list(dict.fromkeys(
+                n.inputs[:1 if n.op_type == "If" else 0] +
+                [_site_id(site, g, e.fwd_tensor) for g, sub, site in subs[id(n)]
+                 for e in sub.expected_inputs if e.connection_type == ExpectedConnectionType.Fwd])), [], "")
         else:
             reads[id(n)] = _reads(fwd, n, wrt)
-    saved = sorted({t for ins, outs, _ in reads.values() for t in ins + outs} - fwd.consts)
+    saved = {t for ins, outs, _ in reads.values() for t in ins + outs} - fwd.consts
     out_ids = {t._ir_id for t in graph._outputs}
-    _stitch(graph, [fwd.tensor(t) for t in saved if t not in fwd.in_ids and t not in out_ids])
+    extra = {t for t in saved if t not in fwd.in_ids and t not in out_ids}
+    sites, wrapped = _call_sites(graph)
+    replay = _recomputed(fwd, extra) if wrapped else []
+    if wrapped:
+        saved = (saved - extra) | {i for n in replay for i in n.inputs if i in fwd.in_ids}
+    else:
+        _stitch(graph, [fwd.tensor(t) for t in sorted(extra)], sites)
+    saved = sorted(saved)
 
     grad = graph.ir.create_empty_graph(f"{graph.name}_grad")
     with grad:
         gsum: dict[str, list[Tensor]] = {}
+        placement: dict[int, dict] = {}      # id of a gradient tensor -> its grad op's annotations
         for p in provided:
             t = fwd.tensor(p)
             gsum.setdefault(p, []).append(graph_input(t.shape, t.dtype, f"Gradient___{t.name}"))
@@ -322,8 +412,9 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
             if not parts:
                 t = fwd.tensor(tid)
                 return constant(np.zeros(t.shape, t.dtype.as_numpy()), t.dtype, name=f"Gradient___{t.name}")
-            if len(parts) > 1:
-                gsum[tid] = [grad._add_node("Sum", parts, name=f"Gradient___{fwd.tensor(tid).name}")[0]]
+            if len(parts) > 1:     # PopART's grad sum takes its placement from its inputs' ops
+                with _placed(grad, placement.get(id(parts[0]), {})):
+                    gsum[tid] = [grad._add_node("Sum", parts, name=f"Gradient___{fwd.tensor(tid).name}")[0]]
             return gsum[tid][0]
 
         def value(tid: str) -> Tensor:
@@ -331,24 +422,22 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
                 return val[tid]
             return constant(fwd.ir.initializers[tid], fwd.tensor(tid).dtype, name=fwd.tensor(tid).name)
 
+        def add_grad(tid: str, g: Tensor, n: Node) -> None:
+            placement[id(g)] = _grad_annotations(n)
+            gsum.setdefault(tid, []).append(g)
+
+        for n in replay:
+            with _placed(grad, n.annotations):
+                res = grad._add_node(n.op_type, [value(i) if i else None for i in n.inputs],
+                                     n.attrs, n.domain, len(n.outputs), name=n.name.split("/")[-1])
+            val.update((o, r) for o, r in zip(n.outputs, res) if o)
         for n, outs, wrt in plan:
-            if id(n) in calls:
-                callee, sub = calls[id(n)]
-                ins = []
-                for e in sub.expected_inputs:
-                    tid = _site_id(n, callee, e.fwd_tensor)
-                    if e.connection_type == ExpectedConnectionType.FwdGrad:
-                        if e.fwd_tensor not in callee._outputs:
-                            raise ValueError(f"The gradient graph of '{callee.name}' expects the "
-                                             f"gradient of '{e.fwd_tensor.id}', not an output of it")
-                        ins.append(total(tid))
-                    else:
-                        ins.append(value(tid))
-                res = call(sub.graph, *ins)
-                for e, r in zip(sub.expected_outputs, res):
-                    for j, t in enumerate(callee._inputs):
-                        if t is e.fwd_tensor and n.inputs[j] in wrt:
-                            gsum.setdefault(n.inputs[j], []).append(r)
+            if id(n) in subs:
+                with _placed(grad, _grad_annotations(n)):
+                    res = _called_grads(fwd, n, subs[id(n)], wrt, total, value)
+                for i, r in zip(wrt, res):
+                    if r is not None:
+                        add_grad(i, r, n)
                 continue
             sub = _one_node_graph(fwd, n)
             ins, souts, rule = reads[id(n)]
@@ -359,10 +448,11 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
                                for i in sub.inputs],
                      "n_saved_out": len(souts), "rule": rule}
             g_outs = [total(n.outputs[k]) for k in outs]
-            res = grad._add_node("OpVJP", g_outs + [value(i) for i in ins] + [val[o] for o in souts],
-                                 attrs, POPXL, len(wrt), name=f"{n.name}_grad")
+            with _placed(grad, _grad_annotations(n)):
+                res = grad._add_node("OpVJP", g_outs + [value(i) for i in ins] + [val[o] for o in souts],
+                                     attrs, POPXL, len(wrt), name=f"{n.name}_grad")
             for i, r in zip(wrt, res):
-                gsum.setdefault(i, []).append(r)
+                add_grad(i, r, n)
         for r in required:
             graph_output(total(r))
     grad._finalize()
@@ -374,3 +464,49 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
     if return_all_grad_graphs:
         return {**infos, graph: info}
     return info
+
+
+def _called_grads(fwd: _Fwd, n: Node, subs: list, wrt: list[str], total, value) -> list:
+    """The gradients of ``wrt`` from a Call node (a call of the callee's gradient graph,
+    PopART's CallGradOp) or a conditional's If node (IfGradOp: a conditional on the same
+    condition whose branches call the branches' gradient graphs; a tensor one branch gives no
+    gradient gets zeros there). None where no gradient comes back."""
+    def args(g: Graph, sub: GradGraphInfo, site: Node) -> list[Tensor]:
+        ins = []
+        for e in sub.expected_inputs:
+            tid = _site_id(site, g, e.fwd_tensor)
+            if e.connection_type == ExpectedConnectionType.Fwd:
+                ins.append(value(tid))
+            elif e.fwd_tensor not in g._outputs:
+                raise ValueError(f"The gradient graph of '{g.name}' expects the gradient of "
+                                 f"'{e.fwd_tensor.id}', not an output of it")
+            else:
+                ins.append(total(tid))
+        return ins
+
+    def grads_of(g: Graph, sub: GradGraphInfo, site: Node, res: list[Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for e, r in zip(sub.expected_outputs, res):
+            if e.fwd_tensor in g._inputs:
+                tid = _site_id(site, g, e.fwd_tensor)
+                out[tid] = out[tid] + r if tid in out else r
+        return out
+
+    if n.op_type == "Call":
+        ((g, sub, site),) = subs
+        got = grads_of(g, sub, site, call(sub.graph, *args(g, sub, site)))
+        return [got.get(i) for i in wrt]
+    ir = fwd.graph.ir
+
+    def branch(g: Graph, sub: GradGraphInfo, site: Node) -> tuple[Graph, list[Tensor]]:
+        a = args(g, sub, site)
+
+        def body(*xs: Tensor) -> list[Tensor]:
+            got = grads_of(g, sub, site, call(sub.graph, *xs))
+            return [got[i] if i in got else constant(np.zeros(fwd.tensor(i).shape,
+                                                              fwd.tensor(i).dtype.as_numpy()),
+                                                     fwd.tensor(i).dtype) for i in wrt]
+        return ir.create_graph(body, *[x.spec for x in a]), a
+
+    (tg, ta), (eg, ea) = (branch(*s) for s in subs)
+    return list(conditional(value(n.inputs[0]), tg, eg, ta, ea))
