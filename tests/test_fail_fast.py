@@ -190,14 +190,18 @@ def test_launcher_signal_stops_every_rank(tmp_path, cmd, args, sig, status):
         assert "popart launch: interrupted (SIGINT)" in err
 
 
-def test_poprun_popxl_instance_failing_ends_the_job(tmp_path):
+@pytest.mark.parametrize("how, status", [("raise", 1), ("kill", 137)])
+def test_poprun_popxl_instance_failing_ends_the_job(tmp_path, how, status):
     """A popxl program (Ir(replication="popdist"), an all-reduce per run) under `poprun
-    --num-instances 2`: instance 1 raises in its third run while instance 0 runs on."""
-    code, out, err, took = run_job(poprun("popxl", str(tmp_path), "raise"), tmp_path)
-    assert code == 1, err
+    --num-instances 2`: instance 1 raises (status 1) or is killed by SIGKILL (137) in its
+    third run while instance 0 runs on."""
+    code, out, err, took = run_job(poprun("popxl", str(tmp_path), how), tmp_path)
+    assert code == status, err
     assert took < BOUND_S, took
-    assert "poprun: rank 1 exited with status 1" in err
-    assert "[rank 1] RuntimeError: instance 1 fails in its third run" in err
+    what = "exited with status 1" if how == "raise" else "was killed by signal 9"
+    assert f"poprun: rank 1 {what}" in err
+    if how == "raise":
+        assert "[rank 1] RuntimeError: instance 1 fails in its third run" in err
     assert "[rank 1] instance 1 finished run 2" in out
     assert not any(alive(p) for p in rank_pids(tmp_path))
 

@@ -7,7 +7,9 @@ go through gloo). All replicas of all processes form one device mesh, so gradien
 across processes inside the compiled program.
 
 Start processes with ``popart launch -n N script.py`` (PopRun-style), or set the environment
-variables below yourself; ``import popart`` then joins the runtime before JAX starts.
+variables below yourself; ``import popart`` then joins the runtime before JAX starts. A job
+fails fast and whole: a failing rank leaves at once with its status, and the launcher or JAX's
+coordination service ends the others (docs/multiprocess.md).
 """
 from __future__ import annotations
 
@@ -382,9 +384,11 @@ def _pump(source: Any, sink: Any, prefix: str) -> Any:
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """Stop the processes still running: SIGINT (a Python rank raises KeyboardInterrupt, runs
-    its ``finally`` blocks and leaves at once) and SIGTERM (JAX's preemption notifier takes it
-    in a rank of a job), then SIGKILL for those left after ``GRACE_SECONDS``."""
+    """Stop the processes still running: SIGINT (a Python rank raises KeyboardInterrupt at its
+    next Python line, runs its ``finally`` blocks and leaves at once) and SIGTERM (JAX's
+    preemption notifier takes it in a rank of a job), then SIGKILL for those left after
+    ``GRACE_SECONDS`` (a rank blocked in a call may not see the SIGINT: one of JAX's threads
+    may get it)."""
     import signal
     running = [p for p in procs if p.poll() is None]
     for p in running:

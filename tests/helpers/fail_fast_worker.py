@@ -15,7 +15,8 @@ train       a replicated TrainingSession over the ranks (its gradients all-reduc
 checkpoint  rank 0 trains alone and writes modelToHost(OUT/model.onnx) again and again,
             logging each version's weights first; rank 1 exits with status 9 meanwhile
 popxl       a popxl program (Ir(replication="popdist"), an all-reduce per run) under poprun;
-            rank 1 raises in its third run ("raise") or every rank runs on ("wait")
+            rank 1 raises in its third run ("raise"), is killed by SIGKILL there ("kill"),
+            or every rank runs on ("wait")
 """
 import os
 import signal
@@ -135,6 +136,8 @@ elif mode == "popxl":
         for i in range(1, 100000):
             if what == "raise" and rank == 1 and i == 3:
                 raise RuntimeError("instance 1 fails in its third run")
+            if what == "kill" and rank == 1 and i == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
             s.run({xs: np.full(2, 0.01, np.float32)})
             if i < 5:
                 print(f"instance {rank} finished run {i}", flush=True)
