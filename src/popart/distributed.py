@@ -128,7 +128,8 @@ def _status(code: object) -> int:
 def failure_status() -> int:
     """The exit status of this process if it is ending because it failed, else 0: an uncaught
     exception (1; 130 for KeyboardInterrupt), or ``sys.exit(n)`` with n != 0 that ended the
-    program (a bare ``raise SystemExit(n)`` is not seen: the launcher sees it, later)."""
+    program (a bare ``raise SystemExit(n)`` is not seen: such a rank waits at JAX's
+    shutdown barrier like one that ended well)."""
     last = getattr(sys, "last_type", None)
     if last is not None and not hasattr(sys, "ps1"):     # not an interactive session's error
         return 130 if issubclass(last, KeyboardInterrupt) else 1
