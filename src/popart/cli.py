@@ -260,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("script", help="the Python script")
     la.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     la.set_defaults(func=cmd_launch)
-    for s in (r, d, v, la):
+    from .report.cli import add_profile_parser   # popart profile MODEL.onnx
+    pr = add_profile_parser(sub)
+    for s in (r, d, v, la, pr):
         s.add_argument("--verbose", "-v", action="store_true",
                        help="INFO logging and full tracebacks on errors")
     return p

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import distributed
 from ..errors import OutOfMemoryException, popart_exception, popart_runtime_error
+from .. import report
 from ..ir.graph import Graph
 from .lower import raise_failed_checks, trace
 
@@ -40,10 +41,10 @@ def xla_errors(what: str) -> Iterator[None]:
                 isinstance(e, MemoryError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")):
             raise
         msg = " ".join(str(e).split())
+        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in msg:   # whole: XLA's peak buffers
+            raise OutOfMemoryException(f"{what}: out of memory ({str(e).strip()})") from None
         if len(msg) > 1200:   # keep the head and the tail, where a host callback's reason is
             msg = msg[:500] + " ... " + msg[-600:]
-        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in msg:
-            raise OutOfMemoryException(f"{what}: out of memory ({msg})") from None
         raise popart_runtime_error(f"{what}: {msg}") from None
 
 
@@ -153,6 +154,8 @@ class CompiledStep:
                               donate_argnums=tuple(donate_argnums))
         self.compiled: Any = None
         self.compile_seconds = 0.0
+        self.compile_phases: dict[str, float] = {}
+        self.recorder: Any = None   # popart.report's, when a report is switched on
         self._specs: Optional[tuple] = None
         self._jitted: Any = None
 
@@ -163,12 +166,20 @@ class CompiledStep:
         """Compile for arguments shaped like ``specs`` (ShapeDtypeStruct trees), from the
         step function or from a serialized executable (``exported``, see :meth:`export`)."""
         self._specs = tuple(specs)
+        hooks = report.current()   # None unless a report or progress logger is on
         t0 = time.perf_counter()
         fn = self.fn if exported is None else jax.export.deserialize(bytearray(exported)).call
         self._jitted = self._jit(fn)
         with xla_errors("Compiling the step"):
-            self.compiled = self._jitted.lower(*self._specs).compile()
-        self.compile_seconds = time.perf_counter() - t0
+            hooks and hooks.at("lower")
+            lowered = self._jitted.lower(*self._specs)
+            t1 = time.perf_counter()
+            hooks and hooks.at("compile")
+            self.compiled = lowered.compile(hooks and hooks.compiler_options())
+        t2 = time.perf_counter()
+        self.compile_seconds = t2 - t0
+        self.compile_phases = {"trace_and_lower": t1 - t0, "xla_compile": t2 - t1}
+        self.recorder = hooks.compiled(self) if hooks else None
 
     def export(self, specs: Optional[Sequence[Any]] = None) -> bytes:
         """The step as a serialized StableHLO module (``jax.export``): the compiled one, or
@@ -179,6 +190,8 @@ class CompiledStep:
 
     def __call__(self, *args: Any) -> Any:
         with xla_errors("Running the step"):
+            if self.recorder is not None:
+                return self.recorder.run(self.compiled, *args)
             return self.compiled(*args)
 
 
