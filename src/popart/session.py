@@ -20,6 +20,7 @@ from onnx import numpy_helper
 from . import dataflow as _df
 from . import distributed
 from . import logging as _log
+from . import report
 from .engine.als import check_settings as check_als_settings, snapshot as als_snapshot
 from .engine.executable import (EXECUTABLE_SLACK, EngineCache, canonical, executable_bytes,
                                 read_executable, runtime_signature)
@@ -142,6 +143,7 @@ class _Session:
         self._infos = self._infer_shapes()
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
+        report.session_built(self)   # progress 0, dotChecks, POPART_IR_DUMP
 
     # ------------------------------------------------------------------ set-up
     def _resolve_inputs(self, isi: Any) -> dict[str, TensorInfo]:
@@ -271,7 +273,7 @@ class _Session:
                 self._key = _key_data(self._seed)
             _logger.info(f"Compiling '{self.name}' ...")
             exported = self._loaded.get("executable") if self._loaded else None
-            with compile_progress(f"'{self.name}'"):
+            with compile_progress(f"'{self.name}'"), report.session_compiling(self):
                 source = program.compile(self._host_weights, opt_state, self._key, self._hyper(),
                                          exported=exported, cache=self._engine_cache())
         _logger.info(f"Compiled '{self.name}' in {program.compile_seconds:.2f} s")
@@ -1183,7 +1185,7 @@ class _Session:
         summary = getattr(self.options, "summary", None)
         if callable(summary):
             lines.append(f"  options differing from default: {summary()}")
-        lines.append("Execution profiling not enabled")
+        lines += report.summary_lines(self._program.step if self._program else None)
         return "\n".join(lines)
 
     def getCycleCount(self, id: str = "") -> int:

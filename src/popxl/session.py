@@ -35,6 +35,7 @@ import popart
 from popart import distributed
 from popart.dataflow import validate_input
 from popart.engine import in_x64
+from popart import report
 from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, xla_errors
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.lower import CHECKS, first_failure, raise_failed_checks, trace
@@ -356,7 +357,8 @@ class Session:
         step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
                             donate_argnums=(0,))
         specs = self._specs()
-        self.executable_source = compile_step(step, specs, self._engine_cache_)
+        with report.popxl_compiling(self):   # autoReport.*, dotChecks, progress logger
+            self.executable_source = compile_step(step, specs, self._engine_cache_)
         if self.executable_source == "engine cache":   # not traced: the run-time checks from
             jax.eval_shape(step.fn, *specs)             # an abstract trace
         self._step = step
