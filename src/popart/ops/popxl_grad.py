@@ -44,7 +44,8 @@ def op_vjp(ctx: LowerCtx, *ins, fwd, provided, required, given, specs, n_saved_o
     """Gradients of inputs ``required`` of the one-node graph ``fwd`` given the gradients of
     its outputs ``provided``. Inputs: those gradients, the forward inputs ``given`` (indices
     of ``fwd.inputs``), then ``n_saved_out`` forward outputs. ``rule``: the op type whose
-    gradient comes from its output (``FROM_OUTPUT``)."""
+    gradient comes from its output (``FROM_OUTPUT``; the rule also gets the op's constant
+    inputs after the first, None where omitted, and its attributes)."""
     n, m = len(provided), len(given)
     grads, vals = ins[:n], ins[n:n + m]
     if rule:

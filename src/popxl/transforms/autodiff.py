@@ -16,6 +16,7 @@ import enum
 import dataclasses
 from typing import Any, Iterable, Mapping, Optional
 
+import jax
 import numpy as np
 
 from popart.errors import popart_exception
@@ -28,7 +29,8 @@ from popart.ops.popxl_grad import FROM_OUTPUT
 
 from ..graph import Graph
 from ..ops._base import POPXL
-from ..ops.call import CallSiteInfo, call, conditional
+from ..ops import dynamic_slice, reshape
+from ..ops.call import CallSiteInfo, call, conditional, repeat
 from ..tensor import Tensor, constant, graph_input, graph_output
 
 
@@ -185,6 +187,44 @@ def _branches(graph: Graph, n: Node) -> Optional[tuple[Graph, Graph]]:
     return gs[0], gs[1]
 
 
+def _repeated(graph: Graph, n: Node) -> Optional[Graph]:
+    """The popxl graph a ``repeat``'s Loop node calls (its body calls it once on the carried
+    values), when its gradient is a repeat of the graph's gradient graph."""
+    body = n.attrs.get("body") if n.op_type == "Loop" else None
+    if not isinstance(body, IRGraph) or len(body.nodes) != 1 or body.nodes[0].op_type != "Call" \
+            or body.nodes[0].inputs != body.inputs[2:] or n.inputs[0] not in graph._g.initializers:
+        return None
+    g = next((g for g in graph.ir._graphs if g._g is body.nodes[0].attrs.get("callee")), None)
+    return None if g is None or g._hidden or g._by_ref_inputs else g
+
+
+def _save_iterations(graph: Graph, n: Node, body_graph: Graph, sub: GradGraphInfo) -> dict:
+    """Scan outputs of a repeat's Loop node ``n``: for each forward tensor that the body's
+    gradient graph reads and that changes across iterations (a carried input, an output),
+    its value at every iteration, stacked. Returns {forward tensor: stacked id}."""
+    body = n.attrs["body"]
+    call_node, n_out = body.nodes[0], len(body_graph._outputs)
+    trips = int(np.asarray(graph._g.initializers[n.inputs[0]]).reshape(()))
+    stacked = {}
+    for e in sub.expected_inputs:
+        t = e.fwd_tensor
+        if e.connection_type != ExpectedConnectionType.Fwd or t in stacked:
+            continue
+        if t in body_graph._outputs:
+            src = call_node.outputs[body_graph._outputs.index(t)]
+        elif body_graph._inputs.index(t) < n_out:
+            src = body.inputs[2 + body_graph._inputs.index(t)]
+        else:
+            continue        # the same every iteration: read the Loop's input
+        body.outputs.append(src)
+        tid = graph._new_id(f"{n.name.split('/')[-1]}_saved")
+        graph._add_tensor(tid, jax.ShapeDtypeStruct((trips, *t.shape), t.dtype.as_numpy()))
+        n.outputs.append(tid)
+        stacked[t] = tid
+    graph._finalize()
+    return stacked
+
+
 def _inputs(graph: Graph, n: Node) -> list[str]:
     """The ids ``n`` reads: its inputs, and for a conditional those its branches call with."""
     if _branches(graph, n) is None:
@@ -247,7 +287,10 @@ def _callee(graph: Graph, n: Node) -> Optional[Graph]:
 
 
 def _site_id(n: Node, callee: Graph, t: Tensor) -> str:
-    """The id at call node ``n`` of an input or output ``t`` of the called graph."""
+    """The id at call node ``n`` of an input or output ``t`` of the called graph (a repeat's
+    site: its stacked iterations where it has them)."""
+    if t in n.attrs.get("stacked", {}):
+        return n.attrs["stacked"][t]
     if t in callee._inputs:
         return n.inputs[callee._inputs.index(t)]
     if t in callee._outputs:
@@ -367,12 +410,15 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
     infos: dict[Graph, GradGraphInfo] = dict(called_graphs_grad_info or {})
     subs = {}   # Call / If node -> the called graphs and their gradient graphs
     for n, _, _ in plan:       # called graphs first: their added outputs are read here
-        callee = _callee(graph, n)
+        callee = _callee(graph, n) or _repeated(graph, n)
         called = (callee,) if callee is not None else _branches(graph, n)
         for g in called or ():
             if g not in infos:
                 infos.update(autodiff(g, called_graphs_grad_info=infos, return_all_grad_graphs=True))
-        if callee is not None:
+        if callee is not None and n.op_type == "Loop":   # site: the Loop's inputs, stacked saves
+            stacked = _save_iterations(graph, n, callee, infos[callee])
+            subs[id(n)] = [(callee, infos[callee], Node("Call", n.inputs[2:], [], {"stacked": stacked}))]
+        elif callee is not None:
             subs[id(n)] = [(callee, infos[callee], n)]
         elif called:     # a branch's site: the ids its Call reads, the If node's outputs
             subs[id(n)] = [(g, infos[g], Node("Call", n.attrs[b].nodes[0].inputs, n.outputs))
@@ -384,6 +430,8 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
                 n.inputs[:1 if n.op_type == "If" else 0] +
                 [_site_id(site, g, e.fwd_tensor) for g, sub, site in subs[id(n)]
                  for e in sub.expected_inputs if e.connection_type == ExpectedConnectionType.Fwd])), [], "")
+            if n.op_type == "Loop":
+                reads[id(n)] = ([i for i in reads[id(n)][0] if i], [], "")
         else:
             reads[id(n)] = _reads(fwd, n, wrt)
     saved = {t for ins, outs, _ in reads.values() for t in ins + outs} - fwd.consts
@@ -492,6 +540,8 @@ def _called_grads(fwd: _Fwd, n: Node, subs: list, wrt: list[str], total, value) 
                 out[tid] = out[tid] + r if tid in out else r
         return out
 
+    if n.op_type == "Loop":
+        return _repeat_grads(fwd, n, *subs[0], wrt, total, value)
     if n.op_type == "Call":
         ((g, sub, site),) = subs
         got = grads_of(g, sub, site, call(sub.graph, *args(g, sub, site)))
@@ -506,7 +556,53 @@ def _called_grads(fwd: _Fwd, n: Node, subs: list, wrt: list[str], total, value) 
             return [got[i] if i in got else constant(np.zeros(fwd.tensor(i).shape,
                                                               fwd.tensor(i).dtype.as_numpy()),
                                                      fwd.tensor(i).dtype) for i in wrt]
+        body.__qualname__ = f"{sub.graph.name}_branch"
         return ir.create_graph(body, *[x.spec for x in a]), a
 
     (tg, ta), (eg, ea) = (branch(*s) for s in subs)
     return list(conditional(value(n.inputs[0]), tg, eg, ta, ea))
+
+
+def _repeat_grads(fwd: _Fwd, n: Node, g: Graph, sub: GradGraphInfo, site: Node, wrt: list[str],
+                  total, value) -> list:
+    """The gradients of ``wrt`` from a repeat of ``g`` (PopART has no LoopGradOp): a repeat,
+    as many times, of a graph that calls ``g``'s gradient graph on the saved values of
+    iteration k = N-1, ..., 0 (rows of the Loop's stacked scan outputs), carrying the
+    gradients of the carried values and summing those of the values every iteration reads."""
+    n_out, ins = len(g._outputs), n.inputs[2:]
+    trips = int(np.asarray(fwd.ir.initializers[n.inputs[0]]).reshape(()))
+    carry = [j for j in range(n_out) if _float(g._outputs[j])]
+    acc = [i for i in range(n_out, len(ins)) if ins[i] in wrt]
+    fwd_in = [e for e in sub.expected_inputs if e.connection_type == ExpectedConnectionType.Fwd]
+    init = [total(n.outputs[j]) for j in carry] + [total(n.outputs[i]) for i in acc]
+    saved = [value(_site_id(site, g, e.fwd_tensor)) for e in fwd_in]
+
+    def body(*xs: Tensor) -> list[Tensor]:
+        dys, accs = dict(zip(carry, xs)), xs[len(carry):len(carry) + len(acc)]
+        k, rows = xs[len(init)], iter(xs[len(init) + 1:])
+        args = []
+        for e in sub.expected_inputs:
+            if e.connection_type == ExpectedConnectionType.FwdGrad:
+                args.append(dys[g._outputs.index(e.fwd_tensor)])
+            elif e.fwd_tensor in site.attrs["stacked"]:
+                row = dynamic_slice(next(rows), k, [0], [1])
+                args.append(reshape(row, e.fwd_tensor.shape))
+            else:
+                args.append(next(rows))
+        got: dict[int, Tensor] = {}
+        for e, r in zip(sub.expected_outputs, call(sub.graph, *args)):
+            if e.fwd_tensor in g._inputs:
+                got[g._inputs.index(e.fwd_tensor)] = r
+        zeros = lambda t: constant(np.zeros(t.shape, t.dtype.as_numpy()), t.dtype)
+        return ([got[j] if j in got else zeros(g._inputs[j]) for j in carry] +
+                [a + got[i] if i in got else a for a, i in zip(accs, acc)] + [k - 1])
+
+    k0 = constant(np.int32(trips - 1), name="iteration")
+    body.__qualname__ = f"{sub.graph.name}_repeat"
+    rg = fwd.graph.ir.create_graph(body, *[x.spec for x in init + [k0] + saved])
+    res = repeat(rg, trips, *init, k0, *saved)
+    out: dict[str, Tensor] = {}
+    for i, r in list(zip(carry, res)) + list(zip(acc, res[len(carry):])):
+        if ins[i] in wrt:
+            out[ins[i]] = out[ins[i]] + r if ins[i] in out else r
+    return [out.get(i) for i in wrt]
