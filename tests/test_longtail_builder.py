@@ -174,6 +174,28 @@ def test_input_value_ids_and_debug_info_ids():
     assert len(ids) == 2 and len(set(ids)) == 2 and all(isinstance(i, int) for i in ids)
 
 
+def test_debug_info_id_names_the_builder_record(tmp_path):
+    def build() -> Builder:
+        b = Builder()
+        x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]), "x")
+        b.addOutputTensor(b.aiOnnx.add([x, x], "sum"))
+        return b
+    assert build().getModelProto() == build().getModelProto()   # the same model, same bytes
+    path = tmp_path / "debug.json"
+    popart.initializePoplarDebugInfo(str(path), "json")
+    try:
+        b = build()
+    finally:
+        popart.closePoplarDebugInfo()
+    node = _model(b).graph.node[0]
+    doc = __import__("json").loads(path.read_text())
+    record = next(c for c in doc["contexts"] if c["id"] == _attrs(node)["__debug_info_id"])
+    names = doc["stringTable"]
+    assert record["layer"] == "popartbuilder" and names[record["name"]] == "sum"
+    assert record["category"] == "api" and record["api"] == "Add"
+    assert record["inputs"] == ["x", "x"] and record["outputs"] == list(node.output)
+
+
 def test_zero_d_array_is_a_float_attribute():
     b = Builder()
     x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]))

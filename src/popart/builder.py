@@ -82,6 +82,7 @@ import onnx
 import onnx.defs
 from onnx import AttributeProto, helper, numpy_helper
 
+from . import debug_info as _debug_info
 from .debug_info import DebugContext, DebugInfo
 from .errors import (ArgumentError, BuilderError, ModelError, UnsupportedOperatorError,
                      popart_exception)
@@ -158,8 +159,11 @@ def _debug_name(value: Any) -> str:
 _BUILDER_LOG = getLogger("builder")
 
 
-def _BuilderDebugInfo(debug: Any, op_type: str, inputs: Sequence[str]) -> DebugInfo:
-    """PopART's BuilderDebugInfo: a "popartbuilder" DebugInfo for one Builder call."""
+def _BuilderDebugInfo(debug: Any, op_type: str, inputs: Sequence[str]) -> Optional[DebugInfo]:
+    """PopART's BuilderDebugInfo: a "popartbuilder" DebugInfo for one Builder call, while a
+    debug-info file is being recorded (initializePoplarDebugInfo); else None."""
+    if getattr(_debug_info, "_stream", None) is None:
+        return None
     context = debug if isinstance(debug, DebugContext) else DebugContext._from(
         _debug_name(debug), "Builder", depth=2)
     info = DebugInfo(context, "popartbuilder")
@@ -649,6 +653,7 @@ class _Model:
         self.shape_cache: tuple = (-1, {}, False)   # (revision, types, engine part done)
         self.shape_error = ""                  # why the engine's inference failed, if it did
         self.subgraph_count = 0
+        self.node_count = 0                    # nodes added (their __debug_info_id)
 
 
 class Builder:
@@ -921,8 +926,10 @@ class Builder:
                   debug: Any = "", versions: Optional[tuple] = None) -> list[str]:
         """Append a node; returns its output ids. ``attributes`` are AttributeProtos;
         ``versions`` = (the op's version, the opset's) for the DEBUG line, found if None.
-        As PopART's, the node gets a ``__debug_info_id`` (the id of a "popartbuilder"
-        DebugInfo recording the call)."""
+        As PopART's, the node gets a ``__debug_info_id``: the id of the "popartbuilder"
+        DebugInfo recording the call while a debug-info file is recorded, else the node's
+        number in the model (so that building the same model twice gives the same bytes,
+        which the engine cache compares)."""
         domain = "" if domain in ("", ONNX_DOMAIN) else domain
         what = f"{domain or ONNX_DOMAIN}::{op_type}"
         if isinstance(inputs, str):
@@ -938,17 +945,21 @@ class Builder:
         info = _BuilderDebugInfo(debug, op_type, inputs)
         if _BUILDER_LOG.isEnabledFor("DEBUG"):
             op_version, opset = versions or self._op_versions(op_type, domain)
+            path = debug.getPathName() if isinstance(debug, DebugContext) else _debug_name(debug)
             _BUILDER_LOG.debug("Adding {}.{}:{} to builder opset:{}, numInputs:{} numOutputs:{} "
                                "numAttributes:{} name:{}", domain or ONNX_DOMAIN, op_type,
                                op_version, opset, len(inputs), num_outputs,
-                               len(attributes) + 1, info.getPathName())
+                               len(attributes) + 1, path)
         base = self.getNameScope(_debug_name(debug) or op_type)
         outputs = [self._new_id(f"{base}:{i}") for i in range(num_outputs)]
-        info.setValue("outputs", outputs)
+        self._shared.node_count += 1
+        if info is not None:
+            info.setValue("outputs", outputs)
         name = self._new_id(base, self._shared.node_names)
         node = helper.make_node(op_type, list(inputs), outputs, name=name, domain=domain)
         node.attribute.extend(attributes)
-        node.attribute.append(helper.make_attribute(DEBUG_INFO_ID, info.getId()))
+        node.attribute.append(helper.make_attribute(
+            DEBUG_INFO_ID, info.getId() if info is not None else self._shared.node_count))
         names = {a.name for a in attributes}
         for key, stack in self._context.items():
             if key not in names:
