@@ -268,3 +268,182 @@ def test_defaults_and_graphs_that_cannot_get_outputs():
         assert len(r.outputs) == 1      # not stitched: the repeat's loop body calls it
         assert all(t in r.inputs or t in r.outputs for t in rinfo.inputs)
         assert {"Tanh", "Sigmoid"} <= {n.op_type for n in rinfo.graph._g.nodes}   # recomputed
+
+
+def test_required_gradient_without_a_path_raises_popart_error():
+    """PopART's BackwardsGraphCreatorHelper: a tensor in grads_required that no gradient
+    reaches (an int input, an input read only through a non-differentiable op, an unused
+    one) raises "[Autodiff] Unable to provide required gradient output"; the forward graph
+    is left as it was."""
+    from popart import popart_exception
+    ir = popxl.Ir()
+    with ir.main_graph:
+        def f(x, w, labels, unused):
+            return ops.sum(ops.tanh(x) * ops.cast(ops.argmax(w, 0), popxl.float32)) + \
+                ops.cast(ops.sum(labels), popxl.float32)
+
+        g = ir.create_graph(f, popxl.TensorSpec((3,), popxl.float32), popxl.TensorSpec((2, 3), popxl.float32),
+                            popxl.TensorSpec((3,), popxl.int32), popxl.TensorSpec((3,), popxl.float32))
+        x, w, labels, unused = g.inputs
+        n_out = len(g.outputs)
+        for t in (w, labels, unused):
+            with pytest.raises(popart_exception, match=rf"\[Autodiff\] Unable to provide required gradient "
+                                                       rf"output for fwd id '{t.id}' in bwd graph subgraph "):
+                popxl.transforms.autodiff(g, grads_required=[x, t])
+        assert len(g.outputs) == n_out
+        info = popxl.transforms.autodiff(g, grads_required=[x])
+        assert [e.fwd_tensor for e in info.expected_outputs] == [x]
+
+
+def test_conditional_is_differentiated_through_its_branches_gradient_graphs():
+    """A conditional inside the differentiated graph (PopART's IfGradOp): its gradient is a
+    conditional on the same condition calling the branches' gradient graphs; the branches
+    get no new outputs (the If can expose none), their grad graphs recompute what their grad
+    ops read (tanh's output), as PopART's SafeAddFwdOutputStitcher. Checked for both
+    conditions against PyTorch, with an input the else branch does not read (zeros there)."""
+    XV = np.array([0.1, -0.5, 2.0], np.float32)
+    WV = np.array([0.3, 1.2, -0.7], np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        spec = popxl.TensorSpec((3,), popxl.float32)
+        then_g = ir.create_graph(lambda a, b: ops.tanh(a * b) * 2.0, spec, spec)
+        else_g = ir.create_graph(lambda a: ops.sigmoid(a), spec)
+
+        def f(x, w, c):
+            (y,) = ops.conditional(c, then_g, else_g, [x * 3.0, w], [x])
+            return ops.sum(y * x)
+
+        g = ir.create_graph(f, spec, spec, popxl.TensorSpec((), popxl.bool))
+        infos = popxl.transforms.autodiff(g, grads_required=g.inputs[:2], return_all_grad_graphs=True)
+        assert set(infos) == {g, then_g, else_g}
+        assert len(then_g.outputs) == 1 and len(else_g.outputs) == 1
+        assert "Tanh" in {n.op_type for n in infos[then_g].graph._g.nodes}     # recomputed
+        info = infos[g]
+        assert [n.op_type for n in info.graph._g.nodes].count("If") == 1
+        assert g.inputs[2] in info.inputs                                       # the condition
+        x, w = popxl.variable(XV, name="x"), popxl.variable(WV, name="w")
+        grads = {}
+        for cv in (True, False):
+            fi = ops.call_with_info(g, x, w, popxl.constant(np.array(cv)))
+            grads[cv] = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
+    got = _run(ir, {f"{k}{cv}": grads[cv][i] for cv in (True, False) for i, k in enumerate(("dx", "dw"))})
+    for cv in (True, False):
+        tx, tw = torch.tensor(XV, requires_grad=True), torch.tensor(WV, requires_grad=True)
+        y = torch.tanh(tx * 3.0 * tw) * 2.0 if cv else torch.sigmoid(tx)
+        (y * tx).sum().backward()
+        # (TanhGrad's 1 - y^2 from the float32 output: saturated tanh loses digits)
+        np.testing.assert_allclose(got[f"dx{cv}"], tx.grad.numpy(), rtol=1e-5, atol=2e-5)
+        np.testing.assert_allclose(got[f"dw{cv}"], np.zeros(3) if tw.grad is None else tw.grad.numpy(),
+                                   rtol=1e-5, atol=2e-5)
+
+
+def test_repeat_saves_each_iteration_and_repeats_the_body_gradient_graph():
+    """A repeat inside the differentiated graph: the Loop saves each iteration's carried value
+    and the body's output (stacked, [3, 2, 3]) for the body's gradient graph, which a repeat in
+    the gradient graph calls for iterations 2, 1, 0 (the forward loop does not run again);
+    the gradient of the weight every iteration reads is summed. PyTorch's gradients."""
+    XV = RNG.normal(size=(2, 3)).astype(np.float32)
+    WV = (RNG.normal(size=(3, 3)) * 0.5).astype(np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        body = ir.create_graph(lambda h, w: ops.tanh(h @ w) * 1.5, popxl.TensorSpec((2, 3), popxl.float32),
+                               popxl.TensorSpec((3, 3), popxl.float32))
+
+        def f(x, w):
+            (y,) = ops.repeat(body, 3, x, w)
+            return ops.sum(y * y)
+
+        g = ir.create_graph(f, popxl.TensorSpec((2, 3), popxl.float32), popxl.TensorSpec((3, 3), popxl.float32))
+        infos = popxl.transforms.autodiff(g, return_all_grad_graphs=True)
+        info = infos[g]
+        assert len(body.outputs) == 1
+        assert sorted(t.shape for t in info.inputs if t.shape[:1] == (3,) and len(t.shape) == 3) == [(3, 2, 3)] * 2
+        assert [n.op_type for n in info.graph._g.nodes].count("Loop") == 1
+        assert not any(n.op_type == "OpVJP" and n.attrs["fwd"].nodes[0].op_type == "Loop"
+                       for n in info.graph._g.nodes)
+        x, w = popxl.variable(XV, name="x"), popxl.variable(WV, name="w")
+        fi = ops.call_with_info(g, x, w)
+        gi = ops.call_with_info(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
+        grads = info.fwd_parent_ins_to_grad_parent_outs(fi, gi)
+    got = _run(ir, {"loss": fi.outputs[0], "dx": grads[x], "dw": grads[w]})
+    tx, tw = torch.tensor(XV, requires_grad=True), torch.tensor(WV, requires_grad=True)
+    h = tx
+    for _ in range(3):
+        h = torch.tanh(h @ tw) * 1.5
+    loss = (h * h).sum()
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(got["dx"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["dw"], tw.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_grad_ops_take_their_forward_ops_placement():
+    """PopART builds each grad op with its forward op's settings: the grad ops of ops built on
+    IPU 1 / on IO tiles are there, whatever placement is active when autodiff is called;
+    the numbers are unchanged (NumPy)."""
+    XV = RNG.normal(size=(2, 3)).astype(np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        def f(x, w):
+            with popxl.ipu(1):
+                h = ops.tanh(x @ w)
+            with popxl.io_tiles():
+                y = h * 2.0
+            return ops.sum(y)
+
+        g = ir.create_graph(f, popxl.TensorSpec((2, 3), popxl.float32), popxl.TensorSpec((3, 3), popxl.float32))
+        with popxl.ipu(0):
+            info = popxl.transforms.autodiff(g)
+        placed = {n.name.split("/")[-1]: n.annotations for n in info.graph._g.nodes}
+        assert placed["tanh_grad"].get("__ipu_number") == 1 and placed["matmul_grad"].get("__ipu_number") == 1
+        assert placed["mul_grad"].get("__io_tiles") == 1 and "__ipu_number" not in placed["mul_grad"]
+        assert "__ipu_number" not in placed["reducesum_grad"]
+        x, w = popxl.variable(XV, name="x"), popxl.variable(W1.T[:3, :3].copy(), name="w")
+        fi = ops.call_with_info(g, x, w)
+        gi = ops.call_with_info(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
+    got = _run(ir, {"dx": gi.outputs[0], "dw": gi.outputs[1]})
+    wv = W1.T[:3, :3]
+    gz = 2.0 * (1 - np.tanh(XV @ wv) ** 2)
+    np.testing.assert_allclose(got["dx"], gz @ wv.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["dw"], XV.T @ gz, rtol=1e-5, atol=1e-6)
+
+
+def test_saved_activations_follow_popart_grad_input_info():
+    """GRAD_READS from each grad op's gradInputInfo(): GroupNormGradOp reads x, scale and the
+    saved mean / inv std (not the bias, not y); GatherGradOp only the indices; ClipGradOp only
+    the clipped output; DivArg0GradOp both inputs and the output. PyTorch's gradients."""
+    XV = RNG.normal(size=(4, 3)).astype(np.float32)
+    SV, BV = RNG.normal(size=3).astype(np.float32), RNG.normal(size=3).astype(np.float32)
+    DV = (RNG.uniform(size=(2, 3)) + 0.5).astype(np.float32)
+    IV = np.array([3, 1], np.int32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        names = {}
+
+        def f(x, s, b, d, idx):
+            names["h"] = ops.group_norm(x, s, b, 1)
+            names["g"] = ops.gather(names["h"], idx)
+            names["c"] = ops.clip(names["g"], -0.5, 0.5)
+            names["q"] = names["c"] / d
+            return ops.sum(names["q"])
+
+        g = ir.create_graph(f, popxl.TensorSpec((4, 3), popxl.float32), popxl.TensorSpec((3,), popxl.float32),
+                            popxl.TensorSpec((3,), popxl.float32), popxl.TensorSpec((2, 3), popxl.float32),
+                            popxl.TensorSpec((2,), popxl.int32))
+        info = popxl.transforms.autodiff(g, grads_required=g.inputs[:4])
+        x, s, b, d, idx = g.inputs
+        read = set(info.inputs[1:])
+        assert {x, s, d, idx, names["c"], names["q"]} <= read
+        assert not {b, names["h"], names["g"]} & read
+        gn = next(n for n in g._g.nodes if n.op_type == "GroupNormalization")
+        assert {t._ir_id for t in read if t not in g.inputs} == {*gn.outputs[1:], names["c"]._ir_id,
+                                                                  names["q"]._ir_id}
+        vs = [popxl.variable(v, name=k) for k, v in (("x", XV), ("s", SV), ("b", BV), ("d", DV), ("i", IV))]
+        fi = ops.call_with_info(g, *vs)
+        gi = ops.call_with_info(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
+    got = _run(ir, {k: gi.outputs[i] for i, k in enumerate(("dx", "ds", "db", "dd"))})
+    t = [torch.tensor(v, requires_grad=True) for v in (XV, SV, BV, DV)]
+    h = torch.nn.functional.group_norm(t[0], 1, t[1], t[2], eps=1e-5)
+    (torch.clamp(h[torch.tensor(IV, dtype=torch.long)], -0.5, 0.5) / t[3]).sum().backward()
+    for k, v in zip(("dx", "ds", "db", "dd"), t):
+        np.testing.assert_allclose(got[k], v.grad.numpy(), rtol=1e-4, atol=1e-5)
