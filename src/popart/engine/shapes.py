@@ -51,7 +51,8 @@ def infer_graph(graph: Graph, ids: Optional[Iterable[str]] = None,
         return {k: env[k] for k in wanted if k in env and env[k] is not None}
 
     out = jax.eval_shape(fn, specs)
-    return {k: TensorInfo(to_datatype(v.dtype), list(v.shape)) for k, v in out.items()}
+    return {k: TensorInfo(to_datatype(v.dtype), list(v.shape)) for k, v in out.items()
+            if hasattr(v, "dtype")}   # sequences have no TensorInfo
 
 
 def infer_tensor_infos(model: ModelLike) -> dict[str, TensorInfo]:
