@@ -364,3 +364,26 @@ def test_builder_opset_audit_names():
     sub.addOutputTensor(sub.aiOnnx.neg([x]))
     (o,) = b.aiGraphcore.call([], 1, sub, debugName="mycall")
     assert _node(b, o).name == "mycall"
+
+
+def test_gradient_through_call_of_parent_graph_input_is_not_doubled():
+    """The Call body's input (added by addInputTensorFromParentGraph, named w) binds to the
+    Call's input w by position: d sum(w * w) / dw = 2 w, counted once."""
+    b = Builder()
+    wv = np.array([1.0, 2.0, 3.0], F32)
+    w = b.addInitializedInputTensor(wv, "w")
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+    body = b.createSubgraphBuilder()
+    body.addInputTensorFromParentGraph(w)
+    body.addOutputTensor(body.aiOnnx.mul([w, w]))
+    (o,) = b.aiGraphcore.call([w], 1, body)
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.add([o, x])], 1.0,
+                                reduction=popart.ReductionType.Sum)
+    grad = popart.reservedGradientPrefix() + w
+    sess = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [grad]), loss,
+                                  popart.ConstSGD(1e-9), popart.DeviceManager().createCpuDevice())
+    sess.prepareDevice()
+    sess.weightsFromHost()
+    anchors = sess.initAnchorArrays()
+    sess.run(popart.PyStepIO({x: np.zeros(3, F32)}, anchors))
+    np.testing.assert_allclose(anchors[grad], 2 * wv)
