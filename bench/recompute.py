@@ -57,6 +57,7 @@ def popart_session(ws: list, batch: int, mode: str, every: int):
                                popart.SGD({"defaultLearningRate": (LR, True)}),
                                popart.DeviceManager().createCpuDevice(), userOptions=o)
     s.prepareDevice()
+    s.weightsFromHost()
     return s, x, loss
 
 

@@ -270,6 +270,7 @@ def test_replicas_on_a_device_with_shared_ipus_match_one_replica_per_device(dm):
         s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
                                    popart.ConstSGD(0.1), device, userOptions=o)
         s.prepareDevice()
+        s.weightsFromHost()
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO({x: X.reshape(8, 2, 3)}, out))
         got = np.zeros((3, 2), np.float32)

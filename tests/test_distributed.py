@@ -58,6 +58,7 @@ def test_global_replication_options_are_checked():
                                popart.ConstSGD(0.1), popart.DeviceManager().createCpuDevice(), userOptions=opts)
     try:
         s.prepareDevice()
+        s.weightsFromHost()
         raise AssertionError("expected an error")
     except popart.popart_exception as e:
         assert "globalReplicationFactor" in str(e) and "4" in str(e)

@@ -234,3 +234,191 @@ def test_set_random_seed_rules(caplog):
     assert "Trying to set the random seed, but this session has no random behaviour. Doing " \
            "nothing." in caplog.text
     assert s.getRandomSeed() == 0
+
+
+# ------------------------------------------------------------------ item 9: anchors and StepIO
+def _mul_loss_model():
+    """y = x * w; loss = L1(y) (sum); side = Neg(x) does not lead to the loss."""
+    return _model([_node("Mul", ["x", "w"], ["y"]), _node("Neg", ["x"], ["side"]),
+                   _node("L1", ["y"], ["loss"], domain="ai.graphcore", **{"lambda": 1.0, "reduction": 0})],
+                  [("x", TP.FLOAT, [2, 3])], [("loss", TP.FLOAT, []), ("side", TP.FLOAT, [2, 3])],
+                  [W23])
+
+
+def test_anchoring_a_gradient_never_computed_raises():
+    with pytest.raises(popart.popart_exception) as e:
+        _training(_mul_loss_model(), "loss", anchors=["loss", "Gradient___side"])
+    assert e.value.args[0] == (
+        "Anchor tensor `Gradient___side' not in Ir Tensors. \nInterestingly, `side' IS in "
+        "tensors.\nNote that not all tensors can have their gradients anchored:\nif an "
+        "activation tensor does not lead to the loss,\nits gradient is zero and never computed.")
+    with pytest.raises(popart.popart_exception, match="Anchor tensor `nope' not in Ir Tensors. "
+                                                      "The tensors are:\n"):
+        _training(_mul_loss_model(), "loss", anchors=["nope"])
+
+
+def _neg_session(bps=4, anchors=None, opts=None, accl=1):
+    """Inference y = -x (x [2]), or a training session with accumulation when accl > 1."""
+    model = _model([_node("Neg", ["x"], ["y"])], [("x", TP.FLOAT, [2])], [("y", TP.FLOAT, [2])])
+    s = popart.InferenceSession(model, popart.DataFlow(bps, anchors or {"y": popart.AnchorReturnType("ALL")}),
+                                CPU(), userOptions=opts)
+    s.prepareDevice()
+    return s
+
+
+def test_stepio_wraps_around_without_runtime_asserts():
+    """PopART's StepIO reads one micro-batch per call from its offset and starts again at
+    the buffer's end; the offset stays with the StepIO between runs."""
+    s = _neg_session(bps=4)
+    data = np.array([[1, 2], [3, 4], [5, 6]], np.float32)   # 3 micro-batches for 4
+    anchors = s.initAnchorArrays()
+    io = popart.PyStepIO({"x": data}, anchors)
+    io.enableRuntimeAsserts(False)
+    s.run(io)
+    np.testing.assert_array_equal(anchors["y"], -data[[0, 1, 2, 0]])
+    s.run(io)
+    np.testing.assert_array_equal(anchors["y"], -data[[1, 2, 0, 1]])
+    with pytest.raises(popart.popart_exception) as e:   # with PopART's runtime asserts (default)
+        s.run(popart.PyStepIO({"x": data}, anchors))
+    assert e.value.args[0].startswith("Unexpected number of input elements for Tensor x. "
+                                      "Expected 8, but received 6.\n")
+
+
+def test_stepio_extra_inputs_as_popart_runtime_asserts():
+    b_model = _model([_node("Mul", ["x", "w"], ["y"])], [("x", TP.FLOAT, [2, 3]), ("w", TP.FLOAT, [2, 3])],
+                     [("y", TP.FLOAT, [2, 3])], [W23])   # w: a graph input (as the Builder writes)
+    s = popart.InferenceSession(b_model, popart.DataFlow(1, ["y"]), CPU())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    x = np.ones((2, 3), np.float32)
+    s.run(popart.PyStepIO({"x": x, "w": np.zeros((2, 3), np.float32)}, anchors))   # ignored
+    np.testing.assert_array_equal(anchors["y"], W23[1])
+    with pytest.raises(popart.popart_exception) as e:
+        s.run(popart.PyStepIO({"x": x, "zz": x}, anchors))
+    assert e.value.args[0] == ("Testing that the buffer provided by user for input Tensor zz "
+                               "has the correct number of elements, But there is no Tensor "
+                               "named zz in the Ir's main Graph, and it does not exist in the "
+                               "original ONNX Model.")
+
+
+def test_every_n_counts_micro_batches():
+    """EveryN(2) with accumulationFactor 2 and 2 batches: PopART's batch counter counts
+    micro-batches, so micro-batches 2 and 4 (1-based) come back, as [bps/N, A] = [1, 2]."""
+    model = _mul_loss_model()
+    opts = popart.SessionOptions()
+    opts.enableGradientAccumulation = True
+    opts.accumulationFactor = 2
+    s = popart.TrainingSession(model, popart.DataFlow(2, {"y": popart.AnchorReturnType("EVERYN", 2)}),
+                               "loss", popart.ConstSGD(1e-9), CPU(), userOptions=opts)
+    s.prepareDevice()
+    s.weightsFromHost()
+    anchors = s.initAnchorArrays()
+    x = np.arange(1, 5, dtype=np.float32)[:, None, None] * np.ones((4, 2, 3), np.float32)
+    s.run(popart.PyStepIO({"x": x.reshape(2, 2, 2, 3)}, anchors))
+    assert anchors["y"].shape == (2, 2, 3)
+    np.testing.assert_array_equal(anchors["y"], x[[1, 3]] * W23[1])
+
+
+def test_synthetic_data_ignores_host_inputs():
+    opts = popart.SessionOptions()
+    opts.syntheticDataMode = popart.SyntheticDataMode.Zeros
+    opts.enableLoadAndOffloadRNGState = True
+    s = _neg_session(bps=2, opts=opts)
+    anchors = s.initAnchorArrays()
+    anchors["y"][...] = 7.0
+    s.run(popart.PyStepIO({}, anchors))   # no input needed, no anchor written
+    np.testing.assert_array_equal(anchors["y"], 7.0)
+    assert s.getRNGState() == []
+
+
+# ------------------------------------------------------------------ item 10: PopART's INFO lines
+def test_info_lines_at_popart_levels_and_loggers(caplog, tmp_path):
+    model = _model([_node("Neg", ["x"], ["y"])], [("x", TP.FLOAT, [3])], [("y", TP.FLOAT, [3])])
+    with caplog.at_level(logging.INFO, logger="popart.devicex"), \
+            caplog.at_level(logging.INFO, logger="popart.session"):
+        s = popart.InferenceSession(model, popart.DataFlow(1, ["y"]), CPU())
+        s.prepareDevice()
+        s.saveExecutable(str(tmp_path / "e.popef"))
+        s2 = popart.InferenceSession(model, popart.DataFlow(1, ["y"]), CPU())
+        s2.loadExecutable(str(tmp_path / "e.popef"))
+    lines = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    info = logging.INFO
+    assert ("popart.devicex", info, "Starting compilation") in lines
+    assert ("popart.devicex", info, "Graph compiled") in lines
+    assert ("popart.devicex", info, "Engine loaded") in lines
+    assert ("popart.session", info, f"Loading serialized PopART executable from "
+                                    f"{tmp_path / 'e.popef'}") in lines
+    loaded = lines[[m for _, _, m in lines].index(f"Loading serialized PopART executable from "
+                                                    f"{tmp_path / 'e.popef'}"):]
+    assert ("popart.devicex", info, "Starting compilation") not in loaded   # not compiled again
+
+
+# ------------------------------------------------------------------ item 2: PopART's messages
+def test_popart_messages_verbatim_with_context_in_notes():
+    with pytest.raises(popart.popart_exception) as e:
+        popart.AnchorReturnType("SOMETIMES")
+    assert e.value.args[0] == "Invalid anchor return type ID supplied: SOMETIMES"
+    assert e.value.__notes__   # the package's context: what is accepted
+    with pytest.raises(popart.popart_exception) as e:
+        popart.DataFlow(0, ["y"])
+    assert e.value.args[0] == "'Batches per step' must be greater than zero"
+    model = _model([_node("Neg", ["x"], ["y"])], [("x", TP.FLOAT, [3])], [("y", TP.FLOAT, [3])])
+    opts = popart.SessionOptions()
+    opts.enableLoadAndOffloadRNGState = True
+    s = popart.InferenceSession(model, popart.DataFlow(1, ["y"]), CPU(), userOptions=opts)
+    with pytest.raises(popart.popart_runtime_error) as e:
+        s.loadEngineAndConnectStreams()
+    assert e.value.args[0] == ("Trying to load an engine but no compiled engine. Did you forget "
+                               "to call prepareDevice()?")
+    with pytest.raises(popart.popart_runtime_error) as e:
+        s.getRNGState()
+    assert e.value.args[0] == ("Devicex::prepare() must be called before "
+                               "Devicex::getRngStateToHost is called.")
+    s.prepareDevice()
+    with pytest.raises(popart.popart_exception) as e:
+        s.writeWeights(popart.PyWeightsIO({}))
+    assert e.value.args[0] == ("Cannot call writeWeights when constantWeights is set. Set "
+                               "`constantWeights` to False in the `SessionOption`s when "
+                               "initialising the session to enable this behaviour.")
+
+
+def test_int64_host_data_for_int32_input_narrowed_once(caplog, monkeypatch):
+    import popart.dataflow as df
+    monkeypatch.setattr(df, "_warned_int64", False)
+    model = _model([_node("Neg", ["i"], ["y"])], [("i", TP.INT32, [3])], [("y", TP.INT32, [3])])
+    s = popart.InferenceSession(model, popart.DataFlow(1, ["y"]), CPU())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    with caplog.at_level(logging.WARNING, logger="popart.devicex"):
+        for _ in range(2):
+            s.run(popart.PyStepIO({"i": np.array([1, -2, 2 ** 31 - 1], np.int64)}, anchors))
+    np.testing.assert_array_equal(anchors["y"], [-1, 2, -(2 ** 31 - 1)])
+    warned = [r.getMessage() for r in caplog.records if r.name == "popart.devicex"]
+    assert warned == ["Copying (host) tensor i from INT64 to INT32. Will only warn once"]
+    with pytest.raises(popart.popart_exception, match="does not fit INT32"):
+        s.run(popart.PyStepIO({"i": np.array([1, 2, 2 ** 31], np.int64)}, anchors))
+
+
+def test_updated_var_anchor_is_the_weight_after_the_update():
+    s = popart.TrainingSession(_mul_loss_model(), popart.DataFlow(1, ["UpdatedVar___w"]), "loss",
+                               popart.ConstSGD(0.5), CPU())
+    s.prepareDevice()
+    s.weightsFromHost()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({"x": np.ones((2, 3), np.float32)}, anchors))
+    np.testing.assert_allclose(anchors["UpdatedVar___w"], W23[1] - 0.5 * np.sign(W23[1]))
+
+
+def test_training_run_needs_weights_from_host():
+    s = popart.TrainingSession(_mul_loss_model(), popart.DataFlow(1, ["loss"]), "loss",
+                               popart.ConstSGD(0.5), CPU())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    io = popart.PyStepIO({"x": np.ones((2, 3), np.float32)}, anchors)
+    with pytest.raises(popart.popart_runtime_error) as e:
+        s.run(io)
+    assert e.value.args[0] == ("Must call weightsFromHost before run as the model has "
+                               "initializers and the session has been created in training mode")
+    s.weightsFromHost()
+    s.run(io)
+    np.testing.assert_allclose(anchors["loss"], np.abs(W23[1]).sum())

@@ -225,6 +225,7 @@ def test_ipus_sharing_devices_run_unplaced_with_a_log_line(caplog):
     logger.setLevel("INFO")
     try:
         s.prepareDevice()
+        s.weightsFromHost()
     finally:
         logger.setLevel(level)
     assert not s._program.placed
@@ -246,6 +247,7 @@ def test_gradients_of_activations_as_anchors():
         s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.ConstSGD(0.1), dev,
                                    userOptions=o)
         s.prepareDevice()
+        s.weightsFromHost()
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO(feeds(ids, 1, 3), out))
         dev.detach()
@@ -271,6 +273,7 @@ def test_stashed_and_restored_activations_as_anchors():
     dev = popart.DeviceManager().acquireAvailableDevice(3)
     s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.ConstSGD(0.1), dev, userOptions=o)
     s.prepareDevice()
+    s.weightsFromHost()
     out = s.initAnchorArrays()
     f = feeds(ids, 1, 3)
     s.run(popart.PyStepIO(f, out))

@@ -57,6 +57,7 @@ def session(stages, placed, pipelined=False, master=True, A=1, R=1, bps=3, perio
     s = popart.TrainingSession(b.getModelProto(), df, loss, opt, dev, userOptions=o)
     if load:
         s.loadExecutable(load)
+        s.weightsFromHost()
     else:
         s.prepareDevice()
         s.weightsFromHost()

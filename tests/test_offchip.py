@@ -70,6 +70,7 @@ def test_off_chip_override_and_executable_round_trip(tmp_path, resident):
     again = popart.TrainingSession(b.getModelProto(), df, ids["loss"], popart.Adam(ADAM),
                                    popart.DeviceManager().createCpuDevice(), userOptions=o)
     again.loadExecutable(path)
+    again.weightsFromHost()
     out = again.initAnchorArrays()
     again.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
     np.testing.assert_allclose(out[ids["loss"]], resident[2][1], rtol=1e-6)

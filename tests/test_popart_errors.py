@@ -81,10 +81,10 @@ def test_batches_per_step_and_return_periods():
     with pytest.raises(DataFlowError, match="'Batches per step' must be greater than zero"):
         popart.DataFlow(0, {"a": popart.AnchorReturnType("ALL")})
     with pytest.raises(DataFlowError, match="Return period must be a factor of the number of "
-                                            "batches per step.*'a'"):
+                                            "batches per step\n.*'a'"):   # context: a note
         popart.DataFlow(4, art)
     with pytest.raises(DataFlowError, match="Return period must be <= to the number of batches "
-                                            "per step.*'a'"):
+                                            "per step\n.*'a'"):
         popart.DataFlow(2, art)
     df = popart.DataFlow(6, art)
     with pytest.raises(DataFlowError, match="factor"):

@@ -101,6 +101,7 @@ def train(method, build=None, feeds=None, anchors=(), seed=None):
     s = popart.TrainingSession(b.getModelProto(), flow, loss,
                                popart.SGD({"defaultLearningRate": (0.05, False)}), CPU(), userOptions=o)
     s.prepareDevice()
+    s.weightsFromHost()
     if seed is not None:
         s.setRandomSeed(seed)
     out = s.initAnchorArrays()
@@ -226,6 +227,7 @@ def test_replicated_recomputation_has_the_same_numbers(devices):
                                    popart.SGD({"defaultLearningRate": (0.05, False)}),
                                    popart.DeviceManager().acquireAvailableDevice(devices), userOptions=o)
         s.prepareDevice()
+        s.weightsFromHost()
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO({x: np.random.RandomState(1).randn(2, 2, 2, 8, 16).astype(np.float32)}, out))
         w = np.zeros((16, 16), np.float32)

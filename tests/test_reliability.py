@@ -185,12 +185,14 @@ def test_executable_for_other_options_optimizer_or_version_is_rejected(tmp_path,
     t = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [ids["loss"]]), ids["loss"],
                                popart.ConstSGD(0.1), CPU())
     t.prepareDevice()
+    t.weightsFromHost()
     t.saveExecutable(path)
     t2 = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [ids["loss"]]), ids["loss"],
                                 popart.ConstSGD(0.2), CPU())
     monkeypatch.undo()
     with pytest.raises(popart.popart_exception, match="optimizer"):
         t2.loadExecutable(path)
+        t2.weightsFromHost()
 
 
 def test_engine_cache_belongs_to_the_session_and_checks_its_entries(tmp_path, capfd):
@@ -203,15 +205,18 @@ def test_engine_cache_belongs_to_the_session_and_checks_its_entries(tmp_path, ca
     a, b = cached(small_model(2.0), "a"), cached(small_model(3.0), "b")
     a.prepareDevice()
     b.prepareDevice()
+    b.weightsFromHost()
     assert len(entries("a")) == 1 and len(entries("b")) == 1
     plain = infer(small_model(5.0))
     plain.prepareDevice()
+    plain.weightsFromHost()
     assert len(entries("a")) == 1 and len(entries("b")) == 1
     assert not list(tmp_path.glob("*/.tmp_*"))
     assert jax.config.jax_compilation_cache_dir is None   # JAX's process-wide config is left as it was
 
     again = cached(small_model(2.0), "a")
     again.prepareDevice()
+    again.weightsFromHost()
     assert "executable_source: engine cache" in again.getSummaryReport()
     np.testing.assert_array_equal(run_once(again), np.arange(4) * 2.0)
 
@@ -223,6 +228,7 @@ def test_engine_cache_belongs_to_the_session_and_checks_its_entries(tmp_path, ca
     try:
         swapped = cached(small_model(2.0), "a")
         swapped.prepareDevice()
+        swapped.weightsFromHost()
     finally:
         logger.setLevel(level)
     assert "model_sha256" in capfd.readouterr().err
@@ -319,6 +325,7 @@ def test_one_session_from_four_threads_serialises(eager_thread_switches):
         s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [ids["loss"]]), ids["loss"],
                                    popart.ConstSGD(0.05), CPU())
         s.prepareDevice()
+        s.weightsFromHost()
         return s
 
     def steps(s, n, losses):

@@ -168,6 +168,7 @@ def test_executable_round_trip(device, tmp_path):
     s.compileAndExport(str(tmp_path / "e.popef"))
     loaded = session()
     loaded.loadExecutable(str(tmp_path / "e.popef"))
+    loaded.weightsFromHost()
     out = loaded.initAnchorArrays()
     loaded.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
     for k, v in read(loaded, ids).items():
@@ -200,6 +201,7 @@ def test_inference_gathers_sharded_weights(device):
         s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(BPS, [ids["p"]]), device,
                                     userOptions=o)
         s.prepareDevice()
+        s.weightsFromHost()
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
         outs.append(out[ids["p"]])
@@ -226,6 +228,7 @@ def _prepare(opts, optimizer, device=None):
                                optimizer, device or popart.DeviceManager().createCpuDevice(),
                                userOptions=opts)
     s.prepareDevice()
+    s.weightsFromHost()
     return s, ids
 
 

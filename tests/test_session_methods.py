@@ -34,6 +34,7 @@ def training():
                                popart.SGD({"defaultLearningRate": (0.1, False),
                                            "defaultMomentum": (0.9, True)}), CPU())
     s.prepareDevice()
+    s.weightsFromHost()
     return s, x, y, loss
 
 
@@ -188,6 +189,7 @@ def test_implicit_pipelining_forward_only_program():
     s = popart.TrainingSession(proto, popart.DataFlow(1, [y, loss]), loss, popart.ConstSGD(0.1),
                                popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
     s.prepareDevice()
+    s.weightsFromHost()
     feed = np.arange(16, dtype=np.float32).reshape(2, 2, 4) / 16     # [accumulation, batch, 4]
     run(s, x, feed)                                                   # one training step
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in s.getIr().getModel().graph.initializer}

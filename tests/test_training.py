@@ -248,6 +248,7 @@ def test_l1loss_and_identityloss_reductions(red, expect):
     df = popart.DataFlow(1, {l1: popart.AnchorReturnType("ALL"), G + w: popart.AnchorReturnType("ALL")})
     s = popart.TrainingSession(b.getModelProto(), df, l1, popart.SGD({"defaultLearningRate": (0.0, False)}), CPU())
     s.prepareDevice()
+    s.weightsFromHost()
     out = s.initAnchorArrays()
     s.run(popart.PyStepIO({x: data_}, out))
     np.testing.assert_allclose(out[l1], expect(0.5 * np.abs(data_)), rtol=1e-6)
@@ -276,6 +277,7 @@ def test_dropout_seeded_training_and_inactive_in_inference():
     def run(seed):
         s = popart.TrainingSession(proto, popart.DataFlow(2, [d]), loss, popart.SGD({"defaultLearningRate": (0.0, False)}), CPU())
         s.prepareDevice()
+        s.weightsFromHost()
         s.setRandomSeed(seed)   # PopART: once the executable exists
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO({x: np.ones((2, 64), np.float32)}, out))
@@ -342,6 +344,7 @@ def test_automatic_loss_scaling_adjusts_the_scale():
                 anchors["finalLossScale"] = anchors["lossScaleUpdateFactor"] = popart.AnchorReturnType("ALL")
             s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(3, anchors), loss, opt, CPU(), userOptions=opts)
             s.prepareDevice()
+            s.weightsFromHost()
             out = s.initAnchorArrays()
             s.run(popart.PyStepIO({x: X}, out))
             if als:
@@ -370,6 +373,7 @@ def test_save_and_load_executable_resumes_training(tmp_path):
     df = popart.DataFlow(2, {ids["loss"]: popart.AnchorReturnType("ALL")})
     s2 = popart.TrainingSession(b.getModelProto(), df, ids["loss"], opt(), CPU())
     s2.loadExecutable(path)
+    s2.weightsFromHost()
     out2 = s2.initAnchorArrays()
     s.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
     s2.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out2))
@@ -382,6 +386,7 @@ def test_save_and_load_executable_resumes_training(tmp_path):
     s3 = popart.TrainingSession(b3.getModelProto(), popart.DataFlow(2, [ids3["loss"]]), ids3["loss"], opt(), CPU())
     with pytest.raises(popart.popart_exception, match="model_sha256"):
         s3.loadExecutable(path)
+        s3.weightsFromHost()
 
 
 def test_stream_callback_gets_one_replica_and_broadcast_weights_keeps_one_instance():

@@ -156,6 +156,7 @@ def test_indices_checked_in_training():
     s = popart.TrainingSession(b.getModelProto(), flow, loss, popart.ConstSGD(0.1),
                                popart.DeviceManager().createCpuDevice())
     s.prepareDevice()
+    s.weightsFromHost()
     s.run(popart.PyStepIO({i: np.array([0, 3], np.int32)}, s.initAnchorArrays()))
     with pytest.raises(popart.popart_runtime_error, match="index 4 in"):
         s.run(popart.PyStepIO({i: np.array([0, 4], np.int32)}, s.initAnchorArrays()))

@@ -28,6 +28,13 @@ def _integer(value: Any, what: str) -> int:
     return int(value)
 
 
+def _error(cls: type, message: str, note: str) -> Exception:
+    """``cls(message)``, PopART's text as ``args[0]``, with the package's context as a note."""
+    e = cls(message)
+    e.add_note(note)
+    return e
+
+
 def check_contiguous(array: Any, message: str) -> None:
     """Raise StepIOError(``message``) if ``array`` is a NumPy array that is not C-contiguous
     (PopART's bindings read host buffers in place and refuse to convert them)."""
@@ -68,21 +75,22 @@ class AnchorReturnType:
             returnPeriod, tileSet = None, returnPeriod
         ids = {name.upper(): member for name, member in AnchorReturnTypeId.__members__.items()}
         if not isinstance(artString, str) or artString.upper() not in ids:
-            raise DataFlowError(f"Invalid anchor return type ID supplied: {artString} (expected "
-                                "one of 'ALL', 'FINAL', 'SUM' or 'EVERYN' with a return period)")
+            raise _error(DataFlowError, f"Invalid anchor return type ID supplied: {artString}",
+                         "Expected one of 'ALL', 'FINAL', 'SUM' or 'EVERYN' with a return period")
         self._id = ids[artString.upper()]
         self._str = artString
         if self._id == AnchorReturnTypeId.EveryN:
             if returnPeriod is None:
-                raise DataFlowError(f"Must specify return period with option 'EVERYN': use "
-                                    f"AnchorReturnType('{artString}', N)")
+                raise _error(DataFlowError, "Must specify return period with option 'EVERYN'",
+                             f"Use AnchorReturnType('{artString}', N)")
             self._rp = _integer(returnPeriod, "AnchorReturnType: returnPeriod")
             if self._rp <= 0:
-                raise DataFlowError(f"Anchor return period must be greater than zero, got "
-                                    f"{returnPeriod!r}")
+                raise _error(DataFlowError, "Anchor return period must be greater than zero",
+                             f"Got {returnPeriod!r}")
         elif returnPeriod is not None:
-            raise DataFlowError(f"A return period should not be supplied for this anchor return "
-                                f"type ('{artString}' was given return period {returnPeriod!r})")
+            raise _error(DataFlowError, "A return period should not be supplied for this "
+                         "anchor return type", f"'{artString}' was given return period "
+                         f"{returnPeriod!r}")
         else:
             self._rp = 0
         self._tile_set = TileSet(tileSet)
@@ -155,20 +163,20 @@ class DataFlow:
         (PopART's checks and messages); the DataFlow is unchanged when it raises."""
         bps = _integer(batchesPerStep, "DataFlow: batchesPerStep")
         if bps <= 0:
-            raise DataFlowError(f"'Batches per step' must be greater than zero (DataFlow: "
-                                f"batchesPerStep must be an integer >= 1, got {batchesPerStep!r})")
+            raise _error(DataFlowError, "'Batches per step' must be greater than zero",
+                         f"DataFlow: batchesPerStep must be an integer >= 1, got "
+                         f"{batchesPerStep!r}")
         for tid, art in self._anchors.items():
             if art.id() != AnchorReturnTypeId.EveryN:
                 continue
             if art.rp() > bps:
-                raise DataFlowError(
-                    f"Return period must be <= to the number of batches per step (DataFlow: "
-                    f"anchor '{tid}' has return period {art.rp()}, batchesPerStep is {bps})")
+                raise _error(DataFlowError, "Return period must be <= to the number of "
+                             "batches per step", f"DataFlow: anchor '{tid}' has return period "
+                             f"{art.rp()}, batchesPerStep is {bps}")
             if bps % art.rp():
-                raise DataFlowError(
-                    f"Return period must be a factor of the number of batches per step "
-                    f"(DataFlow: anchor '{tid}' has return period {art.rp()}, batchesPerStep "
-                    f"is {bps})")
+                raise _error(DataFlowError, "Return period must be a factor of the number of "
+                             "batches per step", f"DataFlow: anchor '{tid}' has return period "
+                             f"{art.rp()}, batchesPerStep is {bps}")
         self._bps = bps
 
     def anchors(self) -> list[str]:
@@ -176,8 +184,8 @@ class DataFlow:
 
     def art(self, anchorId: str) -> AnchorReturnType:
         if anchorId not in self._anchors:
-            raise DataFlowError(f"Tensor '{anchorId}' is not an anchor of this DataFlow; "
-                                f"anchors are {self.anchors()}")
+            raise _error(DataFlowError, f"Tensor {anchorId} is not an anchor",
+                         f"The DataFlow's anchors are {self.anchors()}")
         return self._anchors[anchorId]
 
     def batchesPerStep(self) -> int:
@@ -239,9 +247,9 @@ class InputShapeInfo:
 
     def get(self, tensorId: str) -> TensorInfo:
         if tensorId not in self._infos:
-            raise popart_exception(f"No input shape info for Tensor `{tensorId}' in "
-                                   f"InputShapeInfo::get (InputShapeInfo has no entry for "
-                                   f"tensor '{tensorId}')")
+            raise _error(popart_exception, f"No input shape info for Tensor `{tensorId}' in "
+                         f"InputShapeInfo::get", f"InputShapeInfo has no entry for tensor "
+                         f"'{tensorId}'")
         return self._infos[tensorId]
 
     def has(self, tensorId: str) -> bool:
@@ -254,8 +262,9 @@ class InputShapeInfo:
 class PyStepIO:
     """Input and anchor buffers for one ``session.run``: dicts from tensor id to array.
 
-    With runtime asserts enabled (off by default here: PopART's own asserts only count
-    elements, which is always checked), inputs must also have exactly the host shape. As
+    By default element counts are checked (PopART's runtime asserts); enableRuntimeAsserts(True)
+    also checks the exact host shape, enableRuntimeAsserts(False) turns the checks off and
+    reads inputs as PopART's StepIO does, wrapping around at a buffer's end. As
     PopART's, NumPy arrays must be C-contiguous (StepIOError otherwise: no hidden copy)."""
 
     def __init__(self, inputs: Mapping[str, Any], outputs: Mapping[str, np.ndarray]) -> None:
@@ -265,9 +274,12 @@ class PyStepIO:
             check_contiguous(array, noncontiguous_output(tid))
         self.inputs = inputs
         self.outputs = outputs
-        self.runtime_asserts = False
+        self.runtime_asserts: Optional[bool] = None   # PopART's default: element counts checked
+        self.offsets: dict[str, int] = {}   # where each input's next read starts (wrap-around)
 
     def enableRuntimeAsserts(self, enable: bool) -> None:
+        """True: also the exact host shape; False: no size check, inputs read as PopART's
+        StepIO reads them (one micro-batch at a time, wrapping around at the buffer's end)."""
         self.runtime_asserts = bool(enable)
 
 
@@ -331,33 +343,83 @@ def anchor_host_shape(tensor_shape: Sequence[int], art: Any, batches_per_step: i
     return _drop_ones(leading, tensor_shape)
 
 
+_warned_int64 = False   # PopART warns once per process (Devicex::InputDatastream::read)
+
+
+def _type_name(dtype: np.dtype) -> str:
+    from .tensorinfo import to_datatype
+    try:
+        d = to_datatype(dtype)
+        return getattr(d, "name", str(d))
+    except Exception:
+        return str(dtype)
+
+
 def validate_input(tensor_id: str, array: Any, tensor_info: TensorInfo, bps: int, accl: int,
-                   repl: int, strict: bool = False) -> np.ndarray:
+                   repl: int, strict: bool = False,
+                   offsets: Optional[dict] = None) -> np.ndarray:
     """Check a StepIO input against its tensor and return it as ``[bps, accl, repl, *shape]``.
 
-    Raises StepIOError when the dtype differs (never casts) or the element count differs; with
-    ``strict`` (runtime asserts) also when the shape is neither the host shape (size-1 leading
-    dims dropped) nor the full ``[bps, accl, repl, *shape]``."""
+    As PopART's stepio and Devicex: INT64 data for an INT32 input is narrowed (a warning, once
+    per process; StepIOError if a value does not fit, which PopART would wrap); any other
+    data type that differs raises PopART's "Type discrepancy" error (never cast). An element
+    count that differs raises PopART's runtime-assert error, unless ``offsets`` is given (the
+    StepIO's runtime asserts are disabled): then the buffer is read as PopART's StepIO reads
+    it, one tensor's elements per micro-batch and replica from the StepIO's offset
+    (``offsets[tensor_id]``, kept between runs), wrapping around at its end. With ``strict``
+    (runtime asserts enabled) the shape must also be the host shape or the full one."""
+    global _warned_int64
     array = np.asarray(array)
     shape = tensor_info.shape()
     full = [bps, accl, repl, *shape]
     host = input_host_shape(shape, bps, accl, repl)
     dtype = tensor_info.np_dtype()
 
-    def fail(problem: str) -> StepIOError:
-        return StepIOError(
-            f"Input tensor '{tensor_id}': {problem}. Expected {tensor_info.data_type()} data of "
-            f"shape {shape_str(host)} ({int(np.prod(full))} elements: batchesPerStep={bps}, "
-            f"accumulationFactor={accl}, replicationFactor={repl}, tensor shape "
-            f"{shape_str(shape)}); got {array.dtype} data of shape {shape_str(array.shape)} "
-            f"({array.size} elements)")
+    def fail(problem: str, popart_message: Optional[str] = None) -> StepIOError:
+        """PopART's message where it has one, this context in a note; else the context."""
+        context = (f"Input tensor '{tensor_id}': {problem}. Expected {tensor_info.data_type()} "
+                   f"data of shape {shape_str(host)} ({int(np.prod(full))} elements: "
+                   f"batchesPerStep={bps}, accumulationFactor={accl}, replicationFactor={repl}, "
+                   f"tensor shape {shape_str(shape)}); got {array.dtype} data of shape "
+                   f"{shape_str(array.shape)} ({array.size} elements)")
+        if popart_message is None:
+            return StepIOError(context)
+        e = StepIOError(popart_message)
+        e.add_note(context)
+        return e
 
+    if array.dtype == np.int64 and dtype == np.int32:
+        if array.size and (array.min() < -2 ** 31 or array.max() >= 2 ** 31):
+            raise fail("an INT64 value does not fit INT32 (PopART would wrap it around)")
+        if not _warned_int64:
+            from .logging import getLogger
+            getLogger("devicex").warn(f"Copying (host) tensor {tensor_id} from INT64 to INT32. "
+                                      f"Will only warn once")
+            _warned_int64 = True
+        array = array.astype(np.int32)
     if array.dtype != dtype:
-        raise fail(f"data type {array.dtype} does not match {dtype}")
+        raise fail(f"data type {array.dtype} does not match {dtype}",
+                   f"Type discrepancy for tensor {tensor_id}. User provided : "
+                   f"{_type_name(array.dtype)} and expected : {tensor_info.data_type()}. "
+                   f"Consider a custom copy here (as memcpy cannot be used)")
     expected = int(np.prod(full, dtype=np.int64))
     if array.size != expected:
-        raise fail(f"Unexpected number of input elements for Tensor {tensor_id}. Expected "
-                   f"{expected}, but received {array.size}")
+        chunk = max(int(np.prod(shape, dtype=np.int64)), 1)
+        if offsets is None or array.size == 0 or array.size % chunk:
+            raise fail(
+                "its element count does not match",
+                f"Unexpected number of input elements for Tensor {tensor_id}. Expected "
+                f"{expected}, but received {array.size}.\nTo disable this check at your own "
+                f"risk, use IStepIO::enableRuntimeAsserts.\nThis with, \n   replication  "
+                f"factor = {repl}\n   accumulation factor = {accl}\n   batches per step    "
+                f"= {bps}\n   Tensor nelms        = {chunk}")
+        chunks = array.reshape(-1, *shape)   # the StepIO's reads, wrapping around at its end
+        start = offsets.get(tensor_id, 0)
+        need = bps * accl * repl
+        offsets[tensor_id] = (start + need) % len(chunks)
+        return chunks[(start + np.arange(need)) % len(chunks)].reshape(full)
+    if offsets is not None:   # a whole buffer read: the StepIO's offset is back at its start
+        offsets[tensor_id] = 0
     if strict and list(array.shape) not in (host, full):
         raise fail("shape does not match (runtime asserts are enabled)")
     return array.reshape(full)

@@ -25,11 +25,11 @@ from .engine.als import check_settings as check_als_settings, snapshot as als_sn
 from .engine.executable import (EXECUTABLE_SLACK, EngineCache, canonical, executable_bytes,
                                 read_executable, runtime_signature)
 from .engine.pipeline import program_class
-from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
+from .engine.program import GRAD_PREFIX, StepConfig, StepProgram, missing_anchor
 from .engine import in_x64, x64
 from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
-from .ir.transforms import fuse_softmax_nll
+from .ir.transforms import fuse_softmax_nll, gradient_flow
 from .errors import (ArgumentError, IrError, OptimizerError, OptionError, OutOfMemoryException,
                      StepIOError, WeightsIOError, popart_exception, popart_runtime_error)
 from .ops import registry as _registry
@@ -45,6 +45,19 @@ from .session_ir import SessionIr, serialize_ir
 from .tensorinfo import TensorInfo, shape_str, to_datatype
 
 _logger = _log.getLogger("session")
+
+
+# PopART's errors for calls that need the compiled program, before prepareDevice.
+_NOT_PREPARED = {
+    "loadEngineAndConnectStreams": "Trying to load an engine but no compiled engine. Did you "
+                                   "forget to call prepareDevice()?",
+    "weightsToHost": "Devicex::prepare() must be called before Devicex::weightsToHost(const "
+                     "std::map<TensorId, MutableVoidData> &) is called.",
+    "getRNGState": "Devicex::prepare() must be called before Devicex::getRngStateToHost is "
+                   "called.",
+    "setRNGState": "Devicex::prepare() must be called before Devicex::setRngStateFromHost is "
+                   "called.",
+}
 
 
 def _key_data(seed: int) -> np.ndarray:
@@ -126,6 +139,7 @@ class _Session:
         self._host_weights: dict[str, np.ndarray] = {}
         self._host_in_sync = True
         self._dev = None          # (weights, opt_state) on device
+        self._weights_written = False   # weightsFromHost called (Session::weightsFromHostCalled)
         self._seed = 0
         self._key = None
         self._summary: dict[str, Any] = {}
@@ -141,6 +155,7 @@ class _Session:
                                self._graph)
         self._verify_ir()
         self._infos = self._infer_shapes()
+        self._check_anchors()
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
         report.session_built(self)   # progress 0, dotChecks, POPART_IR_DUMP
@@ -206,6 +221,28 @@ class _Session:
                        f"Sum or Mean (popart.ReductionType)")
             raise e
         return infos
+
+    def _check_anchors(self) -> None:
+        """Ir::validateAnchors at construction: every anchor names a tensor of the IR; a
+        gradient only where one is computed (its tensor is floating point and leads to the
+        loss). Tensors the training program adds (optimizer state, hyper-parameters, ...:
+        PopART's reserved prefixes; automatic loss scaling's) are checked when it is
+        planned."""
+        ids = set(self._infos) | set(self._graph.initializers)
+        flows = None
+        als = self.options.automaticLossScalingSettings.enabled   # ALS adds tensors of its own
+        for a in self._dataFlow.anchors():
+            if a in ids or (any(a.startswith(p) for p in _RESERVED_PREFIXES.values())
+                            and not a.startswith(GRAD_PREFIX)) or (als and self._training):
+                continue
+            if a.startswith(GRAD_PREFIX) and self._training:
+                if flows is None:
+                    is_float = lambda t: t in self._infos and \
+                        jax.numpy.issubdtype(self._infos[t].np_dtype(), jax.numpy.floating)
+                    flows = gradient_flow(self._graph, self._loss, list(self._infos), is_float)[0]
+                if a[len(GRAD_PREFIX):] in flows or a[len(GRAD_PREFIX):] not in ids:
+                    continue   # e.g. ALS's Gradient___<t>_statistics: checked when planned
+            raise missing_anchor(a, ids)
 
     def _check_training_args(self) -> None:
         if not isinstance(self._loss, str) or not self._loss:
@@ -293,6 +330,7 @@ class _Session:
         """Put the host weights and optimizer state on the device."""
         self._dev = (self._put(self._host_weights), self._put(self._host_opt_state))
         self._host_in_sync = True
+        _log.getLogger("devicex").info("Engine loaded")
 
     def _device_to_host(self, which: int) -> dict:
         """The device weights (0) or optimizer state (1) as host arrays by tensor id."""
@@ -345,15 +383,23 @@ class _Session:
         weights when SessionOptions.constantWeights is True (its default)."""
         self._require_prepared(what)
         if not self._training and getattr(self.options, "constantWeights", True):
-            raise OptionError(f"Cannot call {what} when constantWeights is set. Set "
-                              f"`constantWeights` to False in the `SessionOption`s when "
-                              f"initialising the session to enable this behaviour "
-                              f"(SessionOptions.constantWeights is True for this "
-                              f"InferenceSession)")
+            e = OptionError(f"Cannot call {what} when constantWeights is set" + (
+                "" if what == "resetHostWeights" else
+                ". Set `constantWeights` to False in the `SessionOption`s when initialising "
+                "the session to enable this behaviour."))
+            e.add_note("SessionOptions.constantWeights is True for this InferenceSession")
+            raise e
 
     def _require_prepared(self, what: str) -> StepProgram:
+        """The compiled program; before prepareDevice, PopART's error for ``what`` where it
+        has one (Devicex / Session), the package's otherwise."""
         if not self._prepared:
-            raise popart_exception(f"{what}: the session is not prepared; call prepareDevice() first")
+            hint = f"{what}: the session is not prepared; call prepareDevice() first"
+            if what not in _NOT_PREPARED:
+                raise popart_exception(hint)
+            e = popart_runtime_error(_NOT_PREPARED[what])
+            e.add_note(hint)
+            raise e
         return self._program
 
     # ------------------------------------------------------------------ run
@@ -389,7 +435,8 @@ class _Session:
         if inputs is None:
             raise StepIOError(f"run() expects a popart.PyStepIO or PyStepIOCallback, got "
                               f"{type(stepio).__name__}")
-        strict = bool(getattr(stepio, "runtime_asserts", True))
+        asserts = getattr(stepio, "runtime_asserts", None)
+        offsets = stepio.__dict__.setdefault("offsets", {}) if asserts is False else None
         feeds = {}
         for tid, info in self._input_infos.items():
             if tid not in inputs:
@@ -398,12 +445,77 @@ class _Session:
                     f"{shape_str(_df.input_host_shape(info.shape(), bps, A, R))} and dtype "
                     f"{info.data_type()}; the StepIO has inputs {sorted(inputs)}")
             _df.check_contiguous(inputs[tid], _df.noncontiguous_input(tid))
-            feeds[tid] = _df.validate_input(tid, inputs[tid], info, bps, A, R, strict)
-        extra = set(inputs) - set(self._input_infos)
-        if extra:
-            raise StepIOError(f"StepIO inputs {sorted(extra)} are not inputs of the model "
-                              f"(its inputs are {sorted(self._input_infos)})")
+            feeds[tid] = _df.validate_input(tid, inputs[tid], info, bps, A, R, asserts is True,
+                                            offsets)
+        if asserts is not False:   # PopART's runtime asserts (CorrectnessAsserter::checkIn)
+            for tid in sorted(set(inputs) - set(self._input_infos)):
+                self._check_extra_input(tid, inputs[tid])
         return feeds
+
+    def _check_extra_input(self, tid: str, array: Any) -> None:
+        """A StepIO input that is no stream of the model, as PopART's runtime asserts see it:
+        an ONNX graph input of the right size (a weight) is ignored; any other tensor of the
+        model, or no tensor at all, raises PopART's error."""
+        onnx_inputs = {v.name for v in self._proto.graph.input}
+        if tid in self._infos:
+            if tid not in onnx_inputs:
+                raise StepIOError(f"The tensor '{tid}' has been provided as one of the inputs to "
+                                  f"the stepIO, but it is not registered as one of the inputs "
+                                  f"to the model. Please check this tensor and your stepIO.")
+            bps, A, R = self._dataFlow.batchesPerStep(), self.accumulationFactor, \
+                self.replicationFactor
+            n = self._infos[tid].nelms()
+            if np.size(array) != n * bps * A * R:
+                raise StepIOError(
+                    f"Unexpected number of input elements for Tensor {tid}. Expected "
+                    f"{n * bps * A * R}, but received {np.size(array)}.\nTo disable this check "
+                    f"at your own risk, use IStepIO::enableRuntimeAsserts.\nThis with, \n   "
+                    f"replication  factor = {R}\n   accumulation factor = {A}\n   batches per "
+                    f"step    = {bps}\n   Tensor nelms        = {n}")
+        elif tid in onnx_inputs:
+            _logger.warn(f"The input Tensor {tid} to the ONNX Model does not appear in the "
+                         f"optimized PopART Ir, possibly due to constant folding. Therefore, the "
+                         f"input buffer provided will not be used. ")
+        else:
+            e = StepIOError(f"Testing that the buffer provided by user for input Tensor {tid} "
+                            f"has the correct number of elements, But there is no Tensor named "
+                            f"{tid} in the Ir's main Graph, and it does not exist in the "
+                            f"original ONNX Model.")
+            e.add_note(f"The model's inputs are {sorted(self._input_infos)}")
+            raise e
+
+    def _synthetic_feeds(self) -> Optional[dict[str, np.ndarray]]:
+        """SessionOptions.syntheticDataMode (Ir::useSyntheticData): None when Off; else
+        every input's data, made once (Ir::registerInputTensors) and used for every
+        micro-batch, the StepIO's inputs ignored and no anchor written: zeros, standard
+        normal or uniform over the type's range (floats: float16's +-65504, else float32's),
+        from a fixed generator (not bit-equal to PopART's mt19937 draws)."""
+        mode = getattr(self.options, "syntheticDataMode", None)
+        mode = getattr(mode, "name", "Off")
+        if mode == "Off":
+            return None
+        if getattr(self, "_synthetic", None) is None:
+            bps, A, R = self._dataFlow.batchesPerStep(), self.accumulationFactor, \
+                self.replicationFactor
+            rng = np.random.default_rng(0)
+            feeds = {}
+            for tid, info in self._input_infos.items():
+                shape, dtype = info.shape(), info.np_dtype()
+                if mode == "Zeros":
+                    one = np.zeros(shape, dtype)
+                elif mode == "RandomNormal":
+                    one = rng.standard_normal(shape).astype(dtype)
+                elif np.issubdtype(dtype, np.floating):
+                    top = 65504.0 if dtype == np.float16 else float(np.finfo(np.float32).max)
+                    one = rng.uniform(-top, top, shape).astype(dtype)
+                elif dtype == np.bool_:
+                    one = rng.integers(0, 2, shape).astype(dtype)
+                else:
+                    lim = np.iinfo(dtype)
+                    one = rng.integers(lim.min, lim.max, shape, dtype=dtype, endpoint=True)
+                feeds[tid] = np.broadcast_to(one, (bps, A, R, *shape))
+            self._synthetic = feeds
+        return self._synthetic
 
     def _gather_callback_inputs(self, cb: Any) -> dict[str, np.ndarray]:
         bps, A, R = self._dataFlow.batchesPerStep(), self.accumulationFactor, self.replicationFactor
@@ -429,14 +541,18 @@ class _Session:
         if handle is not None:
             self._run_forward_only(handle, stepio, debugName)
             return
+        if getattr(self._device, "offline", False):
+            e = popart_runtime_error("Offline IPU device is not configured for execution")
+            e.add_note(f"Session '{self.name}' was compiled for an offline device, which "
+                       f"cannot run programs; use createCpuDevice(), createIpuModelDevice() or "
+                       f"acquireAvailableDevice()")
+            raise e
+        self._require_weights_written()
         if not self._prepared:
             self.prepareDevice()
-        if getattr(self._device, "offline", False):
-            raise popart_exception(f"Session '{self.name}' was compiled for an offline device, "
-                                   f"which cannot run programs; use createCpuDevice(), "
-                                   f"createIpuModelDevice() or acquireAvailableDevice()")
-        feeds = self._gather_inputs(stepio)
-        outs = self._check_outputs(stepio)
+        synthetic = self._synthetic_feeds()
+        feeds = synthetic if synthetic is not None else self._gather_inputs(stepio)
+        outs = self._check_outputs(stepio) if synthetic is None else {}
         weights, opt_state = self._device_state()
         with jax.default_device(self._jax_device()):
             t0 = time.perf_counter()
@@ -444,11 +560,22 @@ class _Session:
                 weights, opt_state, self._key, feeds, self._hyper())
             self._dev = (weights, opt_state)
             self._program.raise_failed_checks(anchors)   # e.g. an index out of range
-            self._write_anchors(stepio, outs, anchors)
+            if synthetic is None:   # synthetic data: nothing streams to or from the host
+                self._write_anchors(stepio, outs, anchors)
             self._summary["last_run_seconds"] = time.perf_counter() - t0
         if self._training:
             self._host_in_sync = False
         _logger.debug(f"run {debugName!r} done")
+
+    def _require_weights_written(self) -> None:
+        """Session::run: a training session whose model has initializers needs
+        weightsFromHost first (after construction and after resetHostWeights)."""
+        if self._training and not self._weights_written and len(self._proto.graph.initializer):
+            e = popart_runtime_error("Must call weightsFromHost before run as the model has "
+                                     "initializers and the session has been created in "
+                                     "training mode")
+            e.add_note("Call session.weightsFromHost() after prepareDevice()")
+            raise e
 
     def _run_forward_only(self, handle: str, stepio: Any, debugName: str) -> None:
         """``run("implicitPipeliningFwdOnly", stepio)``: the forward pass of a pipelined
@@ -458,6 +585,7 @@ class _Session:
         if handle != FWD_ONLY_PROGRAM or not (
                 self._training and getattr(self.options, "createImplicitPipeliningFwdOnlyProgram", False)):
             raise popart_exception(f"[Devicex::run] Program {handle} not found.")
+        self._require_weights_written()
         if not self._prepared:
             self.prepareDevice()
         if self._fwd_program is None:
@@ -537,6 +665,7 @@ class _Session:
         self._require_prepared("weightsFromHost")
         self._dev = (self._put(self._host_weights), self._device_state()[1])
         self._host_in_sync = True
+        self._weights_written = True
 
     @_serialised
     def weightsToHost(self) -> None:
@@ -608,17 +737,19 @@ class _Session:
                 if (name in self._program.constants or name.startswith(OPTIMIZER_STATE_PREFIXES)
                         or ignoreWeightsInModelWithoutCorrespondingHostWeight):
                     continue
-                raise popart_exception(
-                    f"resetWeights, no tensor '{name}' in tensors: the given model's initializer "
-                    f"'{name}' is no weight or optimizer state of the session (pass "
-                    f"ignoreWeightsInModelWithoutCorrespondingHostWeight=True to skip such)")
+                e = popart_runtime_error(f"resetWeights, no tensor '{name}' in tensors")
+                e.add_note(f"The given model's initializer '{name}' is no weight or optimizer "
+                           f"state of the session (pass "
+                           f"ignoreWeightsInModelWithoutCorrespondingHostWeight=True to skip such)")
+                raise e
             val = to_numpy(t, base)
             cur = self._host_weights[name] if target is new_weights else np.asarray(state[name])
             if val.shape != cur.shape or val.dtype != cur.dtype:
-                raise popart_exception(
-                    f"Trying to reset weights using tensor with non matching tensor info. Tensor "
-                    f"ID: {name} ({val.dtype}{shape_str(val.shape)} in the given model, "
-                    f"{cur.dtype}{shape_str(cur.shape)} in the session)")
+                e = popart_runtime_error(f"Trying to reset weights using tensor with non "
+                                         f"matching tensor info. Tensor ID: {name}")
+                e.add_note(f"{val.dtype}{shape_str(val.shape)} in the given model, "
+                           f"{cur.dtype}{shape_str(cur.shape)} in the session")
+                raise e
             target[name] = val.copy()
         self._host_weights.update(new_weights)
         if new_state:
@@ -626,6 +757,7 @@ class _Session:
             if self._dev is not None:
                 self._dev = (self._dev[0], self._put(self._host_opt_state))
         self._host_in_sync = False
+        self._weights_written = False   # PopART: they must be written to the device again
 
     @_serialised
     def modelToHost(self, fn: str) -> None:
@@ -942,20 +1074,22 @@ class _Session:
         initializer is saved in ``fromLocation``."""
         self._require_prepared("updateExternallySavedTensorLocations")
         if os.path.exists(self._external_path(toLocation)):
-            raise popart_exception(f"Updating externally saved tensor location from file "
-                                   f"'{fromLocation}' to file '{toLocation}', but file "
-                                   f"'{toLocation}' already exists")
+            raise popart_runtime_error(f"Updating externally saved tensor location from file "
+                                       f"'{fromLocation}' to file '{toLocation}', but file "
+                                       f"'{toLocation}' already exists")
         moved = [t for t in self._saved_model().graph.initializer
                  if is_external(t) and external_info(t).get("location") == fromLocation]
         if not moved:
             if not os.path.exists(self._external_path(fromLocation)):
-                raise popart_exception(f"Updating externally saved tensor location from file "
-                                       f"'{fromLocation}' to file '{toLocation}', but file "
-                                       f"'{fromLocation}' does not exist: no tensor of the model "
-                                       f"is saved externally there")
-            raise popart_exception(f"No ONNX model initializers have external location set to "
-                                   f"'{fromLocation}': no tensor of the model is saved "
-                                   f"externally there")
+                e = popart_runtime_error(f"Updating externally saved tensor location from "
+                                         f"file '{fromLocation}' to file '{toLocation}', but "
+                                         f"file '{fromLocation}' does not exist")
+                e.add_note(f"'{fromLocation}': no tensor of the model is saved externally there")
+                raise e
+            e = popart_runtime_error(f"No ONNX model initializers have external location set "
+                                     f"to '{fromLocation}'")
+            e.add_note(f"'{fromLocation}': no tensor of the model is saved externally there")
+            raise e
         self.weightsToHost()
         self._write_external(toLocation, moved)
 
@@ -1067,6 +1201,7 @@ class _Session:
         session's tensors: nothing larger is read."""
         if os.path.isdir(filename):
             filename = os.path.join(filename, "executable.popef")
+        _logger.info(f"Loading serialized PopART executable from {filename}")
         try:
             self._loaded = self._read_executable(filename)
         except popart_exception as e:
@@ -1147,15 +1282,18 @@ class _Session:
         """PopART's checks of get/setRNGState: the option that enables them, then a prepared
         session (before anything changes)."""
         if not getattr(self.options, "enableLoadAndOffloadRNGState", False):
-            raise OptionError(f"Trying to {verb} the RNG state, but the session option "
-                              f"enableLoadAndOffloadRNGState must be set to True ({what}: "
-                              f"SessionOptions.enableLoadAndOffloadRNGState is False)")
+            e = OptionError(f"Trying to {verb} the RNG state, but the session option "
+                            f"enableLoadAndOffloadRNGState must be set to True.")
+            e.add_note(f"{what}: SessionOptions.enableLoadAndOffloadRNGState is False")
+            raise e
         self._require_prepared(what)
 
     @_serialised
     def getRNGState(self) -> list[int]:
         """The state of the random number generator (enableLoadAndOffloadRNGState, prepared)."""
         self._require_rng_state("getRNGState", "get")
+        if getattr(getattr(self.options, "syntheticDataMode", None), "name", "Off") != "Off":
+            return []   # Devicex::getRngStateToHost copies nothing with synthetic data
         key = self._key if self._key is not None else _key_data(self._seed)
         return [int(v) for v in np.asarray(key).ravel()]
 

@@ -27,6 +27,7 @@ from ..logging import getLogger
 from .compiled import CompiledStep
 
 _logger = getLogger("session")
+_devicex = getLogger("devicex")
 EXECUTABLE_SLACK = 64 << 20   # bytes a file may hold beyond the tensors it is expected to hold
 
 
@@ -145,6 +146,7 @@ class EngineCache:
         if not os.path.exists(self.entry):
             _logger.info(f"Engine cache: no entry '{self.entry}', compiling")
             return None
+        _logger.info(f"Loading serialized PopART executable from {self.entry}")   # PopART's
         try:
             executable, _ = read_executable(self.entry, self.signature, max_bytes=self.max_bytes)
         except popart_exception as e:
@@ -177,8 +179,13 @@ def compile_step(step: CompiledStep, specs: Sequence[Any], cache: Optional[Engin
         source = "engine cache"
         if exported is None:
             exported, store, source = step.export(specs), True, "compiled (cached)"
+    compiling = source.startswith("compiled")
+    if compiling:   # PopART's lines around poplar::compileGraph (IrLowering, devicex)
+        _devicex.info("Starting compilation")
     with xla_cache(cache.xla_folder if cache is not None else None):
         step.compile(specs, exported)
+    if compiling:
+        _devicex.info("Graph compiled")
     if store:
         cache.store(exported)
     return source

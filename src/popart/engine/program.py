@@ -23,6 +23,7 @@ from ..errors import IrError, ModelError, popart_exception
 from ..logging import getLogger
 from ..ir import recompute
 from ..ir.graph import Graph, reads
+from ..ir.transforms import gradient_flow
 from ..ops import registry
 from ..tensorinfo import TensorInfo
 from . import als as _als
@@ -88,6 +89,25 @@ def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 26) -> int:
     ``budget`` bytes."""
     cap = max(1, budget // max(1, bytes_per_item))
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= cap)
+
+
+UPDATED_VAR_PREFIX = "UpdatedVar___"   # PopART's reservedUpdatedVarPrefix()
+
+
+def missing_anchor(anchor: str, tensor_ids: set) -> popart_exception:
+    """PopART's error for an anchor that names no tensor of the IR (Ir::validateAnchors): a
+    gradient that is never computed (its tensor does not lead to the loss, is not floating
+    point, or the session does not train) among them."""
+    msg = f"Anchor tensor `{anchor}' not in Ir Tensors. "
+    base = anchor[len(GRAD_PREFIX):] if anchor.startswith(GRAD_PREFIX) else None
+    if base is not None:
+        if base in tensor_ids:
+            msg += (f"\nInterestingly, `{base}' IS in tensors.\nNote that not all tensors can "
+                    f"have their gradients anchored:\nif an activation tensor does not lead to "
+                    f"the loss,\nits gradient is zero and never computed.")
+    else:
+        msg += "The tensors are:\n[" + " ".join(sorted(tensor_ids)) + "]"
+    return popart_exception(msg)
 
 
 class StepProgram:
@@ -205,14 +225,26 @@ class StepProgram:
         opt_ids = set(self.opt_state_ids())
         self.rts = _rts.choose(cfg.options, self.placement, self.variables, self.init_opt_state(),
                                self.trainable, cfg.accumulation_factor)
+        if cfg.training:   # UpdatedVar___<w>: a trainable weight after the batch's update
+            self.anchor_specs = {**self.anchor_specs, **{
+                a: jax.ShapeDtypeStruct(self.variables[w].shape, self.variables[w].dtype)
+                for a, w in self._updated_var_anchors().items()}}
+        flows = gradient_flow(self.graph, cfg.loss, list(out["specs"]), lambda t: jnp.issubdtype(
+            out["specs"][t].dtype, jnp.floating) if t in out["specs"] else False)[0] \
+            if cfg.training else set()
         for a in self.anchor_ids:
-            if a in self.anchor_specs or a in opt_ids:
+            grad = a.startswith(GRAD_PREFIX) and a[len(GRAD_PREFIX):] in flows
+            if (a in self.anchor_specs and (grad or not a.startswith(GRAD_PREFIX))) \
+                    or a in opt_ids or a in self.als_anchors:
                 continue
-            if a.startswith(GRAD_PREFIX) and not cfg.training:
-                raise popart_exception(f"Anchor '{a}' is a gradient, which exists only in a TrainingSession")
-            raise popart_exception(f"Anchor '{a}' names no tensor of the model (it has "
-                                   f"{len(out['ids'])} tensors, e.g. "
-                                   f"{', '.join(sorted(out['ids'])[:8])})")
+            raise missing_anchor(a, set(out["ids"]) | opt_ids | (
+                {GRAD_PREFIX + t for t in flows}))
+
+    def _updated_var_anchors(self) -> dict[str, str]:
+        """Anchor -> weight, for the anchors naming a trainable weight's VarUpdate output
+        (PopART's ``UpdatedVar___<w>``)."""
+        return {a: a[len(UPDATED_VAR_PREFIX):] for a in self.anchor_ids
+                if a.startswith(UPDATED_VAR_PREFIX) and a[len(UPDATED_VAR_PREFIX):] in self.trainable}
 
     def _plan_recompute(self, specs: dict, traced: set, known: set, effects: set) -> None:
         """The recompute segments PopART's annotations ask for (``ir.recompute``): segments
@@ -279,8 +311,10 @@ class StepProgram:
         cfg = self.cfg
         grad_ids = [a[len(GRAD_PREFIX):] for a in self.anchor_ids
                     if a.startswith(GRAD_PREFIX) and a not in self.als_anchors]
+        after_update = self._updated_var_anchors() if cfg.training else {}
         fwd_ids = [a for a in self.anchor_ids if a in self.anchor_specs
-                   and not a.startswith(GRAD_PREFIX) and a not in self.als_anchors]
+                   and not a.startswith(GRAD_PREFIX) and a not in self.als_anchors
+                   and a not in after_update]
 
         if not cfg.training:
             def micro(weights, feeds, key, hyper):
@@ -434,6 +468,7 @@ class StepProgram:
         R, A, B = cfg.replication_factor, cfg.accumulation_factor, cfg.batches_per_step
         replicas = self._replicated(self._micro_fn())
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
+        updated_var = self._updated_var_anchors()
 
         def accumulate(grads_acc, count, grads):
             g = self.rts.reduce_replicas(grads)                            # replica reduction
@@ -483,7 +518,9 @@ class StepProgram:
                         opt_state, h)
                     opt_state = {**opt_state, **new_state}
                     weights = {**weights, **self.rts.store(w_assign), **new_w}
-                    for a, v in self.rts.gather({a: opt_state[a] for a in anchor_opt}).items():
+                    after = {**{a: opt_state[a] for a in anchor_opt},
+                             **{a: weights[w] for a, w in updated_var.items()}}
+                    for a, v in self.rts.gather(after).items():
                         vals[a] = jnp.broadcast_to(v, (A, R) + jnp.shape(v))   # after the update
                 return (weights, opt_state), vals
 
@@ -506,8 +543,10 @@ class StepProgram:
             kind = art.id()
             if kind == AnchorReturnTypeId.All:
                 out[a] = v
-            elif kind == AnchorReturnTypeId.EveryN:
-                out[a] = v[art.rp() - 1::art.rp()]
+            elif kind == AnchorReturnTypeId.EveryN:   # PopART's batch counter counts
+                B, A, n = v.shape[0], v.shape[1], art.rp()   # micro-batches: every Nth one
+                out[a] = v.reshape((B * A,) + v.shape[2:])[n - 1::n].reshape(
+                    (B // n, A) + v.shape[2:])
             elif kind == AnchorReturnTypeId.Final:
                 out[a] = v[-1, -1]
             else:
