@@ -347,3 +347,23 @@ def test_report_html_in_headless_chromium(inference):
             driver.save_screenshot(os.environ["POPART_REPORT_SCREENSHOT"])
     finally:
         driver.quit()
+
+
+def test_op_names_map_to_innermost_node_and_pass():
+    from popart.report.hlo import NodeMap
+    nodes = NodeMap({"/0/Conv": "Conv", "layer1/MatMul": "MatMul", "MatMul": "MatMul", "Add_3": "Add"})
+    assert nodes.node("jit(step)/while/body/transpose(jvp(/0/Conv))/conv_general_dilated") == \
+        ("/0/Conv", "backward")
+    assert nodes.node("jit(step)/while/body/closed_call/layer1/MatMul/dot_general") == \
+        ("layer1/MatMul", "forward")
+    assert nodes.node("jit(step)/Loop_1/body/Add_3/add") == ("Add_3", "forward")
+    assert nodes.node("jit(step)/while/body/sub") == (None, "forward")   # the optimizer's own ops
+
+
+def test_sessions_sharing_a_report_folder_get_their_own(tmp_path):
+    first = capture.Recorder(str(tmp_path / "r"), "training", None)
+    second = capture.Recorder(str(tmp_path / "r"), "inference", None)
+    third = capture.Recorder(str(tmp_path / "r"), "inference", None)
+    assert first.directory == str(tmp_path / "r")
+    assert second.directory == str(tmp_path / "r" / "inference")
+    assert third.directory == str(tmp_path / "r" / "inference-2")

@@ -16,11 +16,11 @@ import glob
 import gzip
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
 import time
-import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jax
@@ -33,8 +33,9 @@ _logger = getLogger("session")
 STEP_EVENT = "popart.run"       # the step annotation of one run() in the trace
 SCHEMA = "popart-xla.report/1"
 _current: contextvars.ContextVar = contextvars.ContextVar("popart_report", default=None)
-_TRACE_LOCK = threading.Lock()  # jax.profiler takes one trace at a time per process
-_live: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_LOCK = threading.RLock()
+_active: Optional["Recorder"] = None   # the recorder whose trace is running (one per process)
+_used_dirs: set[str] = set()
 
 
 def current() -> Optional["Recorder"]:
@@ -85,7 +86,7 @@ class Recorder:
 
     def __init__(self, directory: str, session: str, graph: Optional[Graph], window: int = 2,
                  samples_per_run: int = 1, kind: str = "") -> None:
-        self.directory = os.path.abspath(directory or ".")
+        self.directory = _own_directory(os.path.abspath(directory or "."), session)
         self.session, self.kind, self.window = session, kind, max(int(window), 0)
         self.samples_per_run = max(int(samples_per_run), 1)
         self.nodes = hlo.graph_nodes(graph) if graph is not None else {}
@@ -105,7 +106,6 @@ class Recorder:
         self._tracing = False
         self._progress: Optional[Callable[[str], None]] = None
         os.makedirs(self.directory, exist_ok=True)
-        _live.add(self)
 
     # ------------------------------------------------------------------ compile
     def compiler_options(self) -> dict:
@@ -190,10 +190,10 @@ class Recorder:
         return out
 
     def _start_trace(self) -> None:
-        if not _TRACE_LOCK.acquire(blocking=False):
-            _logger.warn(f"Report of '{self.session}': another session is being profiled; "
-                         f"this one's runs are timed but not traced")
-            return
+        global _active
+        with _LOCK:
+            if _active is not None and _active is not self:
+                _active.finish()   # one trace at a time: an earlier session's window ends here
         self._trace_dir = tempfile.mkdtemp(prefix="popart-trace-")
         kw = {}
         opts_cls = getattr(jax.profiler, "ProfileOptions", None)
@@ -204,8 +204,8 @@ class Recorder:
         try:
             jax.profiler.start_trace(self._trace_dir, **kw)
             self._tracing = True
+            _active = self
         except Exception as e:   # e.g. a trace started by the user
-            _TRACE_LOCK.release()
             _logger.warn(f"Report of '{self.session}': cannot start a profiler trace ({e})")
 
     def finish(self) -> None:
@@ -214,11 +214,11 @@ class Recorder:
             if self.n_runs:
                 self.write()
             return
+        global _active
         self._tracing = False
-        try:
+        with _LOCK:
+            _active = None
             jax.profiler.stop_trace()
-        finally:
-            _TRACE_LOCK.release()
         files = glob.glob(os.path.join(self._trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
         events = []
         if files:
@@ -343,8 +343,26 @@ class Recorder:
         return lines
 
 
+def _own_directory(directory: str, session: str) -> str:
+    """``directory``, or for a later session of this process that names the same folder,
+    ``directory/<session>`` (``-2``, ``-3``, ... if needed), so that reports do not overwrite
+    each other."""
+    with _LOCK:
+        out, n = directory, 1
+        while out in _used_dirs:
+            n += 1
+            base = re.sub(r"[^A-Za-z0-9_.-]", "_", session).strip(".") or "session"
+            out = os.path.join(directory, base if n == 2 else f"{base}-{n - 1}")
+        if out != directory:
+            _logger.info(f"Report of '{session}': '{directory}' holds another session's report; "
+                         f"writing into '{out}'")
+        _used_dirs.add(out)
+        return out
+
+
 @atexit.register
-def _finish_all() -> None:
-    for r in list(_live):
+def _finish_active() -> None:
+    """A session whose window of runs was not complete: its trace ends at exit."""
+    if _active is not None:
         with contextlib.suppress(Exception):
-            r.finish()
+            _active.finish()

@@ -74,12 +74,18 @@ def graph_nodes(graph: Graph) -> dict[str, str]:
     return out
 
 
+def _tokens(name: str) -> list[str]:
+    return [t for t in re.split(r"[/()]", name) if t]
+
+
 class NodeMap:
     """Which ONNX node (and pass) an ``op_name`` belongs to."""
 
     def __init__(self, nodes: Mapping[str, str]) -> None:
         self.nodes = dict(nodes)
-        self._longest = max((n.count("/") + 1 for n in self.nodes), default=1)
+        # names as op_name's path tokens ("/0/Conv" -> "0/Conv"): the key the lookup builds
+        self._keys = {"/".join(_tokens(n)): n for n in self.nodes}
+        self._longest = max((len(_tokens(n)) for n in self.nodes), default=1)
         self._cache: dict[str, tuple] = {}
 
     def node(self, op_name: str) -> tuple[Optional[str], str]:
@@ -87,12 +93,12 @@ class NodeMap:
         innermost node scope it names."""
         hit = self._cache.get(op_name)
         if hit is None:
-            tokens = [t for t in re.split(r"[/()]", op_name) if t]
+            tokens = _tokens(op_name)
             found = None
-            for i in range(len(tokens) - 1, -1, -1):   # innermost first
-                for k in range(min(self._longest, len(tokens) - i), 0, -1):
-                    cand = "/".join(tokens[i:i + k])
-                    if cand in self.nodes:
+            for j in range(len(tokens), 0, -1):   # innermost end first, then the longest name
+                for i in range(max(0, j - self._longest), j):
+                    cand = self._keys.get("/".join(tokens[i:j]))
+                    if cand is not None:
                         found = cand
                         break
                 if found:
