@@ -303,12 +303,13 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 
-def test_report_html_in_headless_chromium(inference):
+def test_report_html_in_headless_chromium(inference, monkeypatch):
     """Debian's chromium, driven by selenium: no request leaves file://, no console error, one
     table row per node, a header click sorts; a screenshot for docs/."""
     if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
         pytest.skip("Debian's chromium / chromium-driver are not installed")
     webdriver = pytest.importorskip("selenium.webdriver")
+    monkeypatch.setenv("SE_OFFLINE", "true")   # Selenium Manager never downloads a browser or driver
     from selenium.webdriver.common.by import By
     _, folder, data, _ = inference
     opts = webdriver.ChromeOptions()
