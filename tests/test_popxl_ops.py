@@ -145,7 +145,7 @@ def test_graph_building_context_annotations_and_errors(tmp_path):
         with popxl.ipu(1), popxl.name_scope("layer"):
             x = popxl.constant(np.ones(3, np.float32), name="x")
             y = ops.relu(x)
-        assert y.id == "layer/relu" and y.name == y.id   # PopXL: a name keeps its name scopes
+        assert y.id == "layer/relu_out" and y.name == y.id   # PopXL: a name keeps its name scopes
         node = main._g.nodes[-1]
         assert node.op_type == "Relu" and node.domain == "ai.onnx"
         assert node.annotations["__ipu_number"] == 1 and node.annotations["__in_sequence"]

@@ -10,7 +10,7 @@ graph: ops read it through remote loads.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -248,8 +248,10 @@ class Graph:
         return list(out)
 
     def _add_node(self, op_type: str, inputs: Iterable[Optional[Tensor]], attrs: Optional[dict] = None,
-                  domain: str = "ai.onnx", num_outputs: int = 1, name: Optional[str] = None) -> list[Tensor]:
-        """Append one IR node; returns its output tensors (shapes from the lowering)."""
+                  domain: str = "ai.onnx", num_outputs: int = 1, name: Optional[str] = None,
+                  out_names: Optional[Sequence[str]] = None) -> list[Tensor]:
+        """Append one IR node (named ``name``, default the op type in lower case); returns its
+        output tensors (named ``out_names``, default the node's name; shapes from the lowering)."""
         inputs = list(inputs)
         ins = []
         for t in inputs:
@@ -271,8 +273,8 @@ class Graph:
             ins.append(t._ir_id)
         base = name or op_type.lower()
         outs = []
-        for _ in range(num_outputs):
-            outs.append(self._new_id(base))
+        for i in range(num_outputs):
+            outs.append(self._new_id(out_names[i] if out_names else base))
             self._specs[outs[-1]] = None  # reserve the id
         ctx = context.get_current_context()
         node = Node(op_type, ins, outs, dict(attrs or {}), domain,

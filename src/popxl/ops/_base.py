@@ -16,10 +16,63 @@ GC = "ai.graphcore"
 POPXL = "ai.popxl"
 
 
+# PopXL's output names, where they are not "<op type in lower case>_out": a tuple per output
+# ("{t}": the first input's name, "{i}": the output's index, "{dtype}": the Cast's dtype).
+_OUT_NAMES: dict[str, tuple[str, ...]] = {
+    "Neg": ("negate_out",), "Max": ("maximum_out",), "Min": ("minimum_out",),
+    "Cast": ("{t}_{dtype}",), "Reshape": ("{t}_reshaped",), "Squeeze": ("{t}_reshaped",),
+    "Transpose": ("{t}_T",), "Split": ("{t}_split_{i}",), "ScaledAdd": ("scaled_add_out",),
+    "IncrementMod": ("increment_mod_out",), "ReduceSumSquare": ("sumsquare_out",),
+    "ReduceMedian": ("median_out", "median_indices_out"), "TopK": ("topk_out_value", "topk_out_indices"),
+    "GroupNormalization": ("group_norm_out", "group_norm_mean", "group_norm_inv_std_dev"),
+    "BatchNormalization": ("batch_norm_out",), "Resize": ("interpolate_out",),
+    "RoiAlign": ("roi_align_out",), "GroupedGather": ("gather_out",),
+    "ScatterElements": ("scatter_out",), "DynamicSlice": ("dynamic_slice_out",),
+    "DynamicUpdate": ("dynamic_update_out",), "PrintTensor": ("print_out",),
+    "PrintGradient": ("print_out",), "Nll": ("loss",), "NllWithSoftmaxGrad": ("loss", "dx"),
+    "RandomUniform": ("random_uniform_out",), "RandomNormal": ("random_normal_out",),
+    "Pow2ScaleThenCast": ("{t}_{dtype}",), "AllReduce": ("all_reduce_out_{i}",),
+}
+# Our int64 results that the op casts to PopXL's int32: the cast gets PopXL's name.
+_CAST_LATER = {"ArgMax": ("argmax_out",), "ArgMin": ("argmin_out",), "TopK": (None, "topk_out_indices")}
+
+
+def output_names(op_type: str, inputs: Sequence[Optional[Tensor]], attrs: dict,
+                 num_outputs: int) -> list[str]:
+    """The ids PopXL gives the outputs of ``op_type`` (before name scopes and uniquing):
+    ``"<op>_out"`` (``ReduceMax`` -> ``max_out``), or PopXL's own (:data:`_OUT_NAMES`)."""
+    src = next((t for t in inputs if t is not None), None)
+    if op_type == "Cast" and getattr(src, "_cast_name", None):
+        return [src._cast_name]
+    if op_type == "Dropout" and "shape" in attrs:
+        return ["shapeddropout_out"]
+    if op_type == "Pow2ScaleThenCast" and attrs.get("no_grad") != "cast":
+        return [{"matmul": "matmul_pow2scaled_out"}.get(attrs.get("no_grad"), src.name)]
+    low = op_type[len("Reduce"):] if op_type.startswith("Reduce") else op_type
+    names = _OUT_NAMES.get(op_type, (f"{low.lower()}_out",))
+    dt = ""
+    if "to" in attrs:
+        from popart.tensorinfo import np_dtype
+        dt = _dtype.as_dtype(np_dtype(attrs["to"]))._name
+    return [names[min(i, len(names) - 1)].format(t=getattr(src, "name", ""), i=i, dtype=dt)
+            for i in range(num_outputs)]
+
+
 def node(op_type: str, inputs: Sequence[Optional[Tensor]], attrs: Optional[dict] = None,
          domain: str = ONNX, num_outputs: int = 1, name: Optional[str] = None) -> list[Tensor]:
-    """Append ``domain::op_type`` to the current graph; returns its outputs."""
-    return get_current_graph()._add_node(op_type, inputs, attrs, domain, num_outputs, name)
+    """Append ``domain::op_type`` to the current graph; returns its outputs, named ``name``
+    when given, else as PopXL names them (:func:`output_names`)."""
+    attrs = dict(attrs or {})
+    out_names = None
+    if name is None:
+        out_names = output_names(op_type, inputs, attrs, num_outputs)
+        later = _CAST_LATER.get(op_type, ())
+        out_names = [f"{n}_int64" if later[i:i + 1] and later[i] else n for i, n in enumerate(out_names)]
+    outs = get_current_graph()._add_node(op_type, inputs, attrs, domain, num_outputs, name, out_names)
+    for t, cast_name in zip(outs, _CAST_LATER.get(op_type, ()) if name is None else ()):
+        if cast_name:
+            t._cast_name = cast_name
+    return outs
 
 
 def one(op_type: str, *inputs: Optional[Tensor], domain: str = ONNX, name: Optional[str] = None,
