@@ -285,18 +285,54 @@ def test_float8_matmul_and_conv_pow2scaled():
     np.testing.assert_allclose(got["convT"].astype(np.float32), refT, rtol=2e-3, atol=4e-3)
 
 
-def test_host_fp8_mse_scale_picks_the_scale_with_least_error():
-    small = (RNG.normal(size=200) * 1e-3).astype(np.float32)
-    err, s = fp8_utils.host_fp8_mse_scale(small, popxl.float8_143)
-    assert fp8_utils.host_fp8_mse_scale_pb(small, popxl.float8_143) == s
-    def mse(scale):
-        y = fp8_utils.host_pow2scale_cast_to_fp8(small, popxl.float8_143, scale, False).astype(np.float64)
-        return np.mean((y * 2.0 ** -scale - small) ** 2)
-    assert err == pytest.approx(mse(s))
-    assert all(mse(s) <= mse(k) for k in range(-31, 32))
-    assert s > 4                           # small values are scaled up into float8's range
-    big = (RNG.normal(size=200) * 3e3).astype(np.float32)
-    assert fp8_utils.host_fp8_mse_scale(big, popxl.float8_143)[1] < 0
+def _popxl_fp8_scale(x: np.ndarray, exp_bits: int, mantissa_bits: int, bias: int) -> tuple[float, int]:
+    """PopXL's host_fp8_mse_scale written from its definition: |x| counted by power of two
+    over float32's range [2**-126, 2**126] (float16 data too; np.histogram, one bin below
+    and one above), normalised; the scaling bias b in [-31, 31] puts the float8 format's
+    lowest power of two (``lo``, with denormals) at count index ``m = lo + b + 126``; the
+    error adds (limits[0] / 2)**2, limits[i]**2 p_i for the counts below m (underflow),
+    limits[i]**2 p_i 2**(-2 (source mantissa - float8 mantissa)) for the format's span of
+    counts (rounding), (limits[b + 31 + span - 1] - limits[i])**2 p_i above (overflow),
+    summed in index order; the least error's bias (the middle one of equal errors), negated."""
+    limits = 2.0 ** np.arange(-126, 127)[:-1]                   # 2**-126 .. 2**126 (253 of them)
+    counts, _ = np.histogram(np.abs(x.astype(np.float64)), np.r_[0.0, limits, np.inf])
+    p = counts / counts.sum()
+    lo, hi = 1 - bias - mantissa_bits, (1 << exp_bits) - 1 - bias
+    span = hi - lo + 1
+    q = 2.0 ** (-2.0 * ((23 if x.dtype == np.float32 else 10) - mantissa_bits))
+    errs = {}
+    for b in range(-31, 32):
+        m, k = lo + b + 126, b + 31
+        terms = [(limits[0] / 2) ** 2]
+        for i, (lim, pi) in enumerate(zip(limits, p[1:])):
+            terms.append(lim ** 2 * pi if i < m else lim ** 2 * pi * q if i < m + span
+                         else (limits[k + span - 1] - lim) ** 2 * pi)
+        err = 0.0
+        for t in terms:
+            err += t
+        errs.setdefault(err, []).append(b)
+    best = min(errs)
+    ties = sorted(errs[best])
+    return best, -ties[len(ties) // 2]
+
+
+@pytest.mark.parametrize("scale,dt,fmt,bits", [
+    (1e-3, np.float32, popxl.float8_143, (4, 3, 8)), (3e3, np.float32, popxl.float8_143, (4, 3, 8)),
+    (1e-3, np.float16, popxl.float8_152, (5, 2, 16)), (1.0, np.float32, popxl.float8_152, (5, 2, 16)),
+    (40.0, np.float16, None, (4, 3, 8))])
+def test_host_fp8_mse_scale_is_popxl_histogram_estimate(scale, dt, fmt, bits):
+    x = (RNG.normal(size=300) * scale).astype(dt)
+    x[:4] = 0                                          # zeros count as underflow
+    err, s = fp8_utils.host_fp8_mse_scale(x, fmt)
+    ref_err, ref_s = _popxl_fp8_scale(x, *bits)
+    assert s == ref_s and err == pytest.approx(ref_err, rel=1e-12)
+    if fmt is not None:
+        assert fp8_utils.host_fp8_mse_scale_pb(x, fmt) == s
+    # the estimate brings the data into the float8 range: |x| * 2**s below its largest value
+    big = float(ml_dtypes.finfo(F8 if bits[0] == 4 else F8_152).max)
+    assert np.abs(x.astype(np.float64)).max() * 2.0 ** s < big
+    with pytest.raises(RuntimeError, match="not currently supported"):
+        fp8_utils.host_fp8_mse_scale(x.astype(np.float64), fmt)
 
 
 # ---------------------------------------------------------------------------------------

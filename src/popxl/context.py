@@ -138,6 +138,25 @@ class Context:
             raise ValueError(f"Unknown op created hook {handle}")
         del self._op_created_hooks[handle]
 
+    def _add_in_sequence_topocons(self, op: Any) -> None:
+        """Order ``op`` (an IR node, or a call site info's op) as if it were created now
+        (PopXL's private method, which popxl-addons calls for an op created in an
+        ``in_sequence("pass")`` block): it takes the current ``in_sequence`` mode; outside an
+        ``in_sequence`` block or in a "pass" block it is left as it is.
+
+        Raises:
+            ValueError: the in-sequence mode is not True, False or "pass" (PopXL's message).
+        """
+        mode = self._in_sequence_mode
+        if mode is None or mode == "pass":
+            return
+        if not isinstance(mode, bool):
+            raise ValueError(f"`in_sequence` mode not understood: {mode}. "
+                             "Must be one of `True`, `False`, `'pass'`.")
+        while not hasattr(op, "annotations"):   # CallSiteInfo -> its _SubgraphOp -> the node
+            op = getattr(op, "_op", None) or op.node
+        op.annotations["__in_sequence"] = mode
+
     # ------------------------------------------------------------------ package internals
     def _op_created(self, graph: "Graph", node: Any) -> None:
         prev, self._op_graph = self._op_graph, graph

@@ -76,34 +76,26 @@ def host_pow2scale_cast_from_fp8(src: np.ndarray, dtype: Optional[_dtype] = None
     return (src.astype(np.float64) * np.ldexp(1.0, s)).astype(dtype.as_numpy())
 
 
-def _scale_errors(src: np.ndarray, dtype: _dtype) -> list[tuple[float, int]]:
-    x = src.astype(np.float64).reshape(-1)
-    out = []
-    for s in range(-31, 32):
-        y = host_pow2scale_cast_to_fp8(x, dtype, s, nan_on_overflow=False).astype(np.float64)
-        out.append((float(np.mean((y * np.ldexp(1.0, -s) - x) ** 2)) if x.size else 0.0, s))
-    return out
-
-
 def host_fp8_mse_scale(src: Any, dtype: Optional[_dtype] = None) -> tuple[float, int]:
-    """(mean squared error, scale ``s``) for the ``s`` in [-31, 31] with which
-    ``cast(src * 2**s, dtype) * 2**-s`` (saturating) is closest to ``src``; among equally good
-    scales the middle one. ``src`` is float16 or float32 data; ``dtype`` float8_143 (default)
-    or float8_152.
+    """PopXL's estimate of the float8 scale ``s`` for which ``cast(src * 2**s, dtype)``
+    loses least: (its estimated error, ``s``). The magnitudes of ``src`` (float16 or float32
+    data) are counted by power of two over float32's range (:func:`log_histogram`), and each
+    scaling bias in [-31, 31] is scored from the normalised counts by the error of the values
+    it underflows, rounds and overflows (:func:`calculate_metric_mse`); ``s`` is the best
+    bias negated. ``dtype``: float8_152, else float8_143.
 
     Raises:
-        RuntimeError: for another source type or dtype.
+        RuntimeError: ``src`` neither float16 nor float32.
     """
     src = _as_array(src)
     if src.dtype not in (np.float16, np.float32):
         raise RuntimeError(f"dtype {src.dtype} not currently supported.")
-    dtype = float8_143 if dtype is None else dtype
-    if dtype not in _FP8:
-        raise RuntimeError(f"dtype {dtype} not currently supported.")
-    errs = _scale_errors(src, dtype)
-    best = min(e for e, _ in errs)
-    ties = [s for e, s in errs if e <= best * (1 + 1e-12)]
-    return best, ties[len(ties) // 2]
+    dest = float8_152_def if dtype == float8_152 else float8_143_def
+    x = np.ascontiguousarray(src).reshape(-1)
+    hist, limits = log_histogram(x, ieee_fp32_no_denorms)
+    candidate = CandidateConfig(dtype, ieee_fp32_no_denorms, dest, x.dtype)
+    err, bias = calculate_candidate_metric(hist / hist.sum(), limits, candidate, "MSE")
+    return err, -bias
 
 
 def host_fp8_mse_scale_pb(src: Any, dtype: Optional[_dtype] = None) -> int:
@@ -116,8 +108,7 @@ def host_fp8_mse_scale_pb(src: Any, dtype: Optional[_dtype] = None) -> int:
 # ---------------------------------------------------------------------------------------
 # PopXL's histogram estimate of the best float8 scale: the exponents of the data are counted in
 # a histogram, and each scaling bias b in [min_scaling_bias, max_scaling_bias] is scored by the
-# squared error of the values it underflows, rounds and overflows. (host_fp8_mse_scale above
-# measures the error of each scale directly instead.)
+# squared error of the values it underflows, rounds and overflows (host_fp8_mse_scale above).
 
 torch_imported = _torch is not None
 max_scaling_bias = 31
@@ -186,15 +177,18 @@ def calculate_metric_mse(histogram: np.ndarray, limits: List[float], src_bias_st
     ``limits[k + format_span - 1]`` of those above (overflow). Among equal errors the middle
     bias."""
     span, q = candidate.format_span, candidate.quantisation_error
-    sq = np.asarray(limits, np.float64) ** 2
-    h = np.asarray(histogram, np.float64)[1:len(limits) + 1]
+    h = [float(v) for v in np.asarray(histogram, np.float64)[1:len(limits) + 1]]
     scored = []
     for k, m in enumerate(int(v) for v in src_bias_starting_indices):
         top = min(m + span, len(limits))
-        err = float(np.sum(sq[:m] * h[:m])) + ((limits[0] / 2) ** 2 if m > 0 else 0.0)
-        err += float(np.sum(sq[m:top] * h[m:top])) * q
-        if top < len(limits):
-            err += float(np.sum((limits[k + span - 1] - np.asarray(limits[top:])) ** 2 * h[top:]))
+        # summed in index order, as PopXL does: equal errors (ties) are equal bit for bit
+        terms = [(limits[0] / 2) ** 2] if m > 0 else []
+        terms += [limits[i] ** 2 * h[i] for i in range(m)]
+        terms += [limits[i] ** 2 * h[i] * q for i in range(m, top)]
+        terms += [(limits[k + span - 1] - limits[i]) ** 2 * h[i] for i in range(top, len(limits))]
+        err = 0.0
+        for t in terms:
+            err += t
         scored.append((err, k + min_scaling_bias))
     best = min(e for e, _ in scored)
     ties = sorted(b for e, b in scored if e == best)

@@ -112,6 +112,12 @@ class Ir:
         self._graph_names[name] = k + 1
         return f"{name}_{k}"
 
+    @property
+    def _graph_cache(self) -> dict[str, Graph]:
+        """Each graph of the Ir by its id, the main graph's included (PopXL's private map,
+        which popxl-addons reads): a new dict per read, made from the Ir's graphs."""
+        return {g.id: g for g in self._graphs}
+
     def create_empty_graph(self, name: Optional[str] = None) -> Graph:
         """A new, empty subgraph."""
         g = Graph(self, self._create_name(name or "graph"), parent=self._main)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+_NON_CONST = ("This ReplicaGrouping has a non-constant stride and has no PopART C++ representation. "
+              "You can't use this ReplicaGrouping with GCL ops. ")
+
 
 class ReplicaGrouping:
     """Replicas r with the same ``assignment[r]`` form one group. A grouping made from
@@ -46,7 +49,14 @@ class ReplicaGrouping:
         return self._num_replicas
 
     @property
-    def stride(self) -> Optional[int]:
+    def stride(self) -> int:
+        """The distance between the members of a group.
+
+        Raises:
+            NotImplementedError: for a grouping without a constant stride (PopXL's).
+        """
+        if self._stride is None:
+            raise NotImplementedError(_NON_CONST)
         return self._stride
 
     @property
@@ -164,5 +174,7 @@ class ReplicaGrouping:
         return hash(tuple(self._assignment))
 
     def __repr__(self) -> str:
+        if not self.is_const:   # PopXL's two forms
+            return f"ReplicaGrouping(assignment={self._assignment})"
         return (f"ReplicaGrouping(num_replicas={self._num_replicas}, stride={self._stride}, "
-                f"group_size={self._group_size}, assignment={self._assignment})")
+                f"group_size={self._group_size}, num_groups={self.num_groups})")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Union
 
@@ -50,7 +51,7 @@ from .dtypes import to_numpy
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
 from .tensor import Constant, Variable
-from .utils import _to_device_info
+from .utils import HW_DEVICE_CONNECTION_TIMEOUT, _offline_device_from_str, _to_device_info
 
 
 _logger = getLogger("session")
@@ -100,12 +101,38 @@ def _device(desc: Any, replicas: int) -> Any:
     ``replicas`` IPUs, detached (the session attaches it when its context is entered)."""
     if isinstance(desc, popart.DeviceInfo):
         return desc
+    if "POPXL_OFFLINE_DEVICE" in os.environ:   # PopXL's: compile for it, run on acquired IPUs
+        return _offline_device_from_str(os.environ["POPXL_OFFLINE_DEVICE"], replicas)
     if desc == "ipu_hw":
         dev = popart.DeviceManager().acquireAvailableDevice(replicas)
     else:
         dev = _to_device_info(desc, replicas)
     dev.detach()
     return dev
+
+
+def _acquire_hw_device_with_timeout(num_ipus: int = 1, timeout: float = HW_DEVICE_CONNECTION_TIMEOUT
+                                    ) -> Any:
+    """An attached device of ``num_ipus`` IPUs (PopXL's): the first of them that is free,
+    waiting up to ``timeout`` seconds.
+
+    Raises:
+        RuntimeError: no device of ``num_ipus`` IPUs, or none free in time (PopXL's messages).
+    """
+    devices = popart.DeviceManager().enumerateDevices(numIpus=num_ipus)
+    if not devices:
+        raise RuntimeError(f"Failed to acquire device with {num_ipus} IPUs. Ensure that there are "
+                           "sufficient IPUs available. If you have enabled the Poplar SDK you can "
+                           "check device availability with the `gc-monitor` command-line utility.")
+    deadline = time.monotonic() + timeout
+    while True:
+        for d in devices:
+            if d.attach():
+                return d
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"Timed out after {timeout} seconds waiting for a device with "
+                               f"{num_ipus} IPUs to become available.")
+        time.sleep(0.1)
 
 
 class Session:
@@ -375,8 +402,38 @@ class Session:
 
     @property
     def device(self) -> Any:
-        """The session's ``popart.DeviceInfo``."""
+        """The session's ``popart.DeviceInfo`` (settable: see :meth:`_set_device`)."""
         return self._device
+
+    @device.setter
+    def device(self, device: Any) -> None:
+        self._set_device(device)
+
+    def _set_device(self, device: Any) -> None:
+        """Run on ``device`` (a ``popart.DeviceInfo``) from now on (PopXL's private method,
+        which popxl-addons uses). Values on the old device that the host has not seen are read
+        back first and go to the new device; where its devices differ the program is placed and
+        compiled again. The attached state is ``device``'s own.
+
+        Raises:
+            TypeError: ``device`` is not a ``popart.DeviceInfo``.
+        """
+        if not isinstance(device, popart.DeviceInfo):
+            raise TypeError(f"Session device must be a popart.DeviceInfo, not {type(device).__name__}")
+        with self._lock:
+            if device is self._device:
+                return
+            self._pull_weights()
+            old = (self._placement.device, list(self._placement.devices))
+            self._device = device
+            self._placement = Placement(self._r, device,
+                                        across_processes=self._ir._options.enableDistributedReplicatedGraphs)
+            self._placed = placed_program(self)
+            if (self._placement.device, list(self._placement.devices)) != old or self._placed:
+                self._engine_cache_ = self._engine_cache()
+                self._compile()
+            if self._dev is not None:
+                self._dev = self._put(self._device_values())
 
     @property
     def is_attached(self) -> bool:
@@ -385,6 +442,11 @@ class Session:
 
     def __enter__(self) -> "Session":
         was_attached = self.is_attached
+        if self._device.type == popart.DeviceType.OfflineIpu:   # PopXL: run on acquired IPUs,
+            self._was_attached.append(self._device)            # back to the offline one on exit
+            self._set_device(_acquire_hw_device_with_timeout(self._device.numIpus))
+            self.weights_from_host()
+            return self
         self._was_attached.append(was_attached)
         if not was_attached:
             if not self._device.attach() and not self._device.tryAttachUntilTimeout():
@@ -400,10 +462,12 @@ class Session:
 
     def __exit__(self, exc_type: Any = None, exc_value: Any = None, tb: Any = None) -> None:
         was_attached = self._was_attached.pop() if self._was_attached else False
-        if not was_attached:
+        if not was_attached or isinstance(was_attached, popart.DeviceInfo):
             if exc_type is None and self.weights_to_host_on_exit and self.is_attached:
                 self.weights_to_host()
             self._device.detach()
+        if isinstance(was_attached, popart.DeviceInfo):
+            self._set_device(was_attached)
 
     def _host_in_sync(self, v: Variable) -> bool:
         return self._in_sync or v not in self._host
@@ -444,6 +508,10 @@ class Session:
             raise Exception("Writing data from device to host is not possible as the `ir` "
                             "contains a read-only memmap.")
         self._require_attached()
+        self._pull_weights()
+
+    def _pull_weights(self) -> None:
+        """The host values of the variables from the device values, where they differ."""
         if self._in_sync or self._dev is None:
             return
         with xla_errors("Copying the weights to the host"):   # every instance's replicas
