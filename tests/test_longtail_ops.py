@@ -353,7 +353,7 @@ def _rnn(b):
     x, w, r = _input(b, [2, 1, 3]), b.aiOnnxOpset11.constant(np.ones((1, 4, 3), np.float32)), \
         b.aiOnnxOpset11.constant(np.ones((1, 4, 4), np.float32))
     y = b.aiOnnxOpset11.rnn([x, w, r], 2, hidden_size=5, debugContext="rnn")
-    return y, (f"hidden_size attribute passed to Op(rnn (ai.onnx.RNN:11), inputs=[{x}, {w}, {r}], "
+    return y, (f"hidden_size attribute passed to Op(rnn (ai.onnx.RNN:7), inputs=[{x}, {w}, {r}], "
                f"outputs=[{', '.join(y)}]) (5) does not match hidden size calculated from "
                f"recurrenceWeights tensor (4).")
 
@@ -372,7 +372,7 @@ def _abort_non_scalar(b):
 
 
 CHECKS = {   # build(builder) -> (outputs, PopART's message)
-    "dropout": lambda b: (b.aiOnnxOpset10.dropout([_input(b, [2])], 1, 1.0)[0],
+    "dropout": lambda b: (b.aiOnnxOpset11.dropout([_input(b, [2])], 1, 1.0)[0],   # Dropout-10
                           "ai.onnx.Dropout:10 ratio value 1 is not valid. Please use a value in "
                           "the interval [0,1)"),
     "reverse_negative": lambda b: (b.aiGraphcore.reverse([_input(b, [2, 2])], [-1], debugContext="rev"),

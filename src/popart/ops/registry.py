@@ -242,8 +242,11 @@ def decode_attr(value: Any) -> Any:
 # PopART's own rules where they differ from ONNX's schemas
 
 def opid(ctx: LowerCtx) -> str:
-    """The node's operator as PopART prints an OperatorIdentifier: ``ai.onnx.Dropout:10``."""
-    return f"{ctx.domain}.{ctx.op_type}:{ctx.version}"
+    """The node's operator as PopART prints an OperatorIdentifier: ``ai.onnx.Dropout:10``, the
+    version the op's definition has at the model's opset (Dropout-10 in an opset-11 model)."""
+    schema = onnx_schema(ctx.op_type, ctx.version) if canonical_domain(ctx.domain) == ONNX_DOMAIN \
+        else None
+    return f"{canonical_domain(ctx.domain)}.{ctx.op_type}:{schema.since_version if schema else ctx.version}"
 
 
 def onnx_semantics(ctx: LowerCtx) -> bool:
