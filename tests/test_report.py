@@ -368,3 +368,18 @@ def test_sessions_sharing_a_report_folder_get_their_own(tmp_path):
     assert first.directory == str(tmp_path / "r")
     assert second.directory == str(tmp_path / "r" / "inference")
     assert third.directory == str(tmp_path / "r" / "inference-2")
+
+
+def test_unmodified_example_leaves_a_report_naming_its_nodes(tmp_path):
+    """An example program, run as it is with POPLAR_ENGINE_OPTIONS: its one run is traced
+    (the window of 2 is not reached, so the trace ends at exit) and its node is named."""
+    import subprocess
+    import sys
+    example = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "builder_add.py")
+    env = {**os.environ, "POPLAR_ENGINE_OPTIONS": json.dumps(
+        {"autoReport.all": "true", "autoReport.directory": str(tmp_path / "rep")})}
+    subprocess.run([sys.executable, os.path.abspath(example)], cwd=tmp_path, env=env, check=True,
+                   capture_output=True, timeout=300)
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert [r["node"] for r in data["time"]["per_node"]] == ["Add"]
+    assert data["time"]["runs_traced"] == 1 and data["time"]["per_node"][0]["us"] > 0
