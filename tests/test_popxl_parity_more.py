@@ -113,6 +113,12 @@ def test_offline_device_runs_on_acquired_ipus_and_comes_back(counting, monkeypat
         np.testing.assert_array_equal(s.run()[d2h], [1, 1, 1])
     assert s.device is offline and not hw.isAttached and not s.is_attached
     np.testing.assert_array_equal(s.get_tensor_data(w), [1, 1, 1])   # copied back on exit
+    monkeypatch.delenv("POPXL_OFFLINE_DEVICE")
+    big = popart.DeviceManager().createOfflineIPUDevice({"numIPUs": 32})   # no such IPUs
+    s = popxl.Session(ir, big)
+    with pytest.raises(RuntimeError, match="Failed to acquire device with 32 IPUs"):
+        s.__enter__()
+    assert s.device is big and not s.is_attached
 
 
 # ---------------------------------------------------------------------------------------

@@ -443,13 +443,18 @@ class Session:
     def __enter__(self) -> "Session":
         was_attached = self.is_attached
         if self._device.type == popart.DeviceType.OfflineIpu:   # PopXL: run on acquired IPUs,
-            self._was_attached.append(self._device)            # back to the offline one on exit
-            self._set_device(_acquire_hw_device_with_timeout(self._device.numIpus))
-            self.weights_from_host()
-            return self
-        self._was_attached.append(was_attached)
+            offline, hw = self._device, _acquire_hw_device_with_timeout(self._device.numIpus)
+            try:                                                # back to the offline one on exit
+                self._set_device(hw)
+            except BaseException:
+                hw.detach()
+                raise
+            self._was_attached.append(offline)
+        else:
+            self._was_attached.append(was_attached)
         if not was_attached:
-            if not self._device.attach() and not self._device.tryAttachUntilTimeout():
+            if not self.is_attached and not self._device.attach() and \
+                    not self._device.tryAttachUntilTimeout():
                 self._was_attached.pop()
                 raise RuntimeError(f"Could not attach to device {self._device.id}. It is attached "
                                    f"elsewhere or offline.")
