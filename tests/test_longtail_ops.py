@@ -272,11 +272,13 @@ def train():
     one = o.constant(np.ones(3, np.float32))
     losses = [g.l1loss([bn[0]], 1.0), g.l1loss([o.add([at, one])], 1.0, reduction=popart.ReductionType.Sum),
               o.cast([g.l1loss([bn16[0]], 1.0)], "FLOAT"), o.cast([g.l1loss([bn16b[0]], 1.0)], "FLOAT")]
+    big16 = g.l1loss([inp("big16", np.full(2000, 100, np.float16))], 1.0)   # Mean of 2e5 in fp16
+    losses.append(o.cast([big16], "FLOAT"))
     loss = o.sum(losses)
-    outs = list(bn[1:]) + list(bn16) + list(bn16b) + [med]
+    outs = list(bn[1:]) + list(bn16) + list(bn16b) + [med, big16]
     _, anchors = run_session(b, f, outs, train=True, loss=loss,
                              anchors=[bn[0], GRAD + "a", GRAD + "c"])
-    return anchors, bn, bn16, bn16b, med
+    return anchors, bn, bn16, bn16b, med, big16
 
 
 def test_batchnorm_training_outputs(train):
@@ -295,7 +297,7 @@ def test_batchnorm_training_outputs(train):
 def test_batchnorm_float16_data_with_float32_or_float16_statistics(train):
     """BatchNormOp takes statistics of their own type: Y has X's type, the statistics
     outputs the statistics' type; float16 training stays finite."""
-    r, _, bn16, bn16b, _ = train
+    r, _, bn16, bn16b, *_ = train
     m, v = BN_X.mean((0, 2)), BN_X.var((0, 2))
     assert r[bn16[0]].dtype == np.float16 and r[bn16[1]].dtype == np.float32
     assert all(r[t].dtype == np.float16 for t in bn16b)
@@ -307,8 +309,14 @@ def test_batchnorm_float16_data_with_float32_or_float16_statistics(train):
         np.testing.assert_allclose(r[outs[0]].astype(np.float32), y, atol=1e-2)
 
 
+def test_float16_l1_mean_stays_finite(train):
+    """L1's Mean sums in float32 (poplar's reduce, scale FLOAT) before the float16 result."""
+    r, *_, big16 = train
+    assert r[big16].dtype == np.float16 and r[big16] == 100
+
+
 def test_reduce_median_of_int32_in_training(train):
-    r, *_, med = train
+    r, *_, med, _ = train
     np.testing.assert_array_equal(r[med], [3, 4])
 
 

@@ -31,10 +31,11 @@ def reduce_loss(ctx: LowerCtx, per, reduction, count=None):
     r = reduction_type(ctx, reduction)
     if r == "NoReduction":
         return per
-    s = jnp.sum(per)
+    dt = jnp.result_type(per)   # summed in at least float32, as poplar's reduce (fp16 stays finite)
+    s = jnp.sum(per, dtype=jnp.promote_types(dt, jnp.float32) if jnp.issubdtype(dt, jnp.floating) else dt)
     if r == "Sum":
-        return s
-    return s / (per.size if count is None else count)
+        return s.astype(dt)
+    return (s / (per.size if count is None else count)).astype(dt)
 
 
 def _g(name, **kw):
