@@ -270,6 +270,11 @@ def test_ipu_only_instrumentation_warns_once(caplog):
         switches.warn_ipu_only(o)
     msgs = [r.getMessage() for r in caplog.records if "instrumentWithHardwareCycleCounter" in r.getMessage()]
     assert len(msgs) == 1 and "does nothing" in msgs[0]
+    caplog.clear()
+    switches._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="popart.session"):
+        switches.warn_ipu_only(popart.SessionOptions())   # the defaults: no warning
+    assert not caplog.records
 
 
 def test_out_of_memory_keeps_xla_peak_buffer_list():

@@ -28,7 +28,7 @@ _logger = getLogger("session")
 _hooks: contextvars.ContextVar = contextvars.ContextVar("popart_compile_hooks", default=None)
 CHECKS = ("Fwd0", "Fwd1", "Bwd0", "Final")   # PopART's check points that exist here
 _TRUE = ("true", "1", "yes", "on")
-_IPU_ONLY = {"instrumentWithHardwareCycleCounter": False, "hardwareInstrumentations": set()}
+_IPU_ONLY = {"instrumentWithHardwareCycleCounter": False}   # (hardwareInstrumentations only with it)
 _warned: set = set()
 
 
@@ -84,10 +84,9 @@ def progress(options: Any) -> Optional[Progress]:
 
 
 def warn_ipu_only(options: Any) -> None:
-    """One warning per IPU-only instrumentation option that is set."""
+    """One warning per IPU-only instrumentation option that is set (per process)."""
     for k, default in _IPU_ONLY.items():
-        v = getattr(options, k, default)
-        if v and v != default and k not in _warned:
+        if getattr(options, k, default) != default and k not in _warned:
             _warned.add(k)
             _logger.warn(f"SessionOptions.{k} instruments IPU hardware cycles; it does nothing "
                          f"on XLA devices (use autoReport.all for time per op)")
@@ -257,6 +256,9 @@ def popxl_compiling(session: Any) -> contextlib.AbstractContextManager:
     """popxl.Session's compile block (its Ir's options, main graph and host transfers)."""
     ir = session._ir
     o = ir._options
+    prog = progress(o)
+    if prog is not None:   # PopART's first call; compiling() goes on from 3
+        prog.at(0)
     warn_ipu_only(o)
     write_dots(o, session._main_ir, CHECKS)
     if os.environ.get("POPART_IR_DUMP"):
