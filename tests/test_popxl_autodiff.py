@@ -247,21 +247,29 @@ def test_called_graphs_are_differentiated_and_called_not_recomputed():
 
 
 def test_defaults_and_graphs_that_cannot_get_outputs():
-    """By default the gradients of the inputs that get one (not the int labels, not an unused
-    input), from the outputs that lead to them; a graph that repeat already calls gets no
-    outputs: its gradient graph recomputes what its grad ops read (PopART's
-    SafeAddFwdOutputStitcher falls back to the RecomputeStitcher)."""
+    """PopXL's defaults: every input required (the int labels and an unused input have no
+    gradient: PopART's error), every output provided, in order, even one that leads to no
+    required gradient; called graphs get PopART's nullopt defaults. A graph that repeat
+    already calls gets no outputs: its gradient graph recomputes what its grad ops read
+    (PopART's SafeAddFwdOutputStitcher falls back to the RecomputeStitcher)."""
+    from popart import popart_exception
     ir = popxl.Ir()
     with ir.main_graph:
         def f(x, labels, unused):
-            return ops.nll_loss(ops.softmax(ops.tanh(x), axis=-1), labels)
+            return ops.nll_loss(ops.softmax(ops.tanh(x), axis=-1), labels), unused * 2.0
 
         g = ir.create_graph(f, popxl.TensorSpec((4, 3), popxl.float32), popxl.TensorSpec((4,), popxl.int32),
                             popxl.TensorSpec((2,), popxl.float32))
-        info = popxl.transforms.autodiff(g)
+        with pytest.raises(popart_exception, match=r"Unable to provide required gradient output for "
+                                                   r"fwd id '\S*labels'"):
+            popxl.transforms.autodiff(g)
+        info = popxl.transforms.autodiff(g, grads_required=[g.inputs[0]])
         assert [e.fwd_tensor for e in info.expected_outputs] == [g.inputs[0]]
-        assert info.expected_inputs[0].fwd_tensor is g.outputs[0]
+        assert [e.fwd_tensor for e in info.expected_inputs[:2]] == list(g.outputs[:2])
+        assert [e.connection_type for e in info.expected_inputs[:2]] == [ECT.FwdGrad] * 2
         assert g.inputs[1] in info.inputs          # NllGrad reads the labels
+        both = popxl.transforms.autodiff(g, grads_required=[g.inputs[2], g.inputs[0]])
+        assert [e.fwd_tensor for e in both.expected_outputs] == [g.inputs[2], g.inputs[0]]
         r = ir.create_graph(lambda a: ops.sigmoid(ops.tanh(a)) * 1.0, popxl.TensorSpec((2,), popxl.float32))
         ops.repeat(r, 2, popxl.constant(np.zeros(2, np.float32)))
         rinfo = popxl.transforms.autodiff(r)

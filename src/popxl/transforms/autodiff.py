@@ -240,7 +240,7 @@ def _plan(fwd: _Fwd, provided: list[str], required: list[str]) -> tuple[list, se
     for n in fwd.ir.nodes:
         if n.op_type not in _NO_GRAD and any(i in from_req for i in _inputs(fwd.graph, n) if i):
             from_req.update(o for o in n.outputs if o and fwd.is_float(o))
-    has_grad, plan = set(provided), []
+    has_grad, plan = {p for p in provided if fwd.is_float(p)}, []
     for n in reversed(fwd.ir.nodes):
         outs = [k for k, o in enumerate(n.outputs) if o and o in has_grad]
         wrt = [i for i in dict.fromkeys(_inputs(fwd.graph, n)) if i and i in from_req
@@ -374,21 +374,35 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
              grads_required: Optional[Iterable[Tensor]] = None,
              called_graphs_grad_info: Optional[Mapping[Graph, GradGraphInfo]] = None,
              return_all_grad_graphs: bool = False) -> Any:
-    """Differentiate ``graph``: gradients of ``grads_required`` (default: the inputs that get
-    one) given gradients of ``grads_provided`` (default: the floating-point outputs that lead
-    to them); both may be any tensors of ``graph``. The forward tensors the grad ops read
-    become inputs of the gradient graph (and outputs of ``graph`` where they are neither;
-    for a graph that repeat / conditional call, they are recomputed in the gradient graph)."""
+    """Differentiate ``graph``: the gradient graph gives the gradients of ``grads_required``
+    (default: every input of ``graph``; one no gradient reaches raises PopART's error) from
+    those of ``grads_provided`` (default: every output, each an input of the gradient graph
+    in that order); both may be any tensors of ``graph``. The forward tensors the grad ops
+    read become inputs of the gradient graph (and outputs of ``graph`` where they are
+    neither; for a graph that repeat / conditional call, they are recomputed in the gradient
+    graph). Called graphs are differentiated with PopART's defaults for them: the outputs
+    that lead to a gradient, the inputs that get one."""
+    for what, ts in (("grads_provided", grads_provided), ("grads_required", grads_required)):
+        for t in ts or ():
+            if not isinstance(t, Tensor) or t._graph is not graph:
+                raise ValueError(f"{what}: {t!r} is not a tensor of graph '{graph.name}'")
+    return _autodiff(graph, list(graph.outputs if grads_provided is None else grads_provided),
+                     list(graph.inputs if grads_required is None else grads_required),
+                     called_graphs_grad_info, return_all_grad_graphs)
+
+
+def _autodiff(graph: Graph, grads_provided: Optional[list[Tensor]],
+              grads_required: Optional[list[Tensor]],
+              called_graphs_grad_info: Optional[Mapping[Graph, GradGraphInfo]] = None,
+              return_all_grad_graphs: bool = False) -> Any:
+    """``autodiff``; None for ``grads_provided`` / ``grads_required`` is PopART's nullopt
+    (the outputs that lead to a gradient; the inputs that get one)."""
     if graph._is_main:
         raise ValueError("autodiff differentiates subgraphs (made with ir.create_graph), not the main graph")
     if graph._hidden:
         raise NotImplementedError(f"autodiff of graph '{graph.name}', which uses host streams or "
                                   f"remote buffers, is not supported: load / store outside the "
                                   f"differentiated graph")
-    for what, ts in (("grads_provided", grads_provided), ("grads_required", grads_required)):
-        for t in ts or ():
-            if not isinstance(t, Tensor) or t._graph is not graph:
-                raise ValueError(f"{what}: {t!r} is not a tensor of graph '{graph.name}'")
     fwd = _Fwd(graph)
     ids = lambda ts: [t._ir_id if t not in graph._inputs else graph._entry[t] for t in ts]
     provided = ids([t for t in graph._outputs if _float(t)] if grads_provided is None else grads_provided)
@@ -414,7 +428,7 @@ def autodiff(graph: Graph, grads_provided: Optional[Iterable[Tensor]] = None,
         called = (callee,) if callee is not None else _branches(graph, n)
         for g in called or ():
             if g not in infos:
-                infos.update(autodiff(g, called_graphs_grad_info=infos, return_all_grad_graphs=True))
+                infos.update(_autodiff(g, None, None, infos, True))
         if callee is not None and n.op_type == "Loop":   # site: the Loop's inputs, stacked saves
             stacked = _save_iterations(graph, n, callee, infos[callee])
             subs[id(n)] = [(callee, infos[callee], Node("Call", n.inputs[2:], [], {"stacked": stacked}))]
