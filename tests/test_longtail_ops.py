@@ -366,9 +366,9 @@ def _rnn(b):
                f"recurrenceWeights tensor (4).")
 
 
-def _tile(repeats, message):
+def _tile(repeats, message, dtype=np.int64):
     def build(b):
-        reps = b.aiOnnxOpset11.constant(np.array(repeats, np.int64))
+        reps = b.aiOnnxOpset11.constant(np.array(repeats, dtype))
         return b.aiOnnxOpset11.tile([_input(b, [2, 3]), reps]), message.format(reps)
     return build
 
@@ -396,6 +396,10 @@ CHECKS = {   # build(builder) -> (outputs, PopART's message)
     "tile_length": _tile([2], "'Repeats' tensor `{}' should have one element for each dimension "
                               "of the data tensor"),
     "tile_value": _tile([2, 0], "'Repeats' tensor `{}' has invalid value `0' at index 1"),
+    "tile_int32": _tile([2, 1], "'Repeats' tensor `{}' is not INT64, it is INT32", np.int32),
+    "reverse_rank": lambda b: (b.aiGraphcore.reverse([_input(b, [2, 2])], [2], debugContext="rev"),
+                               "ReverseOp 'rev (ai.graphcore.Reverse:1)' invalid dimension '2' "
+                               "for input tensor of rank 2"),
     "abort_non_scalar": _abort_non_scalar,
     "convt_valid_output_shape": lambda b: (b.aiOnnxOpset11.convtranspose(
         [_input(b, [1, 1, 3, 3]), b.aiOnnxOpset11.constant(np.ones((1, 1, 2, 2), np.float32))],

@@ -293,6 +293,7 @@ POPART_INPUT_TYPES: dict[tuple[str, int], Any] = {
     ("Clip", 1): "f", ("Clip", 2): "f",          # read as float scalars at construction
     ("If", 0): "biuf",                           # any scalar; non-zero is true
     ("Gather", 1): "iu",                         # GatherOp never checks the index type
+    ("Tile", 1): "iu",                           # TileOp raises its own message
     ("Mul", 0): _fp16_with_fp32_scalar, ("Mul", 1): _fp16_with_fp32_scalar,
 }
 

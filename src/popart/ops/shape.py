@@ -153,10 +153,12 @@ def expand(ctx: LowerCtx, x, shape, **_):
 add("Tile", lambda ctx, x, tiles, axis, **_: jnp.tile(x, [int(ctx.static(tiles, "tiles")) if i == int(
     ctx.static(axis, "axis")) else 1 for i in range(x.ndim)]), since=1, static_inputs=(1, 2))
 def tile(ctx: LowerCtx, x, repeats, **_):
-    """TileOp::connectInTensor's checks: repeats of rank 1, one per dimension, each >= 1."""
+    """TileOp::connectInTensor's checks: INT64 repeats of rank 1, one per dimension, each >= 1."""
     reps = ctx.static(repeats, "repeats")
     rid, problem = ctx.input_ids[1], ""
-    if reps.ndim != 1:
+    if reps.dtype != np.int64:
+        problem = f"'Repeats' tensor `{rid}' is not INT64, it is {reps.dtype.name.upper()}"
+    elif reps.ndim != 1:
         problem = f"'Repeats' tensor `{rid}' should be rank 1 in TileOp constructor"
     elif reps.size != x.ndim:
         problem = (f"'Repeats' tensor `{rid}' should have one element for each dimension of the "
