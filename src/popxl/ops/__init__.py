@@ -781,11 +781,12 @@ def ipu_copy(t: Tensor, destination: int, source: Optional[int] = None) -> Tenso
     """Copy to IPU ``destination`` (an annotated Identity)."""
     from ..context import ipu
     with ipu(destination):
-        return identity(t)
+        return identity(t, output_name=f"{t.name}_c{destination}")
 
 
 def io_tile_copy(t: Tensor) -> Tensor:
-    return identity(t)
+    """Copy to the IO tiles (an Identity here: XLA has no tile sets)."""
+    return identity(t, output_name=f"{t.name}_iotilecopy")
 
 
 # ---------------------------------------------------------------------------------------
