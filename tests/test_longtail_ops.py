@@ -340,8 +340,9 @@ def test_abort_without_inputs_and_triggered_abort_raise_poplar_runtime_error():
     b.aiGraphcore.abort([c])
     y = b.aiOnnxOpset11.identity([c])
     sess, out = run_session(b, {c: np.array(False)}, [y])   # a false condition runs
-    with pytest.raises(popart.poplar_runtime_error):
+    with pytest.raises(popart.poplar_runtime_error) as info:
         sess.run(popart.PyStepIO({c: np.array(True)}, out))
+    assert isinstance(info.value, popart.poplar_application_runtime_error)   # poplar's Abort
 
     b = popart.Builder()
     x = b.addInputTensor(popart.TensorInfo(X4), "x")

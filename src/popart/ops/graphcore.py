@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..errors import poplar_runtime_error
+from ..errors import poplar_application_runtime_error
 from ..tensorinfo import np_dtype
 from . import nn
 from .elementwise import gelu_tanh, with_popart_grad
@@ -504,14 +504,15 @@ def print_tensor(ctx: LowerCtx, x, *, print_gradient, title, **_):
 
 @_g("Abort")
 def abort(ctx: LowerCtx, cond=None, **_):
-    """AbortOpx: the run stops with poplar_runtime_error when the scalar condition input is
-    non-zero, and always without one (poplar's Abort / AbortOnCondition)."""
+    """AbortOpx: the run stops with poplar_application_runtime_error (a poplar_runtime_error)
+    when the scalar condition input is non-zero, and always without one (poplar's Abort /
+    AbortOnCondition)."""
     if cond is not None and jnp.size(cond) > 1:
         raise popart_error(ctx, "Conditional abort op can only test a scalar tensor",
                            f"the condition '{ctx.input_ids[0]}' has shape {list(jnp.shape(cond))}")
     failed = True if cond is None else jnp.asarray(cond).reshape(()) != 0
     ctx.check(failed, "Abort program reached" + ("" if cond is None else " (its condition is true)"),
-              error_class=poplar_runtime_error)
+              error_class=poplar_application_runtime_error)
     return []
 
 
