@@ -10,7 +10,7 @@ from popart import devices
 from popart.devices import (DeviceConnectionType, DeviceInfo, DeviceManager,
                             DeviceSelectionCriterion, DeviceType, SyncPattern,
                             configure_host_devices)
-from popart.errors import popart_exception
+from popart.errors import popart_exception, poplar_exception
 
 configure_host_devices(8)  # no-op if JAX is already up (popart's __init__ does this first)
 import jax  # noqa: E402
@@ -94,9 +94,14 @@ def test_acquire_available_device(dm):
 
 def test_acquire_more_than_available_raises(dm):
     total = _system()[0]
-    with pytest.raises(popart_exception, match=f"{total + 1} IPUs.*POPART_NUM_IPUS"):
-        dm.acquireAvailableDevice(total + 1)
-    assert dm.tryAcquireAvailableDevice(total + 1) is None
+    big = 1 << total.bit_length()   # the next power of two above the system's IPUs
+    with pytest.raises(popart_exception, match=f"^Failed to acquire device with {big} IPUs. "
+                       "Ensure that there are sufficient IPUs available.") as e:
+        dm.acquireAvailableDevice(big)
+    assert "POPART_NUM_IPUS" in e.value.__notes__[0]
+    assert dm.tryAcquireAvailableDevice(big) is None
+    with pytest.raises(popart_exception, match="The number of IPUs requested must be a power"):
+        dm.tryAcquireAvailableDevice(3)
 
 
 def test_devices_are_exclusive_while_attached(dm):
@@ -134,12 +139,13 @@ def test_acquire_by_id(dm):
     assert ids == list(range(len(ids)))  # single devices come first, as with gc-info
     d = dm.acquireDeviceById(ids[0])
     assert d.id == ids[0] and d.isAttached
-    with pytest.raises(popart_exception, match="attached"):
+    with pytest.raises(popart_exception, match="Failed to acquire device with id") as e:
         dm.acquireDeviceById(ids[0])
+    assert "attached" in "".join(e.value.__notes__)
     assert dm.tryAcquireDeviceById(ids[0]) is None
-    with pytest.raises(popart_exception, match="No device with id 100000"):
-        dm.acquireDeviceById(100000)
-    assert dm.tryAcquireDeviceById(100000) is None
+    for acquire in (dm.acquireDeviceById, dm.tryAcquireDeviceById):   # Poplar's getDevice
+        with pytest.raises(poplar_exception, match="No device with id 100000"):
+            acquire(100000)
 
 
 def test_enumerate_devices(dm):

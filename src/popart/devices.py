@@ -48,7 +48,7 @@ import time  # noqa: E402
 import weakref  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
-from .errors import popart_exception  # noqa: E402
+from .errors import popart_exception, poplar_exception  # noqa: E402
 from .logging import getLogger  # noqa: E402
 from .options import _enum  # noqa: E402
 
@@ -62,6 +62,16 @@ DeviceSelectionCriterion = _enum("DeviceSelectionCriterion", "First Random")
 
 _ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 _DEFAULT_TILES = 1472  # tiles of a Mk2 IPU
+_FEW_TILES = 4  # PopART's defaultFewTiles: IpuModel / Sim devices without "tilesPerIPU"
+_GC_MONITOR = ("If you have enabled the Poplar SDK you can check device availability with the "
+               "`gc-monitor` command-line utility.")
+
+
+def _error(cls: type, message: str, note: str) -> Exception:
+    """``cls(message)`` with PopART's text as ``args[0]`` and the package's context as a note."""
+    e = cls(message)
+    e.add_note(note)
+    return e
 # IPU index of the system -> the DeviceInfo attached to it (entries vanish when that
 # DeviceInfo is freed)
 _ATTACHED: "weakref.WeakValueDictionary[int, DeviceInfo]" = weakref.WeakValueDictionary()
@@ -263,10 +273,12 @@ class DeviceManager:
         return self._simulated(DeviceType.Cpu, {"numIPUs": 1, "tilesPerIPU": 1})
 
     def createIpuModelDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
-        """An IPU model with ``opts["numIPUs"]`` IPUs (default 1); other options are kept."""
+        """An IPU model with ``opts["numIPUs"]`` IPUs (default 1) of ``opts["tilesPerIPU"]``
+        tiles (default 4, PopART's defaultFewTiles); other options are kept."""
         return self._simulated(DeviceType.IpuModel, opts)
 
     def createSimDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
+        """A simulator device: ``numIPUs`` (default 1), ``tilesPerIPU`` (default 4)."""
         return self._simulated(DeviceType.Sim, opts)
 
     def createOfflineIPUDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
@@ -287,9 +299,10 @@ class DeviceManager:
         if n < 1:
             raise popart_exception(f"{DeviceType(type).name} device: numIPUs must be >= 1, "
                                    f"got {n}")
+        few = DeviceType(type) in (DeviceType.IpuModel, DeviceType.Sim)
         info = DeviceInfo(type, _jax_devices_for(n, cpu_only=type == DeviceType.Cpu),
                           tilesPerIPU=_opt(opts, "tilesPerIPU", "tilesPerIpu",
-                                           default=_DEFAULT_TILES),
+                                           default=_FEW_TILES if few else _DEFAULT_TILES),
                           version=_opt(opts, "ipuVersion", default="ipu2"),
                           connectionType=connection, options=opts)
         info.attach()
@@ -313,6 +326,10 @@ class DeviceManager:
                                   selectionCriterion: Any = DeviceSelectionCriterion.First
                                   ) -> Optional[DeviceInfo]:
         """A free device of ``numIpus`` IPUs, or None. Attaches if connectionType is Always."""
+        if numIpus > 0 and numIpus & (numIpus - 1):
+            raise popart_exception(f"You have attempted to acquire {numIpus} IPUs. The number "
+                                   "of IPUs requested must be a power of two")
+        self._check_connection(connectionType)
         free = [d for d in self.enumerateDevices(pattern, numIpus, DeviceType.Ipu,
                                                  connectionType, tilesPerIpu)
                 if not any(i in _ATTACHED for i in d.ipus)]
@@ -331,15 +348,22 @@ class DeviceManager:
         device = self.tryAcquireAvailableDevice(numIpus, tilesPerIpu, pattern,
                                                 connectionType, selectionCriterion)
         if device is None:
-            raise popart_exception(self._unavailable(numIpus))
+            raise _error(popart_exception, f"Failed to acquire device with {numIpus} IPUs. "
+                         "Ensure that there are sufficient IPUs available. " + _GC_MONITOR,
+                         self._unavailable(numIpus))
         return device
 
     def tryAcquireDeviceById(self, id: int, pattern: Any = SyncPattern.Full,
                              connectionType: Any = DeviceConnectionType.Always
                              ) -> Optional[DeviceInfo]:
+        """Device ``id`` (see :meth:`enumerateDevices`), or None if it is attached; an id that
+        does not exist raises ``poplar_exception``, as Poplar's device manager does."""
+        self._check_connection(connectionType, " For offline compilation, use "
+                               "createOfflineIPUDevice")
         groups = _device_groups()
         if not 0 <= id < len(groups):
-            return None
+            raise poplar_exception(f"No device with id {id}: valid ids are 0 to "
+                                   f"{len(groups) - 1} (see DeviceManager.enumerateDevices)")
         device = self._hardware(id, groups[id], pattern, connectionType, 0)
         if any(i in _ATTACHED for i in device.ipus):
             return None
@@ -347,15 +371,18 @@ class DeviceManager:
 
     def acquireDeviceById(self, id: int, pattern: Any = SyncPattern.Full,
                           connectionType: Any = DeviceConnectionType.Always) -> DeviceInfo:
-        groups = _device_groups()
-        if not 0 <= id < len(groups):
-            raise popart_exception(f"No device with id {id}: valid ids are 0 to "
-                                   f"{len(groups) - 1} (see DeviceManager.enumerateDevices)")
         device = self.tryAcquireDeviceById(id, pattern, connectionType)
         if device is None:
-            raise popart_exception(f"Device {id} ({len(groups[id])} IPUs) is attached to "
-                                   "another DeviceInfo; detach it first")
+            raise _error(popart_exception, f"Failed to acquire device with id '{id}'. Ensure "
+                         "it is available. " + _GC_MONITOR, f"Device {id} is attached to "
+                         "another DeviceInfo; detach it first")
         return device
+
+    @staticmethod
+    def _check_connection(connectionType: Any, hint: str = "") -> None:
+        if DeviceConnectionType(connectionType) == DeviceConnectionType.Never:
+            raise popart_exception("Trying to acquire a hardware device when connectionType "
+                                   "is DeviceConnectionType::Never" + hint)
 
     def setOnDemandAttachTimeout(self, attachTimeout: int) -> None:
         """Seconds that :meth:`DeviceInfo.tryAttachUntilTimeout` keeps retrying."""
@@ -385,8 +412,7 @@ class DeviceManager:
     def _unavailable(numIpus: int) -> str:
         total = num_ipus()
         if numIpus > total:
-            return (f"Failed to acquire a device with {numIpus} IPUs: the system has "
-                    f"{total} IPUs (set {NUM_IPUS_ENV} for more; createIpuModelDevice "
-                    f"accepts any numIPUs)")
-        return (f"Failed to acquire a device with {numIpus} IPUs: every such device is "
-                "attached; detach one first (DeviceInfo.detach())")
+            return (f"The system has {total} IPUs (set {NUM_IPUS_ENV} for more; "
+                    "createIpuModelDevice accepts any numIPUs)")
+        return (f"Every device with {numIpus} IPUs is attached; detach one first "
+                "(DeviceInfo.detach())")
