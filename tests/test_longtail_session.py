@@ -422,3 +422,13 @@ def test_training_run_needs_weights_from_host():
     s.weightsFromHost()
     s.run(io)
     np.testing.assert_allclose(anchors["loss"], np.abs(W23[1]).sum())
+
+
+@pytest.mark.parametrize("value", [np.zeros(32, np.float16), np.arange(6, dtype=np.int8),
+                                   np.array([0, 1, 0, 0], np.bool_)])
+def test_one_value_per_entry_is_read_as_onnx_defines_it(value):
+    """Fields one value per entry (what the Builder writes now), zeros after the first
+    entries included: never taken for PopART's packed layout."""
+    t = initializer_proto(value, "w")
+    assert unpack_popart_data(t) is t
+    np.testing.assert_array_equal(numpy_helper.to_array(t), value)

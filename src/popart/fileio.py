@@ -289,7 +289,8 @@ def unpack_popart_data(t: onnx.TensorProto) -> onnx.TensorProto:
     entries = np.asarray(values, dtype=np.uint64 if field == "uint64_data" else np.int64)
     if t.data_type == onnx.TensorProto.FLOAT16 and n > 1 and len(entries) == used:
         packed = True
-    elif len(entries) == n and n > 0 and not entries[used:].any():
+    elif t.data_type != onnx.TensorProto.FLOAT16 and len(entries) == n and n > 0 \
+            and not entries[used:].any():
         lo, hi = (0, 1) if t.data_type == onnx.TensorProto.BOOL else \
             (np.iinfo(np_type).min, np.iinfo(np_type).max)
         packed = bool(((entries < lo) | (entries > hi)).any())

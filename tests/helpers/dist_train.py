@@ -32,6 +32,7 @@ opt = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.5, 
 s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], opt,
                            popart.DeviceManager().acquireAvailableDevice(1), userOptions=opts)
 s.prepareDevice()
+s.weightsFromHost()
 s.broadcastWeights(0)
 out = s.initAnchorArrays()
 s.run(popart.PyStepIO({ids["x"]: np.ascontiguousarray(X[:, pid]),   # PyStepIO wants C order

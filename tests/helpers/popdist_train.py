@@ -26,6 +26,7 @@ opt = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.5, 
 s = popart.TrainingSession(b.getModelProto(), df, ids["loss"], opt, popdist.popart.getDevice(),
                            userOptions=opts)
 s.prepareDevice()
+s.weightsFromHost()
 out = s.initAnchorArrays()
 mine = slice(popdist.getReplicaIndexOffset(), popdist.getReplicaIndexOffset() + popdist.getNumLocalReplicas())
 s.run(popart.PyStepIO({ids["x"]: np.ascontiguousarray(X[:, mine]),
