@@ -455,3 +455,38 @@ def test_saved_activations_follow_popart_grad_input_info():
     (torch.clamp(h[torch.tensor(IV, dtype=torch.long)], -0.5, 0.5) / t[3]).sum().backward()
     for k, v in zip(("dx", "ds", "db", "dd"), t):
         np.testing.assert_allclose(got[k], v.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_grads_from_outputs_and_indices_read_no_inputs():
+    """TopKGradOp reads only the indices output, ReduceLogSumGradOp only its output,
+    ScatterReduceGradOp (sum) only the indices: their (intermediate) inputs are not saved.
+    PyTorch's gradients."""
+    XV = RNG.normal(size=(4, 3)).astype(np.float32)
+    IV = np.array([1, 0, 1, 1], np.int32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        names = {}
+
+        def f(x, idx):
+            names["t"], names["p"], names["u"] = x + 1.0, x * x + 1.0, x - 1.0
+            v, names["i"] = ops.topk(names["t"], 2, axis=1)
+            names["ls"] = ops.logsum(names["p"], axis=1)
+            sr = ops.scatter_reduce(names["u"], idx, "sum", axis_size=2)
+            return ops.sum(v * v) + ops.sum(names["ls"]) + ops.sum(sr * sr)
+
+        g = ir.create_graph(f, popxl.TensorSpec((4, 3), popxl.float32), popxl.TensorSpec((4,), popxl.int32))
+        info = popxl.transforms.autodiff(g, grads_required=[g.inputs[0]])
+        read = {t._ir_id for t in info.inputs[1:]}
+        topk = next(n for n in g._g.nodes if n.op_type == "TopK")
+        assert {topk.outputs[1], names["ls"]._ir_id} <= read and g.inputs[1] in info.inputs
+        assert not {names[k]._ir_id for k in "tpu"} & read
+        fi = ops.call_with_info(g, popxl.variable(XV, name="x"), popxl.variable(IV, name="idx"))
+        (dx,) = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
+    got = _run(ir, {"loss": fi.outputs[0], "dx": dx})
+    tx = torch.tensor(XV, requires_grad=True)
+    v = torch.topk(tx + 1.0, 2, dim=1).values
+    sr = torch.zeros(2, 3).index_add(0, torch.tensor(IV, dtype=torch.long), tx - 1.0)
+    loss = (v * v).sum() + torch.log((tx * tx + 1.0).sum(1)).sum() + (sr * sr).sum()
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(got["dx"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)

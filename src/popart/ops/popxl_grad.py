@@ -27,6 +27,21 @@ def _clip_from_output(g, y, lo=None, hi=None, **_):
     return jnp.where(keep, g, g * jnp.zeros((), g.dtype))
 
 
+def _reduce_log_sum_from_output(g, y, axes=None, keepdims=1, in_shape=(), **_):
+    """ReduceLogSumGradOp (reads the output): g / exp(y), broadcast over the reduced axes."""
+    d = g / jnp.exp(y)
+    if not int(keepdims):
+        ax = range(len(in_shape)) if axes is None else np.asarray(axes).reshape(-1)
+        d = jnp.expand_dims(d, tuple(sorted(int(a) % len(in_shape) for a in ax)))
+    return jnp.broadcast_to(d, tuple(in_shape))
+
+
+def _topk_from_indices(g, idx, *_, axis=-1, in_shape=(), **__):
+    """TopKGradOp (reads the indices output): g scattered to the chosen positions."""
+    return jnp.put_along_axis(jnp.zeros(tuple(in_shape), g.dtype), jnp.asarray(idx, jnp.int32), g,
+                              axis=int(axis), inplace=False)
+
+
 FROM_OUTPUT = {
     "Relu": lambda g, y, **_: jnp.where(y > 0, g, g * jnp.zeros((), g.dtype)),  # ReluGradOpx
     "Sigmoid": lambda g, y, **_: g * y * (1 - y),                             # SigmoidGradOpx
@@ -35,6 +50,8 @@ FROM_OUTPUT = {
     "Sqrt": lambda g, y, **_: g / (y * 2),                                    # SqrtGradOpx
     "Softmax": _softmax_from_output,
     "Clip": _clip_from_output,
+    "ReduceLogSum": _reduce_log_sum_from_output,
+    "TopK": _topk_from_indices,
 }
 
 
@@ -45,14 +62,15 @@ def op_vjp(ctx: LowerCtx, *ins, fwd, provided, required, given, specs, n_saved_o
     its outputs ``provided``. Inputs: those gradients, the forward inputs ``given`` (indices
     of ``fwd.inputs``), then ``n_saved_out`` forward outputs. ``rule``: the op type whose
     gradient comes from its output (``FROM_OUTPUT``; the rule also gets the op's constant
-    inputs after the first, None where omitted, and its attributes)."""
+    inputs after the first, None where omitted, its attributes and ``in_shape``)."""
     n, m = len(provided), len(given)
     grads, vals = ins[:n], ins[n:n + m]
     if rule:
         y = jnp.asarray(ins[n + m])
         consts = [fwd.initializers[i] if i else None for i in fwd.nodes[0].inputs[1:]]
-        return [FROM_OUTPUT[rule](jnp.asarray(grads[0], y.dtype).reshape(y.shape), y, *consts,
-                                  **fwd.nodes[0].attrs)]
+        g = jnp.asarray(grads[0], np.dtype(specs[0][1]))
+        return [FROM_OUTPUT[rule](g.reshape(y.shape) if g.size == y.size else g, y, *consts,
+                                  in_shape=tuple(specs[0][0]), **fwd.nodes[0].attrs)]
     xs = [jnp.zeros(tuple(s), np.dtype(d)) for s, d in specs]
     for i, v in zip(given, vals):
         xs[i] = v

@@ -134,6 +134,11 @@ GRAD_READS = {
                      "Dropout", "PrintTensor", "ReplicatedAllReduce", "ReplicatedAllReduceInplace",
                      "ReplicatedAllGather", "ReplicatedReduceScatter"), "none"),
     **dict.fromkeys(FROM_OUTPUT, "out"),
+    "TopK": ((), (1,)),     # TopKGradOp: the indices output (FROM_OUTPUT["TopK"])
+    # ScatterReduceGradOp, by the reduction: sum reads the indices, none the source too,
+    # max / min / mul the source, the output and the initial values
+    "ScatterReduce": {"sum": "none", "none": ((0,), ()), "max": "in+out", "min": "in+out",
+                      "mul": "in+out"},
     **dict.fromkeys(("MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool", "ReduceMax",
                      "ReduceMin", "ReduceL2", "ReduceLogSumExp", "Mul", "Div", "Pow", "Fmod",
                      "Atan2", "Max", "Min"), "in+out"),
@@ -258,6 +263,8 @@ def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], st
     (``FROM_OUTPUT``: ops of one traced input)."""
     traced = [i for i in dict.fromkeys(n.inputs) if i and i not in fwd.consts]
     kind = GRAD_READS.get(n.op_type, "in")
+    if isinstance(kind, dict):
+        kind = kind.get(n.attrs.get("reduction"), "in")
     if kind == "out" and len(traced) != 1:
         kind = "in"
     if "collectiveOperator" in n.attrs and \
@@ -269,7 +276,8 @@ def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], st
         in_idx, out_idx = kind
         read = {i for k, i in enumerate(n.inputs) if k in in_idx}
         ins = [i for i in traced if i in read or not fwd.is_float(i)]
-        return ins, [n.outputs[k] for k in out_idx if k < len(n.outputs) and n.outputs[k]], ""
+        outs = [n.outputs[k] for k in out_idx if k < len(n.outputs) and n.outputs[k]]
+        return ins, outs, n.op_type if n.op_type in FROM_OUTPUT and not ins else ""
     ins = [i for i in traced if kind in ("in", "in+out") or not fwd.is_float(i)
            or (kind == "other" and any(w != i for w in wrt))]
     outs = [o for o in n.outputs if o] if kind in ("out", "in+out") else []
