@@ -308,6 +308,18 @@ class VariableSettings:
         return f"VariableSettings({self._domain}, {self._mode})"
 
 
+class UnknownOptionError(OptionError, AttributeError):
+    """Assigning a name that is not an option: an ``AttributeError`` with pybind's text, as
+    PopART's bindings raise it (and an OptionError, as this package raised before)."""
+
+
+def _unknown(owner: str, name: str, note: str) -> UnknownOptionError:
+    """PopART's bindings' AttributeError for setting ``name`` on ``owner``; ``note``: ours."""
+    e = UnknownOptionError(f"'popart_core.{owner}' object has no attribute '{name}'")
+    e.add_note(note)
+    return e
+
+
 # --- nested settings structures -----------------------------------------------------------
 def _settings(cls: type) -> type:
     """A dataclass whose enum fields are coerced and whose unknown attributes raise."""
@@ -316,8 +328,8 @@ def _settings(cls: type) -> type:
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
         if name not in names:
-            raise OptionError(f"{type(self).__name__} has no setting '{name}'; "
-                              f"settings are: {', '.join(sorted(names))}")
+            raise _unknown(type(self).__name__, name, f"{type(self).__name__} has no setting "
+                           f"'{name}'; settings are: {', '.join(sorted(names))}")
         default = _FIELD_DEFAULTS[type(self)].get(name)
         if isinstance(default, _Enum):
             value = _as_enum(type(default), value, f"{type(self).__name__}.{name}")
@@ -493,9 +505,9 @@ class ExperimentalSettings:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not isinstance(getattr(type(self), name, None), property):
-            raise OptionError(f"ExperimentalSettings has no setting '{name}'; settings are: "
-                              f"createHostTransferableTensorWithOffset, "
-                              f"customTransformApplierSettings")
+            raise _unknown("ExperimentalSettings", name, f"ExperimentalSettings has no setting "
+                           f"'{name}'; settings are: createHostTransferableTensorWithOffset, "
+                           "customTransformApplierSettings")
         object.__setattr__(self, name, value)
 
     def __eq__(self, other: object) -> bool:
@@ -719,7 +731,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 class SessionOptions:
     """User options for a session. Every option of PopART's SessionOptions is an attribute
-    with PopART's default; assigning a name that is not an option raises OptionError."""
+    with PopART's default; assigning a name that is not an option raises AttributeError."""
 
     def __init__(self) -> None:
         object.__setattr__(self, "_values", copy.deepcopy(_DEFAULTS))
@@ -731,8 +743,9 @@ class SessionOptions:
     def __setattr__(self, name: str, value: Any) -> None:
         name = _OPTION_ALIASES.get(name, name)
         if name not in _DEFAULTS:
-            raise OptionError(f"SessionOptions has no option '{name}' (assigned {value!r}); "
-                              "see the PopART API reference, section 13.1.3, for the options")
+            raise _unknown("SessionOptions", name, f"SessionOptions has no option '{name}' "
+                           f"(assigned {value!r}); see the PopART API reference, section "
+                           "13.1.3, for the options")
         self._values[name] = _coerce(name, value)
 
     def __dir__(self) -> list[str]:
