@@ -490,3 +490,30 @@ def test_grads_from_outputs_and_indices_read_no_inputs():
     loss.backward()
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
     np.testing.assert_allclose(got["dx"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_max_min_grads_read_the_argument_and_the_output():
+    """MaxArgGradOp / MinArgGradOp (NonLinearVariadicGradOp) read the argument whose gradient
+    they give and the output: with only x required, the other argument w of max(tanh(x), w)
+    is not saved; with w too it is. Broadcast w (3,) gets its gradient summed (PyTorch)."""
+    XV = RNG.normal(size=(4, 3)).astype(np.float32)
+    WV = np.array([-0.2, 0.1, 0.4], np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        def f(x, w):
+            return ops.sum(ops.maximum(ops.tanh(x), w) * 2.0) + ops.sum(ops.minimum(x, w))
+
+        g = ir.create_graph(f, popxl.TensorSpec((4, 3), popxl.float32), popxl.TensorSpec((3,), popxl.float32))
+        info = popxl.transforms.autodiff(g)
+        assert g.inputs[1] in info.inputs
+        # (explicit: the default would be every output, now with those stitched above)
+        x_only = popxl.transforms.autodiff(g, grads_provided=g.outputs[:1], grads_required=g.inputs[:1])
+        assert g.inputs[1] not in x_only.inputs
+        fi = ops.call_with_info(g, popxl.variable(XV, name="x"), popxl.variable(WV, name="w"))
+        dx, dw = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
+        (dx_only,) = ops.call(x_only.graph, popxl.constant(1.0), inputs_dict=x_only.inputs_dict(fi))
+    got = _run(ir, {"dx": dx, "dw": dw, "dx_only": dx_only})
+    tx, tw = torch.tensor(XV, requires_grad=True), torch.tensor(WV, requires_grad=True)
+    ((torch.maximum(torch.tanh(tx), tw) * 2.0).sum() + torch.minimum(tx, tw).sum()).backward()
+    for k, want in (("dx", tx.grad), ("dw", tw.grad), ("dx_only", tx.grad)):
+        np.testing.assert_allclose(got[k], want.numpy(), rtol=1e-5, atol=1e-6)

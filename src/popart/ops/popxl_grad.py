@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from .elementwise import _max_grad, _min_grad, _unbroadcast
 from .popxl_ops import _p, vjp
 from .registry import LowerCtx
 
@@ -55,6 +56,11 @@ FROM_OUTPUT = {
 }
 
 
+# Grad ops of one argument that read that argument and the output (NonLinearVariadicGradOp:
+# MaxArgGradOpx, MinArgGradOpx): the gradient of each required input from it and the output.
+FROM_ARG_AND_OUTPUT = {"Max": _max_grad, "Min": _min_grad}
+
+
 @_p("OpVJP")
 def op_vjp(ctx: LowerCtx, *ins, fwd, provided, required, given, specs, n_saved_out=0,
            rule="", **_):
@@ -62,9 +68,15 @@ def op_vjp(ctx: LowerCtx, *ins, fwd, provided, required, given, specs, n_saved_o
     its outputs ``provided``. Inputs: those gradients, the forward inputs ``given`` (indices
     of ``fwd.inputs``), then ``n_saved_out`` forward outputs. ``rule``: the op type whose
     gradient comes from its output (``FROM_OUTPUT``; the rule also gets the op's constant
-    inputs after the first, None where omitted, its attributes and ``in_shape``)."""
+    inputs after the first, None where omitted, its attributes and ``in_shape``) or from
+    each required input and the output (``FROM_ARG_AND_OUTPUT``)."""
     n, m = len(provided), len(given)
     grads, vals = ins[:n], ins[n:n + m]
+    if rule in FROM_ARG_AND_OUTPUT:
+        y, xs = jnp.asarray(ins[n + m]), dict(zip(given, vals))
+        g = jnp.asarray(grads[0], y.dtype).reshape(y.shape)
+        return [_unbroadcast(FROM_ARG_AND_OUTPUT[rule](g, y, jnp.asarray(xs[i]))[0], xs[i])
+                for i in required]
     if rule:
         y = jnp.asarray(ins[n + m])
         consts = [fwd.initializers[i] if i else None for i in fwd.nodes[0].inputs[1:]]

@@ -25,7 +25,7 @@ from popart.ir.graph import Node
 from popart.ir.recompute import RECOMPUTE_OUTPUT
 from popart.ir.transforms import NO_GRAD_OPS
 from popart.ops.collectives import op_name
-from popart.ops.popxl_grad import FROM_OUTPUT
+from popart.ops.popxl_grad import FROM_ARG_AND_OUTPUT, FROM_OUTPUT
 
 from ..graph import Graph
 from ..ops._base import POPXL
@@ -121,7 +121,8 @@ class GradGraphInfo:
 # its grad ops for inputs that need no gradient are pruned): "none": nothing but the output
 # gradient (linear ops: the vjp of the lowering at zeros is the gradient); "out": its output
 # only (FROM_OUTPUT gives the gradient from it); "in+out": inputs and outputs (PopART's
-# ElementWiseBinaryGradOp, NonLinearVariadicGradOp, pooling and reduction grads); "other": for
+# ElementWiseBinaryGradOp, pooling and reduction grads); "arg+out": each required input and
+# the output (NonLinearVariadicGradOp, FROM_ARG_AND_OUTPUT); "other": for
 # each input's gradient the other inputs (MatMulLhsGradOp reads the rhs, ConvDataGradOp the
 # weights, ...); (inputs, outputs): those indices (GroupNormGradOp: x, scale, mean, inv std).
 # Any other op type reads its inputs ("in"). Inputs that are not floating point (indices,
@@ -141,7 +142,8 @@ GRAD_READS = {
                       "mul": "in+out"},
     **dict.fromkeys(("MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool", "ReduceMax",
                      "ReduceMin", "ReduceL2", "ReduceLogSumExp", "Mul", "Div", "Pow", "Fmod",
-                     "Atan2", "Max", "Min"), "in+out"),
+                     "Atan2"), "in+out"),
+    **dict.fromkeys(FROM_ARG_AND_OUTPUT, "arg+out"),
     **dict.fromkeys(("MatMul", "Conv"), "other"),
     "GroupNormalization": ((0, 1), (1, 2)),
 }
@@ -270,8 +272,8 @@ def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], st
     if "collectiveOperator" in n.attrs and \
             op_name(None, n.attrs["collectiveOperator"]) not in ("add", "mean", "local"):
         kind = "in"   # a max / min / mul reduction: its gradient depends on the values
-    if kind == "other" and any(n.inputs.count(w) > 1 for w in wrt):
-        kind = "in"   # x @ x: the gradient reads x
+    if kind in ("other", "arg+out") and any(n.inputs.count(w) > 1 for w in wrt):
+        kind = "in+out" if kind == "arg+out" else "in"   # x @ x: the gradient reads x
     if isinstance(kind, tuple):
         in_idx, out_idx = kind
         read = {i for k, i in enumerate(n.inputs) if k in in_idx}
@@ -279,9 +281,9 @@ def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], st
         outs = [n.outputs[k] for k in out_idx if k < len(n.outputs) and n.outputs[k]]
         return ins, outs, n.op_type if n.op_type in FROM_OUTPUT and not ins else ""
     ins = [i for i in traced if kind in ("in", "in+out") or not fwd.is_float(i)
-           or (kind == "other" and any(w != i for w in wrt))]
-    outs = [o for o in n.outputs if o] if kind in ("out", "in+out") else []
-    return ins, outs, n.op_type if kind == "out" else ""
+           or (kind == "other" and any(w != i for w in wrt)) or (kind == "arg+out" and i in wrt)]
+    outs = [o for o in n.outputs if o] if kind in ("out", "in+out", "arg+out") else []
+    return ins, outs, n.op_type if kind in ("out", "arg+out") else ""
 
 
 def _callee(graph: Graph, n: Node) -> Optional[Graph]:
