@@ -182,6 +182,27 @@ def _is_unset(value: Any) -> bool:
     return value is None or (isinstance(value, (list, tuple)) and len(value) == 0)
 
 
+_ATTR_KIND_TEXT = {I: "an integer", INTS: "an integer vector", F: "a float",
+                   FLOATS: "a float vector", S: "a string", STRINGS: "a string vector"}
+
+
+def _noted(e: Exception, note: str) -> Exception:
+    """``e`` (PopART's text as ``args[0]``) with the package's context as a note."""
+    e.add_note(note)
+    return e
+
+
+def _check_call(args: list, n_out: int, callee: Any, debug: Any) -> None:
+    """PopART's Builder check (builder.cpp, aiGraphcore call): the Call's inputs and outputs
+    are as many as the callee's."""
+    for dir, n, m in (("input", len(args), len(callee.input)),
+                      ("output", n_out, len(callee.output))):
+        if n != m:
+            name = getattr(debug, "getPathName", lambda: debug or "")()
+            raise popart_exception(f"For CallOp '{name}', number of {dir}s ({n}) does not "
+                                   f"match that of the callee subgraph ({m})")
+
+
 def _make_attr(op: str, name: str, value: Any, attr_type: Optional[int] = None) -> AttributeProto:
     """An AttributeProto from a Python / NumPy value, coerced to ``attr_type`` when known.
     A sub-graph Builder becomes a GraphProto; a NumPy array a TensorProto."""
@@ -369,8 +390,11 @@ class _SchemaOpset(Opset):
             v = _bind(op, params, required, str_params, positional, keywords, late)
             args = [args] if isinstance(args, str) else list(args)   # one id where the reference says str
             if not schema.min_input <= len(args) <= schema.max_input:
-                raise popart_exception(f"Op {op} takes {schema.min_input}..{schema.max_input} "
-                                       f"inputs, got {len(args)}: {args}")
+                high = "inf" if schema.max_input >= 2 ** 31 - 1 else schema.max_input
+                e = popart_exception(f"{schema.name} has invalid number of inputs {len(args)}. "
+                                     f"Must be between {schema.min_input}..{high}")
+                e.add_note(f"The inputs given: {args}")
+                raise e
             n_out = schema.min_output
             if variadic:
                 n_out = int(v["num_outputs"])
@@ -514,6 +538,9 @@ class AiGraphcore(Opset):
                 attributes.append(_make_attr(op, a.name, a.encode(value), a.attr_type))
             count = int(v["num_outputs"]) if variadic else schema.outputs
             args = [args] if isinstance(args, str) else list(args)   # one id where the reference says str
+            if schema.op_type == "Call":
+                _check_call(args, count, next(a.g for a in attributes if a.name == "callee"),
+                            v.get(debug))
             outs = builder._add_node(schema.op_type, GRAPHCORE_DOMAIN, args, attributes,
                                      count, v.get(debug), (self.version, self.version))
             return outs[0] if schema.outputs == 1 else (None if schema.outputs == 0 else outs)
@@ -1235,9 +1262,10 @@ class Builder:
         names = _as_id_set(nodeOutputNames)
         found = [n for n in self._graph.node if names and all(o in n.output for o in names)]
         if len(found) != 1:
-            raise BuilderError(f"Could not find a node with outputs {' ,'.join(names)}. Must "
-                               f"specify all outputs of a node (no unique node has output(s) "
-                               f"{names}: found {len(found)})")
+            raise _noted(BuilderError(f"Could not find a node with outputs "
+                                      f"{' ,'.join(sorted(set(names)))}. Must specify all "
+                                      "outputs of a node"),
+                         f"No unique node has output(s) {names}: found {len(found)}")
         return found[0]
 
     def _add_attributes(self, nodeOutputNames: Union[str, Iterable[str]], values: dict) -> None:
@@ -1247,9 +1275,9 @@ class Builder:
         have = {a.name for a in node.attribute}
         for name in values:
             if name in have:
-                raise BuilderError(f"Node already has attribute {name}. (node '{node.name}' "
-                                   f"({node.op_type}); remove it first with "
-                                   f"removeNodeAttribute)")
+                raise _noted(BuilderError(f"Node already has attribute {name}."),
+                             f"Node '{node.name}' ({node.op_type}); remove it first with "
+                             "removeNodeAttribute")
         attrs = [_make_attr(node.op_type, k, v) for k, v in values.items()]
         node.attribute.extend(attrs)
         self._changed()
@@ -1264,20 +1292,23 @@ class Builder:
                          nodeOutputNames: Union[str, Iterable[str]]) -> bool:
         return any(a.name == attributeName for a in self._find_node(nodeOutputNames).attribute)
 
-    def _get_attr(self, name: str, names: Union[str, Iterable[str]], kind: Optional[int]) -> Any:
+    def _get_attr(self, name: str, names: Union[str, Iterable[str]], kind: Optional[int],
+                  bool_: bool = False) -> Any:
         node = self._find_node(names)
         for a in node.attribute:
             if a.name == name:
-                if kind is not None and a.type != kind:
-                    raise popart_exception(
-                        f"Attribute '{name}' of node '{node.name}' is "
-                        f"{AttributeProto.AttributeType.Name(a.type)}, not "
-                        f"{AttributeProto.AttributeType.Name(kind)}")
+                if kind is not None and a.type != kind:   # builder_impl.cpp's texts
+                    what = "a int" if bool_ else _ATTR_KIND_TEXT[kind]
+                    raise _noted(popart_exception(f"Attribute {name} is not {what}."),
+                                 f"Attribute '{name}' of node '{node.name}' is "
+                                 f"{AttributeProto.AttributeType.Name(a.type)}")
                 value = helper.get_attribute_value(a)
                 return ([v.decode() for v in value] if a.type == STRINGS
                         else value.decode() if a.type == S else
                         list(value) if a.type in (INTS, FLOATS) else value)
-        raise popart_exception(f"Node '{node.name}' ({node.op_type}) has no attribute '{name}'")
+        raise _noted(popart_exception(f"Node does not have an attribute {name}."),
+                     f"Node '{node.name}' ({node.op_type}) has attributes "
+                     f"{[a.name for a in node.attribute]}")
 
     def getInt64NodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> int:
         return self._get_attr(attributeName, nodeOutputNames, I)
@@ -1298,15 +1329,15 @@ class Builder:
         return self._get_attr(attributeName, nodeOutputNames, STRINGS)
 
     def getBoolNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> bool:
-        return bool(self._get_attr(attributeName, nodeOutputNames, I))
+        return bool(self._get_attr(attributeName, nodeOutputNames, I, bool_=True))
 
     def removeNodeAttribute(self, attributeName: str, nodeOutputNames: Any) -> None:
         node = self._find_node(nodeOutputNames)
         kept = [a for a in node.attribute if a.name != attributeName]
         if len(kept) == len(node.attribute):
-            raise BuilderError(f"Cannot remove attribute {attributeName} as it does not exist. "
-                               f"(node '{node.name}' has no attribute '{attributeName}' to "
-                               f"remove)")
+            raise _noted(BuilderError(f"Cannot remove attribute {attributeName} as it does "
+                                      "not exist."),
+                         f"Node '{node.name}' has attributes {[a.name for a in node.attribute]}")
         del node.attribute[:]
         node.attribute.extend(kept)
         self._changed()
