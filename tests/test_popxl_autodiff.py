@@ -517,3 +517,34 @@ def test_max_min_grads_read_the_argument_and_the_output():
     ((torch.maximum(torch.tanh(tx), tw) * 2.0).sum() + torch.minimum(tx, tw).sum()).backward()
     for k, want in (("dx", tx.grad), ("dw", tw.grad), ("dx_only", tx.grad)):
         np.testing.assert_allclose(got[k], want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("trips", [2, 0])
+def test_repeat_with_int_carry_and_invariants_inside_a_called_graph(trips):
+    """A repeat (carried h and an int counter, invariant w and b) inside a graph that another
+    calls: w and b get the sum over iterations, the counter none; a repeat of 0 passes the
+    output gradients through. PyTorch's gradients."""
+    XV = RNG.normal(size=(2, 3)).astype(np.float32)
+    WV, BV = (RNG.normal(size=(3, 3)) * 0.5).astype(np.float32), RNG.normal(size=3).astype(np.float32)
+    specs = [popxl.TensorSpec((2, 3), popxl.float32), popxl.TensorSpec((3, 3), popxl.float32),
+             popxl.TensorSpec((3,), popxl.float32)]
+    ir = popxl.Ir()
+    with ir.main_graph:
+        body = ir.create_graph(lambda h, c, w, b: (ops.relu(h @ w + b), c + 1), specs[0],
+                               popxl.TensorSpec((), popxl.int32), *specs[1:])
+        inner = ir.create_graph(lambda x, w, b: ops.repeat(body, trips, x, popxl.constant(np.int32(0)), w, b)[0],
+                                *specs)
+        g = ir.create_graph(lambda x, w, b: ops.sum(ops.call(inner, x, w, b)[0] ** 2) + ops.sum(w), *specs)
+        info = popxl.transforms.autodiff(g)
+        vs = [popxl.variable(v, name=k) for k, v in (("x", XV), ("w", WV), ("b", BV))]
+        fi = ops.call_with_info(g, *vs)
+        grads = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
+    got = _run(ir, dict(zip(("dx", "dw", "db"), grads)))
+    t = [torch.tensor(v, requires_grad=True) for v in (XV, WV, BV)]
+    h = t[0]
+    for _ in range(trips):
+        h = torch.relu(h @ t[1] + t[2])
+    ((h ** 2).sum() + t[1].sum()).backward()
+    for k, v in zip(("dx", "dw", "db"), t):
+        want = np.zeros(v.shape) if v.grad is None else v.grad.numpy()
+        np.testing.assert_allclose(got[k], want, rtol=1e-5, atol=1e-5)

@@ -213,7 +213,7 @@ def _save_iterations(graph: Graph, n: Node, body_graph: Graph, sub: GradGraphInf
     call_node, n_out = body.nodes[0], len(body_graph._outputs)
     trips = int(np.asarray(graph._g.initializers[n.inputs[0]]).reshape(()))
     stacked = {}
-    for e in sub.expected_inputs:
+    for e in sub.expected_inputs if trips > 0 else ():     # (no iteration: nothing to read)
         t = e.fwd_tensor
         if e.connection_type != ExpectedConnectionType.Fwd or t in stacked:
             continue
@@ -449,13 +449,13 @@ def _autodiff(graph: Graph, grads_provided: Optional[list[Tensor]],
                            for g, b in zip(called, ("then_branch", "else_branch"))]
     reads = {}
     for n, _, wrt in plan:
-        if id(n) in subs:
+        if n.op_type == "Loop" and id(n) in subs and _trips(fwd, n) == 0:
+            reads[id(n)] = ([], [], "")      # no iteration: the Loop passes its inputs through
+        elif id(n) in subs:
             reads[id(n)] = (list(dict.fromkeys(
                 n.inputs[:1 if n.op_type == "If" else 0] +
                 [_site_id(site, g, e.fwd_tensor) for g, sub, site in subs[id(n)]
                  for e in sub.expected_inputs if e.connection_type == ExpectedConnectionType.Fwd])), [], "")
-            if n.op_type == "Loop":
-                reads[id(n)] = ([i for i in reads[id(n)][0] if i], [], "")
         else:
             reads[id(n)] = _reads(fwd, n, wrt)
     saved = {t for ins, outs, _ in reads.values() for t in ins + outs} - fwd.consts
@@ -587,18 +587,32 @@ def _called_grads(fwd: _Fwd, n: Node, subs: list, wrt: list[str], total, value) 
     return list(conditional(value(n.inputs[0]), tg, eg, ta, ea))
 
 
+def _trips(fwd: _Fwd, n: Node) -> int:
+    return int(np.asarray(fwd.ir.initializers[n.inputs[0]]).reshape(()))
+
+
 def _repeat_grads(fwd: _Fwd, n: Node, g: Graph, sub: GradGraphInfo, site: Node, wrt: list[str],
                   total, value) -> list:
     """The gradients of ``wrt`` from a repeat of ``g`` (PopART has no LoopGradOp): a repeat,
     as many times, of a graph that calls ``g``'s gradient graph on the saved values of
     iteration k = N-1, ..., 0 (rows of the Loop's stacked scan outputs), carrying the
     gradients of the carried values and summing those of the values every iteration reads."""
-    n_out, ins = len(g._outputs), n.inputs[2:]
-    trips = int(np.asarray(fwd.ir.initializers[n.inputs[0]]).reshape(()))
+    n_out, ins, trips = len(g._outputs), n.inputs[2:], _trips(fwd, n)
     carry = [j for j in range(n_out) if _float(g._outputs[j])]
     acc = [i for i in range(n_out, len(ins)) if ins[i] in wrt]
+
+    def sum_grads(res: list[Tensor]) -> dict[str, Tensor]:
+        """The gradients of the Loop's inputs from those of positions ``carry`` + ``acc``."""
+        out: dict[str, Tensor] = {}
+        for i, r in zip(carry + acc, res):
+            if ins[i] in wrt:
+                out[ins[i]] = out[ins[i]] + r if ins[i] in out else r
+        return out
     fwd_in = [e for e in sub.expected_inputs if e.connection_type == ExpectedConnectionType.Fwd]
     init = [total(n.outputs[j]) for j in carry] + [total(n.outputs[i]) for i in acc]
+    if trips == 0:      # the Loop passes its inputs through
+        out = sum_grads(init)
+        return [out.get(i) for i in wrt]
     saved = [value(_site_id(site, g, e.fwd_tensor)) for e in fwd_in]
 
     def body(*xs: Tensor) -> list[Tensor]:
@@ -624,9 +638,5 @@ def _repeat_grads(fwd: _Fwd, n: Node, g: Graph, sub: GradGraphInfo, site: Node, 
     k0 = constant(np.int32(trips - 1), name="iteration")
     body.__qualname__ = f"{sub.graph.name}_repeat"
     rg = fwd.graph.ir.create_graph(body, *[x.spec for x in init + [k0] + saved])
-    res = repeat(rg, trips, *init, k0, *saved)
-    out: dict[str, Tensor] = {}
-    for i, r in list(zip(carry, res)) + list(zip(acc, res[len(carry):])):
-        if ins[i] in wrt:
-            out[ins[i]] = out[ins[i]] + r if ins[i] in out else r
+    out = sum_grads(repeat(rg, trips, *init, k0, *saved))
     return [out.get(i) for i in wrt]
