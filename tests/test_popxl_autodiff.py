@@ -458,7 +458,7 @@ def test_saved_activations_follow_popart_grad_input_info():
 
 
 def test_grads_from_outputs_and_indices_read_no_inputs():
-    """TopKGradOp reads only the indices output, ReduceLogSumGradOp only its output,
+    """TopKGradOp and ReduceMedianGradOp read only the indices output, ReduceLogSumGradOp only its output,
     ScatterReduceGradOp (sum) only the indices: their (intermediate) inputs are not saved.
     PyTorch's gradients."""
     XV = RNG.normal(size=(4, 3)).astype(np.float32)
@@ -472,21 +472,24 @@ def test_grads_from_outputs_and_indices_read_no_inputs():
             v, names["i"] = ops.topk(names["t"], 2, axis=1)
             names["ls"] = ops.logsum(names["p"], axis=1)
             sr = ops.scatter_reduce(names["u"], idx, "sum", axis_size=2)
-            return ops.sum(v * v) + ops.sum(names["ls"]) + ops.sum(sr * sr)
+            names["m"] = ops.negate(x)
+            md = ops.median(names["m"], axis=0)
+            return ops.sum(v * v) + ops.sum(names["ls"]) + ops.sum(sr * sr) + ops.sum(md * md)
 
         g = ir.create_graph(f, popxl.TensorSpec((4, 3), popxl.float32), popxl.TensorSpec((4,), popxl.int32))
         info = popxl.transforms.autodiff(g, grads_required=[g.inputs[0]])
         read = {t._ir_id for t in info.inputs[1:]}
-        topk = next(n for n in g._g.nodes if n.op_type == "TopK")
-        assert {topk.outputs[1], names["ls"]._ir_id} <= read and g.inputs[1] in info.inputs
-        assert not {names[k]._ir_id for k in "tpu"} & read
+        topk, med = (next(n for n in g._g.nodes if n.op_type == k) for k in ("TopK", "ReduceMedian"))
+        assert {topk.outputs[1], med.outputs[1], names["ls"]._ir_id} <= read and g.inputs[1] in info.inputs
+        assert not {names[k]._ir_id for k in "tpum"} & read
         fi = ops.call_with_info(g, popxl.variable(XV, name="x"), popxl.variable(IV, name="idx"))
         (dx,) = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
     got = _run(ir, {"loss": fi.outputs[0], "dx": dx})
     tx = torch.tensor(XV, requires_grad=True)
     v = torch.topk(tx + 1.0, 2, dim=1).values
     sr = torch.zeros(2, 3).index_add(0, torch.tensor(IV, dtype=torch.long), tx - 1.0)
-    loss = (v * v).sum() + torch.log((tx * tx + 1.0).sum(1)).sum() + (sr * sr).sum()
+    md = torch.median(-tx, dim=0).values      # (4 rows: the lower middle, as PopART's)
+    loss = (v * v).sum() + torch.log((tx * tx + 1.0).sum(1)).sum() + (sr * sr).sum() + (md * md).sum()
     loss.backward()
     np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5)
     np.testing.assert_allclose(got["dx"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)

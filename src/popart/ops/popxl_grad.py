@@ -43,6 +43,19 @@ def _topk_from_indices(g, idx, *_, axis=-1, in_shape=(), **__):
                               axis=int(axis), inplace=False)
 
 
+def _median_from_indices(g, idx, *_, axes=None, in_shape=(), **__):
+    """ReduceMedianGradOp (reads the indices output, flat over the reduced axes): g at the
+    median's position, zeros elsewhere."""
+    nd = len(in_shape)
+    red = sorted(int(a) % nd for a in (axes if axes else range(nd)))
+    keep = [a for a in range(nd) if a not in red]
+    ks, rs = [in_shape[a] for a in keep], [in_shape[a] for a in red]
+    z = jnp.put_along_axis(jnp.zeros(ks + [int(np.prod(rs))], g.dtype),
+                           jnp.asarray(idx, jnp.int32).reshape(ks + [1]), g.reshape(ks + [1]),
+                           axis=-1, inplace=False)
+    return jnp.transpose(z.reshape(ks + rs), np.argsort(keep + red))
+
+
 FROM_OUTPUT = {
     "Relu": lambda g, y, **_: jnp.where(y > 0, g, g * jnp.zeros((), g.dtype)),  # ReluGradOpx
     "Sigmoid": lambda g, y, **_: g * y * (1 - y),                             # SigmoidGradOpx
@@ -53,6 +66,7 @@ FROM_OUTPUT = {
     "Clip": _clip_from_output,
     "ReduceLogSum": _reduce_log_sum_from_output,
     "TopK": _topk_from_indices,
+    "ReduceMedian": _median_from_indices,
 }
 
 

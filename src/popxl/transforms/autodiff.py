@@ -135,7 +135,8 @@ GRAD_READS = {
                      "Dropout", "PrintTensor", "ReplicatedAllReduce", "ReplicatedAllReduceInplace",
                      "ReplicatedAllGather", "ReplicatedReduceScatter"), "none"),
     **dict.fromkeys(FROM_OUTPUT, "out"),
-    "TopK": ((), (1,)),     # TopKGradOp: the indices output (FROM_OUTPUT["TopK"])
+    # TopKGradOp, ReduceMedianGradOp: the indices output (FROM_OUTPUT)
+    **dict.fromkeys(("TopK", "ReduceMedian"), ((), (1,))),
     # ScatterReduceGradOp, by the reduction: sum reads the indices, none the source too,
     # max / min / mul the source, the output and the initial values
     "ScatterReduce": {"sum": "none", "none": ((0,), ()), "max": "in+out", "min": "in+out",
