@@ -578,9 +578,13 @@ def test_als_tensors_that_do_not_exist_are_not_anchors():
 
 
 def test_error_leaves_the_session_usable_after_the_fix():
+    """thresholdUpperCountProportion is checked at prepareDevice (LossScaleUpdateOpx), so
+    the session stays; binEdgeLocation at construction (the transform, in Ir::prepare)."""
     s, msg = plan_error(als_options(binEdgeLocation=2.0), anchors=["finalLossScale"])
-    assert "binEdgeLocation" in msg
-    s.options.automaticLossScalingSettings.binEdgeLocation = 0.5
+    assert s is None and "binEdgeLocation" in msg
+    s, msg = plan_error(als_options(thresholdUpperCountProportion=2.0), anchors=["finalLossScale"])
+    assert "thresholdUpperCountProportion" in msg
+    s.options.automaticLossScalingSettings.thresholdUpperCountProportion = 0.05
     s.prepareDevice()
     s.weightsFromHost()
     out = run(s, feeds(s.test_ids, 1))

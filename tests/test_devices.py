@@ -100,8 +100,7 @@ def test_acquire_more_than_available_raises(dm):
         dm.acquireAvailableDevice(big)
     assert "POPART_NUM_IPUS" in e.value.__notes__[0]
     assert dm.tryAcquireAvailableDevice(big) is None
-    with pytest.raises(popart_exception, match="The number of IPUs requested must be a power"):
-        dm.tryAcquireAvailableDevice(3)
+
 
 
 def test_devices_are_exclusive_while_attached(dm):

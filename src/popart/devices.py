@@ -326,9 +326,6 @@ class DeviceManager:
                                   selectionCriterion: Any = DeviceSelectionCriterion.First
                                   ) -> Optional[DeviceInfo]:
         """A free device of ``numIpus`` IPUs, or None. Attaches if connectionType is Always."""
-        if numIpus > 0 and numIpus & (numIpus - 1):
-            raise popart_exception(f"You have attempted to acquire {numIpus} IPUs. The number "
-                                   "of IPUs requested must be a power of two")
         self._check_connection(connectionType)
         free = [d for d in self.enumerateDevices(pattern, numIpus, DeviceType.Ipu,
                                                  connectionType, tilesPerIpu)

@@ -22,6 +22,7 @@ from . import distributed
 from . import logging as _log
 from . import report
 from .engine.als import check_settings as check_als_settings, snapshot as als_snapshot
+from .engine.als import check_tracked as check_als_tracked
 from .engine.executable import (EXECUTABLE_SLACK, EngineCache, canonical, executable_bytes,
                                 read_executable, runtime_signature)
 from .engine.pipeline import program_class
@@ -155,6 +156,9 @@ class _Session:
                                self._graph)
         self._verify_ir()
         self._infos = self._infer_shapes()
+        if als.enabled and self._training:   # the ALS transform's checks (Ir::prepare)
+            check_als_tracked(als, self._graph, self._loss, list(self._graph.initializers),
+                              self._infos)
         self._check_anchors()
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")

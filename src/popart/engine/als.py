@@ -392,17 +392,11 @@ class AlsPlan:
         return jnp.where(on, new, factor)
 
 
-def plan(settings: Any, graph: Graph, loss: str, variables: Sequence[str],
-         trainable: Sequence[str], specs: Mapping[str, Any], accumulation: int,
-         replication: int) -> AlsPlan:
-    """The tracked gradients and the errors PopART raises once it has them: none of float16
-    (``getToTrackTensorsAuto``), ``binEdgeLocation`` out of [0, 1] and a user tensor that is
-    not float16 (``getLevels``), ``thresholdUpperCountProportion`` out of [0, 1]
-    (``LossScaleUpdateOpx``, at prepareDevice)."""
-    tracked = tracked_tensors(settings, graph, loss, variables, trainable, specs)
-    user = _method(settings) == "GradientsOfUserSpecifiedTensors"
+def _check_tracked(settings: Any, tracked: Sequence[str]) -> np.float32:
+    """``getToTrackTensorsAuto``'s "none found" and ``getLevels``' ``binEdgeLocation`` range,
+    in PopART's order; returns the bin edge location."""
     if not tracked:
-        if user:
+        if _method(settings) == "GradientsOfUserSpecifiedTensors":
             raise OptionError(_T + "None of the tensors in 'toTrackTensors' "
                               f"({', '.join(repr(t) for t in settings.toTrackTensors)}) has a "
                               "gradient in this model, so there are no tracked gradient tensors.")
@@ -411,6 +405,31 @@ def plan(settings: Any, graph: Graph, loss: str, variables: Sequence[str],
     if edge < 0 or edge > 1:
         raise OptionError(_T + "Out of range value for 'binEdgeLocation'. The current value is "
                           f"{float(edge):g}, but it should be in the range [0, 1].")
+    return edge
+
+
+def check_tracked(settings: Any, graph: Graph, loss: str, weights: Sequence[str],
+                  infos: Mapping[str, Any]) -> None:
+    """The checks of :func:`_check_tracked` at session construction, where PopART's
+    ``Ir::prepare`` runs the ALS transform, from the inferred TensorInfos ``infos``. Every
+    weight is taken as trained: that only adds gradients, so no tracked gradient here means
+    none in the compiled program either (:func:`plan` checks again with the exact set)."""
+    specs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
+             for k, v in graph.initializers.items()}
+    specs.update({k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype())
+                  for k, i in infos.items()})
+    _check_tracked(settings, tracked_tensors(settings, graph, loss, weights, weights, specs))
+
+
+def plan(settings: Any, graph: Graph, loss: str, variables: Sequence[str],
+         trainable: Sequence[str], specs: Mapping[str, Any], accumulation: int,
+         replication: int) -> AlsPlan:
+    """The tracked gradients and the errors PopART raises once it has them: none of float16
+    (``getToTrackTensorsAuto``), ``binEdgeLocation`` out of [0, 1] and a user tensor that is
+    not float16 (``getLevels``), ``thresholdUpperCountProportion`` out of [0, 1]
+    (``LossScaleUpdateOpx``, at prepareDevice)."""
+    tracked = tracked_tensors(settings, graph, loss, variables, trainable, specs)
+    edge = _check_tracked(settings, tracked)
     for t in tracked:
         dt = np.dtype(specs[t].dtype)
         if dt != np.float16:
