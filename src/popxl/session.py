@@ -37,9 +37,9 @@ from popart import distributed
 from popart.dataflow import validate_input
 from popart.engine import in_x64
 from popart import report
-from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, xla_errors
+from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, xla_errors
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
-from popart.engine.lower import CHECKS, first_failure, raise_failed_checks, trace
+from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
 from popart.ir.graph import fingerprint
 from popart.logging import getLogger
@@ -47,7 +47,7 @@ from popart.session import _serialised
 from popart.tensorinfo import TensorInfo, to_datatype
 
 from ._placement import device_ipus, placed_program
-from .dtypes import to_numpy
+from .dtypes import _DOWNCAST, to_numpy
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
 from .tensor import Constant, Variable
@@ -185,6 +185,7 @@ class Session:
         self._in_sync = True
         self._lock = threading.RLock()
         self._checks: list = []
+        self._plan: Optional[tuple] = None   # _run_plan's
         self.executable_source = ""
         self._compile()
         ir._session = self      # Variable.in_sync_with_ipu
@@ -607,6 +608,9 @@ class Session:
 
     def create_host_outputs(self) -> dict[DeviceToHostStream, np.ndarray]:
         """Zeroed output arrays, one per device-to-host stream."""
+        plan = self._run_plan()
+        if plan is not None:
+            return {s: np.zeros(host, dtype) for s, _, host, dtype in plan[2]}
         return {s: np.zeros(self._host_shape(s.shape), s.dtype.as_numpy()) for s, _ in self._d2h}
 
     def _expected_outputs(self) -> list[DeviceToHostStream]:
@@ -662,6 +666,32 @@ class Session:
                              f"{st.shape}, therefore expected full global batch shape {full}. Got "
                              f"array shape = {tuple(shape)}")
 
+    def _run_plan(self) -> tuple:
+        """What a run's common path needs, worked out once: per input stream (stream,
+        tensor id, dtype, host shape, [n, local replicas, *shape]); per output stream (stream,
+        tensor id, host shape); or None where streams cross processes (the general path)."""
+        if self._plan is None:
+            full = lambda s: (self._n, self._local_r) + tuple(s.shape)
+            h2d = [(s, t.id, s.dtype.as_numpy(), self._host_shape(s.shape), full(s)) for s, t in self._h2d]
+            d2h = [(s, t.id, self._host_shape(s.shape), s.dtype.as_numpy()) for s, t in self._d2h]
+            self._plan = (None if self._placement.across_processes else
+                          (h2d, frozenset(s for s, _ in self._h2d), d2h, frozenset(s for s, _ in self._d2h)))
+        return self._plan
+
+    def _fast_feeds(self, plan: tuple, inputs: Mapping, downcast: bool) -> Optional[dict]:
+        """The step's feeds when every stream has a NumPy array of its dtype (one that
+        ``downcast`` leaves alone) and host shape; else None (the general path decides)."""
+        if inputs.keys() != plan[1]:
+            return None
+        feeds = {}
+        for s, tid, dtype, host, full in plan[0]:
+            a = inputs[s]
+            if type(a) is not np.ndarray or a.dtype != dtype or a.shape != host or (
+                    downcast and a.dtype in _DOWNCAST):
+                return None
+            feeds[tid] = np.ascontiguousarray(np.swapaxes(a.reshape(full), 0, 1))
+        return feeds
+
     def _feed(self, s: HostToDeviceStream, a: np.ndarray) -> np.ndarray:
         """A stream's (validated) input as [instance replicas, num_host_transfers, *shape],
         after popart's StepIO rule (dtype, element count)."""
@@ -671,7 +701,6 @@ class Session:
         return np.ascontiguousarray(np.swapaxes(a, 0, 1))
 
     @_serialised
-    @in_x64
     def run_with_outputs(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
                          outputs: Optional[Mapping[DeviceToHostStream, np.ndarray]] = None,
                          downcast_inputs: bool = True) -> None:
@@ -684,21 +713,34 @@ class Session:
                 64-bit data is downcast, with ``downcast_inputs``).
         """
         self._require_attached()
-        inputs = {s: to_numpy(a, downcast=downcast_inputs) for s, a in (inputs or {}).items()}
-        outputs = dict(outputs or {})
-        self._validate_run_inputs(inputs)
-        self._validate_run_outputs(outputs)
-        feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
-        if self._placed:
-            feeds = jax.device_put(feeds, self._feed_sharding())
-        else:
-            feeds = self._placement.put(feeds, 0)
-        self._dev, outs = self._step(self._dev, feeds)
+        inputs, outputs = inputs or {}, outputs if outputs is not None else {}
+        plan = self._run_plan()
+        feeds = None if plan is None else self._fast_feeds(plan, inputs, downcast_inputs)
+        if feeds is None:   # the general path: conversions, popxl's and popart's checks
+            inputs = {s: to_numpy(a, downcast=downcast_inputs) for s, a in inputs.items()}
+            self._validate_run_inputs(inputs)
+            feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
+        if plan is None or outputs.keys() != plan[3] or any(
+                type(outputs[s]) is not np.ndarray or outputs[s].shape != host for s, _, host, _ in plan[2]):
+            outputs = dict(outputs)
+            self._validate_run_outputs(outputs)
+        if plan is None:   # across processes: each process puts its own replicas' rows
+            feeds = jax.device_put(feeds, self._feed_sharding()) if self._placed else \
+                self._placement.put(feeds, 0)
+        self._dev, outs = self._step(self._dev, feeds)   # host feeds are moved by the call
         self._in_sync = not self._slots
-        if CHECKS in outs:
-            raise_failed_checks(first_failure(self._to_host(outs.pop(CHECKS))), self._checks)
-        for s, t in self._d2h:
-            val = np.swapaxes(self._to_host(outs[t.id]), 0, 1).reshape(self._host_shape(s.shape))
+        flags = outs.pop(CHECKS, None)
+        ids = [t.id for _, t in self._d2h]
+        if plan is None:
+            values = [self._to_host(x) for x in [outs[i] for i in ids] + ([flags] if flags is not None else [])]
+        else:   # the copies to the host started together
+            values = fetch([outs[i] for i in ids] + ([flags] if flags is not None else []), local=True)
+        if flags is not None:
+            rows = values.pop().reshape(-1, RECORD)   # each replica's first failure: the first of them
+            raise_failed_checks(rows[np.argmax(rows[:, 0] != 0)], self._checks)
+        hosts = [self._host_shape(s.shape) for s, _ in self._d2h] if plan is None else [h for _, _, h, _ in plan[2]]
+        for (s, t), val, host in zip(self._d2h, values, hosts):
+            val = np.swapaxes(val, 0, 1).reshape(host)
             dst = outputs[s]
             if dst.size != val.size:
                 raise ValueError(f"Output array for stream '{s.name}' has shape {list(dst.shape)}; "

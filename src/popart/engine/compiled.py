@@ -31,21 +31,45 @@ from .lower import raise_failed_checks, trace
 REPLICA_AXIS = "replica"
 
 
+def raise_as_popart(e: BaseException, what: str) -> None:
+    """Raise XLA's own error ``e`` (out of memory, ...) as a popart error; any other
+    exception as it is. Call it from an ``except`` clause."""
+    if isinstance(e, popart_exception) or not (
+            isinstance(e, MemoryError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")):
+        raise e
+    msg = " ".join(str(e).split())
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in msg:   # whole: XLA's peak buffers
+        raise OutOfMemoryException(f"{what}: out of memory ({str(e).strip()})") from None
+    if len(msg) > 1200:   # keep the head and the tail, where a host callback's reason is
+        msg = msg[:500] + " ... " + msg[-600:]
+    raise popart_runtime_error(f"{what}: {msg}") from None
+
+
 @contextlib.contextmanager
 def xla_errors(what: str) -> Iterator[None]:
-    """XLA's own errors (out of memory, ...) as popart errors."""
+    """XLA's own errors (out of memory, ...) as popart errors (:func:`raise_as_popart`)."""
     try:
         yield
     except Exception as e:
-        if isinstance(e, popart_exception) or not (
-                isinstance(e, MemoryError) or type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")):
-            raise
-        msg = " ".join(str(e).split())
-        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in msg:   # whole: XLA's peak buffers
-            raise OutOfMemoryException(f"{what}: out of memory ({str(e).strip()})") from None
-        if len(msg) > 1200:   # keep the head and the tail, where a host callback's reason is
-            msg = msg[:500] + " ... " + msg[-600:]
-        raise popart_runtime_error(f"{what}: {msg}") from None
+        raise_as_popart(e, what)
+
+
+def fetch(values: Sequence[Any], local: bool = False) -> list:
+    """Program outputs as NumPy arrays (replicated outputs: this process's copy; ``local``:
+    the caller knows every array is whole in this process), their copies to the host started
+    together; the run's own errors surface here as popart errors (XLA runs asynchronously)."""
+    try:
+        if len(values) > 1:
+            for x in values:
+                if isinstance(x, jax.Array):
+                    x.copy_to_host_async()
+        if local:
+            return [np.asarray(x) for x in values]
+        return [np.asarray(x) if getattr(x, "is_fully_addressable", True)
+                else np.asarray(x.addressable_data(0)) for x in values]
+    except Exception as e:
+        raise_as_popart(e, "Running the step")
+        raise   # not reached
 
 
 def _first(tree: Any) -> Any:
@@ -131,10 +155,7 @@ class Placement:
     def to_host(x: Any) -> np.ndarray:
         """A program output as a NumPy array (replicated outputs: this process's copy). The
         run's own errors surface here (XLA runs asynchronously)."""
-        with xla_errors("Running the step"):
-            if getattr(x, "is_fully_addressable", True):
-                return np.asarray(x)
-            return np.asarray(x.addressable_data(0))
+        return fetch((x,))[0]
 
 
 def arg_specs(tree: Any) -> Any:
@@ -189,10 +210,14 @@ class CompiledStep:
         return bytes(jax.export.export(self._jit(self.fn))(*specs).serialize())
 
     def __call__(self, *args: Any) -> Any:
-        with xla_errors("Running the step"):
+        """Run the program (host arrays among ``args`` are moved to the device by the call,
+        to its ``in_shardings``)."""
+        try:
             if self.recorder is not None:
                 return self.recorder.run(self.compiled, *args)
             return self.compiled(*args)
+        except Exception as e:
+            raise_as_popart(e, "Running the step")
 
 
 def graph_function(graph: Graph, outputs: Sequence[str], static_feeds: Optional[Mapping[str, Any]] = None,

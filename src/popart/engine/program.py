@@ -94,6 +94,43 @@ def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 26) -> int:
 UPDATED_VAR_PREFIX = "UpdatedVar___"   # PopART's reservedUpdatedVarPrefix()
 
 
+def optimizer_scalars(optimizer: Any, variables: Mapping[str, Any], trainable: list,
+                      options: Any, accumulation: int, replication: int) -> dict[str, float]:
+    """PopART's optimizer scalar tensors of an SGD without momentum (SGD0ComboOp's inputs,
+    compoundscalarhelper.hpp), by their tensor ids: ``scaledLearningRate0___default___FLOAT``
+    = lr (1 - dp) / (ls af rf) and ``weightDecayScaleFactor0___default___FLOAT`` =
+    1 - lr (1 - dp) wd (``___specific___<w>`` for a weight with its own values), and
+    ``lossScaling_FLOAT``; each exists, as in PopART, only when one of its terms is
+    non-const. Other optimizers, and sessions with automatic loss scaling: none here."""
+    als = getattr(getattr(options, "automaticLossScalingSettings", None), "enabled", False)
+    if optimizer is None or getattr(optimizer, "type_name", lambda: "")() != "SGD" or als:
+        return {}   # (automatic loss scaling owns the loss scale tensors)
+    ov = optimizer.hyper_value
+    mean = getattr(options, "accumulationAndReplicationReductionType", None)
+    post = getattr(getattr(options, "meanAccumulationAndReplicationReductionStrategy", None),
+                   "name", "Post") == "Post" and getattr(mean, "name", "") == "Mean"
+    af, rf = (accumulation, replication) if post else (1, 1)
+    ls = optimizer.loss_scaling()
+    out: dict[str, float] = {}
+    for w in trainable:
+        mm = ov(w, "momentum")
+        if not mm.isConst() or mm.val() != 0.0:   # SGD1 / SGD2: other scalars
+            continue
+        lr, dp, wd = ov(w, "learningRate"), ov(w, "dampening"), ov(w, "weightDecay")
+        dtype = {np.dtype(np.float16): "FLOAT16"}.get(np.dtype(variables[w].dtype), "FLOAT")
+        specific = any(w in optimizer._maps[k].getSpecifics()
+                       for k in ("learningRate", "dampening", "weightDecay", "momentum"))
+        suffix = f"specific___{w}" if specific else f"default___{dtype}"
+        if not (lr.isConst() and dp.isConst() and ls.isConst()):
+            out[f"scaledLearningRate0___{suffix}"] = \
+                lr.val() * (1 - dp.val()) / (ls.val() * af * rf)
+        if not (lr.isConst() and dp.isConst() and wd.isConst()):
+            out[f"weightDecayScaleFactor0___{suffix}"] = 1 - lr.val() * (1 - dp.val()) * wd.val()
+        if not ls.isConst():
+            out[f"lossScaling_{dtype}"] = ls.val()
+    return out
+
+
 def missing_anchor(anchor: str, tensor_ids: set) -> popart_exception:
     """PopART's error for an anchor that names no tensor of the IR (Ir::validateAnchors): a
     gradient that is never computed (its tensor does not lead to the loss, is not floating
@@ -128,6 +165,7 @@ class StepProgram:
         self.uses_rng = True
         self.als: Optional[_als.AlsPlan] = None   # automatic loss scaling (plan() makes it)
         self.als_anchors: set = set()             # anchors the ALS step computes
+        self.host_anchors: set = set()            # anchors the session writes (optimizer scalars)
         self.segments: list = []                  # recomputation (ir.recompute.segments)
         self.float32_loss: Optional[str] = None   # ALS: a float16 loss differentiated in float32
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
@@ -225,6 +263,11 @@ class StepProgram:
         opt_ids = set(self.opt_state_ids())
         self.rts = _rts.choose(cfg.options, self.placement, self.variables, self.init_opt_state(),
                                self.trainable, cfg.accumulation_factor)
+        if cfg.training:   # the optimizer's scalars: the session writes them from the host
+            self.host_anchors = {a for a in self._scalar_values() if a in self.anchor_ids}
+            self.anchor_specs = {**self.anchor_specs, **{
+                a: jax.ShapeDtypeStruct((), np.float16 if a.endswith("FLOAT16") else np.float32)
+                for a in self.host_anchors}}
         if cfg.training:   # UpdatedVar___<w>: a trainable weight after the batch's update
             self.anchor_specs = {**self.anchor_specs, **{
                 a: jax.ShapeDtypeStruct(self.variables[w].shape, self.variables[w].dtype)
@@ -235,10 +278,17 @@ class StepProgram:
         for a in self.anchor_ids:
             grad = a.startswith(GRAD_PREFIX) and a[len(GRAD_PREFIX):] in flows
             if (a in self.anchor_specs and (grad or not a.startswith(GRAD_PREFIX))) \
-                    or a in opt_ids or a in self.als_anchors:
+                    or a in opt_ids or a in self.als_anchors or a in self.host_anchors:
                 continue
             raise missing_anchor(a, set(out["ids"]) | opt_ids | (
                 {GRAD_PREFIX + t for t in flows}))
+
+    def _scalar_values(self, optimizer: Any = None) -> dict[str, float]:
+        """The optimizer's scalar tensors and their values (``optimizer_scalars``) for
+        ``optimizer`` (default: the one the program was planned with)."""
+        cfg = self.cfg
+        return optimizer_scalars(optimizer or cfg.optimizer, self.variables, self.trainable,
+                                 cfg.options, cfg.accumulation_factor, cfg.replication_factor)
 
     def _updated_var_anchors(self) -> dict[str, str]:
         """Anchor -> weight, for the anchors naming a trainable weight's VarUpdate output
@@ -314,7 +364,7 @@ class StepProgram:
         after_update = self._updated_var_anchors() if cfg.training else {}
         fwd_ids = [a for a in self.anchor_ids if a in self.anchor_specs
                    and not a.startswith(GRAD_PREFIX) and a not in self.als_anchors
-                   and a not in after_update]
+                   and a not in after_update and a not in self.host_anchors]
 
         if not cfg.training:
             def micro(weights, feeds, key, hyper):
@@ -631,5 +681,16 @@ class StepProgram:
         """The compiled step as a serialized StableHLO module (``jax.export``)."""
         return self.step.export()
 
-    def run(self, weights, opt_state, key, feeds, hyper):
-        return self.step(weights, opt_state, key, self.put_feeds(feeds), self.put(self._step_hyper(hyper)))
+    def put_hyper(self, hyper: Mapping[str, Any]) -> Any:
+        """The step's hyper-parameter argument on the device(s), for :meth:`run` (placed
+        once, until the optimizer changes)."""
+        return self.put(self._step_hyper(hyper))
+
+    def run(self, weights, opt_state, key, feeds, hyper, placed_hyper: bool = False):
+        """One call of the step: ``feeds`` host arrays [B, A, R, ...] (moved by the call
+        itself, to the step's input shardings; in a distributed job each process puts its
+        own replicas' part first), ``hyper`` host values or, with ``placed_hyper``, what
+        :meth:`put_hyper` returned."""
+        if self.placement.across_processes:
+            feeds = self.put_feeds(feeds)
+        return self.step(weights, opt_state, key, feeds, hyper if placed_hyper else self.put_hyper(hyper))
