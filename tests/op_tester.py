@@ -68,10 +68,12 @@ def one_op(op: str, inputs: Sequence[Any], domain: str = "", grads: Any = False,
         if domain in ("", "ai.onnx"):   # ops deprecated at the opset (no method): customOp
             method = getattr(builder.aiOnnx, _ONNX_METHODS.get(op, op.lower()), None)
         if method is not None:
-            if "num_outputs" in inspect.signature(method).parameters:   # optional outputs
-                outs = method(ids, **{"num_outputs": 1, **attrs})
+            params = inspect.signature(method).parameters
+            pos = (ids,) if "args" in params else ()   # ops without inputs take no list
+            if "num_outputs" in params:   # optional outputs
+                outs = method(*pos, **{"num_outputs": 1, **attrs})
             else:   # a fixed number of outputs
-                outs = method(ids, **{k: v for k, v in attrs.items() if k != "num_outputs"})
+                outs = method(*pos, **{k: v for k, v in attrs.items() if k != "num_outputs"})
         else:
             custom = dict(attrs)
             n = custom.pop("num_outputs", 1)
