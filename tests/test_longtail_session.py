@@ -432,3 +432,29 @@ def test_one_value_per_entry_is_read_as_onnx_defines_it(value):
     t = initializer_proto(value, "w")
     assert unpack_popart_data(t) is t
     np.testing.assert_array_equal(numpy_helper.to_array(t), value)
+
+
+def test_optimizer_scalar_anchors_of_sgd0():
+    """SGD without momentum (PopART's SGD0ComboOp): its non-const compound scalars are tensors
+    that can be anchored: scaledLearningRate0 = lr (1 - dp) / ls, weightDecayScaleFactor0 =
+    1 - lr (1 - dp) wd; they follow updateOptimizerFromHost."""
+    names = ["scaledLearningRate0___default___FLOAT", "weightDecayScaleFactor0___default___FLOAT",
+             "lossScaling_FLOAT"]
+    opt = lambda lr: popart.SGD({"defaultLearningRate": (lr, False),
+                                 "defaultWeightDecay": (0.1, False), "lossScaling": (4.0, False)})
+    s = popart.TrainingSession(_mul_loss_model(), popart.DataFlow(2, names + ["loss"]), "loss",
+                               opt(0.5), CPU())
+    s.prepareDevice()
+    s.weightsFromHost()
+    anchors = s.initAnchorArrays()
+    io = popart.PyStepIO({"x": np.ones((2, 2, 3), np.float32)}, anchors)
+    s.run(io)
+    np.testing.assert_allclose(anchors[names[0]], [0.5 / 4.0] * 2)
+    np.testing.assert_allclose(anchors[names[1]], [1 - 0.5 * 0.1] * 2)
+    np.testing.assert_allclose(anchors[names[2]], [4.0] * 2)
+    s.updateOptimizerFromHost(opt(0.25))
+    s.run(io)
+    np.testing.assert_allclose(anchors[names[0]], [0.25 / 4.0] * 2)
+    with pytest.raises(popart.popart_exception, match="not in Ir Tensors"):   # const: no tensor
+        popart.TrainingSession(_mul_loss_model(), popart.DataFlow(1, [names[0]]), "loss",
+                               popart.ConstSGD(0.5), CPU()).prepareDevice()

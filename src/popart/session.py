@@ -565,7 +565,7 @@ class _Session:
             self._dev = (weights, opt_state)
             self._program.raise_failed_checks(anchors)   # e.g. an index out of range
             if synthetic is None:   # synthetic data: nothing streams to or from the host
-                self._write_anchors(stepio, outs, anchors)
+                self._write_anchors(stepio, outs, {**anchors, **self._host_anchor_values()})
             self._summary["last_run_seconds"] = time.perf_counter() - t0
         if self._training:
             self._host_in_sync = False
@@ -651,6 +651,25 @@ class _Session:
                 raise StepIOError(f"Output array for anchor '{a}' has shape "
                                   f"{shape_str(np.shape(dst))}; expected {shape_str(host)}")
             np.copyto(dst, val.reshape(dst.shape), casting="unsafe")
+
+    def _host_anchor_values(self) -> dict[str, np.ndarray]:
+        """Anchors of the optimizer's scalar tensors (``program.optimizer_scalars``), from
+        the session's current optimizer, in the step's layout [B, A, R] (ALL / EVERYN) or
+        [R] (FINAL / SUM: the value, PopART's sum of one value per micro-batch for SUM)."""
+        program = self._program
+        if not program.host_anchors:
+            return {}
+        values = program._scalar_values(self._optimizer)
+        B, A, R = self._dataFlow.batchesPerStep(), self.accumulationFactor, \
+            program.cfg.replication_factor   # every replica's, as the step's anchors
+        out = {}
+        for a in program.host_anchors:
+            art = self._dataFlow.art(a).id().name
+            v = np.float32(values[a]) * (B * A if art == "Sum" else 1)
+            lead = (R,) if art in ("Final", "Sum") else \
+                ((B // self._dataFlow.art(a).rp() if art == "EveryN" else B), A, R)
+            out[a] = np.full(lead, v, program.anchor_specs[a].dtype)
+        return out
 
     def _write_callback_anchor(self, cb: Any, a: str, val: np.ndarray) -> None:
         flat = val.reshape((-1,) + val.shape[-len(self._anchor_tensor_info(a)[0]):]) \
@@ -968,7 +987,8 @@ class _Session:
         infos = dict(self._infos)
         training = None
         if self._training:
-            training = {"loss": self._loss, "trainable": program.trainable, "optimizer": self._optimizer}
+            training = {"loss": self._loss, "trainable": program.trainable, "optimizer": self._optimizer,
+                        "program": program, "options": self.options}
         name = self._proto.graph.name
         main = name if name and not name.startswith("BuilderGraph") else "maingraph"
         return serialize_ir(self._graph, infos, main, training)

@@ -629,7 +629,7 @@ class PlacedProgram(StepProgram):
         return [s for s in range(st.num_stages) if any(x in reads(nd) for nd in st.nodes[s])]
 
     def _fwd_anchor_ids(self) -> list[str]:
-        opt = set(self.opt_state_ids()) | self.als_anchors
+        opt = set(self.opt_state_ids()) | self.als_anchors | self.host_anchors   # host: session
         return [a for a in self.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
 
     def _zeros(self, ids) -> dict:
