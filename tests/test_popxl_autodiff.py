@@ -551,3 +551,44 @@ def test_repeat_with_int_carry_and_invariants_inside_a_called_graph(trips):
     for k, v in zip(("dx", "dw", "db"), t):
         want = np.zeros(v.shape) if v.grad is None else v.grad.numpy()
         np.testing.assert_allclose(got[k], want, rtol=1e-5, atol=1e-5)
+
+
+def test_conditional_of_a_repeat_of_a_call():
+    """Nesting: a conditional whose then branch repeats a graph that calls another. Each level
+    gets its gradient op (IfGradOp, the repeat's, CallGradOp); the called graph's tanh output
+    (its output) is read by its gradient graph; nothing is stitched. PyTorch's gradients."""
+    XV = RNG.normal(size=(2, 3)).astype(np.float32)
+    WV = (RNG.normal(size=(3, 3)) * 0.5).astype(np.float32)
+    S = [popxl.TensorSpec((2, 3), popxl.float32), popxl.TensorSpec((3, 3), popxl.float32)]
+    ir = popxl.Ir()
+    with ir.main_graph:
+        inner = ir.create_graph(lambda h, w: ops.tanh(h @ w), *S)
+        body = ir.create_graph(lambda h, w: ops.call(inner, h, w)[0] * 0.5 + h, *S)
+        then_g = ir.create_graph(lambda a, w: ops.repeat(body, 2, a, w)[0], *S)
+        else_g = ir.create_graph(lambda a: ops.sigmoid(a), S[0])
+
+        def f(x, w, c):
+            (y,) = ops.conditional(c, then_g, else_g, [x, w], [x])
+            return ops.sum(y * y)
+
+        g = ir.create_graph(f, *S, popxl.TensorSpec((), popxl.bool))
+        infos = popxl.transforms.autodiff(g, grads_required=g.inputs[:2], return_all_grad_graphs=True)
+        assert set(infos) == {g, then_g, else_g, body, inner}
+        assert all(len(x.outputs) == 1 for x in (inner, body, then_g))
+        assert inner.outputs[0] in infos[inner].inputs         # TanhGrad reads the output
+        vs = [popxl.variable(v, name=k) for k, v in (("x", XV), ("w", WV))]
+        grads = {}
+        for cv in (True, False):
+            fi = ops.call_with_info(g, *vs, popxl.constant(np.array(cv)))
+            grads[cv] = ops.call(infos[g].graph, popxl.constant(1.0), inputs_dict=infos[g].inputs_dict(fi))
+    got = _run(ir, {f"{k}{cv}": grads[cv][i] for cv in (True, False) for i, k in enumerate(("dx", "dw"))})
+    for cv in (True, False):
+        t = [torch.tensor(v, requires_grad=True) for v in (XV, WV)]
+        h = t[0]
+        for _ in range(2 if cv else 0):
+            h = torch.tanh(h @ t[1]) * 0.5 + h
+        h = h if cv else torch.sigmoid(t[0])
+        (h * h).sum().backward()
+        for k, v in zip(("dx", "dw"), t):
+            want = np.zeros(v.shape) if v.grad is None else v.grad.numpy()
+            np.testing.assert_allclose(got[f"{k}{cv}"], want, rtol=1e-5, atol=1e-5)
