@@ -1,14 +1,16 @@
 """popxl.transforms.autodiff: the gradient graph of a graph, as PopXL builds it.
 
-Nothing is recomputed. Each forward op on a path from ``grads_required`` to
-``grads_provided`` gets one grad op (ai.popxl::OpVJP) in the gradient graph that reads the
-forward tensors PopART's grad op reads (its ``gradInputInfo()``, table ``GRAD_READS``):
-forward inputs, forward outputs, or none. Those forward tensors are inputs of the gradient
-graph; any that is not already an input or output of the forward graph becomes a new output
-of it (and of every existing call of it), so callers pass them on from the forward call
-(``GradGraphInfo.inputs_dict``). The numbers are our lowerings' (with PopART's custom VJPs):
-the vjp of the op's lowering at its saved inputs, or, for ops whose grad reads only the
-output (Relu, Sigmoid, ...), PopART's formula from that output (``FROM_OUTPUT``)."""
+Each forward op on a path from ``grads_required`` to ``grads_provided`` gets one grad op
+(ai.popxl::OpVJP) in the gradient graph that reads the forward tensors PopART's grad op reads
+(its ``gradInputInfo()``, table ``GRAD_READS``): forward inputs, forward outputs, or none.
+Those forward tensors are inputs of the gradient graph; any that is not already an input or
+output of the forward graph becomes a new output of it (and of every existing call of it),
+so callers pass them on from the forward call (``GradGraphInfo.inputs_dict``); only for a
+graph that repeat / conditional call are they recomputed in the gradient graph (PopART's
+SafeAddFwdOutputStitcher). Calls, conditionals and repeats get their grad ops from the
+called graphs' gradient graphs (see docs/popxl_autodiff.md). The numbers are our lowerings'
+(with PopART's custom VJPs): the vjp of the op's lowering at its saved inputs, or PopART's
+formula from what its grad op reads (``FROM_OUTPUT``, ``FROM_ARG_AND_OUTPUT``)."""
 from __future__ import annotations
 
 import contextlib
@@ -206,13 +208,17 @@ def _repeated(graph: Graph, n: Node) -> Optional[Graph]:
     return None if g is None or g._hidden or g._by_ref_inputs else g
 
 
+def _trips(ir: IRGraph, n: Node) -> int:
+    """A repeat's count (its Loop's constant trip count)."""
+    return int(np.asarray(ir.initializers[n.inputs[0]]).reshape(()))
+
+
 def _save_iterations(graph: Graph, n: Node, body_graph: Graph, sub: GradGraphInfo) -> dict:
     """Scan outputs of a repeat's Loop node ``n``: for each forward tensor that the body's
     gradient graph reads and that changes across iterations (a carried input, an output),
     its value at every iteration, stacked. Returns {forward tensor: stacked id}."""
     body = n.attrs["body"]
-    call_node, n_out = body.nodes[0], len(body_graph._outputs)
-    trips = int(np.asarray(graph._g.initializers[n.inputs[0]]).reshape(()))
+    call_node, n_out, trips = body.nodes[0], len(body_graph._outputs), _trips(graph._g, n)
     stacked = {}
     for e in sub.expected_inputs if trips > 0 else ():     # (no iteration: nothing to read)
         t = e.fwd_tensor
@@ -450,7 +456,7 @@ def _autodiff(graph: Graph, grads_provided: Optional[list[Tensor]],
                            for g, b in zip(called, ("then_branch", "else_branch"))]
     reads = {}
     for n, _, wrt in plan:
-        if n.op_type == "Loop" and id(n) in subs and _trips(fwd, n) == 0:
+        if n.op_type == "Loop" and id(n) in subs and _trips(fwd.ir, n) == 0:
             reads[id(n)] = ([], [], "")      # no iteration: the Loop passes its inputs through
         elif id(n) in subs:
             reads[id(n)] = (list(dict.fromkeys(
@@ -588,17 +594,13 @@ def _called_grads(fwd: _Fwd, n: Node, subs: list, wrt: list[str], total, value) 
     return list(conditional(value(n.inputs[0]), tg, eg, ta, ea))
 
 
-def _trips(fwd: _Fwd, n: Node) -> int:
-    return int(np.asarray(fwd.ir.initializers[n.inputs[0]]).reshape(()))
-
-
 def _repeat_grads(fwd: _Fwd, n: Node, g: Graph, sub: GradGraphInfo, site: Node, wrt: list[str],
                   total, value) -> list:
     """The gradients of ``wrt`` from a repeat of ``g`` (PopART has no LoopGradOp): a repeat,
     as many times, of a graph that calls ``g``'s gradient graph on the saved values of
     iteration k = N-1, ..., 0 (rows of the Loop's stacked scan outputs), carrying the
     gradients of the carried values and summing those of the values every iteration reads."""
-    n_out, ins, trips = len(g._outputs), n.inputs[2:], _trips(fwd, n)
+    n_out, ins, trips = len(g._outputs), n.inputs[2:], _trips(fwd.ir, n)
     carry = [j for j in range(n_out) if _float(g._outputs[j])]
     acc = [i for i in range(n_out, len(ins)) if ins[i] in wrt]
 
