@@ -51,7 +51,7 @@ def test_serialize_ir_has_popart_layout_with_grad_and_var_update_ops(training):
     types = [op["type"] for op in ops]
     assert types[:4] == ["MatMul", "Relu", "MatMul", "L1"]
     assert types[4:8] == ["L1Grad", "MatMulGrad", "ReluGrad", "MatMulGrad"]   # reverse order
-    assert types[8:] == ["SGD1VarUpdate", "SGD1VarUpdate"]                     # momentum: SGD1
+    assert types[8:] == ["Accumulate", "SGD1VarUpdate", "SGD1AcclUpdate"] * 2  # SGD1Decompose
     first = ops[0]
     assert first["inputs"][0] == {"name": x, "shape": "[2 4]", "type": "FLOAT", "index": "0"}
     assert first["outputs"][0]["index"] == "0" and set(first) == {"type", "name", "inputs", "outputs", "attributes"}

@@ -16,12 +16,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .ir.graph import Graph
+from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
+from .ir.recompute import RECOMPUTE, RECOMPUTE_OUTPUT
 from .ir.transforms import gradient_flow
 from .options import IrSerializationFormat
+from .tensornames import PREFIXES
 from .tensorinfo import TensorInfo
 
 GRAD = "Gradient___"
+YES_NO = {True: "YES", False: "NO"}
 
 
 def _var_update_type(optimizer: Any, weight_id: str) -> str:
@@ -38,7 +41,8 @@ def _var_update_type(optimizer: Any, weight_id: str) -> str:
 
 
 def _tensor(tid: str, infos: dict, index: int) -> dict:
-    info: Optional[TensorInfo] = infos.get(tid[len(GRAD):] if tid.startswith(GRAD) else tid)
+    info: Optional[TensorInfo] = infos.get(tid) if tid in infos else \
+        infos.get(tid[len(GRAD):] if tid.startswith(GRAD) else tid)
     shape = "[" + " ".join(str(d) for d in info.shape()) + "]" if info is not None else "[]"
     dtype = info.data_type() if info is not None else "UNDEFINED"
     return {"name": tid, "shape": shape, "type": dtype, "index": str(index)}
@@ -77,40 +81,220 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
     """The IR as PopART's JSON. ``infos``: TensorInfo by id; ``training``: {"loss", "trainable",
     "optimizer"} for a TrainingSession."""
     doc = {}
+    stages = _stages(graph, training)
     for g in _graphs(graph):
         ops = [_op(n.op_type, n.name or n.outputs[0], n.inputs, n.outputs,
-                   {**n.attrs, **{k.lstrip("_"): v for k, v in n.annotations.items()}}, infos)
+                   {**n.attrs, **_placement(n, stages.get(id(n)) if g is graph else None)},
+                   infos)
                for n in g.nodes]
         if g is graph and training is not None:
-            ops += _backward(g, infos, training)
+            ops += _backward(g, infos, training, stages)
         doc["maingraph" if g is graph else g.name] = ops
     if main_name != "maingraph":
         doc = {(main_name if k == "maingraph" else k): v for k, v in doc.items()}
     return json.dumps(doc)
 
 
-def _backward(g: Graph, infos: dict, training: dict) -> list[dict]:
-    """Grad ops (reverse order, where ``ir.transforms.gradient_flow`` has a gradient flow)
-    and var updates."""
+def _placement(n: Any, stage: Optional[tuple]) -> dict:
+    """The attributes every PopART op serialises (``Op::appendOutlineAttributes`` /
+    ``appendAttributes``): ``recompute`` (YES / NO) and, where set, ``__ipu_number`` and
+    ``__pipeline_stage`` (the pipeline's stage and IPU when PopART derives them); the node's
+    other annotations by their names."""
+    out = {k: v for k, v in n.annotations.items() if k != RECOMPUTE_OUTPUT}
+    recompute = n.annotations.get(RECOMPUTE_OUTPUT) == RECOMPUTE
+    if stage is not None:
+        ps, ipu, recomputed = stage
+        out.setdefault(PIPELINE_STAGE, ps)
+        out.setdefault(VIRTUAL_GRAPH, ipu)
+        recompute = recompute or recomputed
+    return {"recompute": YES_NO[recompute], **out}
+
+
+def _stages(graph: Graph, training: Optional[dict]) -> dict:
+    """id(node) -> (pipeline stage, IPU, recomputed) for a pipelined TrainingSession whose
+    program places the graph over several IPUs (``engine.pipeline.StagePlan``); the forward
+    ops of every stage but the last are recomputed with ``RecomputationType.Pipeline``."""
+    program, options = (training or {}).get("program"), (training or {}).get("options")
+    if program is None or not getattr(options, "enablePipelining", False):
+        return {}
+    plan = getattr(program, "stages", None)
+    if plan is None:   # not placed on this machine's devices: the same stages, unplaced
+        from .engine.pipeline import plan_stages
+        ipus = int(getattr(getattr(program, "device_info", None), "numIpus", 1) or 1)
+        sizes = {k: int(np.prod(v.shape)) for k, v in program.tensor_specs.items()}
+        plan = plan_stages(program.graph_consts, program.variables, options,
+                           max(ipus // program.cfg.replication_factor, 1), sizes)
+    if not plan.pipelined or plan.num_stages < 2:
+        return {}
+    auto = getattr(getattr(options, "autoRecomputation", None), "name", "") == "Pipeline"
+    last = plan.num_stages - 1
+    return {id(n): (s, plan.stage_ipu[s], auto and s < last)
+            for s, nodes in enumerate(plan.nodes) for n in nodes}
+
+
+class _Ids:
+    """PopART's ``Ir::createIntermediateTensorId``: ``<base>__t<counter>``."""
+
+    def __init__(self) -> None:
+        self.k = 0
+
+    def __call__(self, base: str) -> str:
+        self.k += 1
+        return f"{base}__t{self.k - 1}"
+
+
+def _backward(g: Graph, infos: dict, training: dict, stages: dict) -> list[dict]:
+    """What PopART's backward pass and optimizer transforms add to the main graph: grad ops
+    (reverse order, where ``ir.transforms.gradient_flow`` has a gradient flow), pipeline
+    stashes and restores, gradient clipping, automatic loss scaling's statistics and update,
+    and the var updates (SGD1's accumulator ops with their PopART tensor names)."""
     def is_float(t: str) -> bool:
         info = infos.get(t)
         return info is not None and np.issubdtype(info.np_dtype(), np.floating)
 
     has_grad, edges = gradient_flow(g, training["loss"], training["trainable"], is_float)
-    ops = []
+    infos = dict(infos)
+    ops, new_id = [], _Ids()
+    last = max((s for s, _, _ in stages.values()), default=0)
+
+    def place(n: Any) -> dict:   # a grad op's stage: maxPipelineStage - its forward stage
+        if id(n) not in stages:
+            return {}
+        s, ipu, _ = stages[id(n)]
+        return {"recompute": "NO", VIRTUAL_GRAPH: ipu, PIPELINE_STAGE: 2 * last - s}
+
+    stash = _stash_ops(g, edges, stages, training, infos)
+    ops += stash["stash"]
     for k, n in reversed(list(enumerate(g.nodes))):
         ins = [t for i, t in enumerate(n.inputs) if (k, i) in edges]
         if not ins:
             continue
+        ops += stash["restore"].get(id(n), [])
         outs = [o for o in n.outputs if o in has_grad]
         ops.append(_op(f"{n.op_type}Grad", f"{n.name or n.outputs[0]}_Grad",
                        [GRAD + o for o in outs] + [i for i in n.inputs if i],
-                       [GRAD + i for i in ins], {}, infos))
-    for w in training["trainable"]:
-        update = _var_update_type(training["optimizer"], w)
-        if w in has_grad:
-            ops.append(_op(update, f"{update}_{w}", [w, GRAD + w], ["UpdatedVar___" + w], {}, infos))
+                       [GRAD + i for i in ins], {"recompute": "NO", **place(n)}, infos))
+    trained = [w for w in training["trainable"] if w in has_grad]
+    grads = {w: GRAD + w for w in trained}
+    ops += _clipping(training["optimizer"], trained, grads, infos, new_id)
+    ops += _als_ops(training.get("program"), infos)
+    for w in trained:
+        ops += _var_update(training["optimizer"], w, grads[w], infos)
     return ops
+
+
+def _stash_ops(g: Graph, edges: set, stages: dict, training: dict, infos: dict) -> dict:
+    """Implicit pipelining's Stash / Restore ops (``Pipeline::addStashRestoreOps``): each
+    activation a backward stage reads that its forward stage s (not the last) made or took
+    in is stashed in stage s (``Stashed___<t>``, stash size 2 (S-1) - 2 s + 1) and restored
+    before its first grad op (``Restored___<t>``; ``RestoreInplace`` unless anchored or
+    sent to a later stage). With ``RecomputationType.Pipeline`` only each stage's inputs are
+    stashed (the rest is recomputed)."""
+    out: dict = {"stash": [], "restore": {}}
+    if not stages:
+        return out
+    last = max(s for s, _, _ in stages.values())
+    recompute = any(r for _, _, r in stages.values())
+    weights = set(g.initializers)
+    made = {t: stages[id(n)][0] for n in g.nodes for t in n.outputs if t and id(n) in stages}
+    later = {t for n in g.nodes if id(n) in stages for t in n.inputs
+             if t in made and made[t] < stages[id(n)][0]}
+    anchors = set(getattr(training.get("program"), "anchor_ids", ()) or ())
+    seen: set = set()
+    for k, n in enumerate(g.nodes):
+        s, ipu, _ = stages.get(id(n), (last, 0, False))
+        if s == last or not any((k, i) in edges for i in range(len(n.inputs))):
+            continue
+        acts = [t for t in n.inputs if t and made.get(t, -1) < s] if recompute else \
+            [t for t in list(n.inputs) + list(n.outputs) if t]
+        for t in acts:
+            if t in weights or t in seen or t not in infos:
+                continue
+            seen.add(t)
+            size, info = 2 * last - 2 * s + 1, infos[t]
+            stashed, restored = PREFIXES["Stashed"] + t, PREFIXES["Restored"] + t
+            infos[stashed] = TensorInfo(info.data_type(), [size] + list(info.shape()))
+            infos[restored] = info
+            attrs = {"stashSize": size, "recompute": "NO", VIRTUAL_GRAPH: ipu}
+            out["stash"].append(_op("Stash", f"Stash_{t}", [t], [stashed],
+                                    {**attrs, PIPELINE_STAGE: s}, infos))
+            inplace = t not in anchors and t not in later
+            out["restore"].setdefault(id(n), []).append(_op(
+                "RestoreInplace" if inplace else "Restore", f"Restore_{t}",
+                [stashed, t] if inplace else [stashed], [restored],
+                {**attrs, PIPELINE_STAGE: 2 * last - s}, infos))
+    return out
+
+
+def _clipping(optimizer: Any, trained: list, grads: dict, infos: dict, new_id: _Ids) -> list:
+    """``ClipWeightGradientsByNorm`` per ClipNormSettings group i: ReduceSumSquare of each
+    clipped gradient, Sum, Sqrt (``GlobalNorm___<i>``), Max with the clip norm, Div, and a Mul
+    per gradient; the var updates read the clipped gradients (``grads`` is updated)."""
+    ops = []
+    for i, c in enumerate(getattr(optimizer, "clip_norm_settings", ())):
+        ids = [w for w in (trained if c.weightIds is None else c.weightIds) if w in grads]
+        if not ids:
+            continue
+        norms = []
+        for w in ids:
+            norms.append(new_id(f"{w}_clipping"))
+            infos[norms[-1]] = TensorInfo(infos[w].data_type(), []) if w in infos else None
+            ops.append(_op("ReduceSumSquare", f"ReduceSumSquare_{w}", [grads[w]], [norms[-1]],
+                           {"keepdims": 0}, infos))
+        total, norm = new_id("normsSum"), f"{PREFIXES['GlobalNorm']}{i}"
+        clip, big, factor = new_id("clipByNorm"), new_id("clipByNorm"), new_id("clipByNorm")
+        ops += [_op("Sum", f"Sum_norms{i}", norms, [total], {}, infos),
+                _op("Sqrt", f"Sqrt_norms{i}", [total], [norm], {}, infos),
+                _op("Max", f"Max_norms{i}", [norm, clip], [big], {}, infos),
+                _op("Div", f"Div_norms{i}", [clip, big], [factor], {}, infos)]
+        for w in ids:
+            clipped = new_id(f"{w}_clipped")
+            infos[clipped] = infos.get(w)
+            ops.append(_op("Mul", f"Mul_{w}_clip", [grads[w], factor], [clipped], {}, infos))
+            grads[w] = clipped
+    return ops
+
+
+def _als_ops(program: Any, infos: dict) -> list:
+    """Automatic loss scaling (``AutomaticLossScale``): a Histogram per tracked gradient
+    (``Gradient___<t>_statistics``), their Sum (``summedHistograms``), the Cast to float
+    (``summedCastedHistograms``), the LossScaleUpdate and ``finalLossScale``'s Mul."""
+    als = getattr(program, "als", None)
+    if als is None:
+        return []
+    stats = [GRAD + t + "_statistics" for t in als.tracked]
+    f32 = lambda *shape: TensorInfo("FLOAT", list(shape))   # noqa: E731
+    infos.update({h: TensorInfo("UINT32", [2]) for h in stats + ["summedHistograms"]})
+    infos.update({"summedCastedHistograms": f32(2), "lossScaleUpdateFactor": f32(),
+                  "finalLossScale": f32(), als.loss_scaling_id: f32()})
+    ops = [_op("Histogram", f"Histogram_{t}", [GRAD + t], [h],
+               {"levels": [float(als.level)], "absoluteOfInput": 1}, infos)
+           for t, h in zip(als.tracked, stats)]
+    ops += [_op("Sum", "HistogramSum", stats, ["summedHistograms"], {}, infos),
+            _op("Cast", "HistogramCast", ["summedHistograms"], ["summedCastedHistograms"],
+                {"to": "FLOAT"}, infos),
+            _op("LossScaleUpdate", "LossScaleUpdate",
+                ["lossScaleUpdateFactor", "summedCastedHistograms"],
+                ["UpdatedVar___lossScaleUpdateFactor"], {}, infos),
+            _op("Mul", "finalLossScale", [als.loss_scaling_id, "lossScaleUpdateFactor"],
+                ["finalLossScale"], {}, infos)]
+    return ops
+
+
+def _var_update(optimizer: Any, w: str, grad: str, infos: dict) -> list:
+    """The var update of weight ``w``; SGD1 (``SGD1Decompose``) is Accumulate into
+    ``Accl___<w>`` (giving ``AcclIntoUpdate___<w>``), SGD1VarUpdate, then SGD1AcclUpdate
+    (giving ``AcclOutOfAcclUpdate___<w>``)."""
+    update = _var_update_type(optimizer, w)
+    if update != "SGD1VarUpdate":
+        return [_op(update, f"{update}_{w}", [w, grad], ["UpdatedVar___" + w], {}, infos)]
+    accl, to_update, final = (PREFIXES[p] + w for p in ("Accl", "AcclToUpdate", "AcclFinalOut"))
+    infos.update({t: infos.get(w) for t in (accl, to_update, final)})
+    return [_op("Accumulate", f"{w}_accumulate", [accl, grad], [to_update],
+                {"type": "DampenedAdd"}, infos),
+            _op("SGD1VarUpdate", f"{w}_var_update", [w, to_update], ["UpdatedVar___" + w],
+                {}, infos),
+            _op("SGD1AcclUpdate", f"{w}_accl_update", [to_update, w], [final], {}, infos)]
 
 
 class SessionIr:

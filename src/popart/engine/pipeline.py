@@ -98,13 +98,24 @@ class StagePlan:
 
 def _auto_split(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[int]:
     """VirtualGraphMode.Auto: contiguous runs of ops of about equal cost (the elements of
-    the weights an op reads plus those of its outputs), one per IPU."""
+    the weights an op reads plus those of its outputs), one per IPU, written on the nodes as
+    their ``__ipu_number`` (as PopART's AutoVirtualGraph transform sets each op's virtual
+    graph). Fewer runs than IPUs raise PopART's error."""
     cost = [sum(sizes.get(t, 0) for t in list(nd.inputs) + list(nd.outputs) if t) or 1
             for nd in graph.nodes]
     total, acc, out = float(sum(cost)), 0.0, []
     for c in cost:
         out.append(min(n - 1, int(n * (acc + c / 2) / total)))
         acc += c
+    found = len(set(out)) - 1   # splits between runs
+    if found != n - 1:
+        e = IrError(f"[AutoVirtualGraph] Couldn't find enough splits for {n} IPUs. Only "
+                    f"found {found}")
+        e.add_note(f"The main graph's {len(out)} op(s) fill {found + 1} of the device's {n} "
+                   "IPUs per replica: use a device with fewer IPUs, or VirtualGraphMode.Manual")
+        raise e
+    for nd, v in zip(graph.nodes, out):
+        nd.annotations[VIRTUAL_GRAPH] = v
     return out
 
 
@@ -311,14 +322,16 @@ class PlacedProgram(StepProgram):
         self.anchor_ids = [a for a in self.anchor_ids if a not in stash]
         super().plan()
         self._plan_stash_anchors(stash)
+        sizes = {k: int(np.prod(s.shape)) for k, s in self.tensor_specs.items()}
+        R = self.cfg.replication_factor
+        n = int(getattr(self.device_info, "numIpus", 1) or 1) // R   # IPUs per replica
+        if self.cfg.options.virtualGraphMode.name == "Auto":   # placed or not, as PopART
+            _auto_split(self.graph_consts, n, sizes)
         why = _why_not_placed(self, self.device_info)
         if why is not None:
             _logger.info(f"Virtual graphs: {why} is not supported by the placed program; the "
                          f"whole model runs on one device")
             return
-        sizes = {k: int(np.prod(s.shape)) for k, s in self.tensor_specs.items()}
-        R = self.cfg.replication_factor
-        n = int(getattr(self.device_info, "numIpus", 1) or 1) // R   # IPUs per replica
         stages = plan_stages(self.graph_consts, self.variables, self.cfg.options, n, sizes)
         ipus = max(stages.stage_ipu) + 1
         if stages.num_stages < 2 or ipus < 2:
