@@ -458,3 +458,14 @@ def test_optimizer_scalar_anchors_of_sgd0():
     with pytest.raises(popart.popart_exception, match="not in Ir Tensors"):   # const: no tensor
         popart.TrainingSession(_mul_loss_model(), popart.DataFlow(1, [names[0]]), "loss",
                                popart.ConstSGD(0.5), CPU()).prepareDevice()
+
+
+def test_compile_and_export_makes_its_folder(tmp_path):
+    from popart.session import makedirsAndCheckWritable
+    model = _model([_node("Neg", ["x"], ["y"])], [("x", TP.FLOAT, [3])], [("y", TP.FLOAT, [3])])
+    s = popart.InferenceSession(model, popart.DataFlow(1, ["y"]), CPU())
+    target = tmp_path / "new" / "deeper" / "e.popef"
+    s.compileAndExport(str(target))
+    assert target.is_file()
+    makedirsAndCheckWritable(str(tmp_path / "a" / "b"))
+    assert (tmp_path / "a" / "b").is_dir()

@@ -1211,7 +1211,11 @@ class _Session:
 
     @_serialised
     def compileAndExport(self, filename: str) -> None:
-        """Compile the step and export it (with metadata and variables) to ``filename``."""
+        """Compile the step and export it (with metadata and variables) to ``filename``
+        (``~`` expanded; its folder made first, as PopART's, OSError if it is not writable)."""
+        filename = os.path.expanduser(filename)
+        makedirsAndCheckWritable(filename if os.path.isdir(filename) else
+                                 os.path.dirname(os.path.abspath(filename)))
         self.prepareDevice(loadEngine=False)
         self.saveExecutable(filename)
 
@@ -1606,11 +1610,11 @@ def _check_pipeline_settings(graph: Graph, o: Any, device: Any, replicas: int,
     if unset and len(unset) < len(ops):
         raise IrError("Only some ops have had their pipeline stage set. Ops missing the pipeline "
                       "stage:" + "".join(f"\n  {_op_str(graph, op)}" for op in unset))
-    if unset:
-        return
-    stages: dict[int, list] = {}
-    for op in ops:
-        stages.setdefault(int(op.annotations[PIPELINE_STAGE]), []).append(op)
+    auto = bool(unset) and o.virtualGraphMode.name == "Auto"   # AutoVirtualGraph: one per IPU
+    stages: dict[int, list] = {i: [] for i in range(n)} if auto else {}
+    key = VIRTUAL_GRAPH if unset else PIPELINE_STAGE   # none set: an op's stage is its IPU
+    for op in [] if auto else ops:
+        stages.setdefault(int(op.annotations.get(key, 0)), []).append(op)
     for ps, members in sorted(stages.items()):
         vgraphs = sorted({int(op.annotations.get(VIRTUAL_GRAPH, -1)) for op in members})
         if len(vgraphs) > 1:
@@ -1653,6 +1657,14 @@ def _check_not_pruned_empty(graph: Graph, anchors: Iterable[str]) -> None:
     why = (f"the anchors {unknown} name no tensor of the model" if unknown else
            f"no op computes the anchors {anchors}")
     raise IrError(f"All operations in the main graph were pruned, nothing to compute ({why})")
+
+
+def makedirsAndCheckWritable(path: str) -> None:
+    """Make the folder ``path`` (and its parents) if needed; OSError if it is not writable
+    (PopART's helper for compileAndExport)."""
+    os.makedirs(path, exist_ok=True)
+    if not os.access(path, os.W_OK):
+        raise OSError(f"Unable to write to {path}")
 
 
 class InferenceSession(_Session):
