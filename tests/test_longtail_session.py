@@ -469,3 +469,22 @@ def test_compile_and_export_makes_its_folder(tmp_path):
     assert target.is_file()
     makedirsAndCheckWritable(str(tmp_path / "a" / "b"))
     assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_every_n_is_refused_for_pipelined_models():
+    m = onnx.load_from_string(_model([_node("Neg", ["x"], ["h"]), _node("Exp", ["h"], ["y"])],
+                                     [("x", TP.FLOAT, [2])], [("y", TP.FLOAT, [2])]))
+    for k, n in enumerate(m.graph.node):
+        for key in ("__ipu_number", "__pipeline_stage"):
+            a = n.attribute.add()
+            a.name, a.type, a.i = key, onnx.AttributeProto.INT, k
+    opts = popart.SessionOptions()
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    opts.enablePipelining = True
+    s = popart.InferenceSession(m.SerializeToString(),
+                                popart.DataFlow(2, {"y": popart.AnchorReturnType("EVERYN", 2)}),
+                                popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
+                                userOptions=opts)
+    with pytest.raises(popart.popart_exception) as e:
+        s.prepareDevice()
+    assert e.value.args[0] == "AnchorReturnType::EVERYN is not valid for pipelined models"

@@ -306,6 +306,9 @@ class _Session:
         if self._prepared:
             return
         _check_virtual_graph_range(self._graph, self.options, self._device, self.replicationFactor)
+        if getattr(self.options, "enablePipelining", False) and any(   # IrLowering's check
+                self._dataFlow.art(a).id().name == "EveryN" for a in self._dataFlow.anchors()):
+            raise popart_exception("AnchorReturnType::EVERYN is not valid for pipelined models")
         program = self._plan()
         self._host_weights = {k: np.array(v) for k, v in program.variables.items()}
         opt_state = dict(program.init_opt_state())
