@@ -67,29 +67,30 @@ class AnchorReturnType:
     """How an anchor is returned: ``AnchorReturnType("ALL")``, ``("FINAL")``, ``("SUM")`` or
     ``("EVERYN", N)`` (case-insensitive)."""
 
-    def __init__(self, artString: str, returnPeriod: Any = None, tileSet: Any = TileSet.Compute,
-                 exchangeStrategy: Any = ExchangeStrategy.JustInTime) -> None:
-        if isinstance(returnPeriod, _Enum):  # the (artString, tileSet, exchangeStrategy) form
+    def __init__(self, anchorReturnTypeString: str, returnPeriod: Any = None,
+                 tileSet: Any = TileSet.Compute, exchangeStrategy: Any = ExchangeStrategy.JustInTime) -> None:
+        if isinstance(returnPeriod, _Enum):  # the (anchorReturnTypeString, tileSet, exchangeStrategy) form
             if isinstance(tileSet, ExchangeStrategy):
                 exchangeStrategy = tileSet
             returnPeriod, tileSet = None, returnPeriod
         ids = {name.upper(): member for name, member in AnchorReturnTypeId.__members__.items()}
-        if not isinstance(artString, str) or artString.upper() not in ids:
-            raise _error(DataFlowError, f"Invalid anchor return type ID supplied: {artString}",
+        if not isinstance(anchorReturnTypeString, str) or anchorReturnTypeString.upper() not in ids:
+            raise _error(DataFlowError,
+                         f"Invalid anchor return type ID supplied: {anchorReturnTypeString}",
                          "Expected one of 'ALL', 'FINAL', 'SUM' or 'EVERYN' with a return period")
-        self._id = ids[artString.upper()]
-        self._str = artString
+        self._id = ids[anchorReturnTypeString.upper()]
+        self._str = anchorReturnTypeString
         if self._id == AnchorReturnTypeId.EveryN:
             if returnPeriod is None:
                 raise _error(DataFlowError, "Must specify return period with option 'EVERYN'",
-                             f"Use AnchorReturnType('{artString}', N)")
+                             f"Use AnchorReturnType('{anchorReturnTypeString}', N)")
             self._rp = _integer(returnPeriod, "AnchorReturnType: returnPeriod")
             if self._rp <= 0:
                 raise _error(DataFlowError, "Anchor return period must be greater than zero",
                              f"Got {returnPeriod!r}")
         elif returnPeriod is not None:
             raise _error(DataFlowError, "A return period should not be supplied for this "
-                         "anchor return type", f"'{artString}' was given return period "
+                         "anchor return type", f"'{anchorReturnTypeString}' was given return period "
                          f"{returnPeriod!r}")
         else:
             self._rp = 0
