@@ -1,6 +1,11 @@
 """Side-by-side benchmark: popart-xla vs onnxruntime (inference) and PyTorch eager (training).
 
-    python bench/bench.py [--quick] [--models mlp,cnn,transformer]
+    python bench/bench.py [--quick] [--models mlp,resnet18,bert | --all]
+
+The default models are issue 28's (an MLP 784-512-512-10 at batch 128, ResNet-18 for CIFAR at
+batch 16, a BERT-like 4 x 256 encoder at seq 128, batch 8); ``--all`` adds the older, smaller
+``cnn`` and ``transformer``. Training: softmax + nllloss with ConstSGD(0.01) against PyTorch
+eager's log_softmax + nll_loss with torch.optim.SGD(0.01).
 
 Prints two markdown tables of samples/second (higher is better), each the median of a few
 repeats after a warm-up, the runtimes compared taking turns within each repeat (so both see
@@ -107,9 +112,22 @@ def interleaved(runners: dict[str, Runner], repeats: int) -> dict[str, float]:
 
 def _data(spec: bench_models.BenchModel, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(spec.input_shape).astype(np.float32)
-    y = rng.integers(0, bench_models.NUM_CLASSES, spec.batch).astype(np.int32)
+    x = (rng.integers(0, spec.vocab, spec.input_shape).astype(np.int64) if spec.vocab else
+         rng.standard_normal(spec.input_shape).astype(np.float32))
+    y = rng.integers(0, spec.classes, spec.batch).astype(np.int32)
     return x, y
+
+
+def cpu_flags() -> str:
+    """The vector extensions of this CPU that matter to GEMM and convolution kernels."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+    have = [w for w in wanted if w in flags]
+    return " ".join(have) or "none of AVX2 / AVX-512"
 
 
 # --------------------------------------------------------------------------------- inference
@@ -159,7 +177,7 @@ def popart_training(path: str, x: np.ndarray, y: np.ndarray,
     bps = cfg.bps
     session = popart.TrainingSession(builder.getModelProto(),
                                      popart.DataFlow(bps, {loss: popart.AnchorReturnType("ALL")}),
-                                     loss, popart.SGD({"defaultLearningRate": (LR, False)}),
+                                     loss, popart.ConstSGD(LR),
                                      popart_device())
     t0 = time.perf_counter()
     session.prepareDevice()
@@ -219,10 +237,11 @@ def torch_training(spec: bench_models.BenchModel, x: np.ndarray, y: np.ndarray,
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     xt = torch.from_numpy(x).to(TORCH_DEVICE)
     yt = torch.from_numpy(y).long().to(TORCH_DEVICE)
+    F = torch.nn.functional
 
     def step() -> torch.Tensor:
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(xt), yt)
+        loss = F.nll_loss(F.log_softmax(model(xt), dim=1), yt)
         loss.backward()
         opt.step()
         return loss
@@ -252,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     global THREADS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer batches and repeats")
-    p.add_argument("--models", default="mlp,cnn,transformer")
+    p.add_argument("--models", default=bench_models.DEFAULT,
+                   help=f"comma-separated, of {','.join(m.name for m in bench_models.MODELS)}")
+    p.add_argument("--all", action="store_true", help="every model, the older ones too")
     p.add_argument("--threads", type=int, default=THREADS,
                    help="threads (and cores) for PyTorch, onnxruntime and XLA; default: all")
     p.add_argument("--gpu", action="store_true",
@@ -272,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{ort.__version__} ({ORT_PROVIDERS[0]}), torch {torch.__version__} "
           f"({TORCH_DEVICE}); {'quick' if args.quick else 'full'} run: median of "
           f"{cfg.repeats} repeats", flush=True)
-    wanted = args.models.split(",")
+    print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} CPUs", flush=True)
+    wanted = [m.name for m in bench_models.MODELS] if args.all else args.models.split(",")
     specs = [s for s in bench_models.MODELS if s.name in wanted]
     infer_rows, train_rows, failures = [], [], []
     with tempfile.TemporaryDirectory() as folder:

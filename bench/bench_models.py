@@ -1,7 +1,11 @@
 """The benchmark models, built in PyTorch and exported to ONNX (opset 11, TorchScript
-exporter): an MLP, a small CNN with BatchNorm and a small transformer encoder.
+exporter), so that every runtime runs the same network.
 
-Each model maps an input ``x`` to class logits ``logits`` [batch, 10].
+Issue 28's models (the default set): an MLP 784-512-512-10 (batch 128), ResNet-18 for CIFAR
+(batch 16) and a BERT-like encoder (4 x 256, seq 128, batch 8, token ids in). The older, smaller
+ones (a width-32 CNN, a d=128 transformer) stay as ``cnn`` and ``transformer``.
+
+Each model maps an input ``x`` to class logits ``logits`` [batch, classes].
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ class BenchModel:
     name: str
     make: Callable[[], nn.Module]
     input_shape: tuple[int, ...]   # including the batch dimension
+    classes: int = NUM_CLASSES
+    vocab: int = 0                 # > 0: x holds token ids in [0, vocab) (int64), else floats
 
     @property
     def batch(self) -> int:
@@ -77,11 +83,68 @@ class Transformer(nn.Module):
         return self.head(self.encoder(x).mean(dim=1))
 
 
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 conv + BatchNorm, ReLU, identity or 1x1-conv shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.short(x))
+
+
+def resnet18(classes: int = NUM_CLASSES, width: int = 64) -> nn.Module:
+    """ResNet-18 for CIFAR: 3x3 stem of ``width`` channels, four stages of two basic blocks
+    (width x 1, 2, 4, 8; stride 2 from the second stage), global average pool, linear."""
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
+                               nn.ReLU()]
+    cin = width
+    for stage in range(4):
+        cout = width << stage
+        for block in range(2):
+            layers.append(BasicBlock(cin, cout, 2 if stage and not block else 1))
+            cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
+
+
+class Bert(nn.Module):
+    """BERT-like encoder: token + learned position embeddings, LayerNorm, ``layers`` post-norm
+    encoder layers, mean pool, a linear head."""
+
+    def __init__(self, vocab: int = 8000, seq: int = 128, d_model: int = 256, nhead: int = 4,
+                 dim_ff: int = 1024, layers: int = 4, classes: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
+        self.norm = nn.LayerNorm(d_model)
+        self.encoder = nn.Sequential(*[EncoderLayer(d_model, nhead, dim_ff) for _ in range(layers)])
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.norm(self.tok(x) + self.pos)).mean(dim=1))
+
+
+def bert(layers: int = 4) -> nn.Module:
+    return Bert(layers=layers)
+
+
+VOCAB, SEQ = 8000, 128
+
 MODELS = [
-    BenchModel("mlp", mlp, (64, 784)),
+    BenchModel("mlp", mlp, (128, 784)),
+    BenchModel("resnet18", resnet18, (16, 3, 32, 32)),
+    BenchModel("bert", bert, (8, SEQ), classes=2, vocab=VOCAB),
     BenchModel("cnn", cnn, (32, 3, 32, 32)),
     BenchModel("transformer", Transformer, (16, 32, 128)),
 ]
+DEFAULT = "mlp,resnet18,bert"
 
 
 def build(spec: BenchModel, seed: int = 0) -> nn.Module:
@@ -94,20 +157,22 @@ def export(spec: BenchModel, model: nn.Module, folder: str, training: bool = Fal
     in training mode (an inference export folds it into the convolutions)."""
     path = os.path.join(folder, f"{spec.name}{'-train' if training else ''}.onnx")
     with open(path, "wb") as f:
-        f.write(to_onnx(model, spec.input_shape, training=training, fold=not training))
+        f.write(to_onnx(model, spec.input_shape, training=training, fold=not training,
+                        vocab=spec.vocab))
     return path
 
 
 def to_onnx(model: nn.Module, input_shape: tuple, training: bool = False, fold: bool = True,
-            output: str = "logits") -> bytes:
-    """ONNX bytes of ``model`` (opset 11, TorchScript exporter, input 'x'). ``fold=False``
-    keeps BatchNormalization as an op in an inference export."""
+            output: str = "logits", vocab: int = 0) -> bytes:
+    """ONNX bytes of ``model`` (opset 11, TorchScript exporter, input 'x'; int64 token ids
+    when ``vocab``). ``fold=False`` keeps BatchNormalization as an op in an inference export."""
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     model.train(training)
+    example = torch.randint(0, vocab, input_shape) if vocab else torch.randn(*input_shape)
     f = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, torch.randn(*input_shape), f, input_names=["x"],
+        torch.onnx.export(model, example, f, input_names=["x"],
                           output_names=[output], opset_version=11, dynamo=False,
                           training=mode, do_constant_folding=fold)
     return f.getvalue()
