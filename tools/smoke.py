@@ -45,6 +45,7 @@ def main() -> int:
     train = popart.TrainingSession(model, popart.DataFlow(1, [loss]), loss,
                                    popart.ConstSGD(0.5), cpu())
     train.prepareDevice()
+    train.weightsFromHost()
     out = train.initAnchorArrays()
     losses = []
     for _ in range(5):
@@ -57,6 +58,8 @@ def main() -> int:
         again = popart.TrainingSession(model, popart.DataFlow(1, [loss]), loss,
                                        popart.ConstSGD(0.5), cpu())
         again.loadExecutable(path)
+        again.prepareDevice()
+        again.weightsFromHost()
         out2 = again.initAnchorArrays()
         again.run(popart.PyStepIO({x: X, label: L}, out2))
         train.run(popart.PyStepIO({x: X, label: L}, out))
@@ -68,6 +71,7 @@ def main() -> int:
                                         popart.DeviceManager().acquireAvailableDevice(2),
                                         userOptions=opts)
     replicated.prepareDevice()
+    replicated.weightsFromHost()
     out = replicated.initAnchorArrays()
     replicated.run(popart.PyStepIO({x: np.stack([X, X]), label: np.stack([L, L])}, out))
     np.testing.assert_allclose(out[loss], [losses[0]] * 2, rtol=1e-5)
@@ -88,6 +92,7 @@ def main() -> int:
                                    popart.ConstSGD(0.5), popart.DeviceManager().acquireAvailableDevice(2),
                                    userOptions=opts)
     piped.prepareDevice()
+    piped.weightsFromHost()
     out = piped.initAnchorArrays()
     piped.run(popart.PyStepIO({x: np.stack([X, X]), label: np.stack([L, L])}, out))
     assert piped._program.placed
