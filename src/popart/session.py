@@ -26,6 +26,7 @@ from .engine.als import check_tracked as check_als_tracked
 from .engine.executable import (EXECUTABLE_SLACK, EngineCache, canonical, executable_bytes,
                                 read_executable, runtime_signature)
 from .engine.pipeline import program_class
+from .run_plan import RunPlan
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram, missing_anchor
 from .engine import in_x64, x64
 from .engine.progress import compile_progress
@@ -148,6 +149,7 @@ class _Session:
         self._loaded: Optional[dict] = None   # contents of a loadExecutable() file
         self._fwd_program: Optional[StepProgram] = None   # "implicitPipeliningFwdOnly"
         self._lock = threading.RLock()       # see the class docstring
+        self._run_plan: Optional[RunPlan] = None   # run()'s per-call work (run_plan.py)
         if self._training:
             self._check_training_args()
         als = self.options.automaticLossScalingSettings
@@ -557,19 +559,33 @@ class _Session:
         self._require_weights_written()
         if not self._prepared:
             self.prepareDevice()
+        plan = self._run_plan   # the per-call work, planned once per program and optimizer
+        if plan is None or plan.program is not self._program:
+            plan = self._run_plan = RunPlan(self)
         synthetic = self._synthetic_feeds()
-        feeds = synthetic if synthetic is not None else self._gather_inputs(stepio)
-        outs = self._check_outputs(stepio) if synthetic is None else {}
+        fast = False
+        if synthetic is not None:
+            feeds, outs = synthetic, {}
+        else:   # the plan's checks, else the general path (PopART's errors)
+            feeds = plan.feeds(stepio)
+            if feeds is None:
+                feeds = self._gather_inputs(stepio)
+            outs = plan.outputs(stepio, self._stream_callbacks)
+            fast = outs is not None
+            if not fast:
+                outs = self._check_outputs(stepio)
         weights, opt_state = self._device_state()
-        with jax.default_device(self._jax_device()):
-            t0 = time.perf_counter()
-            weights, opt_state, self._key, anchors = self._program.run(
-                weights, opt_state, self._key, feeds, self._hyper())
-            self._dev = (weights, opt_state)
+        t0 = time.perf_counter()
+        weights, opt_state, self._key, anchors = self._program.run(
+            weights, opt_state, self._key, feeds, plan.hyper, placed_hyper=True)
+        self._dev = (weights, opt_state)
+        if fast:
+            plan.write(outs, anchors)   # raises a failed run-time check first
+        else:
             self._program.raise_failed_checks(anchors)   # e.g. an index out of range
             if synthetic is None:   # synthetic data: nothing streams to or from the host
                 self._write_anchors(stepio, outs, {**anchors, **self._host_anchor_values()})
-            self._summary["last_run_seconds"] = time.perf_counter() - t0
+        self._summary["last_run_seconds"] = time.perf_counter() - t0
         if self._training:
             self._host_in_sync = False
         _logger.debug(f"run {debugName!r} done")
@@ -1376,6 +1392,8 @@ FWD_ONLY_PROGRAM = "implicitPipeliningFwdOnly"   # PopART's custom program handl
 def _run_arguments(args: tuple, kwargs: dict) -> tuple:
     """(programHandle or None, stepio, debugName) of ``run``'s two overloads:
     ``(stepio, debugName="")`` and ``(programHandle, stepio, debugName="")``."""
+    if len(args) == 1 and not kwargs and not isinstance(args[0], str):
+        return None, args[0], ""   # run(stepio): the common call
     names = ("programHandle", "stepio", "debugName")
     unknown = set(kwargs) - set(names)
     if unknown:
@@ -1718,6 +1736,7 @@ class TrainingSession(_Session):
         # The compiled program keeps the original optimizer for its const values (which the
         # check guarantees are unchanged); the non-const ones are fed from this one each run.
         self._optimizer = optimizer
+        self._run_plan = None   # its values go to the device with the next run
 
     @_serialised
     def broadcastWeights(self, rootRank: int = 0) -> None:

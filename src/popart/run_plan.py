@@ -1,0 +1,91 @@
+"""The per-call work of a prepared session's ``run(stepio)``, worked out once (issue 28).
+
+A :class:`RunPlan` holds what does not change between runs of one compiled program: each
+input's dtype, host shapes and the [B, A, R, ...] shape the step takes; each anchor's dtype
+and element count; the hyper-parameters already on the device. A run then checks the
+StepIO's arrays with a few comparisons and hands them to the compiled program as they are
+(the program's call moves them to its input shardings), and copies the anchors back in one
+go. Anything off the common path (a PyStepIOCallback, runtime asserts disabled, INT64 data
+for an INT32 input, a shape other than the host or full one, a missing or extra array, an
+output array of another dtype or size, global replication, stream callbacks) returns None,
+and the session takes its general path, which raises PopART's errors.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from . import dataflow as _df
+from .engine.compiled import fetch
+from .engine.lower import CHECKS, raise_failed_checks
+
+
+class RunPlan:
+    """The common path of ``session.run(stepio)`` for ``session``'s current program and
+    optimizer (the session makes a new plan when either changes)."""
+
+    def __init__(self, session: Any) -> None:
+        program = session._program
+        df = session._dataFlow
+        bps, A, R = df.batchesPerStep(), session.accumulationFactor, session.replicationFactor
+        self.program = program
+        self.hyper = program.put_hyper(session._hyper())   # placed once
+        self.input_ids = frozenset(session._input_infos)
+        self.inputs = []   # (id, dtype, host shape, full shape)
+        for tid, info in session._input_infos.items():
+            shape = tuple(info.shape())
+            self.inputs.append((tid, info.np_dtype(), tuple(_df.input_host_shape(shape, bps, A, R)),
+                                (bps, A, R) + shape))
+        self.anchors: Optional[list] = None   # (id, dtype, host element count); None: general path
+        if program.cfg.replication_factor == R and not program.placement.across_processes \
+                and not getattr(program, "host_anchors", None):
+            # (global replication: the general path picks this process's replicas; anchors of
+            # the optimizer's scalars are written from the host by the general path)
+            self.anchors = []
+            for a in df.anchors():
+                shape, dtype = session._anchor_tensor_info(a)
+                host = _df.anchor_host_shape(shape, df.art(a), bps, A, R)
+                self.anchors.append((a, np.dtype(dtype), int(np.prod(host, dtype=np.int64))))
+
+    def feeds(self, stepio: Any) -> Optional[dict]:
+        """The step's feeds ([B, A, R, ...] views of the StepIO's arrays), or None: the
+        general path (``_gather_inputs``) decides."""
+        inputs = getattr(stepio, "inputs", None)
+        if (inputs is None or isinstance(stepio, _df.PyStepIOCallback)
+                or getattr(stepio, "runtime_asserts", None) is False or inputs.keys() != self.input_ids):
+            return None
+        feeds = {}
+        for tid, dtype, host, full in self.inputs:
+            a = inputs[tid]
+            if type(a) is not np.ndarray or a.dtype != dtype or not a.flags.c_contiguous or (
+                    a.shape != host and a.shape != full):
+                return None
+            feeds[tid] = a.reshape(full)
+        return feeds
+
+    def outputs(self, stepio: Any, callbacks: dict) -> Optional[dict]:
+        """The StepIO's anchor arrays when each is a C-contiguous array of its anchor's
+        dtype and size, or None: the general path (``_check_outputs``) decides."""
+        outs = getattr(stepio, "outputs", None)
+        if self.anchors is None or callbacks or not isinstance(outs, dict) \
+                or isinstance(stepio, _df.PyStepIOCallback):
+            return None
+        for a, dtype, n in self.anchors:
+            dst = outs.get(a)
+            if type(dst) is not np.ndarray or dst.dtype != dtype or dst.size != n \
+                    or not dst.flags.c_contiguous:
+                return None
+        return outs
+
+    def write(self, outs: dict, anchors: dict) -> None:
+        """Copy a run's anchors (and its run-time checks' record) to the host in one go;
+        raise a failed check's error before writing any anchor, as the general path does."""
+        names = [a for a, _, _ in self.anchors]
+        flags = anchors.pop(CHECKS, None)
+        values = fetch([anchors[a] for a in names] + ([] if flags is None else [flags]), local=True)
+        if flags is not None:
+            raise_failed_checks(values.pop(), self.program.run_checks)
+        for a, val in zip(names, values):
+            dst = outs[a]
+            np.copyto(dst, val.reshape(dst.shape), casting="unsafe")
