@@ -137,8 +137,10 @@ def test_builder_writes_the_engines_defaults(schema):
     attribute, the value the engine gives a node that lacks it."""
     b = popart.Builder()
     x = b.addInputTensor("FLOAT", [2, 2])
-    sub = b.createSubgraphBuilder()
-    sub.addOutputTensor(sub.aiOnnx.identity([x]))
+    sub = b.createSubgraphBuilder()   # 1 input, 2 outputs: as the Call below (PopART checks)
+    a = sub.addInputTensor("FLOAT", [2, 2])
+    sub.addOutputTensor(sub.aiOnnx.identity([a]))
+    sub.addOutputTensor(sub.aiOnnx.neg([a]))
     samples = {onnx.AttributeProto.INT: 1, onnx.AttributeProto.FLOAT: 0.5,
                onnx.AttributeProto.INTS: [1], onnx.AttributeProto.FLOATS: [0.5],
                onnx.AttributeProto.STRING: "DCR", onnx.AttributeProto.GRAPH: sub}

@@ -64,7 +64,8 @@ Annotations (node attributes on any node, names in the constants below)
 ``__inplace_op_names`` STRINGS + ``__inplace_op_priorities`` FLOATS,
 ``__enable_conv_dithering`` INT, ``__output_tensor_location`` INTS [storage (0 OnChip,
 1 OffChip), loadTileSet, storageTileSet (0 Compute, 1 IO), replicatedTensorSharding (0/1)],
-``__comm_group_type`` / ``__comm_group_size`` INT.
+``__collectiveCommGroup`` INTS [type, replicaGroupSize] (Builder.commGroup; PopART's
+``__collectiveOperator`` INT is read too).
 """
 from __future__ import annotations
 
@@ -116,8 +117,7 @@ INPLACE_OP_NAMES = "__inplace_op_names"
 INPLACE_OP_PRIORITIES = "__inplace_op_priorities"
 ENABLE_CONV_DITHERING = "__enable_conv_dithering"
 OUTPUT_TENSOR_LOCATION = "__output_tensor_location"
-COMM_GROUP_TYPE = "__comm_group_type"
-COMM_GROUP_SIZE = "__comm_group_size"
+COLLECTIVE_COMM_GROUP = "__collectiveCommGroup"
 
 DEFAULT_AI_ONNX_OPSET = 10      # PopART's defaultAiOnnxOpset (graphcoreoperators.hpp)
 DEFAULT_AI_GRAPHCORE_OPSET = 1
@@ -1396,9 +1396,10 @@ class Builder:
         return self._annotate(OUTPUT_TENSOR_LOCATION, nodeOutputNames, value, _tensor_location)
 
     def commGroup(self, type: Any = 0, groupSize: int = 0) -> _AttributeContext:
-        return _AttributeContext(self, {
-            COMM_GROUP_TYPE: _enum_index(type, _COMM_GROUP_TYPES, "CommGroupType"),
-            COMM_GROUP_SIZE: int(groupSize)})
+        """Context manager: nodes get ``__collectiveCommGroup`` INTS [type, groupSize], as
+        PopART's Builder writes it (collectives read it when they have no commGroup)."""
+        return _AttributeContext(self, {COLLECTIVE_COMM_GROUP: [
+            _enum_index(type, _COMM_GROUP_TYPES, "CommGroupType"), int(groupSize)]})
 
     def outlineAttributes(self, attributes: dict) -> _AttributeContext:
         """Context manager adding "key:value" strings to ``__outline_attributes``."""

@@ -62,7 +62,7 @@ def _op(node_type: str, name: str, inputs: list, outputs: list, attrs: dict, inf
     return {"type": node_type, "name": name,
             "inputs": [_tensor(t, infos, i) for i, t in enumerate(inputs) if t],
             "outputs": [{"name": t, "index": str(i)} for i, t in enumerate(outputs) if t],
-            "attributes": {k: _attr(v) for k, v in attrs.items()}}
+            "attributes": {k: _attr(v) for k, v in {"recompute": "NO", **attrs}.items()}}
 
 
 def _graphs(graph: Graph) -> list[Graph]:

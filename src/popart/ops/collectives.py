@@ -68,10 +68,19 @@ def groups_of(num_replicas: int, stride: int, group_size: int) -> list[list[int]
     return [out[g] for g in sorted(out)]
 
 
+def _popart_attr(ctx: LowerCtx, name: str, default: Any = None) -> Any:
+    """An attribute PopART's Builder writes under a reserved name (``__collectiveCommGroup``
+    INTS [type, size], ``__collectiveOperator`` INT): the importer keeps those on the node's
+    annotations."""
+    return getattr(getattr(ctx, "node", None), "annotations", {}).get(name, default)
+
+
 def _grouping(ctx: LowerCtx, attrs: dict) -> list[list[int]]:
     r = ctx.replication_factor
+    if getattr(ctx, "replica_axis", None) is None and r == 1:
+        return [[0]]   # not traced over replicas (shape inference): one group of one
     rg = attrs.get("__collectiveReplicaGrouping")
-    cg = attrs.get("commGroup")
+    cg = attrs.get("commGroup", _popart_attr(ctx, "__collectiveCommGroup"))
     if rg is not None and cg is not None:
         raise ctx.error("setting both '__collectiveReplicaGrouping' and 'commGroup' is not allowed")
     if rg is not None and len(rg):
@@ -286,16 +295,20 @@ class _Static:
 
 
 @register("ReplicatedAllReduce", domain=GRAPHCORE_DOMAIN)
-def all_reduce(ctx: LowerCtx, x, collectiveOperator=0, **attrs):
-    return reduce_over(ctx, x, op_name(ctx, collectiveOperator), _grouping(ctx, attrs))
+def all_reduce(ctx: LowerCtx, x, collectiveOperator=None, **attrs):
+    op = _popart_attr(ctx, "__collectiveOperator", 0) if collectiveOperator is None \
+        else collectiveOperator
+    return reduce_over(ctx, x, op_name(ctx, op), _grouping(ctx, attrs))
 
 
 register("ReplicatedAllReduceInplace", domain=GRAPHCORE_DOMAIN)(all_reduce)
 
 
 @register("ReplicatedReduceScatter", domain=GRAPHCORE_DOMAIN)
-def reduce_scatter(ctx: LowerCtx, x, collectiveOperator=0, **attrs):
-    op, groups = op_name(ctx, collectiveOperator), _grouping(ctx, attrs)
+def reduce_scatter(ctx: LowerCtx, x, collectiveOperator=None, **attrs):
+    op = _popart_attr(ctx, "__collectiveOperator", 0) if collectiveOperator is None \
+        else collectiveOperator
+    op, groups = op_name(ctx, op), _grouping(ctx, attrs)
     if op == "local":
         return _local_scatter_fn(_Static(ctx), tuple(map(tuple, groups)), x)
     return _reduce_scatter(ctx, x, op, groups)
