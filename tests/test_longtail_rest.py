@@ -317,3 +317,29 @@ def test_poprun_accepts_popruns_partition_and_host_options(caplog):
     assert code == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "poprun"]
     assert len(lines) == 1 and "--vipu-partition=p --host=h1" in lines[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Item 11: updateExternallySavedTensorLocations before prepareDevice
+
+
+def test_external_locations_can_move_before_prepare_device(tmp_path):
+    import onnx
+    b, x, h, loss = mlp()
+    model = onnx.load_from_string(b.getModelProto())
+    for t in model.graph.initializer:
+        t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t), t.name))
+    onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="w.bin", size_threshold=0)
+    s = popart.InferenceSession(str(tmp_path / "m.onnx"), popart.DataFlow(1, [h]), ipus(1))
+    s.updateExternallySavedTensorLocations("w.bin", "moved.bin")   # not prepared yet
+    assert (tmp_path / "moved.bin").stat().st_size == (16 + 12) * 4
+    s.prepareDevice()
+    data = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    out = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: data}, out))
+    np.testing.assert_allclose(out[h], np.maximum(data @ np.full((4, 4), 0.1), 0), rtol=1e-6)
+    s.modelToHost(str(tmp_path / "saved.onnx"))
+    saved = onnx.load(str(tmp_path / "saved.onnx"), load_external_data=False)
+    assert {e.value for t in saved.graph.initializer for e in t.external_data
+            if e.key == "location"} == {"moved.bin"}

@@ -1114,8 +1114,8 @@ class _Session:
         (one after the other), and modelToHost writes the model referring to it. A relative
         ``toLocation`` is relative to the model's folder (the working directory for a model
         given in memory). PopART's errors (session.cpp): ``toLocation`` already exists; no
-        initializer is saved in ``fromLocation``."""
-        self._require_prepared("updateExternallySavedTensorLocations")
+        initializer is saved in ``fromLocation``. As PopART's, it may be called before
+        prepareDevice (the file then gets the model's values)."""
         if os.path.exists(self._external_path(toLocation)):
             raise popart_runtime_error(f"Updating externally saved tensor location from file "
                                        f"'{fromLocation}' to file '{toLocation}', but file "
@@ -1133,7 +1133,8 @@ class _Session:
                                      f"to '{fromLocation}'")
             e.add_note(f"'{fromLocation}': no tensor of the model is saved externally there")
             raise e
-        self.weightsToHost()
+        if self._prepared:
+            self.weightsToHost()
         self._write_external(toLocation, moved)
 
     def _external_path(self, location: str, folder: Optional[str] = None) -> str:
