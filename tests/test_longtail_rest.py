@@ -343,3 +343,30 @@ def test_external_locations_can_move_before_prepare_device(tmp_path):
     saved = onnx.load(str(tmp_path / "saved.onnx"), load_external_data=False)
     assert {e.value for t in saved.graph.initializer for e in t.external_data
             if e.key == "location"} == {"moved.bin"}
+
+
+def test_relative_external_data_is_found_from_the_current_directory(tmp_path, monkeypatch):
+    """PopART opens an initializer's external location as given (onnxutil.cpp), so a
+    relative one is relative to the working directory; the model's folder is tried first."""
+    import onnx
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+    w = np.array([1.5, -2.0, 4.0], np.float32)
+    y = b.aiOnnx.add([x, b.addInitializedInputTensor(w, "w")])
+    model = onnx.load_from_string(b.getModelProto())
+    t = model.graph.initializer[0]
+    t.CopyFrom(onnx.numpy_helper.from_array(w, "w"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "models").mkdir()
+    (tmp_path / "data" / "w.bin").write_bytes(w.tobytes())
+    onnx.external_data_helper.set_external_data(t, "data/w.bin", 0, w.nbytes)
+    t.ClearField("raw_data")
+    t.data_location = onnx.TensorProto.EXTERNAL
+    onnx.save(model, str(tmp_path / "models" / "m.onnx"))
+    monkeypatch.chdir(tmp_path)
+    s = popart.InferenceSession(str(tmp_path / "models" / "m.onnx"), popart.DataFlow(1, [y]),
+                                ipus(1))
+    s.prepareDevice()
+    out = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: np.ones(3, np.float32)}, out))
+    np.testing.assert_array_equal(out[y], w + 1)

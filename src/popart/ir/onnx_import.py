@@ -110,7 +110,7 @@ def external_data_path(t: onnx.TensorProto, base_dir: Optional[str]) -> str:
         candidates = [os.path.join(root, loc)]
         if os.path.realpath(cwd) != root:
             candidates.append(os.path.join(cwd, loc))
-    extra = _allowed_dirs()
+    extra = _allowed_dirs() + [os.path.realpath(cwd)]   # PopART opens locations from the cwd
     for c in candidates:
         real = os.path.realpath(c)
         if os.path.isfile(real) and (_inside(real, root) or is_own_file(real)
