@@ -286,16 +286,22 @@ def test_comm_group_is_written_and_read_as_popart_names_it():
     with b.commGroup(popart.CommGroupType.Consecutive, 2):
         y = b.aiGraphcore.replicatedallreduce([x])
     assert b.getInt64VectorNodeAttribute("__collectiveCommGroup", {y}) == [1, 2]
+    z = b.aiGraphcore.replicatedallreduce(
+        [x], "Max", popart.CommGroup(popart.CommGroupType.Orthogonal, 2))
+    assert b.getInt64NodeAttribute("__collectiveOperator", {z}) == 5   # Max's index
+    assert b.getInt64VectorNodeAttribute("__collectiveCommGroup", {z}) == [2, 2]
     o = popart.SessionOptions()
     o.enableReplicatedGraphs, o.replicatedGraphCount = True, 4
-    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), ipus(4),
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y, z]), ipus(4),
                                 userOptions=o)
     s.prepareDevice()
-    data = np.arange(12, dtype=np.float32).reshape(4, 3)
+    data = np.arange(12, dtype=np.float32).reshape(4, 3) ** 2 % 7
     out = s.initAnchorArrays()
     s.run(popart.PyStepIO({x: data}, out))
-    groups = data.reshape(2, 2, 3).sum(axis=1)       # consecutive pairs of replicas
-    np.testing.assert_allclose(out[y], np.repeat(groups, 2, axis=0))
+    pairs = data.reshape(2, 2, 3).sum(axis=1)        # consecutive pairs: {0, 1}, {2, 3}
+    np.testing.assert_allclose(out[y], np.repeat(pairs, 2, axis=0))
+    orth = np.maximum(data[[0, 1]], data[[2, 3]])    # orthogonal pairs: {0, 2}, {1, 3}
+    np.testing.assert_allclose(out[z], np.concatenate([orth, orth]))
 
 
 # ---------------------------------------------------------------------------------------

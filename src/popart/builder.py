@@ -35,12 +35,13 @@ Attribute encodings of ai.graphcore nodes (PopART's, except where noted)
   (ReductionType.NoReduction).
 * ``reduction`` (ScatterReduce): STRING "sum" | "max" | "min" | "mul" | "none".
   ``groupedscatterreduce`` writes a ScatterReduce node with ``group_size``, as PopART does.
-* ``collectiveOperator`` (ReplicatedAllReduce / ReplicatedReduceScatter): STRING, one of
-  Undefined, Add, Mean, Mul, Min, Max, LogicalAnd, LogicalOr, SquareAdd, Local (absent = Add).
-* ``commGroup``: INTS [type, replicaGroupSize] with type 0=All 1=Consecutive 2=Orthogonal
-  3=Ungrouped (absent = all replicas). (PopART writes these two as ``__collectiveOperator``
-  INT and ``__collectiveCommGroup``, and LSTM's ``outputFullSequence`` as
-  ``output_full_sequence``.)
+* ``collectiveOperator`` (ReplicatedAllReduce / ReplicatedReduceScatter): written, as
+  PopART's Builder does, as ``__collectiveOperator`` INT, the index of Undefined, Add, Mean,
+  Mul, Min, Max, LogicalAnd, LogicalOr, SquareAdd, Local (absent = Add); a STRING
+  ``collectiveOperator`` (popxl's) is read too.
+* ``commGroup``: written as ``__collectiveCommGroup`` INTS [type, replicaGroupSize] with type
+  0=All 1=Consecutive 2=Orthogonal 3=Ungrouped (absent = all replicas); ``commGroup`` is
+  read too. (PopART writes LSTM's ``outputFullSequence`` as ``output_full_sequence``.)
 * Ctc ``outDataType``: INT ONNX TensorProto data type (0, UNDEFINED = same as input).
 * PrintTensor ``separator`` / ``openBracket`` / ``closeBracket``: INT character codes.
 * Init / Zeros ``data_type`` / ``dtype``: INT ONNX TensorProto dtype; Init ``init_type``:
@@ -91,6 +92,7 @@ from .fileio import atomic_write, initializer_proto
 from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH
 from .logging import getLogger
 from .ir.graphcore_schema import BY_METHOD as _GRAPHCORE_METHODS
+from .ir.graphcore_schema import COLLECTIVE_OPS as _COLLECTIVE_OPS
 from .ir.graphcore_schema import COMM_GROUP_TYPES as _COMM_GROUP_TYPES
 from .ir.graphcore_schema import REQUIRED, OpSchema
 from .ir.graphcore_schema import describe as _describe_graphcore_ops
@@ -118,6 +120,9 @@ INPLACE_OP_PRIORITIES = "__inplace_op_priorities"
 ENABLE_CONV_DITHERING = "__enable_conv_dithering"
 OUTPUT_TENSOR_LOCATION = "__output_tensor_location"
 COLLECTIVE_COMM_GROUP = "__collectiveCommGroup"
+COLLECTIVE_OPERATOR = "__collectiveOperator"
+# Builder arguments PopART writes under reserved attribute names (builder.cpp)
+_POPART_ATTR_NAMES = {"commGroup": COLLECTIVE_COMM_GROUP, "collectiveOperator": COLLECTIVE_OPERATOR}
 
 DEFAULT_AI_ONNX_OPSET = 10      # PopART's defaultAiOnnxOpset (graphcoreoperators.hpp)
 DEFAULT_AI_GRAPHCORE_OPSET = 1
@@ -535,7 +540,12 @@ class AiGraphcore(Opset):
                 if value is None or value is REQUIRED or (
                         _is_unset(value) and a.absent is not REQUIRED):
                     continue
-                attributes.append(_make_attr(op, a.name, a.encode(value), a.attr_type))
+                name, value, kind = a.name, a.encode(value), a.attr_type
+                if name in _POPART_ATTR_NAMES:   # builder.cpp's reserved names
+                    name = _POPART_ATTR_NAMES[name]
+                    if name == COLLECTIVE_OPERATOR:   # an INT, the CollectiveOperator's index
+                        value, kind = _COLLECTIVE_OPS.index(value), I
+                attributes.append(_make_attr(op, name, value, kind))
             count = int(v["num_outputs"]) if variadic else schema.outputs
             args = [args] if isinstance(args, str) else list(args)   # one id where the reference says str
             if schema.op_type == "Call":
