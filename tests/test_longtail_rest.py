@@ -249,8 +249,8 @@ def test_auto_virtual_graph_writes_ipu_numbers_and_needs_enough_splits():
     ids = [int(op["attributes"]["__ipu_number"]) for op in ops if op["type"] in
            ("MatMul", "Relu", "L1")]
     assert ids == sorted(ids) and set(ids) == {0, 1}     # contiguous runs, every IPU used
-    with pytest.raises(popart_exception) as e:
-        ir_ops(training(b, loss, opts=o, device=ipus(8)))
+    with pytest.raises(popart_exception) as e:   # at construction (Ir::prepare)
+        training(b, loss, opts=o, device=ipus(8))
     assert e.value.args[0].startswith("[AutoVirtualGraph] Couldn't find enough splits for "
                                       "8 IPUs. Only found ")
 

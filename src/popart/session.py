@@ -25,7 +25,7 @@ from .engine.als import check_settings as check_als_settings, snapshot as als_sn
 from .engine.als import check_tracked as check_als_tracked
 from .engine.executable import (EXECUTABLE_SLACK, EngineCache, canonical, executable_bytes,
                                 read_executable, runtime_signature)
-from .engine.pipeline import program_class
+from .engine.pipeline import auto_virtual_graphs, program_class
 from .run_plan import RunPlan
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram, missing_anchor
 from .engine import in_x64, x64
@@ -158,6 +158,11 @@ class _Session:
                                self._graph)
         self._verify_ir()
         self._infos = self._infer_shapes()
+        if self.options.virtualGraphMode.name == "Auto":   # AutoVirtualGraph (Ir::prepare)
+            sizes = {**{k: int(np.size(v)) for k, v in self._graph.initializers.items()},
+                     **{k: i.nelms() for k, i in self._infos.items()}}
+            auto_virtual_graphs(self._graph, _num_virtual_graphs(
+                self.options, self._device, self.replicationFactor), sizes)
         if als.enabled and self._training:   # the ALS transform's checks (Ir::prepare)
             check_als_tracked(als, self._graph, self._loss, list(self._graph.initializers),
                               self._infos)

@@ -96,7 +96,7 @@ class StagePlan:
         return self.stage_ipu[self.produced_at.get(tid, 0)]
 
 
-def _auto_split(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[int]:
+def auto_virtual_graphs(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[int]:
     """VirtualGraphMode.Auto: contiguous runs of ops of about equal cost (the elements of
     the weights an op reads plus those of its outputs), one per IPU, written on the nodes as
     their ``__ipu_number`` (as PopART's AutoVirtualGraph transform sets each op's virtual
@@ -126,7 +126,7 @@ def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
     nodes = graph.nodes
     mode = options.virtualGraphMode.name
     if mode == "Auto":
-        vgs = _auto_split(graph, num_ipus, sizes)
+        vgs = auto_virtual_graphs(graph, num_ipus, sizes)
     elif mode == "ExecutionPhases":   # phase p on IPU p mod n, the phases in order
         nodes = sorted(nodes, key=lambda nd: int(nd.annotations.get(EXECUTION_PHASE, 0)))
         phases = [int(nd.annotations.get(EXECUTION_PHASE, 0)) for nd in nodes]
@@ -326,7 +326,7 @@ class PlacedProgram(StepProgram):
         R = self.cfg.replication_factor
         n = int(getattr(self.device_info, "numIpus", 1) or 1) // R   # IPUs per replica
         if self.cfg.options.virtualGraphMode.name == "Auto":   # placed or not, as PopART
-            _auto_split(self.graph_consts, n, sizes)
+            auto_virtual_graphs(self.graph_consts, n, sizes)
         why = _why_not_placed(self, self.device_info)
         if why is not None:
             _logger.info(f"Virtual graphs: {why} is not supported by the placed program; the "
