@@ -5,10 +5,11 @@ input's dtype, host shapes and the [B, A, R, ...] shape the step takes; each anc
 and element count; the hyper-parameters already on the device. A run then checks the
 StepIO's arrays with a few comparisons and hands them to the compiled program as they are
 (the program's call moves them to its input shardings), and copies the anchors back in one
-go. Anything off the common path (a PyStepIOCallback, runtime asserts disabled, INT64 data
-for an INT32 input, a shape other than the host or full one, a missing or extra array, an
-output array of another dtype or size, global replication, stream callbacks) returns None,
-and the session takes its general path, which raises PopART's errors.
+go. Anything off the common path (a StepIO other than a PyStepIO, runtime asserts disabled,
+INT64 data for an INT32 input, a shape other than the host or full one, a missing or extra
+array, an output array of another dtype or size, global replication, stream callbacks,
+anchors of the optimizer's scalars) returns None, and the session takes its general path,
+which raises PopART's errors.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class RunPlan:
         bps, A, R = df.batchesPerStep(), session.accumulationFactor, session.replicationFactor
         self.program = program
         self.hyper = program.put_hyper(session._hyper())   # placed once
+        self.synthetic = session._synthetic_feeds()   # syntheticDataMode's inputs, or None
         self.input_ids = frozenset(session._input_infos)
         self.inputs = []   # (id, dtype, host shape, full shape)
         for tid, info in session._input_infos.items():
@@ -47,13 +49,15 @@ class RunPlan:
                 shape, dtype = session._anchor_tensor_info(a)
                 host = _df.anchor_host_shape(shape, df.art(a), bps, A, R)
                 self.anchors.append((a, np.dtype(dtype), int(np.prod(host, dtype=np.int64))))
+        self.names = [a for a, _, _ in self.anchors or ()]
 
     def feeds(self, stepio: Any) -> Optional[dict]:
-        """The step's feeds ([B, A, R, ...] views of the StepIO's arrays), or None: the
+        """The step's feeds ([B, A, R, ...] views of a PyStepIO's arrays), or None: the
         general path (``_gather_inputs``) decides."""
-        inputs = getattr(stepio, "inputs", None)
-        if (inputs is None or isinstance(stepio, _df.PyStepIOCallback)
-                or getattr(stepio, "runtime_asserts", None) is False or inputs.keys() != self.input_ids):
+        if type(stepio) is not _df.PyStepIO or stepio.runtime_asserts is False:
+            return None
+        inputs = stepio.inputs
+        if inputs.keys() != self.input_ids:
             return None
         feeds = {}
         for tid, dtype, host, full in self.inputs:
@@ -65,11 +69,12 @@ class RunPlan:
         return feeds
 
     def outputs(self, stepio: Any, callbacks: dict) -> Optional[dict]:
-        """The StepIO's anchor arrays when each is a C-contiguous array of its anchor's
+        """A PyStepIO's anchor arrays when each is a C-contiguous array of its anchor's
         dtype and size, or None: the general path (``_check_outputs``) decides."""
-        outs = getattr(stepio, "outputs", None)
-        if self.anchors is None or callbacks or not isinstance(outs, dict) \
-                or isinstance(stepio, _df.PyStepIOCallback):
+        if self.anchors is None or callbacks or type(stepio) is not _df.PyStepIO:
+            return None
+        outs = stepio.outputs
+        if type(outs) is not dict:
             return None
         for a, dtype, n in self.anchors:
             dst = outs.get(a)
@@ -81,11 +86,13 @@ class RunPlan:
     def write(self, outs: dict, anchors: dict) -> None:
         """Copy a run's anchors (and its run-time checks' record) to the host in one go;
         raise a failed check's error before writing any anchor, as the general path does."""
-        names = [a for a, _, _ in self.anchors]
         flags = anchors.pop(CHECKS, None)
-        values = fetch([anchors[a] for a in names] + ([] if flags is None else [flags]), local=True)
+        values = [anchors[a] for a in self.names]
+        if flags is not None:
+            values.append(flags)
+        values = fetch(values, local=True)
         if flags is not None:
             raise_failed_checks(values.pop(), self.program.run_checks)
-        for a, val in zip(names, values):
+        for a, val in zip(self.names, values):
             dst = outs[a]
             np.copyto(dst, val.reshape(dst.shape), casting="unsafe")

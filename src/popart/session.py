@@ -555,19 +555,21 @@ class _Session:
         if handle is not None:
             self._run_forward_only(handle, stepio, debugName)
             return
-        if getattr(self._device, "offline", False):
-            e = popart_runtime_error("Offline IPU device is not configured for execution")
-            e.add_note(f"Session '{self.name}' was compiled for an offline device, which "
-                       f"cannot run programs; use createCpuDevice(), createIpuModelDevice() or "
-                       f"acquireAvailableDevice()")
-            raise e
-        self._require_weights_written()
-        if not self._prepared:
-            self.prepareDevice()
         plan = self._run_plan   # the per-call work, planned once per program and optimizer
         if plan is None or plan.program is not self._program:
+            if getattr(self._device, "offline", False):
+                e = popart_runtime_error("Offline IPU device is not configured for execution")
+                e.add_note(f"Session '{self.name}' was compiled for an offline device, which "
+                           f"cannot run programs; use createCpuDevice(), createIpuModelDevice() "
+                           f"or acquireAvailableDevice()")
+                raise e
+            self._require_weights_written()
+            if not self._prepared:
+                self.prepareDevice()
             plan = self._run_plan = RunPlan(self)
-        synthetic = self._synthetic_feeds()
+        else:   # a planned session: prepared, on a device that runs programs
+            self._require_weights_written()
+        synthetic = plan.synthetic
         fast = False
         if synthetic is not None:
             feeds, outs = synthetic, {}
@@ -593,7 +595,6 @@ class _Session:
         self._summary["last_run_seconds"] = time.perf_counter() - t0
         if self._training:
             self._host_in_sync = False
-        _logger.debug(f"run {debugName!r} done")
 
     def _require_weights_written(self) -> None:
         """Session::run: a training session whose model has initializers needs

@@ -135,6 +135,48 @@ def _acquire_hw_device_with_timeout(num_ipus: int = 1, timeout: float = HW_DEVIC
         time.sleep(0.1)
 
 
+class _RunPlan:
+    """A session's run, worked out once: its streams' dtypes and host shapes, and whether
+    [n, local replicas] and [local replicas, n] differ in memory (both greater than 1)."""
+
+    def __init__(self, session: "Session") -> None:
+        n, r = session._n, session._local_r
+        self.swap = n > 1 and r > 1
+        self.h2d = [(s, t.id, s.dtype.as_numpy(), session._host_shape(s.shape),
+                     (n, r) + tuple(s.shape)) for s, t in session._h2d]
+        self.h2d_keys = frozenset(s for s, _ in session._h2d)
+        self.d2h = [(s, s.dtype.as_numpy(), session._host_shape(s.shape)) for s, _ in session._d2h]
+        self.d2h_keys = frozenset(s for s, _ in session._d2h)
+        self.host = {s: host for s, _, host in self.d2h}
+
+    def feeds(self, inputs: Mapping, downcast: bool) -> Optional[dict]:
+        """The step's feeds ([local replicas, n, ...]) when every stream has a NumPy array of
+        its dtype (one that ``downcast`` leaves alone) and host shape; else None (the general
+        path decides)."""
+        if inputs.keys() != self.h2d_keys:
+            return None
+        feeds = {}
+        for s, tid, dtype, host, full in self.h2d:
+            a = inputs[s]
+            if type(a) is not np.ndarray or a.dtype != dtype or a.shape != host or (
+                    downcast and a.dtype in _DOWNCAST):
+                return None
+            a = a.reshape(full)
+            feeds[tid] = np.ascontiguousarray(np.swapaxes(a, 0, 1)) if self.swap else \
+                a.reshape((full[1], full[0]) + full[2:])
+        return feeds
+
+    def outputs_fit(self, outputs: Mapping) -> bool:
+        """Every output stream has a NumPy array of its host shape, and no other is given."""
+        if outputs.keys() != self.d2h_keys:
+            return False
+        for s, _, host in self.d2h:
+            dst = outputs[s]
+            if type(dst) is not np.ndarray or dst.shape != host:
+                return False
+        return True
+
+
 class Session:
     """A runtime session for a popxl Ir on device ``device_desc`` ("ipu_hw", "ipu_model",
     "cpu" or a popart.DeviceInfo). Use it as a context manager: entering a context while
@@ -185,7 +227,7 @@ class Session:
         self._in_sync = True
         self._lock = threading.RLock()
         self._checks: list = []
-        self._plan: Optional[tuple] = None   # _run_plan's
+        self._plan: Optional[_RunPlan] = None   # _run_plan's
         self.executable_source = ""
         self._compile()
         ir._session = self      # Variable.in_sync_with_ipu
@@ -610,7 +652,7 @@ class Session:
         """Zeroed output arrays, one per device-to-host stream."""
         plan = self._run_plan()
         if plan is not None:
-            return {s: np.zeros(host, dtype) for s, _, host, dtype in plan[2]}
+            return {s: np.zeros(host, dtype) for s, dtype, host in plan.d2h}
         return {s: np.zeros(self._host_shape(s.shape), s.dtype.as_numpy()) for s, _ in self._d2h}
 
     def _expected_outputs(self) -> list[DeviceToHostStream]:
@@ -666,31 +708,12 @@ class Session:
                              f"{st.shape}, therefore expected full global batch shape {full}. Got "
                              f"array shape = {tuple(shape)}")
 
-    def _run_plan(self) -> tuple:
-        """What a run's common path needs, worked out once: per input stream (stream,
-        tensor id, dtype, host shape, [n, local replicas, *shape]); per output stream (stream,
-        tensor id, host shape); or None where streams cross processes (the general path)."""
-        if self._plan is None:
-            full = lambda s: (self._n, self._local_r) + tuple(s.shape)
-            h2d = [(s, t.id, s.dtype.as_numpy(), self._host_shape(s.shape), full(s)) for s, t in self._h2d]
-            d2h = [(s, t.id, self._host_shape(s.shape), s.dtype.as_numpy()) for s, t in self._d2h]
-            self._plan = (None if self._placement.across_processes else
-                          (h2d, frozenset(s for s, _ in self._h2d), d2h, frozenset(s for s, _ in self._d2h)))
+    def _run_plan(self) -> Optional["_RunPlan"]:
+        """What a run's common path needs, worked out once (None where streams cross
+        processes: the general path)."""
+        if self._plan is None and not self._placement.across_processes:
+            self._plan = _RunPlan(self)
         return self._plan
-
-    def _fast_feeds(self, plan: tuple, inputs: Mapping, downcast: bool) -> Optional[dict]:
-        """The step's feeds when every stream has a NumPy array of its dtype (one that
-        ``downcast`` leaves alone) and host shape; else None (the general path decides)."""
-        if inputs.keys() != plan[1]:
-            return None
-        feeds = {}
-        for s, tid, dtype, host, full in plan[0]:
-            a = inputs[s]
-            if type(a) is not np.ndarray or a.dtype != dtype or a.shape != host or (
-                    downcast and a.dtype in _DOWNCAST):
-                return None
-            feeds[tid] = np.ascontiguousarray(np.swapaxes(a.reshape(full), 0, 1))
-        return feeds
 
     def _feed(self, s: HostToDeviceStream, a: np.ndarray) -> np.ndarray:
         """A stream's (validated) input as [instance replicas, num_host_transfers, *shape],
@@ -715,13 +738,12 @@ class Session:
         self._require_attached()
         inputs, outputs = inputs or {}, outputs if outputs is not None else {}
         plan = self._run_plan()
-        feeds = None if plan is None else self._fast_feeds(plan, inputs, downcast_inputs)
+        feeds = None if plan is None else plan.feeds(inputs, downcast_inputs)
         if feeds is None:   # the general path: conversions, popxl's and popart's checks
             inputs = {s: to_numpy(a, downcast=downcast_inputs) for s, a in inputs.items()}
             self._validate_run_inputs(inputs)
             feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
-        if plan is None or outputs.keys() != plan[3] or any(
-                type(outputs[s]) is not np.ndarray or outputs[s].shape != host for s, _, host, _ in plan[2]):
+        if plan is None or not plan.outputs_fit(outputs):
             outputs = dict(outputs)
             self._validate_run_outputs(outputs)
         if plan is None:   # across processes: each process puts its own replicas' rows
@@ -730,17 +752,17 @@ class Session:
         self._dev, outs = self._step(self._dev, feeds)   # host feeds are moved by the call
         self._in_sync = not self._slots
         flags = outs.pop(CHECKS, None)
-        ids = [t.id for _, t in self._d2h]
+        values = [outs[t.id] for _, t in self._d2h] + ([] if flags is None else [flags])
         if plan is None:
-            values = [self._to_host(x) for x in [outs[i] for i in ids] + ([flags] if flags is not None else [])]
+            values = [self._to_host(x) for x in values]
         else:   # the copies to the host started together
-            values = fetch([outs[i] for i in ids] + ([flags] if flags is not None else []), local=True)
+            values = fetch(values, local=True)
         if flags is not None:
             rows = values.pop().reshape(-1, RECORD)   # each replica's first failure: the first of them
             raise_failed_checks(rows[np.argmax(rows[:, 0] != 0)], self._checks)
-        hosts = [self._host_shape(s.shape) for s, _ in self._d2h] if plan is None else [h for _, _, h, _ in plan[2]]
-        for (s, t), val, host in zip(self._d2h, values, hosts):
-            val = np.swapaxes(val, 0, 1).reshape(host)
+        for (s, t), val in zip(self._d2h, values):   # [local replicas, n, ...] -> [n, local replicas, ...]
+            val = np.swapaxes(val, 0, 1).reshape(self._host_shape(s.shape)) if plan is None or \
+                plan.swap else val.reshape(plan.host[s])
             dst = outputs[s]
             if dst.size != val.size:
                 raise ValueError(f"Output array for stream '{s.name}' has shape {list(dst.shape)}; "
