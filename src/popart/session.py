@@ -27,7 +27,8 @@ from .engine.executable import (EXECUTABLE_SLACK, EngineCache, canonical, execut
                                 read_executable, runtime_signature)
 from .engine.pipeline import auto_virtual_graphs, program_class
 from .run_plan import RunPlan
-from .engine.program import GRAD_PREFIX, StepConfig, StepProgram, missing_anchor
+from .engine.program import (GRAD_PREFIX, StepConfig, StepProgram, check_recompute_mixture,
+                             missing_anchor)
 from .engine import in_x64, x64
 from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
@@ -212,6 +213,7 @@ class _Session:
         phases = getattr(getattr(o, "executionPhaseSettings", None), "phases", 0)
         if phases > 1 and o.virtualGraphMode.name != "ExecutionPhases":
             raise OptionError("> 1 execution phases requires VirtualGraphMode::ExecutionPhases")
+        check_recompute_mixture(self._graph, o)
         if not self._training:
             _check_not_pruned_empty(self._graph, self._dataFlow.anchors())
         _check_no_seed_attributes(self._graph)

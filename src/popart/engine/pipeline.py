@@ -295,6 +295,8 @@ def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
     devs = list(getattr(device, "jax_devices", None) or [])
     if len(set(devs)) < len(devs):
         return f"the device's {len(devs)} IPUs share {len(set(devs))} device(s)"
+    if program.cfg.options.enablePipelining and program._accum_anchors():
+        return "anchoring a gradient accumulator (Accum___) of a pipelined model"
     return None
 
 
@@ -643,6 +645,8 @@ class PlacedProgram(StepProgram):
 
     def _fwd_anchor_ids(self) -> list[str]:
         opt = set(self.opt_state_ids()) | self.als_anchors | self.host_anchors   # host: session
+        if self.cfg.training:   # after the update / the accumulator: the batch's step writes
+            opt |= set(self._updated_var_anchors()) | set(self._accum_anchors())
         return [a for a in self.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
 
     def _zeros(self, ids) -> dict:
@@ -758,6 +762,7 @@ class PlacedProgram(StepProgram):
                         [f"{ASSIGN}/{v}" for v in self.assigned if v in self.variables]}
         trainable = self.trainable
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
+        updated_var, accum = self._updated_var_anchors(), self._accum_anchors()
         grad_anchors = [a for a in self.anchor_ids if a.startswith(GRAD_PREFIX)
                         and a[len(GRAD_PREFIX):] in self.variables]
 
@@ -845,7 +850,13 @@ class PlacedProgram(StepProgram):
                     if self._tracked():   # [M, R, tracked, *STAT_SHAPE]
                         anchors[_als.STATS] = jnp.stack(
                             [pgrads[f"{TAP}/{t}"] for t in self._tracked()], axis=2)
-                    return jax.tree_util.tree_map(jnp.add, gacc, grads), anchors
+                    gacc = jax.tree_util.tree_map(jnp.add, gacc, grads)
+                    if accum:   # one micro-batch per group (pipelined: the plain program)
+                        acc = wlayout.unpack(self._sharded_slots(gacc, False, self.view_slots))
+                        anchors.update({a: jnp.broadcast_to(
+                            acc[w].astype(self.anchor_specs[a].dtype)[None, None],
+                            (M, R) + self.anchor_specs[a].shape) for a, w in accum.items()})
+                    return gacc, anchors
                 # the stages' weights: shards where view_slots says; their gradients, and so
                 # the accumulators, are shards too
                 wview = self._sharded_slots(wbufs, True, self.view_slots - self.rts_slots)
@@ -872,6 +883,10 @@ class PlacedProgram(StepProgram):
                 wbufs = self._sharded_slots(wlayout.write(self._sharded_slots(
                     wbufs, False, slots), written), True, slots)
                 state = slayout.unpack(self._sharded_slots(sbufs, False))
+                if updated_var:   # the weights after the batch's update
+                    new = wlayout.unpack(self._sharded_slots(wbufs, False))
+                    for a, w in updated_var.items():
+                        vals[a] = jnp.broadcast_to(new[w], (A, R) + jnp.shape(new[w]))
                 for a in anchor_opt:
                     vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
                 return (wbufs, sbufs), vals

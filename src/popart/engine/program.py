@@ -24,6 +24,7 @@ from ..logging import getLogger
 from ..ir import recompute
 from ..ir.graph import Graph, reads
 from ..ir.transforms import gradient_flow
+from ..optimizers import OptimizerValue
 from ..ops import registry
 from ..tensorinfo import TensorInfo
 from . import als as _als
@@ -92,43 +93,101 @@ def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 26) -> int:
 
 
 UPDATED_VAR_PREFIX = "UpdatedVar___"   # PopART's reservedUpdatedVarPrefix()
+ACCUM_PREFIX = "Accum___"              # PopART's reservedAccumPrefix()
+
+
+def _scalar_rows(optimizer: Any, v: Any, ls: Any, f: dict) -> list:
+    """PopART's compound scalars of one weight (compoundscalarhelper.hpp): (prefix, value,
+    the OptimizerValues that make it non-const) for the optimizer's combo op's inputs
+    (SGD::getInputIds, Adam::getInputIds, Adaptive::getInputIds; Nesterov's are not kept)."""
+    kind, one = optimizer.type_name(), OptimizerValue(1.0, True)
+    lr, wd = v("learningRate"), v("weightDecay")
+    if kind == "SGD":
+        mm, dp, vs = v("momentum"), v("dampening"), v("velocityScaling")
+        if mm.isConst() and mm.val() == 0.0:   # SGD0
+            return [("scaledLearningRate0", lr.val() * (1 - dp.val()) /
+                     (ls.val() * f["paf"] * f["prf"]), (lr, dp, ls)),
+                    ("weightDecayScaleFactor0", 1 - lr.val() * (1 - dp.val()) * wd.val(),
+                     (lr, dp, wd))]
+        swd = ("scaledWeightDecay1", (1 - dp.val()) * wd.val() * vs.val(), (dp, wd, vs))
+        if optimizer.accumulatorAndMomentum.name == "Combined":   # SGD1
+            rf = f["R"] if f["ga"] else 1.0
+            rfd = f["R"] if f["ga"] and not f["mean"] else \
+                1.0 / f["R"] if not f["ga"] and f["mean"] else 1.0
+            afd = f["A"] if f["mean"] else 1.0
+            return [swd, ("scaledLearningRate1", lr.val() / (vs.val() * rf), (lr, vs)),
+                    ("scaledMomentum1", mm.val() / rf, (mm,)),
+                    ("dampeningScaleFactor1", (1 - dp.val()) * vs.val() * rfd /
+                     (ls.val() * afd), (dp, vs, ls))]
+        return [swd, ("scaledLearningRate2", lr.val() / vs.val(), (lr, vs)),   # SGD2
+                ("scaledMomentum2", mm.val(), (mm,)),
+                ("dampeningScaleFactor2", (1 - dp.val()) * vs.val() /
+                 (ls.val() * f["paf"] * f["prf"]), (dp, vs, ls))]
+    if kind == "Adam":
+        scaled = bool(optimizer.scaled_optimizer_state)
+        l2 = scaled and optimizer.weight_decay_mode.name == "L2Regularization"
+        return [("learningRate", lr.val(), (lr,)),
+                ("weightDecay", wd.val() * (ls.val() if l2 else 1.0), (wd, ls if l2 else one)),
+                ("adamBeta1", v("beta1").val(), (v("beta1"),)),
+                ("adamBeta2", v("beta2").val(), (v("beta2"),)),
+                ("adamEps", v("eps").val() * (ls.val() if scaled else 1.0),
+                 (v("eps"), ls if scaled else one)),
+                ("lossScaling", ls.val(), (ls,)),
+                ("maxWeightNorm", v("maxWeightNorm").val(), (v("maxWeightNorm"),)),
+                ("adamGradientScaling", 1.0 / ((1.0 if scaled else ls.val()) * f["paf"] *
+                                               f["prf"]), (one if scaled else ls,))]
+    if kind == "Adaptive":
+        return [("learningRate", lr.val(), (lr,)), ("weightDecay", wd.val(), (wd,)),
+                ("adaptiveAlpha", v("alpha").val(), (v("alpha"),)),
+                ("adaptiveMomentum", v("momentum").val(), (v("momentum"),)),
+                ("adaptiveEps", v("eps").val(), (v("eps"),)),
+                ("lossScaling", ls.val(), (ls,)),
+                ("adaptiveGradientScaling", 1.0 / (ls.val() * f["paf"] * f["prf"]), (ls,))]
+    return []
 
 
 def optimizer_scalars(optimizer: Any, variables: Mapping[str, Any], trainable: list,
                       options: Any, accumulation: int, replication: int) -> dict[str, float]:
-    """PopART's optimizer scalar tensors of an SGD without momentum (SGD0ComboOp's inputs,
-    compoundscalarhelper.hpp), by their tensor ids: ``scaledLearningRate0___default___FLOAT``
-    = lr (1 - dp) / (ls af rf) and ``weightDecayScaleFactor0___default___FLOAT`` =
-    1 - lr (1 - dp) wd (``___specific___<w>`` for a weight with its own values), and
-    ``lossScaling_FLOAT``; each exists, as in PopART, only when one of its terms is
-    non-const. Other optimizers, and sessions with automatic loss scaling: none here."""
+    """PopART's optimizer scalar tensors, by their tensor ids (``_scalar_rows``):
+    ``<prefix>___default___<FLOAT|FLOAT16>``, or ``<prefix>___specific___<w>`` for a weight
+    with its own values, and the loss's ``lossScaling_<dtype>``; each exists, as in PopART,
+    only when one of its terms is non-const. Sessions with automatic loss scaling: none here
+    (it owns the loss scale tensors)."""
     als = getattr(getattr(options, "automaticLossScalingSettings", None), "enabled", False)
-    if optimizer is None or getattr(optimizer, "type_name", lambda: "")() != "SGD" or als:
-        return {}   # (automatic loss scaling owns the loss scale tensors)
-    ov = optimizer.hyper_value
-    mean = getattr(options, "accumulationAndReplicationReductionType", None)
-    post = getattr(getattr(options, "meanAccumulationAndReplicationReductionStrategy", None),
-                   "name", "Post") == "Post" and getattr(mean, "name", "") == "Mean"
-    af, rf = (accumulation, replication) if post else (1, 1)
+    if optimizer is None or als:
+        return {}
+    ga = bool(getattr(options, "enableGradientAccumulation", False)) and accumulation > 1
+    mean = getattr(getattr(options, "accumulationAndReplicationReductionType", None),
+                   "name", "") == "Mean"
+    post = mean and getattr(getattr(options, "meanAccumulationAndReplicationReductionStrategy",
+                                    None), "name", "Post") == "Post"
+    f = {"ga": ga, "mean": mean, "A": float(accumulation), "R": float(replication),
+         "paf": float(accumulation) if post and ga else 1.0,
+         "prf": float(replication) if post else 1.0}
     ls = optimizer.loss_scaling()
     out: dict[str, float] = {}
     for w in trainable:
-        mm = ov(w, "momentum")
-        if not mm.isConst() or mm.val() != 0.0:   # SGD1 / SGD2: other scalars
-            continue
-        lr, dp, wd = ov(w, "learningRate"), ov(w, "dampening"), ov(w, "weightDecay")
         dtype = {np.dtype(np.float16): "FLOAT16"}.get(np.dtype(variables[w].dtype), "FLOAT")
-        specific = any(w in optimizer._maps[k].getSpecifics()
-                       for k in ("learningRate", "dampening", "weightDecay", "momentum"))
-        suffix = f"specific___{w}" if specific else f"default___{dtype}"
-        if not (lr.isConst() and dp.isConst() and ls.isConst()):
-            out[f"scaledLearningRate0___{suffix}"] = \
-                lr.val() * (1 - dp.val()) / (ls.val() * af * rf)
-        if not (lr.isConst() and dp.isConst() and wd.isConst()):
-            out[f"weightDecayScaleFactor0___{suffix}"] = 1 - lr.val() * (1 - dp.val()) * wd.val()
+        specific = any(w in m.getSpecifics() for m in optimizer._maps.values())
+        suffix = f"___specific___{w}" if specific else f"___default___{dtype}"
+        for prefix, value, terms in _scalar_rows(
+                optimizer, lambda n: optimizer.hyper_value(w, n), ls, f):
+            if not all(t.isConst() for t in terms):
+                out[prefix + suffix] = value
         if not ls.isConst():
             out[f"lossScaling_{dtype}"] = ls.val()
     return out
+
+
+def check_recompute_mixture(graph: Graph, options: Any) -> None:
+    """Ir::prepare's check: automatic recomputation (autoRecomputation other than
+    NoRecompute) with ops the user marked Recompute, unless there are execution phases."""
+    auto = recompute.method_name(getattr(options, "autoRecomputation", None)) != "NoRecompute"
+    phases = getattr(getattr(options, "executionPhaseSettings", None), "phases", 0)
+    if auto and phases < 2 and any(
+            int(n.annotations.get(recompute.RECOMPUTE_OUTPUT, 0) or 0) == recompute.RECOMPUTE
+            for n in graph.nodes):
+        raise popart_exception("A mixture of auto and manual recomputation is not supported")
 
 
 def missing_anchor(anchor: str, tensor_ids: set) -> popart_exception:
@@ -272,6 +331,10 @@ class StepProgram:
             self.anchor_specs = {**self.anchor_specs, **{
                 a: jax.ShapeDtypeStruct(self.variables[w].shape, self.variables[w].dtype)
                 for a, w in self._updated_var_anchors().items()}}
+            self.anchor_specs = {**self.anchor_specs, **{   # Accum___<w>: accumulated gradient
+                a: jax.ShapeDtypeStruct(self.variables[w].shape,
+                                        cfg.optimizer.accum_dtype(self.variables[w].dtype))
+                for a, w in self._accum_anchors().items()}}
         flows = gradient_flow(self.graph, cfg.loss, list(out["specs"]), lambda t: jnp.issubdtype(
             out["specs"][t].dtype, jnp.floating) if t in out["specs"] else False)[0] \
             if cfg.training else set()
@@ -295,6 +358,25 @@ class StepProgram:
         (PopART's ``UpdatedVar___<w>``)."""
         return {a: a[len(UPDATED_VAR_PREFIX):] for a in self.anchor_ids
                 if a.startswith(UPDATED_VAR_PREFIX) and a[len(UPDATED_VAR_PREFIX):] in self.trainable}
+
+    def _accum_anchors(self) -> dict[str, str]:
+        """Anchor -> weight, for the anchors naming a gradient accumulator
+        (``Accum___<w>``): PopART has one per trainable weight when gradients accumulate
+        (accumulationFactor > 1), except for SGD with momentum combined with its accumulator
+        (SGD1, whose ``Accl___<w>`` holds both)."""
+        cfg, opt = self.cfg, self.cfg.optimizer
+        if cfg.accumulation_factor < 2 or opt is None:
+            return {}
+        combined = getattr(getattr(opt, "accumulatorAndMomentum", None), "name", "") == \
+            "Combined"
+        out = {}
+        for a in self.anchor_ids:
+            w = a[len(ACCUM_PREFIX):]
+            if a.startswith(ACCUM_PREFIX) and w in self.trainable:
+                mm = opt.hyper_value(w, "momentum") if opt.type_name() == "SGD" else None
+                if not (combined and mm is not None and (not mm.isConst() or mm.val() != 0)):
+                    out[a] = w
+        return out
 
     def _plan_recompute(self, specs: dict, traced: set, known: set, effects: set) -> None:
         """The recompute segments PopART's annotations ask for (``ir.recompute``): segments
@@ -361,7 +443,8 @@ class StepProgram:
         cfg = self.cfg
         grad_ids = [a[len(GRAD_PREFIX):] for a in self.anchor_ids
                     if a.startswith(GRAD_PREFIX) and a not in self.als_anchors]
-        after_update = self._updated_var_anchors() if cfg.training else {}
+        after_update = {**self._updated_var_anchors(), **self._accum_anchors()} \
+            if cfg.training else {}
         fwd_ids = [a for a in self.anchor_ids if a in self.anchor_specs
                    and not a.startswith(GRAD_PREFIX) and a not in self.als_anchors
                    and a not in after_update and a not in self.host_anchors]
@@ -519,6 +602,7 @@ class StepProgram:
         replicas = self._replicated(self._micro_fn())
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
         updated_var = self._updated_var_anchors()
+        accum = self._accum_anchors()
 
         def accumulate(grads_acc, count, grads):
             g = self.rts.reduce_replicas(grads)                            # replica reduction
@@ -548,6 +632,12 @@ class StepProgram:
                         vals.update(als_vals)
                     if cfg.training:
                         grads_acc = accumulate(grads_acc, count, grads)
+                        for a, w in accum.items():   # the accumulator after this micro-batch
+                            v = self.rts.unshard(grads_acc[w], self.rts.shapes[w]) \
+                                if w in self.rts.scattered else grads_acc[w]
+                            v = jnp.sum(v, axis=0) if w in self.rts.sharded_update else v
+                            vals[a] = jnp.broadcast_to(v.astype(self.anchor_specs[a].dtype),
+                                                       (R,) + jnp.shape(v))
                         w_assign = {k: jnp.mean(v, axis=0).astype(whole[k].dtype)
                                     for k, v in assigns.items() if k in whole}
                     return (grads_acc, count + 1.0, w_assign, stats_acc), vals

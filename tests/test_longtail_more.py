@@ -1,0 +1,184 @@
+"""Issue 25, the rest: optimizer-scalar, accumulator and placed-program anchors (item 9),
+auto + manual recomputation (item 8), op-level messages (item 4), constant storage (item 3),
+relative external-data locations and CallOp mismatches (items 2, 11). Expected values are
+PopART's rules (compoundscalarhelper.hpp, ir.cpp, tensorinfo.cpp, op/*.cpp) in NumPy."""
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import popart
+
+TP = onnx.TensorProto
+CPU = popart.DeviceManager().createCpuDevice
+X = np.array([[1.0, -2.0, 3.0], [0.5, 4.0, -1.0]], np.float32)
+W0 = np.arange(6, dtype=np.float32).reshape(2, 3) / 10
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=11):
+    vi = lambda n, t, s: onnx.helper.make_tensor_value_info(n, t, s)
+    g = onnx.helper.make_graph(nodes, "g", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                               [numpy_helper.from_array(v, k) for k, v in inits])
+    return onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", opset),
+                                                    onnx.helper.make_opsetid("ai.graphcore", 1)]
+                                  ).SerializeToString()
+
+
+def _node(op, ins, outs, domain="", **attrs):
+    return onnx.helper.make_node(op, ins, outs, domain=domain, **attrs)
+
+
+def _l1_model():
+    """y = x * w; loss = sum |y|: d loss / d w = x * sign(x w)."""
+    return _model([_node("Mul", ["x", "w"], ["y"]),
+                   _node("L1", ["y"], ["loss"], domain="ai.graphcore",
+                         **{"lambda": 1.0, "reduction": 0})],
+                  [("x", TP.FLOAT, [2, 3])], [("loss", TP.FLOAT, [])], [("w", W0)])
+
+
+def _run(optimizer, anchors, accumulation=1, batches=1, art=None):
+    opts = popart.SessionOptions()
+    if accumulation > 1:
+        opts.enableGradientAccumulation = True
+        opts.accumulationFactor = accumulation
+    flow = popart.DataFlow(batches, {a: art or popart.AnchorReturnType("All") for a in anchors})
+    s = popart.TrainingSession(_l1_model(), flow, "loss", optimizer, CPU(), userOptions=opts)
+    s.prepareDevice()
+    s.weightsFromHost()
+    out = s.initAnchorArrays()
+    lead = (batches, accumulation) if accumulation > 1 else (batches,)
+    scale = np.arange(1, accumulation + 1, dtype=np.float32).reshape(-1, 1, 1)
+    xs = np.broadcast_to(X * scale, lead + X.shape).copy()   # micro-batch k: (k + 1) X
+    s.run(popart.PyStepIO({"x": xs.squeeze(0) if batches == 1 else xs}, out))
+    return s, out, xs
+
+
+# ------------------------------------------------------------------ item 9: optimizer scalars
+def test_sgd1_scalars_anchorable():
+    """SGD with momentum (SGD1, accumulator and momentum combined): scaledWeightDecay1 =
+    (1 - dm) wd vs, scaledLearningRate1 = lr / vs, scaledMomentum1 = mm, dampeningScaleFactor1
+    = (1 - dm) vs / ls (no accumulation, no replication); only non-const ones are tensors."""
+    lr, mm, dm, wd, vs, ls = 0.5, 0.9, 0.2, 0.1, 2.0, 4.0
+    opt = popart.SGD({"defaultLearningRate": (lr, False), "defaultMomentum": (mm, False),
+                      "defaultDampening": (dm, True), "defaultWeightDecay": (wd, True),
+                      "defaultVelocityScaling": (vs, True), "lossScaling": (ls, False)})
+    names = {"scaledLearningRate1___default___FLOAT": lr / vs,
+             "scaledMomentum1___default___FLOAT": mm,
+             "dampeningScaleFactor1___default___FLOAT": (1 - dm) * vs / ls,
+             "lossScaling_FLOAT": ls}
+    _, out, _ = _run(opt, list(names) + ["loss"])
+    for k, v in names.items():
+        np.testing.assert_allclose(out[k], [v], rtol=1e-6, err_msg=k)
+    with pytest.raises(popart.popart_exception, match="not in Ir Tensors"):   # all const
+        _run(opt, ["scaledWeightDecay1___default___FLOAT"])
+
+
+def test_sgd2_and_adam_scalars_anchorable():
+    """SGD2 (Separate): scaledLearningRate2 = lr / vs, dampeningScaleFactor2 = (1 - dm) vs /
+    ls; Adam: learningRate, adamBeta1 and adamGradientScaling = 1 / ls (unscaled state),
+    specific values named ___specific___<w>."""
+    sgd2 = popart.SGD({"defaultLearningRate": (0.5, False), "defaultMomentum": (0.9, True),
+                       "lossScaling": (2.0, False)},
+                      accumulatorAndMomentum=popart.SGDAccumulatorAndMomentum.Separate)
+    _, out, _ = _run(sgd2, ["scaledLearningRate2___default___FLOAT",
+                            "dampeningScaleFactor2___default___FLOAT"])
+    np.testing.assert_allclose(out["scaledLearningRate2___default___FLOAT"], [0.5])
+    np.testing.assert_allclose(out["dampeningScaleFactor2___default___FLOAT"], [0.5])
+    adam = popart.Adam({"defaultLearningRate": (0.01, False), "defaultBeta1": (0.8, False),
+                        "lossScaling": (8.0, False)})
+    adam.insertSpecific("w", {"learningRate": (0.02, False), "beta1": (0.7, False),
+                              "beta2": (0.99, True), "eps": (1e-6, True),
+                              "weightDecay": (0.0, True), "maxWeightNorm": (10.0, True)})
+    names = {"learningRate___specific___w": 0.02, "adamBeta1___specific___w": 0.7,
+             "lossScaling___specific___w": 8.0, "adamGradientScaling___specific___w": 1 / 8.0}
+    _, out, _ = _run(adam, list(names))
+    for k, v in names.items():
+        np.testing.assert_allclose(out[k], [v], rtol=1e-6, err_msg=k)
+
+
+def test_gradient_accumulator_anchor():
+    """Accum___w (SGD0 with accumulationFactor 3): after micro-batch k, the sum of its
+    gradients so far; SGD1 has no Accum___ tensor (Accl___ holds both)."""
+    _, out, xs = _run(popart.ConstSGD(0.01), ["Accum___w"], accumulation=3)
+    g = [x * np.sign(x * W0) for x in xs[0]]
+    np.testing.assert_allclose(out["Accum___w"], np.cumsum(g, axis=0), rtol=1e-6)
+    with pytest.raises(popart.popart_exception, match="not in Ir Tensors"):
+        _run(popart.SGD({"defaultMomentum": (0.9, True)}), ["Accum___w"], accumulation=2)
+
+
+def _two_ipu_session(vgraph: bool, anchors, A=2):
+    """Two MatMul + Tanh layers on IPUs 0 and 1 (virtual graphs, placed) or the same model
+    on one device; SGD with a non-const learning rate; accumulationFactor A."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]), "x")
+    rs = np.random.RandomState(0)
+    h = x
+    for i in range(2):
+        with b.virtualGraph(i):
+            w = b.addInitializedInputTensor(rs.randn(4, 4).astype(np.float32) * 0.5, f"w{i}")
+            h = b.aiOnnx.tanh([b.aiOnnx.matmul([h, w])])
+    with b.virtualGraph(1):
+        loss = b.aiGraphcore.l1loss([h], 1.0, reduction=popart.ReductionType.Sum)
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual if vgraph else popart.VirtualGraphMode.Off
+    o.enableGradientAccumulation, o.accumulationFactor = True, A
+    dev = popart.DeviceManager().acquireAvailableDevice(2 if vgraph else 1)
+    opt = popart.SGD({"defaultLearningRate": (0.1, False), "defaultWeightDecay": (0.01, True)})
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, anchors), loss, opt, dev,
+                               userOptions=o)
+    s.prepareDevice()
+    s.weightsFromHost()
+    out = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: rs.randn(A, 2, 4).astype(np.float32)}, out))
+    return s, out
+
+
+def test_placed_program_anchors_updated_var_accum_and_scalars():
+    """On the placed program (virtual graphs on two devices), UpdatedVar___w1 is the weight
+    after the update (what readWeights then returns), Accum___w0 the accumulated gradient after
+    each micro-batch and scaledLearningRate0___default___FLOAT the optimizer's lr / (ls A),
+    each as the one-device program gives them."""
+    names = ["UpdatedVar___w1", "Accum___w0", "scaledLearningRate0___default___FLOAT"]
+    placed, got = _two_ipu_session(True, names)
+    assert type(placed._program).__name__ == "PlacedProgram"
+    _, ref = _two_ipu_session(False, names)
+    for a in names:
+        np.testing.assert_allclose(got[a], ref[a], rtol=1e-5, atol=1e-6, err_msg=a)
+    w = {"w1": np.zeros((4, 4), np.float32)}
+    placed.weightsToHost()
+    placed.readWeights(popart.PyWeightsIO(w))
+    np.testing.assert_allclose(got["UpdatedVar___w1"][-1], w["w1"], rtol=1e-6)
+    np.testing.assert_allclose(got["scaledLearningRate0___default___FLOAT"], [0.1] * 2)
+    assert not np.allclose(got["Accum___w0"][0], got["Accum___w0"][1])
+
+
+# ------------------------------------------------------------------ item 8: recomputation
+def _recompute_builder(mark):
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    w = b.addInitializedInputTensor(W0, "w")
+    h = b.aiOnnx.tanh([b.aiOnnx.mul([x, w])])
+    if mark is not None:
+        b.recomputeOutputInBackwardPass(h, mark)
+    return b, b.aiGraphcore.l1loss([h], 1.0, reduction=popart.ReductionType.Sum)
+
+
+@pytest.mark.parametrize("auto,mark,raises", [
+    ("Standard", popart.RecomputeType.Recompute, True),
+    ("RecomputeAll", popart.RecomputeType.Recompute, True),
+    ("Standard", popart.RecomputeType.Checkpoint, False),   # only Recompute marks count
+    ("NoRecompute", popart.RecomputeType.Recompute, False)])
+def test_auto_and_manual_recomputation_together(auto, mark, raises):
+    """Ir::prepare: autoRecomputation other than NoRecompute with an op the user marked
+    Recompute raises at construction (executionPhaseSettings.phases < 2)."""
+    b, loss = _recompute_builder(mark)
+    o = popart.SessionOptions()
+    o.autoRecomputation = getattr(popart.RecomputationType, auto)
+    make = lambda: popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                                          popart.ConstSGD(0.1), CPU(), userOptions=o)
+    if raises:
+        with pytest.raises(popart.popart_exception) as e:
+            make()
+        assert e.value.args[0] == "A mixture of auto and manual recomputation is not supported"
+    else:
+        make()
