@@ -167,3 +167,22 @@ def test_popxl_errors_after_planning(popxl_session):
         sess.run({x_h2d: x.astype(np.int32)})
     with pytest.raises(ValueError, match="Unexpected/Missing output"):
         sess.run_with_outputs({x_h2d: x}, {})
+
+
+def test_64_bit_inputs_keep_the_64_bit_scope():
+    """INT64 data beyond int32's range reaches a planned run whole (the plan keeps JAX's
+    64-bit scope for it); the scope does not outlive the call."""
+    import jax
+    x = helper.make_tensor_value_info("x", TensorProto.INT64, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, [2])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "add", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]).SerializeToString()
+    sess = popart.InferenceSession(model, popart.DataFlow(1, {"y": popart.AnchorReturnType("All")}),
+                                   popart.DeviceManager().createCpuDevice())
+    sess.prepareDevice()
+    outs = sess.initAnchorArrays()
+    for v in (2 ** 40, -(2 ** 41) - 3):
+        data = np.array([v, 1], np.int64)
+        sess.run(popart.PyStepIO({"x": data}, outs))
+        np.testing.assert_array_equal(outs["y"], 2 * data)
+    assert sess._run_plan.x64 and not jax.config.jax_enable_x64

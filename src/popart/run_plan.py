@@ -22,6 +22,9 @@ from .engine.compiled import fetch
 from .engine.lower import CHECKS, raise_failed_checks
 
 
+WIDE = {np.dtype(t) for t in (np.int64, np.uint64, np.float64, np.complex128)}   # 64-bit
+
+
 class RunPlan:
     """The common path of ``session.run(stepio)`` for ``session``'s current program and
     optimizer (the session makes a new plan when either changes)."""
@@ -33,6 +36,9 @@ class RunPlan:
         self.program = program
         self.hyper = program.put_hyper(session._hyper())   # placed once
         self.synthetic = session._synthetic_feeds()   # syntheticDataMode's inputs, or None
+        # 64-bit host data needs JAX's 64-bit scope to reach the step as it is; 32-bit data
+        # and device arrays do not (the step was compiled in the scope either way)
+        self.x64 = any(np.dtype(i.np_dtype()) in WIDE for i in session._input_infos.values())
         self.input_ids = frozenset(session._input_infos)
         self.inputs = []   # (id, dtype, host shape, full shape)
         for tid, info in session._input_infos.items():

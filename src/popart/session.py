@@ -547,12 +547,22 @@ class _Session:
             feeds[tid] = np.stack(parts).reshape((bps, A, R, *info.shape()))
         return feeds
 
-    @_serialised
     def run(self, *args: Any, **kwargs: Any) -> None:
         """``run(stepio, debugName="")`` runs batchesPerStep batches: one call into the
         compiled program. ``run(programHandle, stepio, debugName="")`` runs a named program:
         the session's programs are its main step only (PopART's custom programs,
-        "implicitPipeliningFwdOnly" and "copyNamedBuffers", are not built here)."""
+        "implicitPipeliningFwdOnly" and "copyNamedBuffers", are not built here).
+        Serialised as the other methods (see the class docstring); the 64-bit JAX scope is
+        left out where a planned run moves no 64-bit host data (``RunPlan.x64``)."""
+        with self._lock:
+            plan = self._run_plan
+            if plan is not None and not plan.x64 and plan.program is self._program \
+                    and self._dev is not None and len(args) == 1 and not kwargs:
+                return self._run(args, kwargs)
+            with x64():
+                return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> None:
         handle, stepio, debugName = _run_arguments(args, kwargs)
         if handle is not None:
             self._run_forward_only(handle, stepio, debugName)

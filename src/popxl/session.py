@@ -35,7 +35,7 @@ import numpy as np
 import popart
 from popart import distributed
 from popart.dataflow import validate_input
-from popart.engine import in_x64
+from popart.engine import in_x64, x64
 from popart import report
 from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, xla_errors
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
@@ -43,6 +43,7 @@ from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
 from popart.ir.graph import fingerprint
 from popart.logging import getLogger
+from popart.run_plan import WIDE
 from popart.session import _serialised
 from popart.tensorinfo import TensorInfo, to_datatype
 
@@ -148,6 +149,7 @@ class _RunPlan:
         self.d2h = [(s, s.dtype.as_numpy(), session._host_shape(s.shape)) for s, _ in session._d2h]
         self.d2h_keys = frozenset(s for s, _ in session._d2h)
         self.host = {s: host for s, _, host in self.d2h}
+        self.x64 = any(np.dtype(d) in WIDE for _, _, d, _, _ in self.h2d)   # 64-bit host data
 
     def feeds(self, inputs: Mapping, downcast: bool) -> Optional[dict]:
         """The step's feeds ([local replicas, n, ...]) when every stream has a NumPy array of
@@ -723,11 +725,12 @@ class Session:
         a = validate_input(s.name, a, info, self._n, 1, self._local_r).reshape(full)
         return np.ascontiguousarray(np.swapaxes(a, 0, 1))
 
-    @_serialised
     def run_with_outputs(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
                          outputs: Optional[Mapping[DeviceToHostStream, np.ndarray]] = None,
                          downcast_inputs: bool = True) -> None:
         """Run once, writing every device-to-host stream into its array of ``outputs``.
+        Serialised (the session's lock), in the package's 64-bit JAX scope unless no stream
+        carries 64-bit data and the state is on the device.
 
         Raises:
             ValueError: not attached; an input or output stream missing or unexpected
@@ -735,6 +738,15 @@ class Session:
             popart.popart_exception: input data of another dtype than its stream's (after
                 64-bit data is downcast, with ``downcast_inputs``).
         """
+        with self._lock:
+            plan = self._run_plan()
+            if plan is not None and not plan.x64 and self._dev is not None:
+                return self._run_with_outputs(inputs, outputs, downcast_inputs)
+            with x64():
+                return self._run_with_outputs(inputs, outputs, downcast_inputs)
+
+    def _run_with_outputs(self, inputs: Optional[Mapping], outputs: Optional[Mapping],
+                          downcast_inputs: bool) -> None:
         self._require_attached()
         inputs, outputs = inputs or {}, outputs if outputs is not None else {}
         plan = self._run_plan()
