@@ -222,6 +222,8 @@ class StepProgram:
         self.step: Optional[CompiledStep] = None
         self._opt_state: Optional[dict] = None
         self.uses_rng = True
+        self.keyless = False   # the compiled step takes no key (see _compiled_step)
+        self._key_spec: Any = None   # the RNG key's ShapeDtypeStruct (compile sets it)
         self.als: Optional[_als.AlsPlan] = None   # automatic loss scaling (plan() makes it)
         self.als_anchors: set = set()             # anchors the ALS step computes
         self.host_anchors: set = set()            # anchors the session writes (optimizer scalars)
@@ -737,18 +739,33 @@ class StepProgram:
         return 0.0 if self.step is None else self.step.compile_seconds
 
     def _compiled_step(self) -> CompiledStep:
-        state = self.placement.sharding()
+        """The step, jitted: ``(weights, opt_state, key, feeds, hyper) -> (weights,
+        opt_state, key, anchors)``; for a graph that draws no random numbers (``uses_rng``)
+        the key stays outside (``keyless``: ``(weights, opt_state, feeds, hyper) ->
+        (weights, opt_state, anchors)``), one buffer fewer in and out of every run."""
+        state, feeds = self.placement.sharding(), self.placement.sharding(FEED_REPLICA_DIM)
         w, s = self.state_shardings(self.variables), self.state_shardings(self.init_opt_state())
-        return CompiledStep(self._step_fn(), donate_argnums=(0, 1, 2),
-                            in_shardings=(w, s, state, self.placement.sharding(FEED_REPLICA_DIM), state),
-                            out_shardings=(w, s, state, state))
+        step = self._step_fn()
+        spec = self._key_spec
+        self.keyless = not self.uses_rng and spec is not None
+        if not self.keyless:
+            return CompiledStep(step, donate_argnums=(0, 1, 2), in_shardings=(w, s, state, feeds, state),
+                                out_shardings=(w, s, state, state))
+
+        def keyless(weights, opt_state, feeds, hyper):   # any key: the graph never reads it
+            weights, opt_state, _, anchors = step(weights, opt_state, jnp.zeros(spec.shape, spec.dtype),
+                                                  feeds, hyper)
+            return weights, opt_state, anchors
+        return CompiledStep(keyless, donate_argnums=(0, 1), in_shardings=(w, s, feeds, state),
+                            out_shardings=(w, s, state))
 
     def _arg_specs(self, weights, opt_state, key, hyper) -> tuple:
         cfg = self.cfg
         feed_specs = {k: jax.ShapeDtypeStruct((cfg.batches_per_step, cfg.accumulation_factor,
                                                cfg.replication_factor, *i.shape()), i.np_dtype())
                       for k, i in self.input_infos.items()}
-        return (self.state_specs(weights), self.state_specs(opt_state), arg_specs(key), feed_specs,
+        key_spec = () if self.keyless else (arg_specs(key),)
+        return (self.state_specs(weights), self.state_specs(opt_state), *key_spec, feed_specs,
                 arg_specs(self._step_hyper(hyper)))
 
     def _step_hyper(self, hyper: Mapping[str, Any]) -> dict:
@@ -762,6 +779,7 @@ class StepProgram:
         """Ahead-of-time compile the step for these argument shapes, from a serialized
         executable (``exported``, see :meth:`export`), through the engine ``cache``, or from
         the IR; returns where the program came from (``executable.compile_step``)."""
+        self._key_spec = arg_specs(key)
         step = self._compiled_step()
         source = compile_step(step, self._arg_specs(weights, opt_state, key, hyper), cache, exported)
         self.step = step
@@ -783,4 +801,8 @@ class StepProgram:
         :meth:`put_hyper` returned."""
         if self.placement.across_processes:
             feeds = self.put_feeds(feeds)
-        return self.step(weights, opt_state, key, feeds, hyper if placed_hyper else self.put_hyper(hyper))
+        hyper = hyper if placed_hyper else self.put_hyper(hyper)
+        if self.keyless:
+            weights, opt_state, anchors = self.step(weights, opt_state, feeds, hyper)
+            return weights, opt_state, key, anchors
+        return self.step(weights, opt_state, key, feeds, hyper)
