@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jax {jax.__version__}, {os.cpu_count()} CPUs; BERT-like d 256, seq 128, batch "
           f"{BATCH}; median of {args.repeats} repeats", flush=True)
     with tempfile.TemporaryDirectory() as folder:
+        session(export(folder, 1), 1)   # warm-up: JAX's and popart's first-use costs untimed
         rows = []
         for depth in [int(d) for d in args.depths.split(",") if d]:
             sess, stepio, c = session(export(folder, depth), 10)
