@@ -49,7 +49,7 @@ def _matmuls(hlo: str) -> dict[str, tuple[list[int], list[int], float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", choices=["mlp", "cnn", "transformer"])
+    ap.add_argument("model", choices=["mlp", "resnet18", "bert", "cnn", "transformer"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--bps", type=int, default=10)
     args = ap.parse_args()
