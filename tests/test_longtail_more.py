@@ -182,3 +182,125 @@ def test_auto_and_manual_recomputation_together(auto, mark, raises):
         assert e.value.args[0] == "A mixture of auto and manual recomputation is not supported"
     else:
         make()
+
+
+# ------------------------------------------------------------------ item 4: op-level texts
+def _construct(nodes, inputs, outputs=(("y", TP.FLOAT, None),)):
+    popart.InferenceSession(_model(nodes, inputs, list(outputs)), popart.DataFlow(1, ["y"]),
+                            CPU())
+
+
+@pytest.mark.parametrize("op,attrs,text", [
+    ("Softmax", {"axis": -3}, "Axis -3 is out of acceptable range [-2, 1]"),      # util.cpp's
+    ("ArgMax", {"axis": 2}, "Axis 2 is out of acceptable range [-2, 1]"),        # argextrema
+    ("LogSoftmax", {"axis": 4}, "LogSoftmax axis, 4, is outside of acceptable range [-2, 1]"),
+    ("Flatten", {"axis": -4}, "invalid axis -2 in flattenOpFactory"),             # [-r, r]
+    ("Split", {"axis": 2}, "Axis 2 is out of range for tensor with 2 dims"),      # SplitOp
+    ("Split", {"axis": -3}, "Split op input tensor x, rank 2, axis -3 is out of range")])
+def test_axis_out_of_range_texts(op, attrs, text):
+    """Each op's own text (the attribute; Flatten counts a negative axis from the rank first;
+    Split's factory has a text for negative axes), raised by the session's constructor; the
+    node named in an exception note."""
+    out = ("y", TP.INT64 if op == "ArgMax" else TP.FLOAT, None)
+    with pytest.raises(popart.popart_exception) as e:
+        _construct([_node(op, ["x"], ["y"], **attrs)], [("x", TP.FLOAT, [2, 3])], [out])
+    assert e.value.args[0] == text
+    assert f"ai.onnx::{op} node" in e.value.__notes__[0]
+
+
+def test_np_broadcasting_failure_text():
+    """tensorinfo.cpp's npOut: 'np broadcasting failed on 'Op <id> (<opid>)', frames [..] and
+    [..] are not aligned' (the shapes comma-separated); variadic ops fold their inputs."""
+    with pytest.raises(popart.popart_exception) as e:
+        _construct([_node("Neg", ["x"], ["n"]), _node("Mul", ["n", "z"], ["y"])],
+                   [("x", TP.FLOAT, [2, 3]), ("z", TP.FLOAT, [4, 1, 2])])
+    assert e.value.args[0] == ("np broadcasting failed on 'Op 1 (ai.onnx.Mul:7)', frames "
+                               "[2, 3] and [4, 1, 2] are not aligned")
+    assert "'n', 'z'" in e.value.__notes__[0]
+    with pytest.raises(popart.popart_exception, match=r"frames \[5, 2, 3\] and \[4\] are not"):
+        _construct([_node("Sum", ["x", "w", "z"], ["y"])],
+                   [("x", TP.FLOAT, [2, 3]), ("w", TP.FLOAT, [5, 1, 1]), ("z", TP.FLOAT, [4])])
+    _construct([_node("Sum", ["x", "w"], ["y"])],   # broadcastable: accepted
+               [("x", TP.FLOAT, [2, 3]), ("w", TP.FLOAT, [5, 1, 1])])
+
+
+def test_nll_label_shape_text():
+    """nll.cpp's setup: the label must have the probabilities' shape without the last axis."""
+    with pytest.raises(popart.popart_exception) as e:
+        _construct([_node("Nll", ["p", "l"], ["y"], domain="ai.graphcore")],
+                   [("p", TP.FLOAT, [2, 3]), ("l", TP.INT32, [3])])
+    assert e.value.args[0] == (
+        "The label tensor (INT32   [3]) must have shape [2] to match all but the final "
+        "dimension of the probabilities tensor (FLOAT   [2 3]) in Op 0 (ai.graphcore.Nll:1). ")
+    assert "label 'l' has shape [3]; expected [2]" in e.value.__notes__[0]
+
+
+# ------------------------------------------------------------------ item 3: constants' storage
+@pytest.mark.parametrize("dtype,field", [(np.float32, "float_data"), (np.float16, "int32_data"),
+                                         (np.int8, "int32_data"), (np.bool_, "int32_data"),
+                                         (np.int64, "int64_data"), (np.uint32, "uint64_data")])
+def test_constant_attributes_in_popart_fields(dtype, field):
+    """A Constant's 'value' is written as PopART's populateTensorProtoFromConstVoidData writes
+    it (named after the attribute, PopART's field per type, never raw_data); onnx reads the
+    values back and the session computes with them."""
+    value = np.array([[1, 0, 3], [2, 5, 1]]).astype(dtype)
+    b = popart.Builder()
+    c = b.aiOnnx.constant(value, "c")
+    y = b.aiOnnx.cast([c], "FLOAT")
+    proto = onnx.load_from_string(b.getModelProto())
+    t = next(n for n in proto.graph.node if n.op_type == "Constant").attribute[0].t
+    assert t.name == "value" and not t.raw_data
+    assert [f.name for f, _ in t.ListFields() if f.name.endswith("_data")] == [field]
+    np.testing.assert_array_equal(numpy_helper.to_array(t), value)
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU())
+    s.prepareDevice()
+    out = s.initAnchorArrays()
+    s.run(popart.PyStepIO({}, out))
+    np.testing.assert_array_equal(out[y], value.astype(np.float32))
+
+
+# ------------------------------------------------------------------ items 2, 11: files, CallOp
+def test_relative_to_location_is_written_in_the_working_directory(tmp_path, monkeypatch):
+    """session.cpp checks and writes a relative toLocation as given, i.e. in the working
+    directory (not the model's folder); the moved tensors keep their values."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+    w = np.array([1.5, -2.0, 4.0], np.float32)
+    y = b.aiOnnx.mul([x, b.addInitializedInputTensor(w, "w")])
+    model = onnx.load_from_string(b.getModelProto())
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, "w"))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "run").mkdir()
+    onnx.save_model(model, str(tmp_path / "models" / "m.onnx"), save_as_external_data=True,
+                    location="w.bin", size_threshold=0)
+    monkeypatch.chdir(tmp_path / "run")
+    s = popart.InferenceSession(str(tmp_path / "models" / "m.onnx"), popart.DataFlow(1, [y]),
+                                CPU())
+    s.updateExternallySavedTensorLocations("w.bin", "moved.bin")
+    assert not (tmp_path / "models" / "moved.bin").exists()
+    np.testing.assert_array_equal(
+        np.frombuffer((tmp_path / "run" / "moved.bin").read_bytes(), np.float32), w)
+    with pytest.raises(popart.popart_runtime_error) as e:   # exists in the working directory
+        s.updateExternallySavedTensorLocations("moved.bin", "moved.bin")
+    assert e.value.args[0] == ("Updating externally saved tensor location from file "
+                               "'moved.bin' to file 'moved.bin', but file 'moved.bin' already "
+                               "exists")
+    s.prepareDevice()
+    out = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: np.ones(3, np.float32)}, out))
+    np.testing.assert_array_equal(out[y], w)
+
+
+def test_call_input_mismatch_text():
+    """CallOp::setup: an input whose TensorInfo differs from the callee's input."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    sb = b.createSubgraphBuilder()
+    a = sb.addInputTensor(popart.TensorInfo("FLOAT", [3]), "a")
+    sb.addOutputTensor(sb.aiOnnx.neg([a]))
+    y = b.aiGraphcore.call([x], 1, sb)[0]
+    with pytest.raises(popart.popart_exception) as e:
+        popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU())
+    assert e.value.args[0] == ("CallOp input (@0) does not match callee input tensor (@0):\n"
+                               f"   {x} -> {a}\n   FLOAT   [2 3] vs FLOAT   [3]")
+    assert "declares input" in e.value.__notes__[0]

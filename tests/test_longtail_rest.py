@@ -329,8 +329,9 @@ def test_poprun_accepts_popruns_partition_and_host_options(caplog):
 # Item 11: updateExternallySavedTensorLocations before prepareDevice
 
 
-def test_external_locations_can_move_before_prepare_device(tmp_path):
+def test_external_locations_can_move_before_prepare_device(tmp_path, monkeypatch):
     import onnx
+    monkeypatch.chdir(tmp_path)   # a relative toLocation is written in the working directory
     b, x, h, loss = mlp()
     model = onnx.load_from_string(b.getModelProto())
     for t in model.graph.initializer:

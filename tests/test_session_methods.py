@@ -138,7 +138,8 @@ def test_update_engine_cache_writes_an_entry_the_next_session_uses(tmp_path):
     assert "executable_source: engine cache" in b.getSummaryReport()
 
 
-def test_externally_saved_tensors_move_and_stay_external(tmp_path):
+def test_externally_saved_tensors_move_and_stay_external(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # relative locations: PopART's, from the working directory
     proto, x, y, loss = mlp()
     model = onnx.load_from_string(proto)
     for t in model.graph.initializer:   # onnx's helper moves raw_data only (PopART: float_data)

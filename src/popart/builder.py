@@ -221,8 +221,8 @@ def _make_attr(op: str, name: str, value: Any, attr_type: Optional[int] = None) 
             value = value.item()             # a 0-d array as a scalar, as pybind11 takes it
         elif isinstance(value, np.ndarray) and attr_type in (INTS, FLOATS, STRINGS):
             value = value.tolist()
-        elif attr_type == T or isinstance(value, np.ndarray):
-            value, attr_type = numpy_helper.from_array(np.asarray(value)), T
+        elif attr_type == T or isinstance(value, np.ndarray):   # PopART's storage fields
+            value, attr_type = initializer_proto(np.asarray(value), name), T
         elif (attr_type == I and name in _DTYPE_ATTRIBUTES
               and not isinstance(value, (int, np.integer))):
             value = onnx_dtype(value)
@@ -952,9 +952,10 @@ class Builder:
         from .engine.lower import axis_problem
         vi = self._find_value_info(tensor_id) if tensor_id else None
         if vi is not None and vi.type.tensor_type.HasField("shape"):
-            problem = axis_problem(op_type, axis, len(vi.type.tensor_type.shape.dim))
+            problem = axis_problem(op_type, axis, len(vi.type.tensor_type.shape.dim), tensor_id)
             if problem:
-                raise popart_exception(f"Op {op}: {problem} of input '{tensor_id}'")
+                raise _noted(popart_exception(problem), f"Op {op}: axis {axis} of input "
+                             f"'{tensor_id}'")
 
     # -- nodes --------------------------------------------------------------------------
 

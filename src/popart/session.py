@@ -1130,11 +1130,11 @@ class _Session:
         """Tensors of the model saved externally in ``fromLocation`` are from now on saved in
         ``toLocation``, which must not exist: it is written now with their current values
         (one after the other), and modelToHost writes the model referring to it. A relative
-        ``toLocation`` is relative to the model's folder (the working directory for a model
-        given in memory). PopART's errors (session.cpp): ``toLocation`` already exists; no
+        ``toLocation`` is relative to the working directory, where PopART writes it
+        (session.cpp). PopART's errors: ``toLocation`` already exists; no
         initializer is saved in ``fromLocation``. As PopART's, it may be called before
         prepareDevice (the file then gets the model's values)."""
-        if os.path.exists(self._external_path(toLocation)):
+        if os.path.exists(self._external_path(toLocation, os.getcwd())):
             raise popart_runtime_error(f"Updating externally saved tensor location from file "
                                        f"'{fromLocation}' to file '{toLocation}', but file "
                                        f"'{toLocation}' already exists")
@@ -1153,7 +1153,7 @@ class _Session:
             raise e
         if self._prepared:
             self.weightsToHost()
-        self._write_external(toLocation, moved)
+        self._write_external(toLocation, moved, os.getcwd())
 
     def _external_path(self, location: str, folder: Optional[str] = None) -> str:
         """The file a relative ``location`` names in ``folder`` (default: the model's folder,

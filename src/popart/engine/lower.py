@@ -27,7 +27,8 @@ from ..ir.graph import Graph, Node, reads
 from ..ir.recompute import Segment
 from ..logging import getLogger
 from ..ops import registry
-from ..ops.registry import ONNX_DOMAIN, is_static
+from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, is_static
+from ..tensorinfo import to_datatype
 
 _logger = getLogger("op")
 
@@ -257,13 +258,100 @@ _FLAGS = {"keepdims", "noop_with_empty_axes", "select_last_index", "largest", "s
           "exclusive", "reverse", "ceil_mode", "count_include_pad", "transA", "transB", "allowzero"}
 
 
-def axis_problem(op_type: str, axis: int, rank: int) -> str:
-    """Why ONNX op ``op_type``'s 'axis' attribute is invalid for a first input of ``rank``
-    dimensions ("" when it is valid)."""
+# PopART's text for an 'axis' out of range, where the op's setup or factory has its own
+# (concat.cpp, gather.cpp, logsoftmax.cpp, split.cpp, reshape.cpp's flattenOpFactory); else
+# util.cpp / argextrema.cpp's. {a}: the attribute, {n}: it counted from 0, {r}: the rank, {t}:
+# the input tensor; Split's factory has its own for a negative axis.
+_AXIS_TEXT = {
+    "Concat": "Attribute 'axis' of ConcatOp, {a}, is outside of acceptable range [{lo}, {hi}]",
+    "Gather": "GatherOp::setup axis = {a} is outside the acceptable range [{lo}, {hi}]",
+    "LogSoftmax": "LogSoftmax axis, {a}, is outside of acceptable range [{lo}, {hi}]",
+    "Split": "Axis {n} is out of range for tensor with {r} dims",
+    "Split-": "Split op input tensor {t}, rank {r}, axis {a} is out of range",
+    "Flatten": "invalid axis {n} in flattenOpFactory"}
+
+
+def axis_problem(op_type: str, axis: int, rank: int, tensor: str = "") -> str:
+    """PopART's error text for ONNX op ``op_type``'s 'axis' attribute when it is out of range
+    for a first input ``tensor`` of ``rank`` dimensions ("" when it is valid)."""
     below, above = _AXIS_SLACK.get(op_type, (0, 0))
-    if op_type in _AXIS_UNCHECKED or -rank - below <= axis < rank + above:
+    lo, hi = -rank - below, rank + above - 1
+    if op_type in _AXIS_UNCHECKED or lo <= axis <= hi:
         return ""
-    return f"axis {axis} is out of range (valid: {-rank - below} to {rank + above - 1}) for the rank {rank}"
+    key = op_type + "-" if axis < 0 and op_type + "-" in _AXIS_TEXT else op_type
+    return _AXIS_TEXT.get(key, "Axis {a} is out of acceptable range [{lo}, {hi}]").format(
+        a=axis, n=axis + rank if axis < 0 else axis, r=rank, t=tensor, lo=lo, hi=hi)
+
+
+def noted(exc: Exception, note: str) -> Exception:
+    """``exc`` with the package's context as an exception note (PopART's text stays args[0])."""
+    exc.add_note(note)
+    return exc
+
+
+# Ops whose setup broadcasts their inputs as NumPy does (Op::prettyNpOut / npOut).
+_NP_BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Fmod", "And", "Or", "Xor", "Equal",
+                 "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "BitShift", "Max", "Min",
+                 "Mean", "Sum", "PRelu"}
+
+
+def _np_broadcast(s0: tuple, s1: tuple) -> Optional[tuple]:
+    """NumPy's broadcast shape of ``s0`` and ``s1`` (None when they are not aligned)."""
+    try:
+        return tuple(np.broadcast_shapes(tuple(s0), tuple(s1)))
+    except ValueError:
+        return None
+
+
+def _op_str(node: Node, graph: Graph, version: int) -> str:
+    """PopART's Op::str(): '<id> (<domain>.<type>:<version>)', the node's position as id."""
+    schema = registry.onnx_schema(node.op_type, version) if node.domain == ONNX_DOMAIN else None
+    domain = node.domain or "ai.onnx"
+    pos = next((i for i, n in enumerate(graph.nodes) if n is node), 0)
+    return f"{pos} ({domain}.{node.op_type}:{schema.since_version if schema else version})"
+
+
+def info_text(x: Any, shape: Any = None) -> str:
+    """PopART's TensorInfo text of array ``x`` (or of type name ``x`` and ``shape``): the
+    type padded to 8, then the shape as '[2 3]'."""
+    name = x if isinstance(x, str) else to_datatype(np.dtype(x.dtype)).name
+    return f"{name:<8}[{' '.join(str(d) for d in (np.shape(x) if shape is None else shape))}]"
+
+
+def _check_setup(node: Node, graph: Graph, version: int, inputs: list) -> None:
+    """Shape rules PopART's op setup checks with its own texts: NumPy broadcasting of
+    elementwise ops (tensorinfo.cpp's npOut) and Nll's label shape (nll.cpp)."""
+    shapes = [np.shape(x) for x in inputs if x is not None and hasattr(x, "shape")]
+    legacy = node.domain == ONNX_DOMAIN and "broadcast" in getattr(
+        registry.onnx_schema(node.op_type, version), "attributes", {})   # Add-6's rules
+    if node.domain == ONNX_DOMAIN and node.op_type in _NP_BROADCAST and len(shapes) > 1 \
+            and not legacy:
+        out = shapes[0]
+        for s in shapes[1:]:
+            nxt = _np_broadcast(out, s)
+            if nxt is None:
+                fmt = lambda t: ", ".join(str(d) for d in t)
+                raise noted(ModelError(
+                    f"np broadcasting failed on 'Op {_op_str(node, graph, version)}', frames "
+                    f"[{fmt(out)}] and [{fmt(s)}] are not aligned"),
+                    f"{node.describe()}: inputs {list(node.inputs)} do not broadcast")
+            out = nxt
+    if node.domain == GRAPHCORE_DOMAIN and node.op_type == "Nll" and len(inputs) > 1 \
+            and inputs[0] is not None and inputs[1] is not None:
+        probs, label = inputs[0], inputs[1]
+        op = _op_str(node, graph, version)
+        if np.ndim(probs) == 0:
+            raise noted(ModelError(f"Invalid shape for prob tensor ({info_text(probs)}) in "
+                                   f"Op {op}. "), f"{node.describe()}: probs '{node.inputs[0]}'")
+        want = tuple(np.shape(probs)[:-1])
+        if tuple(np.shape(label)) != want:
+            raise noted(ModelError(
+                f"The label tensor ({info_text(label)}) must have shape "
+                f"[{' '.join(map(str, want))}] to match all but the final dimension of the "
+                f"probabilities tensor ({info_text(probs)}) in Op {op}. "),
+                f"{node.describe()}: label '{node.inputs[1]}' has shape "
+                f"{list(np.shape(label))}; expected {list(want)} (probs "
+                f"'{node.inputs[0]}' {list(np.shape(probs))} without its class axis)")
 
 
 def _type_str(dtype: Any) -> str:
@@ -306,9 +394,10 @@ def _check_signature(node: Node, version: int, inputs: list) -> None:
     if "broadcast" in schema.attributes and not node.attrs.get("broadcast"):
         axis = None   # Add-6 and the other legacy-broadcast ops ignore axis without broadcast
     if type(axis) is int and rank is not None:
-        problem = axis_problem(node.op_type, axis, rank)
+        problem = axis_problem(node.op_type, axis, rank, node.inputs[0])
         if problem:
-            raise ModelError(f"{node.describe()}: {problem} of input '{node.inputs[0]}'")
+            raise noted(ModelError(problem), f"{node.describe()}: axis {axis} of input "
+                        f"'{node.inputs[0]}' of rank {rank}")
     bound: dict[str, tuple[int, Any]] = {}
     for k, x in enumerate(inputs):
         formal = schema.inputs[min(k, len(schema.inputs) - 1)]
@@ -355,6 +444,7 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
                                f"node, graph input or initializer") from None
     if node.domain == ONNX_DOMAIN:
         _check_signature(node, version, inputs)
+    _check_setup(node, graph, version, inputs)
     ctx = NodeCtx(node, version, env, state)
     name = node_scope_name(node, graph, state.scope_names)
     scope = jax.named_scope(name) if name else contextlib.nullcontext()

@@ -241,4 +241,22 @@ def scan8(ctx: LowerCtx, seq_lens, *ins, body, num_scan_inputs, directions=None,
 
 @register("Call", domain=GRAPHCORE_DOMAIN)
 def call(ctx: LowerCtx, *ins, callee, **_):
+    """The callee on the inputs, which must have its inputs' types and shapes (CallOp::setup;
+    dimensions the callee leaves unknown match any)."""
+    from ..engine.lower import info_text, noted
+    from ..errors import ModelError
+    from ..tensorinfo import to_datatype
+    for i, (x, tid) in enumerate(zip(ins, callee.inputs)):
+        info = callee.tensor_info.get(tid)
+        if info is None or info._shape is None or not hasattr(x, "dtype"):
+            continue
+        dtype, shape = to_datatype(np.dtype(x.dtype)).name, list(np.shape(x))
+        if dtype != info.data_type() or len(shape) != len(info._shape) or any(
+                d not in (-1, s) for d, s in zip(info._shape, shape)):
+            raise noted(ModelError(
+                f"CallOp input (@{i}) does not match callee input tensor (@{i}):\n"
+                f"   {ctx.input_ids[i]} -> {tid}\n"
+                f"   {info_text(dtype, shape)} vs {info_text(info.data_type(), info._shape)}"),
+                f"Call node '{ctx.name}': subgraph '{callee.name}' declares input '{tid}' as "
+                f"{info.data_type()} {list(info._shape)}; it is given {dtype} {shape}")
     return list(ctx.run_subgraph(callee, list(ins)))
