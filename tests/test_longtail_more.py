@@ -73,6 +73,19 @@ def test_sgd1_scalars_anchorable():
         _run(opt, ["scaledWeightDecay1___default___FLOAT"])
 
 
+def test_nesterov_scalars_anchorable():
+    """SGD1 with Nesterov momentum adds nesterovDampeningScaleFactor1 = af / ((1 - dm) vs),
+    nesterovGradScaleFactor1 = vs, sgdMomentum = mm (SGD::getInputIds)."""
+    opt = popart.SGD({"defaultLearningRate": (0.1, True), "defaultMomentum": (0.9, False),
+                      "nesterov": (True, True), "defaultVelocityScaling": (2.0, False)})
+    names = {"nesterovDampeningScaleFactor1___default___FLOAT": 1 / 2.0,
+             "nesterovGradScaleFactor1___default___FLOAT": 2.0,
+             "sgdMomentum___default___FLOAT": 0.9}
+    _, out, _ = _run(opt, list(names))
+    for k, v in names.items():
+        np.testing.assert_allclose(out[k], [v], rtol=1e-6, err_msg=k)
+
+
 def test_sgd2_and_adam_scalars_anchorable():
     """SGD2 (Separate): scaledLearningRate2 = lr / vs, dampeningScaleFactor2 = (1 - dm) vs /
     ls; Adam: learningRate, adamBeta1 and adamGradientScaling = 1 / ls (unscaled state),

@@ -99,7 +99,7 @@ ACCUM_PREFIX = "Accum___"              # PopART's reservedAccumPrefix()
 def _scalar_rows(optimizer: Any, v: Any, ls: Any, f: dict) -> list:
     """PopART's compound scalars of one weight (compoundscalarhelper.hpp): (prefix, value,
     the OptimizerValues that make it non-const) for the optimizer's combo op's inputs
-    (SGD::getInputIds, Adam::getInputIds, Adaptive::getInputIds; Nesterov's are not kept)."""
+    (SGD::getInputIds, Adam::getInputIds, Adaptive::getInputIds)."""
     kind, one = optimizer.type_name(), OptimizerValue(1.0, True)
     lr, wd = v("learningRate"), v("weightDecay")
     if kind == "SGD":
@@ -115,14 +115,25 @@ def _scalar_rows(optimizer: Any, v: Any, ls: Any, f: dict) -> list:
             rfd = f["R"] if f["ga"] and not f["mean"] else \
                 1.0 / f["R"] if not f["ga"] and f["mean"] else 1.0
             afd = f["A"] if f["mean"] else 1.0
-            return [swd, ("scaledLearningRate1", lr.val() / (vs.val() * rf), (lr, vs)),
+            rows = [swd, ("scaledLearningRate1", lr.val() / (vs.val() * rf), (lr, vs)),
                     ("scaledMomentum1", mm.val() / rf, (mm,)),
                     ("dampeningScaleFactor1", (1 - dp.val()) * vs.val() * rfd /
                      (ls.val() * afd), (dp, vs, ls))]
-        return [swd, ("scaledLearningRate2", lr.val() / vs.val(), (lr, vs)),   # SGD2
-                ("scaledMomentum2", mm.val(), (mm,)),
-                ("dampeningScaleFactor2", (1 - dp.val()) * vs.val() /
-                 (ls.val() * f["paf"] * f["prf"]), (dp, vs, ls))]
+            nesterov = [("nesterovDampeningScaleFactor1", f["paf"] /
+                         ((1 - dp.val()) * vs.val() * rfd), (dp, vs, ls)),
+                        ("nesterovGradScaleFactor1", vs.val() * rf, (vs,))]
+        else:   # SGD2
+            rows = [swd, ("scaledLearningRate2", lr.val() / vs.val(), (lr, vs)),
+                    ("scaledMomentum2", mm.val(), (mm,)),
+                    ("dampeningScaleFactor2", (1 - dp.val()) * vs.val() /
+                     (ls.val() * f["paf"] * f["prf"]), (dp, vs, ls))]
+            nesterov = [("nesterovDampeningScaleFactor2", f["paf"] * f["prf"] /
+                         ((1 - dp.val()) * vs.val()), (dp, vs, ls)),
+                        ("nesterovGradScaleFactor2", vs.val(), (vs,))]
+        if v("nesterov").val() != 0 and mm.val() > 0:   # SGD::enableNesterov
+            rows += nesterov + [("sgdMomentum", mm.val(), (mm,)),
+                                ("sgdWeightDecay", wd.val(), (wd,))]
+        return rows
     if kind == "Adam":
         scaled = bool(optimizer.scaled_optimizer_state)
         l2 = scaled and optimizer.weight_decay_mode.name == "L2Regularization"
