@@ -317,3 +317,37 @@ def test_call_input_mismatch_text():
     assert e.value.args[0] == ("CallOp input (@0) does not match callee input tensor (@0):\n"
                                f"   {x} -> {a}\n   FLOAT   [2 3] vs FLOAT   [3]")
     assert "declares input" in e.value.__notes__[0]
+
+
+def test_pipelined_program_updated_var_and_accum():
+    """A pipelined model: UpdatedVar___w1 from the placed pipeline equals the plain program's;
+    an Accum___ anchor (a value per micro-batch, which the pipeline does not keep) runs the
+    model on the plain program, as the placed program's other unsupported cases do."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]), "x")
+    h = x
+    for i in range(2):
+        with b.virtualGraph(i), b.pipelineStage(i):
+            w = b.addInitializedInputTensor(np.full((4, 4), 0.1 * (i + 1), np.float32), f"w{i}")
+            h = b.aiOnnx.tanh([b.aiOnnx.matmul([h, w])])
+    with b.virtualGraph(1), b.pipelineStage(1):
+        loss = b.aiGraphcore.l1loss([h], 1.0, reduction=popart.ReductionType.Sum)
+    o = popart.SessionOptions()
+    o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
+    o.enableGradientAccumulation, o.accumulationFactor = True, 3
+    xs = np.random.RandomState(0).randn(3, 2, 4).astype(np.float32)
+
+    def run(names):
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, names), loss,
+                                   popart.ConstSGD(0.1),
+                                   popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
+        s.prepareDevice()
+        s.weightsFromHost()
+        out = s.initAnchorArrays()
+        s.run(popart.PyStepIO({x: xs}, out))
+        return s._program.stages is not None, out
+    placed, got = run(["UpdatedVar___w1"])
+    fallback, ref = run(["UpdatedVar___w1", "Accum___w0"])
+    assert placed and not fallback
+    np.testing.assert_allclose(got["UpdatedVar___w1"], ref["UpdatedVar___w1"], rtol=1e-6)
+    assert ref["Accum___w0"].shape == (3, 4, 4)
