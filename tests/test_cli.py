@@ -92,7 +92,7 @@ def test_run_errors_are_one_line(models, capsys, case):
     }[case]
     assert main(argv) == 1
     line = _error_line(capsys)
-    expect = {"bad_model": "nope.onnx", "missing_file": "missing.npy", "wrong_shape": "'x'",
+    expect = {"bad_model": "nope.onnx", "missing_file": "missing.npy", "wrong_shape": "Tensor x.",
               "unknown_input": "'z'", "bad_device": "tpu9"}[case]
     assert expect in line
 

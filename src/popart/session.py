@@ -241,7 +241,9 @@ class _Session:
         loss). Tensors the training program adds (optimizer state, hyper-parameters, ...:
         PopART's reserved prefixes; automatic loss scaling's) are checked when it is
         planned."""
-        ids = set(self._infos) | set(self._graph.initializers)
+        ids = set(self._infos) | set(self._graph.initializers) | {   # HostStore's streams
+            n.attrs["streamid"] for n in self._graph.nodes
+            if n.op_type == "HostStore" and "streamid" in n.attrs}
         flows = None
         als = self.options.automaticLossScalingSettings.enabled   # ALS adds tensors of its own
         for a in self._dataFlow.anchors():

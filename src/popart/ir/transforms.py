@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN
-from .graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node
+from .graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node, outer_reads, reads
 
 # Ops whose outputs carry no gradient back to their inputs (PopART has no grad op for them).
 _NO_GRAD = {"ArgMax", "ArgMin", "Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual",
@@ -49,8 +49,8 @@ def gradient_flow(graph: Graph, loss: str, trainable: Any,
     floating point (``is_float``), depends on a trainable weight through ops with gradients
     and the loss depends on it."""
     from_w = {w for w in trainable if is_float(w)}
-    for n in graph.nodes:
-        if n.op_type not in NO_GRAD_OPS and any(i in from_w for i in n.inputs if i):
+    for n in graph.nodes:   # reads(): also what If / Loop / Scan bodies read from the graph
+        if n.op_type not in NO_GRAD_OPS and any(i in from_w for i in reads(n)):
             from_w.update(o for o in n.outputs if o and is_float(o))
 
     def grad_inputs(n: Node) -> list[tuple[int, str]]:
@@ -63,6 +63,8 @@ def gradient_flow(graph: Graph, loss: str, trainable: Any,
     for n in reversed(graph.nodes):
         if any(o in to_loss for o in n.outputs if o):
             to_loss.update(t for _, t in grad_inputs(n))
+            if n.op_type not in NO_GRAD_OPS:
+                to_loss.update(outer_reads(n))
     has_grad = from_w & to_loss
     edges = {(k, i) for k, n in enumerate(graph.nodes) if any(o in has_grad for o in n.outputs if o)
              for i, t in grad_inputs(n) if t in has_grad}
