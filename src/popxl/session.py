@@ -143,13 +143,17 @@ class _RunPlan:
     def __init__(self, session: "Session") -> None:
         n, r = session._n, session._local_r
         self.swap = n > 1 and r > 1
-        self.h2d = [(s, t.id, s.dtype.as_numpy(), session._host_shape(s.shape),
-                     (n, r) + tuple(s.shape)) for s, t in session._h2d]
+        self.h2d = []   # (stream, tensor id, dtype, host shape, [n, r, ...], [r, n, ...], downcast)
+        for s, t in session._h2d:
+            dtype, shape = np.dtype(s.dtype.as_numpy()), tuple(s.shape)
+            self.h2d.append((s, t.id, dtype, session._host_shape(shape), (n, r) + shape,
+                             (r, n) + shape, dtype in _DOWNCAST))
         self.h2d_keys = frozenset(s for s, _ in session._h2d)
         self.d2h = [(s, s.dtype.as_numpy(), session._host_shape(s.shape)) for s, _ in session._d2h]
         self.d2h_keys = frozenset(s for s, _ in session._d2h)
+        self.d2h_ids = [t.id for _, t in session._d2h]
         self.host = {s: host for s, _, host in self.d2h}
-        self.x64 = any(np.dtype(d) in WIDE for _, _, d, _, _ in self.h2d)   # 64-bit host data
+        self.x64 = any(e[2] in WIDE for e in self.h2d)   # 64-bit host data
 
     def feeds(self, inputs: Mapping, downcast: bool) -> Optional[dict]:
         """The step's feeds ([local replicas, n, ...]) when every stream has a NumPy array of
@@ -158,14 +162,12 @@ class _RunPlan:
         if inputs.keys() != self.h2d_keys:
             return None
         feeds = {}
-        for s, tid, dtype, host, full in self.h2d:
+        for s, tid, dtype, host, full, swapped, wide in self.h2d:
             a = inputs[s]
-            if type(a) is not np.ndarray or a.dtype != dtype or a.shape != host or (
-                    downcast and a.dtype in _DOWNCAST):
+            if type(a) is not np.ndarray or a.dtype != dtype or a.shape != host or (downcast and wide):
                 return None
-            a = a.reshape(full)
-            feeds[tid] = np.ascontiguousarray(np.swapaxes(a, 0, 1)) if self.swap else \
-                a.reshape((full[1], full[0]) + full[2:])
+            feeds[tid] = np.ascontiguousarray(np.swapaxes(a.reshape(full), 0, 1)) if self.swap \
+                else a.reshape(swapped)
         return feeds
 
     def outputs_fit(self, outputs: Mapping) -> bool:
@@ -755,7 +757,8 @@ class Session:
             inputs = {s: to_numpy(a, downcast=downcast_inputs) for s, a in inputs.items()}
             self._validate_run_inputs(inputs)
             feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
-        if plan is None or not plan.outputs_fit(outputs):
+        fit = plan is not None and plan.outputs_fit(outputs)
+        if not fit:
             outputs = dict(outputs)
             self._validate_run_outputs(outputs)
         if plan is None:   # across processes: each process puts its own replicas' rows
@@ -764,7 +767,8 @@ class Session:
         self._dev, outs = self._step(self._dev, feeds)   # host feeds are moved by the call
         self._in_sync = not self._slots
         flags = outs.pop(CHECKS, None)
-        values = [outs[t.id] for _, t in self._d2h] + ([] if flags is None else [flags])
+        ids = plan.d2h_ids if plan is not None else [t.id for _, t in self._d2h]
+        values = [outs[i] for i in ids] + ([] if flags is None else [flags])
         if plan is None:
             values = [self._to_host(x) for x in values]
         else:   # the copies to the host started together
@@ -772,9 +776,12 @@ class Session:
         if flags is not None:
             rows = values.pop().reshape(-1, RECORD)   # each replica's first failure: the first of them
             raise_failed_checks(rows[np.argmax(rows[:, 0] != 0)], self._checks)
+        if fit and not plan.swap:   # arrays of the host shapes: [1, n] or [replicas, 1] as it is
+            for (s, _, host), val in zip(plan.d2h, values):
+                np.copyto(outputs[s], val.reshape(host), casting="unsafe")
+            return
         for (s, t), val in zip(self._d2h, values):   # [local replicas, n, ...] -> [n, local replicas, ...]
-            val = np.swapaxes(val, 0, 1).reshape(self._host_shape(s.shape)) if plan is None or \
-                plan.swap else val.reshape(plan.host[s])
+            val = np.swapaxes(val, 0, 1).reshape(self._host_shape(s.shape))
             dst = outputs[s]
             if dst.size != val.size:
                 raise ValueError(f"Output array for stream '{s.name}' has shape {list(dst.shape)}; "
