@@ -543,14 +543,19 @@ def unsqueeze(t: Tensor, axes: Iterable[int]) -> Tensor:
     return one("Unsqueeze", t, ints(list(axes)))
 
 
-def slice(t: Tensor, start: Any = None, stop: Any = None, step: Any = None, axis: Any = None) -> Tensor:  # noqa: A001
-    """NumPy-like slicing along ``axis`` (default: the first ``len(start)`` axes)."""
+def _slice_lists(start: Any, stop: Any, step: Any, axis: Any) -> tuple:
+    """:func:`slice`'s arguments as lists (None where not given); ``axis`` defaults to the
+    first axes and ``step`` to ones."""
     def lst(v):
         return None if v is None else ([v] if isinstance(v, (int, np.integer)) else list(v))
     start, stop, step, axis = lst(start), lst(stop), lst(step), lst(axis)
     n = len(next(v for v in (start, stop, step, axis, [0]) if v is not None))
-    axis = axis if axis is not None else list(range(n))
-    step = step or [1] * n
+    return (start, stop, step or [1] * n, axis if axis is not None else list(range(n)))
+
+
+def slice(t: Tensor, start: Any = None, stop: Any = None, step: Any = None, axis: Any = None) -> Tensor:  # noqa: A001
+    """NumPy-like slicing along ``axis`` (default: the first ``len(start)`` axes)."""
+    start, stop, step, axis = _slice_lists(start, stop, step, axis)
     start = start or [0 if s > 0 else -1 for s in step]
     stop = stop or [_INT_MAX if s > 0 else -_INT_MAX for s in step]
     return one("Slice", t, ints(start), ints(stop), ints(axis), ints(step))
@@ -611,12 +616,7 @@ def slice_(t: Tensor, start: Any = None, stop: Any = None, step: Any = None, axi
 
 def _slice_index(t: Tensor, start: Any, stop: Any, step: Any, axis: Any) -> tuple:
     """The NumPy index of :func:`slice`'s elements (ONNX Slice's clamping is Python's)."""
-    def lst(v):
-        return None if v is None else ([v] if isinstance(v, (int, np.integer)) else list(v))
-    start, stop, step, axis = lst(start), lst(stop), lst(step), lst(axis)
-    n = len(next(v for v in (start, stop, step, axis, [0]) if v is not None))
-    axis = axis if axis is not None else list(range(n))
-    step = step or [1] * n
+    start, stop, step, axis = _slice_lists(start, stop, step, axis)
     key = [builtins.slice(None)] * t.rank
     for i, ax in enumerate(axis):
         key[int(ax) % t.rank] = builtins.slice(None if start is None else int(start[i]),
