@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["model", "batch", f"popart bps={cfg.bps}", "popart bps=1", "onnxruntime",
                  f"ratio bps={cfg.bps}", "ratio bps=1", "compile s (bps=10 / 1)",
                  "max abs diff"], infer_rows))
-    print(f"\n### Training, samples/s (popart TrainingSession bps={cfg.bps}, SGD, softmax + "
+    print(f"\n### Training, samples/s (popart TrainingSession bps={cfg.bps}, ConstSGD, softmax + "
           f"nllloss vs PyTorch eager, {cfg.train_batches} steps per repeat)\n")
     print(table(["model", "batch", "popart", "pytorch", "ratio", "popart GFLOP/s",
                  "GFLOP/s for 1.5x", "compile s", "first-loss diff"], train_rows))
