@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 
 from popart.builder import MAX_AI_ONNX_OPSET, RecomputeType, REQUIRED, Builder
-from popart.ir.graphcore_schema import SCHEMAS
+from popart._ir.graphcore_schema import SCHEMAS
 from popart.errors import popart_exception
 from popart.tensorinfo import TensorInfo
 

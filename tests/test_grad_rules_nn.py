@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import popart
-from popart.ir.graphcore_schema import node_defaults
+from popart._ir.graphcore_schema import node_defaults
 from popart.ops.registry import lookup
 
 pytestmark = pytest.mark.usefixtures("engine_scope")   # drives engine internals directly

@@ -1,4 +1,4 @@
-"""One source for ai.graphcore signatures and defaults (popart.ir.graphcore_schema), read by
+"""One source for ai.graphcore signatures and defaults (popart._ir.graphcore_schema), read by
 the Builder and by the engine; and one DataType -> ONNX -> NumPy table.
 
 The expected signatures below are transcribed from PopART's Python API reference
@@ -14,7 +14,7 @@ from onnx import helper
 
 import popart
 from popart.errors import ModelError, popart_exception
-from popart.ir import graphcore_schema as gs
+from popart._ir import graphcore_schema as gs
 from popart.ops import registry
 from popart.tensorinfo import DataType, np_dtype, onnx_dtype, to_datatype
 from op_tester import infer

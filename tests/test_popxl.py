@@ -9,16 +9,14 @@ import pytest
 import torch
 
 import popart
-import popart.ir.api  # noqa: F401  (installs the popart.ir.ops alias)
+import popart.ir
 import popxl
 import popxl.ops as ops
 
 
 def _pir():
-    """``import popart.ir as pir`` (falls back to the alias module if popart.ir does not
-    re-export it yet; test_popart_ir_alias checks that it does)."""
-    pir = importlib.import_module("popart.ir")
-    return pir if hasattr(pir, "Ir") else popart.ir.api
+    """``import popart.ir as pir``."""
+    return importlib.import_module("popart.ir")
 
 
 # ---------------------------------------------------------------------------------------
@@ -363,3 +361,21 @@ def test_replicated_all_reduce_and_grouped_variables():
     with pytest.raises(ValueError, match="shape"):
         with s:
             s.run({xs: X[0]})
+
+
+def test_popart_ir_is_only_popxls_alias():
+    """popart.ir (PopART's older name of popxl) and every module below it are popxl's; the
+    internal IR has a name of its own; PopART's C++ binding does not exist."""
+    import importlib
+
+    import popart.ir
+    import popart.ir.ops
+    import popart.ir.transforms
+    assert popart.ir.transforms is popxl.transforms
+    assert popart.ir.transforms.autodiff is popxl.transforms.autodiff
+    assert popart.ir.ops is popxl.ops and popart.ir.Ir is popxl.Ir
+    assert importlib.import_module("popart.ir.ops.collectives") is popxl.ops.collectives
+    with pytest.raises(ImportError):
+        importlib.import_module("popart._internal.ir")
+    # popxl's graph module, not the internal IR's (popart._ir.graph)
+    assert importlib.import_module("popart.ir.graph") is popxl.graph

@@ -7,8 +7,8 @@ import pytest
 
 import popart
 from popart.engine import program
-from popart.ir.onnx_import import import_model
-from popart.ir.recompute import CHECKPOINT, RECOMPUTE, annotate, decreasing_intervals
+from popart._ir.onnx_import import import_model
+from popart._ir.recompute import CHECKPOINT, RECOMPUTE, annotate, decreasing_intervals
 
 CPU = lambda: popart.DeviceManager().createCpuDevice()  # noqa: E731
 

@@ -22,7 +22,7 @@ Op interfaces
   no ``args``, and ``auto_pad`` (not in PopART's bindings) is keyword-only. An argument an
   op cannot take raises TypeError (:class:`~popart.errors.ArgumentError`).
 * ``builder.aiGraphcore`` (= ``aiGraphcoreOpset1``): nodes in domain ``"ai.graphcore"``,
-  opset 1, from the table in ``popart.ir.graphcore_schema`` (method -> op type, attributes
+  opset 1, from the table in ``popart._ir.graphcore_schema`` (method -> op type, attributes
   with PopART's defaults, outputs), which the engine also reads its attribute defaults from.
   The full list of op types and attribute names is appended to this docstring at import time.
 
@@ -89,16 +89,16 @@ from .debug_info import DebugContext, DebugInfo
 from .errors import (ArgumentError, BuilderError, ModelError, UnsupportedOperatorError,
                      popart_exception)
 from .fileio import atomic_write, initializer_proto
-from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH
+from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH
 from .logging import getLogger
-from .ir.graphcore_schema import BY_METHOD as _GRAPHCORE_METHODS
-from .ir.graphcore_schema import COLLECTIVE_OPS as _COLLECTIVE_OPS
-from .ir.graphcore_schema import COMM_GROUP_TYPES as _COMM_GROUP_TYPES
-from .ir.graphcore_schema import REQUIRED, OpSchema
-from .ir.graphcore_schema import describe as _describe_graphcore_ops
-from .ir.graphcore_schema import enum_index as _enum_index
+from ._ir.graphcore_schema import BY_METHOD as _GRAPHCORE_METHODS
+from ._ir.graphcore_schema import COLLECTIVE_OPS as _COLLECTIVE_OPS
+from ._ir.graphcore_schema import COMM_GROUP_TYPES as _COMM_GROUP_TYPES
+from ._ir.graphcore_schema import REQUIRED, OpSchema
+from ._ir.graphcore_schema import describe as _describe_graphcore_ops
+from ._ir.graphcore_schema import enum_index as _enum_index
 from .fileio import note_own_file
-from .ir.onnx_import import (external_data_path, external_info, for_checker, is_external,
+from ._ir.onnx_import import (external_data_path, external_info, for_checker, is_external,
                              save_initializers_externally)
 from .ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, ONNX_ML_DOMAIN, decode_attr
 from .tensorinfo import DataType, TensorInfo, np_dtype, onnx_dtype, to_datatype
@@ -1670,7 +1670,7 @@ def _node_domains(graph: onnx.GraphProto) -> set[str]:
 
 def _keep_external_data(model: onnx.ModelProto, folder: str) -> None:
     """A model file's external initializers stay external in the Builder. Their locations
-    are relative to the model's folder (ONNX), which this checks (ir.onnx_import); PopART
+    are relative to the model's folder (ONNX), which this checks (_ir.onnx_import); PopART
     reads them relative to the working directory, as the Builder's getModelProto bytes
     will be: a relative location is made absolute when the two folders differ."""
     same = os.path.realpath(folder) == os.path.realpath(os.getcwd())

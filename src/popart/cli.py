@@ -124,7 +124,7 @@ def _preview(a: np.ndarray, n: int = 5) -> str:
 # --------------------------------------------------------------------------------- commands
 def cmd_run(args: argparse.Namespace) -> int:
     import popart
-    from popart.ir.onnx_import import load_model
+    from popart._ir.onnx_import import load_model
 
     if args.batches_per_step < 1 or args.runs < 1:
         raise CliError("--batches-per-step and --runs must be >= 1")

@@ -107,7 +107,7 @@ def _atomic(path: PathLike, fill: Callable) -> None:
 # ------------------------------------------------------------------------------ own files
 # The external tensor-data files this process wrote (saveInitializersExternally,
 # modelToHost, updateExternallySavedTensorLocations): real path -> (device, inode) of the
-# file written. A model may read these wherever they are (ir.onnx_import); a file put in
+# file written. A model may read these wherever they are (_ir.onnx_import); a file put in
 # their place since (another inode) is no longer one of them.
 _OWN_FILES: dict[str, tuple[int, int]] = {}
 _OWN_LOCK = threading.Lock()

@@ -22,7 +22,7 @@ import onnx
 from onnx import AttributeProto, TensorProto, numpy_helper
 
 from .errors import ModelError, popart_exception
-from .ir.onnx_import import for_checker, load_model, save_initializers_externally, tensor_to_numpy
+from ._ir.onnx_import import for_checker, load_model, save_initializers_externally, tensor_to_numpy
 
 __all__ = ["GraphTransformer"]
 

@@ -152,7 +152,7 @@ class NumericsReport:
     |dA - dB|^2 / (|dA||dB| + 1e-8)."""
 
     def __init__(self, A0: str, A1: str, B0: str, B1: str) -> None:
-        from .ir.onnx_import import load_model, tensor_to_numpy
+        from ._ir.onnx_import import load_model, tensor_to_numpy
         paths = [A0, A1, B0, B1]
         for p in paths:
             if not isinstance(p, (str, os.PathLike)) or not os.path.isfile(p):

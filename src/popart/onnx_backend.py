@@ -17,8 +17,8 @@ from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 from .engine import in_x64
 from .engine.compiled import graph_function
 from .errors import UnsupportedOperatorError
-from .ir.graph import Graph
-from .ir.onnx_import import import_model
+from ._ir.graph import Graph
+from ._ir.onnx_import import import_model
 from .ops import registry
 
 _STATIC_MSG = "must be known at compile time"

@@ -32,14 +32,14 @@ from .engine.program import (GRAD_PREFIX, StepConfig, StepProgram, check_recompu
 from .engine import in_x64, x64
 from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
-from .ir.transforms import fuse_softmax_nll, gradient_flow
+from ._ir.transforms import fuse_softmax_nll, gradient_flow
 from .errors import (ArgumentError, IrError, OptimizerError, OptionError, OutOfMemoryException,
                      StepIOError, WeightsIOError, popart_exception, popart_runtime_error)
 from .ops import registry as _registry
-from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
+from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
 from .tensornames import PREFIXES as _RESERVED_PREFIXES
 from .fileio import atomic_patch, atomic_write, initializer_proto, note_own_file, read_exact
-from .ir.onnx_import import (OPTIMIZER_STATE_PREFIXES, ModelLike, external_data_path,
+from ._ir.onnx_import import (OPTIMIZER_STATE_PREFIXES, ModelLike, external_data_path,
                              external_info, external_sources, import_model, is_external, load_model,
                              raw_bytes, set_external, sparse_to_numpy, tensor_to_numpy)
 from .patterns import for_session

@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
-from .ir.recompute import RECOMPUTE, RECOMPUTE_OUTPUT
-from .ir.transforms import gradient_flow
+from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
+from ._ir.recompute import RECOMPUTE, RECOMPUTE_OUTPUT
+from ._ir.transforms import gradient_flow
 from .options import IrSerializationFormat
 from .tensornames import PREFIXES
 from .tensorinfo import TensorInfo

@@ -41,7 +41,7 @@ from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch,
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
-from popart.ir.graph import fingerprint
+from popart._ir.graph import fingerprint
 from popart.logging import getLogger
 from popart.run_plan import WIDE
 from popart.session import _serialised

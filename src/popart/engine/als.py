@@ -60,8 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import OptimizerError, OptionError, popart_exception
-from ..ir.graph import Graph
-from ..ir.transforms import gradient_flow
+from .._ir.graph import Graph
+from .._ir.transforms import gradient_flow
 from ..logging import getLogger
 from ..tensorinfo import TensorInfo, to_datatype
 

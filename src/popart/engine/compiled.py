@@ -25,7 +25,7 @@ import numpy as np
 from .. import distributed
 from ..errors import OutOfMemoryException, popart_exception, popart_runtime_error
 from .. import report
-from ..ir.graph import Graph
+from .._ir.graph import Graph
 from .lower import raise_failed_checks, trace
 
 REPLICA_AXIS = "replica"

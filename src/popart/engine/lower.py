@@ -23,8 +23,8 @@ import onnx
 
 from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError,
                       popart_exception, popart_runtime_error)
-from ..ir.graph import Graph, Node, reads
-from ..ir.recompute import Segment
+from .._ir.graph import Graph, Node, reads
+from .._ir.recompute import Segment
 from ..logging import getLogger
 from ..ops import registry
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, is_static

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import IrError, OptimizerError
-from ..ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node, reads
+from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node, reads
 from ..tensornames import PREFIXES
 from ..logging import getLogger
 from .compiled import CompiledStep, arg_specs

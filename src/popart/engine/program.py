@@ -21,9 +21,9 @@ import numpy as np
 from ..dataflow import AnchorReturnTypeId
 from ..errors import IrError, ModelError, popart_exception
 from ..logging import getLogger
-from ..ir import recompute
-from ..ir.graph import Graph, reads
-from ..ir.transforms import gradient_flow
+from .._ir import recompute
+from .._ir.graph import Graph, reads
+from .._ir.transforms import gradient_flow
 from ..optimizers import OptimizerValue
 from ..ops import registry
 from ..tensorinfo import TensorInfo

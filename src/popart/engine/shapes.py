@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import popart_exception
-from ..ir.graph import Graph
-from ..ir.onnx_import import ModelLike, import_model
+from .._ir.graph import Graph
+from .._ir.onnx_import import ModelLike, import_model
 from ..tensorinfo import TensorInfo, to_datatype
 from . import in_x64
 from .compiled import graph_function

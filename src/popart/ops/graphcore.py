@@ -1,6 +1,6 @@
 """PopART's own ops (domain ai.graphcore, opset 1), as the API reference's aiGraphcore builder
 methods document them. Attribute names are the reference's keyword names; their defaults come
-from the table in ``popart.ir.graphcore_schema`` (the engine fills them in), so the lowerings
+from the table in ``popart._ir.graphcore_schema`` (the engine fills them in), so the lowerings
 of the ops it lists take those attributes as keyword-only parameters without defaults
 (``None`` for an optional attribute the table leaves unset)."""
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``reduction`` is a string: PopART's "Sum" / "Mean" / "None", or ReductionType's names ("None"
 and "NoReduction" alike; the ints 0 / 1 / 2 of popart.ReductionType are accepted too).
-Attribute defaults come from the table in ``popart.ir.graphcore_schema`` (SoftmaxNll takes
+Attribute defaults come from the table in ``popart._ir.graphcore_schema`` (SoftmaxNll takes
 Nll's), so the lowerings name those attributes without defaults of their own."""
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def softmax_nll(ctx: LowerCtx, logits, probs, label, reduction, ignoreIndex=None
     (p - onehot(label)) * scale (SoftmaxGradDirect), exact however saturated p is. With
     ``fuseLoss`` (NlllWithSoftmaxGradDirect) the loss is -log(p[label] + 1e-7), as that fused
     op computes it; otherwise Nll's -log(max(p[label], eps)). Put in place of an Nll by
-    ``popart.ir.transforms.fuse_softmax_nll`` in training; a softmax over another axis than
+    ``popart._ir.transforms.fuse_softmax_nll`` in training; a softmax over another axis than
     the last is left to the unfused grads."""
     if axis % jnp.ndim(logits) != jnp.ndim(logits) - 1:
         return nll_loss(ctx, probs, label, reduction, ignoreIndex, False)

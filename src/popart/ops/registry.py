@@ -4,7 +4,7 @@ A lowering is ``fn(ctx, *inputs, **attrs)`` returning one array or a tuple of ar
 node output). ``inputs`` are jax arrays, NumPy arrays (constants, folded at trace time) or
 ``None`` for an omitted optional input. ``attrs`` are the node's attributes as Python values,
 with the defaults filled in (:func:`node_attribute_defaults`): ONNX's from ``onnx.defs`` for
-ai.onnx ops, PopART's from the table in ``popart.ir.graphcore_schema`` for ai.graphcore ops.
+ai.onnx ops, PopART's from the table in ``popart._ir.graphcore_schema`` for ai.graphcore ops.
 So a lowering only names the attributes it reads, with no defaults of its own for those the
 table gives (``None`` for an optional one the table leaves unset), and may take ``**_`` for
 the rest. ``ctx`` is a :class:`LowerCtx`.
@@ -31,7 +31,7 @@ import onnx
 import onnx.defs
 
 from ..errors import ModelError, UnsupportedOperatorError
-from ..ir.graphcore_schema import node_defaults as _graphcore_node_defaults
+from .._ir.graphcore_schema import node_defaults as _graphcore_node_defaults
 
 ONNX_DOMAIN = "ai.onnx"
 GRAPHCORE_DOMAIN = "ai.graphcore"

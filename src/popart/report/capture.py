@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jax
 
-from ..ir.graph import Graph
+from .._ir.graph import Graph
 from ..logging import getLogger
 from . import hlo
 

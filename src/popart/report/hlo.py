@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Any, Iterable, Mapping, Optional
 
-from ..ir.graph import Graph
+from .._ir.graph import Graph
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$")

@@ -21,7 +21,7 @@ import os
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ..errors import popart_exception
-from ..ir.graph import Graph
+from .._ir.graph import Graph
 from ..logging import getLogger
 
 _logger = getLogger("session")

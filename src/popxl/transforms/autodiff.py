@@ -22,10 +22,10 @@ import jax
 import numpy as np
 
 from popart.errors import popart_exception
-from popart.ir.graph import Graph as IRGraph
-from popart.ir.graph import Node
-from popart.ir.recompute import RECOMPUTE_OUTPUT
-from popart.ir.transforms import NO_GRAD_OPS
+from popart._ir.graph import Graph as IRGraph
+from popart._ir.graph import Node
+from popart._ir.recompute import RECOMPUTE_OUTPUT
+from popart._ir.transforms import NO_GRAD_OPS
 from popart.ops.collectives import op_name
 from popart.ops.popxl_grad import FROM_ARG_AND_OUTPUT, FROM_OUTPUT
 
