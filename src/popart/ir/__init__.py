@@ -53,4 +53,5 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
 
 
 if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
-    sys.meta_path.append(_AliasFinder())
+    # first: the path finder would otherwise load popxl's files again under popart.ir names
+    sys.meta_path.insert(0, _AliasFinder())
