@@ -11,7 +11,7 @@
   compile start, 4..6 planning, 7..40 lowering, 41.. the backend compile, total at the end).
 - IPU-only instrumentation options log one warning each.
 
-With none of them on, :func:`compile_hooks` returns None and the engine does nothing more."""
+With none of them on, :func:`current` returns None and the engine does nothing more."""
 from __future__ import annotations
 
 import contextlib
