@@ -374,3 +374,21 @@ class OpTester:
                 if ref is not None:
                     self.verifyTensor(t, values[t], ref, rtol, atol)
         return [values[t] for t in ids]
+
+
+def onnx_model(nodes: list, inputs: Sequence, outputs: Sequence, inits: Sequence = (),
+               opset: int = 11) -> bytes:
+    """A serialized ONNX model (ai.onnx ``opset`` and ai.graphcore 1): ``inputs`` /
+    ``outputs`` as (name, elem type, shape), ``inits`` as (name, array)."""
+    vi = onnx.helper.make_tensor_value_info
+    g = onnx.helper.make_graph(nodes, "g", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                               [onnx.numpy_helper.from_array(v, k) for k, v in inits])
+    return onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", opset),
+                                                    onnx.helper.make_opsetid("ai.graphcore", 1)]
+                                  ).SerializeToString()
+
+
+def onnx_node(op: str, ins: Sequence[str], outs: Sequence[str], domain: str = "",
+              **attrs: Any) -> onnx.NodeProto:
+    """``onnx.helper.make_node`` with the domain as a keyword."""
+    return onnx.helper.make_node(op, ins, outs, domain=domain, **attrs)

@@ -8,6 +8,7 @@ import pytest
 from onnx import numpy_helper
 
 import popart
+from op_tester import onnx_model as _model, onnx_node as _node
 
 TP = onnx.TensorProto
 CPU = popart.DeviceManager().createCpuDevice
@@ -15,17 +16,6 @@ X = np.array([[1.0, -2.0, 3.0], [0.5, 4.0, -1.0]], np.float32)
 W0 = np.arange(6, dtype=np.float32).reshape(2, 3) / 10
 
 
-def _model(nodes, inputs, outputs, inits=(), opset=11):
-    vi = lambda n, t, s: onnx.helper.make_tensor_value_info(n, t, s)
-    g = onnx.helper.make_graph(nodes, "g", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
-                               [numpy_helper.from_array(v, k) for k, v in inits])
-    return onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", opset),
-                                                    onnx.helper.make_opsetid("ai.graphcore", 1)]
-                                  ).SerializeToString()
-
-
-def _node(op, ins, outs, domain="", **attrs):
-    return onnx.helper.make_node(op, ins, outs, domain=domain, **attrs)
 
 
 def _l1_model():

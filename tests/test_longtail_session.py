@@ -8,6 +8,7 @@ import pytest
 from onnx import numpy_helper
 
 import popart
+from op_tester import onnx_model as _model, onnx_node as _node
 from popart.fileio import initializer_proto, unpack_popart_data
 
 TP = onnx.TensorProto
@@ -124,18 +125,6 @@ def test_model_to_host_fields_and_order(trained_model):
 
 
 # ------------------------------------------------------------------ models without the Builder
-def _model(nodes, inputs, outputs, inits=(), opset=11):
-    """An ONNX model: ``inputs`` / ``outputs`` as (name, elem type, shape)."""
-    vi = lambda n, t, s: onnx.helper.make_tensor_value_info(n, t, s)
-    g = onnx.helper.make_graph(nodes, "g", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
-                               [numpy_helper.from_array(v, k) for k, v in inits])
-    return onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", opset),
-                                                    onnx.helper.make_opsetid("ai.graphcore", 1)]
-                                  ).SerializeToString()
-
-
-def _node(op, ins, outs, domain="", **attrs):
-    return onnx.helper.make_node(op, ins, outs, domain=domain, **attrs)
 
 
 CPU = popart.DeviceManager().createCpuDevice
