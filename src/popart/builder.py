@@ -87,7 +87,7 @@ from onnx import AttributeProto, helper, numpy_helper
 from . import debug_info as _debug_info
 from .debug_info import DebugContext, DebugInfo
 from .errors import (ArgumentError, BuilderError, ModelError, UnsupportedOperatorError,
-                     popart_exception)
+                     noted, popart_exception)
 from .fileio import atomic_write, initializer_proto
 from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH
 from .logging import getLogger
@@ -189,12 +189,6 @@ def _is_unset(value: Any) -> bool:
 
 _ATTR_KIND_TEXT = {I: "an integer", INTS: "an integer vector", F: "a float",
                    FLOATS: "a float vector", S: "a string", STRINGS: "a string vector"}
-
-
-def _noted(e: Exception, note: str) -> Exception:
-    """``e`` (PopART's text as ``args[0]``) with the package's context as a note."""
-    e.add_note(note)
-    return e
 
 
 def _check_call(args: list, n_out: int, callee: Any, debug: Any) -> None:
@@ -396,10 +390,10 @@ class _SchemaOpset(Opset):
             args = [args] if isinstance(args, str) else list(args)   # one id where the reference says str
             if not schema.min_input <= len(args) <= schema.max_input:
                 high = "inf" if schema.max_input >= 2 ** 31 - 1 else schema.max_input
-                e = popart_exception(f"{schema.name} has invalid number of inputs {len(args)}. "
-                                     f"Must be between {schema.min_input}..{high}")
-                e.add_note(f"The inputs given: {args}")
-                raise e
+                raise noted(popart_exception(f"{schema.name} has invalid number of inputs "
+                                             f"{len(args)}. Must be between "
+                                             f"{schema.min_input}..{high}"),
+                            f"The inputs given: {args}")
             n_out = schema.min_output
             if variadic:
                 n_out = int(v["num_outputs"])
@@ -954,7 +948,7 @@ class Builder:
         if vi is not None and vi.type.tensor_type.HasField("shape"):
             problem = axis_problem(op_type, axis, len(vi.type.tensor_type.shape.dim), tensor_id)
             if problem:
-                raise _noted(popart_exception(problem), f"Op {op}: axis {axis} of input "
+                raise noted(popart_exception(problem), f"Op {op}: axis {axis} of input "
                              f"'{tensor_id}'")
 
     # -- nodes --------------------------------------------------------------------------
@@ -1273,7 +1267,7 @@ class Builder:
         names = _as_id_set(nodeOutputNames)
         found = [n for n in self._graph.node if names and all(o in n.output for o in names)]
         if len(found) != 1:
-            raise _noted(BuilderError(f"Could not find a node with outputs "
+            raise noted(BuilderError(f"Could not find a node with outputs "
                                       f"{' ,'.join(sorted(set(names)))}. Must specify all "
                                       "outputs of a node"),
                          f"No unique node has output(s) {names}: found {len(found)}")
@@ -1286,7 +1280,7 @@ class Builder:
         have = {a.name for a in node.attribute}
         for name in values:
             if name in have:
-                raise _noted(BuilderError(f"Node already has attribute {name}."),
+                raise noted(BuilderError(f"Node already has attribute {name}."),
                              f"Node '{node.name}' ({node.op_type}); remove it first with "
                              "removeNodeAttribute")
         attrs = [_make_attr(node.op_type, k, v) for k, v in values.items()]
@@ -1310,14 +1304,14 @@ class Builder:
             if a.name == name:
                 if kind is not None and a.type != kind:   # builder_impl.cpp's texts
                     what = "a int" if bool_ else _ATTR_KIND_TEXT[kind]
-                    raise _noted(popart_exception(f"Attribute {name} is not {what}."),
+                    raise noted(popart_exception(f"Attribute {name} is not {what}."),
                                  f"Attribute '{name}' of node '{node.name}' is "
                                  f"{AttributeProto.AttributeType.Name(a.type)}")
                 value = helper.get_attribute_value(a)
                 return ([v.decode() for v in value] if a.type == STRINGS
                         else value.decode() if a.type == S else
                         list(value) if a.type in (INTS, FLOATS) else value)
-        raise _noted(popart_exception(f"Node does not have an attribute {name}."),
+        raise noted(popart_exception(f"Node does not have an attribute {name}."),
                      f"Node '{node.name}' ({node.op_type}) has attributes "
                      f"{[a.name for a in node.attribute]}")
 
@@ -1346,7 +1340,7 @@ class Builder:
         node = self._find_node(nodeOutputNames)
         kept = [a for a in node.attribute if a.name != attributeName]
         if len(kept) == len(node.attribute):
-            raise _noted(BuilderError(f"Cannot remove attribute {attributeName} as it does "
+            raise noted(BuilderError(f"Cannot remove attribute {attributeName} as it does "
                                       "not exist."),
                          f"Node '{node.name}' has attributes {[a.name for a in node.attribute]}")
         del node.attribute[:]

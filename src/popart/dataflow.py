@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .errors import ArgumentError, DataFlowError, StepIOError, WeightsIOError, popart_exception
+from .errors import (ArgumentError, DataFlowError, StepIOError, WeightsIOError, noted,
+                     popart_exception)
 from .options import ExchangeStrategy, ReplicatedStreamMode, TileSet, _Enum, _enum
 from .tensorinfo import TensorInfo, shape_str
 
@@ -26,13 +27,6 @@ def _integer(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ArgumentError(f"{what} must be an integer, got {value!r}")
     return int(value)
-
-
-def _error(cls: type, message: str, note: str) -> Exception:
-    """``cls(message)``, PopART's text as ``args[0]``, with the package's context as a note."""
-    e = cls(message)
-    e.add_note(note)
-    return e
 
 
 def check_contiguous(array: Any, message: str) -> None:
@@ -75,23 +69,23 @@ class AnchorReturnType:
             returnPeriod, tileSet = None, returnPeriod
         ids = {name.upper(): member for name, member in AnchorReturnTypeId.__members__.items()}
         if not isinstance(anchorReturnTypeString, str) or anchorReturnTypeString.upper() not in ids:
-            raise _error(DataFlowError,
-                         f"Invalid anchor return type ID supplied: {anchorReturnTypeString}",
-                         "Expected one of 'ALL', 'FINAL', 'SUM' or 'EVERYN' with a return period")
+            raise noted(DataFlowError(
+                f"Invalid anchor return type ID supplied: {anchorReturnTypeString}"),
+                "Expected one of 'ALL', 'FINAL', 'SUM' or 'EVERYN' with a return period")
         self._id = ids[anchorReturnTypeString.upper()]
         self._str = anchorReturnTypeString
         if self._id == AnchorReturnTypeId.EveryN:
             if returnPeriod is None:
-                raise _error(DataFlowError, "Must specify return period with option 'EVERYN'",
-                             f"Use AnchorReturnType('{anchorReturnTypeString}', N)")
+                raise noted(DataFlowError("Must specify return period with option 'EVERYN'"),
+                            f"Use AnchorReturnType('{anchorReturnTypeString}', N)")
             self._rp = _integer(returnPeriod, "AnchorReturnType: returnPeriod")
             if self._rp <= 0:
-                raise _error(DataFlowError, "Anchor return period must be greater than zero",
-                             f"Got {returnPeriod!r}")
+                raise noted(DataFlowError("Anchor return period must be greater than zero"),
+                            f"Got {returnPeriod!r}")
         elif returnPeriod is not None:
-            raise _error(DataFlowError, "A return period should not be supplied for this "
-                         "anchor return type", f"'{anchorReturnTypeString}' was given return period "
-                         f"{returnPeriod!r}")
+            raise noted(DataFlowError("A return period should not be supplied for this "
+                                      "anchor return type"),
+                        f"'{anchorReturnTypeString}' was given return period {returnPeriod!r}")
         else:
             self._rp = 0
         self._tile_set = TileSet(tileSet)
@@ -164,20 +158,22 @@ class DataFlow:
         (PopART's checks and messages); the DataFlow is unchanged when it raises."""
         bps = _integer(batchesPerStep, "DataFlow: batchesPerStep")
         if bps <= 0:
-            raise _error(DataFlowError, "'Batches per step' must be greater than zero",
-                         f"DataFlow: batchesPerStep must be an integer >= 1, got "
-                         f"{batchesPerStep!r}")
+            raise noted(DataFlowError("'Batches per step' must be greater than zero"),
+                        f"DataFlow: batchesPerStep must be an integer >= 1, got "
+                        f"{batchesPerStep!r}")
         for tid, art in self._anchors.items():
             if art.id() != AnchorReturnTypeId.EveryN:
                 continue
             if art.rp() > bps:
-                raise _error(DataFlowError, "Return period must be <= to the number of "
-                             "batches per step", f"DataFlow: anchor '{tid}' has return period "
-                             f"{art.rp()}, batchesPerStep is {bps}")
+                raise noted(DataFlowError("Return period must be <= to the number of "
+                                          "batches per step"),
+                            f"DataFlow: anchor '{tid}' has return period {art.rp()}, "
+                            f"batchesPerStep is {bps}")
             if bps % art.rp():
-                raise _error(DataFlowError, "Return period must be a factor of the number of "
-                             "batches per step", f"DataFlow: anchor '{tid}' has return period "
-                             f"{art.rp()}, batchesPerStep is {bps}")
+                raise noted(DataFlowError("Return period must be a factor of the number of "
+                                          "batches per step"),
+                            f"DataFlow: anchor '{tid}' has return period {art.rp()}, "
+                            f"batchesPerStep is {bps}")
         self._bps = bps
 
     def anchors(self) -> list[str]:
@@ -185,8 +181,8 @@ class DataFlow:
 
     def art(self, anchorId: str) -> AnchorReturnType:
         if anchorId not in self._anchors:
-            raise _error(DataFlowError, f"Tensor {anchorId} is not an anchor",
-                         f"The DataFlow's anchors are {self.anchors()}")
+            raise noted(DataFlowError(f"Tensor {anchorId} is not an anchor"),
+                        f"The DataFlow's anchors are {self.anchors()}")
         return self._anchors[anchorId]
 
     def batchesPerStep(self) -> int:
@@ -248,9 +244,9 @@ class InputShapeInfo:
 
     def get(self, tensorId: str) -> TensorInfo:
         if tensorId not in self._infos:
-            raise _error(popart_exception, f"No input shape info for Tensor `{tensorId}' in "
-                         f"InputShapeInfo::get", f"InputShapeInfo has no entry for tensor "
-                         f"'{tensorId}'")
+            raise noted(popart_exception(f"No input shape info for Tensor `{tensorId}' in "
+                                         f"InputShapeInfo::get"),
+                        f"InputShapeInfo has no entry for tensor '{tensorId}'")
         return self._infos[tensorId]
 
     def has(self, tensorId: str) -> bool:
@@ -385,9 +381,7 @@ def validate_input(tensor_id: str, array: Any, tensor_info: TensorInfo, bps: int
                    f"{shape_str(array.shape)} ({array.size} elements)")
         if popart_message is None:
             return StepIOError(context)
-        e = StepIOError(popart_message)
-        e.add_note(context)
-        return e
+        return noted(StepIOError(popart_message), context)
 
     if array.dtype == np.int64 and dtype == np.int32:
         if array.size and (array.min() < -2 ** 31 or array.max() >= 2 ** 31):

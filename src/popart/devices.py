@@ -48,7 +48,7 @@ import time  # noqa: E402
 import weakref  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
-from .errors import popart_exception, poplar_exception  # noqa: E402
+from .errors import noted, popart_exception, poplar_exception  # noqa: E402
 from .logging import getLogger  # noqa: E402
 from .options import _enum  # noqa: E402
 
@@ -66,12 +66,6 @@ _FEW_TILES = 4  # PopART's defaultFewTiles: IpuModel / Sim devices without "tile
 _GC_MONITOR = ("If you have enabled the Poplar SDK you can check device availability with the "
                "`gc-monitor` command-line utility.")
 
-
-def _error(cls: type, message: str, note: str) -> Exception:
-    """``cls(message)`` with PopART's text as ``args[0]`` and the package's context as a note."""
-    e = cls(message)
-    e.add_note(note)
-    return e
 # IPU index of the system -> the DeviceInfo attached to it (entries vanish when that
 # DeviceInfo is freed)
 _ATTACHED: "weakref.WeakValueDictionary[int, DeviceInfo]" = weakref.WeakValueDictionary()
@@ -345,9 +339,9 @@ class DeviceManager:
         device = self.tryAcquireAvailableDevice(numIpus, tilesPerIpu, pattern,
                                                 connectionType, selectionCriterion)
         if device is None:
-            raise _error(popart_exception, f"Failed to acquire device with {numIpus} IPUs. "
-                         "Ensure that there are sufficient IPUs available. " + _GC_MONITOR,
-                         self._unavailable(numIpus))
+            raise noted(popart_exception(f"Failed to acquire device with {numIpus} IPUs. "
+                                         "Ensure that there are sufficient IPUs available. "
+                                         + _GC_MONITOR), self._unavailable(numIpus))
         return device
 
     def tryAcquireDeviceById(self, id: int, pattern: Any = SyncPattern.Full,
@@ -370,9 +364,9 @@ class DeviceManager:
                           connectionType: Any = DeviceConnectionType.Always) -> DeviceInfo:
         device = self.tryAcquireDeviceById(id, pattern, connectionType)
         if device is None:
-            raise _error(popart_exception, f"Failed to acquire device with id '{id}'. Ensure "
-                         "it is available. " + _GC_MONITOR, f"Device {id} is attached to "
-                         "another DeviceInfo; detach it first")
+            raise noted(popart_exception(f"Failed to acquire device with id '{id}'. Ensure "
+                                         "it is available. " + _GC_MONITOR),
+                        f"Device {id} is attached to another DeviceInfo; detach it first")
         return device
 
     @staticmethod

@@ -22,6 +22,13 @@ class popart_exception(RuntimeError):
     """Base of all errors raised by PopART."""
 
 
+def noted(exc: BaseException, note: str) -> BaseException:
+    """``exc`` with the package's context as an exception note: PopART's own text stays
+    ``args[0]`` (what programs match on), tracebacks show the note."""
+    exc.add_note(note)
+    return exc
+
+
 class popart_internal_exception(popart_exception):
     """A bug in the runtime rather than in the user's program."""
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .errors import OptionError
+from .errors import OptionError, noted
 
 
 __all__ = [
@@ -315,9 +315,8 @@ class UnknownOptionError(OptionError, AttributeError):
 
 def _unknown(owner: str, name: str, note: str) -> UnknownOptionError:
     """PopART's bindings' AttributeError for setting ``name`` on ``owner``; ``note``: ours."""
-    e = UnknownOptionError(f"'popart_core.{owner}' object has no attribute '{name}'")
-    e.add_note(note)
-    return e
+    return noted(UnknownOptionError(f"'popart_core.{owner}' object has no attribute '{name}'"),
+                 note)
 
 
 # --- nested settings structures -----------------------------------------------------------

@@ -34,7 +34,7 @@ from .engine.progress import compile_progress
 from .engine.shapes import infer_graph, input_specs
 from ._ir.transforms import fuse_softmax_nll, gradient_flow
 from .errors import (ArgumentError, IrError, OptimizerError, OptionError, OutOfMemoryException,
-                     StepIOError, WeightsIOError, popart_exception, popart_runtime_error)
+                     StepIOError, WeightsIOError, noted, popart_exception, popart_runtime_error)
 from .ops import registry as _registry
 from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
 from .tensornames import PREFIXES as _RESERVED_PREFIXES
@@ -229,10 +229,9 @@ class _Session:
                                options=self.options)}
         loss = infos.get(self._loss) if self._training else None
         if loss is not None and loss.nelms() > 1:
-            e = IrError(f"Loss tensor, '{self._loss}', must be a scalar tensor")
-            e.add_note(f"Its shape is {loss.shape()}: reduce it with a loss op of reduction "
-                       f"Sum or Mean (popart.ReductionType)")
-            raise e
+            raise noted(IrError(f"Loss tensor, '{self._loss}', must be a scalar tensor"),
+                        f"Its shape is {loss.shape()}: reduce it with a loss op of reduction "
+                        f"Sum or Mean (popart.ReductionType)")
         return infos
 
     def _check_anchors(self) -> None:
@@ -401,12 +400,11 @@ class _Session:
         weights when SessionOptions.constantWeights is True (its default)."""
         self._require_prepared(what)
         if not self._training and getattr(self.options, "constantWeights", True):
-            e = OptionError(f"Cannot call {what} when constantWeights is set" + (
-                "" if what == "resetHostWeights" else
-                ". Set `constantWeights` to False in the `SessionOption`s when initialising "
-                "the session to enable this behaviour."))
-            e.add_note("SessionOptions.constantWeights is True for this InferenceSession")
-            raise e
+            how = "" if what == "resetHostWeights" else (
+                ". Set `constantWeights` to False in the `SessionOption`s when initialising the "
+                "session to enable this behaviour.")
+            raise noted(OptionError(f"Cannot call {what} when constantWeights is set{how}"),
+                        "SessionOptions.constantWeights is True for this InferenceSession")
 
     def _require_prepared(self, what: str) -> StepProgram:
         """The compiled program; before prepareDevice, PopART's error for ``what`` where it
@@ -415,9 +413,7 @@ class _Session:
             hint = f"{what}: the session is not prepared; call prepareDevice() first"
             if what not in _NOT_PREPARED:
                 raise popart_exception(hint)
-            e = popart_runtime_error(_NOT_PREPARED[what])
-            e.add_note(hint)
-            raise e
+            raise noted(popart_runtime_error(_NOT_PREPARED[what]), hint)
         return self._program
 
     # ------------------------------------------------------------------ run
@@ -495,12 +491,11 @@ class _Session:
                          f"optimized PopART Ir, possibly due to constant folding. Therefore, the "
                          f"input buffer provided will not be used. ")
         else:
-            e = StepIOError(f"Testing that the buffer provided by user for input Tensor {tid} "
-                            f"has the correct number of elements, But there is no Tensor named "
-                            f"{tid} in the Ir's main Graph, and it does not exist in the "
-                            f"original ONNX Model.")
-            e.add_note(f"The model's inputs are {sorted(self._input_infos)}")
-            raise e
+            raise noted(StepIOError(f"Testing that the buffer provided by user for input Tensor "
+                                    f"{tid} has the correct number of elements, But there is no "
+                                    f"Tensor named {tid} in the Ir's main Graph, and it does not "
+                                    f"exist in the original ONNX Model."),
+                        f"The model's inputs are {sorted(self._input_infos)}")
 
     def _synthetic_feeds(self) -> Optional[dict[str, np.ndarray]]:
         """SessionOptions.syntheticDataMode (Ir::useSyntheticData): None when Off; else
@@ -572,11 +567,11 @@ class _Session:
         plan = self._run_plan   # the per-call work, planned once per program and optimizer
         if plan is None or plan.program is not self._program:
             if getattr(self._device, "offline", False):
-                e = popart_runtime_error("Offline IPU device is not configured for execution")
-                e.add_note(f"Session '{self.name}' was compiled for an offline device, which "
-                           f"cannot run programs; use createCpuDevice(), createIpuModelDevice() "
-                           f"or acquireAvailableDevice()")
-                raise e
+                raise noted(popart_runtime_error(
+                    "Offline IPU device is not configured for execution"),
+                            f"Session '{self.name}' was compiled for an offline device, which "
+                            f"cannot run programs; use createCpuDevice(), createIpuModelDevice() "
+                            f"or acquireAvailableDevice()")
             self._require_weights_written()
             if not self._prepared:
                 self.prepareDevice()
@@ -614,11 +609,10 @@ class _Session:
         """Session::run: a training session whose model has initializers needs
         weightsFromHost first (after construction and after resetHostWeights)."""
         if self._training and not self._weights_written and len(self._proto.graph.initializer):
-            e = popart_runtime_error("Must call weightsFromHost before run as the model has "
-                                     "initializers and the session has been created in "
-                                     "training mode")
-            e.add_note("Call session.weightsFromHost() after prepareDevice()")
-            raise e
+            raise noted(popart_runtime_error("Must call weightsFromHost before run as the model "
+                                             "has initializers and the session has been created "
+                                             "in training mode"),
+                        "Call session.weightsFromHost() after prepareDevice()")
 
     def _run_forward_only(self, handle: str, stepio: Any, debugName: str) -> None:
         """``run("implicitPipeliningFwdOnly", stepio)``: the forward pass of a pipelined
@@ -799,19 +793,18 @@ class _Session:
                 if (name in self._program.constants or name.startswith(OPTIMIZER_STATE_PREFIXES)
                         or ignoreWeightsInModelWithoutCorrespondingHostWeight):
                     continue
-                e = popart_runtime_error(f"resetWeights, no tensor '{name}' in tensors")
-                e.add_note(f"The given model's initializer '{name}' is no weight or optimizer "
-                           f"state of the session (pass "
-                           f"ignoreWeightsInModelWithoutCorrespondingHostWeight=True to skip such)")
-                raise e
+                raise noted(popart_runtime_error(f"resetWeights, no tensor '{name}' in tensors"),
+                            f"The given model's initializer '{name}' is no weight or optimizer "
+                            f"state of the session (pass "
+                            f"ignoreWeightsInModelWithoutCorrespondingHostWeight=True to skip "
+                            f"such)")
             val = to_numpy(t, base)
             cur = self._host_weights[name] if target is new_weights else np.asarray(state[name])
             if val.shape != cur.shape or val.dtype != cur.dtype:
-                e = popart_runtime_error(f"Trying to reset weights using tensor with non "
-                                         f"matching tensor info. Tensor ID: {name}")
-                e.add_note(f"{val.dtype}{shape_str(val.shape)} in the given model, "
-                           f"{cur.dtype}{shape_str(cur.shape)} in the session")
-                raise e
+                raise noted(popart_runtime_error(f"Trying to reset weights using tensor with non "
+                                                 f"matching tensor info. Tensor ID: {name}"),
+                            f"{val.dtype}{shape_str(val.shape)} in the given model, "
+                            f"{cur.dtype}{shape_str(cur.shape)} in the session")
             target[name] = val.copy()
         self._host_weights.update(new_weights)
         if new_state:
@@ -1144,15 +1137,14 @@ class _Session:
                  if is_external(t) and external_info(t).get("location") == fromLocation]
         if not moved:
             if not os.path.exists(self._external_path(fromLocation)):
-                e = popart_runtime_error(f"Updating externally saved tensor location from "
-                                         f"file '{fromLocation}' to file '{toLocation}', but "
-                                         f"file '{fromLocation}' does not exist")
-                e.add_note(f"'{fromLocation}': no tensor of the model is saved externally there")
-                raise e
-            e = popart_runtime_error(f"No ONNX model initializers have external location set "
-                                     f"to '{fromLocation}'")
-            e.add_note(f"'{fromLocation}': no tensor of the model is saved externally there")
-            raise e
+                raise noted(popart_runtime_error(f"Updating externally saved tensor location "
+                                                 f"from file '{fromLocation}' to file "
+                                                 f"'{toLocation}', but file '{fromLocation}' does "
+                                                 f"not exist"),
+                            f"'{fromLocation}': no tensor of the model is saved externally there")
+            raise noted(popart_runtime_error(f"No ONNX model initializers have external "
+                                             f"location set to '{fromLocation}'"),
+                        f"'{fromLocation}': no tensor of the model is saved externally there")
         if self._prepared:
             self.weightsToHost()
         self._write_external(toLocation, moved, os.getcwd())
@@ -1340,20 +1332,18 @@ class _Session:
 
     def _assert_executable_loaded(self) -> None:
         if not self._prepared:
-            e = popart_runtime_error("There is no executatable. Try calling "
-                                     "Session::prepareDevice first.")
-            e.add_note("(PopART's text, its spelling included.) Call prepareDevice() before "
-                       "setRandomSeed / getRandomSeed.")
-            raise e
+            raise noted(popart_runtime_error("There is no executatable. Try calling "
+                                             "Session::prepareDevice first."),
+                        "(PopART's text, its spelling included.) Call prepareDevice() before "
+                        "setRandomSeed / getRandomSeed.")
 
     def _require_rng_state(self, what: str, verb: str) -> None:
         """PopART's checks of get/setRNGState: the option that enables them, then a prepared
         session (before anything changes)."""
         if not getattr(self.options, "enableLoadAndOffloadRNGState", False):
-            e = OptionError(f"Trying to {verb} the RNG state, but the session option "
-                            f"enableLoadAndOffloadRNGState must be set to True.")
-            e.add_note(f"{what}: SessionOptions.enableLoadAndOffloadRNGState is False")
-            raise e
+            raise noted(OptionError(f"Trying to {verb} the RNG state, but the session option "
+                                    f"enableLoadAndOffloadRNGState must be set to True."),
+                        f"{what}: SessionOptions.enableLoadAndOffloadRNGState is False")
         self._require_prepared(what)
 
     @_serialised
@@ -1565,10 +1555,10 @@ def _check_no_seed_attributes(graph: Graph) -> None:
     for g, n in _all_nodes(graph):
         if n.domain == "ai.onnx" and n.op_type in _SEEDED_RANDOM_OPS and "seed" in n.attrs:
             since = onnx.defs.get_schema(n.op_type, g.opsets.get("ai.onnx", 1)).since_version
-            e = popart_exception(f"ai.onnx.{n.op_type}:{since}: Optional seed attribute is not "
-                                 f"supported. Use session::setRandomSeed instead.")
-            e.add_note(f"{n.describe()} has seed={n.attrs['seed']}")
-            raise e
+            raise noted(popart_exception(f"ai.onnx.{n.op_type}:{since}: Optional seed attribute "
+                                         f"is not supported. Use session::setRandomSeed "
+                                         f"instead."),
+                        f"{n.describe()} has seed={n.attrs['seed']}")
 
 
 def _main_ops(graph: Graph) -> list:

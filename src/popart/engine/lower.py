@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 
-from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError,
+from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError, noted,
                       popart_exception, popart_runtime_error)
 from .._ir.graph import Graph, Node, reads
 from .._ir.recompute import Segment
@@ -281,12 +281,6 @@ def axis_problem(op_type: str, axis: int, rank: int, tensor: str = "") -> str:
     key = op_type + "-" if axis < 0 and op_type + "-" in _AXIS_TEXT else op_type
     return _AXIS_TEXT.get(key, "Axis {a} is out of acceptable range [{lo}, {hi}]").format(
         a=axis, n=axis + rank if axis < 0 else axis, r=rank, t=tensor, lo=lo, hi=hi)
-
-
-def noted(exc: Exception, note: str) -> Exception:
-    """``exc`` with the package's context as an exception note (PopART's text stays args[0])."""
-    exc.add_note(note)
-    return exc
 
 
 # Ops whose setup broadcasts their inputs as NumPy does (Op::prettyNpOut / npOut).

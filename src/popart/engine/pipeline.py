@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import IrError, OptimizerError
+from ..errors import IrError, OptimizerError, noted
 from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node, reads
 from ..tensornames import PREFIXES
 from ..logging import getLogger
@@ -109,11 +109,10 @@ def auto_virtual_graphs(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[
         acc += c
     found = len(set(out)) - 1   # splits between runs
     if found != n - 1:
-        e = IrError(f"[AutoVirtualGraph] Couldn't find enough splits for {n} IPUs. Only "
-                    f"found {found}")
-        e.add_note(f"The main graph's {len(out)} op(s) fill {found + 1} of the device's {n} "
-                   "IPUs per replica: use a device with fewer IPUs, or VirtualGraphMode.Manual")
-        raise e
+        raise noted(IrError(f"[AutoVirtualGraph] Couldn't find enough splits for {n} IPUs. "
+                            f"Only found {found}"),
+                    f"The main graph's {len(out)} op(s) fill {found + 1} of the device's {n} IPUs "
+                    "per replica: use a device with fewer IPUs, or VirtualGraphMode.Manual")
     for nd, v in zip(graph.nodes, out):
         nd.annotations[VIRTUAL_GRAPH] = v
     return out

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..dataflow import AnchorReturnTypeId
-from ..errors import IrError, ModelError, popart_exception
+from ..errors import IrError, ModelError, noted, popart_exception
 from ..logging import getLogger
 from .._ir import recompute
 from .._ir.graph import Graph, reads
@@ -27,6 +27,7 @@ from .._ir.transforms import gradient_flow
 from ..optimizers import OptimizerValue
 from ..ops import registry
 from ..tensorinfo import TensorInfo
+from ..tensornames import PREFIXES
 from . import als as _als
 from . import rts as _rts
 from .compiled import REPLICA_AXIS, CompiledStep, Placement, arg_specs
@@ -92,8 +93,8 @@ def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 26) -> int:
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= cap)
 
 
-UPDATED_VAR_PREFIX = "UpdatedVar___"   # PopART's reservedUpdatedVarPrefix()
-ACCUM_PREFIX = "Accum___"              # PopART's reservedAccumPrefix()
+UPDATED_VAR_PREFIX = PREFIXES["UpdatedVar"]   # PopART's reservedUpdatedVarPrefix()
+ACCUM_PREFIX = PREFIXES["Accum"]              # PopART's reservedAccumPrefix()
 
 
 def _scalar_rows(optimizer: Any, v: Any, ls: Any, f: dict) -> list:
@@ -320,10 +321,9 @@ class StepProgram:
         self.activation_bytes = out["act"]   # every traced tensor of one micro-batch
         if cfg.training:
             if int(np.prod(out["loss_shape"])) != 1:   # PopART: one element ([1], [1, 1] too)
-                e = IrError(f"Loss tensor, '{cfg.loss}', must be a scalar tensor")
-                e.add_note(f"Its shape is {list(out['loss_shape'])}: use a loss op with "
-                           f"reduction Sum or Mean")
-                raise e
+                raise noted(IrError(f"Loss tensor, '{cfg.loss}', must be a scalar tensor"),
+                            f"Its shape is {list(out['loss_shape'])}: use a loss op with "
+                            f"reduction Sum or Mean")
             self.trainable = [k for k in self.variables if k not in self.assigned]
             if cfg.als is not None:
                 self._plan_als(out["specs"])

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..errors import UnsupportedOperatorError
+from ..errors import UnsupportedOperatorError, noted
 from .registry import CHECK_RECORD_SIZE, GRAPHCORE_DOMAIN, LowerCtx, onnx_semantics, register
 
 
@@ -243,7 +243,7 @@ def scan8(ctx: LowerCtx, seq_lens, *ins, body, num_scan_inputs, directions=None,
 def call(ctx: LowerCtx, *ins, callee, **_):
     """The callee on the inputs, which must have its inputs' types and shapes (CallOp::setup;
     dimensions the callee leaves unknown match any)."""
-    from ..engine.lower import info_text, noted
+    from ..engine.lower import info_text
     from ..errors import ModelError
     from ..tensorinfo import to_datatype
     for i, (x, tid) in enumerate(zip(ins, callee.inputs)):

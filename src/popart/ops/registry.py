@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnx.defs
 
-from ..errors import ModelError, UnsupportedOperatorError
+from ..errors import ModelError, UnsupportedOperatorError, noted
 from .._ir.graphcore_schema import node_defaults as _graphcore_node_defaults
 
 ONNX_DOMAIN = "ai.onnx"
@@ -270,10 +270,8 @@ def fmt_float(v: float) -> str:
 def popart_error(ctx: LowerCtx, message: str, note: str = "") -> ModelError:
     """A popart_exception whose message is PopART's own text (``message``); the node and
     ``note`` (what is valid, what to do) go in an exception note."""
-    e = ModelError(message)
-    e.add_note(f"node '{ctx.name}' ({ctx.domain}::{ctx.op_type}-{ctx.version})"
-               + (f": {note}" if note else ""))
-    return e
+    return noted(ModelError(message), f"node '{ctx.name}' ({ctx.domain}::{ctx.op_type}-"
+                 f"{ctx.version})" + (f": {note}" if note else ""))
 
 
 def _fp16_with_fp32_scalar(inputs: list) -> bool:
