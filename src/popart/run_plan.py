@@ -18,11 +18,9 @@ from typing import Any, Optional
 import numpy as np
 
 from . import dataflow as _df
+from .engine import WIDE_DTYPES
 from .engine.compiled import fetch
 from .engine.lower import CHECKS, raise_failed_checks
-
-
-WIDE = {np.dtype(t) for t in (np.int64, np.uint64, np.float64, np.complex128)}   # 64-bit
 
 
 class RunPlan:
@@ -38,7 +36,8 @@ class RunPlan:
         self.synthetic = session._synthetic_feeds()   # syntheticDataMode's inputs, or None
         # 64-bit host data needs JAX's 64-bit scope to reach the step as it is; 32-bit data
         # and device arrays do not (the step was compiled in the scope either way)
-        self.x64 = any(np.dtype(i.np_dtype()) in WIDE for i in session._input_infos.values())
+        self.x64 = any(np.dtype(i.np_dtype()) in WIDE_DTYPES
+                       for i in session._input_infos.values())
         self.input_ids = frozenset(session._input_infos)
         self.inputs = []   # (id, dtype, host shape, full shape)
         for tid, info in session._input_infos.items():

@@ -35,7 +35,7 @@ import numpy as np
 import popart
 from popart import distributed
 from popart.dataflow import validate_input
-from popart.engine import in_x64, x64
+from popart.engine import WIDE_DTYPES, in_x64, x64
 from popart import report
 from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, xla_errors
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
@@ -43,7 +43,6 @@ from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
 from popart._ir.graph import fingerprint
 from popart.logging import getLogger
-from popart.run_plan import WIDE
 from popart.session import _serialised
 from popart.tensorinfo import TensorInfo, to_datatype
 
@@ -153,7 +152,7 @@ class _RunPlan:
         self.d2h_keys = frozenset(s for s, _ in session._d2h)
         self.d2h_ids = [t.id for _, t in session._d2h]
         self.host = {s: host for s, _, host in self.d2h}
-        self.x64 = any(e[2] in WIDE for e in self.h2d)   # 64-bit host data
+        self.x64 = any(e[2] in WIDE_DTYPES for e in self.h2d)   # 64-bit host data
 
     def feeds(self, inputs: Mapping, downcast: bool) -> Optional[dict]:
         """The step's feeds ([local replicas, n, ...]) when every stream has a NumPy array of

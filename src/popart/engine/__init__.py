@@ -9,8 +9,13 @@ import functools
 from typing import Any, Callable, ContextManager, TypeVar
 
 import jax
+import numpy as np
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Host dtypes that reach a program as they are only inside :func:`x64` (a run moving none of
+# them may skip the scope: the program was compiled in it either way).
+WIDE_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.uint64, np.float64, np.complex128))
 
 
 def x64() -> ContextManager:
