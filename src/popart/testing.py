@@ -1,0 +1,78 @@
+"""The documented test hook: what tests may ask of a session's engine.
+
+This is not PopART API (PopART has no such module). It is the one place where tests look
+below the public API of ``popart.InferenceSession`` / ``popart.TrainingSession`` and
+``popxl.Session``: the planned step program, whether it runs placed (virtual graphs on their
+own devices), its mesh, the compiled program and the device-side state. Tests use these
+functions instead of a session's private attributes, so the engine's internals can change
+without touching the tests.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["step_program", "compiled_step", "compiled", "is_placed", "mesh_shape",
+           "mesh_devices", "device_values"]
+
+
+def _is_popxl(session: Any) -> bool:
+    return type(session).__module__.startswith("popxl")
+
+
+def step_program(session: Any) -> Any:
+    """The engine's planned program: a popart session's ``StepProgram`` (after
+    ``prepareDevice``), or a ``popxl.Session``'s placed program (None when it runs unplaced)."""
+    if _is_popxl(session):
+        return session._placed
+    if session._program is None:
+        raise RuntimeError("The session has no program yet: call prepareDevice() first")
+    return session._program
+
+
+def compiled_step(session: Any) -> Any:
+    """The session's ``engine.compiled.CompiledStep`` (``.recorder``, ``.compile_seconds``)."""
+    return session._step if _is_popxl(session) else step_program(session).step
+
+
+def compiled(session: Any) -> Any:
+    """JAX's compiled program (``memory_analysis()``, ``as_text()``)."""
+    return compiled_step(session).compiled
+
+
+def is_placed(session: Any) -> bool:
+    """True when the program runs its virtual graphs (IPUs) on their own devices."""
+    if _is_popxl(session):
+        return session._placed is not None
+    return bool(getattr(step_program(session), "placed", False))
+
+
+def mesh_shape(session: Any) -> tuple:
+    """The placed program's (replicas, ipus) mesh shape; () when it is not placed."""
+    if not is_placed(session):
+        return ()
+    prog = step_program(session)
+    return tuple(prog.mesh.devices.shape)
+
+
+def mesh_devices(session: Any) -> list:
+    """The devices the program runs on: the placed mesh's (replica-major), or the replicas'
+    own devices (empty when the replicas share one device)."""
+    if is_placed(session):
+        return list(step_program(session).mesh.devices.flat)
+    placement = session._placement if _is_popxl(session) else step_program(session).placement
+    return list(placement.devices)
+
+
+def device_values(session: Any, part: Optional[str] = None) -> dict:
+    """The device-side state by name (``jax.Array`` values, as the engine keeps them: placed
+    programs' slots and RTS shards included). A popart session's ``part`` picks
+    ``"weights"`` or ``"optimizer"`` (state); None gives both in one dict. A popxl session
+    has one kind (variables and remote buffers by key); it loads nothing."""
+    if _is_popxl(session):
+        if part is not None:
+            raise ValueError("popxl sessions have no parts")
+        return dict(session._dev or {})
+    weights, state = session._device_state()
+    if part is None:
+        return {**weights, **state}
+    return dict({"weights": weights, "optimizer": state}[part])
