@@ -46,13 +46,17 @@ class _Enum(enum.IntEnum):
         return format(str(self), spec)
 
 
-def _enum(name: str, members: str, **aliases: str) -> type[_Enum]:
-    """An enum whose members (space separated) take the values 0, 1, ... in order.
+def int_enum(name: str, members: str, **aliases: str) -> type[_Enum]:
+    """A PopART-style enum whose members (space separated) take the values 0, 1, ... in order.
 
-    ``aliases`` maps extra names onto existing members (pybind's second name for a value)."""
+    ``aliases`` maps extra names onto existing members (pybind's second name for a value).
+    Public (not in ``__all__``) for popxl's enums of PopART's IR."""
     values = {m: i for i, m in enumerate(members.split())}
     values.update({alias: values[target] for alias, target in aliases.items()})
     return _Enum(name, list(values.items()), module=__name__)  # type: ignore[return-value]
+
+
+_enum = int_enum   # the short name of this module's tables (and devices.py's)
 
 
 # --- enums, members in the order the API reference lists them -----------------------------

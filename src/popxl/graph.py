@@ -18,8 +18,7 @@ from popart.engine import in_x64
 
 from popart.engine.lower import trace_node
 from popart.engine.compiled import REPLICA_AXIS
-from popart._ir.graph import Graph as IRGraph
-from popart._ir.graph import Node, reads
+from popart.engine.ir import Graph as IRGraph, Node, reads
 
 from . import context
 from .tensor import Constant, Tensor, Variable

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from popart.options import _enum
+from popart.options import int_enum as _enum
 
 #: The tile set an op runs on: Compute, IO (PopART's TileSet; Undefined and N as in its IR).
 TileSet = _enum("TileSet", "Compute IO Undefined N")

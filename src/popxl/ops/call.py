@@ -10,8 +10,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from popart._ir.graph import Graph as IRGraph
-from popart._ir.graph import Node
+from popart.engine.ir import Graph as IRGraph, Node
 
 from ..context import get_current_graph
 from ..graph import OPSETS, Graph

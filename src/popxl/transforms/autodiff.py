@@ -22,10 +22,7 @@ import jax
 import numpy as np
 
 from popart.errors import popart_exception
-from popart._ir.graph import Graph as IRGraph
-from popart._ir.graph import Node
-from popart._ir.recompute import RECOMPUTE_OUTPUT
-from popart._ir.transforms import NO_GRAD_OPS
+from popart.engine.ir import NO_GRAD_OPS, RECOMPUTE_OUTPUT, Graph as IRGraph, Node
 from popart.ops.collectives import op_name
 from popart.ops.popxl_grad import FROM_ARG_AND_OUTPUT, FROM_OUTPUT
 
