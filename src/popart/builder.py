@@ -1,72 +1,9 @@
 """popart.Builder: writes ONNX models (ModelProto) through ``onnx.helper``.
 
-Op interfaces
--------------
-* ``builder.aiOnnx`` / ``builder.aiOnnxOpset6`` .. ``aiOnnxOpset<onnx.defs.onnx_opset_version()>``
-  and ``builder.aiOnnxMl``: methods derived from the ``onnx.defs`` schemas at that version.
-  Method name = op type lower-cased (``And``/``Or``/``Not``/``Xor``/``If`` are ``logical_and``,
-  ``logical_or``, ``logical_not``, ``logical_xor``, ``logical_if``). Signature::
-
-      op(args, [num_outputs,] <required attributes>, <optional attributes (alphabetical)>,
-         debugContext="")
-
-  ``num_outputs`` is present only when the schema's output count is variable (Split, Dropout,
-  BatchNormalization, MaxPool, LSTM, If, Loop, Scan, ...). Returns one id for single-output
-  ops, else a list. Only attributes that are given (not ``None``, not ``[]``) are written;
-  ONNX's defaults apply to the rest. ``to`` / ``dtype`` accept PopART dtype strings.
-  One ai.onnx version per model, as PopART's Builder: the one in ``opsets`` (or a loaded
-  model's), else the first ``aiOnnxOpsetN`` used, else ``aiOnnx`` = opset 10
-  (``popart.defaultAiOnnxOpset``); asking for another version after that raises PopART's
-  RuntimeError. Opsets 6..11 have PopART's ops (10 and 11 keep the deprecated ``upsample``,
-  11 keeps ``scatter``), ops without inputs (``randomuniform``, ``randomnormal``, ...) take
-  no ``args``, and ``auto_pad`` (not in PopART's bindings) is keyword-only. An argument an
-  op cannot take raises TypeError (:class:`~popart.errors.ArgumentError`).
-* ``builder.aiGraphcore`` (= ``aiGraphcoreOpset1``): nodes in domain ``"ai.graphcore"``,
-  opset 1, from the table in ``popart._ir.graphcore_schema`` (method -> op type, attributes
-  with PopART's defaults, outputs), which the engine also reads its attribute defaults from.
-  The full list of op types and attribute names is appended to this docstring at import time.
-
-Attribute encodings of ai.graphcore nodes (PopART's, except where noted)
------------------------------------------------------------------------
-* Attribute names are the method's keyword names (``reduction``, ``ignoreIndex``, ``axes``,
-  ``sizes``, ``noOverlap``, ``scale0``, ...). Unset optional attributes (default ``None``) are
-  not written. Booleans are INT 0/1. Lists are INTS / FLOATS / STRINGS.
-* ``reduction`` (losses: Nll, L1, IdentityLoss, Ctc): STRING "Sum" | "Mean" | "None"
-  (ReductionType.NoReduction).
-* ``reduction`` (ScatterReduce): STRING "sum" | "max" | "min" | "mul" | "none".
-  ``groupedscatterreduce`` writes a ScatterReduce node with ``group_size``, as PopART does.
-* ``collectiveOperator`` (ReplicatedAllReduce / ReplicatedReduceScatter): written, as
-  PopART's Builder does, as ``__collectiveOperator`` INT, the index of Undefined, Add, Mean,
-  Mul, Min, Max, LogicalAnd, LogicalOr, SquareAdd, Local (absent = Add); a STRING
-  ``collectiveOperator`` (popxl's) is read too.
-* ``commGroup``: written as ``__collectiveCommGroup`` INTS [type, replicaGroupSize] with type
-  0=All 1=Consecutive 2=Orthogonal 3=Ungrouped (absent = all replicas); ``commGroup`` is
-  read too. (PopART writes LSTM's ``outputFullSequence`` as ``output_full_sequence``.)
-* Ctc ``outDataType``: INT ONNX TensorProto data type (0, UNDEFINED = same as input).
-* PrintTensor ``separator`` / ``openBracket`` / ``closeBracket``: INT character codes.
-* Init / Zeros ``data_type`` / ``dtype``: INT ONNX TensorProto dtype; Init ``init_type``:
-  INT 0=NoInit 1=Zero.
-* Call ``callee``, PackedDataBlock ``callback``: GRAPH.
-* MultiConv: inputs flattened as [data0, weight0, bias0 or "", data1, ...]; per-conv list
-  attributes (``strides``, ``pads``, ``outPads``, ``dilations``, ``inDilations``) are the
-  concatenation of each conv's list (each conv has 2*spatial entries for pads / outPads,
-  spatial for the others; all absent = defaults); ``availableMemoryProportions`` FLOATS,
-  ``partialsTypes`` STRINGS, ``enableConvDithering`` INTS, ``planType`` STRING,
-  ``perConvReservedTiles`` INT, ``cycleBackOff`` FLOAT. One output per conv.
-
-Annotations (node attributes on any node, names in the constants below)
-----------------------------------------------------------------------
-``__ipu_number`` INT (virtualGraph), ``__pipeline_stage`` INT, ``__execution_phase`` INT,
-``__recompute_output`` INT (RecomputeType: 0 Undefined, 1 Checkpoint, 2 Recompute,
-3 Recomputed), ``__schedule_priority`` FLOAT, ``__outline_attributes`` STRINGS "key:value",
-``__partials_type`` STRING, ``__available_memory_proportion`` FLOAT,
-``__serialize_matmul_mode`` STRING / ``__serialize_matmul_factor`` INT /
-``__serialize_matmul_precision`` INT, ``__exclude_patterns`` STRINGS,
-``__inplace_op_names`` STRINGS + ``__inplace_op_priorities`` FLOATS,
-``__enable_conv_dithering`` INT, ``__output_tensor_location`` INTS [storage (0 OnChip,
-1 OffChip), loadTileSet, storageTileSet (0 Compute, 1 IO), replicatedTensorSharding (0/1)],
-``__collectiveCommGroup`` INTS [type, replicaGroupSize] (Builder.commGroup; PopART's
-``__collectiveOperator`` INT is read too).
+``aiOnnx`` / ``aiOnnxOpsetN`` / ``aiOnnxMl`` are derived from the ``onnx.defs`` schemas,
+``aiGraphcore`` from the table in ``popart._ir.graphcore_schema``; attributes and annotations
+are written under PopART's names and encodings. See docs/builder.md. The list of ai.graphcore
+op types and attributes is appended to this docstring at import time.
 """
 from __future__ import annotations
 

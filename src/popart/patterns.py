@@ -169,25 +169,10 @@ _INIT_FORMS = ("    1. popart.Patterns()\n"
 
 
 class Patterns:
-    """Which of PopART's graph patterns (graph rewrites) a session runs.
-
-    ``Patterns()`` is the default set (``PatternsLevel.Default``: every pattern enabled by
-    default, and ``InPlace``); ``Patterns(level)`` one of the levels; ``Patterns(names)``
-    exactly the patterns named (``"InPlace"`` and ``"UpdateInplacePrioritiesForIpu"``
-    included), with every other pattern off.
-
-    Mandatory patterns (:data:`PATTERNS`, ``PatternsLevel.Minimal``) cannot be disabled with
-    ``enablePattern``; a session refuses a ``Patterns`` in which one is off (as
-    ``Patterns(["PreUniRepl"])`` or ``Patterns(PatternsLevel.NoPatterns)`` leave them) unless
-    ``enableRuntimeAsserts(False)`` was called.
-
-    On this XLA runtime only the patterns in :data:`NUMERIC_PATTERNS`, ``SoftmaxGradDirect``
-    and ``NlllWithSoftmaxGradDirect``, change numbers: with them on, the gradient of a Softmax
-    feeding an Nll loss is computed directly as ``(p - onehot) * scale`` (and the fused loss
-    as ``-log(p + 1e-7)``) as PopART does. The other patterns name graph rewrites of PopART's
-    IR (grad-op decompositions, in-placing, matmul serialisation, ...) that XLA makes on its
-    own or that have nothing to act on here; they are recorded and reported but change no
-    number.
+    """Which of PopART's graph patterns (graph rewrites) a session runs: ``Patterns()`` (the
+    default set), ``Patterns(level)`` or ``Patterns(names)``. Mandatory patterns stay on unless
+    ``enableRuntimeAsserts(False)``; on XLA only :data:`NUMERIC_PATTERNS` change numbers, the
+    others are recorded and reported. See docs/gradients.md#patterns.
     """
 
     __slots__ = ("_settings", "_inplace", "_update_inplace_priorities", "_runtime_asserts")

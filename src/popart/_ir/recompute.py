@@ -1,25 +1,9 @@
 """Recomputation: which forward tensors the backward pass keeps, as PopART decides it.
 
-PopART annotates each forward op Checkpoint (its outputs are stored for the backward pass) or
-Recompute (they are computed again when the backward pass needs them): by hand with
-``Builder.recomputeOutput`` / ``recomputeOutputInBackwardPass``, or automatically with
-``SessionOptions.autoRecomputation`` (``willow/src/recompute.cpp``):
-
-* ``Standard``: the forward ops on the loss's path, in schedule order, are cut into intervals
-  of decreasing length (``getDecreasingIntervals``); in each, the ops live at the point where
-  the live outputs take the least memory are checkpoints; every other op is recomputed.
-* ``NormOnly``: normalisation ops on the loss's path are recomputed, everything else kept.
-* ``RecomputeAll`` / ``Pipeline``: every op on the loss's path not annotated by hand is
-  recomputed, then the ops between the last checkpoints and the loss are kept
-  (``allCheckpointAfterLastCheckpoint``: recomputing them would be immediate anyway).
-
-On XLA the annotations become recompute *segments* (:func:`segments`): each run of
-consecutive Recompute ops, closed by the Checkpoint op after it, is one function whose
-backward pass stores only what the segment reads (Checkpoint outputs, weights, inputs) and runs
-the segment again, just before its own gradients, to get everything else
-(``engine/lower.py: run_segment``). So the backward pass holds one segment's recomputed
-activations at a time, as PopART's recompute ops do. A Recompute output read past its segment
-(a skip connection to a later segment) is stored instead."""
+:func:`annotate` marks the forward ops on the loss's path Checkpoint or Recompute (hand
+annotations, completed by ``autoRecomputation`` as PopART's ``willow/src/recompute.cpp``);
+:func:`segments` turns runs of Recompute ops into the segments the engine runs again in the
+backward pass (``engine/lower.py: run_segment``). See docs/recompute.md."""
 from __future__ import annotations
 
 import math
@@ -128,8 +112,8 @@ class Segment:
 
 def segments(graph: Graph, marks: Mapping[int, int], movable: Collection[int],
              static: Collection[int], keep: Collection[str]) -> list[Segment]:
-    """The recompute segments of ``graph`` for ``annotate``'s ``marks`` (see the module
-    docstring). ``movable``: indices of the nodes a segment may hold (no side effects: no
+    """The recompute segments of ``graph`` for ``annotate``'s ``marks`` (docs/recompute.md).
+    ``movable``: indices of the nodes a segment may hold (no side effects: no
     random draws, variable updates or run-time checks; array outputs); ``static``: indices of
     the nodes computed at compile time (they run in place and never split a segment);
     ``keep``: tensors the step reads besides the graph's own outputs (loss, anchors)."""

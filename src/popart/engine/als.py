@@ -1,54 +1,8 @@
-"""Automatic loss scaling (ALS) as PopART does it.
+"""Automatic loss scaling (ALS) as PopART does it: the loss-scale factor's state, the
+histograms of the tracked float16 gradients, and PopART's update rule, per batch.
 
-Read from PopART's source: ``willow/src/transforms/automaticlossscaling.cpp`` (the transform),
-``preautomaticlossscaling.cpp`` (``toTrackTensors``), ``ensurefp32lossscale.cpp`` (applied
-whenever ALS is on), ``willow/src/popx/op/lossscaleupdatex.cpp`` (the update rule) and
-``willow/include/popart/tensornames.hpp`` (the names). What a training step does:
-
-* State: the variable ``lossScaleUpdateFactor`` (float32, initially 1: the loss-scale tensor is
-  float32 because ALS applies ``EnsureFp32LossScale``). With ``updatePeriod`` > 1 also the
-  counter of ``executeOpNTimesEveryMTimes`` (int32, initially -1; PopART names it after the
-  op's string, ``"<id> (ai.graphcore.LossScaleUpdate:1)_counter"``, so here it is
-  :data:`COUNTER`).
-* Each batch runs with ``finalLossScale`` = the optimizer's loss scaling * factor: the loss is
-  scaled by it and the weight update divides by it (PopART reconnects the loss-scale tensor's
-  consumers to ``finalLossScale`` and divides the inverse loss scales by the factor), so the
-  weights follow the unscaled gradients as a run without ALS does while nothing overflows.
-* Statistics: a Histogram (one level, ``binEdgeLocation`` * 65504 in float16, of |g|) of each
-  tracked float16 gradient gives [count below the edge, count at or above it] (inf and NaN
-  count as above); the sum over the tracked tensors is ``summedHistograms`` (uint32), cast to
-  float32 (``summedCastedHistograms``), accumulated over the micro-batches into
-  ``Accum___autoLossScaleStats`` (accumulationFactor > 1, reset each batch) and summed over
-  the replicas (``summedHistograms_reduced``, replicationFactor > 1).
-* Update (``LossScaleUpdateOpx``), once per batch after its micro-batches: with
-  f = t / (1 - t) (t = ``thresholdUpperCountProportion``, float32), the factor halves when
-  upper > f * lower, else it doubles; no clamp. The new factor is used from the next batch.
-* ``updatePeriod`` P > 1: the update and the histograms run in the first batch of every P
-  (counter = (counter + 1) mod P, run while counter < 1); in the other batches the histograms
-  give 0 and the factor stays.
-
-Anchorable (any AnchorReturnType; values per micro-batch and replica as for any anchor):
-``finalLossScale`` (the scale of the batch), ``lossScaleUpdateFactor`` (after the batch's
-update), ``lossScaling_FLOAT16`` / ``lossScaling_FLOAT`` (the optimizer's loss scaling, named
-after the loss's type), ``summedHistograms``, ``summedCastedHistograms``,
-``Accum___autoLossScaleStats`` (running sum over the batch's micro-batches),
-``summedHistograms_reduced`` and ``Gradient___<id>_statistics`` (each tracked gradient's
-Histogram output).
-
-The histograms come from :meth:`AlsPlan.tap`: the tracked tensor is tapped where the trace
-makes it (or takes it in, a weight), and the tap's backward pass gives the histogram of its
-cotangent, the tensor's total gradient, as the gradient of a small statistics input. So no
-tracked gradient is kept whole, and a placed program (``engine/pipeline.py``), which forms no
-per-micro-batch weight gradients, takes them the same way.
-
-Which gradients are tracked is :func:`tracked_tensors`; the misuse errors are
-:func:`check_settings` and :func:`plan` (PopART's words). A float16 loss from Nll,
-SoftmaxNll or L1 (:data:`MPLGO_LOSS_OPS`) is scaled and differentiated in float32, as
-PopART's mixed-precision loss-grad ops take the float32 scale (``lower.run_float32_loss``): a
-``finalLossScale`` above 65504 reaches the float16 gradients without overflowing. A float16
-loss from another op is scaled in float16 (PopART keeps the loss-grad region in float32 and
-casts down after it).
-"""
+See docs/loss_scaling.md (what a step does, the anchors) and docs/gradients.md (which
+gradients are tracked)."""
 from __future__ import annotations
 
 import copy
@@ -230,37 +184,9 @@ def tracked_tensors(settings: Any, graph: Graph, loss: str, variables: Sequence[
                     trainable: Sequence[str], specs: Mapping[str, Any]) -> list[str]:
     """The forward tensors whose (total) gradients ALS tracks, in graph order.
 
-    PopART picks gradient tensors in its backward graph (after its default patterns); the
-    backward pass here is JAX autodiff, so the choice is made on the forward graph: "the
-    gradient of t" is the total gradient of forward tensor t (a weight's gradient, or a zero
-    probe's for an activation). Only float16 gradients count. The rules:
-
-    * ``GradientsOfUserSpecifiedTensors``: the gradients of ``toTrackTensors`` (PopART proxies
-      each one and tracks the proxy's gradient, i.e. the total gradient; a tensor without a
-      gradient is skipped). Type errors are :func:`plan`'s.
-    * ``ConvAndMatmulGradients``: the gradients of inputs 0 and 1 of MatMul, Gemm, Conv,
-      ConvTranspose and MultiConv (what their grad ops, MatMul / Conv / ConvWeightsGrad after
-      the patterns, produce), except where EnsureFp32LossScale makes those grad ops float32.
-    * ``AllNonViewChangingGradientTensors`` (``producesNonViewChangingGradientTensor``: the
-      output of every grad op that is not a view change, gives float16, reads no Variable and
-      no optimizer tensor): the gradient of input t of op N is tracked unless
-
-      - N is a view change (Reshape, Flatten, Squeeze, Unsqueeze, Transpose, Identity);
-      - N produces the loss (its grad op reads the loss-scaling optimizer tensor);
-      - the gradient is float32 or a down-cast after EnsureFp32LossScale
-        (:func:`_loss_scale_edges`: a float16 loss from an op other than Nll / L1, e.g.
-        IdentityLoss);
-      - t has N's output shape and N is Add / Sum / Sub (input 0), or N is a Cast to t's own
-        type (the grad op is an identity, removed);
-      - N's grad op reads a Variable input directly (:data:`READS_INPUTS`, e.g. Mul(t, w)
-        with w a weight, BatchNormalization with its scale).
-
-      A tensor whose gradient sums two or more partial gradients is tracked too (PopART's
-      grad-sum op qualifies).
-
-    Where PopART tracks partial gradients (one per consumer of a tensor used more than once)
-    the total gradient is tracked here instead, once: the counts agree for tensors with one
-    consumer on the gradient path.
+    PopART picks gradient tensors of its backward graph; the backward pass here is JAX
+    autodiff, so the choice is made on the forward graph ("the gradient of t" is forward t's
+    total gradient). The rules per ``gradientTensorTrackingMethod`` are in docs/gradients.md.
     """
     has_grad, edges = gradient_flow(graph, loss, trainable, lambda t: t in specs and jnp.issubdtype(
         specs[t].dtype, jnp.floating))

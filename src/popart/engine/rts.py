@@ -1,38 +1,9 @@
 """Replicated tensor sharding (RTS): PopART's ``TensorLocation.replicatedTensorSharding`` for
-the weights, optimizer state and gradient accumulators of a session's step.
+the weights, optimizer state and gradient accumulators of a session's step, and off-chip
+(``pinned_host``) storage from the same settings.
 
-A sharded tensor is stored flattened and zero-padded to a multiple of the replication factor
-R, one 1/R slice per replica: on the replica's own device (a NamedSharding over the
-``REPLICA_AXIS`` mesh axis), or, when the replicas share one device, in the same layout
-there (no memory saving). In the step:
-
-* sharded weights are all-gathered for the forward pass (:meth:`Layout.gather`);
-* the replica reduction of the gradient of a weight updated on its shards is a
-  reduce-scatter: once per batch, after each replica accumulated its own gradients, or per
-  micro-batch into a sharded accumulator (:meth:`Layout.reduce_replicas`);
-* the optimizer update of a weight stored sharded or with sharded optimizer state runs on
-  the shards (:meth:`Layout.update`); what is stored whole is all-gathered after it (a
-  weight whose only sharded tensor is its accumulator is updated whole: the accumulated
-  gradient is all-gathered). Zero padding adds nothing to the norms Lamb and gradient
-  clipping take over the whole tensor (padded weights, gradients and state stay zero).
-
-Which tensors, as PopART's StreamingMemory transform chooses (determineTensorLocation): a
-tensor's location is ``tensorLocationSettingsOverride[id]`` if given, else its kind's
-``*TensorLocationSettings.location``; SGD's ``Accl___`` (optimizer state and accumulator)
-takes the accumulator settings when gradients are accumulated. Weights and optimizer state
-with fewer than their settings' ``minElementsForReplicatedTensorSharding`` elements stay
-whole (accumulators have no minimum); nothing is sharded without replication (a warning).
-Optimizer state is the state of a weight's shape (``Accl___``, ``Accl1___``, ``Accl2___``,
-``Accl3___``; ``Step___`` and scalars never shard), accumulators are the gradient
-accumulators of ``accumulationFactor > 1``. As in PopART, a sharded trained weight needs its
-optimizer state sharded too (OptionError otherwise).
-
-The same settings place tensors off chip: storage ``OffChip`` and at least
-``minElementsForOffChip`` elements keep a weight or optimizer-state tensor in the devices'
-``pinned_host`` memory (sharded or not): the step's arguments and results live there, and the
-compiled program moves them to device memory for the step and back; on a backend without
-that memory kind they stay resident (a log line says so).
-"""
+A sharded tensor is stored flattened, zero-padded to a multiple of the replication factor, one
+slice per replica. See docs/replication.md (what the step does, which tensors are sharded)."""
 from __future__ import annotations
 
 import numbers
@@ -250,7 +221,7 @@ def _check_location(loc: Any, where: str) -> bool:
 
 def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
            opt_state: Mapping[str, Any], trainable: list[str], accumulation_factor: int) -> Layout:
-    """The layout PopART's tensor location settings ask for (see the module docstring)."""
+    """The layout PopART's tensor location settings ask for (docs/replication.md)."""
     if options is None:
         return Layout(placement)
     settings = {n: _settings(options, n) for n in (WEIGHTS, STATE, ACCUM)}

@@ -1,26 +1,9 @@
 """Collectives (ai.graphcore): across replicas (ReplicatedAllReduce, ReplicatedReduceScatter,
 ReplicatedAllGather) and across the IPUs of one replica (AllReduce).
 
-Replicated collectives run over ``ctx.replica_axis`` within groups of replicas. The group is
-``__collectiveReplicaGrouping`` = [numReplicas, stride, groupSize] (PopART's attribute: groups
-of ``groupSize`` replicas ``stride`` apart, see popxl.ReplicaGrouping), or the Builder's
-``commGroup`` = [type, replicaGroupSize] (0 All, 1 Consecutive, 2 Orthogonal, 3 Ungrouped, as
-popart.CommGroup), default all replicas. ``collectiveOperator`` is a popart.CollectiveOperator
-name (Undefined = Add, Add, Mean, Mul, Min, Max, LogicalAnd, LogicalOr, SquareAdd, Local) or its
-index in that list. LogicalAnd / LogicalOr reduce ``x != 0`` and give 0 / 1 in x's dtype;
-SquareAdd is the sum of the squares; Local does not communicate.
-
-Groups use ``axis_index_groups`` where the replicas run under ``shard_map``; under ``vmap``
-(which has no ``axis_index_groups``) every replica gathers the whole axis and reduces its own
-group's rows, which gives the same values. Without replication (or with groups of one
-replica) a collective reduces the replica's own value.
-
-Reduce-scatter flattens the input, pads it to a multiple of the group size and returns this
-replica's 1-D shard (its rank in the group); all-gather concatenates the group's flattened
-inputs in rank order. As in PopART, the gradient of an all-gather is this replica's slice of
-the output gradient (a Local reduce-scatter) and the gradient of a Local reduce-scatter is the
-all-gather of the output gradients.
-"""
+Replicated collectives run over ``ctx.replica_axis`` within groups of replicas
+(``__collectiveReplicaGrouping`` or the Builder's ``commGroup``); groups, operators, shapes and
+gradients are PopART's. See docs/replication.md."""
 from __future__ import annotations
 
 from functools import partial
@@ -234,7 +217,7 @@ def _reduce_scatter(ctx: LowerCtx, x, op, groups):
     return _local_slice(ctx, reduce_over(ctx, flat, op, groups), groups)
 
 
-# The gradients PopART gives (see the module docstring): custom VJPs around the group
+# The gradients PopART gives (docs/replication.md): custom VJPs around the group
 # functions, with the lowering context and groups as static arguments.
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -1,23 +1,9 @@
 """The one op registry: (domain, op type, opset range) -> lowering to jax.numpy / jax.lax.
 
-A lowering is ``fn(ctx, *inputs, **attrs)`` returning one array or a tuple of arrays (one per
-node output). ``inputs`` are jax arrays, NumPy arrays (constants, folded at trace time) or
-``None`` for an omitted optional input. ``attrs`` are the node's attributes as Python values,
-with the defaults filled in (:func:`node_attribute_defaults`): ONNX's from ``onnx.defs`` for
-ai.onnx ops, PopART's from the table in ``popart._ir.graphcore_schema`` for ai.graphcore ops.
-So a lowering only names the attributes it reads, with no defaults of its own for those the
-table gives (``None`` for an optional one the table leaves unset), and may take ``**_`` for
-the rest. ``ctx`` is a :class:`LowerCtx`.
-
-Register with the decorator::
-
-    @register("Relu", since=6)
-    def relu(ctx, x):
-        return jax.nn.relu(x)
-
-or, for a family, one table row per op (see ``elementwise.py``). Shapes and dtypes are never
-written by hand: they come from tracing the lowering (``jax.eval_shape``).
-"""
+A lowering is ``fn(ctx, *inputs, **attrs)`` returning one array or a tuple (one per output);
+``attrs`` come with ONNX's / PopART's defaults filled in, shapes and dtypes from tracing it.
+Register with ``@register("Relu", since=6)`` or, for a family, ``add`` from a table. See
+docs/op_registry.md."""
 from __future__ import annotations
 
 import bisect
