@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 __all__ = ["step_program", "compiled_step", "compiled", "is_placed", "mesh_shape",
-           "mesh_devices", "device_values"]
+           "mesh_devices", "device_values", "executable_source"]
 
 
 def _is_popxl(session: Any) -> bool:
@@ -76,3 +76,11 @@ def device_values(session: Any, part: Optional[str] = None) -> dict:
     if part is None:
         return {**weights, **state}
     return dict({"weights": weights, "optimizer": state}[part])
+
+
+def executable_source(session: Any) -> str:
+    """Where the session's program came from: "compiled", "compiled (cached)", "engine
+    cache" or "executable" (``engine.executable.compile_step``)."""
+    if _is_popxl(session):
+        return session.executable_source
+    return str(session._summary.get("executable_source", ""))

@@ -375,7 +375,6 @@ class PlacedMain:
                 raise _Unsupported("a variable a repeat updates read off its IPU after the repeat")
         self.exports = [{t for n in nodes for t in n.outputs if t in used} | (set(self.from_block[s]) & used)
                         for s, nodes in enumerate(self.nodes)]
-        self.out_ipu: dict[str, int] = {}
         self.mesh = jax.sharding.Mesh(_mesh_devices(session._device, self.replicas, ipus),
                                       (REPLICA_AXIS, IPU_AXIS))
 
@@ -414,7 +413,8 @@ class PlacedMain:
     def _stage_fn(self, s: int, checks: list) -> Callable:
         """Stage s on its IPU's devices: (the device's blocks, received tensors, feeds) -> (the
         blocks with its variables' new versions, the tensors it sends on, the record of its
-        first failed check, numbered after ``checks``, which it extends with its own)."""
+        first failed check). ``checks``: the program's registry so far (the plan's, when it is
+        the step that is compiled), which a check it does not know yet extends."""
         main, sess, gs = self.main, self.session, self.graphs
         ipu, exports = self.stages.stage_ipu[s], sorted(self.exports[s])
         sub = IRGraph(name=f"{main.name}/stage{s}", nodes=self.nodes[s],
@@ -429,17 +429,19 @@ class PlacedMain:
             weights = {t: mine[v] for t, v in self.from_block[s].items()}
             tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
                        platform=sess._placement.platform, replication_factor=r,
-                       replica_axis=REPLICA_AXIS if r > 1 else None)
+                       replica_axis=REPLICA_AXIS if r > 1 else None, checks=checks)
             record = tr.check_flags()
-            record = jnp.zeros(RECORD, jnp.int64) if record is None else record.at[1].add(len(checks))
-            checks.extend(tr.checks)
+            record = jnp.zeros(RECORD, jnp.int64) if record is None else record
+            checks[len(checks):] = tr.checks[len(checks):]
             blocks = self.layout.repack(blocks, ipu, {v: tr.env[t] for v, t in self.to_block[s].items()})
             return blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, record
         return run
 
-    def step(self) -> Callable:
+    def step(self, planned: list, facts: Optional[dict] = None) -> Callable:
         """The program: (slots [replicas, ipus, *block], stream inputs [replicas, N, ...]) ->
-        (new slots, device-to-host values [replicas, N, ...] and run-time checks)."""
+        (new slots, device-to-host values [replicas, N, ...] and run-time checks), its checks
+        numbered as ``planned`` (the plan's); ``facts`` (planning) gets the run-time checks
+        and each output's IPU."""
         st, sess, n = self.stages, self.session, self.session._n
         d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_numpy()) for s, t in sess._d2h}
         main, everywhere = self.main, set(range(self.ipus))
@@ -451,7 +453,7 @@ class PlacedMain:
             # tensors sent on: their value on every device, and the IPUs whose devices hold it
             env: dict = {}
             at: dict[str, set[int]] = {}
-            checks: list = []   # every stage's run-time checks
+            checks: list = list(planned)   # every stage's run-time checks
 
             def get(env: dict, at: dict, t: str, ipus: Any) -> Any:
                 """``t`` (a tensor sent on, a feed or a constant), moved to ``ipus`` (IpuCopy)."""
@@ -468,7 +470,7 @@ class PlacedMain:
                 received = {t: get(env, at, t, [a]) for t in self.reads[s] if t in env}
                 run = self._stage_fn(s, checks)
                 # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
-                shapes = jax.eval_shape(self._stage_fn(s, []), blocks, received, feeds)[1:]
+                shapes = jax.eval_shape(self._stage_fn(s, list(checks)), blocks, received, feeds)[1:]
                 zeros = lambda blocks, *_: (blocks, *jax.tree_util.tree_map(  # noqa: E731
                     lambda x: jnp.zeros(x.shape, x.dtype), shapes))
                 blocks, out, record = jax.lax.cond(dev == a, run, zeros, blocks, received, feeds)
@@ -512,7 +514,6 @@ class PlacedMain:
                     blocks, s = repeat(starts[s], blocks, records), starts[s].end
                 else:
                     blocks, s = stage(s, blocks, env, at, records), s + 1
-            sess._checks[:] = checks
 
             def write(d: int) -> Callable:   # device d's variables' new values into its blocks
                 return lambda blocks, new: self.layout.repack(blocks, d, new)
@@ -520,7 +521,9 @@ class PlacedMain:
                 new = {v: get(env, at, out, [self.home[v]]) for v, out in self.finals.items()}
                 blocks = jax.lax.switch(dev, [write(d) for d in range(self.ipus)], blocks, new)
             outs = {t: env.get(out, feeds.get(out)) for t, out in self.d2h.items()}
-            self.out_ipu = {t: min(at.get(out, {0})) for t, out in self.d2h.items()}
+            traced["out_ipu"] = {t: min(at.get(out, {0})) for t, out in self.d2h.items()}
+            if facts is not None:
+                facts.update(checks=list(checks), out_ipu=traced["out_ipu"])
             if checks:
                 outs[CHECKS] = first_failure(jnp.stack(records))
             return ({k: v[None, None] for k, v in blocks.items()},
@@ -531,5 +534,7 @@ class PlacedMain:
             state, outs = jax.shard_map(body, mesh=self.mesh, in_specs=(spec, P(REPLICA_AXIS)),
                                         out_specs=(spec, spec), check_vma=False)(state, feeds)
             # each output from the devices of the IPU computing it; checks from every device
-            return state, {t: v if t == CHECKS else v[:, self.out_ipu[t]] for t, v in outs.items()}
+            out_ipu = traced["out_ipu"]
+            return state, {t: v if t == CHECKS else v[:, out_ipu[t]] for t, v in outs.items()}
+        traced: dict = {}   # this trace's: where each output is (the body finds it)
         return program

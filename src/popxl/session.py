@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,8 @@ from popart import distributed
 from popart.dataflow import validate_input
 from popart.engine import WIDE_DTYPES, in_x64, x64
 from popart import report
-from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, xla_errors
+from popart.engine.compiled import (REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace,
+                                    xla_errors)
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
@@ -356,14 +357,15 @@ class Session:
         return jax.device_put(values, {k: shardings[k] for k in values})
 
     # ------------------------------------------------------------------ compile
-    def _replica_fn(self):
+    def _replica_fn(self, facts: Optional[dict] = None):
         """One replica's main graph: (its state: variables and remote buffers, its streams'
-        [N, ...] inputs) -> (the new state, device-to-host values, run-time checks)."""
+        [N, ...] inputs) -> (the new state, device-to-host values, run-time checks). Its
+        checks keep the plan's ids (``_checks``); ``facts`` (planning) gets them."""
         n, r = self._n, self._r
         slots = [(s.key, s.graph_in, s.graph_out._ir_id if s.graph_out is not None else s.graph_in)
                  for s in self._slots]
         d2h = [(s, t.id, self._d2h_final[s]._ir_id) for s, t in self._d2h]
-        main_ir, platform = self._main_ir, self._placement.platform
+        main_ir, platform, checks = self._main_ir, self._placement.platform, list(self._checks)
 
         def replica(state: dict, feeds: dict) -> tuple:
             feeds = dict(feeds)
@@ -371,11 +373,13 @@ class Session:
                 feeds[tid] = jnp.zeros((n,) + s.shape, s.dtype.as_numpy())
             weights = {gin: state[key] for key, gin, _ in slots}
             t = trace(main_ir, feeds, key=jax.random.key(0), weights=weights, platform=platform,
-                      replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r)
+                      replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r,
+                      checks=checks)
             new = {key: jnp.asarray(t.env[out]).astype(state[key].dtype) for key, _, out in slots}
             outs = {tid: jnp.asarray(t.env[fid]) for _, tid, fid in d2h}
-            self._checks[:] = t.checks   # run-time checks (indices in range, ...)
-            if t.checks:
+            if facts is not None:
+                facts["checks"] = list(t.checks)   # run-time checks (indices in range, ...)
+            if t.check_flags() is not None:
                 outs[CHECKS] = t.check_flags()
             return new, outs
         return replica
@@ -419,21 +423,26 @@ class Session:
         """[replicas, ...] arrays: one slice per replica's device(s)."""
         return self._placed.feed_sharding if self._placed else self._placement.sharding(0)
 
+    def _step_fn(self, facts: Optional[dict] = None) -> Callable:
+        """The program (see ``_replica_fn``), placed or replicated; ``facts``: planning."""
+        if self._placed:
+            return self._placed.step(self._checks, facts)
+        return self._placement.replicate(self._replica_fn(facts), in_axes=(0, 0))
+
     def _compile(self) -> None:
         split = self._feed_sharding()
         state = self._state_shardings()
-        fn = self._placed.step() if self._placed else \
-            self._placement.replicate(self._replica_fn(), in_axes=(0, 0))
+        specs = self._specs()
+        self._checks = []   # the plan's abstract trace finds the run-time checks
+        self._checks = plan_trace(self._step_fn, *specs)[1]["checks"]
+        fn = self._step_fn()
         host = list(self._placed.host_slots) if self._placed else [s.key for s in self._slots if s.memory_kind]
         if host:
             fn = _in_device_memory(fn, host)
         step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
                             donate_argnums=(0,))
-        specs = self._specs()
         with report.popxl_compiling(self):   # autoReport.*, dotChecks, progress logger
             self.executable_source = compile_step(step, specs, self._engine_cache_)
-        if self.executable_source == "engine cache":   # not traced: the run-time checks from
-            jax.eval_shape(step.fn, *specs)             # an abstract trace
         self._step = step
 
     # ------------------------------------------------------------------ context / device

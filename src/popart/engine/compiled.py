@@ -158,6 +158,16 @@ class Placement:
         return fetch((x,))[0]
 
 
+def plan_trace(build: Callable[[dict], Callable], *specs: Any) -> tuple[Any, dict]:
+    """A step's facts from one abstract trace (``jax.eval_shape``): ``build(facts)`` returns
+    the step function, which writes what only tracing learns (its run-time checks, where its
+    outputs are) into ``facts``. Returns (the outputs' ShapeDtypeStructs, facts). The step
+    that is compiled is built with facts None and is given the facts instead, so a program
+    loaded from the engine cache or an executable file has them without being traced."""
+    facts: dict = {}
+    return jax.eval_shape(build(facts), *specs), facts
+
+
 def arg_specs(tree: Any) -> Any:
     """jax.ShapeDtypeStruct of every array of ``tree``."""
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)

@@ -14,7 +14,7 @@ import functools
 import itertools
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,11 +69,13 @@ def check_flags(state: "TraceState") -> Optional[jax.Array]:
 def raise_failed_checks(record: Any, registry: list) -> None:
     """Raise popart_runtime_error if the host value of a record (``check_flags``, maybe
     reduced over batches with ``first_failure``) is a failure of ``registry``'s checks."""
-    if record is not None and registry:
+    if record is not None:
         rec = np.asarray(record).reshape(-1)
-        if rec[0]:
+        if rec[0] and int(rec[1]) < len(registry):
             check = registry[int(rec[1])]
             raise check.error(check.text(rec[2:]))
+        if rec[0]:   # a check the plan did not know (cannot fail: the plan folded its inputs)
+            raise popart_runtime_error(f"A run-time check of the program failed (check {int(rec[1])})")
 
 
 @dataclass
@@ -226,10 +228,12 @@ class NodeCtx:
             if bool(np.asarray(failed)):
                 raise ModelError(check.text(np.asarray(v) for v in values.values()))
             return
-        self._state.registry.append(check)
+        reg = self._state.registry   # a check the plan knows keeps the plan's id
+        if check not in reg:
+            reg.append(check)
         vals = [jnp.asarray(v).astype(jnp.int64).reshape(()) for v in values.values()]
         self.check_record(jnp.stack([jnp.asarray(failed).astype(jnp.int64).reshape(()),
-                                     jnp.int64(len(self._state.registry) - 1), *vals]
+                                     jnp.int64(reg.index(check)), *vals]
                                     + [jnp.int64(0)] * (RECORD - 2 - len(vals))))
 
 
@@ -655,7 +659,7 @@ def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: 
           probes: Optional[Mapping[str, Any]] = None, remat: Optional[Remat] = None,
           effects: Optional[set] = None,
           taps: Optional[Mapping[str, Callable[[Any], Any]]] = None,
-          float32_loss: Optional[str] = None) -> Trace:
+          float32_loss: Optional[str] = None, checks: Sequence[RunCheck] = ()) -> Trace:
     """Trace ``graph`` once on ``feeds`` (and ``weights``, which override initializers):
     the engine's one entry for front-ends. ``key`` is the base PRNG key (default key(0));
     ``replica_axis`` the vmap / shard_map axis replicas run under; ``probes`` zero tensors
@@ -664,12 +668,15 @@ def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: 
     records statistics of the gradient, e.g. ``als.AlsPlan.tap``); ``remat`` the graph's
     recompute segments; ``effects`` a set that collects id(node) of the nodes with side
     effects (what a segment may not hold); ``float32_loss`` a float16 loss whose gradient
-    runs in float32 (:func:`run_float32_loss`, :meth:`Trace.scalable_loss`)."""
+    runs in float32 (:func:`run_float32_loss`, :meth:`Trace.scalable_loss`); ``checks`` the
+    run-time checks a plan found (``Trace.checks`` of its abstract trace): they keep their ids
+    there, so records of this trace index the plan's registry (a step's facts come from its
+    plan, never from tracing the step)."""
     state = TraceState(training=training, rng_key=key, replica_axis=replica_axis,
                        replication_factor=replication_factor, options=options,
                        probes=probes or {}, taps=taps or {},
                        platform=platform or jax.default_backend(), remat=remat, effects=effects,
-                       float32_loss=float32_loss)
+                       float32_loss=float32_loss, registry=list(checks))
     return Trace(execute(graph, feeds, state, weights=weights), state)
 
 

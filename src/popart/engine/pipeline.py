@@ -46,7 +46,6 @@ log line says so.
 """
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -55,10 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import IrError, OptimizerError, noted
+from ..errors import IrError, noted
 from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node, reads
 from ..tensornames import PREFIXES
 from ..logging import getLogger
+from ..optimizers import GradientNorms, clip_by_norm, local_sum_squares
 from .compiled import CompiledStep, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
@@ -70,7 +70,6 @@ IPU_AXIS = "ipu"
 EXECUTION_PHASE = "__execution_phase"
 # Anchors of a pipeline's stashed / restored activations: the activation, per micro-batch.
 STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
-CHECK_IDS = 1 << 16   # the run-time checks of stage s have ids s * CHECK_IDS + i
 ASSIGN = "__assign__"  # a stage's new value of a variable an op writes, passed like an anchor
 PROBE = "__probe__"    # zeros added to a tensor whose gradient is anchored, passed like a feed
 TAP = "__tap__"        # ALS: zeros whose gradient is a tracked gradient's histogram, like a feed
@@ -299,6 +298,37 @@ def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
     return None
 
 
+class _BlockNorms(GradientNorms):
+    """Clipping's view of a placed step's gradient blocks (this device's; the replica's
+    shards of those in ``sharded``), still scaled by ``ls``: a group's squares summed over
+    the IPUs (and the shards over the replicas), its factor applied to its elements."""
+
+    def __init__(self, layout: "Layout", ipus: int, ls: Any, sharded: frozenset) -> None:
+        self.layout, self.ipus, self.ls, self.sharded = layout, ipus, ls, sharded
+
+    def _mine(self, ids: list[str]) -> dict:
+        masks = {k: np.zeros(self.ipus, bool) for k in self.layout.blocks}
+        for i in ids:
+            ipu, key, _ = self.layout.slots[i]
+            masks[key][ipu] = True   # the rest of a block is zero
+        dev = jax.lax.axis_index(IPU_AXIS)
+        return {k: jnp.asarray(m)[dev] for k, m in masks.items()}
+
+    def sum_squares(self, ids: list[str], g: Mapping[str, Any]) -> Any:
+        mine = self._mine(ids)
+        parts = {k: jnp.where(mine[k], jnp.sum(jnp.square(v.astype(jnp.float32) / self.ls)), 0.0)
+                 for k, v in g.items()}
+        part = sum(v for k, v in parts.items() if k not in self.sharded)
+        if self.sharded & set(g):
+            part = part + jax.lax.psum(sum(v for k, v in parts.items() if k in self.sharded),
+                                       REPLICA_AXIS)
+        return jax.lax.psum(part, IPU_AXIS)
+
+    def scale(self, ids: list[str], g: Mapping[str, Any], factor: Any) -> dict:
+        mine = self._mine(ids)
+        return {k: jnp.where(mine[k], v * factor.astype(v.dtype), v) for k, v in g.items()}
+
+
 class PlacedProgram(StepProgram):
     """A StepProgram whose stages run on the devices of their IPUs (module docstring). When
     the model needs what the placement lacks, it is the plain StepProgram."""
@@ -308,7 +338,6 @@ class PlacedProgram(StepProgram):
         super().__init__(graph, cfg, input_infos, device)
         self.device_info = device
         self.stages: Optional[StagePlan] = None
-        self._stage_checks: dict[int, list] = {}   # run-time checks of each stage's trace
         self.off_chip: frozenset = frozenset()      # slots kept in host memory
         self.rts_slots: frozenset = frozenset()     # slots stored sharded over the replicas
         self.update_slots: frozenset = frozenset()  # slots the update takes as shards
@@ -362,13 +391,6 @@ class PlacedProgram(StepProgram):
         tags = {w: ("" if w in self.trainable else "f") +
                 ("s" if w in rts.stored | rts.sharded_update else "") for w in self.variables}
         self.weight_layout = Layout("weights", self.variables, ipu_of, self.ipus, tags)
-        # Norm clipping spans IPUs: the step clips the gradient blocks (_clip), then updates
-        # with the optimizer less its clipping; on shards, Lamb's norms sum over the replicas.
-        self.update_optimizer = copy.copy(cfg.optimizer)
-        self.shard_optimizer = copy.copy(cfg.optimizer)
-        if cfg.training:
-            self.update_optimizer.clip_norm_settings = self.shard_optimizer.clip_norm_settings = []
-            self.shard_optimizer.norm_axis = REPLICA_AXIS
         self.row_weights = self._row_weights()
         state = self.init_opt_state()
         self.state_layout = Layout("state", {}, ipu_of, self.ipus)
@@ -433,8 +455,8 @@ class PlacedProgram(StepProgram):
         """Elementwise updates of whole blocks (or their shards): per weight slot, a weight
         whose optimizer values every weight of the slot shares (empty when the update needs
         each weight apart: Lamb's norms, per-weight values)."""
-        opt = self.update_optimizer
-        if not self.cfg.training or not opt.elementwise:
+        opt = self.cfg.optimizer   # clipping runs before, over all blocks (_clip)
+        if not self.cfg.training or not opt.elementwise_rule:
             return {}
         reps: dict[str, str] = {}
         for w in self.trainable:
@@ -597,11 +619,7 @@ class PlacedProgram(StepProgram):
                 anc[a] = jnp.asarray(t.assignments.get(v, env[v]), self.variables[v].dtype)
             if self.has_checks:
                 flags = t.check_flags()
-                anc[check] = self._zeros([check])[check] if flags is None else \
-                    flags.at[1].add(s * CHECK_IDS)
-                self._stage_checks[s] = list(t.checks)
-                self.run_checks = {s2 * CHECK_IDS + i: c for s2, cs in self._stage_checks.items()
-                                   for i, c in enumerate(cs)}
+                anc[check] = self._zeros([check])[check] if flags is None else flags
             loss = jnp.zeros((), jnp.float32)
             if has_loss:
                 loss = t.scalable_loss(cfg.loss)
@@ -804,8 +822,9 @@ class PlacedProgram(StepProgram):
                             for sharded in (False, True):
                                 ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
                                 if ids:
-                                    nw, ns = self._optimizer(sharded).apply(
-                                        {k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss, h)
+                                    nw, ns = self.cfg.optimizer.apply(
+                                        {k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss, h,
+                                        clip=False, sum_squares=self._sum_squares(sharded))
                                     new_w.update(nw)
                                     new_s.update(ns)
                             return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
@@ -905,40 +924,21 @@ class PlacedProgram(StepProgram):
 
     def _clip(self, g: dict, h: dict, sharded: frozenset) -> dict:
         """The optimizer's gradient norm clipping on this device's gradient blocks (the
-        replica's shards of those in ``sharded``): each group's norm of the unscaled gradients
-        summed over the IPUs (and the shards over the replicas), its factor applied to the
-        group's elements, group after group as Optimizer.apply does."""
+        replica's shards of those in ``sharded``), with norms over the IPUs (and replicas)."""
         opt = self.cfg.optimizer
         if not self.cfg.training or not opt.clip_norm_settings:
             return g
-        dev, lay = jax.lax.axis_index(IPU_AXIS), self.weight_layout
         ls = jnp.asarray(self._hyper(h, "lossScaling"), jnp.float32)
-        g = dict(g)
-        for c in opt.clip_norm_settings:
-            ids = list(self.trainable) if c.weightIds is None else c.weightIds
-            missing = [i for i in ids if i not in self.trainable]
-            if missing:
-                raise OptimizerError(f"ClipNormSettings: weights {missing} are not trainable weights "
-                              f"of the model (have {sorted(self.trainable)})")
-            masks = {k: np.zeros(self.ipus, bool) for k in lay.blocks}
-            for i in ids:
-                ipu, key, _ = lay.slots[i]
-                masks[key][ipu] = True   # the rest of a block is zero
-            mine = {k: jnp.asarray(m)[dev] for k, m in masks.items()}
-            parts = {k: jnp.where(mine[k], jnp.sum(jnp.square(v.astype(jnp.float32) / ls)), 0.0)
-                     for k, v in g.items()}
-            part = sum(v for k, v in parts.items() if k not in sharded)
-            if sharded & set(g):
-                part = part + jax.lax.psum(sum(v for k, v in parts.items() if k in sharded),
-                                           REPLICA_AXIS)
-            norm = jnp.sqrt(jax.lax.psum(part, IPU_AXIS))
-            factor = c.maxNorm / jnp.maximum(norm, c.maxNorm)
-            g = {k: jnp.where(mine[k], v * factor.astype(v.dtype), v) for k, v in g.items()}
-        return g
+        return clip_by_norm(opt.clip_norm_settings, g, list(self.trainable),
+                            _BlockNorms(self.weight_layout, self.ipus, ls, sharded))
 
-    def _optimizer(self, on_shards: bool) -> Any:
-        """The optimizer of an update on whole tensors, or on shards (norms over replicas)."""
-        return self.shard_optimizer if on_shards else self.update_optimizer
+    @staticmethod
+    def _sum_squares(on_shards: bool):
+        """How the update sums a tensor's squares (Lamb's norms): over the replicas' shards
+        when it updates shards."""
+        if not on_shards:
+            return local_sum_squares
+        return lambda x: jax.lax.psum(local_sum_squares(x), REPLICA_AXIS)
 
     def _row_update(self, w: dict, g: dict, s: dict, h: dict) -> tuple[dict, dict]:
         """The optimizer on whole blocks (or their shards, ``update_slots``), in place: each
@@ -946,10 +946,11 @@ class PlacedProgram(StepProgram):
         slots beside it."""
         lay, w, s = self.state_layout, dict(w), dict(s)
         for wkey, r in self.row_weights.items():
-            opt = self._optimizer(wkey in self.update_slots)
+            opt = self.cfg.optimizer
             keys = {sid: lay.slots[sid][1] for sid in opt.init_state(r, self.variables[r])}
             new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]},
-                                     {sid: s[key] for sid, key in keys.items()}, h)
+                                     {sid: s[key] for sid, key in keys.items()}, h, clip=False,
+                                     sum_squares=self._sum_squares(wkey in self.update_slots))
             w[wkey] = new_w[r]
             s.update({keys[sid]: v for sid, v in new_s.items()})
         return w, s

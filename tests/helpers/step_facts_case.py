@@ -1,0 +1,90 @@
+"""One process of tests/test_step_facts.py: runs an out-of-range Gather on IPU 1 (popart
+TrainingSession and popxl.Session, placed on two devices and unplaced), with the engine
+cache at argv[1], and prints one JSON line per case: where the program came from, whether
+it ran placed, and the error the bad index raised."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("POPART_HOST_DEVICES", "4")
+os.environ["POPXL_CACHE_DIR"] = os.path.join(sys.argv[1], "popxl")
+
+import numpy as np  # noqa: E402
+
+import popart  # noqa: E402
+import popxl  # noqa: E402
+import popxl.ops as ops  # noqa: E402
+from popart import testing  # noqa: E402
+
+
+def popart_case(placed: bool) -> dict:
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 8]), "x")
+    idx = b.addInputTensor(popart.TensorInfo("INT32", [2]), "idx")
+    with b.virtualGraph(0):
+        w = b.addInitializedInputTensor(np.full((8, 8), 0.1, np.float32), "w")
+        h = b.aiOnnx.matmul([x, w])
+    with b.virtualGraph(1):
+        g = b.aiOnnx.gather([h, idx], axis=0, debugContext="the_gather")
+        loss = b.aiGraphcore.l1loss([g], 0.1, reduction=popart.ReductionType.Mean)
+    o = popart.SessionOptions()
+    o.enableEngineCaching, o.cachePath = True, os.path.join(sys.argv[1], "popart")
+    if placed:
+        o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    dev = popart.DeviceManager().acquireAvailableDevice(2 if placed else 1)
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                               popart.ConstSGD(0.1), dev, userOptions=o)
+    s.prepareDevice()
+    s.weightsFromHost()
+    out = s.initAnchorArrays()
+    xs = np.ones((4, 8), np.float32)
+    s.run(popart.PyStepIO({x: xs, idx: np.array([0, 3], np.int32)}, out))
+    ok = float(np.asarray(out[loss]))
+    try:
+        s.run(popart.PyStepIO({x: xs, idx: np.array([0, 9], np.int32)}, out))
+        err = None
+    except Exception as e:  # noqa: BLE001  (the test judges the class)
+        err = e
+    res = dict(placed=testing.is_placed(s), mesh=list(testing.mesh_shape(s)), ok=ok,
+               source=testing.executable_source(s))
+    dev.detach()
+    return {**res, **_error(err)}
+
+
+
+def _error(err) -> dict:
+    if err is None:
+        return dict(error=None, message="")
+    return dict(error=type(err).__name__, popart=isinstance(err, popart.popart_exception),
+                message=str(err))
+
+
+def popxl_case(placed: bool) -> dict:
+    ir = popxl.Ir()
+    with ir.main_graph:
+        idx_s = popxl.h2d_stream((1,), popxl.int32, "idx")
+        out_s = popxl.d2h_stream((1,), popxl.float32, "out")
+        with popxl.ipu(0):
+            i = ops.host_load(idx_s) + 0
+        with popxl.ipu(1 if placed else 0):
+            table = popxl.constant(np.arange(4, dtype=np.float32))
+            j = ops.ipu_copy(i, 1, 0) if placed else i
+            ops.host_store(out_s, ops.gather(table, j))
+    with popxl.Session(ir, "ipu_model") as s:
+        ok = float(s.run({idx_s: np.array([3], np.int32)})[out_s][0])
+        try:
+            s.run({idx_s: np.array([7], np.int32)})
+            err = None
+        except Exception as e:  # noqa: BLE001
+            err = e
+        res = dict(placed=testing.is_placed(s), mesh=list(testing.mesh_shape(s)), ok=ok,
+                   source=testing.executable_source(s))
+    return {**res, **_error(err)}
+
+
+if __name__ == "__main__":
+    for name, fn, placed in [("popart placed", popart_case, True), ("popart", popart_case, False),
+                             ("popxl placed", popxl_case, True), ("popxl", popxl_case, False)]:
+        print(json.dumps({"case": name, **fn(placed)}), flush=True)
