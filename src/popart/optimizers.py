@@ -1,49 +1,13 @@
-"""PopART's optimizers (API reference 13.4) and their weight updates in pure jax.numpy.
+"""PopART's optimizers (API reference 13.4): configuration facades over a chain of parts
+(unscale, clip with an engine-supplied norm, the per-weight rule), in pure jax.numpy.
 
-Every hyper-parameter is an :class:`OptimizerValue` ``(val, isConst)``. Const values are baked
-into the compiled program as Python floats; non-const ones are runtime inputs (see
-:meth:`Optimizer.non_const_feed`), so ``updateOptimizerFromHost`` needs no recompilation.
-
-``apply`` receives the gradient of ``loss * ls``; it first divides by ``ls`` and clips each
-:class:`ClipNormSettings` group by ``min(1, maxNorm / ||g_group||)`` (global L2 norm of the
-unscaled gradients). Then, with ``g`` that gradient, ``w`` the weight:
-
-=====================  ==================================================================
-SGD                    ``v' = mm*v + (1-dm)*(g + wd*w)``  (``v`` starts at 0; stored as
-                       ``vs*v``; no state when momentum is const 0, i.e. ``v = 0``)
-                       nesterov: ``w' = w - lr*(g + wd*w + mm*v')`` else ``w' = w - lr*v'``
-Adam (all modes)       ``gt = g`` (Decay) or ``g + wd*w`` (L2Regularization)
-                       ``m' = b1*m + (1-b1)*gt``;  ``t' = t + 1``
-                       ``v' = b2*v + (1-b2)*gt^2``; AdaMax: ``v' = max(b2*v, |gt|)``
-                       ``mh = m'/(1-b1^t')`` (Adam/Lamb/AdaMax) else ``m'`` (NoBias)
-                       ``vh = v'/(1-b2^t')`` (Adam/Lamb) else ``v'`` (NoBias, AdaMax)
-                       ``u = mh/(sqrt(vh) + eps)``; AdaMax: ``u = mh/(vh + eps)``
-                       ``u += wd*w`` (Decay only)
-                       Lamb/LambNoBias: ``u *= min(||w||, mwn) / ||u||`` (1 if either is 0)
-                       ``w' = w - lr*u``
-Adaptive (all modes)   ``gt`` as for Adam
-                       AdaGrad: ``v1' = v1 + gt^2``; others: ``v1' = a*v1 + (1-a)*gt^2``
-                       CenteredRMSProp: ``v2' = a*v2 + (1-a)*gt``, ``d = v1' - v2'^2``, else
-                       ``d = v1'``; ``x = gt/(sqrt(d) + eps)`` (TF variant: ``gt/sqrt(d+eps)``)
-                       AdaDelta: ``x = gt*sqrt(v2+eps)/sqrt(v1'+eps)``, ``v2' = a*v2 + (1-a)*x^2``
-                       momentum (state ``v3`` when ``m`` is non-const or > 0):
-                       ``v3' = m*v3 + x``, ``w' = w - lr*(v3' + wd*w)`` (``wd`` only for Decay);
-                       TF variant: ``v3' = m*v3 + lr*x``, ``w' = w*(1-wd) - v3'``
-                       no momentum: ``w' = w - lr*(x + wd*w)``; TF variant starts ``v1`` at 1
-=====================  ==================================================================
-
-Two places follow PopART's implementation where the reference's prose differs:
-AdaMax divides by ``vh + eps`` with no sqrt and no bias correction of ``v`` (PopART's
-AdamUpdater, as in Kingma & Ba); and Adam's ``scaled_optimizer_state`` keeps ``m`` and ``v``
-scaled by ``ls`` and ``ls^2`` (AdaMax: ``ls``), with ``eps`` scaled by ``ls``, which leaves the
-update unchanged.
+The update formulas and the composition: docs/optimizers.md.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -168,6 +132,45 @@ def _getter(name: str):
     return get
 
 
+def local_sum_squares(x: Array) -> Array:
+    """The sum of the squares of a tensor's elements (on this device)."""
+    return jnp.sum(jnp.square(x))
+
+
+def unscale(grads: Mapping[str, Array], ls: Any) -> dict[str, Array]:
+    """The gradients of the loss (at least float32) from those of ``loss * ls``."""
+    return {k: jnp.asarray(v, jnp.result_type(v, jnp.float32)) / ls for k, v in grads.items()}
+
+
+class GradientNorms:
+    """How clipping sees gradients: ``sum_squares(ids, g)`` of a group of weights and
+    ``scale(ids, g, factor)``. This one holds whole tensors on one device; engines whose
+    gradients span devices (IPUs, replica shards) supply their own."""
+
+    def sum_squares(self, ids: list[str], g: Mapping[str, Array]) -> Array:
+        return sum(jnp.sum(jnp.square(g[i])) for i in ids)
+
+    def scale(self, ids: list[str], g: Mapping[str, Array], factor: Array) -> dict[str, Array]:
+        return {**g, **{i: g[i] * factor for i in ids}}
+
+
+def clip_by_norm(settings: Iterable["ClipNormSettings"], g: Mapping[str, Array],
+                 trainable: list[str], norms: GradientNorms = GradientNorms()
+                 ) -> dict[str, Array]:
+    """PopART's gradient clipping, group after group: each :class:`ClipNormSettings` group
+    scaled by ``maxNorm / max(||g_group||, maxNorm)``, its global L2 norm from ``norms``."""
+    g = dict(g)
+    for c in settings:
+        ids = list(trainable) if c.weightIds is None else c.weightIds
+        missing = [i for i in ids if i not in trainable]
+        if missing:
+            raise OptimizerError(f"ClipNormSettings: weights {missing} are not trainable "
+                                 f"weights of the model (have {sorted(trainable)})")
+        norm = jnp.sqrt(norms.sum_squares(ids, g))
+        g = norms.scale(ids, g, c.maxNorm / jnp.maximum(norm, c.maxNorm))
+    return g
+
+
 class Optimizer:
     """Base of PopART's optimizers: hyper-parameter maps, loss scaling, clip norms and the
     engine-facing interface (``non_const_feed``, ``check_compatible``, ``init_state``, ``apply``).
@@ -177,7 +180,6 @@ class Optimizer:
     _UNSET: dict[str, float] = {}          # per-weight hyper-parameter -> PopART's default
     _KEY_ALIASES: dict[str, str] = {}      # extra constructor keys -> hyper-parameter
     _SETTINGS: tuple[str, ...] = ()        # structural attributes, fixed once compiled
-    norm_axis: str | None = None   # engines updating replica shards: the shards' mesh axis
 
     def __init__(self, values: Mapping[str, Any] | float | None,
                  clip_norm_settings: Iterable[ClipNormSettings] = (),
@@ -247,10 +249,10 @@ class Optimizer:
         return self._ls
 
     @property
-    def elementwise(self) -> bool:
-        """Whether each element's update depends only on that element (and its state): no
-        norms over a weight (Lamb) or over several weights (clipping)."""
-        return not self.clip_norm_settings
+    def elementwise_rule(self) -> bool:
+        """Whether the per-weight rule (:meth:`update`, after clipping) updates each element
+        from that element (and its state) only: no norm over a weight (Lamb)."""
+        return True
 
     def settings(self) -> dict[str, Any]:
         """Structural settings; a replacement optimizer must have the same."""
@@ -298,48 +300,47 @@ class Optimizer:
         return {p + weight_id: np.full(() if p == "Step___" else np.shape(w), fill, dtype)
                 for p, (dtype, fill) in self._state_spec(weight_id, w).items()}
 
+    def value(self, hyper: Mapping[str, Array], ov: OptimizerValue, key: str) -> Any:
+        """A hyper-parameter's value: the constant, or the runtime value ``hyper[key]``."""
+        if ov.isConst():
+            return ov.val()
+        if key not in hyper:
+            raise OptimizerError(f"{self.type_name()}.apply: no runtime value for the "
+                                 f"non-const hyper-parameter '{key}'")
+        return jnp.asarray(hyper[key], jnp.float32)
+
     def apply(self, weights: Mapping[str, Array], grads: Mapping[str, Array],
-              state: Mapping[str, Array], hyper: Mapping[str, Array]
+              state: Mapping[str, Array], hyper: Mapping[str, Array], *, clip: bool = True,
+              sum_squares: Callable[[Array], Array] = local_sum_squares
               ) -> tuple[dict[str, Array], dict[str, Array]]:
         """One update of ``weights`` from the loss-scaled ``grads``; returns (weights, state).
 
+        The chain of parts: :func:`unscale`, :func:`clip_by_norm` over these weights (an
+        engine whose weights span devices clips first with its own norms and passes
+        ``clip=False``), then :meth:`update`. ``sum_squares`` sums a tensor's squares (an
+        engine updating shards sums the shards' partial sums over their mesh axis).
         ``hyper`` holds the non-const values keyed as in :meth:`non_const_feed`."""
-        def value(ov: OptimizerValue, key: str) -> Any:
-            if ov.isConst():
-                return ov.val()
-            if key not in hyper:
-                raise OptimizerError(f"{self.type_name()}.apply: no runtime value for the "
-                                     f"non-const hyper-parameter '{key}'")
-            return jnp.asarray(hyper[key], jnp.float32)
+        ls = self.value(hyper, self._ls, "lossScaling")
+        g = unscale({k: grads[k] for k in weights}, ls)
+        if clip:
+            g = clip_by_norm(self.clip_norm_settings, g, list(weights))
+        return self.update(weights, g, state, hyper, ls, sum_squares)
 
-        ls = value(self._ls, "lossScaling")
-        g = {k: jnp.asarray(grads[k], jnp.result_type(grads[k], jnp.float32)) / ls
-             for k in weights}
-        for c in self.clip_norm_settings:
-            ids = list(weights) if c.weightIds is None else c.weightIds
-            missing = [i for i in ids if i not in g]
-            if missing:
-                raise OptimizerError(f"ClipNormSettings: weights {missing} are not trainable "
-                                     f"weights of the model (have {sorted(weights)})")
-            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g[i])) for i in ids))
-            factor = c.maxNorm / jnp.maximum(norm, c.maxNorm)
-            g.update({i: g[i] * factor for i in ids})
+    def update(self, weights: Mapping[str, Array], g: Mapping[str, Array],
+               state: Mapping[str, Array], hyper: Mapping[str, Array], ls: Any,
+               sum_squares: Callable[[Array], Array] = local_sum_squares
+               ) -> tuple[dict[str, Array], dict[str, Array]]:
+        """The per-weight rule on unscaled, clipped gradients ``g`` (loss scaling ``ls``)."""
         new_w, new_s = {}, {}
         for wid, w in weights.items():
-            h = {n: value(self.hyper_value(wid, n), f"{n}/{wid}") for n in self.hyper_names()}
+            h = {n: self.value(hyper, self.hyper_value(wid, n), f"{n}/{wid}")
+                 for n in self.hyper_names()}
             spec = self._state_spec(wid, w)
             s = {p: jnp.asarray(state[p + wid], g[wid].dtype) for p in spec}
-            w2, s2 = self._update(jnp.asarray(w, g[wid].dtype), g[wid], s, h, ls)
+            w2, s2 = self._update(jnp.asarray(w, g[wid].dtype), g[wid], s, h, ls, sum_squares)
             new_w[wid] = w2.astype(jnp.asarray(w).dtype)
             new_s.update({p + wid: s2[p].astype(spec[p][0]) for p in spec})
         return new_w, new_s
-
-    def _sum_squares(self, x: Array) -> Array:
-        """The sum of the squares of a tensor's elements (Lamb's norms): of every shard's
-        elements when an engine updates shards, which sums the shards' partial sums over
-        ``norm_axis`` (a shard_map axis)."""
-        s = jnp.sum(jnp.square(x))
-        return s if self.norm_axis is None else jax.lax.psum(s, self.norm_axis)
 
     # ------------------------------------------------------------- implemented per optimizer
     def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
@@ -347,7 +348,7 @@ class Optimizer:
         raise NotImplementedError
 
     def _update(self, w: Array, g: Array, s: dict[str, Array], h: dict[str, Any],
-                ls: Any) -> tuple[Array, dict[str, Array]]:
+                ls: Any, sum_squares: Callable[[Array], Array]) -> tuple[Array, dict[str, Array]]:
         """New weight and state from the unscaled, clipped gradient ``g``."""
         raise NotImplementedError
 
@@ -387,7 +388,7 @@ class SGD(Optimizer):
         has_momentum = not mm.isConst() or mm.val() != 0.0
         return {"Accl___": (_dtype(self.accl1_type, w.dtype), 0.0)} if has_momentum else {}
 
-    def _update(self, w, g, s, h, ls):
+    def _update(self, w, g, s, h, ls, sum_squares):
         mm, dm, wd, lr, vs = (h[k] for k in ("momentum", "dampening", "weightDecay",
                                              "learningRate", "velocityScaling"))
         # The stored velocity is vs * v (PopART's velocity scaling): V' = mm*V + vs*(1-dm)*(g+wd*w).
@@ -408,7 +409,7 @@ class ConstSGD(SGD):
 
 
 class Adam(Optimizer):
-    """Adam, AdamW, AdamNoBias, Lamb, LambNoBias and AdaMax (see the module's table)."""
+    """Adam, AdamW, AdamNoBias, Lamb, LambNoBias and AdaMax (rules: docs/optimizers.md)."""
 
     _TYPE = "Adam"
     _UNSET = {"learningRate": 0.1, "weightDecay": 0.0, "beta1": 0.9, "beta2": 0.999,
@@ -445,10 +446,10 @@ class Adam(Optimizer):
                 "Step___": (np.dtype(np.float32), 0.0)}
 
     @property
-    def elementwise(self) -> bool:
-        return super().elementwise and self.mode not in (AdamMode.Lamb, AdamMode.LambNoBias)
+    def elementwise_rule(self) -> bool:
+        return self.mode not in (AdamMode.Lamb, AdamMode.LambNoBias)
 
-    def _update(self, w, g, s, h, ls):
+    def _update(self, w, g, s, h, ls, sum_squares):
         M = AdamMode
         b1, b2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weightDecay"]
         sc = ls if self.scaled_optimizer_state else 1.0   # state kept scaled by ls (and ls^2)
@@ -466,15 +467,15 @@ class Adam(Optimizer):
         if not l2:
             u = u + wd * w
         if self.mode in (M.Lamb, M.LambNoBias):
-            r1 = jnp.minimum(jnp.sqrt(self._sum_squares(w)), h["maxWeightNorm"])
-            r2 = jnp.sqrt(self._sum_squares(u))
+            r1 = jnp.minimum(jnp.sqrt(sum_squares(w)), h["maxWeightNorm"])
+            r2 = jnp.sqrt(sum_squares(u))
             ok = (r1 > 0) & (r2 > 0)
             u = u * jnp.where(ok, r1 / jnp.where(ok, r2, 1.0), 1.0)
         return w - h["learningRate"] * u, {"Accl1___": m, "Accl2___": v, "Step___": t}
 
 
 class Adaptive(Optimizer):
-    """AdaGrad, RMSProp, CenteredRMSProp and AdaDelta (see the module's table)."""
+    """AdaGrad, RMSProp, CenteredRMSProp and AdaDelta (rules: docs/optimizers.md)."""
 
     _TYPE = "Adaptive"
     _UNSET = {"learningRate": 0.01, "weightDecay": 0.0, "alpha": 0.99, "momentum": 0.0,
@@ -512,7 +513,7 @@ class Adaptive(Optimizer):
             spec["Accl3___"] = (_dtype(self.accl3_type, w.dtype), 0.0)
         return spec
 
-    def _update(self, w, g, s, h, ls):
+    def _update(self, w, g, s, h, ls, sum_squares):
         A = AdaptiveMode
         a, eps, wd, lr = h["alpha"], h["eps"], h["weightDecay"], h["learningRate"]
         l2 = self.weight_decay_mode == WeightDecayMode.L2Regularization

@@ -1,0 +1,103 @@
+"""The optimizer as a chain of parts (docs/optimizers.md): unscale, clip with the norms an
+engine supplies, the per-weight rule; the user's optimizer object is never changed."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import popart
+from popart.optimizers import GradientNorms, clip_by_norm, unscale
+
+RS = np.random.RandomState(3)
+W = {k: RS.randn(*s).astype(np.float32) for k, s in (("a", (3, 4)), ("b", (5,)), ("c", (2, 2)))}
+G = {k: RS.randn(*v.shape).astype(np.float32) * 40 for k, v in W.items()}
+CLIPS = [popart.ClipNormSettings(["a", "b"], 0.5), popart.ClipNormSettings.clipAllWeights(1.5)]
+
+
+def lamb() -> popart.Adam:
+    return popart.Adam({"defaultLearningRate": (0.01, True), "lossScaling": (8.0, True)},
+                       mode=popart.AdamMode.Lamb, clip_norm_settings=CLIPS)
+
+
+def numpy_clip(g: dict, ls: float) -> dict:
+    """PopART's clipping written out: unscale, then each group by maxNorm / max(norm, maxNorm)."""
+    g = {k: v / ls for k, v in g.items()}
+    for ids, max_norm in ((["a", "b"], 0.5), (list(g), 1.5)):
+        norm = np.sqrt(sum(np.sum(g[i].astype(np.float64) ** 2) for i in ids))
+        g.update({i: g[i] * (max_norm / max(norm, max_norm)) for i in ids})
+    return g
+
+
+def test_unscale_then_clip_matches_numpy():
+    got = clip_by_norm(CLIPS, unscale(G, 8.0), list(W))
+    want = numpy_clip(G, 8.0)
+    for k in W:
+        np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-5)
+
+
+def test_apply_is_the_chain_of_its_parts():
+    opt = lamb()
+    state = {k: v for w in W for k, v in opt.init_state(w, W[w]).items()}
+    new_w, new_s = opt.apply(W, G, state, {})
+    g = clip_by_norm(opt.clip_norm_settings, unscale(G, 8.0), list(W))
+    chain_w, chain_s = opt.update(W, g, state, {}, 8.0)
+    for k in W:
+        np.testing.assert_array_equal(np.asarray(new_w[k]), np.asarray(chain_w[k]))
+    for k in new_s:
+        np.testing.assert_array_equal(np.asarray(new_s[k]), np.asarray(chain_s[k]))
+    # clip=False skips clipping only: the update of the unclipped gradients
+    raw_w, _ = opt.apply(W, G, state, {}, clip=False)
+    ref_w, _ = opt.update(W, unscale(G, 8.0), state, {}, 8.0)
+    np.testing.assert_array_equal(np.asarray(raw_w["a"]), np.asarray(ref_w["a"]))
+    assert not np.allclose(np.asarray(raw_w["a"]), np.asarray(new_w["a"]))
+
+
+def test_engine_supplied_norms_are_used():
+    class Doubled(GradientNorms):   # an engine whose other half holds the same gradients
+        def sum_squares(self, ids, g):
+            return 2 * super().sum_squares(ids, g)
+
+    settings = [popart.ClipNormSettings.clipAllWeights(1.0)]
+    g = unscale(G, 1.0)
+    plain = clip_by_norm(settings, g, list(W))
+    doubled = clip_by_norm(settings, g, list(W), Doubled())
+    np.testing.assert_allclose(np.asarray(doubled["a"]), np.asarray(plain["a"]) / np.sqrt(2),
+                               rtol=1e-5)
+
+
+def test_clip_names_weights_that_are_not_trainable():
+    with pytest.raises(popart.OptimizerError, match=r"\['nope'\] are not trainable"):
+        clip_by_norm([popart.ClipNormSettings(["a", "nope"], 1.0)], G, list(W))
+
+
+def test_placed_training_leaves_the_users_optimizer_unchanged():
+    """Two virtual graphs (placed when the suite's host devices allow it), Lamb with clipping
+    over weights on both IPUs: the optimizer object the user passed is not copied or patched."""
+    rs = np.random.RandomState(0)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 8]), "x")
+    lab = b.addInputTensor(popart.TensorInfo("INT32", [4]), "label")
+    h = x
+    for i in range(2):
+        with b.virtualGraph(i):
+            w = b.addInitializedInputTensor((rs.randn(8, 8) * 0.3).astype(np.float32), f"w{i}")
+            h = b.aiOnnx.tanh([b.aiOnnx.matmul([h, w])])
+    with b.virtualGraph(1):
+        loss = b.aiGraphcore.nllloss([b.aiOnnx.softmax([h], axis=1), lab])
+    opt = popart.Adam({"defaultLearningRate": (0.05, False)}, mode=popart.AdamMode.Lamb,
+                      clip_norm_settings=[popart.ClipNormSettings.clipAllWeights(0.1)])
+    before = copy.deepcopy(opt.__dict__)
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, opt,
+                               popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
+    s.prepareDevice()
+    s.weightsFromHost()
+    s.run(popart.PyStepIO({x: rs.randn(4, 8).astype(np.float32),
+                           lab: rs.randint(0, 8, 4).astype(np.int32)}, s.initAnchorArrays()))
+    assert type(opt).__dict__.get("norm_axis") is None and "norm_axis" not in opt.__dict__
+    assert opt.__dict__.keys() == before.keys()
+    assert opt.clip_norm_settings == before["clip_norm_settings"]
+    assert opt.clip_norm_settings[0].maxNorm == 0.1
