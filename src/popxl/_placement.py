@@ -55,7 +55,7 @@ import popart
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
 from popart.engine.pipeline import IPU_AXIS, Layout, StagePlan, plan_stages
-from popart._ir.graph import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
+from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
 

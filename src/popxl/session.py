@@ -21,6 +21,7 @@ are global, as in popxl: every instance gives all groups' data, each sends its r
 share, and ``weights_to_host`` gathers every replica's values on every instance."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -42,9 +43,8 @@ from popart.engine.compiled import (REPLICA_AXIS, CompiledStep, Placement, fetch
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
-from popart._ir.graph import fingerprint
+from popart.engine.ir import fingerprint
 from popart.logging import getLogger
-from popart.session import _serialised
 from popart.tensorinfo import TensorInfo, to_datatype
 
 from ._placement import device_ipus, placed_program
@@ -56,6 +56,16 @@ from .utils import HW_DEVICE_CONNECTION_TIMEOUT, _offline_device_from_str, _to_d
 
 
 _logger = getLogger("session")
+
+
+def _serialised(method: Callable) -> Callable:
+    """Run ``method`` holding the session's lock, in the package's 64-bit JAX scope."""
+    @functools.wraps(method)
+    def locked(self: "Session", *args: Any, **kwargs: Any) -> Any:
+        with self._lock, x64():
+            return method(self, *args, **kwargs)
+    return locked
+
 
 # the stream -> array maps of Session.run / run_with_outputs (PopXL's names)
 d2hStreamBufferMaps = Mapping[DeviceToHostStream, np.ndarray]
