@@ -15,7 +15,7 @@ import json
 import os
 import threading
 from importlib import metadata
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -100,6 +100,38 @@ def read_executable(filename: str, signature: Mapping[str, Any],
         raise popart_exception(f"'{filename}' was compiled for something else: " + "; ".join(diff))
     arrays = {k: v for k, v in data.items() if k not in ("executable", "metadata")}
     return bytes(data["executable"]), arrays
+
+
+def state_arrays(weights: Mapping[str, Any], state: Mapping[str, Any]) -> dict:
+    """Variables and optimizer state as an executable (or variables) file names them:
+    ``var/<id>``, ``opt/<id>``."""
+    return {**{"var/" + k: v for k, v in weights.items()},
+            **{"opt/" + k: v for k, v in state.items()}}
+
+
+# Options that do not shape the compiled program (where it is cached, how compilation is
+# reported, debugging output): left out of the executable's signature.
+_NOT_IN_SIGNATURE = {"cachePath", "enableEngineCaching", "compilationProgressLogger",
+                     "compilationProgressTotal", "compileEngine", "logDir", "dotChecks",
+                     "dotOpNames", "firstDotOp", "finalDotOp", "reportOptions"}
+
+
+def options_signature(options: Any) -> dict:
+    """The options that shape the compiled program and differ from the defaults."""
+    summary = options.summary() if callable(getattr(options, "summary", None)) else {}
+    return canonical({k: v for k, v in summary.items() if k not in _NOT_IN_SIGNATURE})
+
+
+def optimizer_signature(opt: Any) -> Any:
+    """The optimizer's type, settings and const hyper-parameters (compiled into the
+    program); non-const ones are fed at run time and left out."""
+    if opt is None:
+        return None
+    const = lambda ov: repr(ov) if ov.isConst() else "non-const"
+    maps = {n: [const(m.getDefault()), {w: const(v) for w, v in m.getSpecifics().items()}]
+            for n, m in getattr(opt, "_maps", {}).items()}
+    return canonical({"type": opt.type_name(), "settings": opt.settings(), "const": maps,
+                      "lossScaling": const(opt.loss_scaling())})
 
 
 _XLA_CACHE_FLAGS = {"jax_compilation_cache_dir": None,
@@ -189,3 +221,58 @@ def compile_step(step: CompiledStep, specs: Sequence[Any], cache: Optional[Engin
     if store:
         cache.store(exported)
     return source
+
+
+class SessionFiles:
+    """A popart session's executable files and engine-cache entry: their signature (the
+    model, the configuration and options that shape the compiled program, the versions that
+    compiled it) and the size bound for reading them. ``cfg`` is the session's current
+    ``StepConfig``; ``like`` the arrays a file of the session may hold (``state_arrays``
+    of its planned variables and optimizer state)."""
+
+    def __init__(self, kind: str, model: Any, inputs: Mapping[str, Any], patterns: Any,
+                 initializers: Mapping[str, Any]) -> None:
+        self.kind, self.model, self.inputs = kind, model, inputs
+        self.patterns, self.initializers = patterns, initializers
+
+    def signature(self, cfg: Any) -> dict:
+        """What a saved executable or engine-cache entry must agree on with the session."""
+        return {"model_sha256": hashlib.sha256(self.model.SerializeToString()).hexdigest(),
+                "session": self.kind, "batchesPerStep": cfg.batches_per_step,
+                "accumulationFactor": cfg.accumulation_factor,
+                "replicationFactor": cfg.replication_factor,
+                "anchors": {k: repr(v) for k, v in cfg.anchors.items()},
+                "inputs": {k: [v.data_type(), v.shape()] for k, v in self.inputs.items()},
+                "loss": cfg.loss, "optimizer": optimizer_signature(cfg.optimizer),
+                "options": options_signature(cfg.options),
+                "patterns": None if self.patterns is None else canonical(self.patterns.getSettings()),
+                **runtime_signature()}
+
+    def bound(self, like: Mapping[str, Any]) -> int:
+        """The most bytes an executable file of this session may hold."""
+        tensors = sum(np.asarray(v).nbytes for v in like.values())
+        tensors += sum(np.asarray(v).nbytes for v in self.initializers.values())
+        return EXECUTABLE_SLACK + 2 * tensors
+
+    def cache(self, cfg: Any, like: Callable[[], Mapping[str, Any]]) -> Optional[EngineCache]:
+        """The session's engine-cache entry (SessionOptions.enableEngineCaching + cachePath,
+        or POPART_CACHE_DIR), None when caching is off (``like`` is called only when on)."""
+        o = cfg.options
+        if not (o.enableEngineCaching and o.cachePath):
+            return None
+        return EngineCache(o.cachePath, self.kind, self.signature(cfg), max_bytes=self.bound(like()))
+
+    def file_bytes(self, executable: bytes, cfg: Any, arrays: Mapping[str, Any]) -> bytes:
+        """The .popef file: the compiled step, its signature and ``arrays`` (variables and
+        optimizer state, or none)."""
+        return executable_bytes(executable, self.signature(cfg), arrays)
+
+    def read(self, filename: str, cfg: Any, like: Mapping[str, Any]) -> dict:
+        """A .popef file's executable and variables, every size bounded by this session's
+        tensors and its signature checked (popart_exception naming what differs)."""
+        executable, arrays = read_executable(filename, self.signature(cfg), like, self.bound(like))
+        loaded = {"executable": executable}
+        if any(k.startswith("var/") for k in arrays):
+            loaded["variables"] = {k[4:]: v for k, v in arrays.items() if k.startswith("var/")}
+            loaded["optimizer_state"] = {k[4:]: v for k, v in arrays.items() if k.startswith("opt/")}
+        return loaded
