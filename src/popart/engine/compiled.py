@@ -27,6 +27,7 @@ from ..errors import OutOfMemoryException, popart_exception, popart_runtime_erro
 from .. import report
 from .._ir.graph import Graph
 from .lower import raise_failed_checks, trace
+from . import onednn
 
 REPLICA_AXIS = "replica"
 
@@ -199,6 +200,8 @@ class CompiledStep:
         self._specs = tuple(specs)
         hooks = report.current()   # None unless a report or progress logger is on
         t0 = time.perf_counter()
+        if exported is not None and onednn.TARGET.encode() in exported:
+            onednn.available()   # register the oneDNN custom call the module holds
         fn = self.fn if exported is None else jax.export.deserialize(bytearray(exported)).call
         self._jitted = self._jit(fn)
         with xla_errors("Compiling the step"):
@@ -215,9 +218,13 @@ class CompiledStep:
     def export(self, specs: Optional[Sequence[Any]] = None) -> bytes:
         """The step as a serialized StableHLO module (``jax.export``): the compiled one, or
         for ``specs`` traced without compiling (what the engine cache stores and compiles)."""
+        # The oneDNN convolution's custom call is this package's own, built on this machine.
+        checks = [jax.export.DisabledSafetyCheck.custom_call(onednn.TARGET)]
         if specs is None:
-            return bytes(jax.export.export(self._jitted)(*self._specs).serialize())
-        return bytes(jax.export.export(self._jit(self.fn))(*specs).serialize())
+            return bytes(jax.export.export(self._jitted, disabled_checks=checks)(
+                *self._specs).serialize())
+        return bytes(jax.export.export(self._jit(self.fn), disabled_checks=checks)(
+            *specs).serialize())
 
     def __call__(self, *args: Any) -> Any:
         """Run the program (host arrays among ``args`` are moved to the device by the call,

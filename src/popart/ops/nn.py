@@ -1,6 +1,7 @@
 """Neural-network ops of ai.onnx: convolution, pooling, normalization, dropout, softmax."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..engine import onednn
 from .registry import LowerCtx, fmt_float, onnx_semantics, opid, popart_error, register
 
 HIGHEST = lax.Precision.HIGHEST
@@ -27,11 +29,36 @@ def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilati
     strides, padding = tuple(strides), tuple(map(tuple, padding))
     lhs_dilation, rhs_dilation = tuple(lhs_dilation or ones), tuple(rhs_dilation or ones)
     w = w.astype(x.dtype)
+    if _use_onednn(ctx, x, w, strides, lhs_dilation, rhs_dilation, groups):
+        return onednn.conv2d(x.transpose(to_last), w, strides, padding, rhs_dilation,
+                             True).transpose(to_first)
     if ctx.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
     y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,
                   lhs_dilation, rhs_dilation, int(groups))
     return y.transpose(to_first)
+
+
+# ---- oneDNN dispatch (issue 28 item 2): the oneDNN custom call where it is built and the shape
+# is one it runs faster (popart.engine.onednn.prefers), else XLA (the code below). ----
+_ONEDNN_ON = [True]
+
+
+@contextlib.contextmanager
+def onednn_off():
+    """Convolutions traced inside run on XLA only (benchmarks, tests)."""
+    saved, _ONEDNN_ON[0] = _ONEDNN_ON[0], False
+    try:
+        yield
+    finally:
+        _ONEDNN_ON[0] = saved
+
+
+def _use_onednn(ctx: LowerCtx, x, w, strides, lhs_dilation, rhs_dilation, groups) -> bool:
+    return (_ONEDNN_ON[0] and ctx.platform == "cpu" and x.ndim == 4 and groups == 1
+            and x.dtype == np.float32 and all(d == 1 for d in lhs_dilation)
+            and onednn.prefers(x.shape, w.shape, strides, rhs_dilation) and onednn.available())
+# ---- end of the oneDNN dispatch ----
 
 
 PATCH_BYTES = 1 << 28  # 256 MiB

