@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 
 CPU = popart.DeviceManager().createCpuDevice
 G = popart.reservedGradientPrefix()
@@ -621,7 +622,8 @@ def test_loss_scale_past_float16_range(recompute):
         assert out["finalLossScale"] == ls
         trained[ls] = read_weight(s, w)
     assert np.isfinite(trained[2.0 ** 17]).all()
-    assert s._program.float32_loss == loss and bool(s._program.segments) == recompute
+    program = testing.step_program(s)
+    assert program.float32_loss == loss and bool(program.segments) == recompute
     np.testing.assert_array_equal(trained[2.0 ** 17], trained[1024.0])
 
 

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from popart import devices
+from popart import testing
 from popart.devices import (DeviceConnectionType, DeviceInfo, DeviceManager,
                             DeviceSelectionCriterion, DeviceType, SyncPattern,
                             configure_host_devices)
@@ -284,7 +285,7 @@ def test_replicas_on_a_device_with_shared_ipus_match_one_replica_per_device(dm):
         return s, out[loss], got
 
     shared, loss_a, w_a = run(dm.acquireAvailableDevice(8), 8)
-    assert shared._program.placement.devices == []       # fewer devices than replicas: vmap
+    assert testing.mesh_devices(shared) == []       # fewer devices than replicas: vmap
     distinct, loss_b, w_b = run(dm.createIpuModelDevice({"numIPUs": 8}), 8)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
     np.testing.assert_allclose(w_a, w_b, rtol=1e-6)

@@ -8,6 +8,7 @@ import pytest
 from onnx import numpy_helper
 
 import popart
+from popart import testing
 from op_tester import onnx_model as _model, onnx_node as _node
 
 TP = onnx.TensorProto
@@ -143,7 +144,7 @@ def test_placed_program_anchors_updated_var_accum_and_scalars():
     each as the one-device program gives them."""
     names = ["UpdatedVar___w1", "Accum___w0", "scaledLearningRate0___default___FLOAT"]
     placed, got = _two_ipu_session(True, names)
-    assert type(placed._program).__name__ == "PlacedProgram"
+    assert testing.is_placed(placed)
     _, ref = _two_ipu_session(False, names)
     for a in names:
         np.testing.assert_allclose(got[a], ref[a], rtol=1e-5, atol=1e-6, err_msg=a)
@@ -335,7 +336,7 @@ def test_pipelined_program_updated_var_and_accum():
         s.weightsFromHost()
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO({x: xs}, out))
-        return s._program.stages is not None, out
+        return testing.is_placed(s), out
     placed, got = run(["UpdatedVar___w1"])
     fallback, ref = run(["UpdatedVar___w1", "Accum___w0"])
     assert placed and not fallback

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 import popxl
 import popxl.ops as ops
 
@@ -41,9 +42,9 @@ def test_replicas_run_on_distinct_devices_with_their_own_variable_copies():
     ir, xs, w, y_d2h, t_d2h = replicated_ir()
     x = np.random.default_rng(0).normal(size=(N, R, 2)).astype(np.float32)
     with popxl.Session(ir, "ipu_model") as s:
-        assert len({d.id for d in s._placement.devices}) == R        # shard_map over 4 devices
+        assert len({d.id for d in testing.mesh_devices(s)}) == R        # shard_map over 4 devices
         out = s.run({xs: x})
-        shards = s._dev[w.id].addressable_shards
+        shards = testing.device_values(s)[w.id].addressable_shards
         assert len({sh.device for sh in shards}) == R
         assert all(sh.data.shape == (1, 2) for sh in shards)          # one replica's copy each
     y, total = reference(x, 2.0)
@@ -105,6 +106,6 @@ def test_session_without_enough_devices_runs_replicas_side_by_side():
     one = popart.DeviceManager().createIpuModelDevice({"numIPUs": 1})
     x = np.ones((N, R, 2), np.float32)
     with popxl.Session(ir, one) as s:
-        assert s._placement.devices == []                             # vmap on one device
+        assert testing.mesh_devices(s) == []                             # vmap on one device
         out = s.run({xs: x})
     np.testing.assert_allclose(out[t_d2h], reference(x, 2.0)[1], rtol=1e-6)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 from popart.engine import program
 from popart._ir.onnx_import import import_model
 from popart._ir.recompute import CHECKPOINT, RECOMPUTE, annotate, decreasing_intervals
@@ -119,15 +120,14 @@ def plain():
 
 
 def lowered(s):
-    step = s._program.step
-    return step._jitted.lower(*step._specs).as_text()
+    return testing.lowered_text(s)
 
 
 @pytest.mark.parametrize("method", ["Standard", "RecomputeAll"])
 def test_recomputed_training_has_the_same_numbers(plain, method):
     _, out0, w0 = plain
     s, out1, w1 = train(method)
-    assert s._program.segments
+    assert testing.step_program(s).segments
     assert "stablehlo.case" in lowered(s)   # each segment's recomputation, in a conditional
     for k in out0:
         np.testing.assert_array_equal(out1[k], out0[k])
@@ -168,8 +168,8 @@ def test_recomputation_lowers_peak_temporary_memory():
     """Segments of 8 ops between hand-made checkpoints: the compiled step's temporaries fall
     (the backward pass holds one segment's activations at a time), the numbers stay."""
     runs = {m: train("NoRecompute", build=deep(m)) for m in (False, True)}
-    temp = {m: s._program.step.compiled.memory_analysis().temp_size_in_bytes for m, (s, _, _) in runs.items()}
-    assert [len(g.nodes) for g in runs[True][0]._program.segments] == [8, 8]
+    temp = {m: testing.compiled(s).memory_analysis().temp_size_in_bytes for m, (s, _, _) in runs.items()}
+    assert [len(g.nodes) for g in testing.step_program(runs[True][0]).segments] == [8, 8]
     assert temp[True] < 0.7 * temp[False], temp
     np.testing.assert_array_equal(runs[True][2], runs[False][2])
 
@@ -206,10 +206,11 @@ def test_segments_leave_out_ops_with_side_effects():
     anchors = [popart.reservedGradientPrefix() + ids["probe"]]
     runs = {m: train(m, build=mixed, anchors=anchors, seed=7) for m in ("NoRecompute", "RecomputeAll")}
     s = runs["RecomputeAll"][0]
-    assert s._program.segments
-    held = {s._program.graph.nodes[i].op_type for g in s._program.segments for i in g.nodes}
+    program = testing.step_program(s)
+    assert program.segments
+    held = {program.graph.nodes[i].op_type for g in program.segments for i in g.nodes}
     assert {"Shape", "ArgMax", "Cast"} <= held and not held & {"Dropout", "BatchNormalization"}
-    assert any(s._program.graph.nodes[g.nodes[-1]].op_type == "ArgMax" for g in s._program.segments)
+    assert any(program.graph.nodes[g.nodes[-1]].op_type == "ArgMax" for g in program.segments)
     for k, v in runs["NoRecompute"][1].items():
         np.testing.assert_allclose(runs["RecomputeAll"][1][k], v, rtol=1e-6)
     np.testing.assert_allclose(runs["RecomputeAll"][2], runs["NoRecompute"][2], rtol=1e-6)
@@ -235,6 +236,6 @@ def test_replicated_recomputation_has_the_same_numbers(devices):
         s.readWeights(popart.PyWeightsIO({"w0": w}))
         return s, out[loss], w
     (_, l0, w0), (s, l1, w1) = run(False), run(True)
-    assert s._program.segments
+    assert testing.step_program(s).segments
     np.testing.assert_array_equal(l1, l0)
     np.testing.assert_array_equal(w1, w0)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 from popart.engine.compiled import xla_errors
 from popart.report import capture, switches
 
@@ -54,7 +55,7 @@ def inference(tmp_path_factory):
 
 def test_report_peak_is_memory_analysis_peak(inference):
     sess, _, data, _ = inference
-    mem = sess._program.step.compiled.memory_analysis()
+    mem = testing.compiled(sess).memory_analysis()
     assert data["schema"] == capture.SCHEMA
     assert data["memory"]["peak_bytes"] == mem.peak_memory_in_bytes > 0
     assert data["memory"]["argument_bytes"] == mem.argument_size_in_bytes
@@ -146,7 +147,7 @@ def training(tmp_path_factory):
 
 def test_outputs_bit_identical_with_profiling_on_and_off(training):
     (s_on, losses_on, w_on), _, (s_off, losses_off, w_off) = training
-    assert s_on._program.step.recorder is not None and s_off._program.step.recorder is None
+    assert testing.compiled_step(s_on).recorder is not None and testing.compiled_step(s_off).recorder is None
     np.testing.assert_array_equal(losses_on, losses_off)
     for k in w_on:
         np.testing.assert_array_equal(w_on[k], w_off[k])
@@ -189,7 +190,7 @@ def test_progress_logger_never_decreases_and_ends_at_total():
     values = [p for p, _ in seen]
     assert values == sorted(values) and len(values) >= 4
     assert seen[-1] == (50, 50) and all(tot == 50 for _, tot in seen)
-    assert sess._program.step.recorder is None   # progress alone does not profile
+    assert testing.compiled_step(sess).recorder is None   # progress alone does not profile
 
 
 def test_switches_off_write_nothing(tmp_path, monkeypatch):
@@ -202,7 +203,7 @@ def test_switches_off_write_nothing(tmp_path, monkeypatch):
     anchors = sess.initAnchorArrays()
     sess.run(popart.PyStepIO({x: np.ones((512, 512), np.float32), s: np.ones((4, 4), np.float32)}, anchors))
     assert os.listdir(tmp_path) == []
-    assert sess._program.step.recorder is None and switches.current() is None
+    assert testing.compiled_step(sess).recorder is None and switches.current() is None
     assert "Execution profiling not enabled" in sess.getSummaryReport()
     assert "peak=" in sess.getSummaryReport()   # XLA's memory figures are there anyway
 

@@ -8,6 +8,7 @@ import onnx
 import pytest
 
 import popart
+from popart import testing
 
 CPU = lambda: popart.DeviceManager().createCpuDevice()  # noqa: E731
 
@@ -100,9 +101,9 @@ def test_engine_not_loaded_until_needed_and_sync_flags():
     proto, x, y, loss = mlp()
     s = popart.InferenceSession(proto, popart.DataFlow(1, [y]), CPU())
     s.prepareDevice(loadEngine=False)
-    assert s._dev is None
+    assert not testing.engine_loaded(s)
     s.loadEngineAndConnectStreams()
-    assert s._dev is not None
+    assert testing.engine_loaded(s)
     s.setEngineIsLoaded(False)
     first = run(s, x)[y]                     # loads again for the run
     np.testing.assert_allclose(first, np.maximum(X @ np.full((4, 3), 0.1), 0) @ np.full((3, 2), -0.2), rtol=1e-6)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import popart
+from popart import testing
 
 CPU = popart.DeviceManager().createCpuDevice
 G = popart.reservedGradientPrefix()
@@ -168,7 +169,7 @@ def test_accumulation_and_replication_equal_one_big_batch(mode):
     X = Xb.reshape(bps, *lead, B, I)
     L = Lb.reshape(bps, *lead, B)
     s, out = train(b, ids, opt(), bps, X, L, opts=opts, device=device)
-    assert len(s._program.placement.devices) == (2 if mode in ("replication", "both") else 0)
+    assert len(testing.mesh_devices(s)) == (2 if mode in ("replication", "both") else 0)
     assert out[ids["loss"]].shape == (bps, *lead)
     np.testing.assert_allclose(out[ids["loss"]].reshape(bps, -1).mean(1), out_big[big_ids["loss"]], rtol=1e-5)
     a, c = read(s, ids), read(s_big, big_ids)
@@ -196,12 +197,12 @@ def test_update_optimizer_from_host_without_recompiling(monkeypatch):
     b, ids, w0 = mlp()
     X, L = data(1)
     s, out = train(b, ids, popart.SGD({"defaultLearningRate": (0.1, False)}), 1, X, L)
-    compiled = s._program.compiled
+    compiled = testing.compiled(s)
     before = read(s, ids)
     s.updateOptimizerFromHost(popart.SGD({"defaultLearningRate": (0.0, False)}))
     s.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
     after = read(s, ids)
-    assert s._program.compiled is compiled
+    assert testing.compiled(s) is compiled
     for n in before:
         np.testing.assert_array_equal(before[n], after[n])  # lr 0: no change
     s.updateOptimizerFromHost(popart.SGD({"defaultLearningRate": (0.5, False)}))

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 __all__ = ["step_program", "compiled_step", "compiled", "is_placed", "mesh_shape",
-           "mesh_devices", "device_values", "executable_source"]
+           "mesh_devices", "device_values", "executable_source", "engine_loaded",
+           "lowered_text"]
 
 
 def _is_popxl(session: Any) -> bool:
@@ -84,3 +85,15 @@ def executable_source(session: Any) -> str:
     if _is_popxl(session):
         return session.executable_source
     return str(session._summary.get("executable_source", ""))
+
+
+def engine_loaded(session: Any) -> bool:
+    """True when a popart session's weights and optimizer state are on the device (the
+    engine is loaded: prepareDevice(loadEngine=False) leaves it unloaded, a run loads it)."""
+    return session._dev is not None
+
+
+def lowered_text(session: Any) -> str:
+    """The step as StableHLO text, before XLA optimises it (``CompiledStep.export``)."""
+    import jax
+    return jax.export.deserialize(compiled_step(session).export()).mlir_module()
