@@ -17,32 +17,13 @@ import popxl.ops as ops
 from popxl import ExpectedConnectionType as ECT
 from popxl.ops import collectives as C
 
+from helpers.popxl_case import Linear, store_and_run
+
 RNG = np.random.default_rng(7)
 X = RNG.normal(size=(4, 3)).astype(np.float32)
 W1 = RNG.normal(size=(3, 5)).astype(np.float32)
 B1 = RNG.normal(size=5).astype(np.float32)
 W2 = RNG.normal(size=(5, 2)).astype(np.float32)
-
-
-def _run(ir: popxl.Ir, tensors: dict) -> dict:
-    """Store ``tensors`` (main-graph tensors) to host and run once."""
-    with ir.main_graph:
-        streams = {k: popxl.d2h_stream(t.shape, t.dtype, k) for k, t in tensors.items()}
-        for k, t in tensors.items():
-            ops.host_store(streams[k], t)
-    with popxl.Session(ir, "ipu_model") as s:
-        out = s.run()
-    return {k: out[st] for k, st in streams.items()}
-
-
-class Linear(popxl.Module):
-    def __init__(self) -> None:
-        self.W = self.b = None
-
-    def build(self, x: popxl.Tensor, out_features: int) -> popxl.Tensor:
-        self.W = popxl.graph_input((x.shape[-1], out_features), popxl.float32, "W")
-        self.b = popxl.graph_input((out_features,), popxl.float32, "b")
-        return ops.relu(x @ self.W + self.b)
 
 
 def _torch_linear_relu():
@@ -78,7 +59,7 @@ def test_user_guide_pattern_call_with_info_then_inputs_dict():
         assert list(by_fwd) == list(graph.inputs) and list(by_fwd.values()) == list(grads.values())
         ops_in_grad = {n.op_type for n in bwd.graph._g.nodes}
     assert ops_in_grad <= {"OpVJP", "Sum", "Mul"}, ops_in_grad   # no forward op runs again
-    got = _run(ir, {"y": y, **{k: grads[t] for k, t in (("dx", x), ("dW", W), ("db", b))}})
+    got = store_and_run(ir, {"y": y, **{k: grads[t] for k, t in (("dx", x), ("dW", W), ("db", b))}})
     want_y, want = _torch_linear_relu()
     np.testing.assert_allclose(got["y"], want_y, rtol=1e-6)
     for k, w in zip(("dx", "dW", "db"), want):
@@ -123,7 +104,7 @@ def test_stitched_activation_reaches_call_sites_made_before_autodiff_and_connect
         h = next(t for t in added if t.shape == (4, 5))
         other_h = popxl.constant(np.full((4, 5), 0.5, np.float32), name="other_h")
         g2 = ops.call(bwd.graph, *[other_h if t is h else p for t, p in zip(fwd_ts, by_hand)])
-    got = _run(ir, {"dw1": g1[0], "db1": g1[1], "dw2": g1[2], "dw2_other": g2[2]})
+    got = store_and_run(ir, {"dw1": g1[0], "db1": g1[1], "dw2": g1[2], "dw2_other": g2[2]})
     t = [torch.tensor(v, requires_grad=True) for v in (X, W1, B1, W2)]
     th = torch.tanh(t[0] @ t[1] + t[2])
     p = torch.softmax(th @ t[3], -1)
@@ -157,7 +138,7 @@ def test_grads_provided_and_required_may_be_any_tensors_of_the_graph():
         x = popxl.variable(X, name="x")
         info = ops.call_with_info(fwd, x, popxl.variable(W1, name="w"))
         du, dw = ops.call(bwd.graph, popxl.constant(G), inputs_dict=bwd.inputs_dict(info))
-    got = _run(ir, {"du": du, "dw": dw})
+    got = store_and_run(ir, {"du": du, "dw": dw})
     h = np.tanh(X @ W1)
     want_du = G * (1 - h * h)
     np.testing.assert_allclose(got["du"], want_du, rtol=1e-5, atol=1e-6)
@@ -184,16 +165,12 @@ def test_collective_grad_graph_called_with_gradients_and_saved_activations():
         assert fwd.inputs[0] in fwd_saved and fwd.inputs[1] not in fwd_saved   # the matmul reads x
         assert any(t in fwd.outputs[1:] for t in fwd_saved)                     # tanh's output
         (dw,) = ops.call(bwd.graph, popxl.constant(1.0), inputs_dict=bwd.inputs_dict(info))
-        streams = {k: popxl.d2h_stream(t.shape, t.dtype, k) for k, t in (("loss", info.outputs[0]), ("dw", dw))}
-        ops.host_store(streams["loss"], info.outputs[0])
-        ops.host_store(streams["dw"], dw)
-    with popxl.Session(ir, "ipu_model") as s:
-        out = s.run({xs: xr})
+    got = store_and_run(ir, {"loss": info.outputs[0], "dw": dw}, {xs: xr})
     y = sum(xr[r] @ W1 for r in range(R))
     gy = 1 - np.tanh(y) ** 2
     for r in range(R):
-        np.testing.assert_allclose(out[streams["loss"]][r], np.tanh(y).sum(), rtol=1e-5)
-        np.testing.assert_allclose(out[streams["dw"]][r], xr[r].T @ (R * gy), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got["loss"][r], np.tanh(y).sum(), rtol=1e-5)
+        np.testing.assert_allclose(got["dw"][r], xr[r].T @ (R * gy), rtol=1e-5, atol=1e-5)
 
 
 def test_call_site_info_signature_and_all_grad_graphs():
@@ -236,7 +213,7 @@ def test_called_graphs_are_differentiated_and_called_not_recomputed():
         info = ops.call_with_info(fwd, x, w)
         ginfo = ops.call_with_info(bwd.graph, 1.0, inputs_dict=bwd.inputs_dict(info))
         grads = bwd.fwd_parent_ins_to_grad_parent_outs(info, ginfo)
-    got = _run(ir, {"loss": info.outputs[0], "dx": grads[x], "dw": grads[w]})
+    got = store_and_run(ir, {"loss": info.outputs[0], "dx": grads[x], "dw": grads[w]})
     tx, tw = torch.tensor(Xs, requires_grad=True), torch.tensor(Ws, requires_grad=True)
     th = torch.relu(tx @ tw)
     loss = (torch.relu((th * 2.0) @ tw) * th).sum()
@@ -334,7 +311,7 @@ def test_conditional_is_differentiated_through_its_branches_gradient_graphs():
         for cv in (True, False):
             fi = ops.call_with_info(g, x, w, popxl.constant(np.array(cv)))
             grads[cv] = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
-    got = _run(ir, {f"{k}{cv}": grads[cv][i] for cv in (True, False) for i, k in enumerate(("dx", "dw"))})
+    got = store_and_run(ir, {f"{k}{cv}": grads[cv][i] for cv in (True, False) for i, k in enumerate(("dx", "dw"))})
     for cv in (True, False):
         tx, tw = torch.tensor(XV, requires_grad=True), torch.tensor(WV, requires_grad=True)
         y = torch.tanh(tx * 3.0 * tw) * 2.0 if cv else torch.sigmoid(tx)
@@ -373,7 +350,7 @@ def test_repeat_saves_each_iteration_and_repeats_the_body_gradient_graph():
         fi = ops.call_with_info(g, x, w)
         gi = ops.call_with_info(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
         grads = info.fwd_parent_ins_to_grad_parent_outs(fi, gi)
-    got = _run(ir, {"loss": fi.outputs[0], "dx": grads[x], "dw": grads[w]})
+    got = store_and_run(ir, {"loss": fi.outputs[0], "dx": grads[x], "dw": grads[w]})
     tx, tw = torch.tensor(XV, requires_grad=True), torch.tensor(WV, requires_grad=True)
     h = tx
     for _ in range(3):
@@ -409,7 +386,7 @@ def test_grad_ops_take_their_forward_ops_placement():
         x, w = popxl.variable(XV, name="x"), popxl.variable(W1.T[:3, :3].copy(), name="w")
         fi = ops.call_with_info(g, x, w)
         gi = ops.call_with_info(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
-    got = _run(ir, {"dx": gi.outputs[0], "dw": gi.outputs[1]})
+    got = store_and_run(ir, {"dx": gi.outputs[0], "dw": gi.outputs[1]})
     wv = W1.T[:3, :3]
     gz = 2.0 * (1 - np.tanh(XV @ wv) ** 2)
     np.testing.assert_allclose(got["dx"], gz @ wv.T, rtol=1e-5, atol=1e-6)
@@ -449,7 +426,7 @@ def test_saved_activations_follow_popart_grad_input_info():
         vs = [popxl.variable(v, name=k) for k, v in (("x", XV), ("s", SV), ("b", BV), ("d", DV), ("i", IV))]
         fi = ops.call_with_info(g, *vs)
         gi = ops.call_with_info(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
-    got = _run(ir, {k: gi.outputs[i] for i, k in enumerate(("dx", "ds", "db", "dd"))})
+    got = store_and_run(ir, {k: gi.outputs[i] for i, k in enumerate(("dx", "ds", "db", "dd"))})
     t = [torch.tensor(v, requires_grad=True) for v in (XV, SV, BV, DV)]
     h = torch.nn.functional.group_norm(t[0], 1, t[1], t[2], eps=1e-5)
     (torch.clamp(h[torch.tensor(IV, dtype=torch.long)], -0.5, 0.5) / t[3]).sum().backward()
@@ -484,7 +461,7 @@ def test_grads_from_outputs_and_indices_read_no_inputs():
         assert not {names[k]._ir_id for k in "tpum"} & read
         fi = ops.call_with_info(g, popxl.variable(XV, name="x"), popxl.variable(IV, name="idx"))
         (dx,) = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
-    got = _run(ir, {"loss": fi.outputs[0], "dx": dx})
+    got = store_and_run(ir, {"loss": fi.outputs[0], "dx": dx})
     tx = torch.tensor(XV, requires_grad=True)
     v = torch.topk(tx + 1.0, 2, dim=1).values
     sr = torch.zeros(2, 3).index_add(0, torch.tensor(IV, dtype=torch.long), tx - 1.0)
@@ -515,7 +492,7 @@ def test_max_min_grads_read_the_argument_and_the_output():
         fi = ops.call_with_info(g, popxl.variable(XV, name="x"), popxl.variable(WV, name="w"))
         dx, dw = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
         (dx_only,) = ops.call(x_only.graph, popxl.constant(1.0), inputs_dict=x_only.inputs_dict(fi))
-    got = _run(ir, {"dx": dx, "dw": dw, "dx_only": dx_only})
+    got = store_and_run(ir, {"dx": dx, "dw": dw, "dx_only": dx_only})
     tx, tw = torch.tensor(XV, requires_grad=True), torch.tensor(WV, requires_grad=True)
     ((torch.maximum(torch.tanh(tx), tw) * 2.0).sum() + torch.minimum(tx, tw).sum()).backward()
     for k, want in (("dx", tx.grad), ("dw", tw.grad), ("dx_only", tx.grad)):
@@ -542,7 +519,7 @@ def test_repeat_with_int_carry_and_invariants_inside_a_called_graph(trips):
         vs = [popxl.variable(v, name=k) for k, v in (("x", XV), ("w", WV), ("b", BV))]
         fi = ops.call_with_info(g, *vs)
         grads = ops.call(info.graph, popxl.constant(1.0), inputs_dict=info.inputs_dict(fi))
-    got = _run(ir, dict(zip(("dx", "dw", "db"), grads)))
+    got = store_and_run(ir, dict(zip(("dx", "dw", "db"), grads)))
     t = [torch.tensor(v, requires_grad=True) for v in (XV, WV, BV)]
     h = t[0]
     for _ in range(trips):
@@ -581,7 +558,7 @@ def test_conditional_of_a_repeat_of_a_call():
         for cv in (True, False):
             fi = ops.call_with_info(g, *vs, popxl.constant(np.array(cv)))
             grads[cv] = ops.call(infos[g].graph, popxl.constant(1.0), inputs_dict=infos[g].inputs_dict(fi))
-    got = _run(ir, {f"{k}{cv}": grads[cv][i] for cv in (True, False) for i, k in enumerate(("dx", "dw"))})
+    got = store_and_run(ir, {f"{k}{cv}": grads[cv][i] for cv in (True, False) for i, k in enumerate(("dx", "dw"))})
     for cv in (True, False):
         t = [torch.tensor(v, requires_grad=True) for v in (XV, WV)]
         h = t[0]

@@ -16,6 +16,8 @@ import popart
 import popxl
 from popxl import ops, transforms
 
+from helpers.popxl_case import store_and_run
+
 RNG = np.random.default_rng(24)
 F8 = {"143": ml_dtypes.float8_e4m3fnuz, "152": ml_dtypes.float8_e5m2fnuz}
 
@@ -23,17 +25,6 @@ F8 = {"143": ml_dtypes.float8_e4m3fnuz, "152": ml_dtypes.float8_e5m2fnuz}
 def _softmax(z):
     e = np.exp(z - z.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
-
-
-def _run(ir: popxl.Ir, tensors: dict) -> dict:
-    """Store ``tensors`` (of ``ir``'s main graph) to the host and run once."""
-    with ir.main_graph:
-        streams = {k: popxl.d2h_stream(t.shape, t.dtype, k) for k, t in tensors.items()}
-        for k, t in tensors.items():
-            ops.host_store(streams[k], t)
-    with popxl.Session(ir, "ipu_model") as s:
-        out = s.run()
-    return {k: out[st] for k, st in streams.items()}
 
 
 def _grad(ir: popxl.Ir, fn, x: popxl.Tensor, dy) -> popxl.Tensor:
@@ -245,7 +236,7 @@ def outs():
         t["inplace"] = vi + 0.0
         t["lamb16"] = ops.lamb_square(popxl.constant(XR.astype(np.float16) * 100))
         t["ln3"] = ops.layer_norm(xr, popxl.constant(LN_W), popxl.constant(LN_B), eps=1e-3)
-    return _run(ir, t)
+    return store_and_run(ir, t)
 
 
 A8 = RNG.uniform(-4, 4, size=(3, 4)).astype(np.float32)
@@ -361,7 +352,7 @@ def test_log2_scale_out_of_range_fails_the_run():
         y = ops.pow2scale_cast_to_fp8(popxl.constant(X8), s, popxl.float8_143)
         y = ops.pow2scale_cast_from_fp8(y, popxl.constant(np.int32(0)), popxl.float32)
     with pytest.raises(popart.popart_exception, match=r"Log2 scale is not in the range \[-32, 32\)"):
-        _run(ir, {"y": y})
+        store_and_run(ir, {"y": y})
 
 
 def test_concat_of_two_float8_formats_is_a_type_error():
@@ -425,7 +416,7 @@ def test_interpolate_linear_has_no_gradient():
         x = popxl.variable(XR)
         with pytest.raises(popart.popart_exception, match="Resize mode 'linear' is not supported when training"):
             g = _grad(ir, lambda v: ops.interpolate(v, SCALES, "linear"), x, popxl.constant(GY))
-            _run(ir, {"g": g})
+            store_and_run(ir, {"g": g})
 
 
 # ---------------------------------------------------------------------------------------
@@ -507,7 +498,7 @@ def test_view_ops_alias_their_input():
         ops.add_(a, 1.0)
         plain = ops.reshape(x, (12,))
         ops.add_(plain, 1000.0)                                     # not a view: x unchanged
-        got = _run(ir, {"r": r + 0.0, "c": c + 0.0, "x": x + 0.0, "a": a + 0.0, "b": b + 0.0})
+        got = store_and_run(ir, {"r": r + 0.0, "c": c + 0.0, "x": x + 0.0, "a": a + 0.0, "b": b + 0.0})
     want = x0.copy()
     want[::2, 1::2] += 100
     want = want * 2 + 0.5
@@ -536,7 +527,7 @@ def test_float8_ops_have_no_gradient(what, msg):
         with pytest.raises(popart.popart_exception, match=msg):
             out = _grad(ir, fn, x, popxl.constant(np.ones((3, 2) if what == "matmul" else (3, 4),
                                                           np.float16 if what == "matmul" else np.float32)))
-            _run(ir, {"g": out})
+            store_and_run(ir, {"g": out})
 
 
 def test_pow2scale_cast_from_fp8_needs_float8_input():

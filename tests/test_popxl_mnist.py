@@ -18,6 +18,8 @@ import pytest
 import popxl
 from popxl import ops, transforms
 
+from helpers.popxl_case import Linear
+
 BATCH, LR, EPOCHS, HIDDEN = 8, 0.005, 4, 32
 MEAN, STD = 0.1307, 0.3081
 
@@ -44,16 +46,6 @@ def _order(n: int) -> list[np.ndarray]:
     return [rng.permutation(n)[: n // BATCH * BATCH].reshape(-1, BATCH) for _ in range(EPOCHS)]
 
 
-class Linear(popxl.Module):
-    def __init__(self) -> None:
-        self.W = self.b = None
-
-    def build(self, x: popxl.Tensor, out_features: int) -> popxl.Tensor:
-        self.W = popxl.graph_input((x.shape[-1], out_features), popxl.float32, "W")
-        self.b = popxl.graph_input((out_features,), popxl.float32, "b")
-        return ops.gelu(x @ self.W + self.b)
-
-
 def _train_popxl(data: dict, init: dict, order: list) -> dict[str, np.ndarray]:
     ir = popxl.Ir()
     with ir.main_graph, popxl.in_sequence():
@@ -64,7 +56,7 @@ def _train_popxl(data: dict, init: dict, order: list) -> dict[str, np.ndarray]:
         params = {k: popxl.variable(v, name=k) for k, v in init.items()}
         infos, layers, h = [], [], x
         for i, width in enumerate((HIDDEN, 10)):
-            layer = Linear()
+            layer = Linear(ops.gelu)
             graph = ir.create_graph(layer, h, out_features=width)
             infos.append(ops.call_with_info(graph, h, inputs_dict={
                 layer.W: params[f"W{i}"], layer.b: params[f"b{i}"]}))
