@@ -6,10 +6,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from popart.builder import MAX_AI_ONNX_OPSET, RecomputeType, REQUIRED, Builder
+from popart.builder import MAX_AI_ONNX_OPSET, RecomputeType, Builder
 from popart._ir.graphcore_schema import SCHEMAS
 from popart.errors import popart_exception
 from popart.tensorinfo import TensorInfo
+
+from helpers.graphcore_case import graphcore_op_builder, required_attrs
 
 
 def model_of(builder):
@@ -421,17 +423,9 @@ def test_initializers_saved_externally(tmp_path, monkeypatch):
 
 
 def test_every_graphcore_table_op_builds():
-    b = Builder()
-    x = b.addInputTensor("FLOAT", [2, 2])
-    sub = b.createSubgraphBuilder()   # 1 input, 2 outputs: as the Call below (PopART checks)
-    a = sub.addInputTensor("FLOAT", [2, 2])
-    sub.addOutputTensor(sub.aiOnnx.identity([a]))
-    sub.addOutputTensor(sub.aiOnnx.neg([a]))
-    samples = {onnx.AttributeProto.INT: 1, onnx.AttributeProto.FLOAT: 0.5,
-               onnx.AttributeProto.INTS: [1], onnx.AttributeProto.FLOATS: [0.5],
-               onnx.AttributeProto.STRING: "s", onnx.AttributeProto.GRAPH: sub}
+    b, x, samples = graphcore_op_builder()
     for schema in SCHEMAS:
-        kwargs = {a.name: samples[a.kind] for a in schema.attrs if a.default is REQUIRED}
+        kwargs = required_attrs(schema, samples)
         n_out = schema.outputs
         extra = [2] if n_out == "n" else []
         out = getattr(b.aiGraphcore, schema.method)([x], *extra, **kwargs)

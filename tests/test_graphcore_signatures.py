@@ -19,6 +19,8 @@ from popart.ops import registry
 from popart.tensorinfo import DataType, np_dtype, onnx_dtype, to_datatype
 from op_tester import infer
 
+from helpers.graphcore_case import graphcore_op_builder, required_attrs
+
 GC = "ai.graphcore"
 R = gs.REQUIRED
 
@@ -135,16 +137,8 @@ def test_lowering_has_no_defaults_of_its_own(schema):
 def test_builder_writes_the_engines_defaults(schema):
     """A Builder node made with only the required arguments holds, for each optional
     attribute, the value the engine gives a node that lacks it."""
-    b = popart.Builder()
-    x = b.addInputTensor("FLOAT", [2, 2])
-    sub = b.createSubgraphBuilder()   # 1 input, 2 outputs: as the Call below (PopART checks)
-    a = sub.addInputTensor("FLOAT", [2, 2])
-    sub.addOutputTensor(sub.aiOnnx.identity([a]))
-    sub.addOutputTensor(sub.aiOnnx.neg([a]))
-    samples = {onnx.AttributeProto.INT: 1, onnx.AttributeProto.FLOAT: 0.5,
-               onnx.AttributeProto.INTS: [1], onnx.AttributeProto.FLOATS: [0.5],
-               onnx.AttributeProto.STRING: "DCR", onnx.AttributeProto.GRAPH: sub}
-    required = {a.name: samples[a.attr_type] for a in schema.attrs if a.default is R}
+    b, x, samples = graphcore_op_builder()
+    required = required_attrs(schema, samples)
     getattr(b.aiGraphcore, schema.method)([x], *([2] if schema.outputs == "n" else []),
                                           **{("lambda_" if k == "lambda" else k): v
                                              for k, v in required.items()})
