@@ -32,6 +32,18 @@ def run_session(builder, feeds, outputs, train=False, loss=None, anchors=()):
     return s, out
 
 
+def feeder(builder):
+    """(inp, feeds): ``inp(name, value)`` adds an input of ``value``'s type to ``builder`` and
+    records ``value`` in ``feeds`` to feed it."""
+    feeds = {}
+
+    def inp(name, value):
+        t = builder.addInputTensor(popart.TensorInfo(value), name)
+        feeds[t] = value
+        return t
+    return inp, feeds
+
+
 # ---------------------------------------------------------------------------------------
 # One inference model (opset 11): PopART's semantics and mixed types
 
@@ -46,12 +58,7 @@ MC = [RNG.standard_normal(s).astype(np.float32) for s in [(1, 2, 7), (3, 2, 3), 
 def infer():
     b = popart.Builder()
     o, g = b.aiOnnxOpset11, b.aiGraphcore
-    f = {}
-
-    def inp(name, value):
-        t = b.addInputTensor(popart.TensorInfo(value), name)
-        f[t] = value
-        return t
+    inp, f = feeder(b)
     x = inp("x", X4)
     c = lambda v: o.constant(np.asarray(v))   # noqa: E731
     img = inp("r", np.arange(6, dtype=np.float32).reshape(1, 1, 2, 3))
@@ -251,12 +258,7 @@ ATAN = (np.array([0, 1, -2], np.float32), np.array([0, 1, 3], np.float32))
 def train():
     b = popart.Builder()
     o, g = b.aiOnnxOpset9, b.aiGraphcore
-    f = {}
-
-    def inp(name, value):
-        t = b.addInputTensor(popart.TensorInfo(value), name)
-        f[t] = value
-        return t
+    inp, f = feeder(b)
     stats = [np.ones(2), np.zeros(2), np.full(2, 0.5), np.full(2, 2.0)]   # scale, B, mean, var
     w = [b.addInitializedInputTensor(v.astype(np.float32), n) for v, n in zip(stats, "sbmv")]
     bn = o.batchnormalization([inp("x", BN_X)] + w, 5, momentum=0.75)

@@ -195,36 +195,35 @@ def test_sgd_velocity_state_is_scaled_by_velocity_scaling():
 
 
 # ---------------------------------------------------------------- Adam family
-@pytest.mark.parametrize("grad_fn", GRADS)
-@pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_adam_l2_matches_torch_adam(grad_fn, wd):
-    opt = Adam({"defaultLearningRate": (0.01, False), "defaultWeightDecay": (wd, True),
-                "defaultBeta1": (0.8, True), "defaultBeta2": (0.95, False),
-                "defaultEps": (1e-6, True)}, weight_decay_mode=WeightDecayMode.L2Regularization)
-    want = run_torch(lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.95), eps=1e-6,
-                                                weight_decay=wd), grad_fn)
-    assert_close(run(opt, grad_fn), want)
+def _adam_l2(wd: float) -> tuple:
+    return ({"defaultLearningRate": (0.01, False), "defaultWeightDecay": (wd, True),
+             "defaultBeta1": (0.8, True), "defaultBeta2": (0.95, False), "defaultEps": (1e-6, True)},
+            AdamMode.Adam, WeightDecayMode.L2Regularization,
+            lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd))
 
 
-@pytest.mark.parametrize("grad_fn", GRADS)
-def test_adam_decay_matches_torch_adamw(grad_fn):
-    opt = Adam({"defaultLearningRate": (0.01, True), "defaultWeightDecay": (0.2, False),
-                "defaultEps": (1e-6, True)}, mode=AdamMode.Adam,
-               weight_decay_mode=WeightDecayMode.Decay)
-    want = run_torch(lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.9, 0.999), eps=1e-6,
-                                                 weight_decay=0.2), grad_fn)
-    assert_close(run(opt, grad_fn), want)
-
-
-@pytest.mark.parametrize("grad_fn", GRADS)
-def test_adamax_matches_torch_adamax(grad_fn):
+# name -> (PopART's Adam: values, mode, weight decay mode; the same optimizer made in PyTorch)
+ADAM_AS_TORCH = {
+    "adam_l2_wd0": _adam_l2(0.0),
+    "adam_l2_wd0.1": _adam_l2(0.1),
+    "adam_decay_is_adamw": (
+        {"defaultLearningRate": (0.01, True), "defaultWeightDecay": (0.2, False),
+         "defaultEps": (1e-6, True)}, AdamMode.Adam, WeightDecayMode.Decay,
+        lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.2)),
     # torch: u = max(b2*u, |g| + eps); PopART: max(b2*v, |g|) + eps. Equal when eps is negligible.
-    opt = Adam({"defaultLearningRate": (0.02, True), "defaultWeightDecay": (0.05, True),
-                "defaultEps": (1e-30, True)}, mode=AdamMode.AdaMax,
-               weight_decay_mode=WeightDecayMode.L2Regularization)
-    want = run_torch(lambda p: torch.optim.Adamax(p, lr=0.02, betas=(0.9, 0.999), eps=1e-30,
-                                                  weight_decay=0.05), grad_fn)
-    assert_close(run(opt, grad_fn), want)
+    "adamax": (
+        {"defaultLearningRate": (0.02, True), "defaultWeightDecay": (0.05, True),
+         "defaultEps": (1e-30, True)}, AdamMode.AdaMax, WeightDecayMode.L2Regularization,
+        lambda p: torch.optim.Adamax(p, lr=0.02, betas=(0.9, 0.999), eps=1e-30, weight_decay=0.05)),
+}
+
+
+@pytest.mark.parametrize("grad_fn", GRADS)
+@pytest.mark.parametrize("case", ADAM_AS_TORCH)
+def test_adam_family_matches_torch(case, grad_fn):
+    values, mode, wdmode, make_torch = ADAM_AS_TORCH[case]
+    opt = Adam(values, mode=mode, weight_decay_mode=wdmode)
+    assert_close(run(opt, grad_fn), run_torch(make_torch, grad_fn))
 
 
 @pytest.mark.parametrize("grad_fn", GRADS)
