@@ -119,11 +119,11 @@ def _stages(graph: Graph, training: Optional[dict]) -> dict:
         return {}
     plan = getattr(program, "stages", None)
     if plan is None:   # not placed on this machine's devices: the same stages, unplaced
-        from .engine.pipeline import plan_stages
+        from .engine.pipeline import popart_stages
         ipus = int(getattr(getattr(program, "device_info", None), "numIpus", 1) or 1)
         sizes = {k: int(np.prod(v.shape)) for k, v in program.tensor_specs.items()}
-        plan = plan_stages(program.graph_consts, program.variables, options,
-                           max(ipus // program.cfg.replication_factor, 1), sizes)
+        plan = popart_stages(program.graph_consts, program.variables, options,
+                             max(ipus // program.cfg.replication_factor, 1), sizes)
     if not plan.pipelined or plan.num_stages < 2:
         return {}
     auto = getattr(getattr(options, "autoRecomputation", None), "name", "") == "Pipeline"

@@ -51,10 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import popart
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.pipeline import IPU_AXIS, Layout, StagePlan, plan_stages
+from popart.engine.placed import (IPU_AXIS, Layout, StagePlan, Unplaceable, device_grid, ipu_copy,
+                                  mesh_sharding, on_ipu, per_ipu, placed_mesh, placed_or_none,
+                                  plan_stages, run_on_mesh, this_ipu)
 from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
@@ -187,10 +188,6 @@ def _inline_calls(session: "Session") -> tuple[IRGraph, dict]:
     return main, out
 
 
-class _Unsupported(Exception):
-    pass
-
-
 class _Loop(NamedTuple):
     """A main-graph ``ops.repeat`` run placed: stages [first, end) repeated ``trips`` times."""
     first: int
@@ -200,17 +197,6 @@ class _Loop(NamedTuple):
     outs: list     # (main output, callee input, callee output carried into it or None)
 
 
-def _mesh_devices(device: Any, replicas: int, ipus: int) -> Optional[np.ndarray]:
-    """[replicas, ipus] devices: replica r's IPUs are the device's IPUs r*n, r*n + 1, ...
-    (n: the device's IPUs per replica); None unless all are distinct."""
-    devs = list(device.jax_devices)
-    n = len(devs) // replicas
-    if n < ipus:
-        return None
-    grid = np.array(devs[:replicas * n], dtype=object).reshape(replicas, n)[:, :ipus]
-    return grid if len(set(grid.flat)) == grid.size else None
-
-
 def _created_ipu(slot: Any) -> int:
     """The IPU a slot's tensor was created on (a remote buffer: its state tensor's, else its
     first remote variable's), else 0."""
@@ -218,46 +204,35 @@ def _created_ipu(slot: Any) -> int:
     return int(made[0]._placement[0] or 0) if made else 0
 
 
-def _why_not(session: "Session", ipus: int, main: IRGraph) -> Optional[str]:
-    """Why the session's main graph (``main``: with its calls inlined) cannot run placed on
-    ``ipus`` IPUs per replica (None: it can)."""
+def _check_placeable(session: "Session", ipus: int, main: IRGraph) -> None:
+    """Unplaceable: why the session's main graph (``main``: with its calls inlined) cannot
+    run placed on ``ipus`` IPUs per replica."""
     if session._placement.across_processes:
-        return "several instances"
-    dev, r = session._device, session._r
-    if _mesh_devices(dev, r, ipus) is None:
-        return (f"a device of {dev.numIpus} IPU(s) on {len(set(dev.jax_devices))} device(s) for "
-                f"{r} replica(s) of {ipus} IPUs")
+        raise Unplaceable("several instances")
+    device_grid(session._device.jax_devices, session._r, ipus)
     for top in main.nodes:
         inner = list(_nested(top))
         if _ipus_of(inner) - {_node_ipu(top)} and _spanning_loop(top) is None:
-            return (f"ops on IPUs {sorted(_ipus_of(inner))} in the graphs {top.describe()} on "
-                    f"IPU {_node_ipu(top)} calls")
-    return None
+            raise Unplaceable(f"ops on IPUs {sorted(_ipus_of(inner))} in the graphs {top.describe()} "
+                              f"on IPU {_node_ipu(top)} calls")
 
 
 def placed_program(session: "Session") -> Optional["PlacedMain"]:
-    """The placed program of ``session``'s main graph, or None (a log line says why when the
-    graph has ops on several IPUs)."""
+    """The placed program of ``session``'s main graph, or None (``placed_or_none`` logs why
+    when the graph has ops on several IPUs)."""
     ipus = ipus_per_replica(session._ir)
-    if ipus < 2:
-        return None
+    return placed_or_none("popxl.Session", lambda: _placed(session, ipus)) if ipus > 1 else None
+
+
+def _placed(session: "Session", ipus: int) -> Optional["PlacedMain"]:
     main, versions = _inline_calls(session)
-    why = _why_not(session, ipus, main)
-    if why is not None:
-        _logger.info(f"popxl.Session: {why} is not supported by the placed program; the main "
-                     f"graph runs on one device per replica")
-        return None
-    try:
-        placed = PlacedMain(session, ipus, main, versions)
-    except _Unsupported as e:
-        _logger.info(f"popxl.Session: {e} is not supported by the placed program; the main "
-                     f"graph runs on one device per replica")
-        return None
+    _check_placeable(session, ipus, main)
+    placed = PlacedMain(session, ipus, main, versions)
     if len(set(placed.stages.stage_ipu)) < 2:   # all ops on one IPU
         return None
-    per_ipu = [list(placed.home.values()).count(i) for i in range(ipus)]
+    counts = [list(placed.home.values()).count(i) for i in range(ipus)]
     _logger.info(f"popxl.Session: the main graph runs placed, {placed.stages.num_stages} "
-                 f"stage(s) on the devices of {ipus} IPUs per replica; variables per IPU {per_ipu}")
+                 f"stage(s) on the devices of {ipus} IPUs per replica; variables per IPU {counts}")
     return placed
 
 
@@ -283,18 +258,16 @@ class PlacedMain:
                 callee = repeats[-1][2]
                 flat += [(m, 2 * len(repeats) - 1) for m in callee.nodes]
         self.graphs = [main] + [c for *_, c in repeats]
-        # Planning copies of the nodes: their IPU as annotation, the tensors that the graphs
-        # they call read from the main graph (If branches) as inputs.
-        plan = [Node(n.op_type, reads(n), list(n.outputs), {},
-                     n.domain, annotations={VIRTUAL_GRAPH: _node_ipu(n) + k * ipus}) for n, k in flat]
+        # Planning copies of the nodes, the tensors that the graphs they call read from the
+        # main graph (If branches) as inputs; segment k (the runs of ops between and inside
+        # repeats) is their group, so that no stage crosses a repeat's bounds.
+        plan = [Node(n.op_type, reads(n), list(n.outputs), {}, n.domain) for n, _ in flat]
         original = {id(p): n for p, (n, _) in zip(plan, flat)}
-        options = popart.SessionOptions()
-        options.virtualGraphMode = popart.VirtualGraphMode.Manual
-        segments = 2 * len(repeats) + 1
-        self.stages: StagePlan = plan_stages(IRGraph(nodes=plan), {}, options, ipus * segments, {})
+        where = {id(p): (_node_ipu(n), k) for p, (n, k) in zip(plan, flat)}
+        self.stages: StagePlan = plan_stages(plan, lambda p: where[id(p)][0],
+                                             group_of=lambda p: where[id(p)][1])
         st = self.stages
-        segment = [v // ipus for v in st.stage_ipu]
-        st.stage_ipu = [v % ipus for v in st.stage_ipu]
+        segment = st.group
         self.reads = [{t for n in nodes for t in n.inputs if t} for nodes in st.nodes]
         self.nodes = [[original[id(n)] for n in nodes] for nodes in st.nodes]
         # variables: a version's variable, each callee input a repeat takes a variable's
@@ -310,7 +283,7 @@ class PlacedMain:
             body = n.attrs["body"]
             results = list(body.nodes[0].outputs)
             if trips is None or cond is None or not bool(cond) or len(callee.inputs) != len(n.inputs) - 2:
-                raise _Unsupported(f"{n.describe()} without a trip count known at compile time")
+                raise Unplaceable(f"{n.describe()} without a trip count known at compile time")
             outs = [(y, c, callee.outputs[results.index(o)] if o in results else None)
                     for y, c, o in zip(n.outputs, callee.inputs, body.outputs[1:])]
             for x, (_, c, o) in zip(n.inputs[2:], outs):
@@ -318,7 +291,7 @@ class PlacedMain:
                 if v is not None and (o is not None or c not in versions.values()):
                     alias[c] = v
                 elif v is not None:
-                    raise _Unsupported(f"a repeated graph changing variable '{v}' passed by value")
+                    raise Unplaceable(f"a repeated graph changing variable '{v}' passed by value")
             ins = list(zip(n.inputs[2:], callee.inputs))
             self.loops.append(_Loop(in_loop[0], in_loop[-1] + 1, int(trips), ins, outs))
         var_of = {t: alias.get(versions.get(t, t)) for nodes in self.nodes for n in nodes
@@ -348,7 +321,7 @@ class PlacedMain:
                 for (x, c), (y, _, o) in zip(loop.ins, loop.outs):
                     if c in var_of and s == loop.first:
                         if in_block[var_of[c]] != x:
-                            raise _Unsupported(f"a repeat of an older version of '{x}'")
+                            raise Unplaceable(f"a repeat of an older version of '{x}'")
                         in_block[var_of[c]] = c
             self.from_block.append({t: var_of[t] for t in self.reads[s] if t in var_of and
                                     self.home[var_of[t]] == ipu and in_block[var_of[t]] == t})
@@ -359,7 +332,7 @@ class PlacedMain:
                 for (x, c), (y, _, o) in zip(loop.ins, loop.outs):
                     if c in var_of and s == loop.end - 1:
                         if in_block[var_of[c]] != (o or c):
-                            raise _Unsupported(f"a repeated graph updating '{x}' off its IPU")
+                            raise Unplaceable(f"a repeated graph updating '{x}' off its IPU")
                         in_block[var_of[c]] = y
         # new values not in their blocks yet: written there at the end of the run
         self.finals = {s.graph_in: s.graph_out._ir_id for s in session._slots if s.graph_out is not None
@@ -372,11 +345,10 @@ class PlacedMain:
         for loop in self.loops:
             used |= {x for x, _ in loop.ins} | {o for *_, o in loop.outs if o}
             if any(c in var_of and y in used for y, c, _ in loop.outs):
-                raise _Unsupported("a variable a repeat updates read off its IPU after the repeat")
+                raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
         self.exports = [{t for n in nodes for t in n.outputs if t in used} | (set(self.from_block[s]) & used)
                         for s, nodes in enumerate(self.nodes)]
-        self.mesh = jax.sharding.Mesh(_mesh_devices(session._device, self.replicas, ipus),
-                                      (REPLICA_AXIS, IPU_AXIS))
+        self.mesh = placed_mesh(session._device.jax_devices, self.replicas, ipus)
 
     def ipu_of(self, t: str) -> int:
         return self.stages.ipu_of(t)
@@ -387,14 +359,13 @@ class PlacedMain:
                 for k, s in self.layout.specs().items()}
 
     def state_shardings(self) -> dict:
-        sharding = jax.sharding.NamedSharding(self.mesh, P(REPLICA_AXIS, IPU_AXIS))
-        return {k: sharding.with_memory_kind(self.host_slots[k]) if k in self.host_slots else sharding
+        return {k: mesh_sharding(self.mesh, REPLICA_AXIS, IPU_AXIS, memory_kind=self.host_slots.get(k))
                 for k in self.layout.specs()}
 
     @property
     def feed_sharding(self) -> jax.sharding.NamedSharding:
         """[replicas, ...] arrays: each replica's slice on all of its IPUs' devices."""
-        return jax.sharding.NamedSharding(self.mesh, P(REPLICA_AXIS))
+        return mesh_sharding(self.mesh, REPLICA_AXIS)
 
     def pack(self, values: dict) -> dict:
         """The slots [replicas, ipus, *block] from the session's state values [replicas, ...]
@@ -447,7 +418,7 @@ class PlacedMain:
         main, everywhere = self.main, set(range(self.ipus))
 
         def body(blocks: dict, feeds: dict) -> tuple:   # this device's [1, 1, *block], [1, N, ...]
-            blocks, dev = {k: v[0, 0] for k, v in blocks.items()}, jax.lax.axis_index(IPU_AXIS)
+            blocks, dev = {k: v[0, 0] for k, v in blocks.items()}, this_ipu()
             feeds = {k: v[0] for k, v in feeds.items()}
             feeds.update({k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()})
             # tensors sent on: their value on every device, and the IPUs whose devices hold it
@@ -461,7 +432,7 @@ class PlacedMain:
                     env[t], at[t] = feeds.get(t, main.initializers.get(t)), set(everywhere)
                 v = env[t] = jnp.asarray(env[t])
                 for b in sorted(set(ipus) - at[t]):
-                    v = jnp.where(dev == b, jax.lax.ppermute(v, IPU_AXIS, [(min(at[t]), b)]), v)
+                    v = jnp.where(dev == b, ipu_copy(v, min(at[t]), b), v)
                 env[t], at[t] = v, at[t] | set(ipus)
                 return v
 
@@ -473,7 +444,7 @@ class PlacedMain:
                 shapes = jax.eval_shape(self._stage_fn(s, list(checks)), blocks, received, feeds)[1:]
                 zeros = lambda blocks, *_: (blocks, *jax.tree_util.tree_map(  # noqa: E731
                     lambda x: jnp.zeros(x.shape, x.dtype), shapes))
-                blocks, out, record = jax.lax.cond(dev == a, run, zeros, blocks, received, feeds)
+                blocks, out, record = on_ipu(a, run, zeros, blocks, received, feeds)
                 records.append(record)
                 for t, v in out.items():
                     env[t], at[t] = v, {a}
@@ -519,7 +490,7 @@ class PlacedMain:
                 return lambda blocks, new: self.layout.repack(blocks, d, new)
             if self.finals:
                 new = {v: get(env, at, out, [self.home[v]]) for v, out in self.finals.items()}
-                blocks = jax.lax.switch(dev, [write(d) for d in range(self.ipus)], blocks, new)
+                blocks = per_ipu([write(d) for d in range(self.ipus)], blocks, new)
             outs = {t: env.get(out, feeds.get(out)) for t, out in self.d2h.items()}
             traced["out_ipu"] = {t: min(at.get(out, {0})) for t, out in self.d2h.items()}
             if facts is not None:
@@ -531,8 +502,7 @@ class PlacedMain:
 
         def program(state: dict, feeds: dict) -> tuple:
             spec = P(REPLICA_AXIS, IPU_AXIS)
-            state, outs = jax.shard_map(body, mesh=self.mesh, in_specs=(spec, P(REPLICA_AXIS)),
-                                        out_specs=(spec, spec), check_vma=False)(state, feeds)
+            state, outs = run_on_mesh(body, self.mesh, (spec, P(REPLICA_AXIS)), (spec, spec))(state, feeds)
             # each output from the devices of the IPU computing it; checks from every device
             out_ipu = traced["out_ipu"]
             return state, {t: v if t == CHECKS else v[:, out_ipu[t]] for t, v in outs.items()}

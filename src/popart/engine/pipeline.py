@@ -47,7 +47,6 @@ log line says so.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import jax
@@ -55,18 +54,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import IrError, noted
-from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node, reads
+from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
 from ..tensornames import PREFIXES
 from ..logging import getLogger
 from ..optimizers import GradientNorms, clip_by_norm, local_sum_squares
 from .compiled import CompiledStep, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
+from .placed import (IPU_AXIS, Layout, StagePlan, Unplaceable, ipu_copy, per_ipu, placed_mesh,
+                     placed_or_none, plan_stages, run_on_mesh, this_ipu)
 from .rts import HOST_MEMORY
 from . import als as _als
 from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan
 
-IPU_AXIS = "ipu"
 EXECUTION_PHASE = "__execution_phase"
 # Anchors of a pipeline's stashed / restored activations: the activation, per micro-batch.
 STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
@@ -77,24 +77,6 @@ _logger = getLogger("session")
 
 
 # ---------------------------------------------------------------------------- stages
-@dataclass
-class StagePlan:
-    """How the graph's top-level ops split into stages, and what crosses between them."""
-    nodes: list                     # per stage: its nodes, in graph order
-    stage_ipu: list                 # per stage: the IPU (mesh index) it runs on
-    weights: list                   # per stage: the variables it owns
-    boundary: list                  # per stage s < S-1: tensor ids sent from s to s+1
-    produced_at: dict               # tensor id -> stage computing (or owning) it
-    pipelined: bool
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.nodes)
-
-    def ipu_of(self, tid: str) -> int:
-        return self.stage_ipu[self.produced_at.get(tid, 0)]
-
-
 def auto_virtual_graphs(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[int]:
     """VirtualGraphMode.Auto: contiguous runs of ops of about equal cost (the elements of
     the weights an op reads plus those of its outputs), one per IPU, written on the nodes as
@@ -117,64 +99,26 @@ def auto_virtual_graphs(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[
     return out
 
 
-def plan_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
-                num_ipus: int, sizes: Mapping[str, int]) -> StagePlan:
-    """Cut ``graph`` into stages (see the module docstring); execution phases are stages
-    too, phase p on IPU p mod ``num_ipus``."""
+def popart_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
+                  num_ipus: int, sizes: Mapping[str, int]) -> StagePlan:
+    """A popart session's stages (``placed.plan_stages``): each op's IPU as the session's
+    ``virtualGraphMode`` says (execution phase p on IPU p mod ``num_ipus``, the phases in
+    order); with pipelining the pipeline stages (an op without one: its virtual graph's)."""
     nodes = graph.nodes
     mode = options.virtualGraphMode.name
     if mode == "Auto":
         vgs = auto_virtual_graphs(graph, num_ipus, sizes)
     elif mode == "ExecutionPhases":   # phase p on IPU p mod n, the phases in order
         nodes = sorted(nodes, key=lambda nd: int(nd.annotations.get(EXECUTION_PHASE, 0)))
-        phases = [int(nd.annotations.get(EXECUTION_PHASE, 0)) for nd in nodes]
-        vgs = [p % num_ipus for p in phases]
+        vgs = [int(nd.annotations.get(EXECUTION_PHASE, 0)) % num_ipus for nd in nodes]
     else:
         vgs = [int(nd.annotations.get(VIRTUAL_GRAPH, 0)) for nd in nodes]
-    pipelined = bool(getattr(options, "enablePipelining", False))
-    if pipelined and all(PIPELINE_STAGE in nd.annotations for nd in nodes):
-        keys = [int(nd.annotations[PIPELINE_STAGE]) for nd in nodes]
-    elif pipelined:   # PopART: the pipeline stage of an op is its virtual graph
-        keys = vgs
-    else:             # sharding: runs of consecutive ops on one IPU
-        keys, run = [], -1
-        for i, v in enumerate(vgs):
-            run += i == 0 or v != vgs[i - 1]
-            keys.append(run)
-    order = sorted(set(keys))
-    stage_of = [order.index(k) for k in keys]
-    S = len(order)
-    staged: list[list[Node]] = [[] for _ in range(S)]
-    stage_ipu = [0] * S
-    for nd, s, v in zip(nodes, stage_of, vgs):
-        staged[s].append(nd)
-        stage_ipu[s] = v
-    produced_at: dict[str, int] = {}
-    consumed: dict[str, set] = {}
-    weights: list[list[str]] = [[] for _ in range(S)]
-    for nd, s in zip(nodes, stage_of):
-        for t in reads(nd):
-            if not t:
-                continue
-            if t in variables and t not in produced_at:   # a weight lives where first read
-                produced_at[t] = s
-                weights[s].append(t)
-            if produced_at.get(t, -1) > s:
-                raise IrError(f"{nd.describe()} in pipeline stage {s} reads '{t}', which stage "
-                              f"{produced_at[t]} computes: a stage can only use tensors of "
-                              f"its own or earlier stages")
-            consumed.setdefault(t, set()).add(s)
-        for t in nd.outputs:
-            if t:
-                produced_at[t] = s
-    for w in variables:   # weights no op reads stay on the first IPU
-        if w not in produced_at:
-            produced_at[w] = 0
-            weights[0].append(w)
-    boundary = [sorted(t for t, at in produced_at.items() if at <= s and
-                       any(c > s for c in consumed.get(t, ())))
-                for s in range(S - 1)]
-    return StagePlan(staged, stage_ipu, weights, boundary, produced_at, pipelined)
+    ipu = {id(nd): v for nd, v in zip(nodes, vgs)}
+    stage_of = None
+    if getattr(options, "enablePipelining", False):
+        stage_of = (lambda nd: nd.annotations[PIPELINE_STAGE]) \
+            if all(PIPELINE_STAGE in nd.annotations for nd in nodes) else (lambda nd: ipu[id(nd)])
+    return plan_stages(nodes, lambda nd: ipu[id(nd)], variables, stage_of)
 
 
 def _unstash(tid: str) -> str:
@@ -182,122 +126,7 @@ def _unstash(tid: str) -> str:
     return tid.split("___", 1)[1] if tid.startswith(STASH_PREFIXES) else tid
 
 
-# ---------------------------------------------------------------------------- state layout
-class Layout:
-    """Where each tensor of a named set (the weights, or the optimizer state) lives. The
-    tensors of one dtype, rank and tag are numbered per IPU; slot j holds every IPU's j-th
-    such tensor in one array ``[ipus, *block]`` sharded over the IPU axis (key
-    ``"<kind>/<dtype>/r<rank><tag>/<j>"``), ``block`` the largest extent of each dimension,
-    the rest zero. Uniform stages (a transformer's layers) need no padding: each device's
-    block is its tensor, and an elementwise update runs on whole blocks. A slot sharded over
-    the replicas is stored ``[ipus, padded]``: each block flattened, zero-padded and split
-    (``PlacedProgram.rts_slots``)."""
-
-    def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int,
-                 tags: Mapping[str, str] = {}) -> None:
-        self.num_ipus, self.kind = num_ipus, kind
-        self.slots: dict[str, tuple] = {}    # id -> (ipu, key, shape)
-        self.blocks: dict[str, tuple] = {}   # key -> (block shape, dtype name)
-        self.globals: dict[str, str] = {}    # id -> key of a replicated tensor (add_global)
-        self.global_specs: dict[str, Any] = {}   # key -> ShapeDtypeStruct
-        count: dict[tuple, int] = {}
-        for tid, spec in specs.items():   # tagged tensors (frozen, sharded) in slots of their own
-            dt, shape, ipu = np.dtype(spec.dtype).name, tuple(np.shape(spec)), ipu_of(tid)
-            group = (dt, len(shape), tags.get(tid, ""))
-            j = count[group + (ipu,)] = count.get(group + (ipu,), -1) + 1
-            self._place(tid, ipu, f"{kind}/{dt}/r{len(shape)}{group[2]}/{j}", shape, shape, dt)
-
-    def _place(self, tid: str, ipu: int, key: str, shape: tuple, block: tuple, dt: str) -> None:
-        self.slots[tid] = (ipu, key, shape)
-        old = self.blocks.get(key, (block, dt))[0]
-        self.blocks[key] = (tuple(max(a, b) for a, b in zip(old, block)), dt)
-
-    def align(self, tid: str, weight: tuple, weight_block: tuple, key: str, shape: tuple,
-              dt: str) -> None:
-        """Place optimizer state ``tid`` in slot ``key`` beside its weight's slot (``weight``:
-        (ipu, key, shape)): the weight's block when it has the weight's shape (an
-        elementwise update then runs on both blocks at once), else its own shape."""
-        self._place(tid, weight[0], key, shape, weight_block if shape == weight[2] else shape, dt)
-
-    def add_global(self, tid: str, value: Any) -> None:
-        """A tensor no IPU owns (automatic loss scaling's factor and counter): stored whole,
-        replicated on every device, under its own key."""
-        key = self.globals[tid] = f"{self.kind}/global/{tid}"
-        self.global_specs[key] = jax.ShapeDtypeStruct(np.shape(value), np.asarray(value).dtype)
-
-    @property
-    def ids(self) -> set:
-        return set(self.slots) | set(self.globals)
-
-    def specs(self) -> dict:
-        return {**{key: jax.ShapeDtypeStruct((self.num_ipus,) + block, np.dtype(dt))
-                   for key, (block, dt) in self.blocks.items()}, **self.global_specs}
-
-    @staticmethod
-    def _part(shape: tuple) -> tuple:
-        return tuple(slice(0, n) for n in shape)
-
-    def pack(self, named: Mapping[str, Any]) -> dict:
-        bufs = {key: np.zeros(s.shape, s.dtype) for key, s in self.specs().items()}
-        for tid, (ipu, key, shape) in self.slots.items():
-            bufs[key][(ipu,) + self._part(shape)] = named[tid]
-        for tid, key in self.globals.items():
-            bufs[key][...] = named[tid]
-        return bufs
-
-    def unpack(self, bufs: Mapping[str, Any], ipu: Optional[int] = None,
-               shards: frozenset = frozenset()) -> dict:
-        """Tensors from the slots: all of them from global ``[ipus, *block]`` arrays (host or
-        device), or (``ipu`` given) that IPU's tensors from its own blocks (the blocks of the
-        slots in ``shards``, a replica's shards of whole blocks, as they are); the global
-        tensors with all of them."""
-        out = {} if ipu is not None else {tid: bufs[key] for tid, key in self.globals.items()}
-        for tid, (i, key, shape) in self.slots.items():
-            if ipu is None:
-                out[tid] = bufs[key][(i,) + self._part(shape)]
-            elif i == ipu:
-                block = bufs[key]
-                out[tid] = block if tuple(block.shape) == shape or key in shards else \
-                    block[self._part(shape)]
-        return out
-
-    def write(self, bufs: Mapping[str, Any], named: Mapping[str, Any]) -> dict:
-        """Global ``[ipus, *block]`` arrays with the tensors in ``named`` written in."""
-        bufs = dict(bufs)
-        for tid, v in named.items():
-            if tid in self.globals:
-                key = self.globals[tid]
-                bufs[key] = jnp.asarray(v, bufs[key].dtype)
-                continue
-            ipu, key, shape = self.slots[tid]
-            bufs[key] = bufs[key].at[(ipu,) + self._part(shape)].set(jnp.asarray(v, bufs[key].dtype))
-        return bufs
-
-    def repack(self, blocks: Mapping[str, Any], ipu: int, named: Mapping[str, Any],
-               shards: frozenset = frozenset()) -> dict:
-        """An IPU's blocks with its tensors in ``named`` written in (the inverse of
-        :meth:`unpack`)."""
-        blocks = dict(blocks)
-        for tid, v in named.items():
-            i, key, shape = self.slots[tid]
-            if i == ipu:
-                v = jnp.asarray(v).astype(blocks[key].dtype)
-                blocks[key] = v if tuple(blocks[key].shape) == shape or key in shards else \
-                    blocks[key].at[self._part(shape)].set(v)
-        return blocks
-
-
 # ---------------------------------------------------------------------------- the program
-def _why_not_placed(program: StepProgram, device: Any) -> Optional[str]:
-    """Why ``program`` cannot run with its virtual graphs placed (None: it can)."""
-    devs = list(getattr(device, "jax_devices", None) or [])
-    if len(set(devs)) < len(devs):
-        return f"the device's {len(devs)} IPUs share {len(set(devs))} device(s)"
-    if program.cfg.options.enablePipelining and program._accum_anchors():
-        return "anchoring a gradient accumulator (Accum___) of a pipelined model"
-    return None
-
-
 class _BlockNorms(GradientNorms):
     """Clipping's view of a placed step's gradient blocks (this device's; the replica's
     shards of those in ``sharded``), still scaled by ``ls``: a group's squares summed over
@@ -311,7 +140,7 @@ class _BlockNorms(GradientNorms):
         for i in ids:
             ipu, key, _ = self.layout.slots[i]
             masks[key][ipu] = True   # the rest of a block is zero
-        dev = jax.lax.axis_index(IPU_AXIS)
+        dev = this_ipu()
         return {k: jnp.asarray(m)[dev] for k, m in masks.items()}
 
     def sum_squares(self, ids: list[str], g: Mapping[str, Any]) -> Any:
@@ -357,20 +186,12 @@ class PlacedProgram(StepProgram):
         n = int(getattr(self.device_info, "numIpus", 1) or 1) // R   # IPUs per replica
         if self.cfg.options.virtualGraphMode.name == "Auto":   # placed or not, as PopART
             auto_virtual_graphs(self.graph_consts, n, sizes)
-        why = _why_not_placed(self, self.device_info)
-        if why is not None:
-            _logger.info(f"Virtual graphs: {why} is not supported by the placed program; the "
-                         f"whole model runs on one device")
+        placed = placed_or_none("Virtual graphs", lambda: self._place(n, sizes))
+        if placed is None:
             return
-        stages = plan_stages(self.graph_consts, self.variables, self.cfg.options, n, sizes)
-        ipus = max(stages.stage_ipu) + 1
-        if stages.num_stages < 2 or ipus < 2:
-            return
-        # replica r has IPUs r*n .. r*n + n-1
-        devs = np.array(self.device_info.jax_devices).reshape(R, n)[:, :ipus]
+        stages, ipus, self.mesh = placed
         self.stages, self.ipus = stages, ipus
         self.has_checks = bool(self.run_checks)   # the whole graph's trace has run-time checks
-        self.mesh = jax.sharding.Mesh(devs, (REPLICA_AXIS, IPU_AXIS))
         self.uses_rng = True   # keys per micro-batch and replica, folded per stage
         self._plan_layouts()
         _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
@@ -378,6 +199,17 @@ class PlacedProgram(StepProgram):
                      f"{[len(w) for w in self._weights_per_ipu()]}; slots sharded over the "
                      f"replicas {sorted(self.rts_slots)}, with sharded accumulators "
                      f"{sorted(self.tick_slots)}")
+
+    def _place(self, n: int, sizes: Mapping[str, int]) -> Optional[tuple]:
+        """(stages, IPUs, mesh) of the placed program on ``n`` IPUs per replica; None when
+        its ops are all on one IPU; Unplaceable for what the placed program does not do."""
+        if self.cfg.options.enablePipelining and self._accum_anchors():
+            raise Unplaceable("anchoring a gradient accumulator (Accum___) of a pipelined model")
+        stages = popart_stages(self.graph_consts, self.variables, self.cfg.options, n, sizes)
+        ipus = max(stages.stage_ipu) + 1
+        if stages.num_stages < 2 or ipus < 2:
+            return None
+        return stages, ipus, placed_mesh(self.device_info.jax_devices, self.cfg.replication_factor, ipus)
 
     def _plan_layouts(self) -> None:
         """The slots of the weights and of the optimizer state (each state tensor beside its
@@ -694,7 +526,7 @@ class PlacedProgram(StepProgram):
         accumulators in every tick (the backward pass reduce-scatters each tick's gradient
         into their shards)."""
         st = self.stages
-        S, ipus = st.num_stages, self.ipus
+        S, ipus, copies = st.num_stages, self.ipus, st.copies
         stage_fns = [self._stage_fn(s) for s in range(S)]
         feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in self.input_infos} |
                               {a for a in stage_fns[s][2] if a in self.input_infos} |
@@ -704,7 +536,6 @@ class PlacedProgram(StepProgram):
 
         def body(blocks, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
             M = keys.shape[0]
-            dev = jax.lax.axis_index(IPU_AXIS)
             blocks = self._gather({k: v[0] for k, v in blocks.items()},
                                   self.view_slots - self.tick_slots)
             feeds, keys = {k: v[:, 0] for k, v in feeds.items()}, keys[:, 0]
@@ -741,13 +572,10 @@ class PlacedProgram(StepProgram):
 
             def tick(carry, t):
                 bufs, loss_acc = carry
-                sent, anchors, loss = jax.lax.switch(dev, branches, bufs, t,
-                                                     self._gather(blocks, self.tick_slots))
-                moved = []
-                for s in range(S - 1):
-                    a, b = st.stage_ipu[s], st.stage_ipu[s + 1]
-                    # IpuCopy: to the next stage's device (kept where it is on the same one)
-                    moved.append(sent[s] if a == b else jax.lax.ppermute(sent[s], IPU_AXIS, [(a, b)]))
+                sent, anchors, loss = per_ipu(branches, bufs, t, self._gather(blocks, self.tick_slots))
+                # the plan's IpuCopies: each boundary to the next stage's devices
+                moved = [ipu_copy(sent[s], copies[s][0][1], copies[s][0][2]) if copies[s] else sent[s]
+                         for s in range(S - 1)]
                 return (moved, loss_acc + loss), anchors
 
             T = M + S - 1
@@ -787,9 +615,9 @@ class PlacedProgram(StepProgram):
             """M micro-batches of every replica (feeds [M, R, ...]): (loss sum, anchors
             {id: [M, R, ...]})."""
             wspec = {k: self._slot_spec(k, self.view_slots) for k in wbufs}
-            body = jax.shard_map(self._pipeline(wlayout), mesh=self.mesh,
-                                 in_specs=(wspec, P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
-                                 out_specs=(P(REPLICA_AXIS, IPU_AXIS),) * 2, check_vma=False)
+            body = run_on_mesh(self._pipeline(wlayout), self.mesh,
+                               (wspec, P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
+                               (P(REPLICA_AXIS, IPU_AXIS),) * 2)
             losses, anchors = body(wbufs, feeds, keys, hyper)
             out = {a: jnp.swapaxes(v[:, st.stage_ipu[anchor_stage[a]],
                                      anchor_stage[a]:anchor_stage[a] + M], 0, 1)
@@ -829,14 +657,12 @@ class PlacedProgram(StepProgram):
                                     new_s.update(ns)
                             return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
                         return f
-                    w, s = jax.lax.switch(jax.lax.axis_index(IPU_AXIS),
-                                          [branch(d) for d in range(ipus)], w, g, s)
+                    w, s = per_ipu([branch(d) for d in range(ipus)], w, g, s)
                 w, s = (self._gather(x, on - self.rts_slots) for x in (w, s))
                 return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
             wspec, sspec = ({k: self._slot_spec(k) for k in x} for x in (wbufs, sbufs))
             gspec = {k: self._slot_spec(k, views) for k in gbufs}
-            return jax.shard_map(body, mesh=self.mesh, in_specs=(wspec, gspec, sspec, P()),
-                                 out_specs=(wspec, sspec), check_vma=False)(
+            return run_on_mesh(body, self.mesh, (wspec, gspec, sspec, P()), (wspec, sspec))(
                 wbufs, gbufs, sbufs, hyper)
 
         def step(weights, opt_state, key_data, feeds, hyper):

@@ -1,0 +1,296 @@
+"""The placed executor's parts: a program's IPUs on the devices of a (replica, ipu) mesh.
+
+Both front-ends place the same way (docs/model_parallelism.md): popart sessions
+(``pipeline.PlacedProgram``: PopART's pipeline and sharding schedules) and ``popxl.Session``
+(``popxl._placement``: popxl's in-order run and its repeat loops). They share, from here: the
+cut of a graph's ops into stages (:func:`plan_stages`, a :class:`StagePlan` that holds the
+IPU-to-IPU copies as data), where each IPU's variables live (:class:`Layout`), the mesh
+(:func:`placed_mesh`), the one decision "placed or not" with its log line
+(:func:`placed_or_none`), and the mechanics inside the mesh: the one ``shard_map``
+(:func:`run_on_mesh`), a device's branch (:func:`on_ipu`, :func:`per_ipu`) and the copy
+between IPUs (:func:`ipu_copy`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import IrError
+from .._ir.graph import Node, reads
+from ..logging import getLogger
+from .compiled import REPLICA_AXIS
+
+IPU_AXIS = "ipu"
+P = jax.sharding.PartitionSpec
+T = TypeVar("T")
+_logger = getLogger("session")
+
+
+# ---------------------------------------------------------------------------- placed or not
+class Unplaceable(Exception):
+    """What a placed program does not do (raised while planning it; the message says what)."""
+
+
+def placed_or_none(who: str, plan: Callable[[], Optional[T]]) -> Optional[T]:
+    """The placed plan that ``plan`` makes (None: nothing to place), or None when it raises
+    :class:`Unplaceable`: the one place that logs why a program runs unplaced."""
+    try:
+        return plan()
+    except Unplaceable as e:
+        _logger.info(f"{who}: {e} is not supported by the placed program; the whole model "
+                     f"runs on one device per replica")
+        return None
+
+
+def device_grid(devices: Sequence[Any], replicas: int, ipus: int) -> np.ndarray:
+    """[replicas, ipus] devices: replica r's IPUs are the device's IPUs r*n, r*n + 1, ...
+    (n: the device's IPUs per replica). Raises Unplaceable unless they are distinct."""
+    devs = list(devices)
+    n = len(devs) // max(replicas, 1)
+    grid = np.array(devs[:replicas * n], dtype=object).reshape(replicas, n)[:, :ipus] \
+        if n >= ipus else None
+    if grid is None or len(set(grid.flat)) != grid.size:
+        share = ": its IPUs share devices" if len(set(devs)) < len(devs) else ""
+        raise Unplaceable(f"a device of {len(devs)} IPU(s) on {len(set(devs))} device(s) for "
+                          f"{replicas} replica(s) of {ipus} IPUs{share}")
+    return grid
+
+
+def placed_mesh(devices: Sequence[Any], replicas: int, ipus: int) -> jax.sharding.Mesh:
+    """The (``REPLICA_AXIS``, ``IPU_AXIS``) mesh of :func:`device_grid`."""
+    return jax.sharding.Mesh(device_grid(devices, replicas, ipus), (REPLICA_AXIS, IPU_AXIS))
+
+
+def mesh_sharding(mesh: jax.sharding.Mesh, *spec: Any,
+                  memory_kind: Optional[str] = None) -> jax.sharding.NamedSharding:
+    """Arrays of the mesh partitioned as ``spec`` (in memory ``memory_kind``, e.g. host)."""
+    sh = jax.sharding.NamedSharding(mesh, P(*spec))
+    return sh.with_memory_kind(memory_kind) if memory_kind else sh
+
+
+# ---------------------------------------------------------------------------- inside the mesh
+def run_on_mesh(fn: Callable, mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any) -> Callable:
+    """``fn`` on every device of the mesh, each on its blocks (the placed programs' one
+    ``shard_map``; replicated programs use ``compiled.Placement``)."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def this_ipu() -> Any:
+    """The IPU of the device running (inside :func:`run_on_mesh`)."""
+    return jax.lax.axis_index(IPU_AXIS)
+
+
+def on_ipu(ipu: int, fn: Callable, otherwise: Callable, *args: Any) -> Any:
+    """``fn(*args)`` on the devices of ``ipu``, ``otherwise(*args)`` (zeros) elsewhere."""
+    return jax.lax.cond(this_ipu() == ipu, fn, otherwise, *args)
+
+
+def per_ipu(branches: Sequence[Callable], *args: Any) -> Any:
+    """``branches[i](*args)`` on the devices of IPU i (each device traces only its own)."""
+    return jax.lax.switch(this_ipu(), list(branches), *args)
+
+
+def ipu_copy(x: Any, src: int, dst: int) -> Any:
+    """PopART's IpuCopy: ``x`` (any tree) of IPU ``src``'s devices to ``dst``'s, within each
+    replica (the devices of other IPUs get zeros); unchanged when ``src == dst``."""
+    return x if src == dst else jax.lax.ppermute(x, IPU_AXIS, [(src, dst)])
+
+
+def zeros_like_specs(specs: Any) -> Any:
+    """Zeros shaped as a tree of ShapeDtypeStructs (what a device that does not run a
+    stage gives for its outputs)."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), specs)
+
+
+# ---------------------------------------------------------------------------- stages
+@dataclass
+class StagePlan:
+    """How the graph's top-level ops split into stages, and what crosses between them."""
+    nodes: list                     # per stage: its nodes, in graph order
+    stage_ipu: list                 # per stage: the IPU (mesh index) it runs on
+    weights: list                   # per stage: the variables it owns
+    boundary: list                  # per stage s < S-1: tensor ids sent from s to s+1
+    produced_at: dict               # tensor id -> stage computing (or owning) it
+    pipelined: bool
+    group: list = field(default_factory=list)   # per stage: its nodes' group (plan_stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.nodes)
+
+    def ipu_of(self, tid: str) -> int:
+        return self.stage_ipu[self.produced_at.get(tid, 0)]
+
+    @property
+    def copies(self) -> list:
+        """The IPU-to-IPU copies (PopART's IpuCopy ops, as data): per boundary s, the
+        (tensor, source IPU, destination IPU) sent from stage s to stage s + 1."""
+        return [[(t, self.stage_ipu[s], self.stage_ipu[s + 1]) for t in ts]
+                for s, ts in enumerate(self.boundary)]
+
+
+def plan_stages(nodes: Sequence[Node], ipu_of: Callable[[Node], int], variables: Iterable[str] = (),
+                stage_of: Optional[Callable[[Node], int]] = None,
+                group_of: Optional[Callable[[Node], int]] = None) -> StagePlan:
+    """Cut ``nodes`` (in the order they run) into stages: with ``stage_of`` (pipelining) the
+    nodes of each pipeline stage, else the runs of consecutive nodes on one IPU (``ipu_of``)
+    and of one group (``group_of``: nodes of different groups, e.g. inside and outside a
+    loop, never share a stage). A stage runs on its nodes' IPU; a variable lives on the
+    stage that reads it first (one never read: stage 0); a stage can only read tensors of
+    its own or earlier stages."""
+    nodes = list(nodes)
+    vgs = [int(ipu_of(nd)) for nd in nodes]
+    groups = [int(group_of(nd)) if group_of is not None else 0 for nd in nodes]
+    if stage_of is not None:
+        keys = [int(stage_of(nd)) for nd in nodes]
+    else:   # runs of consecutive nodes on one IPU and group
+        keys, run = [], -1
+        for i, v in enumerate(zip(vgs, groups)):
+            run += i == 0 or v != (vgs[i - 1], groups[i - 1])
+            keys.append(run)
+    order = sorted(set(keys))
+    stage_of_node = [order.index(k) for k in keys]
+    S = len(order)
+    staged: list[list[Node]] = [[] for _ in range(S)]
+    stage_ipu, stage_group = [0] * S, [0] * S
+    for nd, s, v, g in zip(nodes, stage_of_node, vgs, groups):
+        staged[s].append(nd)
+        stage_ipu[s], stage_group[s] = v, g
+    variables = list(variables)
+    known = set(variables)
+    produced_at: dict[str, int] = {}
+    consumed: dict[str, set] = {}
+    weights: list[list[str]] = [[] for _ in range(S)]
+    for nd, s in zip(nodes, stage_of_node):
+        for t in reads(nd):
+            if not t:
+                continue
+            if t in known and t not in produced_at:   # a weight lives where first read
+                produced_at[t] = s
+                weights[s].append(t)
+            if produced_at.get(t, -1) > s:
+                raise IrError(f"{nd.describe()} in pipeline stage {s} reads '{t}', which stage "
+                              f"{produced_at[t]} computes: a stage can only use tensors of "
+                              f"its own or earlier stages")
+            consumed.setdefault(t, set()).add(s)
+        for t in nd.outputs:
+            if t:
+                produced_at[t] = s
+    for w in variables:   # weights no op reads stay on the first stage's IPU
+        if w not in produced_at:
+            produced_at[w] = 0
+            weights[0].append(w)
+    boundary = [sorted(t for t, at in produced_at.items() if at <= s and
+                       any(c > s for c in consumed.get(t, ())))
+                for s in range(S - 1)]
+    return StagePlan(staged, stage_ipu, weights, boundary, produced_at, stage_of is not None,
+                     stage_group)
+
+
+# ---------------------------------------------------------------------------- state layout
+class Layout:
+    """Where each tensor of a named set (the weights, or the optimizer state) lives. The
+    tensors of one dtype, rank and tag are numbered per IPU; slot j holds every IPU's j-th
+    such tensor in one array ``[ipus, *block]`` sharded over the IPU axis (key
+    ``"<kind>/<dtype>/r<rank><tag>/<j>"``), ``block`` the largest extent of each dimension,
+    the rest zero. Uniform stages (a transformer's layers) need no padding: each device's
+    block is its tensor, and an elementwise update runs on whole blocks. A slot sharded over
+    the replicas is stored ``[ipus, padded]``: each block flattened, zero-padded and split
+    (``PlacedProgram.rts_slots``)."""
+
+    def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int,
+                 tags: Mapping[str, str] = {}) -> None:
+        self.num_ipus, self.kind = num_ipus, kind
+        self.slots: dict[str, tuple] = {}    # id -> (ipu, key, shape)
+        self.blocks: dict[str, tuple] = {}   # key -> (block shape, dtype name)
+        self.globals: dict[str, str] = {}    # id -> key of a replicated tensor (add_global)
+        self.global_specs: dict[str, Any] = {}   # key -> ShapeDtypeStruct
+        count: dict[tuple, int] = {}
+        for tid, spec in specs.items():   # tagged tensors (frozen, sharded) in slots of their own
+            dt, shape, ipu = np.dtype(spec.dtype).name, tuple(np.shape(spec)), ipu_of(tid)
+            group = (dt, len(shape), tags.get(tid, ""))
+            j = count[group + (ipu,)] = count.get(group + (ipu,), -1) + 1
+            self._place(tid, ipu, f"{kind}/{dt}/r{len(shape)}{group[2]}/{j}", shape, shape, dt)
+
+    def _place(self, tid: str, ipu: int, key: str, shape: tuple, block: tuple, dt: str) -> None:
+        self.slots[tid] = (ipu, key, shape)
+        old = self.blocks.get(key, (block, dt))[0]
+        self.blocks[key] = (tuple(max(a, b) for a, b in zip(old, block)), dt)
+
+    def align(self, tid: str, weight: tuple, weight_block: tuple, key: str, shape: tuple,
+              dt: str) -> None:
+        """Place optimizer state ``tid`` in slot ``key`` beside its weight's slot (``weight``:
+        (ipu, key, shape)): the weight's block when it has the weight's shape (an
+        elementwise update then runs on both blocks at once), else its own shape."""
+        self._place(tid, weight[0], key, shape, weight_block if shape == weight[2] else shape, dt)
+
+    def add_global(self, tid: str, value: Any) -> None:
+        """A tensor no IPU owns (automatic loss scaling's factor and counter): stored whole,
+        replicated on every device, under its own key."""
+        key = self.globals[tid] = f"{self.kind}/global/{tid}"
+        self.global_specs[key] = jax.ShapeDtypeStruct(np.shape(value), np.asarray(value).dtype)
+
+    @property
+    def ids(self) -> set:
+        return set(self.slots) | set(self.globals)
+
+    def specs(self) -> dict:
+        return {**{key: jax.ShapeDtypeStruct((self.num_ipus,) + block, np.dtype(dt))
+                   for key, (block, dt) in self.blocks.items()}, **self.global_specs}
+
+    @staticmethod
+    def _part(shape: tuple) -> tuple:
+        return tuple(slice(0, n) for n in shape)
+
+    def pack(self, named: Mapping[str, Any]) -> dict:
+        bufs = {key: np.zeros(s.shape, s.dtype) for key, s in self.specs().items()}
+        for tid, (ipu, key, shape) in self.slots.items():
+            bufs[key][(ipu,) + self._part(shape)] = named[tid]
+        for tid, key in self.globals.items():
+            bufs[key][...] = named[tid]
+        return bufs
+
+    def unpack(self, bufs: Mapping[str, Any], ipu: Optional[int] = None,
+               shards: frozenset = frozenset()) -> dict:
+        """Tensors from the slots: all of them from global ``[ipus, *block]`` arrays (host or
+        device), or (``ipu`` given) that IPU's tensors from its own blocks (the blocks of the
+        slots in ``shards``, a replica's shards of whole blocks, as they are); the global
+        tensors with all of them."""
+        out = {} if ipu is not None else {tid: bufs[key] for tid, key in self.globals.items()}
+        for tid, (i, key, shape) in self.slots.items():
+            if ipu is None:
+                out[tid] = bufs[key][(i,) + self._part(shape)]
+            elif i == ipu:
+                block = bufs[key]
+                out[tid] = block if tuple(block.shape) == shape or key in shards else \
+                    block[self._part(shape)]
+        return out
+
+    def write(self, bufs: Mapping[str, Any], named: Mapping[str, Any]) -> dict:
+        """Global ``[ipus, *block]`` arrays with the tensors in ``named`` written in."""
+        bufs = dict(bufs)
+        for tid, v in named.items():
+            if tid in self.globals:
+                key = self.globals[tid]
+                bufs[key] = jnp.asarray(v, bufs[key].dtype)
+                continue
+            ipu, key, shape = self.slots[tid]
+            bufs[key] = bufs[key].at[(ipu,) + self._part(shape)].set(jnp.asarray(v, bufs[key].dtype))
+        return bufs
+
+    def repack(self, blocks: Mapping[str, Any], ipu: int, named: Mapping[str, Any],
+               shards: frozenset = frozenset()) -> dict:
+        """An IPU's blocks with its tensors in ``named`` written in (the inverse of
+        :meth:`unpack`)."""
+        blocks = dict(blocks)
+        for tid, v in named.items():
+            i, key, shape = self.slots[tid]
+            if i == ipu:
+                v = jnp.asarray(v).astype(blocks[key].dtype)
+                blocks[key] = v if tuple(blocks[key].shape) == shape or key in shards else \
+                    blocks[key].at[self._part(shape)].set(v)
+        return blocks
