@@ -54,6 +54,14 @@ def sgd_step(params, x, y):
     return jax.tree.map(lambda a, b: a - bench.LR * b, params, g), val
 
 
+def report(title: str, ref: str, runners: dict[str, bench.Runner], repeats: int) -> None:
+    """Time ``runners`` in turns and print their samples/s as a table, each against ``ref``."""
+    rates = bench.interleaved(runners, repeats)
+    print(f"\n| {title} | samples/s | vs {ref} |\n|---|---:|---:|")
+    for k, v in rates.items():
+        print(f"| {k} | {v:,.0f} | {v / rates[ref]:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=THREADS, help="give it as --threads=N")
@@ -91,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"popart bps={BPS}": bench.popart_inference(path, x, BPS, cfg)[0],
                    "jax.jit per batch": bench.Runner(raw1, n * spec.batch),
                    f"jax.jit lax.map {BPS}": bench.Runner(raw10, n * spec.batch)}
-        rates = bench.interleaved(runners, args.repeats)
-        print("\n| MLP inference | samples/s | vs onnxruntime |\n|---|---:|---:|")
-        for k, v in rates.items():
-            print(f"| {k} | {v:,.0f} | {v / rates['onnxruntime']:.2f} |")
+        report("MLP inference", "onnxruntime", runners, args.repeats)
 
         step = jax.jit(sgd_step, donate_argnums=(0,))
         scan = jax.jit(lambda p, xs, ys: lax.scan(lambda c, b: sgd_step(c, *b), p, (xs, ys)),
@@ -118,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"popart bps={BPS}": bench.popart_training(train_path, x, y, cfg)[0],
                    "jax.jit step": bench.Runner(rawstep, n * spec.batch),
                    f"jax.jit lax.scan {BPS}": bench.Runner(rawscan, n * spec.batch)}
-        rates = bench.interleaved(runners, args.repeats)
-        print("\n| MLP training (SGD) | samples/s | vs pytorch |\n|---|---:|---:|")
-        for k, v in rates.items():
-            print(f"| {k} | {v:,.0f} | {v / rates['pytorch']:.2f} |")
+        report("MLP training (SGD)", "pytorch", runners, args.repeats)
     return 0
 
 

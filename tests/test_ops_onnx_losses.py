@@ -64,30 +64,26 @@ def agrees_with_onnxruntime(ref, rtol=1e-4, atol=1e-5):
         np.testing.assert_allclose(got, exp, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("shape,reduction,weighted,ii", LOSS_CASES)
-def test_nll_loss(op_tester, shape, reduction, weighted, ii):
-    x, t, w, inputs, attrs = _loss_case(shape, weighted, ii)
-    exp = F.nll_loss(torch.from_numpy(x), torch.from_numpy(t), **_torch_kw(w, ii, reduction))
-
-    def reference(ref):
-        agrees_with_onnxruntime(ref)
-        return [exp]
-
-    op_tester.run(one_op("NegativeLogLikelihoodLoss", inputs, reduction=reduction, **attrs),
-                  reference, opsets=OPSETS, rtol=1e-5, atol=1e-6)
+# op -> (PyTorch's loss, the Builder's other arguments)
+LOSSES = {"NegativeLogLikelihoodLoss": (F.nll_loss, {}),
+          "SoftmaxCrossEntropyLoss": (F.cross_entropy, {"num_outputs": 2})}
 
 
 @pytest.mark.parametrize("shape,reduction,weighted,ii", LOSS_CASES)
-def test_softmax_cross_entropy_loss(op_tester, shape, reduction, weighted, ii):
+@pytest.mark.parametrize("op", LOSSES)
+def test_loss(op_tester, op, shape, reduction, weighted, ii):
     x, t, w, inputs, attrs = _loss_case(shape, weighted, ii)
-    exp = F.cross_entropy(torch.from_numpy(x), torch.from_numpy(t), **_torch_kw(w, ii, reduction))
+    torch_loss, args = LOSSES[op]
+    exp = [torch_loss(torch.from_numpy(x), torch.from_numpy(t), **_torch_kw(w, ii, reduction))]
+    if op == "SoftmaxCrossEntropyLoss":   # its second output, log_prob
+        exp.append(F.log_softmax(torch.from_numpy(x), 1))
 
     def reference(ref):
         agrees_with_onnxruntime(ref)
-        return [exp, F.log_softmax(torch.from_numpy(x), 1)]
+        return exp
 
-    op_tester.run(one_op("SoftmaxCrossEntropyLoss", inputs, num_outputs=2, reduction=reduction,
-                         **attrs), reference, opsets=OPSETS, rtol=1e-5, atol=1e-6)
+    op_tester.run(one_op(op, inputs, reduction=reduction, **args, **attrs), reference,
+                  opsets=OPSETS, rtol=1e-5, atol=1e-6)
 
 
 def test_loss_keeps_float64_and_rejects_bad_reduction(op_tester):
