@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 
 W, B = 32, 4   # layer width, batch
 
@@ -108,7 +109,7 @@ def two_ipu_session(model, loss, ipus, optimizer, bps=1):
     s = popart.TrainingSession(model, popart.DataFlow(bps, [loss]), loss, optimizer, dev, userOptions=o)
     s.prepareDevice()
     s.weightsFromHost()
-    assert getattr(s._program, "placed", False) == (ipus > 1)
+    assert testing.is_placed(s) == (ipus > 1)
     return s, dev
 
 
@@ -123,18 +124,18 @@ def one_device():
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sharded", "pipelined"])
 def test_placed_training_equals_one_device(one_device, pipelined):
     got = train(FOUR, mode="Manual", pipelined=pipelined)
-    assert got[2]._program.placed
+    assert testing.is_placed(got[2])
     assert_same(got, one_device)
 
 
 def test_each_ipu_holds_only_its_weights_and_optimizer_state(one_device):
     _, _, s = train(FOUR, steps=1, mode="Manual", pipelined=True)
-    weights, state = s._dev
+    weights, state = testing.device_values(s, "weights"), testing.device_values(s, "optimizer")
     for bufs in (weights, state):
         for buf in bufs.values():   # [ipus, *block], one block per device
             assert buf.shape[0] == 4
             assert sorted(sh.device.id for sh in buf.addressable_shards) == \
-                sorted(d.id for d in s._program.mesh.devices.flat)
+                sorted(d.id for d in testing.mesh_devices(s))
             assert {sh.data.shape for sh in buf.addressable_shards} == {(1,) + buf.shape[1:]}
     # one layer's weight per device; Adam's two moments and step counter beside it
     slot = "weights/float32/r2/0"
@@ -143,8 +144,8 @@ def test_each_ipu_holds_only_its_weights_and_optimizer_state(one_device):
         f"state/Accl1___/float32/{slot}": (W, W), f"state/Accl2___/float32/{slot}": (W, W),
         f"state/Step___/float32/{slot}": ()}
     # the compiled program's arguments on one device: about a quarter of the whole model's
-    whole = one_device[2]._program.compiled.memory_analysis().argument_size_in_bytes
-    placed = s._program.compiled.memory_analysis().argument_size_in_bytes
+    whole = testing.compiled(one_device[2]).memory_analysis().argument_size_in_bytes
+    placed = testing.compiled(s).memory_analysis().argument_size_in_bytes
     assert placed < 0.35 * whole, (placed, whole)
 
 
@@ -153,7 +154,7 @@ def test_pipeline_schedule_in_the_compiled_program():
     the main phase; the compiled step loops A + S - 1 ticks, each a collective permute of the
     stages' outputs to the next devices (a timing-free check of the overlap)."""
     _, _, s = train([0, 1, 2], steps=1, mode="Manual", pipelined=True, A=4)
-    p = s._program
+    p = testing.step_program(s)
     assert p.schedule == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1), (2, 0)],
                           [(0, 3), (1, 2), (2, 1)], [(1, 3), (2, 2)], [(2, 3)]]
     hlo = p.compiled.as_text()
@@ -170,13 +171,13 @@ def test_stages_sharing_ipus_and_replication(one_device):
     for pipelined in (False, True):
         got = train([0, 1, 0, 1], mode="Manual", pipelined=pipelined, R=2, A=4, optimizer=popart.SGD(
             {"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, True)}))
-        assert got[2]._program.mesh.devices.shape == (2, 2)
+        assert testing.mesh_shape(got[2]) == (2, 2)
         assert_same(got, ref)
 
 
 def test_auto_mode_splits_by_cost():
     got = train(FOUR, mode="Auto", steps=1, skip=False, tied=False)
-    assert got[2]._program.stages.stage_ipu == [0, 1, 2, 3]
+    assert testing.step_program(got[2]).stages.stage_ipu == [0, 1, 2, 3]
     assert_same(got, train(FOUR, steps=1, skip=False, tied=False))
 
 
@@ -189,7 +190,7 @@ def test_pipelined_inference_equals_one_device():
         return s, out
     ref = infer()[1]
     s, got = infer(mode="Manual", pipelined=True)
-    assert s._program.placed and s._program.stages.pipelined
+    assert testing.is_placed(s) and testing.step_program(s).stages.pipelined
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
 
@@ -228,7 +229,7 @@ def test_ipus_sharing_devices_run_unplaced_with_a_log_line(caplog):
         s.weightsFromHost()
     finally:
         logger.setLevel(level)
-    assert not s._program.placed
+    assert not testing.is_placed(s)
     assert any("IPUs share" in r.getMessage() for r in caplog.records)
 
 
@@ -251,7 +252,7 @@ def test_gradients_of_activations_as_anchors():
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO(feeds(ids, 1, 3), out))
         dev.detach()
-        assert getattr(s._program, "placed", False) == bool(kw)
+        assert testing.is_placed(s) == bool(kw)
         return out
     ref, got = grads(), grads(placed=True)
     assert ref.keys() == got.keys()
@@ -314,7 +315,7 @@ def test_execution_phases_run_on_alternating_ipus():
         s.readWeights(popart.PyWeightsIO(weights))
         dev.detach()
         runs[mode] = (out[loss], weights, s)
-    assert runs["ExecutionPhases"][2]._program.stages.stage_ipu == [0, 1, 0, 1]
+    assert testing.step_program(runs["ExecutionPhases"][2]).stages.stage_ipu == [0, 1, 0, 1]
     np.testing.assert_allclose(runs["ExecutionPhases"][0], runs["Off"][0], rtol=1e-5)
     for k in runs["Off"][1]:
         np.testing.assert_allclose(runs["ExecutionPhases"][1][k], runs["Off"][1][k], rtol=1e-5, atol=1e-6)
@@ -328,7 +329,7 @@ def test_updates_of_several_weights_per_ipu(mode):
         return popart.Adam({"defaultLearningRate": (0.02, False), "defaultWeightDecay": (0.01, True)},
                            mode=getattr(popart.AdamMode, mode))
     got = train([0, 1, 0, 1], mode="Manual", optimizer=opt(), steps=2)
-    assert bool(got[2]._program.row_weights) == (mode == "Adam")
+    assert bool(testing.step_program(got[2]).row_weights) == (mode == "Adam")
     assert_same(got, train([0, 1, 0, 1], optimizer=opt(), steps=2))
 
 
@@ -372,7 +373,7 @@ def test_gradient_norm_clipping_spans_ipus():
         return popart.Adam({"defaultLearningRate": (0.05, False)}, clip_norm_settings=[
             popart.ClipNormSettings(["w0", "w2"], 0.05), popart.ClipNormSettings.clipAllWeights(0.5)])
     got = train(FOUR, mode="Manual", pipelined=True, optimizer=opt())
-    assert got[2]._program.placed and got[2]._program.row_weights
+    assert testing.is_placed(got[2]) and testing.step_program(got[2]).row_weights
     assert_same(got, train(FOUR, optimizer=opt()))
 
 
@@ -459,10 +460,10 @@ def test_replica_sharded_optimizer_state_on_a_placed_pipeline():
         o.optimizerStateTensorLocationSettings = popart.TensorLocationSettings(on, 0, 8)
     ref = train([0, 1], R=2, A=2)
     got = train([0, 1], mode="Manual", pipelined=True, R=2, A=2, configure=opts_rts)
-    p = got[2]._program
+    p = testing.step_program(got[2])
     assert p.placed and p.rts_slots
     for k in p.rts_slots:
-        buf = got[2]._dev[1][k]
+        buf = testing.device_values(got[2], "optimizer")[k]
         assert {sh.data.shape for sh in buf.addressable_shards} == {(1, buf.shape[1] // 2)}
         assert len(buf.addressable_shards) == 4
     assert_same(got, ref)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 from test_automatic_loss_scaling import als_options
 from test_model_parallel import assert_same
 
@@ -61,7 +62,7 @@ def session(stages, placed, pipelined=False, master=True, A=1, R=1, bps=3, perio
     else:
         s.prepareDevice()
         s.weightsFromHost()
-    assert getattr(s._program, "placed", False) == placed
+    assert testing.is_placed(s) == placed
     return s, x, dev
 
 
@@ -127,12 +128,12 @@ def test_factor_is_replicated_state_beside_the_slots(pair):
     """The factor (and the updatePeriod counter) belong to no IPU: one replicated scalar."""
     _, got = pair
     s = got[2]
-    _, state = s._dev
-    key = s._program.state_layout.globals[FACTOR]
+    state = testing.device_values(s, "optimizer")
+    key = testing.step_program(s).state_layout.globals[FACTOR]
     assert state[key].shape == () and state[key].sharding.is_fully_replicated
-    assert len(state[key].addressable_shards) == s._program.mesh.devices.size
-    period = s._program.als.period
-    assert set(s._program.state_layout.globals) == (
+    assert len(state[key].addressable_shards) == len(testing.mesh_devices(s))
+    period = testing.step_program(s).als.period
+    assert set(testing.step_program(s).state_layout.globals) == (
         {FACTOR, "LossScaleUpdate_counter"} if period > 1 else {FACTOR})
 
 

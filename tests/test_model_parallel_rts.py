@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 from test_model_parallel import W, assert_same, feeds, session, train
 from test_rts import ACCUM, STATE, WEIGHTS, rts_location
 
@@ -48,13 +49,13 @@ def run(*names, placed=True, pipelined=True, optimizer=adam):
     if key not in _runs:
         kw = dict(mode="Manual", pipelined=pipelined) if placed else {}
         _runs[key] = train([0, 1], R=R, A=A, optimizer=optimizer(), configure=sharded(*names), **kw)
-        assert getattr(_runs[key][2]._program, "placed", False) == placed
+        assert testing.is_placed(_runs[key][2]) == placed
     return _runs[key]
 
 
 def assert_one_shard_per_device(s, slots):
     """Each of the 4 devices holds 1/R of its IPU's block of these slots."""
-    weights, state = s._dev
+    weights, state = testing.device_values(s, "weights"), testing.device_values(s, "optimizer")
     for k in slots:
         buf = {**weights, **state}[k]
         assert len(buf.addressable_shards) == 4, k
@@ -62,13 +63,13 @@ def assert_one_shard_per_device(s, slots):
 
 
 def temp_bytes(s) -> int:
-    return s._program.compiled.memory_analysis().temp_size_in_bytes
+    return testing.compiled(s).memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sharded"])
 def test_sharded_weights_train_as_one_device(pipelined):
     got = run(WEIGHTS, STATE, pipelined=pipelined)
-    p = got[2]._program
+    p = testing.step_program(got[2])
     assert {k.split("/")[0] for k in p.rts_slots} == {"weights", "state"}
     assert_one_shard_per_device(got[2], p.rts_slots)
     assert_same(got, run(placed=False))
@@ -78,10 +79,10 @@ def test_sharded_weights_store_half_of_each_ipu():
     """Per device: its IPU's weight and Adam's two moments, 3 x 32 x 32 floats whole, half
     of them as shards (the step counter stays whole)."""
     whole, rts = run(), run(WEIGHTS, STATE)
-    size = lambda s: s._program.compiled.memory_analysis().argument_size_in_bytes  # noqa: E731
+    size = lambda s: testing.compiled(s).memory_analysis().argument_size_in_bytes  # noqa: E731
     assert size(whole[2]) - size(rts[2]) == 3 * W * W * 4 // R
-    assert "all-gather(" in rts[2]._program.compiled.as_text()
-    assert "reduce-scatter(" in rts[2]._program.compiled.as_text()
+    assert "all-gather(" in testing.compiled(rts[2]).as_text()
+    assert "reduce-scatter(" in testing.compiled(rts[2]).as_text()
 
 
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sharded"])
@@ -89,7 +90,8 @@ def test_sharded_accumulators_train_as_one_device(pipelined):
     ref = run(placed=False)
     for names in ((ACCUM,), (WEIGHTS, STATE, ACCUM)):
         got = run(*names, pipelined=pipelined)
-        assert got[2]._program.tick_slots == set(got[2]._dev[0])   # the one weight slot
+        weights = testing.device_values(got[2], "weights")
+        assert testing.step_program(got[2]).tick_slots == set(weights)   # the one weight slot
         assert_same(got, ref)
 
 
@@ -106,7 +108,7 @@ def test_sharded_accumulators_save_temporary_memory(pipelined):
 def test_sharded_lamb_state_and_weights_train_as_one_device():
     """Lamb's norms of weight and update: partial sums of squares psummed over the replicas."""
     got = run(WEIGHTS, STATE, optimizer=lamb)
-    p = got[2]._program
+    p = testing.step_program(got[2])
     assert not p.row_weights   # weight by weight
     assert_one_shard_per_device(got[2], p.rts_slots)
     assert_same(got, run(placed=False, optimizer=lamb))
@@ -116,7 +118,7 @@ def test_sharded_state_with_per_weight_values_trains_as_one_device():
     """SGD's Accl___ with accumulation is placed by the accumulator settings; the weights
     stay whole, updated on shards."""
     got = run(STATE, ACCUM, pipelined=False, optimizer=sgd_per_weight)
-    p = got[2]._program
+    p = testing.step_program(got[2])
     assert not p.row_weights and p.update_slots
     assert_one_shard_per_device(got[2], [k for k in p.rts_slots if k.startswith("state/Accl___")])
     assert_same(got, run(placed=False, optimizer=sgd_per_weight))
@@ -132,8 +134,8 @@ def test_inference_gathers_sharded_weights():
         return s, out
     ref = infer()[1]
     s, got = infer(mode="Manual", pipelined=True)
-    assert s._program.placed and s._program.rts_slots == {"weights/float32/r2fs/0"}
-    assert_one_shard_per_device(s, s._program.rts_slots)
+    assert testing.is_placed(s) and testing.step_program(s).rts_slots == {"weights/float32/r2fs/0"}
+    assert_one_shard_per_device(s, testing.step_program(s).rts_slots)
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
 
@@ -152,7 +154,7 @@ def test_forward_only_program_runs_on_the_sharded_weights():
     s.readWeights(popart.PyWeightsIO({"w0": w0}))
     s.run("implicitPipeliningFwdOnly", popart.PyStepIO(f, out))
     dev.detach()
-    fwd = s._fwd_program
+    fwd = testing.step_program(s, fwd_only=True)
     assert fwd.placed and fwd.rts_slots == {"weights/float32/r2s/0"}
     np.testing.assert_allclose(out[ids["first"]], np.tanh(f[ids["x"]][0] @ w0), rtol=1e-5, atol=1e-6)
 
@@ -174,5 +176,7 @@ def test_forward_only_program_runs_on_off_chip_weights():
     np.testing.assert_allclose(out[ids["first"]], np.tanh(f[ids["x"]][0] @ w0), rtol=1e-5, atol=1e-6)
     s.run(popart.PyStepIO(f, out))
     dev.detach()
-    assert s._fwd_program.off_chip == s._program.off_chip != frozenset()
-    assert {v.sharding.memory_kind for v in s._dev[0].values()} == {"pinned_host"}
+    fwd_off_chip = testing.step_program(s, fwd_only=True).off_chip
+    assert fwd_off_chip == testing.step_program(s).off_chip != frozenset()
+    weights = testing.device_values(s, "weights")
+    assert {v.sharding.memory_kind for v in weights.values()} == {"pinned_host"}

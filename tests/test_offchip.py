@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 
 from test_training import data, mlp, read, train
 
@@ -43,11 +44,12 @@ def test_off_chip_weights_and_state_live_in_host_memory(resident):
     o.weightTensorLocationSettings = off_chip(min_elements=8)       # b1 (5 elements) stays
     o.optimizerStateTensorLocationSettings = off_chip()
     s, ids, losses, weights = run(o)
-    kinds = {k: v.sharding.memory_kind for k, v in s._dev[0].items()}
+    kinds = {k: v.sharding.memory_kind for k, v in testing.device_values(s, "weights").items()}
     assert kinds == {ids["w1"]: "pinned_host", ids["w2"]: "pinned_host", ids["b1"]: "device"}
     # the optimizer state too, but Adam's step counters (1 element < minElementsForOffChip)
-    assert {k: v.sharding.memory_kind for k, v in s._dev[1].items()} == {
-        k: "device" if k.startswith("Step___") else "pinned_host" for k in s._dev[1]}
+    state = testing.device_values(s, "optimizer")
+    assert {k: v.sharding.memory_kind for k, v in state.items()} == {
+        k: "device" if k.startswith("Step___") else "pinned_host" for k in state}
     for g, r in zip(losses, resident[2]):
         np.testing.assert_array_equal(g, r)
     for k in weights:
@@ -61,7 +63,8 @@ def test_off_chip_override_and_executable_round_trip(tmp_path, resident):
     b, ids, _ = mlp()
     o.tensorLocationSettingsOverride = {"Accl1___" + ids["w1"]: popart.TensorLocation(popart.TensorStorage.OffChip)}
     s, ids, losses, _ = run(o, steps=1)
-    assert [k for k, v in s._dev[1].items() if v.sharding.memory_kind == "pinned_host"] == \
+    state = testing.device_values(s, "optimizer")
+    assert [k for k, v in state.items() if v.sharding.memory_kind == "pinned_host"] == \
         ["Accl1___" + ids["w1"]]
     path = str(tmp_path / "exe.popef")
     s.saveExecutable(path)
@@ -82,7 +85,7 @@ def test_off_chip_with_replicated_tensor_sharding():
     o = popart.SessionOptions()
     o.optimizerStateTensorLocationSettings = off_chip(rts=True)
     s, ids, losses, weights = run(o, replicas=2)
-    accl = s._dev[1]["Accl1___" + ids["w1"]]
+    accl = testing.device_values(s, "optimizer")["Accl1___" + ids["w1"]]
     assert accl.sharding.memory_kind == "pinned_host"
     assert {sh.data.shape for sh in accl.addressable_shards} == {(accl.shape[0] // 2,)}
     for g, r in zip(losses, ref[2]):
@@ -126,8 +129,9 @@ def test_off_chip_weights_of_execution_phases():
         s.weightsToHost()
         s.readWeights(popart.PyWeightsIO(weights))
         dev.detach()
-        assert s._program.placed
-        kinds = {v.sharding.memory_kind for state in s._dev for k, v in state.items() if "Step___" not in k}
+        assert testing.is_placed(s)
+        kinds = {v.sharding.memory_kind for k, v in testing.device_values(s).items()
+                 if "Step___" not in k}
         assert kinds == ({"pinned_host"} if off else {"device"})
         results.append((out[loss].copy(), weights))
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 import popxl
 import popxl.ops as ops
 
@@ -115,10 +116,10 @@ def test_training_equals_the_unplaced_run_and_numpy(ipus):
     x = data(3)
     ir, *rest = training_ir(ipus)
     got = run(ir, *rest, "ipu_model", x)
-    assert got[3]._placed is not None and got[3]._placed.ipus == max(ipus) + 1
+    assert testing.is_placed(got[3]) and testing.step_program(got[3]).ipus == max(ipus) + 1
     ir, *rest = training_ir(ipus)
     ref = run(ir, *rest, "cpu", x)                        # one device: unplaced
-    assert ref[3]._placed is None
+    assert not testing.is_placed(ref[3])
     for a, b in zip(got[:3], ref[:3]):
         _assert_close(a, b)
     losses, final = numpy_training(list(ir._variable_data.values()), x[:, :, None])
@@ -130,18 +131,19 @@ def test_each_device_holds_only_its_ipus_variables():
     ir, xs, loss_s, variables = training_ir([0, 1, 2, 3])
     with popxl.Session(ir, "ipu_model") as s:
         s.run({xs: data(1)[0]})
-        placed, mesh_devices = s._placed, list(s._placed.mesh.devices.flat)
+        placed, mesh_devices = testing.step_program(s), list(testing.mesh_devices(s))
         assert [placed.layout.slots[v.id][0] for v in variables] == [0, 0, 1, 1, 2, 2, 3, 3]
         versions = ir.main_graph._versions   # new values stay in the blocks: none is sent on
         assert not placed.finals and not any(versions.get(t) in placed.home for e in placed.exports for t in e)
-        for key, arr in s._dev.items():   # [replicas, ipus, *block]: one block per device
+        values = testing.device_values(s)
+        for key, arr in values.items():   # [replicas, ipus, *block]: one block per device
             assert arr.shape[:2] == (1, 4)
             assert sorted(sh.device.id for sh in arr.addressable_shards) == \
                 sorted(d.id for d in mesh_devices)
             assert all(sh.data.shape == (1, 1) + arr.shape[2:] for sh in arr.addressable_shards)
         for v in variables:               # its values in its IPU's device's block
             ipu, key, shape = placed.layout.slots[v.id]
-            shard = next(sh for sh in s._dev[key].addressable_shards if sh.index[1].start == ipu)
+            shard = next(sh for sh in values[key].addressable_shards if sh.index[1].start == ipu)
             assert shard.device == mesh_devices[ipu]
             np.testing.assert_array_equal(np.asarray(shard.data)[0, 0][tuple(slice(0, n) for n in shape)],
                                           s.get_tensor_data(v))
@@ -171,10 +173,10 @@ def test_replicas_and_ipus_on_a_mesh():
     R, x = 2, data(2, 2)
     ir, *rest = training_ir([0, 1], R)
     got = run(ir, *rest, "ipu_model", x)
-    assert got[3]._placed is not None and got[3]._placed.mesh.devices.shape == (2, 2)
+    assert testing.is_placed(got[3]) and testing.mesh_shape(got[3]) == (2, 2)
     ir, *rest = training_ir([0, 1], R)
     ref = run(ir, *rest, popart.DeviceManager().createIpuModelDevice({"numIPUs": R}), x)
-    assert ref[3]._placed is None
+    assert not testing.is_placed(ref[3])
     for a, b in zip(got[:3], ref[:3]):
         _assert_close(a, b)
     losses, final = numpy_training(list(ir._variable_data.values()), x)
@@ -214,7 +216,7 @@ def test_tensors_read_on_another_ipu_without_ipu_copy_move_there():
     ir, xs, ys = _small_ir(build)
     x = np.array([1.0, -1.0, 0.5], np.float32)
     with popxl.Session(ir, "ipu_model") as s:
-        assert s._placed is not None and s._placed.home == {build.v.id: 0}
+        assert testing.is_placed(s) and testing.step_program(s).home == {build.v.id: 0}
         y1, y2 = s.run({xs: x})[ys], s.run({xs: x})[ys]
     v = np.array([1.0, 2.0, 3.0], np.float32)
     want1 = (x * v + v) * v
@@ -237,7 +239,7 @@ def test_a_failed_run_time_check_in_a_stage_raises_also_from_the_engine_cache(tm
                 table = popxl.constant(np.arange(4, dtype=np.float32))
                 ops.host_store(out_s, ops.gather(table, ops.ipu_copy(i, 1, 0)))
         with popxl.Session(ir, "ipu_model") as s:
-            assert s._placed is not None and s.executable_source == source
+            assert testing.is_placed(s) and s.executable_source == source
             assert s.run({idx_s: np.array([3], np.int32)})[out_s] == 3.0
             with pytest.raises(popart.popart_exception, match="out of range"):
                 s.run({idx_s: np.array([7], np.int32)})
@@ -301,7 +303,7 @@ def test_what_the_placed_program_lacks_runs_unplaced_with_a_log_line(build, devi
         s = popxl.Session(ir, device)
     finally:
         logger.setLevel(level)
-    assert s._placed is None
+    assert not testing.is_placed(s)
     assert any(why in r.getMessage() and "runs on one device" in r.getMessage() for r in caplog.records)
     with s:
         s.run({xs: np.ones(3, np.float32)})
@@ -321,7 +323,7 @@ def test_a_repeat_over_two_ipus_runs_placed():
     for device in ("ipu_model", "cpu"):
         ir, xs, y_s = _small_ir(_repeat_over_two_ipus)
         with popxl.Session(ir, device) as s:
-            assert (s._placed is not None) == (device == "ipu_model")
+            assert testing.is_placed(s) == (device == "ipu_model")
             ys.append(s.run({xs: x})[y_s])
     np.testing.assert_allclose(ys[0], ys[1], rtol=1e-6)
     np.testing.assert_allclose(ys[0], (x * 2 + 1) * 2 + 1, rtol=1e-6)
@@ -391,14 +393,15 @@ def test_a_repeated_training_step_over_two_ipus_runs_placed(load_inside):
     x = np.random.default_rng(2).normal(size=shape).astype(np.float32)
     ir, *rest = repeat_training_ir(load_inside)
     got = run(ir, *rest, "ipu_model", x)
-    placed = got[3]._placed
+    placed = testing.step_program(got[3])
     assert placed is not None and len(placed.loops) == 1
     assert [placed.layout.slots[v.id][0] for v in rest[2]] == [0, 0, 1, 1]
-    for key, arr in got[3]._dev.items():   # one block per device, its IPU's variables only
+    values = testing.device_values(got[3])
+    for key, arr in values.items():   # one block per device, its IPU's variables only
         assert all(sh.data.shape == (1, 1) + arr.shape[2:] for sh in arr.addressable_shards)
     ir, *rest = repeat_training_ir(load_inside)
     ref = run(ir, *rest, "cpu", x)
-    assert ref[3]._placed is None
+    assert not testing.is_placed(ref[3])
     for a, b in zip(got[:3], ref[:3]):
         _assert_close(a, b)
     steps = x if load_inside else np.repeat(x[:, None], T, axis=1)   # each step's input

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 import popxl
 import popxl.ops as ops
 from popxl.ops import collectives as C
@@ -146,8 +147,8 @@ def _check_values(res: dict) -> None:
     """Placed: a mesh of 2 replicas x 2 IPUs (log line); losses and variables (after the
     first run and at the end) those of the unplaced run and of NumPy."""
     s = res["placed"][3]
-    assert s._placed is not None and s._placed.mesh.devices.shape == (R, 2)
-    assert res["unplaced"][3]._placed is None
+    assert testing.is_placed(s) and testing.mesh_shape(s) == (R, 2)
+    assert not testing.is_placed(res["unplaced"][3])
     assert any("the main graph runs placed, 5 stage(s) on the devices of 2 IPUs" in m for m in res["log"])
     assert not any("runs on one device per replica" in m for m in res["log"])
     for a, b in zip(res["placed"][:3], res["unplaced"][:3]):
@@ -160,7 +161,7 @@ def _check_values(res: dict) -> None:
 def _device_elements(s: popxl.Session) -> dict:
     """Elements of the session's state per device."""
     out: dict = {}
-    for arr in s._dev.values():
+    for arr in testing.device_values(s).values():
         for sh in arr.addressable_shards:
             out[sh.device] = out.get(sh.device, 0) + sh.data.size
     return out
@@ -175,7 +176,7 @@ def test_each_device_holds_its_ipus_shards_only(rts):
     bias: nothing of the other IPU's variables; one device per replica unplaced holds both
     IPUs' shards and biases."""
     s, variables = rts["placed"][3], rts["variables"]
-    placed, mesh = s._placed, s._placed.mesh.devices
+    placed, mesh = testing.step_program(s), testing.step_program(s).mesh.devices
     assert set(_device_elements(s).values()) == {D * D // R + D}
     assert set(_device_elements(rts["unplaced"][3]).values()) == {2 * (D * D // R + D)}
     for i, var in enumerate(variables[::2]):
@@ -183,7 +184,7 @@ def test_each_device_holds_its_ipus_shards_only(rts):
         ipu, key, shape = placed.layout.slots[var._shard.id]
         assert shape == (D * D // R,)
         full = s.get_tensor_data(var).reshape(-1)
-        for sh in s._dev[key].addressable_shards:
+        for sh in testing.device_values(s)[key].addressable_shards:
             r, j = sh.index[0].start, sh.index[1].start
             assert sh.device == mesh[r, j] and sh.data.shape == (1, 1, D * D // R)
             if j == ipu:
@@ -198,9 +199,9 @@ def test_remote_buffers_live_with_the_ipu_loading_them_in_host_memory(remote):
     """Buffer i (remote weight: 2 entries of [D, D]; remote sharded bias: one shard of D/R)
     is with IPU i, in its slots only on IPU i's devices, in pinned_host memory as unplaced."""
     s = remote["placed"][3]
-    placed = s._placed
+    placed = testing.step_program(s)
     assert s.remote_memory_kind == "pinned_host"
-    assert all(arr.sharding.memory_kind == "pinned_host" for arr in s._dev.values())
+    assert all(arr.sharding.memory_kind == "pinned_host" for arr in testing.device_values(s).values())
     assert set(_device_elements(s).values()) == {2 * D * D + D // R}
     assert set(_device_elements(remote["unplaced"][3]).values()) == {2 * (2 * D * D + D // R)}
     buffers = [slot for slot in s._slots if slot.kind == "remote"]
@@ -208,7 +209,7 @@ def test_remote_buffers_live_with_the_ipu_loading_them_in_host_memory(remote):
     for slot in buffers:   # the entries of the remote variables in their IPU's blocks
         ipu, key, shape = placed.layout.slots[slot.graph_in]
         host = s._buffer_host[slot.key]
-        for sh in s._dev[key].addressable_shards:
+        for sh in testing.device_values(s)[key].addressable_shards:
             if sh.index[1].start == ipu:
                 np.testing.assert_array_equal(np.asarray(sh.data)[0, 0], host[sh.index[0].start])
 
@@ -281,7 +282,7 @@ def test_remote_buffers_all_reduce_and_calls_across_ipus_run_placed(build):
         ir, xs, ys = _small_ir(build)
         with session_log() as log:
             s = popxl.Session(ir, device)
-        assert (s._placed is not None) == (device == "ipu_model")
+        assert testing.is_placed(s) == (device == "ipu_model")
         assert any("runs placed" in m for m in log) == (device == "ipu_model")
         with s:
             got.append([s.run({xs: x})[ys] for _ in range(2)] + [s.get_tensor_data(v) for v in ir._variables])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import popart
+from popart import testing
 import popxl
 import popxl.ops as ops
 from popxl.ops import collectives as C
@@ -248,7 +249,7 @@ def test_replica_sharded_variable_holds_only_shards_and_gathers_the_full_value(g
         ops.var_updates.accumulate_(shard, popxl.constant(np.ones(size, np.float32)))
     per_replica = data[g.assignment] if groups > 1 else np.broadcast_to(data, (R,) + shape)
     with popxl.Session(ir, "ipu_model") as s:
-        dev = s._dev[var.id]
+        dev = testing.device_values(s)[var.id]
         assert dev.shape == (R, size)
         shards = dev.addressable_shards
         assert len({sh.device for sh in shards}) == R and all(sh.data.shape == (1, size) for sh in shards)
@@ -282,7 +283,8 @@ def test_replica_sharded_all_replicas_retrieval_and_remote_rts_variables():
         ops.remote_store(buf, 1, C.replica_sharded_slice(full, group=grp))
         s_full = d2h(full, "full")
     with popxl.Session(ir, "ipu_model") as s:
-        assert s._dev["remote_buffer:2"].shape == (R, 2, 5)            # [replicas, entries, shard]
+        buffer = testing.device_values(s)["remote_buffer:2"]
+        assert buffer.shape == (R, 2, 5)            # [replicas, entries, shard]
         np.testing.assert_allclose(s.run()[s_full], np.broadcast_to(data * 2 + 1, (R, 2, 5)), rtol=1e-6)
         np.testing.assert_allclose(s.get_tensor_data(rv), data * 2 + 1, rtol=1e-6)
         np.testing.assert_allclose(s.get_tensor_data(var), np.broadcast_to(data, (R, 2, 5)))
@@ -360,7 +362,8 @@ def test_rts_optimizer_step_equals_the_full_update(shard_over):
             ref = ref - LR * np.einsum("rij,rik->jk", X, 2 * y)      # the summed full gradient
             np.testing.assert_allclose(s.get_tensor_data(var), ref, rtol=1e-5, atol=1e-6)
         size = math.ceil(15 / shard_over)
-        assert all(sh.data.shape == (1, size) for sh in s._dev[var.id].addressable_shards)
+        shards = testing.device_values(s)[var.id].addressable_shards
+        assert all(sh.data.shape == (1, size) for sh in shards)
 
 
 def test_reduce_scatter_and_gather_equal_the_unsharded_computation():
@@ -416,11 +419,11 @@ def test_remote_buffers_in_host_memory(monkeypatch, placement):
     monkeypatch.setenv("POPXL_REMOTE_MEMORY_KIND", "pinned_host")
     ir, rv, sx = build()
     with popxl.Session(ir, device) as s:
-        assert (len(s._placement.devices) == 2) == (placement == "shard_map")
+        assert (len(testing.mesh_devices(s)) == 2) == (placement == "shard_map")
         assert s.remote_memory_kind == "pinned_host"
         s.run()
         np.testing.assert_allclose(s.run()[sx], [[2, 3], [2, 3]])
-        assert s._dev["remote_buffer:1"].sharding.memory_kind == "pinned_host"
+        assert testing.device_values(s)["remote_buffer:1"].sharding.memory_kind == "pinned_host"
         np.testing.assert_allclose(s.get_tensor_data(rv), [3, 4])
     monkeypatch.setenv("POPXL_REMOTE_MEMORY_KIND", "no_such_memory")
     ir, rv, sx = build()

@@ -11,6 +11,7 @@ import pytest
 from onnx import numpy_helper
 
 import popart
+from popart import testing
 from test_training import I, data, mlp, read, train
 
 R, A, BPS = 4, 2, 2
@@ -70,7 +71,7 @@ def run(device, opt: str, sharded=(), reduction="Mean"):
 def read_all(s, ids) -> dict:
     """The weights and the optimizer state, read from the host."""
     weights = read(s, ids)   # weightsToHost, then readWeights
-    state = {k: np.zeros_like(v) for k, v in s._program.init_opt_state().items()}
+    state = {k: np.zeros_like(v) for k, v in testing.step_program(s).init_opt_state().items()}
     s.readWeights(popart.PyWeightsIO(state))
     return {**weights, **state}
 
@@ -91,7 +92,8 @@ def test_sharded_optimizer_state_trains_as_unsharded(device, opt, reduction):
     sharded = (STATE, ACCUM) if opt == "sgd" else (STATE,)
     ref, rts = run(device, opt, (), reduction), run(device, opt, sharded, reduction)
     s, ids, out = rts
-    assert s._program.rts.stored == {p + w for p in PREFIXES[opt] for w in (ids["w1"], ids["w2"])}
+    assert testing.step_program(s).rts.stored == {p + w for p in PREFIXES[opt]
+                                                  for w in (ids["w1"], ids["w2"])}
     assert_same_training(ref, rts)
     a = STATE_OF[opt] + ids["w1"]   # the optimizer-state anchor is the whole tensor
     np.testing.assert_allclose(out[a], ref[2][a], rtol=1e-5, atol=1e-7)
@@ -102,16 +104,16 @@ def test_sharded_optimizer_state_trains_as_unsharded(device, opt, reduction):
 def test_sharded_weights_state_and_accumulators_train_as_unsharded(device, opt, reduction):
     rts = run(device, opt, (WEIGHTS, STATE, ACCUM), reduction)
     s, ids = rts[:2]
-    assert {ids["w1"], ids["w2"]} <= s._program.rts.stored
-    assert s._program.rts.scattered == {ids["w1"], ids["w2"], ids["b1"]}   # no minimum
+    assert {ids["w1"], ids["w2"]} <= testing.step_program(s).rts.stored
+    assert testing.step_program(s).rts.scattered == {ids["w1"], ids["w2"], ids["b1"]}   # no minimum
     assert_same_training(run(device, opt, (), reduction), rts)
 
 
 def test_each_replica_device_holds_one_shard(device):
     ref, rts = run(device, "adam", ()), run(device, "adam", (WEIGHTS, STATE, ACCUM))
     s, ids = rts[:2]
-    weights, state = s._dev
-    devices = set(s._program.placement.devices)
+    weights, state = testing.device_values(s, "weights"), testing.device_values(s, "optimizer")
+    devices = set(testing.mesh_devices(s))
     for k in ("Accl1___" + ids["w1"], "Accl2___" + ids["w1"], ids["w1"]):   # 30 -> 4 x 8
         arr = weights[k] if k in weights else state[k]
         assert [sh.data.shape for sh in arr.addressable_shards] == [(8,)] * R
@@ -121,14 +123,14 @@ def test_each_replica_device_holds_one_shard(device):
         assert [sh.data.shape for sh in arr.addressable_shards] == [(4,)] * R
     b1 = state["Accl1___" + ids["b1"]]                                     # below the minimum
     assert [sh.data.shape for sh in b1.addressable_shards] == [(5,)] * R
-    before = ref[0]._program.compiled.memory_analysis().argument_size_in_bytes
-    after = s._program.compiled.memory_analysis().argument_size_in_bytes
+    before = testing.compiled(ref[0]).memory_analysis().argument_size_in_bytes
+    after = testing.compiled(s).memory_analysis().argument_size_in_bytes
     # per device: Accl1, Accl2 and the weight of w1 and w2: 45 floats whole, 12 as shards
     assert before - after == 3 * (45 - 12) * 4
 
 
 def test_the_update_is_a_reduce_scatter_and_an_all_gather(device):
-    text = run(device, "lamb", (STATE,))[0]._program.compiled.as_text()
+    text = testing.compiled(run(device, "lamb", (STATE,))[0]).as_text()
     assert "reduce-scatter(" in text and "all-gather(" in text
 
 
@@ -151,7 +153,7 @@ def test_host_sees_whole_tensors(device, tmp_path):
     s.readWeights(popart.PyWeightsIO(got))
     for k in new:
         np.testing.assert_array_equal(got[k], new[k])
-    shards = s._dev[0][ids["w1"]].addressable_shards
+    shards = testing.device_values(s, "weights")[ids["w1"]].addressable_shards
     np.testing.assert_array_equal(np.asarray(shards[3].data), [24, 25, 26, 27, 28, 29, 0, 0])
     _runs.pop(("adam", (WEIGHTS, STATE, ACCUM), "Mean"))   # its weights changed
 
@@ -184,9 +186,9 @@ def test_replicas_on_one_device_keep_the_layout():
         opts = options(sharded, replicas=2)
         s, _ = train(b, ids, OPTIMIZERS["lamb"](), BPS, X, L, opts=opts,
                      device=popart.DeviceManager().createCpuDevice())
-        assert not s._program.placement.devices
+        assert not testing.mesh_devices(s)
         res.append(read(s, ids))
-    assert s._dev[1]["Accl1___" + ids["w1"]].shape == (30,)
+    assert testing.device_values(s, "optimizer")["Accl1___" + ids["w1"]].shape == (30,)
     for k in res[0]:
         np.testing.assert_allclose(res[1][k], res[0][k], rtol=1e-5, atol=1e-7)
 
@@ -205,7 +207,7 @@ def test_inference_gathers_sharded_weights(device):
         out = s.initAnchorArrays()
         s.run(popart.PyStepIO({ids["x"]: X, ids["label"]: L}, out))
         outs.append(out[ids["p"]])
-    assert s._program.rts.stored == {ids["w1"], ids["w2"]}
+    assert testing.step_program(s).rts.stored == {ids["w1"], ids["w2"]}
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6)
 
 
@@ -242,7 +244,7 @@ def test_sharded_weights_need_sharded_optimizer_state():
     with pytest.raises(popart.OptionError, match="w2"):   # w2's 15 elements: state whole
         _prepare(opts, OPTIMIZERS["adam"]())
     s, ids = _prepare(options((WEIGHTS,), replicas=2), popart.SGD({"defaultLearningRate": (0.1, True)}))
-    assert s._program.rts.stored == {ids["w1"], ids["w2"]}
+    assert testing.step_program(s).rts.stored == {ids["w1"], ids["w2"]}
 
 
 def test_bad_settings_name_the_option():
@@ -266,17 +268,18 @@ def test_sgd_accl_follows_the_accumulator_settings_when_accumulating():
     """PopART's Accl___ is SGD's momentum and its gradient accumulator."""
     sgd = OPTIMIZERS["sgd"]
     s, _ = _prepare(options((STATE,), replicas=2), sgd())
-    assert not s._program.rts.stored
+    assert not testing.step_program(s).rts.stored
     s, _ = _prepare(options((ACCUM,), replicas=2), sgd())   # the minimum: optimizer state's
-    assert s._program.rts.stored == set() and s._program.rts.scattered == {"w1", "b1", "w2"}
+    rts = testing.step_program(s).rts
+    assert rts.stored == set() and rts.scattered == {"w1", "b1", "w2"}
     opts = options((ACCUM,), replicas=2)
     opts.optimizerStateTensorLocationSettings.minElementsForReplicatedTensorSharding = MIN
     s, _ = _prepare(opts, sgd())
-    assert s._program.rts.stored == {"Accl___w1", "Accl___w2"}
+    assert testing.step_program(s).rts.stored == {"Accl___w1", "Accl___w2"}
     opts = options((STATE,), replicas=2)
     opts.enableGradientAccumulation, opts.accumulationFactor = False, 1
     s, _ = _prepare(opts, sgd())
-    assert s._program.rts.stored == {"Accl___w1", "Accl___w2"}
+    assert testing.step_program(s).rts.stored == {"Accl___w1", "Accl___w2"}
 
 
 def test_override_and_no_replication():
@@ -284,6 +287,6 @@ def test_override_and_no_replication():
     opts.tensorLocationSettingsOverride = {"Accl2___w2": rts_location().location}
     opts.optimizerStateTensorLocationSettings.minElementsForReplicatedTensorSharding = 0
     s, _ = _prepare(opts, OPTIMIZERS["adam"]())
-    assert s._program.rts.stored == {"Accl2___w2"}
+    assert testing.step_program(s).rts.stored == {"Accl2___w2"}
     s, _ = _prepare(options((STATE,), replicas=1), OPTIMIZERS["adam"]())   # PopART: a warning
-    assert not s._program.rts.stored
+    assert not testing.step_program(s).rts.stored

@@ -20,14 +20,18 @@ def _is_popxl(session: Any) -> bool:
     return type(session).__module__.startswith("popxl")
 
 
-def step_program(session: Any) -> Any:
+def step_program(session: Any, fwd_only: bool = False) -> Any:
     """The engine's planned program: a popart session's ``StepProgram`` (after
-    ``prepareDevice``), or a ``popxl.Session``'s placed program (None when it runs unplaced)."""
+    ``prepareDevice``; ``fwd_only``: the forward-only program of
+    ``run("implicitPipeliningFwdOnly")``, after that run), or a ``popxl.Session``'s placed
+    program (None when it runs unplaced)."""
     if _is_popxl(session):
         return session._placed
-    if session._program is None:
-        raise RuntimeError("The session has no program yet: call prepareDevice() first")
-    return session._program
+    program = session._fwd_program if fwd_only else session._program
+    if program is None:
+        raise RuntimeError("The session has no such program yet: call prepareDevice() "
+                           "(or run the forward-only program) first")
+    return program
 
 
 def compiled_step(session: Any) -> Any:

@@ -1,45 +1,7 @@
-"""Model parallelism for popxl.Session: the main graph's ops on the devices of their IPUs.
-
-A main graph with ops on several IPUs (``popxl.ipu(n)`` blocks; IPUs per replica as popxl
-counts them: the largest IPU any op is on, plus one) runs *placed* when the session's device
-has a distinct device for every IPU of every replica: a mesh (``REPLICA_AXIS``,
-``IPU_AXIS``) inside one ``shard_map``. The main graph's ops are cut into stages, the runs
-of consecutive ops on one IPU (``popart.engine.pipeline.plan_stages``; an op outside any
-``ipu`` block is on the IPU of the ops of the graphs it calls, else IPU 0). The stages run
-one after the other in program order, as popxl runs them (no implicit pipelining), each on
-the devices of its IPU only (``lax.cond`` on the IPU axis index). A tensor read on another
-IPU (after ``ops.ipu_copy``, or read directly) moves there with a collective permute right
-after the stage computing it.
-
-Each variable lives on one IPU, the IPU of the first op that reads it (popxl's rule; one
-never read: the IPU it was created on, else 0), in the slots of
-``popart.engine.pipeline.Layout``: arrays ``[replicas, ipus, *block]`` split over the mesh,
-each device's blocks holding its IPU's variables only. Its new values (in-place ops,
-``ops.var_updates``) computed on its IPU go into its block; one computed elsewhere moves
-there at the end of the run.
-
-Replica-sharded variables (``replica_sharded_variable``: their shard tensors) and remote
-buffers (``[entries, *shape]``: their state tensors, which ``ops.remote_load`` /
-``ops.remote_store`` read and update) are variables here too, so device (r, i) holds replica
-r's shards, 1/R of IPU i's sharded variables, and the buffers of IPU i, nothing of the other
-IPUs'. Collectives over the replicas run inside the stages, over the devices of the stage's
-IPU. Remote buffers kept in host memory between runs (``Session.remote_memory_kind``, as
-unplaced) have slots of their own with that memory kind.
-
-An ``ops.call`` of a graph whose ops span IPUs (in the main graph or a graph it repeats)
-is inlined: that graph's ops take its place (those outside any ``ipu`` block on the call's
-IPU). An all-reduce across IPUs (``ops.collectives.all_reduce``) runs on its op's IPU, its
-inputs moved there and its results to the IPUs reading them. ``ops.repeat`` in the main
-graph of a graph whose ops span IPUs runs as a ``lax.fori_loop`` around that graph's own
-stages (cut the same way): its inputs move to the IPUs reading them, its loop-carried values
-to those IPUs and the IPU computing them each iteration; variables it takes by reference
-stay in their blocks, updated in place every iteration.
-
-What the placed program does not do runs unplaced, the whole main graph on one device per
-replica, with a log line saying why: any other called graph with ops on another IPU than
-its call site (conditionals, repeats nesting loops), several instances, a device without a
-distinct device per IPU of each replica.
-"""
+"""popxl.Session's main graph placed: its ops on the devices of their IPUs, run in program
+order (repeat loops around their own stages), with the parts of ``popart.engine.placed``. The
+specification (stages, variables' IPUs, calls, repeats, what falls back) is
+docs/model_parallelism.md."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,49 +1,7 @@
-"""Virtual graphs and pipelining on a device mesh: PopART's model parallelism.
-
-Each IPU of a replica is one device of a mesh with axes (``REPLICA_AXIS``, ``IPU_AXIS``).
-The graph's top-level ops are cut into *stages*: the pipeline stages (``pipelineStage``) when
-pipelining is on, else the runs of consecutive ops on one virtual graph (``virtualGraph``, or
-an even split by a cost estimate for ``VirtualGraphMode.Auto``). Stage s runs on its IPU's
-device ``stage_ipu[s]``.
-
-Weights and optimizer state live only on their IPU, in slots: arrays ``[ipus, *block]``
-sharded over the IPU axis, each device's block holding one of its IPU's tensors
-(:class:`Layout`); every replica's devices hold their own copy. Inside one ``shard_map`` every device runs its
-own stages (``lax.switch`` on the axis index), and the tensors that cross from stage s to
-stage s+1 (PopART's IpuCopy; those needed further on pass through) move with a collective
-permute.
-
-The schedule is PopART's: in tick t stage s works on micro-batch t - s, so with pipelining the
-A micro-batches of a batch fill the pipeline (ramp-up), run every stage at once, and drain
-(ramp-down) in A + S - 1 ticks; without pipelining (sharding) each micro-batch passes the S
-stages in S ticks before the next starts. The backward pass is the autodiff of that schedule
-(the permutes reversed), so the gradients are the accumulated ones of the unpipelined run and
-the update, per device, is the same optimizer code on the device's own tensors.
-
-Replicated tensor sharding (the tensors ``rts.choose`` picks): a slot all of whose tensors are
-sharded is stored ``[ipus, padded]``, each device holding 1/R of its IPU's block (flattened,
-zero-padded as ``rts.Layout`` pads a tensor), weights and optimizer state alike. The stages
-take those weights, and the weights updated on shards or with sharded accumulators, as the
-replica's shard and all-gather them over the replica axis (the IPU's devices only): once per
-group of micro-batches, or in every tick where the accumulators are sharded. The placed
-program has no accumulator tensors (gradients accumulate in the autodiff of the tick loop and
-over groups), so a sharded accumulator is the shard's cotangent: the backward pass
-reduce-scatters each tick's gradient into it, and it is all 1/R in size. The update runs on
-the shards of the weights stored or with state stored sharded (Lamb's norms sum the shards'
-squares over the replicas; per-weight values go weight by weight in the IPU's branch), and
-all-gathers what is stored whole; a weight whose only sharded tensor is its accumulator is
-updated whole (its gradient all-gathered), as in ``rts.Layout.update``.
-
-Automatic loss scaling: no per-micro-batch gradient of a weight exists here, so each tracked
-tensor is tapped (``als.AlsPlan.tap``) in the stage computing (or owning) it, where its
-cotangent is its total gradient; the tap gives that gradient's histogram as the gradient of a
-zero statistics input fed per micro-batch like the probes. The batch then runs the one-device
-step's ALS code on those histograms. The factor and the updatePeriod counter belong to no IPU:
-they are replicated entries beside the state slots (``Layout.add_global``).
-
-IPUs sharing a device (fewer devices than IPUs) run the whole model on one device as before; a
-log line says so.
-"""
+"""Virtual graphs and pipelining for popart sessions: ``PlacedProgram`` runs a step's stages
+on the devices of their IPUs under PopART's pipeline (or sharding) schedule, with the parts of
+``placed.py``. The specification (stages, slots, the schedule, RTS, ALS, what falls back) is
+docs/model_parallelism.md."""
 from __future__ import annotations
 
 import functools

@@ -1,0 +1,70 @@
+"""One placed executor (issue 26 item 1): a two-stage model built with the popart Builder
+and the same model built with popxl run placed on two devices, cut by the same
+``engine.placed.plan_stages`` into the same stage plan (stages, IPUs, the IpuCopy between
+them), with the numbers of one device (NumPy's)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import popart
+import popxl
+import popxl.ops as ops
+from popart import testing
+from popart.engine.placed import StagePlan
+
+B, D = 2, 4
+RS = np.random.RandomState(0)
+W0, W1 = (RS.randn(D, D).astype(np.float32) * 0.5 for _ in range(2))
+X = RS.randn(B, D).astype(np.float32)
+WANT = np.tanh(X @ W0) @ W1   # stage 0: tanh(x @ w0) on IPU 0; stage 1: @ w1 on IPU 1
+
+
+def popart_run(ipus: int) -> tuple:
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [B, D]), "x")
+    with b.virtualGraph(0):
+        h = b.aiOnnx.tanh([b.aiOnnx.matmul([x, b.addInitializedInputTensor(W0, "w0")])])
+    with b.virtualGraph(ipus - 1):
+        y = b.aiOnnx.matmul([h, b.addInitializedInputTensor(W1, "w1")])
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    dev = popart.DeviceManager().acquireAvailableDevice(ipus)
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), dev, userOptions=o)
+    s.prepareDevice()
+    s.weightsFromHost()
+    out = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: X}, out))
+    dev.detach()
+    return out[y], s
+
+
+def popxl_run(ipus: int) -> tuple:
+    ir = popxl.Ir()
+    with ir.main_graph:
+        xs = popxl.h2d_stream((B, D), popxl.float32, "x")
+        ys = popxl.d2h_stream((B, D), popxl.float32, "y")
+        with popxl.ipu(0):
+            w0 = popxl.variable(W0, name="w0")
+            h = ops.tanh(ops.host_load(xs) @ w0)
+        with popxl.ipu(ipus - 1):
+            w1 = popxl.variable(W1, name="w1")
+            y = (ops.ipu_copy(h, 1, 0) if ipus > 1 else h) @ w1
+            ops.host_store(ys, y)
+    s = popxl.Session(ir, "ipu_model" if ipus > 1 else "cpu")
+    with s:
+        got = s.run({xs: X})[ys]
+    return got, s
+
+
+@pytest.mark.parametrize("front_end", [popart_run, popxl_run], ids=["popart", "popxl"])
+def test_two_stages_placed_give_the_numbers_of_one_device(front_end):
+    one, s1 = front_end(1)
+    two, s2 = front_end(2)
+    assert not testing.is_placed(s1)
+    assert testing.is_placed(s2) and testing.mesh_shape(s2) == (1, 2)   # really on two devices
+    np.testing.assert_allclose(one, WANT, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two, one, rtol=1e-6, atol=1e-7)
+    plan = testing.step_program(s2).stages   # the executor's stage plan, as data
+    assert isinstance(plan, StagePlan) and plan.num_stages == 2 and plan.stage_ipu == [0, 1]
+    assert [[(src, dst) for _, src, dst in c] for c in plan.copies] == [[(0, 1)]]   # the IpuCopy
