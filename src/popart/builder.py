@@ -284,14 +284,18 @@ class Opset:
 
 
 class _SchemaOpset(Opset):
-    """Methods generated from the ONNX schemas of ``_domain`` at ``version``."""
+    """Methods made on first use from the schemas ``_schemas`` gives: ONNX's, of ``_domain``
+    at ``version``, unless a subclass says otherwise."""
 
     _domain = ""
+
+    def _schemas(self) -> dict:
+        return _schema_table(self._domain, self.version)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        schema = _schema_table(self._domain, self.version).get(name)
+        schema = self._schemas().get(name)
         if schema is None:
             raise _UnknownOpError(f"Operator '{name}' does not exist in "
                                   f"{self._domain or ONNX_DOMAIN} opset {self.version}")
@@ -300,7 +304,7 @@ class _SchemaOpset(Opset):
         return method
 
     def __dir__(self) -> list:
-        return sorted(set(super().__dir__()) | set(_schema_table(self._domain, self.version)))
+        return sorted(set(super().__dir__()) | set(self._schemas()))
 
     def _make_method(self, schema: Any) -> Any:
         op = f"{schema.domain or ONNX_DOMAIN}::{schema.name}-{schema.since_version}"
@@ -428,8 +432,10 @@ del _v
 _GRAPHCORE_DEBUG_PARAMETER = {"call": "debugName", "packedDataBlock": "debugName"}
 
 
-class AiGraphcore(Opset):
+class AiGraphcore(_SchemaOpset):
     """The ai.graphcore operators (opset 1); methods come from ``ir.graphcore_schema``."""
+
+    _domain = GRAPHCORE_DOMAIN
 
     def __init__(self, builder: "Builder", version: int = DEFAULT_AI_GRAPHCORE_OPSET) -> None:
         if int(version) != 1:
@@ -437,17 +443,8 @@ class AiGraphcore(Opset):
         super().__init__(builder, version)
         self.aiGraphcore = self   # PopART's delegate attribute
 
-    def __getattr__(self, name: str) -> Any:
-        schema = _GRAPHCORE_METHODS.get(name)
-        if schema is None:
-            raise _UnknownOpError(f"Operator '{name}' does not exist in ai.graphcore opset "
-                                  f"{self.version}")
-        method = self._make_method(schema)
-        self.__dict__[name] = method
-        return method
-
-    def __dir__(self) -> list:
-        return sorted(set(super().__dir__()) | set(_GRAPHCORE_METHODS))
+    def _schemas(self) -> dict:
+        return _GRAPHCORE_METHODS
 
     def _make_method(self, schema: OpSchema) -> Any:
         op = f"{GRAPHCORE_DOMAIN}::{schema.op_type}"
