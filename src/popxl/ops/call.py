@@ -283,20 +283,23 @@ def _maker(key: tuple):
     return make
 
 
-def _stream_state(kind: str, stream: Any, by_ref: bool) -> Tensor:
-    return get_current_graph()._state((kind, stream), _maker((kind, stream)), by_ref)
+def _stream_states(kind: str, stream: Any) -> tuple[Tensor, Tensor]:
+    """The current graph's buffer and counter of ``stream`` (``kind`` "h2d" or "d2h"), the
+    stream registered with the IR. A d2h buffer is written (by reference), an h2d one read."""
+    g = get_current_graph()
+    streams = g.ir._h2d if kind == "h2d" else g.ir._d2h
+    if stream not in streams:
+        streams.append(stream)
+    buf = g._state((kind, stream), _maker((kind, stream)), kind == "d2h")
+    count = g._state((kind + "#", stream), _maker((kind + "#", stream)), True)
+    return buf, count
 
 
 def host_load(h2d_stream: HostToDeviceStream, name: Optional[str] = None) -> Tensor:
     """The next element of a host-to-device stream."""
     if not isinstance(h2d_stream, HostToDeviceStream):
         raise TypeError(f"host_load expects a HostToDeviceStream, got {type(h2d_stream).__name__}")
-    g = get_current_graph()
-    ir = g.ir
-    if h2d_stream not in ir._h2d:
-        ir._h2d.append(h2d_stream)
-    buf = _stream_state("h2d", h2d_stream, False)
-    count = _stream_state("h2d#", h2d_stream, True)
+    buf, count = _stream_states("h2d", h2d_stream)
     value, new_count = node("HostLoad", [buf, count], {}, POPXL, 2, name=name or h2d_stream.name)
     inplace(count, new_count)
     return value
@@ -309,12 +312,7 @@ def host_store(d2h_stream: DeviceToHostStream, t: Tensor) -> None:
     if tuple(t.shape) != d2h_stream.shape or t.dtype != d2h_stream.dtype:
         raise ValueError(f"host_store: tensor '{t.id}' is {t.dtype.name}{list(t.shape)} but stream "
                          f"'{d2h_stream.name}' is {d2h_stream.dtype.name}{list(d2h_stream.shape)}")
-    g = get_current_graph()
-    ir = g.ir
-    if d2h_stream not in ir._d2h:
-        ir._d2h.append(d2h_stream)
-    buf = _stream_state("d2h", d2h_stream, True)
-    count = _stream_state("d2h#", d2h_stream, True)
+    buf, count = _stream_states("d2h", d2h_stream)
     new_buf, new_count = node("HostStore", [buf, count, t], {}, POPXL, 2, name=f"store_{d2h_stream.name}")
     inplace(buf, new_buf)
     inplace(count, new_count)
