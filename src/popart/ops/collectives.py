@@ -7,7 +7,7 @@ gradients are PopART's. See docs/replication.md."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -220,44 +220,28 @@ def _reduce_scatter(ctx: LowerCtx, x, op, groups):
 # The gradients PopART gives (docs/replication.md): custom VJPs around the group
 # functions, with the lowering context and groups as static arguments.
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _all_gather_fn(ctx, groups, x):
-    return _gather(ctx.value, x, groups)
+def _with_vjp(forward: Callable, backward: Callable) -> Callable:
+    """``forward(ctx, x, groups)`` as a custom VJP (called with the context a ``_Static``
+    and the groups a tuple of tuples) whose gradient is ``backward(ctx, g, groups)`` cut to
+    ``x``'s size and shape."""
+    @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+    def fn(ctx, groups, x):
+        return forward(ctx.value, x, groups)
+
+    def fwd(ctx, groups, x):
+        return forward(ctx.value, x, groups), x.shape
+
+    def bwd(ctx, groups, shape, g):
+        size = int(np.prod(shape, dtype=np.int64))
+        return (backward(ctx.value, g, groups)[:size].reshape(shape),)
+
+    fn.defvjp(fwd, bwd)
+    return fn
 
 
-def _all_gather_fwd(ctx, groups, x):
-    return _gather(ctx.value, x, groups), x.shape
-
-
-def _all_gather_bwd(ctx, groups, shape, g):
-    ctx = ctx.value
-    n = len(groups[0]) if _active(ctx, groups) else 1
-    flat = jnp.reshape(g, (-1,))
-    part = flat.size // n
-    if n > 1:
-        flat = lax.dynamic_slice_in_dim(flat, _rank(ctx, groups) * part, part)
-    return (flat.reshape(shape),)
-
-
-_all_gather_fn.defvjp(_all_gather_fwd, _all_gather_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _local_scatter_fn(ctx, groups, x):
-    return _local_slice(ctx.value, x, groups)
-
-
-def _local_scatter_fwd(ctx, groups, x):
-    return _local_slice(ctx.value, x, groups), x.shape
-
-
-def _local_scatter_bwd(ctx, groups, shape, g):
-    full = _gather(ctx.value, g, groups)
-    size = int(np.prod(shape, dtype=np.int64))
-    return (full[:size].reshape(shape),)
-
-
-_local_scatter_fn.defvjp(_local_scatter_fwd, _local_scatter_bwd)
+# An all-gather's gradient is this replica's part of it; a local scatter's, the parts gathered.
+_all_gather_fn = _with_vjp(_gather, _local_slice)
+_local_scatter_fn = _with_vjp(_local_slice, _gather)
 
 
 class _Static:
