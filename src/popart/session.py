@@ -4,7 +4,9 @@ The sessions are facades: PopART's methods live here with PopART's names, signat
 texts, and the work is done by one collaborator each: ``session_checks`` (PopART's checks
 at construction), ``session_io.HostIO`` (StepIO gathering, anchors), ``writeback.WriteBack``
 (the ONNX model and its external files), ``engine.executable.SessionFiles`` (executable
-files, the engine cache), ``session_rng.Rng`` (seed and RNG state), ``session_report``."""
+files, the engine cache), ``session_rng.Rng`` (seed and RNG state), ``session_report``.
+PopART's file methods (modelToHost, executables, ...) are grouped in ``_FileMethods``, a
+part of ``_Session``."""
 from __future__ import annotations
 
 import copy
