@@ -30,8 +30,7 @@ def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilati
     lhs_dilation, rhs_dilation = tuple(lhs_dilation or ones), tuple(rhs_dilation or ones)
     w = w.astype(x.dtype)
     if _use_onednn(ctx, x, w, strides, lhs_dilation, rhs_dilation, groups):
-        return onednn.conv2d(x.transpose(to_last), w, strides, padding, rhs_dilation,
-                             True).transpose(to_first)
+        return onednn.conv_nchw(x, w, strides, padding, rhs_dilation)
     if ctx.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
     y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,

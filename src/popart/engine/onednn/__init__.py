@@ -113,6 +113,8 @@ def available() -> bool:
 
 
 def _call(kind: int, a, b, out_shape: Sequence[int], geom: Sequence[int], nhwc: bool):
+    if not available():
+        raise RuntimeError("the oneDNN convolution is unavailable (see popart's devicex log)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(tuple(out_shape), np.float32),
                             vmap_method="expand_dims")
     return call(a, b, geom=np.array([kind, int(nhwc), *geom], np.int64))
@@ -153,6 +155,27 @@ def _bwd(strides, padding, dilation, nhwc, res, dy):
 
 
 conv2d.defvjp(_fwd, _bwd)
+
+
+
+def channels_last(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
+    """Whether oneDNN runs a convolution of NCHW x by OIHW w on NHWC activations (XLA
+    transposes around the call) rather than on NCHW as they are: NHWC is oneDNN's fast layout,
+    except where the transposes cost more than the convolution (few input channels, 1x1)."""
+    return x_shape[1] >= LAYOUT_MIN_CHANNELS and tuple(w_shape[2:]) != (1, 1)
+
+
+LAYOUT_MIN_CHANNELS = 16
+
+
+def conv_nchw(x, w, strides: Sequence[int], padding, dilation: Sequence[int]):
+    """conv2d of NCHW x by OIHW w, in the layout ``channels_last`` picks; y NCHW."""
+    strides, dilation = tuple(strides), tuple(dilation)
+    padding = tuple(map(tuple, padding))
+    if channels_last(x.shape, w.shape):
+        return conv2d(x.transpose(0, 2, 3, 1), w, strides, padding, dilation,
+                      True).transpose(0, 3, 1, 2)
+    return conv2d(x, w, strides, padding, dilation, False)
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],

@@ -144,6 +144,10 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuf
   key.insert(key.end(), geom.begin() + 2, geom.end());
   try {
     auto plan = get_plan(key);
+    // One convolution at a time: each uses every OpenMP thread, and XLA may run independent
+    // ones (a step's two gradients) concurrently on its own threads.
+    static std::mutex run_mu;
+    std::lock_guard<std::mutex> running(run_mu);
     dnnl::stream s(cpu());
     thread_local Scratch scratch, wbuf;
     memory pad(memory::desc({(int64_t)plan->scratch}, memory::data_type::u8, tag::a), cpu(),
