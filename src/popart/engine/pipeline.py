@@ -13,7 +13,6 @@ import numpy as np
 
 from ..errors import IrError, noted
 from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
-from ..tensornames import PREFIXES
 from ..logging import getLogger
 from ..optimizers import GradientNorms, clip_by_norm, local_sum_squares
 from .compiled import CompiledStep, arg_specs
@@ -23,11 +22,9 @@ from .placed import (IPU_AXIS, Layout, StagePlan, Unplaceable, ipu_copy, per_ipu
                      placed_or_none, plan_stages, run_on_mesh, this_ipu)
 from .rts import HOST_MEMORY
 from . import als as _als
-from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan
+from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan, unstash
 
 EXECUTION_PHASE = "__execution_phase"
-# Anchors of a pipeline's stashed / restored activations: the activation, per micro-batch.
-STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
 ASSIGN = "__assign__"  # a stage's new value of a variable an op writes, passed like an anchor
 PROBE = "__probe__"    # zeros added to a tensor whose gradient is anchored, passed like a feed
 TAP = "__tap__"        # ALS: zeros whose gradient is a tracked gradient's histogram, like a feed
@@ -79,11 +76,6 @@ def popart_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: An
     return plan_stages(nodes, lambda nd: ipu[id(nd)], variables, stage_of)
 
 
-def _unstash(tid: str) -> str:
-    """The activation a stash / restore anchor names (other ids unchanged)."""
-    return tid.split("___", 1)[1] if tid.startswith(STASH_PREFIXES) else tid
-
-
 # ---------------------------------------------------------------------------- the program
 class _BlockNorms(GradientNorms):
     """Clipping's view of a placed step's gradient blocks (this device's; the replica's
@@ -117,13 +109,18 @@ class _BlockNorms(GradientNorms):
 
 
 class PlacedProgram(StepProgram):
-    """A StepProgram whose stages run on the devices of their IPUs (module docstring). When
-    the model needs what the placement lacks, it is the plain StepProgram."""
+    """A planned StepProgram whose stages run on the devices of their IPUs
+    (docs/model_parallelism.md). ``plan_program`` makes one from a plan when the program can
+    run placed; made directly (the forward-only program of a placed training program), its
+    :meth:`plan` places it or raises."""
+    placed = True
 
     def __init__(self, graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
                  device: Any = None) -> None:
-        super().__init__(graph, cfg, input_infos, device)
-        self.device_info = device
+        super().__init__(graph, cfg, input_infos, device, stash_anchors=True)
+        self._no_placement_yet()
+
+    def _no_placement_yet(self) -> None:
         self.stages: Optional[StagePlan] = None
         self.off_chip: frozenset = frozenset()      # slots kept in host memory
         self.rts_slots: frozenset = frozenset()     # slots stored sharded over the replicas
@@ -133,21 +130,40 @@ class PlacedProgram(StepProgram):
         self.weight_layout: Optional[Layout] = None
         self.state_layout: Optional[Layout] = None
 
+    @classmethod
+    def from_plan(cls, planned: StepProgram) -> Optional["PlacedProgram"]:
+        """``planned`` (discarded) placed on its device's IPUs; None when its ops are all on
+        one IPU; Unplaceable for what the placed program does not do."""
+        self = cls.__new__(cls)
+        vars(self).update(vars(planned))   # the plan's facts
+        self._no_placement_yet()
+        return self if self._place() else None
+
     # -------------------------------------------------------------- planning
     def plan(self) -> None:
-        stash = [a for a in self.anchor_ids if a.startswith(STASH_PREFIXES)]
-        self.anchor_ids = [a for a in self.anchor_ids if a not in stash]
+        if self.planned:
+            return
         super().plan()
-        self._plan_stash_anchors(stash)
+        try:
+            if self._place():
+                return
+        except Unplaceable:
+            pass
+        raise IrError("The forward-only program cannot run placed on the IPUs' devices as the "
+                      "training program does: they cannot share the weights")
+
+    def _place(self) -> bool:
+        """Cut the planned program into stages on the mesh, and lay its state out."""
         sizes = {k: int(np.prod(s.shape)) for k, s in self.tensor_specs.items()}
         R = self.cfg.replication_factor
-        n = int(getattr(self.device_info, "numIpus", 1) or 1) // R   # IPUs per replica
-        if self.cfg.options.virtualGraphMode.name == "Auto":   # placed or not, as PopART
-            auto_virtual_graphs(self.graph_consts, n, sizes)
-        placed = placed_or_none("Virtual graphs", lambda: self._place(n, sizes))
-        if placed is None:
-            return
-        stages, ipus, self.mesh = placed
+        n = ipus_per_replica(self.device_info, R)
+        if self.cfg.options.enablePipelining and self._accum_anchors():
+            raise Unplaceable("anchoring a gradient accumulator (Accum___) of a pipelined model")
+        stages = popart_stages(self.graph_consts, self.variables, self.cfg.options, n, sizes)
+        ipus = max(stages.stage_ipu) + 1
+        if stages.num_stages < 2 or ipus < 2:
+            return False
+        self.mesh = placed_mesh(self.device_info.jax_devices, R, ipus)
         self.stages, self.ipus = stages, ipus
         self.has_checks = bool(self.run_checks)   # the whole graph's trace has run-time checks
         self.uses_rng = True   # keys per micro-batch and replica, folded per stage
@@ -157,17 +173,7 @@ class PlacedProgram(StepProgram):
                      f"{[len(w) for w in self._weights_per_ipu()]}; slots sharded over the "
                      f"replicas {sorted(self.rts_slots)}, with sharded accumulators "
                      f"{sorted(self.tick_slots)}")
-
-    def _place(self, n: int, sizes: Mapping[str, int]) -> Optional[tuple]:
-        """(stages, IPUs, mesh) of the placed program on ``n`` IPUs per replica; None when
-        its ops are all on one IPU; Unplaceable for what the placed program does not do."""
-        if self.cfg.options.enablePipelining and self._accum_anchors():
-            raise Unplaceable("anchoring a gradient accumulator (Accum___) of a pipelined model")
-        stages = popart_stages(self.graph_consts, self.variables, self.cfg.options, n, sizes)
-        ipus = max(stages.stage_ipu) + 1
-        if stages.num_stages < 2 or ipus < 2:
-            return None
-        return stages, ipus, placed_mesh(self.device_info.jax_devices, self.cfg.replication_factor, ipus)
+        return True
 
     def _plan_layouts(self) -> None:
         """The slots of the weights and of the optimizer state (each state tensor beside its
@@ -212,34 +218,12 @@ class PlacedProgram(StepProgram):
         return frozenset(k for k, v in slots.items() if v)
 
     def share_state_layout(self, other: StepProgram) -> None:
-        if self.placed != getattr(other, "placed", False):
-            where = ("placed on the IPUs' devices", "on one device")
-            raise IrError(f"The forward-only program runs {where[not self.placed]} but the "
-                          f"training program {where[self.placed]}: they cannot share the weights")
-        if self.placed:   # the training program's weight slots, sharded or off chip too
-            self.weight_layout = other.weight_layout
-            self.rts_slots = other.rts_slots & set(other.weight_layout.blocks)
-            self.off_chip = other.off_chip & set(other.weight_layout.blocks)
-
-    def _plan_stash_anchors(self, stash: list) -> None:
-        """``Stashed___X`` / ``Restored___X`` anchors: activation X of a pipelined training
-        step, which PopART stashes from its forward stage until its backward stage."""
-        if not stash:
-            return
-        if not (self.cfg.training and getattr(self.cfg.options, "enablePipelining", False)):
-            raise IrError(f"Anchor '{stash[0]}': stashed and restored tensors exist only in a "
-                          f"pipelined TrainingSession")
-        specs = self.tensor_specs
-        for a in stash:
-            if _unstash(a) not in specs:
-                raise IrError(f"Anchor '{a}' names the stash of '{_unstash(a)}', which is not "
-                              f"a tensor of the model")
-            self.anchor_specs[a] = specs[_unstash(a)]
-        self.anchor_ids += stash
-
-    @staticmethod
-    def _value(env: Mapping[str, Any], tid: str) -> Any:
-        return jnp.asarray(env[_unstash(tid)])
+        if not other.placed:
+            raise IrError("The forward-only program runs placed on the IPUs' devices but the "
+                          "training program on one device: they cannot share the weights")
+        self.weight_layout = other.weight_layout   # its slots, sharded or off chip too
+        self.rts_slots = other.rts_slots & set(other.weight_layout.blocks)
+        self.off_chip = other.off_chip & set(other.weight_layout.blocks)
 
     def _row_weights(self) -> dict[str, str]:
         """Elementwise updates of whole blocks (or their shards): per weight slot, a weight
@@ -261,10 +245,6 @@ class PlacedProgram(StepProgram):
         for w in self.variables:
             per[self.stages.ipu_of(w)].append(w)
         return per
-
-    @property
-    def placed(self) -> bool:
-        return self.stages is not None
 
     @property
     def schedule(self) -> list[list[tuple[int, int]]]:
@@ -337,20 +317,14 @@ class PlacedProgram(StepProgram):
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
-        if not self.placed:
-            return super().put_state(named)
         layout = self._layout(named)
         return jax.device_put(self._sharded_slots(layout.pack(named), True), self._state_sharding(layout))
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
-        if not self.placed:
-            return super().state_to_host(state)
         bufs = self._sharded_slots({k: self.to_host(v) for k, v in state.items()}, False)
         return {k: np.array(v) for k, v in self._buffers_layout(state).unpack(bufs).items()}
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
-        if not self.placed:
-            return super().state_specs(named)
         layout = self._layout(named)
         specs = layout.specs()
         for k in self.rts_slots & set(specs):   # replica-sharded: [ipus, padded]
@@ -358,19 +332,13 @@ class PlacedProgram(StepProgram):
         return specs
 
     def put(self, tree: Any) -> Any:
-        if not self.placed:
-            return super().put(tree)
         return jax.device_put(tree, self._mesh_sharding())
 
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
-        if not self.placed:
-            return super().put_feeds(feeds)
         return jax.device_put(dict(feeds), self._mesh_sharding(None, None, REPLICA_AXIS))
 
     # -------------------------------------------------------------- the step
     def _compiled_step(self) -> CompiledStep:
-        if not self.placed:
-            return super()._compiled_step()
         w, s = self._state_sharding(self.weight_layout), self._state_sharding(self.state_layout)
         rep, feeds = self._mesh_sharding(), self._mesh_sharding(None, None, REPLICA_AXIS)
         return CompiledStep(self._placed_step(), donate_argnums=(0, 1, 2),
@@ -421,7 +389,7 @@ class PlacedProgram(StepProgram):
     def _anchor_stage(self, a: str) -> int:
         """The stage whose trace has anchor ``a``: its producer (or owner, for a weight), for
         a graph input its first reader."""
-        st, a = self.stages, _unstash(a)
+        st, a = self.stages, unstash(a)
         if a.startswith(CHECKS + "/"):
             return int(a.split("/")[-1])
         if a.startswith(ASSIGN + "/"):
@@ -462,7 +430,7 @@ class PlacedProgram(StepProgram):
                 return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
             if k.startswith(ASSIGN + "/"):
                 return arg_specs(self.variables[k.split("/", 1)[1]])
-            return self.tensor_specs[_unstash(k)]
+            return self.tensor_specs[unstash(k)]
         return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
     @property
@@ -759,10 +727,28 @@ class PlacedProgram(StepProgram):
         return {a: v.reshape((-1,) + v.shape[2:]) for a, v in anchors.items()}
 
 
-def program_class(options: Any, device: Any) -> type:
-    """The step program for a session: placed when its virtual graphs (or execution phases)
-    span several IPUs."""
-    mode = getattr(getattr(options, "virtualGraphMode", None), "name", "Off")
-    if mode in ("Manual", "Auto", "ExecutionPhases") and int(getattr(device, "numIpus", 1) or 1) > 1:
-        return PlacedProgram
-    return StepProgram
+def ipus_per_replica(device: Any, replicas: int) -> int:
+    return int(getattr(device, "numIpus", 1) or 1) // replicas
+
+
+def plan_program(graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
+                 device: Any = None) -> StepProgram:
+    """The session's step program, planned, then placed when its virtual graphs (or
+    execution phases) span several IPUs and the placed program can run it
+    (``placed.placed_or_none`` logs why not)."""
+    mode = getattr(getattr(cfg.options, "virtualGraphMode", None), "name", "Off")
+    spans = mode in ("Manual", "Auto", "ExecutionPhases") and ipus_per_replica(device, 1) > 1
+    program = StepProgram(graph, cfg, input_infos, device, stash_anchors=spans)
+    program.plan()
+    if not spans:
+        return program
+    if mode == "Auto":   # placed or not, as PopART
+        auto_virtual_graphs(program.graph_consts, ipus_per_replica(device, cfg.replication_factor),
+                            {k: int(np.prod(s.shape)) for k, s in program.tensor_specs.items()})
+    return placed_or_none("Virtual graphs", lambda: PlacedProgram.from_plan(program)) or program
+
+
+def program_class(options: Any, device: Any) -> Any:
+    """What the session calls to make its program, ``program_class(options, device)(graph,
+    cfg, input_infos, device)``: :func:`plan_program` (whose program is planned already)."""
+    return plan_program

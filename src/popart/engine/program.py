@@ -95,6 +95,13 @@ def vector_chunk(n: int, bytes_per_item: int, budget: int = 1 << 26) -> int:
 
 UPDATED_VAR_PREFIX = PREFIXES["UpdatedVar"]   # PopART's reservedUpdatedVarPrefix()
 ACCUM_PREFIX = PREFIXES["Accum"]              # PopART's reservedAccumPrefix()
+# Anchors of a pipeline's stashed / restored activations: the activation, per micro-batch.
+STASH_PREFIXES = (PREFIXES["Stashed"], PREFIXES["Restored"])
+
+
+def unstash(tid: str) -> str:
+    """The activation a stash / restore anchor names (other ids unchanged)."""
+    return tid.split("___", 1)[1] if tid.startswith(STASH_PREFIXES) else tid
 
 
 def _scalar_rows(optimizer: Any, v: Any, ls: Any, f: dict) -> list:
@@ -221,9 +228,16 @@ def missing_anchor(anchor: str, tensor_ids: set) -> popart_exception:
 class StepProgram:
     """Builds, compiles and runs the step of one session."""
 
+    placed = False   # its IPUs on devices of their own (pipeline.PlacedProgram)
+
     def __init__(self, graph: Graph, cfg: StepConfig, input_infos: Mapping[str, TensorInfo],
-                 device: Any = None):
+                 device: Any = None, stash_anchors: bool = False):
+        """``stash_anchors``: a virtual-graph session's, whose anchors may name stashed and
+        restored activations (``Stashed___X``, ``Restored___X``)."""
         self.graph, self.cfg, self.input_infos = graph, cfg, dict(input_infos)
+        self.device_info = device
+        self.stash_anchors = stash_anchors
+        self.planned = False
         self.placement = Placement(cfg.replication_factor, device, across_processes=bool(
             getattr(cfg.options, "enableDistributedReplicatedGraphs", False)))
         self.variables, self.constants = split_variables(graph)
@@ -259,10 +273,36 @@ class StepProgram:
 
     @staticmethod
     def _value(env, tid):
-        return jnp.asarray(env[tid])   # plan() has checked every anchor names a tensor
+        return jnp.asarray(env[unstash(tid)])   # plan() has checked every anchor names a tensor
 
     def plan(self) -> None:
-        """Decide trainable variables and gradient anchors (abstract trace, no compile)."""
+        """Decide trainable variables and gradient anchors (abstract trace, no compile); once
+        (a program the factory ``pipeline.plan_program`` returns is planned)."""
+        if self.planned:
+            return
+        stash = [a for a in self.anchor_ids if a.startswith(STASH_PREFIXES)] if self.stash_anchors else []
+        self.anchor_ids = [a for a in self.anchor_ids if a not in stash]
+        self._plan()
+        self._plan_stash_anchors(stash)
+        self.planned = True
+
+    def _plan_stash_anchors(self, stash: list) -> None:
+        """``Stashed___X`` / ``Restored___X`` anchors: activation X of a pipelined training
+        step, which PopART stashes from its forward stage until its backward stage."""
+        if not stash:
+            return
+        if not (self.cfg.training and getattr(self.cfg.options, "enablePipelining", False)):
+            raise IrError(f"Anchor '{stash[0]}': stashed and restored tensors exist only in a "
+                          f"pipelined TrainingSession")
+        specs = self.tensor_specs
+        for a in stash:
+            if unstash(a) not in specs:
+                raise IrError(f"Anchor '{a}' names the stash of '{unstash(a)}', which is not "
+                              f"a tensor of the model")
+            self.anchor_specs[a] = specs[unstash(a)]
+        self.anchor_ids += stash
+
+    def _plan(self) -> None:
         cfg = self.cfg
         if cfg.als is not None:   # PopART's checks before it looks at gradients
             cfg.als = _als.snapshot(cfg.als)   # the settings this program compiles with
