@@ -15,9 +15,9 @@ import numpy as np
 
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (IPU_AXIS, Layout, StagePlan, Unplaceable, device_grid, ipu_copy,
-                                  mesh_sharding, on_ipu, per_ipu, placed_mesh, placed_or_none,
-                                  plan_stages, run_on_mesh, this_ipu)
+from popart.engine.placed import (IPU_AXIS, InOrder, Layout, StagePlan, Unplaceable, device_grid,
+                                  mesh_sharding, per_ipu, placed_mesh, placed_or_none, plan_stages,
+                                  run_on_mesh)
 from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
@@ -377,39 +377,21 @@ class PlacedMain:
         and each output's IPU."""
         st, sess, n = self.stages, self.session, self.session._n
         d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_numpy()) for s, t in sess._d2h}
-        main, everywhere = self.main, set(range(self.ipus))
+        main = self.main
 
         def body(blocks: dict, feeds: dict) -> tuple:   # this device's [1, 1, *block], [1, N, ...]
-            blocks, dev = {k: v[0, 0] for k, v in blocks.items()}, this_ipu()
+            blocks = {k: v[0, 0] for k, v in blocks.items()}
             feeds = {k: v[0] for k, v in feeds.items()}
             feeds.update({k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()})
-            # tensors sent on: their value on every device, and the IPUs whose devices hold it
-            env: dict = {}
-            at: dict[str, set[int]] = {}
+            # tensors sent on: their value, and the IPUs whose devices hold it
+            run = InOrder(self.ipus, lambda t: feeds.get(t, main.initializers.get(t)))
             checks: list = list(planned)   # every stage's run-time checks
 
-            def get(env: dict, at: dict, t: str, ipus: Any) -> Any:
-                """``t`` (a tensor sent on, a feed or a constant), moved to ``ipus`` (IpuCopy)."""
-                if t not in env:
-                    env[t], at[t] = feeds.get(t, main.initializers.get(t)), set(everywhere)
-                v = env[t] = jnp.asarray(env[t])
-                for b in sorted(set(ipus) - at[t]):
-                    v = jnp.where(dev == b, ipu_copy(v, min(at[t]), b), v)
-                env[t], at[t] = v, at[t] | set(ipus)
-                return v
-
-            def stage(s: int, blocks: dict, env: dict, at: dict, records: list) -> dict:
-                a = st.stage_ipu[s]
-                received = {t: get(env, at, t, [a]) for t in self.reads[s] if t in env}
-                run = self._stage_fn(s, checks)
+            def stage(s: int, blocks: dict, run: InOrder, records: list) -> dict:
                 # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
-                shapes = jax.eval_shape(self._stage_fn(s, list(checks)), blocks, received, feeds)[1:]
-                zeros = lambda blocks, *_: (blocks, *jax.tree_util.tree_map(  # noqa: E731
-                    lambda x: jnp.zeros(x.shape, x.dtype), shapes))
-                blocks, out, record = on_ipu(a, run, zeros, blocks, received, feeds)
+                blocks, record = run.run(st.stage_ipu[s], self.reads[s], self._stage_fn(s, checks),
+                                         self._stage_fn(s, list(checks)), blocks, feeds)
                 records.append(record)
-                for t, v in out.items():
-                    env[t], at[t] = v, {a}
                 return blocks
 
             def repeat(loop: _Loop, blocks: dict, records: list) -> dict:
@@ -421,22 +403,22 @@ class PlacedMain:
                          | ({self.ipu_of(carried[c])} if c in carried else set()) for _, c in loop.ins}
                 for x, c in loop.ins:
                     if c not in self.var_of:
-                        env[c] = get(env, at, x, where[c])
-                        at[c] = set(where[c] if c in carried else at[x])
+                        run.set(c, run.read(x, where[c]), where[c] if c in carried else run.where(x))
 
                 def iteration(_: Any, carry: tuple) -> tuple:
                     blocks, vals, failed = carry
-                    env2, at2, recs = {**env, **vals}, {k: set(v) for k, v in at.items()}, []
+                    inner, recs = run.fork(), []
+                    inner.env.update(vals)
                     for s in range(loop.first, loop.end):
-                        blocks = stage(s, blocks, env2, at2, recs)
-                    new = {c: get(env2, at2, o, where[c]) for c, o in carried.items()}
+                        blocks = stage(s, blocks, inner, recs)
+                    new = {c: inner.read(o, where[c]) for c, o in carried.items()}
                     return blocks, new, jnp.where(failed[0] != 0, failed, first_failure(jnp.stack(recs)))
                 blocks, vals, failed = jax.lax.fori_loop(0, loop.trips, iteration, (
-                    blocks, {c: env[c] for c in carried}, jnp.zeros(RECORD, jnp.int64)))
+                    blocks, {c: run.env[c] for c in carried}, jnp.zeros(RECORD, jnp.int64)))
                 records.append(failed)
                 for y, c, _ in loop.outs:
                     if c not in self.var_of:
-                        env[y], at[y] = vals.get(c, env[c]), set(at[c])
+                        run.set(y, vals.get(c, run.env[c]), run.where(c))
                 return blocks
 
             records: list = []
@@ -446,15 +428,15 @@ class PlacedMain:
                 if s in starts:
                     blocks, s = repeat(starts[s], blocks, records), starts[s].end
                 else:
-                    blocks, s = stage(s, blocks, env, at, records), s + 1
+                    blocks, s = stage(s, blocks, run, records), s + 1
 
             def write(d: int) -> Callable:   # device d's variables' new values into its blocks
                 return lambda blocks, new: self.layout.repack(blocks, d, new)
             if self.finals:
-                new = {v: get(env, at, out, [self.home[v]]) for v, out in self.finals.items()}
+                new = {v: run.read(out, [self.home[v]]) for v, out in self.finals.items()}
                 blocks = per_ipu([write(d) for d in range(self.ipus)], blocks, new)
-            outs = {t: env.get(out, feeds.get(out)) for t, out in self.d2h.items()}
-            traced["out_ipu"] = {t: min(at.get(out, {0})) for t, out in self.d2h.items()}
+            outs = {t: run.env.get(out, feeds.get(out)) for t, out in self.d2h.items()}
+            traced["out_ipu"] = {t: min(run.where(out, {0})) for t, out in self.d2h.items()}
             if facts is not None:
                 facts.update(checks=list(checks), out_ipu=traced["out_ipu"])
             if checks:

@@ -18,7 +18,7 @@ from ..optimizers import GradientNorms, clip_by_norm, local_sum_squares
 from .compiled import CompiledStep, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
-from .placed import (IPU_AXIS, Layout, StagePlan, Unplaceable, ipu_copy, per_ipu, placed_mesh,
+from .placed import (IPU_AXIS, Layout, StagePlan, Unplaceable, per_ipu, pipeline_ticks, placed_mesh,
                      placed_or_none, plan_stages, run_on_mesh, this_ipu)
 from .rts import HOST_MEMORY
 from . import als as _als
@@ -452,7 +452,7 @@ class PlacedProgram(StepProgram):
         accumulators in every tick (the backward pass reduce-scatters each tick's gradient
         into their shards)."""
         st = self.stages
-        S, ipus, copies = st.num_stages, self.ipus, st.copies
+        S = st.num_stages
         stage_fns = [self._stage_fn(s) for s in range(S)]
         feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in self.input_infos} |
                               {a for a in stage_fns[s][2] if a in self.input_infos} |
@@ -466,52 +466,20 @@ class PlacedProgram(StepProgram):
                                   self.view_slots - self.tick_slots)
             feeds, keys = {k: v[:, 0] for k, v in feeds.items()}, keys[:, 0]
 
-            def device_branch(d):
-                def branch(bufs, t, blocks):
-                    weights = wlayout.unpack(blocks, d)   # sliced in the branch: only d's
-                    sent = [self._zeros(st.boundary[s]) for s in range(S - 1)]
-                    anchors, loss = {}, jnp.zeros((), jnp.float32)
-                    for s in range(S):
-                        run, sends, anc_ids = stage_fns[s]
-                        if st.stage_ipu[s] != d:
-                            anchors.update(self._zeros(anc_ids))
-                            continue
-                        m = t - s
-                        mc = jnp.clip(m, 0, M - 1)
-                        f = {k: feeds[k][mc] for k in feed_ids[s]}
-                        recv = bufs[s - 1] if s > 0 else {}
-                        # a tensor passed through a stage on the same device comes straight in
-                        w = {k: weights[k] for k in st.weights[s]}
-                        zero = (self._zeros(sends), self._zeros(anc_ids), jnp.zeros((), jnp.float32))
-                        out, anc, l_s = jax.lax.cond(
-                            (m >= 0) & (m < M),
-                            lambda f=f, recv=recv, w=w, run=run, mc=mc: run(w, f, recv, keys[mc], hyper),
-                            lambda zero=zero: zero)
-                        if s < S - 1:
-                            sent[s] = out
-                        anchors.update(anc)
-                        loss = loss + l_s
-                    return sent, anchors, loss
-                return branch
+            def stage(s, weights, recv, mc):
+                run = stage_fns[s][0]
+                f = {k: feeds[k][mc] for k in feed_ids[s]}
+                # a tensor passed through a stage on the same device comes straight in
+                w = {k: weights[k] for k in st.weights[s]}
+                return lambda: run(w, f, recv, keys[mc], hyper)
 
-            branches = [device_branch(d) for d in range(ipus)]
+            def zeros(s):
+                _, sends, anc_ids = stage_fns[s]
+                return self._zeros(sends), self._zeros(anc_ids), jnp.zeros((), jnp.float32)
 
-            def tick(carry, t):
-                bufs, loss_acc = carry
-                sent, anchors, loss = per_ipu(branches, bufs, t, self._gather(blocks, self.tick_slots))
-                # the plan's IpuCopies: each boundary to the next stage's devices
-                moved = [ipu_copy(sent[s], copies[s][0][1], copies[s][0][2]) if copies[s] else sent[s]
-                         for s in range(S - 1)]
-                return (moved, loss_acc + loss), anchors
-
-            T = M + S - 1
-            bufs0 = [self._zeros(st.boundary[s]) for s in range(S - 1)]
-            # The backward pass keeps each tick's received tensors (PopART's stash) and runs
-            # the tick's stages again (RecomputationType.Pipeline): residuals saved inside the
-            # switch would hold a copy of the device's weights per tick.
-            tick = jax.checkpoint(tick, policy=jax.checkpoint_policies.nothing_saveable)
-            (_, loss), anchors = jax.lax.scan(tick, (bufs0, jnp.zeros((), jnp.float32)),
-                                              jnp.arange(T))
+            loss, anchors = pipeline_ticks(
+                st, self.ipus, M, stage, zeros, lambda d, bufs: wlayout.unpack(bufs, d),
+                lambda: self._gather(blocks, self.tick_slots))
             return loss[None, None], {a: v[None, None] for a, v in anchors.items()}
         return body
 

@@ -100,10 +100,117 @@ def ipu_copy(x: Any, src: int, dst: int) -> Any:
     return x if src == dst else jax.lax.ppermute(x, IPU_AXIS, [(src, dst)])
 
 
+def pipeline_ticks(plan: "StagePlan", ipus: int, M: int, stage: Callable, zeros: Callable[[int], tuple],
+                   own: Callable[[int, Any], Any], per_tick: Callable[[], Any]) -> tuple[Any, dict]:
+    """PopART's pipeline schedule (and its sharding schedule: a plan of one micro-batch per
+    call) for ``M`` micro-batches of one replica, inside :func:`run_on_mesh`: in tick t stage s
+    runs micro-batch t - s on its IPU's devices (:func:`per_ipu`: each device traces only its
+    own stages), then the plan's IpuCopies move each boundary to the next stage's devices. So
+    the pipeline fills (ramp-up), runs every stage at once, and drains (ramp-down) in
+    M + S - 1 ticks.
+
+    ``stage(s, mine, received, m)`` returns the thunk running stage s on micro-batch ``m``
+    (a traced index) -> (tensors it sends on, its anchors, its loss); ``zeros(s)`` those
+    outputs' zeros (devices and ticks where s does not run); ``own(d, shared)`` device d's
+    part of what ``per_tick()`` gives each tick (its weights), taken in its branch. Returns
+    (the loss summed over ticks, anchors {id: [T, ...]})."""
+    S, copies = plan.num_stages, plan.copies
+
+    def device_branch(d: int) -> Callable:
+        def branch(bufs: list, t: Any, shared: Any) -> tuple:
+            mine = own(d, shared)   # sliced in the branch: only d's
+            sent = [zeros(s)[0] for s in range(S - 1)]
+            anchors, loss = {}, jnp.zeros((), jnp.float32)
+            for s in range(S):
+                zero = zeros(s)
+                if plan.stage_ipu[s] != d:
+                    anchors.update(zero[1])
+                    continue
+                m = t - s
+                run = stage(s, mine, bufs[s - 1] if s > 0 else {}, jnp.clip(m, 0, M - 1))
+                out, anc, l_s = jax.lax.cond((m >= 0) & (m < M), run, lambda zero=zero: zero)
+                if s < S - 1:
+                    sent[s] = out
+                anchors.update(anc)
+                loss = loss + l_s
+            return sent, anchors, loss
+        return branch
+
+    branches = [device_branch(d) for d in range(ipus)]
+
+    def tick(carry: tuple, t: Any) -> tuple:
+        bufs, loss_acc = carry
+        sent, anchors, loss = per_ipu(branches, bufs, t, per_tick())
+        moved = [ipu_copy(sent[s], copies[s][0][1], copies[s][0][2]) if copies[s] else sent[s]
+                 for s in range(S - 1)]
+        return (moved, loss_acc + loss), anchors
+
+    # The backward pass keeps each tick's received tensors (PopART's stash) and runs the
+    # tick's stages again (RecomputationType.Pipeline): residuals saved inside the switch
+    # would hold a copy of the device's weights per tick.
+    tick = jax.checkpoint(tick, policy=jax.checkpoint_policies.nothing_saveable)
+    bufs0 = [zeros(s)[0] for s in range(S - 1)]
+    (_, loss), anchors = jax.lax.scan(tick, (bufs0, jnp.zeros((), jnp.float32)), jnp.arange(M + S - 1))
+    return loss, anchors
+
+
 def zeros_like_specs(specs: Any) -> Any:
     """Zeros shaped as a tree of ShapeDtypeStructs (what a device that does not run a
     stage gives for its outputs)."""
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), specs)
+
+
+class InOrder:
+    """popxl's schedule inside :func:`run_on_mesh`: the stages one after the other in program
+    order, each on its IPU's devices (:func:`on_ipu`, zeros elsewhere). A tensor is held by
+    the devices of the IPUs it was computed on or copied to; :meth:`read` copies it to the
+    IPUs that need it (the IpuCopies, made as the run reaches them). ``source(t)`` gives a
+    tensor no stage computes (a feed, a constant: on every device)."""
+
+    def __init__(self, ipus: int, source: Callable[[str], Any]) -> None:
+        self.everywhere, self.source = set(range(ipus)), source
+        self.env: dict = {}                  # tensor -> its value (on the devices in at)
+        self.at: dict[str, set[int]] = {}    # tensor -> the IPUs whose devices hold it
+
+    def fork(self) -> "InOrder":
+        """A view for a loop's body: the same values, its own copies."""
+        other = InOrder(len(self.everywhere), self.source)
+        other.env, other.at = dict(self.env), {k: set(v) for k, v in self.at.items()}
+        return other
+
+    def holds(self, t: str) -> bool:
+        return t in self.env
+
+    def where(self, t: str, default: Optional[set] = None) -> set:
+        return set(self.at.get(t, default if default is not None else set()))
+
+    def set(self, t: str, value: Any, ipus: Iterable[int]) -> None:
+        self.env[t], self.at[t] = value, set(ipus)
+
+    def read(self, t: str, ipus: Iterable[int]) -> Any:
+        """``t`` on the devices of ``ipus`` too (copied from the lowest IPU holding it)."""
+        if t not in self.env:
+            self.env[t], self.at[t] = self.source(t), set(self.everywhere)
+        v = self.env[t] = jnp.asarray(self.env[t])
+        for b in sorted(set(ipus) - self.at[t]):
+            v = jnp.where(this_ipu() == b, ipu_copy(v, min(self.at[t]), b), v)
+        self.env[t], self.at[t] = v, self.at[t] | set(ipus)
+        return v
+
+    def run(self, ipu: int, reads: Iterable[str], fn: Callable, shape_fn: Callable,
+            state: Any, *args: Any) -> tuple:
+        """``fn(state, received, *args) -> (state, {tensor: value}, *rest)`` on the devices of
+        ``ipu`` (``received``: the tensors of ``reads`` the run holds, copied there); the
+        other devices keep their state and give zeros shaped as ``shape_fn``'s outputs (the
+        same function, traced apart). Its tensors are then held on ``ipu``. Returns
+        (state, *rest)."""
+        received = {t: self.read(t, [ipu]) for t in reads if t in self.env}
+        shapes = jax.eval_shape(shape_fn, state, received, *args)[1:]
+        state, out, *rest = on_ipu(ipu, fn, lambda st, *_: (st, *zeros_like_specs(shapes)),
+                                   state, received, *args)
+        for t, v in out.items():
+            self.set(t, v, [ipu])
+        return (state, *rest)
 
 
 # ---------------------------------------------------------------------------- stages
