@@ -1,6 +1,6 @@
 """One placed executor (issue 26 item 1): a two-stage model built with the popart Builder
-and the same model built with popxl run placed on two devices, cut by the same
-``engine.placed.plan_stages`` into the same stage plan (stages, IPUs, the IpuCopy between
+and the same model built with popxl run placed on two devices by ``engine.placed.Executor``,
+cut by the same ``plan_stages`` into the same stage plan (stages, IPUs, the IpuCopy between
 them), with the numbers of one device (NumPy's)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import popart
 import popxl
 import popxl.ops as ops
 from popart import testing
-from popart.engine.placed import StagePlan
+from popart.engine.placed import Executor, StagePlan
 
 B, D = 2, 4
 RS = np.random.RandomState(0)
@@ -65,6 +65,8 @@ def test_two_stages_placed_give_the_numbers_of_one_device(front_end):
     assert testing.is_placed(s2) and testing.mesh_shape(s2) == (1, 2)   # really on two devices
     np.testing.assert_allclose(one, WANT, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(two, one, rtol=1e-6, atol=1e-7)
-    plan = testing.step_program(s2).stages   # the executor's stage plan, as data
+    executor = testing.step_program(s2).executor   # the one placed executor ...
+    assert isinstance(executor, Executor) and executor.mesh.shape == {"replica": 1, "ipu": 2}
+    plan = executor.plan   # ... runs a stage plan, data
     assert isinstance(plan, StagePlan) and plan.num_stages == 2 and plan.stage_ipu == [0, 1]
     assert [[(src, dst) for _, src, dst in c] for c in plan.copies] == [[(0, 1)]]   # the IpuCopy

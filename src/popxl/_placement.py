@@ -15,9 +15,8 @@ import numpy as np
 
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (IPU_AXIS, InOrder, Layout, StagePlan, Unplaceable, device_grid,
-                                  mesh_sharding, per_ipu, placed_mesh, placed_or_none, plan_stages,
-                                  run_on_mesh)
+from popart.engine.placed import (IPU_AXIS, Executor, InOrder, Layout, StagePlan, Unplaceable,
+                                  device_grid, per_ipu, placed_mesh, placed_or_none, plan_stages)
 from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
@@ -310,7 +309,11 @@ class PlacedMain:
                 raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
         self.exports = [{t for n in nodes for t in n.outputs if t in used} | (set(self.from_block[s]) & used)
                         for s, nodes in enumerate(self.nodes)]
-        self.mesh = placed_mesh(session._device.jax_devices, self.replicas, ipus)
+        self.executor = Executor(st, placed_mesh(session._device.jax_devices, self.replicas, ipus))
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.executor.mesh
 
     def ipu_of(self, t: str) -> int:
         return self.stages.ipu_of(t)
@@ -321,13 +324,13 @@ class PlacedMain:
                 for k, s in self.layout.specs().items()}
 
     def state_shardings(self) -> dict:
-        return {k: mesh_sharding(self.mesh, REPLICA_AXIS, IPU_AXIS, memory_kind=self.host_slots.get(k))
+        return {k: self.executor.sharding(REPLICA_AXIS, IPU_AXIS, memory_kind=self.host_slots.get(k))
                 for k in self.layout.specs()}
 
     @property
     def feed_sharding(self) -> jax.sharding.NamedSharding:
         """[replicas, ...] arrays: each replica's slice on all of its IPUs' devices."""
-        return mesh_sharding(self.mesh, REPLICA_AXIS)
+        return self.executor.sharding(REPLICA_AXIS)
 
     def pack(self, values: dict) -> dict:
         """The slots [replicas, ipus, *block] from the session's state values [replicas, ...]
@@ -384,7 +387,7 @@ class PlacedMain:
             feeds = {k: v[0] for k, v in feeds.items()}
             feeds.update({k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()})
             # tensors sent on: their value, and the IPUs whose devices hold it
-            run = InOrder(self.ipus, lambda t: feeds.get(t, main.initializers.get(t)))
+            run = self.executor.in_order(lambda t: feeds.get(t, main.initializers.get(t)))
             checks: list = list(planned)   # every stage's run-time checks
 
             def stage(s: int, blocks: dict, run: InOrder, records: list) -> dict:
@@ -446,7 +449,7 @@ class PlacedMain:
 
         def program(state: dict, feeds: dict) -> tuple:
             spec = P(REPLICA_AXIS, IPU_AXIS)
-            state, outs = run_on_mesh(body, self.mesh, (spec, P(REPLICA_AXIS)), (spec, spec))(state, feeds)
+            state, outs = self.executor.run(body, (spec, P(REPLICA_AXIS)), (spec, spec))(state, feeds)
             # each output from the devices of the IPU computing it; checks from every device
             out_ipu = traced["out_ipu"]
             return state, {t: v if t == CHECKS else v[:, out_ipu[t]] for t, v in outs.items()}

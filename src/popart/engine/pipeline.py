@@ -18,8 +18,8 @@ from ..optimizers import GradientNorms, clip_by_norm, local_sum_squares
 from .compiled import CompiledStep, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
-from .placed import (IPU_AXIS, Layout, StagePlan, Unplaceable, per_ipu, pipeline_ticks, placed_mesh,
-                     placed_or_none, plan_stages, run_on_mesh, this_ipu)
+from .placed import (IPU_AXIS, Executor, Layout, StagePlan, Unplaceable, per_ipu, placed_mesh,
+                     placed_or_none, plan_stages, this_ipu)
 from .rts import HOST_MEMORY
 from . import als as _als
 from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan, unstash
@@ -126,7 +126,7 @@ class PlacedProgram(StepProgram):
         self.rts_slots: frozenset = frozenset()     # slots stored sharded over the replicas
         self.update_slots: frozenset = frozenset()  # slots the update takes as shards
         self.tick_slots: frozenset = frozenset()    # weight slots with sharded accumulators
-        self.mesh: Optional[jax.sharding.Mesh] = None
+        self.executor: Optional[Executor] = None    # the plan on its mesh
         self.weight_layout: Optional[Layout] = None
         self.state_layout: Optional[Layout] = None
 
@@ -163,7 +163,7 @@ class PlacedProgram(StepProgram):
         ipus = max(stages.stage_ipu) + 1
         if stages.num_stages < 2 or ipus < 2:
             return False
-        self.mesh = placed_mesh(self.device_info.jax_devices, R, ipus)
+        self.executor = Executor(stages, placed_mesh(self.device_info.jax_devices, R, ipus))
         self.stages, self.ipus = stages, ipus
         self.has_checks = bool(self.run_checks)   # the whole graph's trace has run-time checks
         self.uses_rng = True   # keys per micro-batch and replica, folded per stage
@@ -247,6 +247,10 @@ class PlacedProgram(StepProgram):
         return per
 
     @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.executor.mesh
+
+    @property
     def schedule(self) -> list[list[tuple[int, int]]]:
         """Per tick, the (stage, micro-batch) pairs that run (one batch of a training or
         inference step): PopART's ramp-up, main and ramp-down phases."""
@@ -274,15 +278,15 @@ class PlacedProgram(StepProgram):
         """Slots split over the IPU axis; with a layout, per slot, off-chip ones in host
         memory (the step's arguments and results there: the compiled program moves them to
         the device and back)."""
-        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(IPU_AXIS))
+        sharding = self.executor.sharding(IPU_AXIS)
         if layout is None or not (self.off_chip or self.rts_slots or layout.globals):
             return sharding
 
         def of(k: str) -> jax.sharding.Sharding:
             if k in layout.global_specs:   # replicated
                 return self._mesh_sharding()
-            sh = jax.sharding.NamedSharding(self.mesh, self._slot_spec(k))
-            return sh.with_memory_kind(HOST_MEMORY) if k in self.off_chip else sh
+            return self.executor.sharding(*self._slot_spec(k),
+                                          memory_kind=HOST_MEMORY if k in self.off_chip else None)
         return {k: of(k) for k in layout.specs()}
 
     def _slot_spec(self, key: str, sharded: Optional[frozenset] = None) -> Any:
@@ -314,7 +318,7 @@ class PlacedProgram(StepProgram):
         return out
 
     def _mesh_sharding(self, *spec: Any) -> jax.sharding.NamedSharding:
-        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+        return self.executor.sharding(*spec)
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
         layout = self._layout(named)
@@ -477,8 +481,8 @@ class PlacedProgram(StepProgram):
                 _, sends, anc_ids = stage_fns[s]
                 return self._zeros(sends), self._zeros(anc_ids), jnp.zeros((), jnp.float32)
 
-            loss, anchors = pipeline_ticks(
-                st, self.ipus, M, stage, zeros, lambda d, bufs: wlayout.unpack(bufs, d),
+            loss, anchors = self.executor.pipeline(
+                M, stage, zeros, lambda d, bufs: wlayout.unpack(bufs, d),
                 lambda: self._gather(blocks, self.tick_slots))
             return loss[None, None], {a: v[None, None] for a, v in anchors.items()}
         return body
@@ -509,9 +513,9 @@ class PlacedProgram(StepProgram):
             """M micro-batches of every replica (feeds [M, R, ...]): (loss sum, anchors
             {id: [M, R, ...]})."""
             wspec = {k: self._slot_spec(k, self.view_slots) for k in wbufs}
-            body = run_on_mesh(self._pipeline(wlayout), self.mesh,
-                               (wspec, P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
-                               (P(REPLICA_AXIS, IPU_AXIS),) * 2)
+            body = self.executor.run(self._pipeline(wlayout),
+                                     (wspec, P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
+                                     (P(REPLICA_AXIS, IPU_AXIS),) * 2)
             losses, anchors = body(wbufs, feeds, keys, hyper)
             out = {a: jnp.swapaxes(v[:, st.stage_ipu[anchor_stage[a]],
                                      anchor_stage[a]:anchor_stage[a] + M], 0, 1)
@@ -556,7 +560,7 @@ class PlacedProgram(StepProgram):
                 return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
             wspec, sspec = ({k: self._slot_spec(k) for k in x} for x in (wbufs, sbufs))
             gspec = {k: self._slot_spec(k, views) for k in gbufs}
-            return run_on_mesh(body, self.mesh, (wspec, gspec, sspec, P()), (wspec, sspec))(
+            return self.executor.run(body, (wspec, gspec, sspec, P()), (wspec, sspec))(
                 wbufs, gbufs, sbufs, hyper)
 
         def step(weights, opt_state, key_data, feeds, hyper):

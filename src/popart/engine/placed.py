@@ -298,6 +298,37 @@ def plan_stages(nodes: Sequence[Node], ipu_of: Callable[[Node], int], variables:
                      stage_group)
 
 
+# ---------------------------------------------------------------------------- the executor
+@dataclass
+class Executor:
+    """A stage plan on its (replica, ipu) mesh: what runs a placed program, for popart
+    sessions (:meth:`pipeline`: PopART's schedules) and popxl (:meth:`in_order`, repeat
+    loops around its stages). The front-ends give their stage functions and state layout."""
+    plan: StagePlan
+    mesh: jax.sharding.Mesh
+
+    @property
+    def ipus(self) -> int:
+        return int(self.mesh.devices.shape[1])
+
+    def sharding(self, *spec: Any, memory_kind: Optional[str] = None) -> jax.sharding.NamedSharding:
+        """Arrays of the mesh partitioned as ``spec`` (:func:`mesh_sharding`)."""
+        return mesh_sharding(self.mesh, *spec, memory_kind=memory_kind)
+
+    def run(self, fn: Callable, in_specs: Any, out_specs: Any) -> Callable:
+        """``fn`` on every device of the mesh (:func:`run_on_mesh`)."""
+        return run_on_mesh(fn, self.mesh, in_specs, out_specs)
+
+    def pipeline(self, M: int, stage: Callable, zeros: Callable, own: Callable,
+                 per_tick: Callable) -> tuple[Any, dict]:
+        """PopART's pipeline schedule of the plan's stages (:func:`pipeline_ticks`)."""
+        return pipeline_ticks(self.plan, self.ipus, M, stage, zeros, own, per_tick)
+
+    def in_order(self, source: Callable[[str], Any]) -> "InOrder":
+        """popxl's in-order run of the plan's stages (:class:`InOrder`)."""
+        return InOrder(self.ipus, source)
+
+
 # ---------------------------------------------------------------------------- state layout
 class Layout:
     """Where each tensor of a named set (the weights, or the optimizer state) lives. The
