@@ -18,8 +18,8 @@ from typing import Any, Optional
 import numpy as np
 
 from . import dataflow as _df
-from .engine import WIDE_DTYPES
 from .engine.compiled import fetch
+from .engine.host_plan import HostInput, HostOutput, HostPlan
 from .engine.lower import CHECKS, raise_failed_checks
 
 
@@ -34,16 +34,12 @@ class RunPlan:
         self.program = program
         self.hyper = program.put_hyper(session._hyper())   # placed once
         self.synthetic = session._synthetic_feeds()   # syntheticDataMode's inputs, or None
-        # 64-bit host data needs JAX's 64-bit scope to reach the step as it is; 32-bit data
-        # and device arrays do not (the step was compiled in the scope either way)
-        self.x64 = any(np.dtype(i.np_dtype()) in WIDE_DTYPES
-                       for i in session._input_infos.values())
-        self.input_ids = frozenset(session._input_infos)
-        self.inputs = []   # (id, dtype, host shape, full shape)
+        inputs = []   # the host shape or the full one, as the step takes it: [B, A, R, ...]
         for tid, info in session._input_infos.items():
             shape = tuple(info.shape())
-            self.inputs.append((tid, info.np_dtype(), tuple(_df.input_host_shape(shape, bps, A, R)),
-                                (bps, A, R) + shape))
+            full = (bps, A, R) + shape
+            inputs.append(HostInput(tid, tid, np.dtype(info.np_dtype()),
+                                    (tuple(_df.input_host_shape(shape, bps, A, R)), full), full))
         self.anchors: Optional[list] = None   # (id, dtype, host element count); None: general path
         if program.cfg.replication_factor == R and not program.placement.across_processes \
                 and not getattr(program, "host_anchors", None):
@@ -55,23 +51,18 @@ class RunPlan:
                 host = _df.anchor_host_shape(shape, df.art(a), bps, A, R)
                 self.anchors.append((a, np.dtype(dtype), int(np.prod(host, dtype=np.int64))))
         self.names = [a for a, _, _ in self.anchors or ()]
+        self.host = HostPlan(inputs, [HostOutput(a, dtype, size=n) for a, dtype, n in self.anchors or ()],
+                             contiguous=True)
+        # 64-bit host data needs JAX's 64-bit scope to reach the step as it is; 32-bit data
+        # and device arrays do not (the step was compiled in the scope either way)
+        self.x64 = self.host.x64
 
     def feeds(self, stepio: Any) -> Optional[dict]:
         """The step's feeds ([B, A, R, ...] views of a PyStepIO's arrays), or None: the
         general path (``_gather_inputs``) decides."""
         if type(stepio) is not _df.PyStepIO or stepio.runtime_asserts is False:
             return None
-        inputs = stepio.inputs
-        if inputs.keys() != self.input_ids:
-            return None
-        feeds = {}
-        for tid, dtype, host, full in self.inputs:
-            a = inputs[tid]
-            if type(a) is not np.ndarray or a.dtype != dtype or not a.flags.c_contiguous or (
-                    a.shape != host and a.shape != full):
-                return None
-            feeds[tid] = a.reshape(full)
-        return feeds
+        return self.host.feeds(stepio.inputs)
 
     def outputs(self, stepio: Any, callbacks: dict) -> Optional[dict]:
         """A PyStepIO's anchor arrays when each is a C-contiguous array of its anchor's
@@ -79,14 +70,7 @@ class RunPlan:
         if self.anchors is None or callbacks or type(stepio) is not _df.PyStepIO:
             return None
         outs = stepio.outputs
-        if type(outs) is not dict:
-            return None
-        for a, dtype, n in self.anchors:
-            dst = outs.get(a)
-            if type(dst) is not np.ndarray or dst.dtype != dtype or dst.size != n \
-                    or not dst.flags.c_contiguous:
-                return None
-        return outs
+        return outs if type(outs) is dict and self.host.outputs_fit(outs) else None
 
     def write(self, outs: dict, anchors: dict) -> None:
         """Copy a run's anchors (and its run-time checks' record) to the host in one go;

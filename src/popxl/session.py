@@ -36,11 +36,12 @@ import numpy as np
 import popart
 from popart import distributed
 from popart.dataflow import validate_input
-from popart.engine import WIDE_DTYPES, in_x64, x64
+from popart.engine import in_x64, x64
 from popart import report
 from popart.engine.compiled import (REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace,
                                     xla_errors)
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
+from popart.engine.host_plan import HostInput, HostOutput, HostPlan
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
 from popart.engine.ir import fingerprint
@@ -147,48 +148,34 @@ def _acquire_hw_device_with_timeout(num_ipus: int = 1, timeout: float = HW_DEVIC
 
 
 class _RunPlan:
-    """A session's run, worked out once: its streams' dtypes and host shapes, and whether
-    [n, local replicas] and [local replicas, n] differ in memory (both greater than 1)."""
+    """A session's run, worked out once (``engine.host_plan``): its streams' dtypes and host
+    shapes, and whether [n, local replicas] and [local replicas, n] differ in memory (both
+    greater than 1)."""
 
     def __init__(self, session: "Session") -> None:
         n, r = session._n, session._local_r
         self.swap = n > 1 and r > 1
-        self.h2d = []   # (stream, tensor id, dtype, host shape, [n, r, ...], [r, n, ...], downcast)
+        inputs = []   # [n, r, ...] host arrays as the step's [r, n, ...]
         for s, t in session._h2d:
             dtype, shape = np.dtype(s.dtype.as_numpy()), tuple(s.shape)
-            self.h2d.append((s, t.id, dtype, session._host_shape(shape), (n, r) + shape,
-                             (r, n) + shape, dtype in _DOWNCAST))
-        self.h2d_keys = frozenset(s for s, _ in session._h2d)
+            inputs.append(HostInput(s, t.id, dtype, (session._host_shape(shape),),
+                                    ((n, r) if self.swap else (r, n)) + shape, self.swap,
+                                    downcast=dtype in _DOWNCAST))
         self.d2h = [(s, s.dtype.as_numpy(), session._host_shape(s.shape)) for s, _ in session._d2h]
-        self.d2h_keys = frozenset(s for s, _ in session._d2h)
         self.d2h_ids = [t.id for _, t in session._d2h]
-        self.host = {s: host for s, _, host in self.d2h}
-        self.x64 = any(e[2] in WIDE_DTYPES for e in self.h2d)   # 64-bit host data
+        self.host = HostPlan(inputs, [HostOutput(s, shape=host) for s, _, host in self.d2h],
+                             exact_outputs=True)
+        self.x64 = self.host.x64   # 64-bit host data
 
     def feeds(self, inputs: Mapping, downcast: bool) -> Optional[dict]:
         """The step's feeds ([local replicas, n, ...]) when every stream has a NumPy array of
         its dtype (one that ``downcast`` leaves alone) and host shape; else None (the general
         path decides)."""
-        if inputs.keys() != self.h2d_keys:
-            return None
-        feeds = {}
-        for s, tid, dtype, host, full, swapped, wide in self.h2d:
-            a = inputs[s]
-            if type(a) is not np.ndarray or a.dtype != dtype or a.shape != host or (downcast and wide):
-                return None
-            feeds[tid] = np.ascontiguousarray(np.swapaxes(a.reshape(full), 0, 1)) if self.swap \
-                else a.reshape(swapped)
-        return feeds
+        return self.host.feeds(inputs, downcast)
 
     def outputs_fit(self, outputs: Mapping) -> bool:
         """Every output stream has a NumPy array of its host shape, and no other is given."""
-        if outputs.keys() != self.d2h_keys:
-            return False
-        for s, _, host in self.d2h:
-            dst = outputs[s]
-            if type(dst) is not np.ndarray or dst.shape != host:
-                return False
-        return True
+        return self.host.outputs_fit(outputs)
 
 
 class Session:
