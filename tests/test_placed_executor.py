@@ -69,4 +69,6 @@ def test_two_stages_placed_give_the_numbers_of_one_device(front_end):
     assert isinstance(executor, Executor) and executor.mesh.shape == {"replica": 1, "ipu": 2}
     plan = executor.plan   # ... runs a stage plan, data
     assert isinstance(plan, StagePlan) and plan.num_stages == 2 and plan.stage_ipu == [0, 1]
-    assert [[(src, dst) for _, src, dst in c] for c in plan.copies] == [[(0, 1)]]   # the IpuCopy
+    (copy,), = plan.copies   # the IpuCopy, explicit (PopART's interipucopy transform)
+    assert copy.op_type == "IpuCopy" and copy.attrs == {"sourceIpu": 0, "destIpu": 1}
+    assert copy.inputs == copy.outputs == plan.boundary[0]

@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import IrError
-from .._ir.graph import Node, reads
+from .._ir.graph import VIRTUAL_GRAPH, Node, reads
 from ..logging import getLogger
 from .compiled import REPLICA_AXIS
 
 IPU_AXIS = "ipu"
+IPU_COPY = "IpuCopy"   # PopART's op moving tensors between IPUs (inter_ipu_copies)
 P = jax.sharding.PartitionSpec
 T = TypeVar("T")
 _logger = getLogger("session")
@@ -141,8 +142,8 @@ def pipeline_ticks(plan: "StagePlan", ipus: int, M: int, stage: Callable, zeros:
     def tick(carry: tuple, t: Any) -> tuple:
         bufs, loss_acc = carry
         sent, anchors, loss = per_ipu(branches, bufs, t, per_tick())
-        moved = [ipu_copy(sent[s], copies[s][0][1], copies[s][0][2]) if copies[s] else sent[s]
-                 for s in range(S - 1)]
+        moved = [ipu_copy(sent[s], copies[s][0].attrs["sourceIpu"], copies[s][0].attrs["destIpu"])
+                 if copies[s] else sent[s] for s in range(S - 1)]   # a boundary's copies at once
         return (moved, loss_acc + loss), anchors
 
     # The backward pass keeps each tick's received tensors (PopART's stash) and runs the
@@ -234,10 +235,21 @@ class StagePlan:
 
     @property
     def copies(self) -> list:
-        """The IPU-to-IPU copies (PopART's IpuCopy ops, as data): per boundary s, the
-        (tensor, source IPU, destination IPU) sent from stage s to stage s + 1."""
-        return [[(t, self.stage_ipu[s], self.stage_ipu[s + 1]) for t in ts]
-                for s, ts in enumerate(self.boundary)]
+        """The IpuCopy nodes of each boundary s (:func:`inter_ipu_copies`)."""
+        return inter_ipu_copies(self)
+
+
+def inter_ipu_copies(plan: StagePlan) -> list[list[Node]]:
+    """PopART's interipucopy transform on a stage plan: per boundary s, an ``IpuCopy`` node
+    (ai.graphcore; attributes ``sourceIpu``, ``destIpu``) for each tensor that crosses from
+    stage s to stage s + 1 on another IPU; none where both stages share an IPU."""
+    out = []
+    for s, tensors in enumerate(plan.boundary):
+        src, dst = plan.stage_ipu[s], plan.stage_ipu[s + 1]
+        out.append([] if src == dst else [
+            Node(IPU_COPY, [t], [t], {"sourceIpu": src, "destIpu": dst}, "ai.graphcore",
+                 name=f"IpuCopy/{t}", annotations={VIRTUAL_GRAPH: dst}) for t in tensors])
+    return out
 
 
 def plan_stages(nodes: Sequence[Node], ipu_of: Callable[[Node], int], variables: Iterable[str] = (),
