@@ -373,11 +373,12 @@ class PlacedMain:
             return blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, record
         return run
 
-    def step(self, planned: list, facts: Optional[dict] = None) -> Callable:
+    def step(self, planned: dict, facts: Optional[dict] = None) -> Callable:
         """The program: (slots [replicas, ipus, *block], stream inputs [replicas, N, ...]) ->
-        (new slots, device-to-host values [replicas, N, ...] and run-time checks), its checks
-        numbered as ``planned`` (the plan's); ``facts`` (planning) gets the run-time checks
-        and each output's IPU."""
+        (new slots, device-to-host values [replicas, N, ...] and run-time checks), from the
+        facts of its plan (``planned``: its run-time checks, numbered; each stage's output
+        shapes); ``facts`` (planning) gets them, and each output's IPU."""
+        known = planned.get("shapes", {})
         st, sess, n = self.stages, self.session, self.session._n
         d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_numpy()) for s, t in sess._d2h}
         main = self.main
@@ -388,12 +389,15 @@ class PlacedMain:
             feeds.update({k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()})
             # tensors sent on: their value, and the IPUs whose devices hold it
             run = self.executor.in_order(lambda t: feeds.get(t, main.initializers.get(t)))
-            checks: list = list(planned)   # every stage's run-time checks
+            checks: list = list(planned.get("checks", ()))   # every stage's run-time checks
+            shapes: dict = {}   # per stage, its outputs' shapes (the others' zeros)
 
             def stage(s: int, blocks: dict, run: InOrder, records: list) -> dict:
                 # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
-                blocks, record = run.run(st.stage_ipu[s], self.reads[s], self._stage_fn(s, checks),
-                                         self._stage_fn(s, list(checks)), blocks, feeds)
+                planned_shapes = None if facts is not None else known[s]   # None: planning
+                blocks, record, shapes[s] = run.run(st.stage_ipu[s], self.reads[s],
+                                                    self._stage_fn(s, checks), planned_shapes,
+                                                    blocks, feeds)
                 records.append(record)
                 return blocks
 
@@ -441,7 +445,7 @@ class PlacedMain:
             outs = {t: run.env.get(out, feeds.get(out)) for t, out in self.d2h.items()}
             traced["out_ipu"] = {t: min(run.where(out, {0})) for t, out in self.d2h.items()}
             if facts is not None:
-                facts.update(checks=list(checks), out_ipu=traced["out_ipu"])
+                facts.update(checks=list(checks), out_ipu=traced["out_ipu"], shapes=shapes)
             if checks:
                 outs[CHECKS] = first_failure(jnp.stack(records))
             return ({k: v[None, None] for k, v in blocks.items()},

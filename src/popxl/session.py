@@ -227,7 +227,8 @@ class Session:
         self._dev: Optional[dict] = None
         self._in_sync = True
         self._lock = threading.RLock()
-        self._checks: list = []
+        self._checks: list = []   # the program's run-time checks (its plan's facts)
+        self._facts: dict = {}
         self._plan: Optional[_RunPlan] = None   # _run_plan's
         self.executable_source = ""
         self._compile()
@@ -423,15 +424,16 @@ class Session:
     def _step_fn(self, facts: Optional[dict] = None) -> Callable:
         """The program (see ``_replica_fn``), placed or replicated; ``facts``: planning."""
         if self._placed:
-            return self._placed.step(self._checks, facts)
+            return self._placed.step(self._facts, facts)
         return self._placement.replicate(self._replica_fn(facts), in_axes=(0, 0))
 
     def _compile(self) -> None:
         split = self._feed_sharding()
         state = self._state_shardings()
         specs = self._specs()
-        self._checks = []   # the plan's abstract trace finds the run-time checks
-        self._checks = plan_trace(self._step_fn, *specs)[1]["checks"]
+        self._checks, self._facts = [], {}   # the plan's abstract trace finds them
+        self._facts = plan_trace(self._step_fn, *specs)[1]   # run-time checks, ...
+        self._checks = self._facts["checks"]
         fn = self._step_fn()
         host = list(self._placed.host_slots) if self._placed else [s.key for s in self._slots if s.memory_kind]
         if host:

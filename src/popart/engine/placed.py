@@ -198,20 +198,25 @@ class InOrder:
         self.env[t], self.at[t] = v, self.at[t] | set(ipus)
         return v
 
-    def run(self, ipu: int, reads: Iterable[str], fn: Callable, shape_fn: Callable,
+    def run(self, ipu: int, reads: Iterable[str], fn: Callable, shapes: Any,
             state: Any, *args: Any) -> tuple:
         """``fn(state, received, *args) -> (state, {tensor: value}, *rest)`` on the devices of
         ``ipu`` (``received``: the tensors of ``reads`` the run holds, copied there); the
-        other devices keep their state and give zeros shaped as ``shape_fn``'s outputs (the
-        same function, traced apart). Its tensors are then held on ``ipu``. Returns
-        (state, *rest)."""
+        other devices keep their state and give zeros shaped as ``shapes``, the plan's shapes
+        of the outputs after the state. Planning (``shapes`` None: the program is only traced
+        abstractly, for its facts), ``fn`` runs on every device, once. Its tensors are then
+        held on ``ipu``. Returns (state, *rest, the shapes)."""
         received = {t: self.read(t, [ipu]) for t in reads if t in self.env}
-        shapes = jax.eval_shape(shape_fn, state, received, *args)[1:]
-        state, out, *rest = on_ipu(ipu, fn, lambda st, *_: (st, *zeros_like_specs(shapes)),
-                                   state, received, *args)
+        if shapes is None:
+            state, out, *rest = fn(state, received, *args)
+            shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                            (out, *rest))
+        else:
+            state, out, *rest = on_ipu(ipu, fn, lambda st, *_: (st, *zeros_like_specs(shapes)),
+                                       state, received, *args)
         for t, v in out.items():
             self.set(t, v, [ipu])
-        return (state, *rest)
+        return (state, *rest, shapes)
 
 
 # ---------------------------------------------------------------------------- stages
