@@ -19,7 +19,9 @@ import popxl.ops as ops  # noqa: E402
 from popart import testing  # noqa: E402
 
 
-def popart_case(placed: bool) -> dict:
+def popart_case(placed: bool, executable: bool = False) -> dict:
+    """The session's program compiled (and cached), or, with ``executable``, saved to an
+    executable file by the first process and loaded from it by the second."""
     b = popart.Builder()
     x = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 8]), "x")
     idx = b.addInputTensor(popart.TensorInfo("INT32", [2]), "idx")
@@ -30,13 +32,20 @@ def popart_case(placed: bool) -> dict:
         g = b.aiOnnx.gather([h, idx], axis=0, debugContext="the_gather")
         loss = b.aiGraphcore.l1loss([g], 0.1, reduction=popart.ReductionType.Mean)
     o = popart.SessionOptions()
-    o.enableEngineCaching, o.cachePath = True, os.path.join(sys.argv[1], "popart")
+    exe = os.path.join(sys.argv[1], f"placed{int(placed)}.popef")
+    if not executable:
+        o.enableEngineCaching, o.cachePath = True, os.path.join(sys.argv[1], "popart")
     if placed:
         o.virtualGraphMode = popart.VirtualGraphMode.Manual
     dev = popart.DeviceManager().acquireAvailableDevice(2 if placed else 1)
     s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
                                popart.ConstSGD(0.1), dev, userOptions=o)
-    s.prepareDevice()
+    if executable and os.path.exists(exe):
+        s.loadExecutable(exe)
+    else:
+        s.prepareDevice()
+        if executable:
+            s.saveExecutable(exe)
     s.weightsFromHost()
     out = s.initAnchorArrays()
     xs = np.ones((4, 8), np.float32)
@@ -85,6 +94,7 @@ def popxl_case(placed: bool) -> dict:
 
 
 if __name__ == "__main__":
-    for name, fn, placed in [("popart placed", popart_case, True), ("popart", popart_case, False),
-                             ("popxl placed", popxl_case, True), ("popxl", popxl_case, False)]:
-        print(json.dumps({"case": name, **fn(placed)}), flush=True)
+    for name, fn in [("popart placed", lambda: popart_case(True)), ("popart", lambda: popart_case(False)),
+                     ("popart placed executable", lambda: popart_case(True, executable=True)),
+                     ("popxl placed", lambda: popxl_case(True)), ("popxl", lambda: popxl_case(False))]:
+        print(json.dumps({"case": name, **fn()}), flush=True)
