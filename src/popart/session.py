@@ -29,7 +29,7 @@ from ._ir.onnx_import import ModelLike, import_model
 from ._ir.transforms import fuse_softmax_nll
 from .engine import in_x64, x64
 from .engine.executable import SessionFiles, state_arrays
-from .engine.pipeline import program_class
+from .engine.pipeline import plan_program
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
 from .engine.progress import compile_progress
 from .errors import (ArgumentError, OptionError, OutOfMemoryException,  # noqa: F401
@@ -387,10 +387,8 @@ class _Session(_FileMethods):
             graph = self._graph
             if self._training:
                 graph = fuse_softmax_nll(graph, self._loss, self.patterns.isPatternEnabled)
-            program = program_class(self.options, self._device)(graph, self._config(), self._input_infos,
-                                                                 self._device)
-            program.plan()
-            self._program = program
+            # planned, then placed or not (engine.pipeline.plan_program decides)
+            self._program = plan_program(graph, self._config(), self._input_infos, self._device)
         return self._program
 
     @property

@@ -719,8 +719,3 @@ def plan_program(graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
                             {k: int(np.prod(s.shape)) for k, s in program.tensor_specs.items()})
     return placed_or_none("Virtual graphs", lambda: PlacedProgram.from_plan(program)) or program
 
-
-def program_class(options: Any, device: Any) -> Any:
-    """What the session calls to make its program, ``program_class(options, device)(graph,
-    cfg, input_infos, device)``: :func:`plan_program` (whose program is planned already)."""
-    return plan_program

@@ -276,8 +276,8 @@ class StepProgram:
         return jnp.asarray(env[unstash(tid)])   # plan() has checked every anchor names a tensor
 
     def plan(self) -> None:
-        """Decide trainable variables and gradient anchors (abstract trace, no compile); once
-        (a program the factory ``pipeline.plan_program`` returns is planned)."""
+        """Decide trainable variables and gradient anchors (abstract trace, no compile), once
+        (``pipeline.plan_program`` plans a session's program)."""
         if self.planned:
             return
         stash = [a for a in self.anchor_ids if a.startswith(STASH_PREFIXES)] if self.stash_anchors else []
