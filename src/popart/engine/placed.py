@@ -1,14 +1,12 @@
-"""The placed executor's parts: a program's IPUs on the devices of a (replica, ipu) mesh.
+"""The placed executor: a program's IPUs on the devices of a (replica, ipu) mesh.
 
-Both front-ends place the same way (docs/model_parallelism.md): popart sessions
-(``pipeline.PlacedProgram``: PopART's pipeline and sharding schedules) and ``popxl.Session``
-(``popxl._placement``: popxl's in-order run and its repeat loops). They share, from here: the
-cut of a graph's ops into stages (:func:`plan_stages`, a :class:`StagePlan` that holds the
-IPU-to-IPU copies as data), where each IPU's variables live (:class:`Layout`), the mesh
+Both front-ends run placed programs with it (docs/model_parallelism.md): popart sessions
+(``pipeline.PlacedProgram``) and ``popxl.Session`` (``popxl._placement``). Here: the cut of a
+graph's ops into stages (:func:`plan_stages`, a :class:`StagePlan`; :func:`inter_ipu_copies`,
+PopART's IpuCopy nodes), where each IPU's variables live (:class:`Layout`), the mesh
 (:func:`placed_mesh`), the one decision "placed or not" with its log line
-(:func:`placed_or_none`), and the mechanics inside the mesh: the one ``shard_map``
-(:func:`run_on_mesh`), a device's branch (:func:`on_ipu`, :func:`per_ipu`) and the copy
-between IPUs (:func:`ipu_copy`).
+(:func:`placed_or_none`), and :class:`Executor`: the one ``shard_map`` (:func:`run_on_mesh`)
+and the schedules, PopART's (:func:`pipeline_ticks`) and popxl's (:class:`InOrder`).
 """
 from __future__ import annotations
 
