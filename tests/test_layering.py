@@ -17,8 +17,6 @@ import popxl
 
 POPXL_DIR = pathlib.Path(popxl.__file__).parent
 POPXL_FILES = sorted(POPXL_DIR.rglob("*.py"))
-# Being refactored by others; their imports change at the end of the wave.
-PENDING = {"session.py": "H-A / coordinator", "_placement.py": "H-A / coordinator"}
 
 
 def _private(dotted: str) -> bool:
@@ -77,11 +75,7 @@ def test_scan_finds_private_names(tmp_path):
         "6: popart.session._serialised", "7: popart.engine._x"]
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, id=str(p.relative_to(POPXL_DIR)),
-                 marks=[pytest.mark.xfail(reason=PENDING[p.name], strict=False)]
-                 if p.relative_to(POPXL_DIR).as_posix() in PENDING else [])
-    for p in POPXL_FILES])
+@pytest.mark.parametrize("path", POPXL_FILES, ids=lambda p: str(p.relative_to(POPXL_DIR)))
 def test_popxl_imports_no_private_popart_name(path):
     assert private_popart_uses(path) == []
 
