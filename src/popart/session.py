@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import jax
 import numpy as np
@@ -27,7 +26,7 @@ from . import logging as _log
 from . import report
 from ._ir.onnx_import import ModelLike, import_model
 from ._ir.transforms import fuse_softmax_nll
-from .engine import in_x64, x64
+from .engine import in_x64, serialised, x64
 from .engine.executable import SessionFiles, state_arrays
 from .engine.pipeline import plan_program
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
@@ -62,22 +61,12 @@ _NOT_PREPARED = {
 }
 
 
-def _serialised(method: Callable) -> Callable:
-    """Run ``method`` holding the session's lock (see _Session), with the package's 64-bit
-    JAX scope (``engine.x64``)."""
-    @functools.wraps(method)
-    def locked(self: "_Session", *args: Any, **kwargs: Any) -> Any:
-        with self._lock, x64():
-            return method(self, *args, **kwargs)
-    return locked
-
-
 class _FileMethods:
     """PopART's session methods that read or write files: the ONNX model with the current
     weights (``writeback.WriteBack``), variables, executables and the engine cache
     (``engine.executable.SessionFiles``); a part of ``_Session``, which holds the state."""
 
-    @_serialised
+    @serialised
     def resetHostWeights(self, modelProtoOrFilename: ModelLike,
                          ignoreWeightsInModelWithoutCorrespondingHostWeight: bool = False) -> None:
         """Replace the host weights, and optimizer state saved with them (modelToHost of a
@@ -102,7 +91,7 @@ class _FileMethods:
         self._weights_written = False   # PopART: they must be written to the device again
 
     # ------------------------------------------------------------------ ONNX write-back
-    @_serialised
+    @serialised
     def modelToHost(self, fn: str) -> None:
         """Write the model with the current weights to the ONNX file ``fn`` (atomically), as
         PopART's Session::modelToHost:
@@ -124,7 +113,7 @@ class _FileMethods:
         self.weightsToHost()
         self._writeback.write(fn, self.model_proto(), self._current_values())
 
-    @_serialised
+    @serialised
     def model_proto(self) -> onnx.ModelProto:
         """The session's model with its host weights (and, once prepared, a training
         session's optimizer state) as initializers, each in the storage form it came in;
@@ -139,7 +128,7 @@ class _FileMethods:
         """The optimizer state modelToHost saves (None before prepareDevice)."""
         return self._host_opt_state if self._prepared else None
 
-    @_serialised
+    @serialised
     def updateExternallySavedTensorLocations(self, fromLocation: str, toLocation: str) -> None:
         """Tensors of the model saved externally in ``fromLocation`` are from now on saved in
         ``toLocation``, which must not exist: it is written now with their current values
@@ -153,7 +142,7 @@ class _FileMethods:
             self.weightsToHost()
         self._writeback.move(toLocation, moved, self._current_values(), os.getcwd())
 
-    @_serialised
+    @serialised
     def saveVariables(self, path: str) -> None:
         """Save the variables (weights and optimizer state) to one file, written atomically;
         a directory gets ``<path>/variables.popef``. ``loadVariables``-style reading is
@@ -175,7 +164,7 @@ class _FileMethods:
             return None
         return self._files.cache(self._config(), self._saved_arrays)
 
-    @_serialised
+    @serialised
     def updateEngineCache(self) -> None:
         """Write the compiled program to this session's engine-cache entry (with
         enableEngineCaching and cachePath), replacing an older one."""
@@ -186,7 +175,7 @@ class _FileMethods:
                                    "SessionOptions.enableEngineCaching = True and cachePath")
         cache.store(self._program.export())
 
-    @_serialised
+    @serialised
     def saveExecutable(self, path: str, savePopartMetadata: bool = True, saveVariables: bool = True) -> None:
         """Save the compiled step (StableHLO), its signature (see loadExecutable) and
         (optionally) the variables to one file, written atomically; a directory gets
@@ -200,7 +189,7 @@ class _FileMethods:
             arrays = state_arrays(self._host_weights, self._host_opt_state)
         atomic_write(path, self._files.file_bytes(self._program.export(), self._config(), arrays))
 
-    @_serialised
+    @serialised
     def compileAndExport(self, filename: str) -> None:
         """Compile the step and export it (with metadata and variables) to ``filename``
         (``~`` expanded; its folder made first, as PopART's, OSError if it is not writable)."""
@@ -210,7 +199,7 @@ class _FileMethods:
         self.prepareDevice(loadEngine=False)
         self.saveExecutable(filename)
 
-    @_serialised
+    @serialised
     def loadExecutable(self, filename: str) -> None:
         """Use the executable saved by saveExecutable / compileAndExport for this session
         instead of compiling from the IR; its variables, if saved, become the session's
@@ -331,7 +320,7 @@ class _Session(_FileMethods):
         self._host_weights.update(weights)
         self.weightsFromHost()
 
-    @_serialised
+    @serialised
     def prepareDevice(self, loadEngine: bool = True) -> None:
         """Trace the whole step and compile it once with XLA (once per session: a second call
         does nothing)."""
@@ -431,7 +420,7 @@ class _Session(_FileMethods):
         return self._program
 
     # ------------------------------------------------------------------ run
-    @_serialised
+    @serialised
     def initAnchorArrays(self) -> dict[str, np.ndarray]:
         """One NumPy array per anchor, in the shape the AnchorReturnType docs give."""
         return self._io.anchor_arrays(self._plan())
@@ -542,7 +531,7 @@ class _Session(_FileMethods):
         _logger.debug(f"run {handle!r} {debugName!r} done")
 
     # ------------------------------------------------------------------ weights
-    @_serialised
+    @serialised
     def weightsFromHost(self) -> None:
         """Copy the host weights to the device."""
         self._require_prepared("weightsFromHost")
@@ -550,7 +539,7 @@ class _Session(_FileMethods):
         self._host_in_sync = True
         self._weights_written = True
 
-    @_serialised
+    @serialised
     def weightsToHost(self) -> None:
         """Copy the device weights to the host."""
         self._require_prepared("weightsToHost")
@@ -563,13 +552,13 @@ class _Session(_FileMethods):
     def areHostWeightsInSync(self) -> bool:
         return self._host_in_sync
 
-    @_serialised
+    @serialised
     def readWeights(self, weightsIo: Any) -> None:
         """Copy host weights (and optimizer state) into the arrays of a PyWeightsIO."""
         self._require_prepared("readWeights")
         weights_to_io(weightsIo, self._host_weights, self._host_opt_state or self._device_to_host(1))
 
-    @_serialised
+    @serialised
     def writeWeights(self, weightsIo: Any) -> None:
         """Write the arrays of a PyWeightsIO to the host weights (and the device)."""
         self._require_writable_weights("writeWeights")
@@ -582,7 +571,7 @@ class _Session(_FileMethods):
         """A view of the session's IR (graph, data flow, options, patterns)."""
         return SessionIr(self)
 
-    @_serialised
+    @serialised
     def _serializeIr(self, format: Any = IrSerializationFormat.JSON) -> str:
         """The session's IR as PopART's JSON (see ``popart.session_ir``)."""
         if format != IrSerializationFormat.JSON:
@@ -597,14 +586,14 @@ class _Session(_FileMethods):
         main = name if name and not name.startswith("BuilderGraph") else "maingraph"
         return serialize_ir(self._graph, infos, main, training)
 
-    @_serialised
+    @serialised
     def getReport(self) -> str:
         """What XLA knows of the compiled program, as JSON: per device its FLOPs, bytes
         accessed, argument / output / temporary / code sizes, and the compile time."""
         return xla_report(self.name, self._require_prepared("getReport"),
                           self._summary.get("executable_source"), self.replicationFactor)
 
-    @_serialised
+    @serialised
     def getSerializedGraph(self) -> bytes:
         """The compiled program's text (XLA's optimised HLO module)."""
         return self._require_prepared("getSerializedGraph").compiled.as_text().encode()
@@ -615,7 +604,7 @@ class _Session(_FileMethods):
         have such an ambiguity: the check always passes."""
         _logger.debug(f"checkInplacingAmbiguity '{self.name}': no in-place aliasing on XLA")
 
-    @_serialised
+    @serialised
     def loadEngineAndConnectStreams(self) -> None:
         """Load the compiled program and the weights onto the device (prepareDevice does
         this unless given loadEngine=False; run() does it when needed)."""
@@ -633,7 +622,7 @@ class _Session(_FileMethods):
         elif self._dev is None:
             self.loadEngineAndConnectStreams()
 
-    @_serialised
+    @serialised
     def copyDeviceWeightsToHost(self) -> None:
         """Copy the device's weights to the host (weightsToHost)."""
         self.weightsToHost()
@@ -647,7 +636,7 @@ class _Session(_FileMethods):
         self._host_in_sync = False
 
     # ------------------------------------------------------------------ info
-    @_serialised
+    @serialised
     def getInfo(self, id: str) -> TensorInfo:
         if id in self._input_infos:
             return self._input_infos[id]
@@ -656,7 +645,7 @@ class _Session(_FileMethods):
             raise popart_exception(f"getInfo: '{id}' is not a tensor of the model")
         return infos[id]
 
-    @_serialised
+    @serialised
     def getTensorIds(self) -> set[str]:
         ids = set(self._graph.all_tensor_ids())
         if self._training and self._program is not None:
@@ -670,7 +659,7 @@ class _Session(_FileMethods):
     def _requires_random_seed(self) -> bool:
         return requires_random_seed(self.options, self._program, self._graph, self._training)
 
-    @_serialised
+    @serialised
     def setRandomSeed(self, seedValue: int) -> None:
         """Seed the session's random ops: an unsigned 64-bit integer (PopART's uint64_t;
         ArgumentError, a TypeError, for anything else, the seed unchanged)."""
@@ -681,14 +670,14 @@ class _Session(_FileMethods):
         no random behaviour; a prepared session needed otherwise)."""
         return self._rng.get_seed(self._requires_random_seed(), self._compiled_program())
 
-    @_serialised
+    @serialised
     def getRNGState(self) -> list[int]:
         """The state of the random number generator (enableLoadAndOffloadRNGState, prepared)."""
         check_rng_state_enabled(self.options, "getRNGState", "get")
         self._require_prepared("getRNGState")
         return self._rng.state(self.options)
 
-    @_serialised
+    @serialised
     def setRNGState(self, rngValue: Iterable[int]) -> None:
         """Set the random number generator's state (as getRNGState returned it)."""
         check_rng_state_enabled(self.options, "setRNGState", "set")
@@ -803,7 +792,7 @@ class TrainingSession(_Session):
         super().__init__(fnModel, dataFlow, deviceInfo, inputShapeInfo, patterns, userOptions,
                          name, loss=loss, optimizer=optimizer)
 
-    @_serialised
+    @serialised
     def updateOptimizerFromHost(self, optimizer: Any) -> None:
         """Replace the optimizer's non-const hyper-parameters; no recompilation."""
         trainable = self._program.trainable if self._program else []
@@ -813,7 +802,7 @@ class TrainingSession(_Session):
         self._optimizer = optimizer
         self._run_plan = None   # its values go to the device with the next run
 
-    @_serialised
+    @serialised
     def broadcastWeights(self, rootRank: int = 0) -> None:
         """Copy the weights of instance (process) ``rootRank`` to every instance; with one
         instance there is nothing to do."""

@@ -21,7 +21,6 @@ are global, as in popxl: every instance gives all groups' data, each sends its r
 share, and ``weights_to_host`` gathers every replica's values on every instance."""
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -36,7 +35,7 @@ import numpy as np
 import popart
 from popart import distributed
 from popart.dataflow import validate_input
-from popart.engine import in_x64, x64
+from popart.engine import in_x64, serialised, x64
 from popart import report
 from popart.engine.compiled import (REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace,
                                     xla_errors)
@@ -57,15 +56,6 @@ from .utils import HW_DEVICE_CONNECTION_TIMEOUT, _offline_device_from_str, _to_d
 
 
 _logger = getLogger("session")
-
-
-def _serialised(method: Callable) -> Callable:
-    """Run ``method`` holding the session's lock, in the package's 64-bit JAX scope."""
-    @functools.wraps(method)
-    def locked(self: "Session", *args: Any, **kwargs: Any) -> Any:
-        with self._lock, x64():
-            return method(self, *args, **kwargs)
-    return locked
 
 
 # the stream -> array maps of Session.run / run_with_outputs (PopXL's names)
@@ -543,7 +533,7 @@ class Session:
             return np.stack([data[a] for a in g.assignment])
         return np.broadcast_to(data, (self._r,) + v.shape)
 
-    @_serialised
+    @serialised
     @in_x64
     def weights_from_host(self) -> None:
         """Copy the host values of the variables to the device: on-chip variables, the shards
@@ -553,7 +543,7 @@ class Session:
         self._dev = self._put(self._device_values())
         self._in_sync = True
 
-    @_serialised
+    @serialised
     @in_x64
     def weights_to_host(self) -> None:
         """Copy the device values of the variables to the host (remote variables: their
@@ -598,7 +588,7 @@ class Session:
     def get_tensor_data(self, tensor: Union[Variable, Constant]) -> np.ndarray:
         return self.get_tensors_data([tensor])[tensor]
 
-    @_serialised
+    @serialised
     def get_tensors_data(self, tensors: Iterable[Union[Variable, Constant]]) -> dict:
         """Values of variables (fetched from the device when it holds newer ones) and constants."""
         tensors = list(tensors)
@@ -623,7 +613,7 @@ class Session:
     def write_variable_data(self, tensor: Variable, data: np.ndarray) -> None:
         self.write_variables_data({tensor: data})
 
-    @_serialised
+    @serialised
     def write_variables_data(self, tensors: Mapping[Variable, Any]) -> None:
         """Set variables' values on the host (and on the device when attached)."""
         for v, data in tensors.items():

@@ -33,3 +33,13 @@ def in_x64(fn: F) -> F:
         with x64():
             return fn(*args, **kwargs)
     return scoped  # type: ignore[return-value]
+
+
+def serialised(method: F) -> F:
+    """A session method run holding the session's ``_lock``, inside :func:`x64`: one call into
+    a session at a time (popart and popxl sessions alike)."""
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock, x64():
+            return method(self, *args, **kwargs)
+    return locked  # type: ignore[return-value]
