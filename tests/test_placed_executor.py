@@ -72,3 +72,15 @@ def test_two_stages_placed_give_the_numbers_of_one_device(front_end):
     (copy,), = plan.copies   # the IpuCopy, explicit (PopART's interipucopy transform)
     assert copy.op_type == "IpuCopy" and copy.attrs == {"sourceIpu": 0, "destIpu": 1}
     assert copy.inputs == copy.outputs == plan.boundary[0]
+
+
+def test_shard_map_only_in_the_compiled_step_layer_and_the_executor():
+    """``shard_map`` is called from engine/compiled.py and engine/placed.py only (none in
+    popxl, none in the other engine modules)."""
+    import pathlib
+    import re
+    src = pathlib.Path(popart.__file__).resolve().parent.parent
+    calls = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                   if re.search(r"\bshard_map\s*\(|jax\.shard_map\b|experimental\.shard_map",
+                                p.read_text()))
+    assert calls == ["popart/engine/compiled.py", "popart/engine/placed.py"], calls

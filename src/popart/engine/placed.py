@@ -73,8 +73,8 @@ def mesh_sharding(mesh: jax.sharding.Mesh, *spec: Any,
 
 # ---------------------------------------------------------------------------- inside the mesh
 def run_on_mesh(fn: Callable, mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any) -> Callable:
-    """``fn`` on every device of the mesh, each on its blocks (the placed programs' one
-    ``shard_map``; replicated programs use ``compiled.Placement``)."""
+    """``fn`` on every device of the mesh, each on its blocks: the one ``shard_map`` outside
+    ``compiled.Placement`` (placed programs; RTS's reduce-scatter over the replicas)."""
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 

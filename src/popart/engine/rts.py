@@ -21,6 +21,7 @@ from ..options import (CommGroupType, ReplicatedTensorSharding, TensorLocation,
                        TensorLocationSettings)
 from ..tensornames import PREFIXES
 from .compiled import REPLICA_AXIS, Placement, arg_specs
+from .placed import run_on_mesh
 
 _logger = getLogger("session")
 HOST_MEMORY = "pinned_host"   # where off-chip tensors live (a memory kind of the devices)
@@ -115,9 +116,8 @@ class Layout:
         if self.placement.mesh is None:
             return jnp.sum(rows, axis=0)
         P = jax.sharding.PartitionSpec
-        return jax.shard_map(lambda r: jax.lax.psum_scatter(r[0], REPLICA_AXIS, tiled=True),
-                             mesh=self.placement.mesh, in_specs=P(REPLICA_AXIS),
-                             out_specs=P(REPLICA_AXIS))(rows)
+        return run_on_mesh(lambda r: jax.lax.psum_scatter(r[0], REPLICA_AXIS, tiled=True),
+                           self.placement.mesh, P(REPLICA_AXIS), P(REPLICA_AXIS))(rows)
 
     def update(self, apply: Callable, weights: Mapping[str, Any], grads: Mapping[str, Any],
                state: Mapping[str, Any], hyper: Mapping[str, Any]) -> tuple[dict, dict]:
