@@ -72,6 +72,29 @@ def test_two_stages_placed_give_the_numbers_of_one_device(front_end):
     (copy,), = plan.copies   # the IpuCopy, explicit (PopART's interipucopy transform)
     assert copy.op_type == "IpuCopy" and copy.attrs == {"sourceIpu": 0, "destIpu": 1}
     assert copy.inputs == copy.outputs == plan.boundary[0]
+    if front_end is popxl_run:   # the in-order run moves tensors by the plan's copies
+        assert [[(c.op_type, c.inputs, c.attrs) for c in cs] for cs in executor.copies] == \
+            [[], [("IpuCopy", plan.boundary[0], {"sourceIpu": 0, "destIpu": 1})]]
+
+
+def test_in_order_copies_go_straight_to_the_ipus_reading_once():
+    """popxl's copies (no pipelining): a tensor goes from the IPU computing it straight to
+    each IPU that reads it, once, before the first stage there that reads it; the pipeline's
+    copies relay it stage to stage."""
+    from popart.engine.ir import Node
+    from popart.engine.placed import in_order_copies, plan_stages
+    nodes = [Node("Relu", ["x"], ["a"]), Node("Relu", ["a"], ["b"]),
+             Node("Add", ["a", "b"], ["c"]), Node("Add", ["a", "c"], ["d"])]
+    ipu = {"a": 0, "b": 1, "c": 0, "d": 1}
+    plan = plan_stages(nodes, lambda n: ipu[n.outputs[0]])
+    assert plan.stage_ipu == [0, 1, 0, 1]
+    gives = [{"a"}, {"b"}, {"c"}, {"d"}]
+    got = [[(c.inputs[0], c.attrs["sourceIpu"], c.attrs["destIpu"]) for c in cs]
+           for cs in in_order_copies(plan, gives)]
+    assert got == [[], [("a", 0, 1)], [("b", 1, 0)], [("c", 0, 1)]]   # 'a' to IPU 1 once
+    chained = [[(c.inputs[0], c.attrs["sourceIpu"], c.attrs["destIpu"]) for c in cs]
+               for cs in plan.copies]
+    assert chained == [[("a", 0, 1)], [("a", 1, 0), ("b", 1, 0)], [("a", 0, 1), ("c", 0, 1)]]
 
 
 def test_shard_map_only_in_the_compiled_step_layer_and_the_executor():

@@ -16,7 +16,8 @@ import numpy as np
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
 from popart.engine.placed import (IPU_AXIS, Executor, InOrder, Layout, StagePlan, Unplaceable,
-                                  device_grid, per_ipu, placed_mesh, placed_or_none, plan_stages)
+                                  device_grid, in_order_copies, per_ipu, placed_mesh,
+                                  placed_or_none, plan_stages)
 from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
@@ -229,7 +230,7 @@ class PlacedMain:
                                              group_of=lambda p: where[id(p)][1])
         st = self.stages
         segment = st.group
-        self.reads = [{t for n in nodes for t in n.inputs if t} for nodes in st.nodes]
+        self.reads = [st.reads(s) for s in range(st.num_stages)]
         self.nodes = [[original[id(n)] for n in nodes] for nodes in st.nodes]
         # variables: a version's variable, each callee input a repeat takes a variable's
         # version by reference (or only reads) standing for that variable
@@ -309,7 +310,8 @@ class PlacedMain:
                 raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
         self.exports = [{t for n in nodes for t in n.outputs if t in used} | (set(self.from_block[s]) & used)
                         for s, nodes in enumerate(self.nodes)]
-        self.executor = Executor(st, placed_mesh(session._device.jax_devices, self.replicas, ipus))
+        self.executor = Executor(st, placed_mesh(session._device.jax_devices, self.replicas, ipus),
+                                 in_order_copies(st, self.exports))
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -395,8 +397,7 @@ class PlacedMain:
             def stage(s: int, blocks: dict, run: InOrder, records: list) -> dict:
                 # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
                 planned_shapes = None if facts is not None else known[s]   # None: planning
-                blocks, record, shapes[s] = run.run(st.stage_ipu[s], self.reads[s],
-                                                    self._stage_fn(s, checks), planned_shapes,
+                blocks, record, shapes[s] = run.run(s, self._stage_fn(s, checks), planned_shapes,
                                                     blocks, feeds)
                 records.append(record)
                 return blocks

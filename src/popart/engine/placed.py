@@ -160,22 +160,37 @@ def zeros_like_specs(specs: Any) -> Any:
 
 
 class InOrder:
-    """popxl's schedule inside :func:`run_on_mesh`: the stages one after the other in program
-    order, each on its IPU's devices (:func:`on_ipu`, zeros elsewhere). A tensor is held by
-    the devices of the IPUs it was computed on or copied to; :meth:`read` copies it to the
-    IPUs that need it (the IpuCopies, made as the run reaches them). ``source(t)`` gives a
-    tensor no stage computes (a feed, a constant: on every device)."""
+    """popxl's schedule inside :func:`run_on_mesh`: the plan's stages one after the other in
+    program order, each on its IPU's devices (:func:`on_ipu`, zeros elsewhere). A tensor is
+    held by the devices of the IPUs it was computed on or copied to. Before a stage, the
+    plan's IpuCopies for it (``copies[s]``, :func:`in_order_copies`) move the tensors it reads
+    from earlier stages to its IPU. :meth:`read` moves the tensors that no stage computes (a
+    repeat's inputs, carried values and outputs; variables written back at the end of the run)
+    to the IPUs that need them. ``source(t)`` gives a tensor nothing computes (a feed, a
+    constant: on every device)."""
 
-    def __init__(self, ipus: int, source: Callable[[str], Any]) -> None:
-        self.everywhere, self.source = set(range(ipus)), source
+    def __init__(self, plan: "StagePlan", ipus: int, copies: Sequence[list],
+                 source: Callable[[str], Any]) -> None:
+        self.plan, self.copies, self.everywhere, self.source = plan, copies, set(range(ipus)), source
         self.env: dict = {}                  # tensor -> its value (on the devices in at)
         self.at: dict[str, set[int]] = {}    # tensor -> the IPUs whose devices hold it
+        self.staged: set[str] = set()        # the tensors stages computed (moved by copies)
 
     def fork(self) -> "InOrder":
         """A view for a loop's body: the same values, its own copies."""
-        other = InOrder(len(self.everywhere), self.source)
+        other = InOrder(self.plan, len(self.everywhere), self.copies, self.source)
         other.env, other.at = dict(self.env), {k: set(v) for k, v in self.at.items()}
+        other.staged = set(self.staged)
         return other
+
+    def copy(self, node: Node) -> None:
+        """Run an IpuCopy node: its tensor on the devices of ``destIpu`` too (nothing to do
+        where a repeat's inputs moved it there already)."""
+        t, src, dst = node.inputs[0], node.attrs["sourceIpu"], node.attrs["destIpu"]
+        if dst not in self.at[t]:
+            v = jnp.asarray(self.env[t])
+            self.env[t] = jnp.where(this_ipu() == dst, ipu_copy(v, src, dst), v)
+            self.at[t].add(dst)
 
     def holds(self, t: str) -> bool:
         return t in self.env
@@ -196,15 +211,21 @@ class InOrder:
         self.env[t], self.at[t] = v, self.at[t] | set(ipus)
         return v
 
-    def run(self, ipu: int, reads: Iterable[str], fn: Callable, shapes: Any,
-            state: Any, *args: Any) -> tuple:
-        """``fn(state, received, *args) -> (state, {tensor: value}, *rest)`` on the devices of
-        ``ipu`` (``received``: the tensors of ``reads`` the run holds, copied there); the
-        other devices keep their state and give zeros shaped as ``shapes``, the plan's shapes
-        of the outputs after the state. Planning (``shapes`` None: the program is only traced
-        abstractly, for its facts), ``fn`` runs on every device, once. Its tensors are then
-        held on ``ipu``. Returns (state, *rest, the shapes)."""
-        received = {t: self.read(t, [ipu]) for t in reads if t in self.env}
+    def run(self, s: int, fn: Callable, shapes: Any, state: Any, *args: Any) -> tuple:
+        """Stage ``s``: its IpuCopies, then ``fn(state, received, *args) -> (state, {tensor:
+        value}, *rest)`` on the devices of its IPU (``received``: the tensors its nodes read
+        that the run holds, on its IPU); the other devices keep their state and give zeros
+        shaped as ``shapes``, the plan's shapes of the outputs after the state. Planning
+        (``shapes`` None: the program is only traced abstractly, for its facts), ``fn`` runs
+        on every device, once. Its tensors are then held on its IPU. Returns (state, *rest,
+        the shapes)."""
+        ipu = self.plan.stage_ipu[s]
+        for node in self.copies[s]:
+            self.copy(node)
+        missed = sorted(t for t in self.plan.reads(s) if t in self.staged and ipu not in self.at[t])
+        if missed:
+            raise RuntimeError(f"Internal error: no IpuCopy of {missed} to IPU {ipu} before stage {s}")
+        received = {t: self.read(t, [ipu]) for t in self.plan.reads(s) if t in self.env}
         if shapes is None:
             state, out, *rest = fn(state, received, *args)
             shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -214,6 +235,7 @@ class InOrder:
                                        state, received, *args)
         for t, v in out.items():
             self.set(t, v, [ipu])
+        self.staged |= set(out)
         return (state, *rest, shapes)
 
 
@@ -236,22 +258,47 @@ class StagePlan:
     def ipu_of(self, tid: str) -> int:
         return self.stage_ipu[self.produced_at.get(tid, 0)]
 
+    def reads(self, s: int) -> set[str]:
+        """The tensors stage s's nodes read."""
+        return {t for nd in self.nodes[s] for t in reads(nd) if t}
+
     @property
     def copies(self) -> list:
         """The IpuCopy nodes of each boundary s (:func:`inter_ipu_copies`)."""
         return inter_ipu_copies(self)
 
 
+def ipu_copy_node(t: str, src: int, dst: int) -> Node:
+    """PopART's IpuCopy op (ai.graphcore; attributes ``sourceIpu``, ``destIpu``) of ``t``."""
+    return Node(IPU_COPY, [t], [t], {"sourceIpu": src, "destIpu": dst}, "ai.graphcore",
+                name=f"IpuCopy/{t}", annotations={VIRTUAL_GRAPH: dst})
+
+
 def inter_ipu_copies(plan: StagePlan) -> list[list[Node]]:
-    """PopART's interipucopy transform on a stage plan: per boundary s, an ``IpuCopy`` node
-    (ai.graphcore; attributes ``sourceIpu``, ``destIpu``) for each tensor that crosses from
-    stage s to stage s + 1 on another IPU; none where both stages share an IPU."""
+    """PopART's interipucopy transform on a stage plan, the copies chained stage to stage as
+    its pipelining does (the pipeline schedule): per boundary s, an ``IpuCopy`` for each
+    tensor that crosses from stage s to stage s + 1 on another IPU; none where both stages
+    share an IPU."""
     out = []
     for s, tensors in enumerate(plan.boundary):
         src, dst = plan.stage_ipu[s], plan.stage_ipu[s + 1]
-        out.append([] if src == dst else [
-            Node(IPU_COPY, [t], [t], {"sourceIpu": src, "destIpu": dst}, "ai.graphcore",
-                 name=f"IpuCopy/{t}", annotations={VIRTUAL_GRAPH: dst}) for t in tensors])
+        out.append([] if src == dst else [ipu_copy_node(t, src, dst) for t in tensors])
+    return out
+
+
+def in_order_copies(plan: StagePlan, gives: Sequence[Iterable[str]]) -> list[list[Node]]:
+    """PopART's interipucopy transform for stages run one after the other (popxl, no
+    pipelining): per stage s, the ``IpuCopy`` nodes that run before it, one for each tensor
+    its nodes read that an earlier stage computed and sent on (``gives[p]``: stage p's) and
+    that is not on its IPU yet: straight from the lowest IPU holding it, once per IPU."""
+    held: dict[str, set[int]] = {}
+    out = []
+    for s, ipu in enumerate(plan.stage_ipu):
+        out.append([ipu_copy_node(t, min(held[t]), ipu) for t in sorted(plan.reads(s))
+                    if t in held and ipu not in held[t]])
+        for nd in out[-1]:
+            held[nd.inputs[0]].add(ipu)
+        held.update({t: {ipu} for t in gives[s]})
     return out
 
 
@@ -321,6 +368,7 @@ class Executor:
     loops around its stages). The front-ends give their stage functions and state layout."""
     plan: StagePlan
     mesh: jax.sharding.Mesh
+    copies: list = field(default_factory=list)   # in-order runs: per stage, its IpuCopies
 
     @property
     def ipus(self) -> int:
@@ -340,8 +388,9 @@ class Executor:
         return pipeline_ticks(self.plan, self.ipus, M, stage, zeros, own, per_tick)
 
     def in_order(self, source: Callable[[str], Any]) -> "InOrder":
-        """popxl's in-order run of the plan's stages (:class:`InOrder`)."""
-        return InOrder(self.ipus, source)
+        """popxl's in-order run of the plan's stages, moving tensors by ``copies``
+        (:class:`InOrder`)."""
+        return InOrder(self.plan, self.ipus, self.copies, source)
 
 
 # ---------------------------------------------------------------------------- state layout
