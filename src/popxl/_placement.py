@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (IPU_AXIS, Executor, InOrder, Layout, StagePlan, Unplaceable,
+from popart.engine.placed import (Executor, InOrder, Layout, StagePlan, Unplaceable,
                                   device_grid, in_order_copies, per_ipu, placed_mesh,
                                   placed_or_none, plan_stages)
 from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
     from .session import Session
 
 _logger = getLogger("session")
-P = jax.sharding.PartitionSpec
 
 
 def _nested(node: Node) -> Iterator[Node]:
@@ -179,17 +177,17 @@ def _check_placeable(session: "Session", ipus: int, main: IRGraph) -> None:
                               f"on IPU {_node_ipu(top)} calls")
 
 
-def placed_program(session: "Session") -> Optional["PlacedMain"]:
+def placed_program(session: "Session") -> Optional["MainPlan"]:
     """The placed program of ``session``'s main graph, or None (``placed_or_none`` logs why
     when the graph has ops on several IPUs)."""
     ipus = ipus_per_replica(session._ir)
     return placed_or_none("popxl.Session", lambda: _placed(session, ipus)) if ipus > 1 else None
 
 
-def _placed(session: "Session", ipus: int) -> Optional["PlacedMain"]:
+def _placed(session: "Session", ipus: int) -> Optional["MainPlan"]:
     main, versions = _inline_calls(session)
     _check_placeable(session, ipus, main)
-    placed = PlacedMain(session, ipus, main, versions)
+    placed = plan_main(session, ipus, main, versions)
     if len(set(placed.stages.stage_ipu)) < 2:   # all ops on one IPU
         return None
     counts = [list(placed.home.values()).count(i) for i in range(ipus)]
@@ -198,265 +196,250 @@ def _placed(session: "Session", ipus: int) -> Optional["PlacedMain"]:
     return placed
 
 
-class PlacedMain:
-    """A session's main graph as stages on the devices of their IPUs (module docstring)."""
+def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict) -> "MainPlan":
+    """The plan of the session's main graph (``main``: with its calls inlined;
+    ``graph_versions``: the tensor versions of it and of the graphs it repeats,
+    ``_inline_calls``) on ``ipus`` IPUs per replica: stages, variables' IPUs, repeats."""
+    variables = {s.graph_in: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in session._slots}
+    # The ops in program order, a spanning repeat's graph's ops in its place.
+    flat: list = []
+    repeats: list = []
+    for n in main.nodes:
+        callee = _spanning_loop(n)
+        if callee is None:
+            flat.append((n, 2 * len(repeats)))
+        else:
+            repeats.append((n, callee, _renamed(callee, f"repeat{len(repeats)}/".__add__)))
+            callee = repeats[-1][2]
+            flat += [(m, 2 * len(repeats) - 1) for m in callee.nodes]
+    graphs = [main] + [c for *_, c in repeats]
+    # Planning copies of the nodes, the tensors that the graphs they call read from the
+    # main graph (If branches) as inputs; segment k (the runs of ops between and inside
+    # repeats) is their group, so that no stage crosses a repeat's bounds.
+    plan = [Node(n.op_type, reads(n), list(n.outputs), {}, n.domain) for n, _ in flat]
+    original = {id(p): n for p, (n, _) in zip(plan, flat)}
+    where = {id(p): (_node_ipu(n), k) for p, (n, k) in zip(plan, flat)}
+    st = plan_stages(plan, lambda p: where[id(p)][0], group_of=lambda p: where[id(p)][1])
+    segment = st.group
+    stage_reads = [st.reads(s) for s in range(st.num_stages)]
+    stage_nodes = [[original[id(n)] for n in nodes] for nodes in st.nodes]
+    # variables: a version's variable, each callee input a repeat takes a variable's
+    # version by reference (or only reads) standing for that variable
+    versions = dict(graph_versions[id(main)])   # in-place results -> their first id
+    loops: list[_Loop] = []
+    alias = {v: v for v in variables}
+    for k, (n, original_callee, callee) in enumerate(repeats):
+        versions.update({f"repeat{k}/{a}": f"repeat{k}/{b}"
+                         for a, b in graph_versions[id(original_callee)].items()})
+        in_loop = [s for s, seg in enumerate(segment) if seg == 2 * k + 1]
+        trips, cond = (main.initializers.get(t) for t in n.inputs[:2])
+        body = n.attrs["body"]
+        results = list(body.nodes[0].outputs)
+        if trips is None or cond is None or not bool(cond) or len(callee.inputs) != len(n.inputs) - 2:
+            raise Unplaceable(f"{n.describe()} without a trip count known at compile time")
+        outs = [(y, c, callee.outputs[results.index(o)] if o in results else None)
+                for y, c, o in zip(n.outputs, callee.inputs, body.outputs[1:])]
+        for x, (_, c, o) in zip(n.inputs[2:], outs):
+            v = alias.get(versions.get(x, x))
+            if v is not None and (o is not None or c not in versions.values()):
+                alias[c] = v
+            elif v is not None:
+                raise Unplaceable(f"a repeated graph changing variable '{v}' passed by value")
+        ins = list(zip(n.inputs[2:], callee.inputs))
+        loops.append(_Loop(in_loop[0], in_loop[-1] + 1, int(trips), ins, outs))
+    var_of = {t: alias.get(versions.get(t, t)) for nodes in stage_nodes for n in nodes
+              for t in [*n.inputs, *n.outputs]} | {v: v for v in variables}
+    var_of = {t: v for t, v in var_of.items() if v is not None}
+    created = {s.graph_in: _created_ipu(s) for s in session._slots}
+    home = {}
+    for s, r in enumerate(stage_reads):   # a variable's IPU: that of its first reader
+        for v in sorted({var_of[t] for t in r if t in var_of}):
+            home.setdefault(v, st.stage_ipu[s])
+    home = {v: home.get(v, created[v]) for v in variables}
+    # remote buffers kept in host memory between runs: in slots of their own (tagged),
+    # whose sharding carries the memory kind
+    kinds = {s.graph_in: s.memory_kind for s in session._slots if s.memory_kind}
+    layout = Layout("variables", variables, home.__getitem__, ipus, {t: "host" for t in kinds})
+    host_slots = {key: kinds[t] for t, (_, key, _) in layout.slots.items() if t in kinds}
+    # A variable's block holds one version of it (at first its value before the run): a
+    # stage on its IPU reads that version from the block and writes its last new version
+    # there. The other tensors that later stages (or the end of the run) use, the stage
+    # computing them sends on; they move to the IPUs using them (step).
+    in_block = {v: v for v in variables}
+    from_block: list[dict] = []   # per stage: version read from the block -> variable
+    to_block: list[dict] = []     # per stage: variable -> version written to the block
+    for s, nodes in enumerate(stage_nodes):
+        ipu = st.stage_ipu[s]
+        for loop in loops:
+            for (x, c), (y, _, o) in zip(loop.ins, loop.outs):
+                if c in var_of and s == loop.first:
+                    if in_block[var_of[c]] != x:
+                        raise Unplaceable(f"a repeat of an older version of '{x}'")
+                    in_block[var_of[c]] = c
+        from_block.append({t: var_of[t] for t in stage_reads[s] if t in var_of and
+                           home[var_of[t]] == ipu and in_block[var_of[t]] == t})
+        to_block.append({var_of[t]: t for n in nodes for t in n.outputs
+                         if t in var_of and home[var_of[t]] == ipu})
+        in_block.update(to_block[s])
+        for loop in loops:
+            for (x, c), (y, _, o) in zip(loop.ins, loop.outs):
+                if c in var_of and s == loop.end - 1:
+                    if in_block[var_of[c]] != (o or c):
+                        raise Unplaceable(f"a repeated graph updating '{x}' off its IPU")
+                    in_block[var_of[c]] = y
+    # new values not in their blocks yet: written there at the end of the run
+    finals = {s.graph_in: s.graph_out._ir_id for s in session._slots if s.graph_out is not None
+              and s.graph_out._ir_id != in_block[s.graph_in]}
+    d2h = {t.id: session._d2h_final[s]._ir_id for s, t in session._d2h}
+    used = {*finals.values(), *d2h.values()}
+    for s, nodes in enumerate(stage_nodes):
+        used |= stage_reads[s] - set(from_block[s]) - {t for n in nodes for t in n.outputs}
+    for loop in loops:
+        used |= {x for x, _ in loop.ins} | {o for *_, o in loop.outs if o}
+        if any(c in var_of and y in used for y, c, _ in loop.outs):
+            raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
+    exports = [{t for n in nodes for t in n.outputs if t in used} | (set(from_block[s]) & used)
+               for s, nodes in enumerate(stage_nodes)]
+    executor = Executor(st, placed_mesh(session._device.jax_devices, session._r, ipus),
+                        in_order_copies(st, exports), layout, host_slots)
+    return MainPlan(executor, main, graphs, stage_nodes, loops, home, var_of, from_block,
+                    to_block, exports, finals, d2h)
 
-    def __init__(self, session: "Session", ipus: int, main: IRGraph, graph_versions: dict) -> None:
-        """``main``: the session's main graph with its calls inlined; ``graph_versions``: the
-        tensor versions of it and of the graphs it repeats (``_inline_calls``)."""
-        self.session, self.ipus, self.replicas, self.main = session, ipus, session._r, main
-        variables = {s.graph_in: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in session._slots}
-        # The ops in program order, a spanning repeat's graph's ops in its place; segment k
-        # (runs of ops between and inside repeats) offsets their IPU by k * ipus, so that no
-        # stage crosses a repeat's bounds.
-        flat: list = []
-        repeats: list = []
-        for n in main.nodes:
-            callee = _spanning_loop(n)
-            if callee is None:
-                flat.append((n, 2 * len(repeats)))
-            else:
-                repeats.append((n, callee, _renamed(callee, f"repeat{len(repeats)}/".__add__)))
-                callee = repeats[-1][2]
-                flat += [(m, 2 * len(repeats) - 1) for m in callee.nodes]
-        self.graphs = [main] + [c for *_, c in repeats]
-        # Planning copies of the nodes, the tensors that the graphs they call read from the
-        # main graph (If branches) as inputs; segment k (the runs of ops between and inside
-        # repeats) is their group, so that no stage crosses a repeat's bounds.
-        plan = [Node(n.op_type, reads(n), list(n.outputs), {}, n.domain) for n, _ in flat]
-        original = {id(p): n for p, (n, _) in zip(plan, flat)}
-        where = {id(p): (_node_ipu(n), k) for p, (n, k) in zip(plan, flat)}
-        self.stages: StagePlan = plan_stages(plan, lambda p: where[id(p)][0],
-                                             group_of=lambda p: where[id(p)][1])
-        st = self.stages
-        segment = st.group
-        self.reads = [st.reads(s) for s in range(st.num_stages)]
-        self.nodes = [[original[id(n)] for n in nodes] for nodes in st.nodes]
-        # variables: a version's variable, each callee input a repeat takes a variable's
-        # version by reference (or only reads) standing for that variable
-        versions = dict(graph_versions[id(main)])   # in-place results -> their first id
-        self.loops: list[_Loop] = []
-        alias = {v: v for v in variables}
-        for k, (n, original_callee, callee) in enumerate(repeats):
-            versions.update({f"repeat{k}/{a}": f"repeat{k}/{b}"
-                             for a, b in graph_versions[id(original_callee)].items()})
-            in_loop = [s for s, seg in enumerate(segment) if seg == 2 * k + 1]
-            trips, cond = (main.initializers.get(t) for t in n.inputs[:2])
-            body = n.attrs["body"]
-            results = list(body.nodes[0].outputs)
-            if trips is None or cond is None or not bool(cond) or len(callee.inputs) != len(n.inputs) - 2:
-                raise Unplaceable(f"{n.describe()} without a trip count known at compile time")
-            outs = [(y, c, callee.outputs[results.index(o)] if o in results else None)
-                    for y, c, o in zip(n.outputs, callee.inputs, body.outputs[1:])]
-            for x, (_, c, o) in zip(n.inputs[2:], outs):
-                v = alias.get(versions.get(x, x))
-                if v is not None and (o is not None or c not in versions.values()):
-                    alias[c] = v
-                elif v is not None:
-                    raise Unplaceable(f"a repeated graph changing variable '{v}' passed by value")
-            ins = list(zip(n.inputs[2:], callee.inputs))
-            self.loops.append(_Loop(in_loop[0], in_loop[-1] + 1, int(trips), ins, outs))
-        var_of = {t: alias.get(versions.get(t, t)) for nodes in self.nodes for n in nodes
-                  for t in [*n.inputs, *n.outputs]} | {v: v for v in variables}
-        var_of = {t: v for t, v in var_of.items() if v is not None}
-        created = {s.graph_in: _created_ipu(s) for s in session._slots}
-        self.home = {}
-        for s, r in enumerate(self.reads):   # a variable's IPU: that of its first reader
-            for v in sorted({var_of[t] for t in r if t in var_of}):
-                self.home.setdefault(v, st.stage_ipu[s])
-        self.home = {v: self.home.get(v, created[v]) for v in variables}
-        # remote buffers kept in host memory between runs: in slots of their own (tagged),
-        # whose sharding carries the memory kind
-        kinds = {s.graph_in: s.memory_kind for s in session._slots if s.memory_kind}
-        self.layout = Layout("variables", variables, self.home.__getitem__, ipus, {t: "host" for t in kinds})
-        self.host_slots = {key: kinds[t] for t, (_, key, _) in self.layout.slots.items() if t in kinds}
-        # A variable's block holds one version of it (at first its value before the run): a
-        # stage on its IPU reads that version from the block and writes its last new version
-        # there. The other tensors that later stages (or the end of the run) use, the stage
-        # computing them sends on; they move to the IPUs using them (step).
-        in_block = {v: v for v in variables}
-        self.from_block: list[dict] = []   # per stage: version read from the block -> variable
-        self.to_block: list[dict] = []     # per stage: variable -> version written to the block
-        for s, nodes in enumerate(self.nodes):
-            ipu = st.stage_ipu[s]
-            for loop in self.loops:
-                for (x, c), (y, _, o) in zip(loop.ins, loop.outs):
-                    if c in var_of and s == loop.first:
-                        if in_block[var_of[c]] != x:
-                            raise Unplaceable(f"a repeat of an older version of '{x}'")
-                        in_block[var_of[c]] = c
-            self.from_block.append({t: var_of[t] for t in self.reads[s] if t in var_of and
-                                    self.home[var_of[t]] == ipu and in_block[var_of[t]] == t})
-            self.to_block.append({var_of[t]: t for n in nodes for t in n.outputs
-                                  if t in var_of and self.home[var_of[t]] == ipu})
-            in_block.update(self.to_block[s])
-            for loop in self.loops:
-                for (x, c), (y, _, o) in zip(loop.ins, loop.outs):
-                    if c in var_of and s == loop.end - 1:
-                        if in_block[var_of[c]] != (o or c):
-                            raise Unplaceable(f"a repeated graph updating '{x}' off its IPU")
-                        in_block[var_of[c]] = y
-        # new values not in their blocks yet: written there at the end of the run
-        self.finals = {s.graph_in: s.graph_out._ir_id for s in session._slots if s.graph_out is not None
-                       and s.graph_out._ir_id != in_block[s.graph_in]}
-        self.d2h = {t.id: session._d2h_final[s]._ir_id for s, t in session._d2h}
-        self.var_of = var_of
-        used = {*self.finals.values(), *self.d2h.values()}
-        for s, nodes in enumerate(self.nodes):
-            used |= self.reads[s] - set(self.from_block[s]) - {t for n in nodes for t in n.outputs}
-        for loop in self.loops:
-            used |= {x for x, _ in loop.ins} | {o for *_, o in loop.outs if o}
-            if any(c in var_of and y in used for y, c, _ in loop.outs):
-                raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
-        self.exports = [{t for n in nodes for t in n.outputs if t in used} | (set(self.from_block[s]) & used)
-                        for s, nodes in enumerate(self.nodes)]
-        self.executor = Executor(st, placed_mesh(session._device.jax_devices, self.replicas, ipus),
-                                 in_order_copies(st, self.exports))
+
+
+@dataclasses.dataclass
+class MainPlan:
+    """A session's main graph planned on the devices of its IPUs (:func:`plan_main`): data
+    for the executor (its stage plan, copies and state layout) and for the stage functions
+    and the schedule of :func:`main_step` (docs/model_parallelism.md)."""
+    executor: Executor
+    main: IRGraph                 # the main graph, its calls inlined
+    graphs: list                  # it and the graphs its placed repeats run
+    nodes: list                   # per stage: its (original) nodes
+    loops: list                   # the placed repeats (_Loop)
+    home: dict                    # variable -> its IPU
+    var_of: dict                  # tensor -> the variable it is a version of
+    from_block: list              # per stage: version read from the block -> variable
+    to_block: list                # per stage: variable -> version written to the block
+    exports: list                 # per stage: the tensors it sends on
+    finals: dict                  # variable -> its last version, written back at the end
+    d2h: dict                     # device-to-host stream -> the tensor it gives
+
+    @property
+    def stages(self) -> StagePlan:
+        return self.executor.plan
+
+    @property
+    def layout(self) -> Layout:
+        return self.executor.layout
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
         return self.executor.mesh
 
-    def ipu_of(self, t: str) -> int:
-        return self.stages.ipu_of(t)
-
-    # ------------------------------------------------------------------ device state
-    def state_specs(self) -> dict:
-        return {k: jax.ShapeDtypeStruct((self.replicas,) + s.shape, s.dtype)
-                for k, s in self.layout.specs().items()}
-
-    def state_shardings(self) -> dict:
-        return {k: self.executor.sharding(REPLICA_AXIS, IPU_AXIS, memory_kind=self.host_slots.get(k))
-                for k in self.layout.specs()}
-
     @property
-    def feed_sharding(self) -> jax.sharding.NamedSharding:
-        """[replicas, ...] arrays: each replica's slice on all of its IPUs' devices."""
-        return self.executor.sharding(REPLICA_AXIS)
+    def ipus(self) -> int:
+        return self.executor.ipus
 
-    def pack(self, values: dict) -> dict:
-        """The slots [replicas, ipus, *block] from the session's state values [replicas, ...]
-        (keyed by its slots' keys)."""
-        per = [self.layout.pack({s.graph_in: values[s.key][r] for s in self.session._slots})
-               for r in range(self.replicas)]
-        return {k: np.stack([p[k] for p in per]) for k in per[0]}
 
-    def unpack(self, bufs: dict) -> dict:
-        """The session's state values [replicas, ...] (keyed by its slots' keys) from the slots
-        [replicas, ipus, *block]."""
-        per = [self.layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.replicas)]
-        return {s.key: np.stack([p[s.graph_in] for p in per]) for s in self.session._slots}
+def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list) -> Callable:
+    """Stage s on its IPU's devices: (the device's blocks, received tensors, feeds) -> (the
+    blocks with its variables' new versions, the tensors it sends on, the record of its
+    first failed check). ``checks``: the program's registry so far (the plan's, when it is
+    the step that is compiled), which a check it does not know yet extends."""
+    main, gs, layout = p.main, p.graphs, p.layout
+    ipu, exports = p.stages.stage_ipu[s], sorted(p.exports[s])
+    sub = IRGraph(name=f"{main.name}/stage{s}", nodes=p.nodes[s],
+                  tensor_info={k: v for g in gs for k, v in g.tensor_info.items()},
+                  initializers={k: v for g in gs for k, v in g.initializers.items()
+                                if k not in p.home},
+                  opsets=main.opsets, constants=set().union(*(g.constants for g in gs)))
+    r = session._r
 
-    # ------------------------------------------------------------------ the program
-    def _stage_fn(self, s: int, checks: list) -> Callable:
-        """Stage s on its IPU's devices: (the device's blocks, received tensors, feeds) -> (the
-        blocks with its variables' new versions, the tensors it sends on, the record of its
-        first failed check). ``checks``: the program's registry so far (the plan's, when it is
-        the step that is compiled), which a check it does not know yet extends."""
-        main, sess, gs = self.main, self.session, self.graphs
-        ipu, exports = self.stages.stage_ipu[s], sorted(self.exports[s])
-        sub = IRGraph(name=f"{main.name}/stage{s}", nodes=self.nodes[s],
-                      tensor_info={k: v for g in gs for k, v in g.tensor_info.items()},
-                      initializers={k: v for g in gs for k, v in g.initializers.items()
-                                    if k not in self.home},
-                      opsets=main.opsets, constants=set().union(*(g.constants for g in gs)))
-        r = self.replicas
+    def run(blocks: dict, received: dict, feeds: dict) -> tuple:
+        mine = layout.unpack(blocks, ipu)
+        weights = {t: mine[v] for t, v in p.from_block[s].items()}
+        tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
+                   platform=session._placement.platform, replication_factor=r,
+                   replica_axis=REPLICA_AXIS if r > 1 else None, checks=checks)
+        record = tr.check_flags()
+        record = jnp.zeros(RECORD, jnp.int64) if record is None else record
+        checks[len(checks):] = tr.checks[len(checks):]
+        blocks = layout.repack(blocks, ipu, {v: tr.env[t] for v, t in p.to_block[s].items()})
+        return blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, record
+    return run
 
-        def run(blocks: dict, received: dict, feeds: dict) -> tuple:
-            mine = self.layout.unpack(blocks, ipu)
-            weights = {t: mine[v] for t, v in self.from_block[s].items()}
-            tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
-                       platform=sess._placement.platform, replication_factor=r,
-                       replica_axis=REPLICA_AXIS if r > 1 else None, checks=checks)
-            record = tr.check_flags()
-            record = jnp.zeros(RECORD, jnp.int64) if record is None else record
-            checks[len(checks):] = tr.checks[len(checks):]
-            blocks = self.layout.repack(blocks, ipu, {v: tr.env[t] for v, t in self.to_block[s].items()})
-            return blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, record
-        return run
 
-    def step(self, planned: dict, facts: Optional[dict] = None) -> Callable:
-        """The program: (slots [replicas, ipus, *block], stream inputs [replicas, N, ...]) ->
-        (new slots, device-to-host values [replicas, N, ...] and run-time checks), from the
-        facts of its plan (``planned``: its run-time checks, numbered; each stage's output
-        shapes); ``facts`` (planning) gets them, and each output's IPU."""
-        known = planned.get("shapes", {})
-        st, sess, n = self.stages, self.session, self.session._n
-        d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_numpy()) for s, t in sess._d2h}
-        main = self.main
+def main_step(p: MainPlan, session: "Session", planned: dict, facts: Optional[dict] = None) -> Callable:
+    """The program (``Executor.in_order_program``): (slots [replicas, ipus, *block], stream
+    inputs [replicas, N, ...]) -> (new slots, device-to-host values [replicas, N, ...] and
+    run-time checks), from the facts of its plan (``planned``: its run-time checks,
+    numbered; each stage's output shapes); ``facts`` (planning) gets them, and each
+    output's IPU. The schedule: the stages in program order, a repeat's in a fori_loop."""
+    known = planned.get("shapes", {})
+    st, ex, n = p.stages, p.executor, session._n
+    d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_numpy()) for s, t in session._d2h}
 
-        def body(blocks: dict, feeds: dict) -> tuple:   # this device's [1, 1, *block], [1, N, ...]
-            blocks = {k: v[0, 0] for k, v in blocks.items()}
-            feeds = {k: v[0] for k, v in feeds.items()}
-            feeds.update({k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()})
-            # tensors sent on: their value, and the IPUs whose devices hold it
-            run = self.executor.in_order(lambda t: feeds.get(t, main.initializers.get(t)))
-            checks: list = list(planned.get("checks", ()))   # every stage's run-time checks
-            shapes: dict = {}   # per stage, its outputs' shapes (the others' zeros)
+    def schedule(blocks: dict, feeds: dict) -> tuple:   # this device's blocks, [N, ...] feeds
+        feeds = {**feeds, **{k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()}}
+        run = ex.in_order(lambda t: feeds.get(t, p.main.initializers.get(t)))
+        checks: list = list(planned.get("checks", ()))   # every stage's run-time checks
+        shapes: dict = {}   # per stage, its outputs' shapes (the others' zeros)
 
-            def stage(s: int, blocks: dict, run: InOrder, records: list) -> dict:
-                # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
-                planned_shapes = None if facts is not None else known[s]   # None: planning
-                blocks, record, shapes[s] = run.run(s, self._stage_fn(s, checks), planned_shapes,
-                                                    blocks, feeds)
-                records.append(record)
-                return blocks
+        def stage(s: int, blocks: dict, run: InOrder, records: list) -> dict:
+            # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
+            planned_shapes = None if facts is not None else known[s]   # None: planning
+            blocks, record, shapes[s] = run.run(s, _stage_fn(p, session, s, checks),
+                                                planned_shapes, blocks, feeds)
+            records.append(record)
+            return blocks
 
-            def repeat(loop: _Loop, blocks: dict, records: list) -> dict:
-                """The repeat's stages in a fori_loop: a carried value on the IPUs reading it
-                and the one computing it, an input on the IPUs reading it."""
-                carried = {c: o for _, c, o in loop.outs if o and c not in self.var_of}
-                where = {c: {st.stage_ipu[s] for s in range(loop.first, loop.end)
-                             if c in self.reads[s] and c not in self.from_block[s]}
-                         | ({self.ipu_of(carried[c])} if c in carried else set()) for _, c in loop.ins}
-                for x, c in loop.ins:
-                    if c not in self.var_of:
-                        run.set(c, run.read(x, where[c]), where[c] if c in carried else run.where(x))
+        def repeat(loop: _Loop, blocks: dict, records: list) -> dict:
+            """The repeat's stages in a fori_loop: a carried value on the IPUs reading it
+            and the one computing it, an input on the IPUs reading it."""
+            carried = {c: o for _, c, o in loop.outs if o and c not in p.var_of}
+            where = {c: {st.stage_ipu[s] for s in range(loop.first, loop.end)
+                         if c in st.reads(s) and c not in p.from_block[s]}
+                     | ({st.ipu_of(carried[c])} if c in carried else set()) for _, c in loop.ins}
+            for x, c in loop.ins:
+                if c not in p.var_of:
+                    run.set(c, run.read(x, where[c]), where[c] if c in carried else run.where(x))
 
-                def iteration(_: Any, carry: tuple) -> tuple:
-                    blocks, vals, failed = carry
-                    inner, recs = run.fork(), []
-                    inner.env.update(vals)
-                    for s in range(loop.first, loop.end):
-                        blocks = stage(s, blocks, inner, recs)
-                    new = {c: inner.read(o, where[c]) for c, o in carried.items()}
-                    return blocks, new, jnp.where(failed[0] != 0, failed, first_failure(jnp.stack(recs)))
-                blocks, vals, failed = jax.lax.fori_loop(0, loop.trips, iteration, (
-                    blocks, {c: run.env[c] for c in carried}, jnp.zeros(RECORD, jnp.int64)))
-                records.append(failed)
-                for y, c, _ in loop.outs:
-                    if c not in self.var_of:
-                        run.set(y, vals.get(c, run.env[c]), run.where(c))
-                return blocks
+            def iteration(_: Any, carry: tuple) -> tuple:
+                blocks, vals, failed = carry
+                inner, recs = run.fork(), []
+                inner.env.update(vals)
+                for s in range(loop.first, loop.end):
+                    blocks = stage(s, blocks, inner, recs)
+                new = {c: inner.read(o, where[c]) for c, o in carried.items()}
+                return blocks, new, jnp.where(failed[0] != 0, failed, first_failure(jnp.stack(recs)))
+            blocks, vals, failed = jax.lax.fori_loop(0, loop.trips, iteration, (
+                blocks, {c: run.env[c] for c in carried}, jnp.zeros(RECORD, jnp.int64)))
+            records.append(failed)
+            for y, c, _ in loop.outs:
+                if c not in p.var_of:
+                    run.set(y, vals.get(c, run.env[c]), run.where(c))
+            return blocks
 
-            records: list = []
-            starts = {loop.first: loop for loop in self.loops}
-            s = 0
-            while s < st.num_stages:
-                if s in starts:
-                    blocks, s = repeat(starts[s], blocks, records), starts[s].end
-                else:
-                    blocks, s = stage(s, blocks, run, records), s + 1
+        records: list = []
+        starts = {loop.first: loop for loop in p.loops}
+        s = 0
+        while s < st.num_stages:
+            if s in starts:
+                blocks, s = repeat(starts[s], blocks, records), starts[s].end
+            else:
+                blocks, s = stage(s, blocks, run, records), s + 1
 
-            def write(d: int) -> Callable:   # device d's variables' new values into its blocks
-                return lambda blocks, new: self.layout.repack(blocks, d, new)
-            if self.finals:
-                new = {v: run.read(out, [self.home[v]]) for v, out in self.finals.items()}
-                blocks = per_ipu([write(d) for d in range(self.ipus)], blocks, new)
-            outs = {t: run.env.get(out, feeds.get(out)) for t, out in self.d2h.items()}
-            traced["out_ipu"] = {t: min(run.where(out, {0})) for t, out in self.d2h.items()}
-            if facts is not None:
-                facts.update(checks=list(checks), out_ipu=traced["out_ipu"], shapes=shapes)
-            if checks:
-                outs[CHECKS] = first_failure(jnp.stack(records))
-            return ({k: v[None, None] for k, v in blocks.items()},
-                    {k: v[None, None] for k, v in outs.items()})
-
-        def program(state: dict, feeds: dict) -> tuple:
-            spec = P(REPLICA_AXIS, IPU_AXIS)
-            state, outs = self.executor.run(body, (spec, P(REPLICA_AXIS)), (spec, spec))(state, feeds)
-            # each output from the devices of the IPU computing it; checks from every device
-            out_ipu = traced["out_ipu"]
-            return state, {t: v if t == CHECKS else v[:, out_ipu[t]] for t, v in outs.items()}
-        traced: dict = {}   # this trace's: where each output is (the body finds it)
-        return program
+        def write(d: int) -> Callable:   # device d's variables' new values into its blocks
+            return lambda blocks, new: p.layout.repack(blocks, d, new)
+        if p.finals:
+            new = {v: run.read(out, [p.home[v]]) for v, out in p.finals.items()}
+            blocks = per_ipu([write(d) for d in range(ex.ipus)], blocks, new)
+        outs = {t: run.env.get(out, feeds.get(out)) for t, out in p.d2h.items()}
+        out_ipu = {t: min(run.where(out, {0})) for t, out in p.d2h.items()}
+        if facts is not None:
+            facts.update(checks=list(checks), out_ipu=out_ipu, shapes=shapes)
+        if checks:
+            outs[CHECKS] = first_failure(jnp.stack(records))
+        return blocks, outs, out_ipu
+    return ex.in_order_program(schedule, list(p.d2h))

@@ -47,7 +47,7 @@ from popart.engine.ir import fingerprint
 from popart.logging import getLogger
 from popart.tensorinfo import TensorInfo, to_datatype
 
-from ._placement import device_ipus, placed_program
+from ._placement import device_ipus, main_step, placed_program
 from .dtypes import _DOWNCAST, to_numpy
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
@@ -310,7 +310,10 @@ class Session:
                         arr[:, off] = self._per_replica(v, self._host[v])
                 out[s.key] = arr
             out[s.key] = np.ascontiguousarray(out[s.key], dtype=s.dtype)
-        return self._placed.pack(out) if self._placed else out
+        if self._placed:   # each replica's variables in the slots of their IPUs
+            return self._placed.executor.pack([{s.graph_in: out[s.key][r] for s in self._slots}
+                                               for r in range(self._r)])
+        return out
 
     def _set_host(self, v: Variable, arr: np.ndarray) -> None:
         """The host value of ``v`` from each replica's value ([replicas, *shape])."""
@@ -376,13 +379,13 @@ class Session:
         r, n = self._r, self._n
         wspecs = {s.key: jax.ShapeDtypeStruct((r,) + tuple(s.shape), s.dtype) for s in self._slots}
         if self._placed:
-            wspecs = self._placed.state_specs()
+            wspecs = self._placed.executor.state_specs()
         fspecs = {t.id: jax.ShapeDtypeStruct((r, n) + s.shape, s.dtype.as_numpy()) for s, t in self._h2d}
         return wspecs, fspecs
 
     def _state_shardings(self) -> dict:
         if self._placed:
-            return self._placed.state_shardings()
+            return self._placed.executor.state_shardings()
         split = self._placement.sharding(0)   # [replicas, ...]: one slice per replica's device
         return {s.key: split.with_memory_kind(s.memory_kind) if s.memory_kind else split
                 for s in self._slots}
@@ -409,12 +412,12 @@ class Session:
 
     def _feed_sharding(self) -> jax.sharding.Sharding:
         """[replicas, ...] arrays: one slice per replica's device(s)."""
-        return self._placed.feed_sharding if self._placed else self._placement.sharding(0)
+        return self._placed.executor.feed_sharding if self._placed else self._placement.sharding(0)
 
     def _step_fn(self, facts: Optional[dict] = None) -> Callable:
         """The program (see ``_replica_fn``), placed or replicated; ``facts``: planning."""
         if self._placed:
-            return self._placed.step(self._facts, facts)
+            return main_step(self._placed, self, self._facts, facts)
         return self._placement.replicate(self._replica_fn(facts), in_axes=(0, 0))
 
     def _compile(self) -> None:
@@ -425,7 +428,8 @@ class Session:
         self._facts = plan_trace(self._step_fn, *specs)[1]   # run-time checks, ...
         self._checks = self._facts["checks"]
         fn = self._step_fn()
-        host = list(self._placed.host_slots) if self._placed else [s.key for s in self._slots if s.memory_kind]
+        host = list(self._placed.executor.memory_kinds) if self._placed else \
+            [s.key for s in self._slots if s.memory_kind]
         if host:
             fn = _in_device_memory(fn, host)
         step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
@@ -566,7 +570,8 @@ class Session:
         with xla_errors("Copying the weights to the host"):   # every instance's replicas
             values = {k: distributed.global_value(v) for k, v in self._dev.items()}
         if self._placed:
-            values = self._placed.unpack(values)
+            per = self._placed.executor.unpack(values)
+            values = {s.key: np.stack([p[s.graph_in] for p in per]) for s in self._slots}
         for s in self._slots:
             arr = values[s.key]
             if s.kind == "variable":

@@ -364,11 +364,14 @@ def plan_stages(nodes: Sequence[Node], ipu_of: Callable[[Node], int], variables:
 @dataclass
 class Executor:
     """A stage plan on its (replica, ipu) mesh: what runs a placed program, for popart
-    sessions (:meth:`pipeline`: PopART's schedules) and popxl (:meth:`in_order`, repeat
-    loops around its stages). The front-ends give their stage functions and state layout."""
+    sessions (:meth:`pipeline`: PopART's schedules) and popxl (:meth:`in_order_program`:
+    the stages in program order, repeat loops around some). The front-ends give data: the
+    plan, the copies, the state layout, and their stage functions / schedule."""
     plan: StagePlan
     mesh: jax.sharding.Mesh
     copies: list = field(default_factory=list)   # in-order runs: per stage, its IpuCopies
+    layout: Optional["Layout"] = None   # in-order runs: the state, [replicas, ipus, *block]
+    memory_kinds: dict = field(default_factory=dict)   # layout key -> memory kind (host)
 
     @property
     def ipus(self) -> int:
@@ -391,6 +394,57 @@ class Executor:
         """popxl's in-order run of the plan's stages, moving tensors by ``copies``
         (:class:`InOrder`)."""
         return InOrder(self.plan, self.ipus, self.copies, source)
+
+    # ------------------------------------------------------------------ in-order programs
+    # Their state: ``layout``'s slots per replica, [replicas, ipus, *block] arrays, each
+    # device holding its (replica, IPU) block; their feeds and outputs [replicas, ...].
+    @property
+    def replicas(self) -> int:
+        return int(self.mesh.devices.shape[0])
+
+    def state_specs(self) -> dict:
+        return {k: jax.ShapeDtypeStruct((self.replicas,) + s.shape, s.dtype)
+                for k, s in self.layout.specs().items()}
+
+    def state_shardings(self) -> dict:
+        return {k: self.sharding(REPLICA_AXIS, IPU_AXIS, memory_kind=self.memory_kinds.get(k))
+                for k in self.layout.specs()}
+
+    @property
+    def feed_sharding(self) -> jax.sharding.NamedSharding:
+        """[replicas, ...] arrays: each replica's slice on all of its IPUs' devices."""
+        return self.sharding(REPLICA_AXIS)
+
+    def pack(self, per_replica: Sequence[Mapping[str, Any]]) -> dict:
+        """The slots [replicas, ipus, *block] of each replica's tensors (host arrays)."""
+        per = [self.layout.pack(named) for named in per_replica]
+        return {k: np.stack([p[k] for p in per]) for k in per[0]}
+
+    def unpack(self, bufs: Mapping[str, Any]) -> list[dict]:
+        """Each replica's tensors from the slots [replicas, ipus, *block] (host arrays)."""
+        return [self.layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.replicas)]
+
+    def in_order_program(self, schedule: Callable, outputs: Sequence[str]) -> Callable:
+        """The program (slots [replicas, ipus, *block], feeds [replicas, ...]) -> (new slots,
+        outputs [replicas, ...]): on every device, ``schedule(blocks, feeds) -> (blocks,
+        {output: value}, {output: an IPU holding it})`` on its own blocks and feeds (the
+        stages in order: :meth:`in_order`). Each output comes from the devices of that IPU;
+        those not in ``outputs`` (run-time check records) from every device, as they are."""
+        where: dict = {}   # this trace's: the IPU of each output (the body finds it)
+
+        def body(blocks: dict, feeds: dict) -> tuple:   # this device's [1, 1, *block], [1, ...]
+            blocks = {k: v[0, 0] for k, v in blocks.items()}
+            feeds = {k: v[0] for k, v in feeds.items()}
+            blocks, outs, at = schedule(blocks, feeds)
+            where.update(at)
+            return ({k: v[None, None] for k, v in blocks.items()},
+                    {k: v[None, None] for k, v in outs.items()})
+
+        def program(state: dict, feeds: dict) -> tuple:
+            spec = P(REPLICA_AXIS, IPU_AXIS)
+            state, outs = self.run(body, (spec, P(REPLICA_AXIS)), (spec, spec))(state, feeds)
+            return state, {t: v[:, where[t]] if t in outputs else v for t, v in outs.items()}
+        return program
 
 
 # ---------------------------------------------------------------------------- state layout
