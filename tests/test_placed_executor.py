@@ -107,3 +107,19 @@ def test_shard_map_only_in_the_compiled_step_layer_and_the_executor():
                    if re.search(r"\bshard_map\s*\(|jax\.shard_map\b|experimental\.shard_map",
                                 p.read_text()))
     assert calls == ["popart/engine/compiled.py", "popart/engine/placed.py"], calls
+
+
+def test_in_order_run_refuses_a_stage_tensor_no_ipu_copy_brought():
+    """The in-order run moves stage tensors only by the plan's copies: a stage reading a
+    tensor of an earlier stage on another IPU that no IpuCopy brought is an internal error
+    (planning: the stages run directly, so no mesh is needed to reach the check)."""
+    from popart.engine.ir import Node
+    from popart.engine.placed import InOrder, in_order_copies, plan_stages
+    plan = plan_stages([Node("Relu", ["x"], ["a"]), Node("Neg", ["a"], ["b"])],
+                       lambda n: 0 if n.outputs == ["a"] else 1)
+    fn = lambda state, received: (state, {"a": np.float32(1)})   # noqa: E731
+    run = InOrder(plan, 2, [[], []], lambda t: None)
+    run.run(0, fn, None, {})
+    with pytest.raises(RuntimeError, match=r"no IpuCopy of \['a'\] to IPU 1 before stage 1"):
+        run.run(1, fn, None, {})
+    assert [len(c) for c in in_order_copies(plan, [{"a"}, {"b"}])] == [0, 1]   # the plan has it
