@@ -1,12 +1,14 @@
 """The placed executor: a program's IPUs on the devices of a (replica, ipu) mesh.
 
 Both front-ends run placed programs with it (docs/model_parallelism.md): popart sessions
-(``pipeline.PlacedProgram``) and ``popxl.Session`` (``popxl._placement``). Here: the cut of a
-graph's ops into stages (:func:`plan_stages`, a :class:`StagePlan`; :func:`inter_ipu_copies`,
-PopART's IpuCopy nodes), where each IPU's variables live (:class:`Layout`), the mesh
-(:func:`placed_mesh`), the one decision "placed or not" with its log line
-(:func:`placed_or_none`), and :class:`Executor`: the one ``shard_map`` (:func:`run_on_mesh`)
-and the schedules, PopART's (:func:`pipeline_ticks`) and popxl's (:class:`InOrder`).
+(``pipeline.PlacedProgram``) and ``popxl.Session`` (``popxl._placement``: a ``MainPlan``,
+data). Here: the cut of a graph's ops into stages (:func:`plan_stages`, a :class:`StagePlan`),
+PopART's IpuCopy nodes (:func:`inter_ipu_copies`, chained for the pipeline;
+:func:`in_order_copies`, straight for an in-order run), where each IPU's variables live
+(:class:`Layout`), the mesh (:func:`placed_mesh`), the one decision "placed or not" with its
+log line (:func:`placed_or_none`), and :class:`Executor`: the one ``shard_map``
+(:func:`run_on_mesh`), the schedules, PopART's (:func:`pipeline_ticks`) and popxl's
+(:class:`InOrder`), and an in-order program's state and compiled step.
 """
 from __future__ import annotations
 
