@@ -8,8 +8,9 @@ Columns (forward; with ``--grad`` forward + both gradients, 3x the forward's FLO
 - ``xla-nchw``: ``lax.conv_general_dilated`` in NCHW / OIHW (XLA's layout pass picks the
   physical layout and adds the copies);
 - ``xla-nhwc``: the same convolution in NHWC / HWIO (no layout copies);
-- ``popart``: popart's own CPU lowering (``popart.ops.nn.conv_nc``: im2col matmuls where the
-  patches fit, else channels-last XLA convolutions between explicit transposes), NCHW in/out;
+- ``popart``: popart's own CPU lowering with oneDNN off (``popart.ops.nn.conv_nc``: im2col
+  matmuls where the patches fit, else channels-last XLA convolutions between explicit
+  transposes), NCHW in/out (the oneDNN custom call: ``bench/conv_onednn.py``);
 - ``popart-noim2col``: ``conv_nc`` with im2col off (XLA's channels-last convolution between
   explicit transposes, popart's own gradients);
 - ``popart-nhwc``: popart's ``conv_last`` on NHWC / HWIO operands, no transposes: what a
@@ -28,6 +29,7 @@ row, not across runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -111,7 +113,8 @@ def popart_conv(stride: int, layout: str = "nchw", patches: bool = True) -> Call
         saved = nn.PATCH_BYTES
         nn.PATCH_BYTES = saved if patches else -1
         try:
-            return nn.conv_nc(Ctx(), x, w, s, pad)
+            with nn.onednn_off():   # XLA's lowering (bench/conv_onednn.py has oneDNN's)
+                return nn.conv_nc(Ctx(), x, w, s, pad)
         finally:
             nn.PATCH_BYTES = saved
     return f
@@ -153,8 +156,9 @@ def resnet18_step(layout: str, conv: str, batch: int) -> tuple[Callable, tuple]:
     """A raw-JAX ResNet-18 (CIFAR) SGD step (BatchNorm on batch statistics, softmax + NLL):
     ``layout`` 'nchw' (activations channels-first, as the ONNX graph) or 'nhwc' (channels-last
     end to end, one transpose of the input at the edge); ``conv`` 'popart' (popart's
-    ``conv_nc``: im2col where it fits), 'xla' (``conv_nc`` with im2col off: XLA's channels-last
-    convolution between transposes) or 'native' (lax.conv in the activations' own layout)."""
+    ``conv_nc`` with oneDNN off: im2col where it fits), 'xla' (``conv_nc`` with im2col off: XLA's
+    channels-last convolution between transposes), 'native' (lax.conv in the activations' own
+    layout) or 'onednn' (``conv_nc`` as it lowers: the oneDNN custom call)."""
     from popart.ops import nn
 
     class Ctx:
@@ -169,10 +173,13 @@ def resnet18_step(layout: str, conv: str, batch: int) -> tuple[Callable, tuple]:
             dn = ("NHWC", "OIHW", "NHWC") if layout == "nhwc" else ("NCHW", "OIHW", "NCHW")
             return lax.conv_general_dilated(x, w, (s, s), pad, dimension_numbers=dn,
                                             precision=lax.Precision.HIGHEST)
+        if conv == "onednn":
+            return nn.conv_nc(Ctx(), x, w, (s, s), pad)
         saved = nn.PATCH_BYTES
         nn.PATCH_BYTES = saved if conv == "popart" else -1
         try:
-            return nn.conv_nc(Ctx(), x, w, (s, s), pad)
+            with nn.onednn_off():
+                return nn.conv_nc(Ctx(), x, w, (s, s), pad)
         finally:
             nn.PATCH_BYTES = saved
 
@@ -234,7 +241,7 @@ def resnet_main(batch: int, reps: int) -> int:
     import bench_models
     runs: dict[str, Callable[[], None]] = {}
     for layout, conv in (("nchw", "popart"), ("nchw", "xla"), ("nchw", "native"),
-                         ("nhwc", "native")):
+                         ("nhwc", "native"), ("nchw", "onednn")):
         step, args = resnet18_step(layout, conv, batch)
         c = jax.jit(step, donate_argnums=(0,)).lower(*args).compile()
         state = {"p": args[0]}
@@ -252,11 +259,13 @@ def resnet_main(batch: int, reps: int) -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = bench_models.export(spec, bench_models.build(spec), folder, training=True)
         saved = nn.PATCH_BYTES
-        for label, limit in (("im2col", saved), ("no im2col", -1)):
+        for label, limit, dnnl in (("im2col", saved, False), ("no im2col", -1, False),
+                                   ("oneDNN", saved, True)):
             nn.PATCH_BYTES = limit   # read when prepareDevice traces the step
             try:
-                cfg = bench.Config(0, 10, 1, bps=10)
-                r = bench.popart_training(path, xs, ys, cfg)[0]
+                with contextlib.nullcontext() if dnnl else nn.onednn_off():
+                    cfg = bench.Config(0, 10, 1, bps=10)
+                    r = bench.popart_training(path, xs, ys, cfg)[0]
             finally:
                 nn.PATCH_BYTES = saved
             runs[f"popart TrainingSession bps=10, {label}"] = r.loop   # 10 steps a call

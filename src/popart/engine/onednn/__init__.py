@@ -181,5 +181,13 @@ def conv_nchw(x, w, strides: Sequence[int], padding, dilation: Sequence[int]):
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
             dilation: Sequence[int]) -> bool:
     """Whether a 2D convolution of this shape (x NCHW, w OIHW) runs faster through oneDNN
-    than through XLA on the CPU (decided per shape at trace time)."""
-    return True
+    than through XLA on the CPU, decided at trace time. Measured (``bench/conv_onednn.py``,
+    docs/performance.md): forward + gradients, oneDNN is ahead of popart's XLA lowering on
+    every ResNet-18 shape (3x3 of 3 to 512 channels, 1x1, stride 1 and 2; 1.05-12x with one
+    thread and two), so no shape is kept on XLA: the rules of ``_XLA_SHAPES`` are empty."""
+    return not any(rule(x_shape, w_shape, strides, dilation) for rule in _XLA_SHAPES)
+
+
+# Predicates (x_shape, w_shape, strides, dilation) -> True for shapes that stay on XLA's
+# convolution; add one where a measurement shows XLA ahead.
+_XLA_SHAPES: list = []
