@@ -142,3 +142,34 @@ def test_missing_onednn_or_compiler_falls_back(monkeypatch, caplog):
     finally:
         monkeypatch.undo()
         onednn.available.cache_clear()
+
+
+@needs_onednn
+def test_session_conv_runs_on_onednn_and_through_the_engine_cache(tmp_path):
+    """A Conv model's session: the step holds the custom call, matches PyTorch, and a second
+    session loads the same program from the engine cache (jax.export allows the target)."""
+    import popart
+    import popart.testing
+    rng = np.random.default_rng(3)
+    xv = rng.standard_normal((2, 8, 6, 6), dtype=np.float32)
+    wv = rng.standard_normal((16, 8, 3, 3), dtype=np.float32)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", list(xv.shape)))
+    y = b.aiOnnx.conv([x, b.addInitializedInputTensor(wv)], pads=[1, 1, 1, 1], strides=[2, 2])
+    b.addOutputTensor(y)
+    opts = popart.SessionOptions()
+    opts.enableEngineCaching, opts.cachePath = True, str(tmp_path)
+    ref = torch.nn.functional.conv2d(torch.from_numpy(xv), torch.from_numpy(wv), padding=1,
+                                     stride=2).numpy()
+    sources = []
+    for _ in range(2):
+        s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
+                                    popart.DeviceManager().createCpuDevice(), userOptions=opts)
+        s.prepareDevice()
+        anchors = s.initAnchorArrays()
+        s.run(popart.PyStepIO({x: xv}, anchors))
+        np.testing.assert_allclose(anchors[y], ref, rtol=1e-4, atol=1e-4)
+        sources.append(popart.testing.executable_source(s))
+    assert sources == ["compiled (cached)", "engine cache"]
+    entry = next(tmp_path.glob("InferenceSession-*.popef"))
+    assert onednn.TARGET.encode() in entry.read_bytes()
