@@ -35,12 +35,13 @@ def torch_conv(x, w, stride, pad, dil, dy):
 CASES = [(2, 3, 9, 10, 8, 3, (1, 1), ((1, 1), (1, 1)), (1, 1)),      # stem-like, 3 channels
          (2, 16, 8, 8, 32, 3, (2, 2), ((1, 1), (1, 1)), (1, 1)),     # stride 2
          (1, 8, 8, 6, 16, 1, (2, 2), ((0, 0), (0, 0)), (1, 1)),      # 1x1 downsample
-         (2, 5, 11, 9, 7, 3, (1, 2), ((2, 0), (1, 3)), (2, 1))]      # uneven pads, dilation
+         (2, 5, 11, 9, 7, 3, (1, 2), ((2, 0), (1, 3)), (2, 1)),      # uneven pads, dilation
+         (0, 4, 5, 5, 3, 3, (1, 1), ((1, 1), (1, 1)), (1, 1))]       # empty batch: dw zeros
 
 
 @needs_onednn
 @pytest.mark.parametrize("nhwc", [True, False], ids=["nhwc", "nchw"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"c{c[1]}o{c[4]}k{c[5]}s{c[6][1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c[0]}c{c[1]}o{c[4]}k{c[5]}s{c[6][1]}")
 def test_forward_and_gradients_match_torch(case, nhwc):
     n, c, h, w_, o, k, st, pad, dil = case
     rng = np.random.default_rng(0)

@@ -8,6 +8,7 @@
 // per shape and cached; weights are reordered to the primitive's blocked format on each call.
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -136,6 +137,10 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuf
   if (kind == 0) sp(da, N, C, H, W), weights(db), sp(dr, t, t, OH, OW);
   else if (kind == 1) sp(da, N, t, OH, OW), weights(db), sp(dr, t, t, H, W);
   else sp(da, N, C, H, W), sp(db, t, O, OH, OW), weights(dr);
+  if (N * C * H * W * O * KH * KW * OH * OW == 0) {  // an empty operand: sums over nothing
+    std::memset(out->typed_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
   // Folding shared weights' vmap dims into the batch: one call over B*N images.
   const bool w_shared = kind != 2 && lead(db) == 1 && lead(da) == batches;
   int64_t loops = batches;
