@@ -127,19 +127,28 @@ def test_fallback_when_switched_off_logs_once_and_uses_xla(monkeypatch, caplog):
         ref = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w), padding=1)
         np.testing.assert_allclose(y, ref.numpy(), rtol=1e-4, atol=1e-3)
     finally:
-        monkeypatch.delenv("POPART_ONEDNN")
+        monkeypatch.undo()
         onednn.available.cache_clear()
         assert onednn.available() == was   # registering again is harmless
 
 
-def test_missing_onednn_or_compiler_falls_back(monkeypatch, caplog):
-    monkeypatch.setattr(onednn, "_onednn_prefix", lambda: None)
+@pytest.mark.parametrize("broken, why", [
+    ("_onednn_prefix", "oneDNN not found"),                 # no wheel
+    pytest.param("_cache_dir", "could not be built or loaded",   # the cache is not writable
+                 marks=needs_onednn),
+], ids=["no-wheel", "no-cache-folder"])
+def test_missing_onednn_or_unbuildable_falls_back(monkeypatch, caplog, tmp_path, broken, why):
+    (tmp_path / "file").write_text("")
+    fake = {"_onednn_prefix": lambda: None, "_cache_dir": lambda key: tmp_path / "file" / key}
+    monkeypatch.setattr(onednn, broken, fake[broken])
+    monkeypatch.delenv("POPART_ONEDNN", raising=False)
     onednn.available.cache_clear()
     monkeypatch.setattr(logging.getLogger("popart.devicex"), "level", logging.INFO)
     try:
         with caplog.at_level(logging.INFO, logger="popart.devicex"):
             assert not onednn.available()
-        assert any("oneDNN not found" in r.getMessage() for r in caplog.records)
+        assert [why in r.getMessage() for r in caplog.records if "oneDNN" in r.getMessage()] \
+            == [True]
     finally:
         monkeypatch.undo()
         onednn.available.cache_clear()
