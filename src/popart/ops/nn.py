@@ -19,7 +19,9 @@ HIGHEST = lax.Precision.HIGHEST
 def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
     """ONNX's channels-first convolution (x: N,C,*sp; w: O,I,*k).
 
-    On the CPU, as matmuls over patches (``conv_patches``) where that applies. Otherwise as an
+    On the CPU, float32 2D ungrouped convolutions are oneDNN custom calls where the library
+    is built (``_use_onednn``, docs/performance.md); else matmuls over patches
+    (``conv_patches``) where that applies. Otherwise as an
     XLA convolution on channels-last operands: XLA's CPU convolutions are several times faster
     so, and its layout pass cannot pick that layout for weights carried through the step
     program's loops, so the transposes are explicit (they fuse into neighbouring ops)."""
