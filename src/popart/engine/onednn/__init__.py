@@ -156,6 +156,7 @@ def _bwd(strides, padding, dilation, nhwc, res, dy):
 
 conv2d.defvjp(_fwd, _bwd)
 
+LAYOUT_MIN_CHANNELS = 16   # fewer input channels: oneDNN on NCHW as given (the stem's 3)
 
 
 def channels_last(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
@@ -163,9 +164,6 @@ def channels_last(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
     transposes around the call) rather than on NCHW as they are: NHWC is oneDNN's fast layout,
     except where the transposes cost more than the convolution (few input channels, 1x1)."""
     return x_shape[1] >= LAYOUT_MIN_CHANNELS and tuple(w_shape[2:]) != (1, 1)
-
-
-LAYOUT_MIN_CHANNELS = 16
 
 
 def conv_nchw(x, w, strides: Sequence[int], padding, dilation: Sequence[int]):
