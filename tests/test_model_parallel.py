@@ -155,7 +155,7 @@ def test_pipeline_schedule_in_the_compiled_program():
     stages' outputs to the next devices (a timing-free check of the overlap)."""
     _, _, s = train([0, 1, 2], steps=1, mode="Manual", pipelined=True, A=4)
     p = testing.step_program(s)
-    assert p.schedule == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1), (2, 0)],
+    assert testing.placed_plan(s).schedule == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1), (2, 0)],
                           [(0, 3), (1, 2), (2, 1)], [(1, 3), (2, 2)], [(2, 3)]]
     hlo = p.compiled.as_text()
     trips = {int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)}
@@ -177,7 +177,7 @@ def test_stages_sharing_ipus_and_replication(one_device):
 
 def test_auto_mode_splits_by_cost():
     got = train(FOUR, mode="Auto", steps=1, skip=False, tied=False)
-    assert testing.step_program(got[2]).stages.stage_ipu == [0, 1, 2, 3]
+    assert testing.placed_plan(got[2]).stages.stage_ipu == [0, 1, 2, 3]
     assert_same(got, train(FOUR, steps=1, skip=False, tied=False))
 
 
@@ -190,7 +190,7 @@ def test_pipelined_inference_equals_one_device():
         return s, out
     ref = infer()[1]
     s, got = infer(mode="Manual", pipelined=True)
-    assert testing.is_placed(s) and testing.step_program(s).stages.pipelined
+    assert testing.is_placed(s) and testing.placed_plan(s).stages.pipelined
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
 
@@ -315,7 +315,7 @@ def test_execution_phases_run_on_alternating_ipus():
         s.readWeights(popart.PyWeightsIO(weights))
         dev.detach()
         runs[mode] = (out[loss], weights, s)
-    assert testing.step_program(runs["ExecutionPhases"][2]).stages.stage_ipu == [0, 1, 0, 1]
+    assert testing.placed_plan(runs["ExecutionPhases"][2]).stages.stage_ipu == [0, 1, 0, 1]
     np.testing.assert_allclose(runs["ExecutionPhases"][0], runs["Off"][0], rtol=1e-5)
     for k in runs["Off"][1]:
         np.testing.assert_allclose(runs["ExecutionPhases"][1][k], runs["Off"][1][k], rtol=1e-5, atol=1e-6)
@@ -329,7 +329,7 @@ def test_updates_of_several_weights_per_ipu(mode):
         return popart.Adam({"defaultLearningRate": (0.02, False), "defaultWeightDecay": (0.01, True)},
                            mode=getattr(popart.AdamMode, mode))
     got = train([0, 1, 0, 1], mode="Manual", optimizer=opt(), steps=2)
-    assert bool(testing.step_program(got[2]).row_weights) == (mode == "Adam")
+    assert bool(testing.placed_plan(got[2]).row_weights) == (mode == "Adam")
     assert_same(got, train([0, 1, 0, 1], optimizer=opt(), steps=2))
 
 
@@ -373,7 +373,7 @@ def test_gradient_norm_clipping_spans_ipus():
         return popart.Adam({"defaultLearningRate": (0.05, False)}, clip_norm_settings=[
             popart.ClipNormSettings(["w0", "w2"], 0.05), popart.ClipNormSettings.clipAllWeights(0.5)])
     got = train(FOUR, mode="Manual", pipelined=True, optimizer=opt())
-    assert testing.is_placed(got[2]) and testing.step_program(got[2]).row_weights
+    assert testing.is_placed(got[2]) and testing.placed_plan(got[2]).row_weights
     assert_same(got, train(FOUR, optimizer=opt()))
 
 
@@ -460,8 +460,8 @@ def test_replica_sharded_optimizer_state_on_a_placed_pipeline():
         o.optimizerStateTensorLocationSettings = popart.TensorLocationSettings(on, 0, 8)
     ref = train([0, 1], R=2, A=2)
     got = train([0, 1], mode="Manual", pipelined=True, R=2, A=2, configure=opts_rts)
-    p = testing.step_program(got[2])
-    assert p.placed and p.rts_slots
+    p = testing.placed_plan(got[2])
+    assert p is not None and p.rts_slots
     for k in p.rts_slots:
         buf = testing.device_values(got[2], "optimizer")[k]
         assert {sh.data.shape for sh in buf.addressable_shards} == {(1, buf.shape[1] // 2)}

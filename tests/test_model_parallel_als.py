@@ -129,11 +129,11 @@ def test_factor_is_replicated_state_beside_the_slots(pair):
     _, got = pair
     s = got[2]
     state = testing.device_values(s, "optimizer")
-    key = testing.step_program(s).state_layout.globals[FACTOR]
+    key = testing.placed_plan(s).state_layout.globals[FACTOR]
     assert state[key].shape == () and state[key].sharding.is_fully_replicated
     assert len(state[key].addressable_shards) == len(testing.mesh_devices(s))
     period = testing.step_program(s).als.period
-    assert set(testing.step_program(s).state_layout.globals) == (
+    assert set(testing.placed_plan(s).state_layout.globals) == (
         {FACTOR, "LossScaleUpdate_counter"} if period > 1 else {FACTOR})
 
 

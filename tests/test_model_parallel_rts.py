@@ -69,7 +69,7 @@ def temp_bytes(s) -> int:
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sharded"])
 def test_sharded_weights_train_as_one_device(pipelined):
     got = run(WEIGHTS, STATE, pipelined=pipelined)
-    p = testing.step_program(got[2])
+    p = testing.placed_plan(got[2])
     assert {k.split("/")[0] for k in p.rts_slots} == {"weights", "state"}
     assert_one_shard_per_device(got[2], p.rts_slots)
     assert_same(got, run(placed=False))
@@ -91,7 +91,7 @@ def test_sharded_accumulators_train_as_one_device(pipelined):
     for names in ((ACCUM,), (WEIGHTS, STATE, ACCUM)):
         got = run(*names, pipelined=pipelined)
         weights = testing.device_values(got[2], "weights")
-        assert testing.step_program(got[2]).tick_slots == set(weights)   # the one weight slot
+        assert testing.placed_plan(got[2]).tick_slots == set(weights)   # the one weight slot
         assert_same(got, ref)
 
 
@@ -108,7 +108,7 @@ def test_sharded_accumulators_save_temporary_memory(pipelined):
 def test_sharded_lamb_state_and_weights_train_as_one_device():
     """Lamb's norms of weight and update: partial sums of squares psummed over the replicas."""
     got = run(WEIGHTS, STATE, optimizer=lamb)
-    p = testing.step_program(got[2])
+    p = testing.placed_plan(got[2])
     assert not p.row_weights   # weight by weight
     assert_one_shard_per_device(got[2], p.rts_slots)
     assert_same(got, run(placed=False, optimizer=lamb))
@@ -118,7 +118,7 @@ def test_sharded_state_with_per_weight_values_trains_as_one_device():
     """SGD's Accl___ with accumulation is placed by the accumulator settings; the weights
     stay whole, updated on shards."""
     got = run(STATE, ACCUM, pipelined=False, optimizer=sgd_per_weight)
-    p = testing.step_program(got[2])
+    p = testing.placed_plan(got[2])
     assert not p.row_weights and p.update_slots
     assert_one_shard_per_device(got[2], [k for k in p.rts_slots if k.startswith("state/Accl___")])
     assert_same(got, run(placed=False, optimizer=sgd_per_weight))
@@ -134,8 +134,8 @@ def test_inference_gathers_sharded_weights():
         return s, out
     ref = infer()[1]
     s, got = infer(mode="Manual", pipelined=True)
-    assert testing.is_placed(s) and testing.step_program(s).rts_slots == {"weights/float32/r2fs/0"}
-    assert_one_shard_per_device(s, testing.step_program(s).rts_slots)
+    assert testing.is_placed(s) and testing.placed_plan(s).rts_slots == {"weights/float32/r2fs/0"}
+    assert_one_shard_per_device(s, testing.placed_plan(s).rts_slots)
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)
 
@@ -154,8 +154,8 @@ def test_forward_only_program_runs_on_the_sharded_weights():
     s.readWeights(popart.PyWeightsIO({"w0": w0}))
     s.run("implicitPipeliningFwdOnly", popart.PyStepIO(f, out))
     dev.detach()
-    fwd = testing.step_program(s, fwd_only=True)
-    assert fwd.placed and fwd.rts_slots == {"weights/float32/r2s/0"}
+    fwd = testing.placed_plan(s, fwd_only=True)
+    assert fwd is not None and fwd.rts_slots == {"weights/float32/r2s/0"}
     np.testing.assert_allclose(out[ids["first"]], np.tanh(f[ids["x"]][0] @ w0), rtol=1e-5, atol=1e-6)
 
 
@@ -176,7 +176,7 @@ def test_forward_only_program_runs_on_off_chip_weights():
     np.testing.assert_allclose(out[ids["first"]], np.tanh(f[ids["x"]][0] @ w0), rtol=1e-5, atol=1e-6)
     s.run(popart.PyStepIO(f, out))
     dev.detach()
-    fwd_off_chip = testing.step_program(s, fwd_only=True).off_chip
-    assert fwd_off_chip == testing.step_program(s).off_chip != frozenset()
+    fwd_off_chip = testing.placed_plan(s, fwd_only=True).off_chip
+    assert fwd_off_chip == testing.placed_plan(s).off_chip != frozenset()
     weights = testing.device_values(s, "weights")
     assert {v.sharding.memory_kind for v in weights.values()} == {"pinned_host"}

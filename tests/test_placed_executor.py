@@ -65,7 +65,7 @@ def test_two_stages_placed_give_the_numbers_of_one_device(front_end):
     assert testing.is_placed(s2) and testing.mesh_shape(s2) == (1, 2)   # really on two devices
     np.testing.assert_allclose(one, WANT, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(two, one, rtol=1e-6, atol=1e-7)
-    executor = testing.step_program(s2).executor   # the one placed executor ...
+    executor = testing.placed_plan(s2).executor   # the one placed executor ...
     assert isinstance(executor, Executor) and executor.mesh.shape == {"replica": 1, "ipu": 2}
     plan = executor.plan   # ... runs a stage plan, data
     assert isinstance(plan, StagePlan) and plan.num_stages == 2 and plan.stage_ipu == [0, 1]

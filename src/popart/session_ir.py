@@ -117,7 +117,7 @@ def _stages(graph: Graph, training: Optional[dict]) -> dict:
     program, options = (training or {}).get("program"), (training or {}).get("options")
     if program is None or not getattr(options, "enablePipelining", False):
         return {}
-    plan = getattr(program, "stages", None)
+    plan = program.placed.stages if program.placed is not None else None
     if plan is None:   # not placed on this machine's devices: the same stages, unplaced
         from .engine.pipeline import popart_stages
         ipus = int(getattr(getattr(program, "device_info", None), "numIpus", 1) or 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["step_program", "compiled_step", "compiled", "is_placed", "mesh_shape",
+__all__ = ["step_program", "placed_plan", "compiled_step", "compiled", "is_placed", "mesh_shape",
            "mesh_devices", "device_values", "executable_source", "engine_loaded",
            "lowered_text"]
 
@@ -34,6 +34,14 @@ def step_program(session: Any, fwd_only: bool = False) -> Any:
     return program
 
 
+def placed_plan(session: Any, fwd_only: bool = False) -> Any:
+    """The plan of a program that runs placed, None when it runs unplaced: a popart
+    session's ``engine.pipeline.PlacedPlan`` (``.executor``, ``.stages``, ``.schedule``, the
+    state's slots: ``.weight_layout``, ``.rts_slots``, ...; ``fwd_only`` as in
+    :func:`step_program`), or a ``popxl.Session``'s ``MainPlan``."""
+    return step_program(session) if _is_popxl(session) else step_program(session, fwd_only).placed
+
+
 def compiled_step(session: Any) -> Any:
     """The session's ``engine.compiled.CompiledStep`` (``.recorder``, ``.compile_seconds``)."""
     return session._step if _is_popxl(session) else step_program(session).step
@@ -46,24 +54,21 @@ def compiled(session: Any) -> Any:
 
 def is_placed(session: Any) -> bool:
     """True when the program runs its virtual graphs (IPUs) on their own devices."""
-    if _is_popxl(session):
-        return session._placed is not None
-    return bool(getattr(step_program(session), "placed", False))
+    return placed_plan(session) is not None
 
 
 def mesh_shape(session: Any) -> tuple:
     """The placed program's (replicas, ipus) mesh shape; () when it is not placed."""
     if not is_placed(session):
         return ()
-    prog = step_program(session)
-    return tuple(prog.mesh.devices.shape)
+    return tuple(placed_plan(session).mesh.devices.shape)
 
 
 def mesh_devices(session: Any) -> list:
     """The devices the program runs on: the placed mesh's (replica-major), or the replicas'
     own devices (empty when the replicas share one device)."""
     if is_placed(session):
-        return list(step_program(session).mesh.devices.flat)
+        return list(placed_plan(session).mesh.devices.flat)
     placement = session._placement if _is_popxl(session) else step_program(session).placement
     return list(placement.devices)
 

@@ -1,10 +1,12 @@
-"""Virtual graphs and pipelining for popart sessions: ``PlacedProgram`` runs a step's stages
-on the devices of their IPUs under PopART's pipeline (or sharding) schedule, with the parts of
-``placed.py``. The specification (stages, slots, the schedule, RTS, ALS, what falls back) is
+"""Virtual graphs and pipelining for popart sessions: a :class:`PlacedPlan` (data, held by
+``StepProgram.placed``) and :func:`placed_step` run a step's stages on the devices of their
+IPUs under PopART's pipeline (or sharding) schedule, with the parts of ``placed.py``. The
+specification (stages, slots, the schedule, RTS, ALS, what falls back) is
 docs/model_parallelism.md."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import jax
@@ -15,7 +17,7 @@ from ..errors import IrError, noted
 from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
 from ..logging import getLogger
 from ..optimizers import GradientNorms, clip_by_norm, local_sum_squares
-from .compiled import CompiledStep, arg_specs
+from .compiled import CompiledStep, Placement, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
 from .placed import (IPU_AXIS, Executor, Layout, StagePlan, Unplaceable, per_ipu, placed_mesh,
@@ -29,6 +31,7 @@ ASSIGN = "__assign__"  # a stage's new value of a variable an op writes, passed 
 PROBE = "__probe__"    # zeros added to a tensor whose gradient is anchored, passed like a feed
 TAP = "__tap__"        # ALS: zeros whose gradient is a tracked gradient's histogram, like a feed
 _logger = getLogger("session")
+P = jax.sharding.PartitionSpec
 
 
 # ---------------------------------------------------------------------------- stages
@@ -108,143 +111,33 @@ class _BlockNorms(GradientNorms):
         return {k: jnp.where(mine[k], v * factor.astype(v.dtype), v) for k, v in g.items()}
 
 
-class PlacedProgram(StepProgram):
-    """A planned StepProgram whose stages run on the devices of their IPUs
-    (docs/model_parallelism.md). ``plan_program`` makes one from a plan when the program can
-    run placed; made directly (the forward-only program of a placed training program), its
-    :meth:`plan` places it or raises."""
-    placed = True
+@dataclass
+class PlacedPlan:
+    """A popart step's stages on the devices of their IPUs (docs/model_parallelism.md), data:
+    the executor (stage plan and mesh), the slots of the weights and of the optimizer state,
+    and which slots live off chip, sharded over the replicas, updated on shards or with
+    sharded accumulators. ``StepProgram.placed`` holds it; :func:`placed_step` builds the
+    step from it and the program; its methods put the state in its layout and take it back."""
+    executor: Executor
+    weight_layout: Layout
+    state_layout: Layout
+    variables: frozenset          # the program's weights (the ids of weight_layout's tensors)
+    rts: Any                      # the program's rts.Layout (shard padding)
+    accumulation: int             # micro-batches per batch (the schedule)
+    has_checks: bool              # the whole graph's trace has run-time checks
+    off_chip: frozenset = frozenset()      # slots kept in host memory
+    rts_slots: frozenset = frozenset()     # slots stored sharded over the replicas
+    update_slots: frozenset = frozenset()  # slots the update takes as shards
+    tick_slots: frozenset = frozenset()    # weight slots with sharded accumulators
+    row_weights: dict = field(default_factory=dict)   # weight slot -> representative (_row_weights)
 
-    def __init__(self, graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
-                 device: Any = None) -> None:
-        super().__init__(graph, cfg, input_infos, device, stash_anchors=True)
-        self._no_placement_yet()
+    @property
+    def stages(self) -> StagePlan:
+        return self.executor.plan
 
-    def _no_placement_yet(self) -> None:
-        self.stages: Optional[StagePlan] = None
-        self.off_chip: frozenset = frozenset()      # slots kept in host memory
-        self.rts_slots: frozenset = frozenset()     # slots stored sharded over the replicas
-        self.update_slots: frozenset = frozenset()  # slots the update takes as shards
-        self.tick_slots: frozenset = frozenset()    # weight slots with sharded accumulators
-        self.executor: Optional[Executor] = None    # the plan on its mesh
-        self.weight_layout: Optional[Layout] = None
-        self.state_layout: Optional[Layout] = None
-
-    @classmethod
-    def from_plan(cls, planned: StepProgram) -> Optional["PlacedProgram"]:
-        """``planned`` (discarded) placed on its device's IPUs; None when its ops are all on
-        one IPU; Unplaceable for what the placed program does not do."""
-        self = cls.__new__(cls)
-        vars(self).update(vars(planned))   # the plan's facts
-        self._no_placement_yet()
-        return self if self._place() else None
-
-    # -------------------------------------------------------------- planning
-    def plan(self) -> None:
-        if self.planned:
-            return
-        super().plan()
-        try:
-            if self._place():
-                return
-        except Unplaceable:
-            pass
-        raise IrError("The forward-only program cannot run placed on the IPUs' devices as the "
-                      "training program does: they cannot share the weights")
-
-    def _place(self) -> bool:
-        """Cut the planned program into stages on the mesh, and lay its state out."""
-        sizes = {k: int(np.prod(s.shape)) for k, s in self.tensor_specs.items()}
-        R = self.cfg.replication_factor
-        n = ipus_per_replica(self.device_info, R)
-        if self.cfg.options.enablePipelining and self._accum_anchors():
-            raise Unplaceable("anchoring a gradient accumulator (Accum___) of a pipelined model")
-        stages = popart_stages(self.graph_consts, self.variables, self.cfg.options, n, sizes)
-        ipus = max(stages.stage_ipu) + 1
-        if stages.num_stages < 2 or ipus < 2:
-            return False
-        self.executor = Executor(stages, placed_mesh(self.device_info.jax_devices, R, ipus))
-        self.stages, self.ipus = stages, ipus
-        self.has_checks = bool(self.run_checks)   # the whole graph's trace has run-time checks
-        self.uses_rng = True   # keys per micro-batch and replica, folded per stage
-        self._plan_layouts()
-        _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
-                     f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
-                     f"{[len(w) for w in self._weights_per_ipu()]}; slots sharded over the "
-                     f"replicas {sorted(self.rts_slots)}, with sharded accumulators "
-                     f"{sorted(self.tick_slots)}")
-        return True
-
-    def _plan_layouts(self) -> None:
-        """The slots of the weights and of the optimizer state (each state tensor beside its
-        weight's slot), which slots live off chip or sharded over the replicas, and how the
-        optimizer updates them."""
-        cfg, stages = self.cfg, self.stages
-        owner = {k: w for w in self.trainable
-                 for k in (cfg.optimizer.init_state(w, self.variables[w]) if cfg.training else {})}
-        ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
-        rts = self.rts   # weights stored or updated on replica shards in slots of their own
-        tags = {w: ("" if w in self.trainable else "f") +
-                ("s" if w in rts.stored | rts.sharded_update else "") for w in self.variables}
-        self.weight_layout = Layout("weights", self.variables, ipu_of, self.ipus, tags)
-        self.row_weights = self._row_weights()
-        state = self.init_opt_state()
-        self.state_layout = Layout("state", {}, ipu_of, self.ipus)
-        beside = {self.weight_layout.slots[w][1]: set() for w in self.trainable}
-        for k, w in owner.items():
-            weight = self.weight_layout.slots[w]
-            dt = np.dtype(state[k].dtype).name
-            self.state_layout.align(k, weight, self.weight_layout.blocks[weight[1]][0],
-                                    f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
-            if np.shape(state[k]) == weight[2]:   # elementwise state: updated as the weight is
-                beside[weight[1]].add(self.state_layout.slots[k][1])
-        for k in [k for k in state if k not in owner]:   # no weight's: automatic loss scaling's
-            self.state_layout.add_global(k, state[k])
-        self.off_chip = self._slots_of(rts.off_chip)
-        self.rts_slots = self._slots_of(rts.stored)
-        self.tick_slots = self._slots_of(rts.scattered) & set(beside)
-        self.update_slots = frozenset(k for w, ss in beside.items()
-                                      if ({w} | ss) & self.rts_slots for k in {w} | ss)
-
-    def _slots_of(self, ids: frozenset) -> frozenset:
-        """The slots all of whose tensors are in ``ids`` (as ``rts.choose`` picked them).
-        Off-chip slots are kept in host memory between steps and moved to the device for
-        each step (not per phase: JAX's shard_map does not carry memory spaces into its
-        body)."""
-        slots: dict[str, bool] = {}
-        for lay in (self.weight_layout, self.state_layout):
-            for tid, (_, key, _) in lay.slots.items():
-                slots[key] = slots.get(key, True) and tid in ids
-        return frozenset(k for k, v in slots.items() if v)
-
-    def share_state_layout(self, other: StepProgram) -> None:
-        if not other.placed:
-            raise IrError("The forward-only program runs placed on the IPUs' devices but the "
-                          "training program on one device: they cannot share the weights")
-        self.weight_layout = other.weight_layout   # its slots, sharded or off chip too
-        self.rts_slots = other.rts_slots & set(other.weight_layout.blocks)
-        self.off_chip = other.off_chip & set(other.weight_layout.blocks)
-
-    def _row_weights(self) -> dict[str, str]:
-        """Elementwise updates of whole blocks (or their shards): per weight slot, a weight
-        whose optimizer values every weight of the slot shares (empty when the update needs
-        each weight apart: Lamb's norms, per-weight values)."""
-        opt = self.cfg.optimizer   # clipping runs before, over all blocks (_clip)
-        if not self.cfg.training or not opt.elementwise_rule:
-            return {}
-        reps: dict[str, str] = {}
-        for w in self.trainable:
-            key = self.weight_layout.slots[w][1]
-            r = reps.setdefault(key, w)
-            if any(opt.hyper_value(w, n) != opt.hyper_value(r, n) for n in opt.hyper_names()):
-                return {}
-        return reps
-
-    def _weights_per_ipu(self) -> list:
-        per = [[] for _ in range(self.ipus)]
-        for w in self.variables:
-            per[self.stages.ipu_of(w)].append(w)
-        return per
+    @property
+    def ipus(self) -> int:
+        return self.executor.ipus
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -254,10 +147,33 @@ class PlacedProgram(StepProgram):
     def schedule(self) -> list[list[tuple[int, int]]]:
         """Per tick, the (stage, micro-batch) pairs that run (one batch of a training or
         inference step): PopART's ramp-up, main and ramp-down phases."""
-        S, A = self.stages.num_stages, self.cfg.accumulation_factor
+        S, A = self.stages.num_stages, self.accumulation
         if not self.stages.pipelined:
             return [[(s, m)] for m in range(A) for s in range(S)]
         return [[(s, t - s) for s in range(S) if 0 <= t - s < A] for t in range(A + S - 1)]
+
+    @property
+    def view_slots(self) -> frozenset:
+        """The weight slots the stages take as this replica's shards (all-gathered before
+        use, their gradients reduce-scattered): those stored sharded, updated on shards, or
+        with sharded accumulators."""
+        return (self.rts_slots | self.update_slots | self.tick_slots) & set(self.weight_layout.blocks)
+
+    def place_forward(self, program: StepProgram) -> "PlacedPlan":
+        """The placed plan of ``program``, the forward-only program of this plan's training
+        program (planned), on its weights' slots (sharded or off chip too)."""
+        try:
+            plan = plan_placed(program)
+        except Unplaceable:
+            plan = None
+        if plan is None:
+            raise IrError("The forward-only program cannot run placed on the IPUs' devices as "
+                          "the training program does: they cannot share the weights")
+        program.uses_rng = True   # keys per micro-batch and replica, folded per stage
+        plan.weight_layout = self.weight_layout
+        plan.rts_slots = self.rts_slots & set(self.weight_layout.blocks)
+        plan.off_chip = self.off_chip & set(self.weight_layout.blocks)
+        return plan
 
     # -------------------------------------------------------------- state layout
     def _layout(self, names: Any) -> Layout:
@@ -274,7 +190,7 @@ class PlacedProgram(StepProgram):
         kinds = {k.split("/")[0] for k in bufs}
         return self.weight_layout if kinds == {"weights"} else self.state_layout
 
-    def _state_sharding(self, layout: Optional["Layout"] = None) -> Any:
+    def state_sharding(self, layout: Optional[Layout] = None) -> Any:
         """Slots split over the IPU axis; with a layout, per slot, off-chip ones in host
         memory (the step's arguments and results there: the compiled program moves them to
         the device and back)."""
@@ -284,30 +200,29 @@ class PlacedProgram(StepProgram):
 
         def of(k: str) -> jax.sharding.Sharding:
             if k in layout.global_specs:   # replicated
-                return self._mesh_sharding()
-            return self.executor.sharding(*self._slot_spec(k),
+                return self.executor.sharding()
+            return self.executor.sharding(*self.slot_spec(k),
                                           memory_kind=HOST_MEMORY if k in self.off_chip else None)
         return {k: of(k) for k in layout.specs()}
 
-    def _slot_spec(self, key: str, sharded: Optional[frozenset] = None) -> Any:
+    def slot_spec(self, key: str, sharded: Optional[frozenset] = None) -> Any:
         """A slot's partition: over the IPUs, and over the replicas for the slots in
         ``sharded`` (default: those stored sharded)."""
-        P = jax.sharding.PartitionSpec
         sharded = self.rts_slots if sharded is None else sharded
         return P(IPU_AXIS, REPLICA_AXIS) if key in sharded else P(IPU_AXIS)
 
-    def _block(self, key: str) -> tuple:
+    def block(self, key: str) -> tuple:
         """The block shape of a weight or state slot."""
         return (self.weight_layout if key.startswith("weights/") else self.state_layout).blocks[key][0]
 
-    def _sharded_slots(self, bufs: Mapping[str, Any], to_shards: bool,
-                       keys: Optional[frozenset] = None) -> dict:
+    def sharded_slots(self, bufs: Mapping[str, Any], to_shards: bool,
+                      keys: Optional[frozenset] = None) -> dict:
         """Slots ``[ipus, *block]`` as replica-sharded ``[ipus, padded]`` (each block as
         ``rts.Layout.shard`` stores a tensor) or back: the slots in ``keys`` (default: those
         stored sharded); host or traced (global) arrays."""
         out = dict(bufs)
         for k in (self.rts_slots if keys is None else keys) & set(bufs):
-            v, block = bufs[k], self._block(k)
+            v, block = bufs[k], self.block(k)
             n, padded = int(np.prod(block, dtype=np.int64)), self.rts.padded(block)
             if to_shards:
                 flat = v.reshape(v.shape[0], -1)
@@ -317,386 +232,481 @@ class PlacedProgram(StepProgram):
                 out[k] = v[:, :n].reshape((v.shape[0],) + block)
         return out
 
-    def _mesh_sharding(self, *spec: Any) -> jax.sharding.NamedSharding:
-        return self.executor.sharding(*spec)
+    def gather(self, blocks: Mapping[str, Any], keys: frozenset) -> dict:
+        """This device's blocks, those of the slots in ``keys`` all-gathered from shards."""
+        return {k: self.rts.unshard_local(v, self.block(k)) if k in keys else v
+                for k, v in blocks.items()}
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
         layout = self._layout(named)
-        return jax.device_put(self._sharded_slots(layout.pack(named), True), self._state_sharding(layout))
+        return jax.device_put(self.sharded_slots(layout.pack(named), True), self.state_sharding(layout))
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
-        bufs = self._sharded_slots({k: self.to_host(v) for k, v in state.items()}, False)
+        bufs = self.sharded_slots({k: Placement.to_host(v) for k, v in state.items()}, False)
         return {k: np.array(v) for k, v in self._buffers_layout(state).unpack(bufs).items()}
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
         layout = self._layout(named)
         specs = layout.specs()
         for k in self.rts_slots & set(specs):   # replica-sharded: [ipus, padded]
-            specs[k] = jax.ShapeDtypeStruct((self.ipus, self.rts.padded(self._block(k))), specs[k].dtype)
+            specs[k] = jax.ShapeDtypeStruct((self.ipus, self.rts.padded(self.block(k))), specs[k].dtype)
         return specs
 
     def put(self, tree: Any) -> Any:
-        return jax.device_put(tree, self._mesh_sharding())
+        return jax.device_put(tree, self.executor.sharding())
 
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
-        return jax.device_put(dict(feeds), self._mesh_sharding(None, None, REPLICA_AXIS))
+        return jax.device_put(dict(feeds), self.executor.sharding(None, None, REPLICA_AXIS))
 
-    # -------------------------------------------------------------- the step
-    def _compiled_step(self) -> CompiledStep:
-        w, s = self._state_sharding(self.weight_layout), self._state_sharding(self.state_layout)
-        rep, feeds = self._mesh_sharding(), self._mesh_sharding(None, None, REPLICA_AXIS)
-        return CompiledStep(self._placed_step(), donate_argnums=(0, 1, 2),
+    def compiled_step(self, program: StepProgram) -> CompiledStep:
+        """``program``'s step (:func:`placed_step`), jitted with this plan's shardings."""
+        w, s = self.state_sharding(self.weight_layout), self.state_sharding(self.state_layout)
+        rep, feeds = self.executor.sharding(), self.executor.sharding(None, None, REPLICA_AXIS)
+        return CompiledStep(placed_step(self, program), donate_argnums=(0, 1, 2),
                             in_shardings=(w, s, rep, feeds, rep), out_shardings=(w, s, rep, rep))
 
-    def _stage_fn(self, s: int):
-        """Stage s on one micro-batch: (weights, feeds, received tensors, key) -> (the
-        tensors it sends on, its anchor values, its loss or 0)."""
-        st, cfg = self.stages, self.cfg
-        sub = Graph(name=f"{self.graph.name}/stage{s}", nodes=st.nodes[s],
-                    initializers=self.constants, tensor_info=self.graph.tensor_info,
-                    opsets=self.graph.opsets, constants=self.graph.constants)
-        sends = st.boundary[s] if s < st.num_stages - 1 else []
-        anchors = [a for a in self._fwd_anchor_ids() if self._anchor_stage(a) == s]
-        check = f"{CHECKS}/{s}"   # the stage's run-time checks: a record, like an anchor
-        if self.has_checks:
-            anchors.append(check)
-        assigns = [f"{ASSIGN}/{v}" for v in self.assigned
-                   if v in self.variables and st.produced_at.get(v) == s] \
-            if cfg.training else []
-        anchors += assigns
-        has_loss = cfg.training and st.produced_at.get(cfg.loss) == s
 
-        def run(weights, feeds, received, key, hyper):
-            probes = {k[len(PROBE) + 1:]: v for k, v in feeds.items() if k.startswith(PROBE + "/")}
-            taps = {k[len(TAP) + 1:]: functools.partial(self.als.tap, stat=v)
-                    for k, v in feeds.items() if k.startswith(TAP + "/")}
-            feeds = {k: v for k, v in feeds.items() if not k.startswith((PROBE + "/", TAP + "/"))}
-            t = self._trace(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
-                            training=cfg.training, graph=sub, taps=taps)
-            env = t.env
-            out = {k: jnp.asarray(env[k]) for k in sends}
-            anc = {a: self._value(env, a) for a in anchors if a != check and a not in assigns}
-            for a in assigns:   # the variable's new value (unchanged when the op did not run)
-                v = a.split("/", 1)[1]
-                anc[a] = jnp.asarray(t.assignments.get(v, env[v]), self.variables[v].dtype)
-            if self.has_checks:
-                flags = t.check_flags()
-                anc[check] = self._zeros([check])[check] if flags is None else flags
-            loss = jnp.zeros((), jnp.float32)
-            if has_loss:
-                loss = t.scalable_loss(cfg.loss)
-                scaled = loss * jnp.asarray(self._hyper(hyper, "lossScaling"), loss.dtype)
-                loss = scaled.astype(jnp.float32).reshape(())   # a loss of shape [1] too
-            return out, anc, loss
-        return run, sends, anchors
+# ---------------------------------------------------------------------------- planning
+def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
+    """``program`` (planned) cut into stages on the mesh, with its state laid out; None when
+    its ops are all on one IPU; Unplaceable for what the placed program does not do."""
+    sizes = {k: int(np.prod(s.shape)) for k, s in program.tensor_specs.items()}
+    cfg = program.cfg
+    R = cfg.replication_factor
+    n = ipus_per_replica(program.device_info, R)
+    if cfg.options.enablePipelining and program._accum_anchors():
+        raise Unplaceable("anchoring a gradient accumulator (Accum___) of a pipelined model")
+    stages = popart_stages(program.graph_consts, program.variables, cfg.options, n, sizes)
+    ipus = max(stages.stage_ipu) + 1
+    if stages.num_stages < 2 or ipus < 2:
+        return None
+    executor = Executor(stages, placed_mesh(program.device_info.jax_devices, R, ipus))
+    plan = PlacedPlan(executor=executor, variables=frozenset(program.variables), rts=program.rts,
+                      accumulation=cfg.accumulation_factor, has_checks=bool(program.run_checks),
+                      **_plan_layouts(program, stages, ipus))
+    per_ipu_weights = [[w for w in program.variables if stages.ipu_of(w) == i] for i in range(ipus)]
+    _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
+                 f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
+                 f"{[len(w) for w in per_ipu_weights]}; slots sharded over the "
+                 f"replicas {sorted(plan.rts_slots)}, with sharded accumulators "
+                 f"{sorted(plan.tick_slots)}")
+    return plan
 
-    def _anchor_stage(self, a: str) -> int:
-        """The stage whose trace has anchor ``a``: its producer (or owner, for a weight), for
-        a graph input its first reader."""
-        st, a = self.stages, unstash(a)
-        if a.startswith(CHECKS + "/"):
-            return int(a.split("/")[-1])
-        if a.startswith(ASSIGN + "/"):
-            return st.produced_at[a.split("/", 1)[1]]
-        if a in st.produced_at:
-            return st.produced_at[a]
-        return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in reads(nd)), 0)
 
-    def _probes(self) -> list[str]:
-        """The tensors (not weights) whose gradients are anchored."""
-        return [a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)
-                and a[len(GRAD_PREFIX):] not in self.variables
-                and a not in self.als_anchors] if self.cfg.training else []
+def _plan_layouts(program: StepProgram, stages: StagePlan, ipus: int) -> dict:
+    """The slots of the weights and of the optimizer state (each state tensor beside its
+    weight's slot), which slots live off chip or sharded over the replicas, and how the
+    optimizer updates them (``PlacedPlan``'s fields)."""
+    cfg, trainable, variables = program.cfg, program.trainable, program.variables
+    owner = {k: w for w in trainable
+             for k in (cfg.optimizer.init_state(w, variables[w]) if cfg.training else {})}
+    ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
+    rts = program.rts   # weights stored or updated on replica shards in slots of their own
+    tags = {w: ("" if w in trainable else "f") +
+            ("s" if w in rts.stored | rts.sharded_update else "") for w in variables}
+    weight_layout = Layout("weights", variables, ipu_of, ipus, tags)
+    row_weights = _row_weights(program, weight_layout)
+    state = program.init_opt_state()
+    state_layout = Layout("state", {}, ipu_of, ipus)
+    beside = {weight_layout.slots[w][1]: set() for w in trainable}
+    for k, w in owner.items():
+        weight = weight_layout.slots[w]
+        dt = np.dtype(state[k].dtype).name
+        state_layout.align(k, weight, weight_layout.blocks[weight[1]][0],
+                           f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
+        if np.shape(state[k]) == weight[2]:   # elementwise state: updated as the weight is
+            beside[weight[1]].add(state_layout.slots[k][1])
+    for k in [k for k in state if k not in owner]:   # no weight's: automatic loss scaling's
+        state_layout.add_global(k, state[k])
 
-    def _tracked(self) -> list[str]:
-        """The tensors whose gradients automatic loss scaling tracks: each is tapped
-        (``als.AlsPlan.tap``) in the stage that computes (or owns) it, where its cotangent is
-        its total gradient."""
-        return list(self.als.tracked) if self.als is not None else []
+    def slots_of(ids: frozenset) -> frozenset:
+        """The slots all of whose tensors are in ``ids`` (as ``rts.choose`` picked them).
+        Off-chip slots are kept in host memory between steps and moved to the device for
+        each step (not per phase: JAX's shard_map does not carry memory spaces into its
+        body)."""
+        slots: dict[str, bool] = {}
+        for lay in (weight_layout, state_layout):
+            for tid, (_, key, _) in lay.slots.items():
+                slots[key] = slots.get(key, True) and tid in ids
+        return frozenset(k for k, v in slots.items() if v)
 
-    def _probe_stages(self, x: str) -> list[int]:
-        """Where tensor x's probe is added: the stage computing it, or every stage reading
-        it (a graph input, fed to each)."""
-        st = self.stages
-        if x in st.produced_at:
-            return [st.produced_at[x]]
-        return [s for s in range(st.num_stages) if any(x in reads(nd) for nd in st.nodes[s])]
+    rts_slots = slots_of(rts.stored)
+    return dict(weight_layout=weight_layout, state_layout=state_layout, row_weights=row_weights,
+                off_chip=slots_of(rts.off_chip), rts_slots=rts_slots,
+                tick_slots=slots_of(rts.scattered) & set(beside),
+                update_slots=frozenset(k for w, ss in beside.items()
+                                       if ({w} | ss) & rts_slots for k in {w} | ss))
 
-    def _fwd_anchor_ids(self) -> list[str]:
-        opt = set(self.opt_state_ids()) | self.als_anchors | self.host_anchors   # host: session
-        if self.cfg.training:   # after the update / the accumulator: the batch's step writes
-            opt |= set(self._updated_var_anchors()) | set(self._accum_anchors())
-        return [a for a in self.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
 
-    def _zeros(self, ids) -> dict:
-        def spec(k: str) -> Any:
-            if k.startswith(CHECKS + "/"):
-                return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
-            if k.startswith(ASSIGN + "/"):
-                return arg_specs(self.variables[k.split("/", 1)[1]])
-            return self.tensor_specs[unstash(k)]
-        return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
+def _row_weights(program: StepProgram, weight_layout: Layout) -> dict[str, str]:
+    """Elementwise updates of whole blocks (or their shards): per weight slot, a weight
+    whose optimizer values every weight of the slot shares (empty when the update needs
+    each weight apart: Lamb's norms, per-weight values)."""
+    opt = program.cfg.optimizer   # clipping runs before, over all blocks (_clip)
+    if not program.cfg.training or not opt.elementwise_rule:
+        return {}
+    reps: dict[str, str] = {}
+    for w in program.trainable:
+        key = weight_layout.slots[w][1]
+        r = reps.setdefault(key, w)
+        if any(opt.hyper_value(w, n) != opt.hyper_value(r, n) for n in opt.hyper_names()):
+            return {}
+    return reps
 
-    @property
-    def view_slots(self) -> frozenset:
-        """The weight slots the stages take as this replica's shards (all-gathered before
-        use, their gradients reduce-scattered): those stored sharded, updated on shards, or
-        with sharded accumulators."""
-        return (self.rts_slots | self.update_slots | self.tick_slots) & set(self.weight_layout.blocks)
 
-    def _gather(self, blocks: Mapping[str, Any], keys: frozenset) -> dict:
-        """This device's blocks, those of the slots in ``keys`` all-gathered from shards."""
-        return {k: self.rts.unshard_local(v, self._block(k)) if k in keys else v
-                for k, v in blocks.items()}
+# ---------------------------------------------------------------------------- the step
+def _stage_fn(pp: PlacedPlan, prog: StepProgram, s: int):
+    """Stage s on one micro-batch: (weights, feeds, received tensors, key) -> (the
+    tensors it sends on, its anchor values, its loss or 0)."""
+    st, cfg = pp.stages, prog.cfg
+    sub = Graph(name=f"{prog.graph.name}/stage{s}", nodes=st.nodes[s],
+                initializers=prog.constants, tensor_info=prog.graph.tensor_info,
+                opsets=prog.graph.opsets, constants=prog.graph.constants)
+    sends = st.boundary[s] if s < st.num_stages - 1 else []
+    anchors = [a for a in _fwd_anchor_ids(prog) if _anchor_stage(pp, a) == s]
+    check = f"{CHECKS}/{s}"   # the stage's run-time checks: a record, like an anchor
+    if pp.has_checks:
+        anchors.append(check)
+    assigns = [f"{ASSIGN}/{v}" for v in prog.assigned
+               if v in prog.variables and st.produced_at.get(v) == s] \
+        if cfg.training else []
+    anchors += assigns
+    has_loss = cfg.training and st.produced_at.get(cfg.loss) == s
 
-    def _pipeline(self, wlayout: Layout):
-        """(weight blocks of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
-        anchors {id: [1, 1, T, ...]}) for M micro-batches of one replica through the stages,
-        inside shard_map. Sharded weights are all-gathered once, those with sharded
-        accumulators in every tick (the backward pass reduce-scatters each tick's gradient
-        into their shards)."""
-        st = self.stages
-        S = st.num_stages
-        stage_fns = [self._stage_fn(s) for s in range(S)]
-        feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in self.input_infos} |
-                              {a for a in stage_fns[s][2] if a in self.input_infos} |
-                              {f"{PROBE}/{x}" for x in self._probes() if s in self._probe_stages(x)} |
-                              {f"{TAP}/{x}" for x in self._tracked() if st.produced_at[x] == s})
-                    for s in range(S)}
+    def run(weights, feeds, received, key, hyper):
+        probes = {k[len(PROBE) + 1:]: v for k, v in feeds.items() if k.startswith(PROBE + "/")}
+        taps = {k[len(TAP) + 1:]: functools.partial(prog.als.tap, stat=v)
+                for k, v in feeds.items() if k.startswith(TAP + "/")}
+        feeds = {k: v for k, v in feeds.items() if not k.startswith((PROBE + "/", TAP + "/"))}
+        t = prog._trace(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
+                        training=cfg.training, graph=sub, taps=taps)
+        env = t.env
+        out = {k: jnp.asarray(env[k]) for k in sends}
+        anc = {a: prog._value(env, a) for a in anchors if a != check and a not in assigns}
+        for a in assigns:   # the variable's new value (unchanged when the op did not run)
+            v = a.split("/", 1)[1]
+            anc[a] = jnp.asarray(t.assignments.get(v, env[v]), prog.variables[v].dtype)
+        if pp.has_checks:
+            flags = t.check_flags()
+            anc[check] = _zeros(prog, [check])[check] if flags is None else flags
+        loss = jnp.zeros((), jnp.float32)
+        if has_loss:
+            loss = t.scalable_loss(cfg.loss)
+            scaled = loss * jnp.asarray(prog._hyper(hyper, "lossScaling"), loss.dtype)
+            loss = scaled.astype(jnp.float32).reshape(())   # a loss of shape [1] too
+        return out, anc, loss
+    return run, sends, anchors
 
-        def body(blocks, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
-            M = keys.shape[0]
-            blocks = self._gather({k: v[0] for k, v in blocks.items()},
-                                  self.view_slots - self.tick_slots)
-            feeds, keys = {k: v[:, 0] for k, v in feeds.items()}, keys[:, 0]
 
-            def stage(s, weights, recv, mc):
-                run = stage_fns[s][0]
-                f = {k: feeds[k][mc] for k in feed_ids[s]}
-                # a tensor passed through a stage on the same device comes straight in
-                w = {k: weights[k] for k in st.weights[s]}
-                return lambda: run(w, f, recv, keys[mc], hyper)
+def _anchor_stage(pp: PlacedPlan, a: str) -> int:
+    """The stage whose trace has anchor ``a``: its producer (or owner, for a weight), for
+    a graph input its first reader."""
+    st, a = pp.stages, unstash(a)
+    if a.startswith(CHECKS + "/"):
+        return int(a.split("/")[-1])
+    if a.startswith(ASSIGN + "/"):
+        return st.produced_at[a.split("/", 1)[1]]
+    if a in st.produced_at:
+        return st.produced_at[a]
+    return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in reads(nd)), 0)
 
-            def zeros(s):
-                _, sends, anc_ids = stage_fns[s]
-                return self._zeros(sends), self._zeros(anc_ids), jnp.zeros((), jnp.float32)
 
-            loss, anchors = self.executor.pipeline(
-                M, stage, zeros, lambda d, bufs: wlayout.unpack(bufs, d),
-                lambda: self._gather(blocks, self.tick_slots))
-            return loss[None, None], {a: v[None, None] for a, v in anchors.items()}
-        return body
+def _probes(prog: StepProgram) -> list[str]:
+    """The tensors (not weights) whose gradients are anchored."""
+    return [a[len(GRAD_PREFIX):] for a in prog.anchor_ids if a.startswith(GRAD_PREFIX)
+            and a[len(GRAD_PREFIX):] not in prog.variables
+            and a not in prog.als_anchors] if prog.cfg.training else []
 
-    def _micro_groups(self) -> tuple[int, int]:
-        """(groups, micro-batches per group): pipelining sends a batch's A micro-batches
-        (inference: all the step's) through the pipeline together, sharding one at a time."""
-        n = self.cfg.accumulation_factor
-        if not self.cfg.training:   # inference: every micro-batch of the step
-            n *= self.cfg.batches_per_step
-        return (1, n) if self.stages.pipelined else (n, 1)
 
-    def _placed_step(self):
-        cfg, st = self.cfg, self.stages
-        P = jax.sharding.PartitionSpec
-        A, B, R = cfg.accumulation_factor, cfg.batches_per_step, cfg.replication_factor
-        G, M = self._micro_groups()
-        anchor_stage = {a: self._anchor_stage(a) for a in self._fwd_anchor_ids() +
-                        [f"{CHECKS}/{s}" for s in range(st.num_stages)] +
-                        [f"{ASSIGN}/{v}" for v in self.assigned if v in self.variables]}
-        trainable = self.trainable
-        anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
-        updated_var, accum = self._updated_var_anchors(), self._accum_anchors()
-        grad_anchors = [a for a in self.anchor_ids if a.startswith(GRAD_PREFIX)
-                        and a[len(GRAD_PREFIX):] in self.variables]
+def _tracked(prog: StepProgram) -> list[str]:
+    """The tensors whose gradients automatic loss scaling tracks: each is tapped
+    (``als.AlsPlan.tap``) in the stage that computes (or owns) it, where its cotangent is
+    its total gradient."""
+    return list(prog.als.tracked) if prog.als is not None else []
 
-        def run_group(wbufs, wlayout, feeds, keys, hyper):
-            """M micro-batches of every replica (feeds [M, R, ...]): (loss sum, anchors
-            {id: [M, R, ...]})."""
-            wspec = {k: self._slot_spec(k, self.view_slots) for k in wbufs}
-            body = self.executor.run(self._pipeline(wlayout),
-                                     (wspec, P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
-                                     (P(REPLICA_AXIS, IPU_AXIS),) * 2)
-            losses, anchors = body(wbufs, feeds, keys, hyper)
-            out = {a: jnp.swapaxes(v[:, st.stage_ipu[anchor_stage[a]],
-                                     anchor_stage[a]:anchor_stage[a] + M], 0, 1)
-                   for a, v in anchors.items()}
-            checks = [out.pop(a) for a in list(out) if a.startswith(CHECKS + "/")]
-            if checks:   # every stage's records of each micro-batch: [M, R, stages, RECORD]
-                out[CHECKS] = jnp.stack(checks, axis=2)
-            return jnp.sum(losses), out
 
-        def update(wlayout, slayout, wbufs, gbufs, sbufs, hyper):
-            """The optimizer on each device's own weights and state: on this replica's shards
-            for the slots in ``update_slots`` (gradients reduce-scattered, the rest sliced),
-            else on whole blocks (sharded accumulators all-gathered)."""
-            ipus, on, views = self.ipus, self.update_slots, self.view_slots
+def _probe_stages(pp: PlacedPlan, x: str) -> list[int]:
+    """Where tensor x's probe is added: the stage computing it, or every stage reading
+    it (a graph input, fed to each)."""
+    st = pp.stages
+    if x in st.produced_at:
+        return [st.produced_at[x]]
+    return [s for s in range(st.num_stages) if any(x in reads(nd) for nd in st.nodes[s])]
 
-            def body(w, g, s, h):
-                w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own blocks
-                g = self._clip(g, h, views)
-                w, s = ({k: self.rts.shard_local(v) if k in on - self.rts_slots else v
-                         for k, v in x.items()} for x in (w, s))
-                g = self._gather(g, views - on)
-                if self.row_weights:
-                    w, s = self._row_update(w, g, s, h)
-                else:
-                    def branch(d):
-                        def f(w, g, s):
-                            mine = [k for k in trainable if wlayout.slots[k][0] == d]
-                            ws, gs = wlayout.unpack(w, d, on), wlayout.unpack(g, d, on)
-                            ss, new_w, new_s = slayout.unpack(s, d, on), {}, {}
-                            for sharded in (False, True):
-                                ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
-                                if ids:
-                                    nw, ns = self.cfg.optimizer.apply(
-                                        {k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss, h,
-                                        clip=False, sum_squares=self._sum_squares(sharded))
-                                    new_w.update(nw)
-                                    new_s.update(ns)
-                            return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
-                        return f
-                    w, s = per_ipu([branch(d) for d in range(ipus)], w, g, s)
-                w, s = (self._gather(x, on - self.rts_slots) for x in (w, s))
-                return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
-            wspec, sspec = ({k: self._slot_spec(k) for k in x} for x in (wbufs, sbufs))
-            gspec = {k: self._slot_spec(k, views) for k in gbufs}
-            return self.executor.run(body, (wspec, gspec, sspec, P()), (wspec, sspec))(
-                wbufs, gbufs, sbufs, hyper)
 
-        def step(weights, opt_state, key_data, feeds, hyper):
-            wlayout, slayout = self.weight_layout, self.state_layout
-            key = jax.random.wrap_key_data(key_data)
+def _fwd_anchor_ids(prog: StepProgram) -> list[str]:
+    opt = set(prog.opt_state_ids()) | prog.als_anchors | prog.host_anchors   # host: session
+    if prog.cfg.training:   # after the update / the accumulator: the batch's step writes
+        opt |= set(prog._updated_var_anchors()) | set(prog._accum_anchors())
+    return [a for a in prog.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
 
-            def batch(carry, xs):
-                wbufs, sbufs = carry
-                bfeeds, bkey = xs                                   # bfeeds: [A, R, ...]
-                bfeeds = {k: v.reshape((G, M) + v.shape[1:]) for k, v in bfeeds.items()}
-                keys = self._split(bkey, A * R).reshape((G, M, R))
-                # the state no IPU owns (ALS): replicated, updated outside the IPUs' update
-                glob = {t: sbufs[k] for t, k in slayout.globals.items()}
-                sbufs = {k: v for k, v in sbufs.items() if k not in slayout.global_specs}
-                h = hyper
-                if self.als is not None:   # this batch's counter and finalLossScale
-                    glob, h, final, static = self.als.begin(glob, hyper)
 
-                def group(gacc, x):
-                    probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + self.tensor_specs[p].shape, self.tensor_specs[p].dtype)
-                              for p in self._probes()}   # gradients of activations: per micro-batch
-                    probes.update({f"{TAP}/{t}": jnp.zeros((M, R) + _als.STAT_SHAPE, jnp.float32)
-                                   for t in self._tracked()})   # ALS: histograms per micro-batch
-                    (_, anchors), (grads, pgrads) = jax.value_and_grad(
-                        lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], h),
-                        argnums=(0, 1), has_aux=True)(wview, probes)
-                    anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()
-                                    if k.startswith(PROBE + "/")})
-                    if self._tracked():   # [M, R, tracked, *STAT_SHAPE]
-                        anchors[_als.STATS] = jnp.stack(
-                            [pgrads[f"{TAP}/{t}"] for t in self._tracked()], axis=2)
-                    gacc = jax.tree_util.tree_map(jnp.add, gacc, grads)
-                    if accum:   # one micro-batch per group (pipelined: the plain program)
-                        acc = wlayout.unpack(self._sharded_slots(gacc, False, self.view_slots))
-                        anchors.update({a: jnp.broadcast_to(
-                            acc[w].astype(self.anchor_specs[a].dtype)[None, None],
-                            (M, R) + self.anchor_specs[a].shape) for a, w in accum.items()})
-                    return gacc, anchors
-                # the stages' weights: shards where view_slots says; their gradients, and so
-                # the accumulators, are shards too
-                wview = self._sharded_slots(wbufs, True, self.view_slots - self.rts_slots)
-                zeros = jax.tree_util.tree_map(jnp.zeros_like, wview)
-                gbufs, anchors = _scan(group, zeros, (bfeeds, keys))
-                vals = self._per_micro(anchors)
-                if cfg.mean_reduction:
-                    gbufs = jax.tree_util.tree_map(lambda g: g / (A * R), gbufs)
-                if grad_anchors:   # the accumulated gradient, as the plain program gives
-                    grads = wlayout.unpack(self._sharded_slots(gbufs, False, self.view_slots))
-                    for a in grad_anchors:
-                        vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
-                                                   (A, R) + self.anchor_specs[a].shape)
-                if self.als is not None:   # the update uses the batch's finalLossScale
-                    glob = self._als_batch(vals, glob, final, static, h[_als.UPDATE])
-                trained = {wlayout.slots[k][1] for k in trainable}
-                wbufs, sbufs = update(wlayout, slayout, wbufs, {k: gbufs[k] for k in trained},
-                                      sbufs, h)
-                sbufs = {**sbufs, **{slayout.globals[t]: v for t, v in glob.items()}}
-                # variables ops write: the last micro-batch's value, averaged over the replicas
-                written = {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
-                           for a in list(vals) if a.startswith(ASSIGN + "/")}
-                slots = frozenset(wlayout.slots[v][1] for v in written)
-                wbufs = self._sharded_slots(wlayout.write(self._sharded_slots(
-                    wbufs, False, slots), written), True, slots)
-                state = slayout.unpack(self._sharded_slots(sbufs, False))
-                if updated_var:   # the weights after the batch's update
-                    new = wlayout.unpack(self._sharded_slots(wbufs, False))
-                    for a, w in updated_var.items():
-                        vals[a] = jnp.broadcast_to(new[w], (A, R) + jnp.shape(new[w]))
-                for a in anchor_opt:
-                    vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
-                return (wbufs, sbufs), vals
+def _zeros(prog: StepProgram, ids) -> dict:
+    def spec(k: str) -> Any:
+        if k.startswith(CHECKS + "/"):
+            return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
+        if k.startswith(ASSIGN + "/"):
+            return arg_specs(prog.variables[k.split("/", 1)[1]])
+        return prog.tensor_specs[unstash(k)]
+    return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
-            key, sub = self._split(key, 2)
-            if not cfg.training:   # no updates: the step's B x A micro-batches in one go
-                flat = {k: v.reshape((G, M) + v.shape[2:]) for k, v in feeds.items()}
-                keys = self._split(sub, B * A * R).reshape((G, M, R))
-                _, anchors = jax.lax.map(lambda x: run_group(weights, wlayout, x[0], x[1], hyper),
-                                         (flat, keys))
-                vals = {a: v.reshape((B, A) + v.shape[2:]) for a, v in anchors.items()}
-                return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
-            (weights, opt_state), vals = jax.lax.scan(
-                batch, (weights, opt_state), (feeds, self._split(sub, B)))
-            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
-        return step
 
-    def _clip(self, g: dict, h: dict, sharded: frozenset) -> dict:
-        """The optimizer's gradient norm clipping on this device's gradient blocks (the
-        replica's shards of those in ``sharded``), with norms over the IPUs (and replicas)."""
-        opt = self.cfg.optimizer
-        if not self.cfg.training or not opt.clip_norm_settings:
-            return g
-        ls = jnp.asarray(self._hyper(h, "lossScaling"), jnp.float32)
-        return clip_by_norm(opt.clip_norm_settings, g, list(self.trainable),
-                            _BlockNorms(self.weight_layout, self.ipus, ls, sharded))
+def _pipeline(pp: PlacedPlan, prog: StepProgram, wlayout: Layout):
+    """(weight blocks of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
+    anchors {id: [1, 1, T, ...]}) for M micro-batches of one replica through the stages,
+    inside shard_map. Sharded weights are all-gathered once, those with sharded
+    accumulators in every tick (the backward pass reduce-scatters each tick's gradient
+    into their shards)."""
+    st = pp.stages
+    S = st.num_stages
+    stage_fns = [_stage_fn(pp, prog, s) for s in range(S)]
+    feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in prog.input_infos} |
+                          {a for a in stage_fns[s][2] if a in prog.input_infos} |
+                          {f"{PROBE}/{x}" for x in _probes(prog) if s in _probe_stages(pp, x)} |
+                          {f"{TAP}/{x}" for x in _tracked(prog) if st.produced_at[x] == s})
+                for s in range(S)}
 
-    @staticmethod
-    def _sum_squares(on_shards: bool):
-        """How the update sums a tensor's squares (Lamb's norms): over the replicas' shards
-        when it updates shards."""
-        if not on_shards:
-            return local_sum_squares
-        return lambda x: jax.lax.psum(local_sum_squares(x), REPLICA_AXIS)
+    def body(blocks, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
+        M = keys.shape[0]
+        blocks = pp.gather({k: v[0] for k, v in blocks.items()}, pp.view_slots - pp.tick_slots)
+        feeds, keys = {k: v[:, 0] for k, v in feeds.items()}, keys[:, 0]
 
-    def _row_update(self, w: dict, g: dict, s: dict, h: dict) -> tuple[dict, dict]:
-        """The optimizer on whole blocks (or their shards, ``update_slots``), in place: each
-        weight slot updated as one weight (its representative's values), with the state
-        slots beside it."""
-        lay, w, s = self.state_layout, dict(w), dict(s)
-        for wkey, r in self.row_weights.items():
-            opt = self.cfg.optimizer
-            keys = {sid: lay.slots[sid][1] for sid in opt.init_state(r, self.variables[r])}
-            new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]},
-                                     {sid: s[key] for sid, key in keys.items()}, h, clip=False,
-                                     sum_squares=self._sum_squares(wkey in self.update_slots))
-            w[wkey] = new_w[r]
-            s.update({keys[sid]: v for sid, v in new_s.items()})
-        return w, s
+        def stage(s, weights, recv, mc):
+            run = stage_fns[s][0]
+            f = {k: feeds[k][mc] for k in feed_ids[s]}
+            # a tensor passed through a stage on the same device comes straight in
+            w = {k: weights[k] for k in st.weights[s]}
+            return lambda: run(w, f, recv, keys[mc], hyper)
 
-    def _als_batch(self, vals: dict, glob: dict, final: Any, static: Any, on: Any) -> dict:
-        """Automatic loss scaling after a batch's micro-batches, as the plain step does it:
-        the histograms [A, R, tracked, 2] of the taps (``vals``' ``als.STATS``, in
-        :meth:`als.AlsPlan.counts`' digits) accumulated
-        micro-batch by micro-batch, the ALS anchors added to ``vals``, and the global state
-        ``glob`` with the updated factor."""
-        R = self.cfg.replication_factor
-        stats = self.als.gate(self.als.counts(vals.pop(_als.STATS)), on)
-        stats_acc, per_micro = _scan(lambda acc, st: self._als_micro(st, acc),
-                                     jnp.zeros((R, 2), jnp.float32), stats)
-        vals.update(per_micro)
-        self._als_batch_anchors(vals, stats_acc, final, static)
-        return self._auto_loss_scale(stats_acc, glob, on)
+        def zeros(s):
+            _, sends, anc_ids = stage_fns[s]
+            return _zeros(prog, sends), _zeros(prog, anc_ids), jnp.zeros((), jnp.float32)
 
-    @staticmethod
-    def _per_micro(anchors: dict) -> dict:
-        """Anchors [G, M, R, ...] of a batch as [A, R, ...]."""
-        return {a: v.reshape((-1,) + v.shape[2:]) for a, v in anchors.items()}
+        loss, anchors = pp.executor.pipeline(
+            M, stage, zeros, lambda d, bufs: wlayout.unpack(bufs, d),
+            lambda: pp.gather(blocks, pp.tick_slots))
+        return loss[None, None], {a: v[None, None] for a, v in anchors.items()}
+    return body
+
+
+def _micro_groups(pp: PlacedPlan, prog: StepProgram) -> tuple[int, int]:
+    """(groups, micro-batches per group): pipelining sends a batch's A micro-batches
+    (inference: all the step's) through the pipeline together, sharding one at a time."""
+    n = prog.cfg.accumulation_factor
+    if not prog.cfg.training:   # inference: every micro-batch of the step
+        n *= prog.cfg.batches_per_step
+    return (1, n) if pp.stages.pipelined else (n, 1)
+
+
+def placed_step(pp: PlacedPlan, prog: StepProgram):
+    """``prog``'s step run by ``pp``'s executor: ``(weights, opt_state, key, feeds, hyper) ->
+    (weights, opt_state, key, anchors)``, the state in ``pp``'s slots (docs/model_parallelism.md)."""
+    cfg, st = prog.cfg, pp.stages
+    A, B, R = cfg.accumulation_factor, cfg.batches_per_step, cfg.replication_factor
+    G, M = _micro_groups(pp, prog)
+    anchor_stage = {a: _anchor_stage(pp, a) for a in _fwd_anchor_ids(prog) +
+                    [f"{CHECKS}/{s}" for s in range(st.num_stages)] +
+                    [f"{ASSIGN}/{v}" for v in prog.assigned if v in prog.variables]}
+    trainable = prog.trainable
+    anchor_opt = [a for a in prog.anchor_ids if a in prog.opt_state_ids()]
+    updated_var, accum = prog._updated_var_anchors(), prog._accum_anchors()
+    grad_anchors = [a for a in prog.anchor_ids if a.startswith(GRAD_PREFIX)
+                    and a[len(GRAD_PREFIX):] in prog.variables]
+
+    def run_group(wbufs, wlayout, feeds, keys, hyper):
+        """M micro-batches of every replica (feeds [M, R, ...]): (loss sum, anchors
+        {id: [M, R, ...]})."""
+        wspec = {k: pp.slot_spec(k, pp.view_slots) for k in wbufs}
+        body = pp.executor.run(_pipeline(pp, prog, wlayout),
+                               (wspec, P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
+                               (P(REPLICA_AXIS, IPU_AXIS),) * 2)
+        losses, anchors = body(wbufs, feeds, keys, hyper)
+        out = {a: jnp.swapaxes(v[:, st.stage_ipu[anchor_stage[a]],
+                                 anchor_stage[a]:anchor_stage[a] + M], 0, 1)
+               for a, v in anchors.items()}
+        checks = [out.pop(a) for a in list(out) if a.startswith(CHECKS + "/")]
+        if checks:   # every stage's records of each micro-batch: [M, R, stages, RECORD]
+            out[CHECKS] = jnp.stack(checks, axis=2)
+        return jnp.sum(losses), out
+
+    def update(wlayout, slayout, wbufs, gbufs, sbufs, hyper):
+        """The optimizer on each device's own weights and state: on this replica's shards
+        for the slots in ``update_slots`` (gradients reduce-scattered, the rest sliced),
+        else on whole blocks (sharded accumulators all-gathered)."""
+        ipus, on, views = pp.ipus, pp.update_slots, pp.view_slots
+
+        def body(w, g, s, h):
+            w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own blocks
+            g = _clip(pp, prog, g, h, views)
+            w, s = ({k: pp.rts.shard_local(v) if k in on - pp.rts_slots else v
+                     for k, v in x.items()} for x in (w, s))
+            g = pp.gather(g, views - on)
+            if pp.row_weights:
+                w, s = _row_update(pp, prog, w, g, s, h)
+            else:
+                def branch(d):
+                    def f(w, g, s):
+                        mine = [k for k in trainable if wlayout.slots[k][0] == d]
+                        ws, gs = wlayout.unpack(w, d, on), wlayout.unpack(g, d, on)
+                        ss, new_w, new_s = slayout.unpack(s, d, on), {}, {}
+                        for sharded in (False, True):
+                            ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
+                            if ids:
+                                nw, ns = cfg.optimizer.apply(
+                                    {k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss, h,
+                                    clip=False, sum_squares=_sum_squares(sharded))
+                                new_w.update(nw)
+                                new_s.update(ns)
+                        return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
+                    return f
+                w, s = per_ipu([branch(d) for d in range(ipus)], w, g, s)
+            w, s = (pp.gather(x, on - pp.rts_slots) for x in (w, s))
+            return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
+        wspec, sspec = ({k: pp.slot_spec(k) for k in x} for x in (wbufs, sbufs))
+        gspec = {k: pp.slot_spec(k, views) for k in gbufs}
+        return pp.executor.run(body, (wspec, gspec, sspec, P()), (wspec, sspec))(
+            wbufs, gbufs, sbufs, hyper)
+
+    def step(weights, opt_state, key_data, feeds, hyper):
+        wlayout, slayout = pp.weight_layout, pp.state_layout
+        key = jax.random.wrap_key_data(key_data)
+
+        def batch(carry, xs):
+            wbufs, sbufs = carry
+            bfeeds, bkey = xs                                   # bfeeds: [A, R, ...]
+            bfeeds = {k: v.reshape((G, M) + v.shape[1:]) for k, v in bfeeds.items()}
+            keys = prog._split(bkey, A * R).reshape((G, M, R))
+            # the state no IPU owns (ALS): replicated, updated outside the IPUs' update
+            glob = {t: sbufs[k] for t, k in slayout.globals.items()}
+            sbufs = {k: v for k, v in sbufs.items() if k not in slayout.global_specs}
+            h = hyper
+            if prog.als is not None:   # this batch's counter and finalLossScale
+                glob, h, final, static = prog.als.begin(glob, hyper)
+
+            def group(gacc, x):
+                probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + prog.tensor_specs[p].shape,
+                                                    prog.tensor_specs[p].dtype)
+                          for p in _probes(prog)}   # gradients of activations: per micro-batch
+                probes.update({f"{TAP}/{t}": jnp.zeros((M, R) + _als.STAT_SHAPE, jnp.float32)
+                               for t in _tracked(prog)})   # ALS: histograms per micro-batch
+                (_, anchors), (grads, pgrads) = jax.value_and_grad(
+                    lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], h),
+                    argnums=(0, 1), has_aux=True)(wview, probes)
+                anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()
+                                if k.startswith(PROBE + "/")})
+                if _tracked(prog):   # [M, R, tracked, *STAT_SHAPE]
+                    anchors[_als.STATS] = jnp.stack(
+                        [pgrads[f"{TAP}/{t}"] for t in _tracked(prog)], axis=2)
+                gacc = jax.tree_util.tree_map(jnp.add, gacc, grads)
+                if accum:   # one micro-batch per group (pipelined: the plain program)
+                    acc = wlayout.unpack(pp.sharded_slots(gacc, False, pp.view_slots))
+                    anchors.update({a: jnp.broadcast_to(
+                        acc[w].astype(prog.anchor_specs[a].dtype)[None, None],
+                        (M, R) + prog.anchor_specs[a].shape) for a, w in accum.items()})
+                return gacc, anchors
+            # the stages' weights: shards where view_slots says; their gradients, and so
+            # the accumulators, are shards too
+            wview = pp.sharded_slots(wbufs, True, pp.view_slots - pp.rts_slots)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, wview)
+            gbufs, anchors = _scan(group, zeros, (bfeeds, keys))
+            vals = _per_micro(anchors)
+            if cfg.mean_reduction:
+                gbufs = jax.tree_util.tree_map(lambda g: g / (A * R), gbufs)
+            if grad_anchors:   # the accumulated gradient, as the plain program gives
+                grads = wlayout.unpack(pp.sharded_slots(gbufs, False, pp.view_slots))
+                for a in grad_anchors:
+                    vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
+                                               (A, R) + prog.anchor_specs[a].shape)
+            if prog.als is not None:   # the update uses the batch's finalLossScale
+                glob = _als_batch(prog, vals, glob, final, static, h[_als.UPDATE])
+            trained = {wlayout.slots[k][1] for k in trainable}
+            wbufs, sbufs = update(wlayout, slayout, wbufs, {k: gbufs[k] for k in trained},
+                                  sbufs, h)
+            sbufs = {**sbufs, **{slayout.globals[t]: v for t, v in glob.items()}}
+            # variables ops write: the last micro-batch's value, averaged over the replicas
+            written = {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
+                       for a in list(vals) if a.startswith(ASSIGN + "/")}
+            slots = frozenset(wlayout.slots[v][1] for v in written)
+            wbufs = pp.sharded_slots(wlayout.write(pp.sharded_slots(
+                wbufs, False, slots), written), True, slots)
+            state = slayout.unpack(pp.sharded_slots(sbufs, False))
+            if updated_var:   # the weights after the batch's update
+                new = wlayout.unpack(pp.sharded_slots(wbufs, False))
+                for a, w in updated_var.items():
+                    vals[a] = jnp.broadcast_to(new[w], (A, R) + jnp.shape(new[w]))
+            for a in anchor_opt:
+                vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
+            return (wbufs, sbufs), vals
+
+        key, sub = prog._split(key, 2)
+        if not cfg.training:   # no updates: the step's B x A micro-batches in one go
+            flat = {k: v.reshape((G, M) + v.shape[2:]) for k, v in feeds.items()}
+            keys = prog._split(sub, B * A * R).reshape((G, M, R))
+            _, anchors = jax.lax.map(lambda x: run_group(weights, wlayout, x[0], x[1], hyper),
+                                     (flat, keys))
+            vals = {a: v.reshape((B, A) + v.shape[2:]) for a, v in anchors.items()}
+            return weights, opt_state, jax.random.key_data(key), prog._reduce_anchors(vals)
+        (weights, opt_state), vals = jax.lax.scan(
+            batch, (weights, opt_state), (feeds, prog._split(sub, B)))
+        return weights, opt_state, jax.random.key_data(key), prog._reduce_anchors(vals)
+    return step
+
+
+def _clip(pp: PlacedPlan, prog: StepProgram, g: dict, h: dict, sharded: frozenset) -> dict:
+    """The optimizer's gradient norm clipping on this device's gradient blocks (the
+    replica's shards of those in ``sharded``), with norms over the IPUs (and replicas)."""
+    opt = prog.cfg.optimizer
+    if not prog.cfg.training or not opt.clip_norm_settings:
+        return g
+    ls = jnp.asarray(prog._hyper(h, "lossScaling"), jnp.float32)
+    return clip_by_norm(opt.clip_norm_settings, g, list(prog.trainable),
+                        _BlockNorms(pp.weight_layout, pp.ipus, ls, sharded))
+
+
+def _sum_squares(on_shards: bool):
+    """How the update sums a tensor's squares (Lamb's norms): over the replicas' shards
+    when it updates shards."""
+    if not on_shards:
+        return local_sum_squares
+    return lambda x: jax.lax.psum(local_sum_squares(x), REPLICA_AXIS)
+
+
+def _row_update(pp: PlacedPlan, prog: StepProgram, w: dict, g: dict, s: dict,
+                h: dict) -> tuple[dict, dict]:
+    """The optimizer on whole blocks (or their shards, ``update_slots``), in place: each
+    weight slot updated as one weight (its representative's values), with the state
+    slots beside it."""
+    lay, w, s = pp.state_layout, dict(w), dict(s)
+    for wkey, r in pp.row_weights.items():
+        opt = prog.cfg.optimizer
+        keys = {sid: lay.slots[sid][1] for sid in opt.init_state(r, prog.variables[r])}
+        new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]},
+                                 {sid: s[key] for sid, key in keys.items()}, h, clip=False,
+                                 sum_squares=_sum_squares(wkey in pp.update_slots))
+        w[wkey] = new_w[r]
+        s.update({keys[sid]: v for sid, v in new_s.items()})
+    return w, s
+
+
+def _als_batch(prog: StepProgram, vals: dict, glob: dict, final: Any, static: Any,
+               on: Any) -> dict:
+    """Automatic loss scaling after a batch's micro-batches, as the plain step does it:
+    the histograms [A, R, tracked, 2] of the taps (``vals``' ``als.STATS``, in
+    :meth:`als.AlsPlan.counts`' digits) accumulated
+    micro-batch by micro-batch, the ALS anchors added to ``vals``, and the global state
+    ``glob`` with the updated factor."""
+    R = prog.cfg.replication_factor
+    stats = prog.als.gate(prog.als.counts(vals.pop(_als.STATS)), on)
+    stats_acc, per_micro = _scan(lambda acc, st: prog._als_micro(st, acc),
+                                 jnp.zeros((R, 2), jnp.float32), stats)
+    vals.update(per_micro)
+    prog._als_batch_anchors(vals, stats_acc, final, static)
+    return prog._auto_loss_scale(stats_acc, glob, on)
+
+
+def _per_micro(anchors: dict) -> dict:
+    """Anchors [G, M, R, ...] of a batch as [A, R, ...]."""
+    return {a: v.reshape((-1,) + v.shape[2:]) for a, v in anchors.items()}
 
 
 def ipus_per_replica(device: Any, replicas: int) -> int:
@@ -705,9 +715,9 @@ def ipus_per_replica(device: Any, replicas: int) -> int:
 
 def plan_program(graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
                  device: Any = None) -> StepProgram:
-    """The session's step program, planned, then placed when its virtual graphs (or
-    execution phases) span several IPUs and the placed program can run it
-    (``placed.placed_or_none`` logs why not)."""
+    """The session's step program, planned, then placed (``StepProgram.placed``, a
+    :class:`PlacedPlan`) when its virtual graphs (or execution phases) span several IPUs and
+    the placed program can run it (``placed.placed_or_none`` logs why not)."""
     mode = getattr(getattr(cfg.options, "virtualGraphMode", None), "name", "Off")
     spans = mode in ("Manual", "Auto", "ExecutionPhases") and ipus_per_replica(device, 1) > 1
     program = StepProgram(graph, cfg, input_infos, device, stash_anchors=spans)
@@ -717,5 +727,7 @@ def plan_program(graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
     if mode == "Auto":   # placed or not, as PopART
         auto_virtual_graphs(program.graph_consts, ipus_per_replica(device, cfg.replication_factor),
                             {k: int(np.prod(s.shape)) for k, s in program.tensor_specs.items()})
-    return placed_or_none("Virtual graphs", lambda: PlacedProgram.from_plan(program)) or program
-
+    program.placed = placed_or_none("Virtual graphs", lambda: plan_placed(program))
+    if program.placed is not None:
+        program.uses_rng = True   # keys per micro-batch and replica, folded per stage
+    return program

@@ -1,7 +1,7 @@
 """The placed executor: a program's IPUs on the devices of a (replica, ipu) mesh.
 
 Both front-ends run placed programs with it (docs/model_parallelism.md): popart sessions
-(``pipeline.PlacedProgram``) and ``popxl.Session`` (``popxl._placement``: a ``MainPlan``,
+(``pipeline.PlacedPlan``, data) and ``popxl.Session`` (``popxl._placement``: a ``MainPlan``,
 data). Here: the cut of a graph's ops into stages (:func:`plan_stages`, a :class:`StagePlan`),
 PopART's IpuCopy nodes (:func:`inter_ipu_copies`, chained for the pipeline;
 :func:`in_order_copies`, straight for an in-order run), where each IPU's variables live
@@ -458,7 +458,7 @@ class Layout:
     the rest zero. Uniform stages (a transformer's layers) need no padding: each device's
     block is its tensor, and an elementwise update runs on whole blocks. A slot sharded over
     the replicas is stored ``[ipus, padded]``: each block flattened, zero-padded and split
-    (``PlacedProgram.rts_slots``)."""
+    (``pipeline.PlacedPlan.rts_slots``)."""
 
     def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int,
                  tags: Mapping[str, str] = {}) -> None:

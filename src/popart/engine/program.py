@@ -228,8 +228,6 @@ def missing_anchor(anchor: str, tensor_ids: set) -> popart_exception:
 class StepProgram:
     """Builds, compiles and runs the step of one session."""
 
-    placed = False   # its IPUs on devices of their own (pipeline.PlacedProgram)
-
     def __init__(self, graph: Graph, cfg: StepConfig, input_infos: Mapping[str, TensorInfo],
                  device: Any = None, stash_anchors: bool = False):
         """``stash_anchors``: a virtual-graph session's, whose anchors may name stashed and
@@ -257,6 +255,9 @@ class StepProgram:
         self.float32_loss: Optional[str] = None   # ALS: a float16 loss differentiated in float32
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
         self.rts = _rts.Layout(self.placement)    # replicated tensor sharding (plan() chooses)
+        # its IPUs on devices of their own: a pipeline.PlacedPlan (pipeline.plan_program makes
+        # it), which then holds the state's layout and builds the step
+        self.placed: Any = None
 
     # ------------------------------------------------------------------ tracing helpers
     def _trace(self, weights, feeds, key, probes=None, training=False, remat=None,
@@ -747,24 +748,35 @@ class StepProgram:
     # ------------------------------------------------------------------ placement, compile, run
     def put(self, tree: Any) -> Any:
         """Place the RNG key or hyper-parameters on the replicas' device(s)."""
+        if self.placed is not None:
+            return self.placed.put(tree)
         return self.placement.put(tree)
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
         """Weights or optimizer state (host arrays by tensor id) in the step's device layout.
         Here: one array per tensor on every replica's device, or its shards with replicated
-        tensor sharding (``engine/rts.py``); placements that split the state over devices
-        (virtual graphs) override these hooks."""
+        tensor sharding (``engine/rts.py``); placed, in the slots of the placed plan (virtual
+        graphs: ``pipeline.PlacedPlan``)."""
+        if self.placed is not None:
+            return self.placed.put_state(named)
         return self.rts.put(named)
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
         """The inverse of :meth:`put_state`: whole host arrays by tensor id."""
+        if self.placed is not None:
+            return self.placed.state_to_host(state)
         return self.rts.to_host(state)
 
     def share_state_layout(self, other: "StepProgram") -> None:
-        """Take ``other``'s device layout of the weights (a program run on its weights)."""
+        """Take ``other``'s device layout of the weights (a program run on its weights):
+        placed on its slots when ``other`` is placed (or IrError)."""
+        if other.placed is not None:
+            self.placed = other.placed.place_forward(self)
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
         """The ShapeDtypeStruct tree of :meth:`put_state` for these host arrays."""
+        if self.placed is not None:
+            return self.placed.state_specs(named)
         return self.rts.specs(named)
 
     def state_shardings(self, names: Any) -> Any:
@@ -774,6 +786,8 @@ class StepProgram:
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
         """Move a step's inputs to the device(s): one transfer per input. In a distributed
         job each process gives its local replicas' data ([B, A, R_local, ...])."""
+        if self.placed is not None:
+            return self.placed.put_feeds(feeds)
         return self.placement.put(dict(feeds), FEED_REPLICA_DIM)
 
     to_host = staticmethod(Placement.to_host)
@@ -791,7 +805,10 @@ class StepProgram:
         """The step, jitted: ``(weights, opt_state, key, feeds, hyper) -> (weights,
         opt_state, key, anchors)``; for a graph that draws no random numbers (``uses_rng``)
         the key stays outside (``keyless``: ``(weights, opt_state, feeds, hyper) ->
-        (weights, opt_state, anchors)``), one buffer fewer in and out of every run."""
+        (weights, opt_state, anchors)``), one buffer fewer in and out of every run. Placed:
+        the placed plan's step (``pipeline.placed_step``), always with the key."""
+        if self.placed is not None:
+            return self.placed.compiled_step(self)
         state, feeds = self.placement.sharding(), self.placement.sharding(FEED_REPLICA_DIM)
         w, s = self.state_shardings(self.variables), self.state_shardings(self.init_opt_state())
         step = self._step_fn()
