@@ -125,7 +125,6 @@ class PlacedPlan:
     rts: Any                      # the program's rts.Layout (shard padding)
     accumulation: int             # micro-batches per batch (the schedule)
     has_checks: bool              # the whole graph's trace has run-time checks
-    off_chip: frozenset = frozenset()      # slots kept in host memory
     rts_slots: frozenset = frozenset()     # slots stored sharded over the replicas
     update_slots: frozenset = frozenset()  # slots the update takes as shards
     tick_slots: frozenset = frozenset()    # weight slots with sharded accumulators
@@ -134,6 +133,11 @@ class PlacedPlan:
     @property
     def stages(self) -> StagePlan:
         return self.executor.plan
+
+    @property
+    def off_chip(self) -> frozenset:
+        """The slots kept in host memory (the executor's memory kinds)."""
+        return frozenset(self.executor.memory_kinds)
 
     @property
     def ipus(self) -> int:
@@ -172,7 +176,8 @@ class PlacedPlan:
         program.uses_rng = True   # keys per micro-batch and replica, folded per stage
         plan.weight_layout = self.weight_layout
         plan.rts_slots = self.rts_slots & set(self.weight_layout.blocks)
-        plan.off_chip = self.off_chip & set(self.weight_layout.blocks)
+        plan.executor.memory_kinds = {k: HOST_MEMORY for k in
+                                      sorted(self.off_chip & set(self.weight_layout.blocks))}
         return plan
 
     # -------------------------------------------------------------- state layout
@@ -198,12 +203,7 @@ class PlacedPlan:
         if layout is None or not (self.off_chip or self.rts_slots or layout.globals):
             return sharding
 
-        def of(k: str) -> jax.sharding.Sharding:
-            if k in layout.global_specs:   # replicated
-                return self.executor.sharding()
-            return self.executor.sharding(*self.slot_spec(k),
-                                          memory_kind=HOST_MEMORY if k in self.off_chip else None)
-        return {k: of(k) for k in layout.specs()}
+        return self.executor.slot_shardings(layout, self.slot_spec)
 
     def slot_spec(self, key: str, sharded: Optional[frozenset] = None) -> Any:
         """A slot's partition: over the IPUs, and over the replicas for the slots in
@@ -280,10 +280,13 @@ def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
     ipus = max(stages.stage_ipu) + 1
     if stages.num_stages < 2 or ipus < 2:
         return None
-    executor = Executor(stages, placed_mesh(program.device_info.jax_devices, R, ipus))
+    mesh = placed_mesh(program.device_info.jax_devices, R, ipus)
+    layouts = _plan_layouts(program, stages, ipus)
+    host = {k: HOST_MEMORY for k in sorted(layouts.pop("off_chip"))}   # off-chip slots
+    executor = Executor(stages, mesh, memory_kinds=host)
     plan = PlacedPlan(executor=executor, variables=frozenset(program.variables), rts=program.rts,
                       accumulation=cfg.accumulation_factor, has_checks=bool(program.run_checks),
-                      **_plan_layouts(program, stages, ipus))
+                      **layouts)
     per_ipu_weights = [[w for w in program.variables if stages.ipu_of(w) == i] for i in range(ipus)]
     _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                  f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
@@ -296,7 +299,8 @@ def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
 def _plan_layouts(program: StepProgram, stages: StagePlan, ipus: int) -> dict:
     """The slots of the weights and of the optimizer state (each state tensor beside its
     weight's slot), which slots live off chip or sharded over the replicas, and how the
-    optimizer updates them (``PlacedPlan``'s fields)."""
+    optimizer updates them (``PlacedPlan``'s fields; the off-chip slots: the executor's
+    memory kinds)."""
     cfg, trainable, variables = program.cfg, program.trainable, program.variables
     owner = {k: w for w in trainable
              for k in (cfg.optimizer.init_state(w, variables[w]) if cfg.training else {})}

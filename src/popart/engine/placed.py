@@ -8,7 +8,8 @@ PopART's IpuCopy nodes (:func:`inter_ipu_copies`, chained for the pipeline;
 (:class:`Layout`), the mesh (:func:`placed_mesh`), the one decision "placed or not" with its
 log line (:func:`placed_or_none`), and :class:`Executor`: the one ``shard_map``
 (:func:`run_on_mesh`), the schedules, PopART's (:func:`pipeline_ticks`) and popxl's
-(:class:`InOrder`), and an in-order program's state and compiled step.
+(:class:`InOrder`), the state slots' shardings and memory kinds (both front-ends), and an
+in-order program's state and compiled step.
 """
 from __future__ import annotations
 
@@ -387,6 +388,14 @@ class Executor:
         """``fn`` on every device of the mesh (:func:`run_on_mesh`)."""
         return run_on_mesh(fn, self.mesh, in_specs, out_specs)
 
+    def slot_shardings(self, layout: "Layout", spec: Callable[[str], Any]) -> dict:
+        """Per slot of ``layout`` (popart's two layouts, or an in-order program's), its
+        sharding: partitioned as ``spec(key)``, in the memory ``memory_kinds`` gives (host for
+        off-chip slots); the layout's global tensors replicated."""
+        return {k: self.sharding() if k in layout.global_specs else
+                self.sharding(*spec(k), memory_kind=self.memory_kinds.get(k))
+                for k in layout.specs()}
+
     def pipeline(self, M: int, stage: Callable, zeros: Callable, own: Callable,
                  per_tick: Callable) -> tuple[Any, dict]:
         """PopART's pipeline schedule of the plan's stages (:func:`pipeline_ticks`)."""
@@ -409,8 +418,7 @@ class Executor:
                 for k, s in self.layout.specs().items()}
 
     def state_shardings(self) -> dict:
-        return {k: self.sharding(REPLICA_AXIS, IPU_AXIS, memory_kind=self.memory_kinds.get(k))
-                for k in self.layout.specs()}
+        return self.slot_shardings(self.layout, lambda k: (REPLICA_AXIS, IPU_AXIS))
 
     @property
     def feed_sharding(self) -> jax.sharding.NamedSharding:
