@@ -72,6 +72,12 @@ def test_two_stages_placed_give_the_numbers_of_one_device(front_end):
     (copy,), = plan.copies   # the IpuCopy, explicit (PopART's interipucopy transform)
     assert copy.op_type == "IpuCopy" and copy.attrs == {"sourceIpu": 0, "destIpu": 1}
     assert copy.inputs == copy.outputs == plan.boundary[0]
+    if front_end is popart_run:   # the step program composes its placed plan: no subclass
+        from popart.engine import pipeline
+        from popart.engine.program import StepProgram
+        assert type(testing.step_program(s2)) is StepProgram and not hasattr(pipeline, "PlacedProgram")
+        assert isinstance(testing.placed_plan(s2), pipeline.PlacedPlan)
+        assert testing.placed_plan(s1) is None
     if front_end is popxl_run:   # the in-order run moves tensors by the plan's copies
         assert [[(c.op_type, c.inputs, c.attrs) for c in cs] for cs in executor.copies] == \
             [[], [("IpuCopy", plan.boundary[0], {"sourceIpu": 0, "destIpu": 1})]]
