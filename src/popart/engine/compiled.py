@@ -200,7 +200,7 @@ class CompiledStep:
         self._specs = tuple(specs)
         hooks = report.current()   # None unless a report or progress logger is on
         t0 = time.perf_counter()
-        if exported is not None and onednn.TARGET.encode() in exported:
+        if exported is not None and any(t.encode() in exported for t in onednn.TARGETS):
             onednn.available()   # register the oneDNN custom call the module holds
         fn = self.fn if exported is None else jax.export.deserialize(bytearray(exported)).call
         self._jitted = self._jit(fn)
@@ -218,8 +218,8 @@ class CompiledStep:
     def export(self, specs: Optional[Sequence[Any]] = None) -> bytes:
         """The step as a serialized StableHLO module (``jax.export``): the compiled one, or
         for ``specs`` traced without compiling (what the engine cache stores and compiles)."""
-        # The oneDNN convolution's custom call is this package's own, built on this machine.
-        checks = [jax.export.DisabledSafetyCheck.custom_call(onednn.TARGET)]
+        # The oneDNN custom calls are this package's own, built on this machine.
+        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in onednn.TARGETS]
         if specs is None:
             return bytes(jax.export.export(self._jitted, disabled_checks=checks)(
                 *self._specs).serialize())
