@@ -181,3 +181,10 @@ def test_fallback_when_switched_off(monkeypatch):
         monkeypatch.undo()
         onednn.available.cache_clear()
         assert onednn.available() == was
+
+
+@needs_onednn
+def test_mismatched_shapes_are_xlas_error():
+    with pytest.raises(Exception, match="do not match"):
+        jax.jit(lambda a, w: onednn.linear(a, w, None, False, False))(
+            np.ones((2, 3), np.float32), np.ones((4, 2), np.float32))

@@ -33,7 +33,9 @@ def _use_onednn(ctx: LowerCtx, a, b, trans_b: bool) -> bool:
     if (ctx.training or ctx.platform != "cpu" or not nn._ONEDNN_ON[0] or jnp.ndim(a) < 2
             or jnp.ndim(b) != 2 or _dt(a) != np.float32 or _dt(b) != np.float32):
         return False
-    n = b.shape[0] if trans_b else b.shape[1]
+    k, n = b.shape[::-1] if trans_b else b.shape
+    if a.shape[-1] != k:   # XLA's dot reports the mismatch
+        return False
     rows = int(np.prod(a.shape[:-1]))   # a's leading dims are rows of one product
     return onednn.prefers_matmul(rows, a.shape[-1], n) and onednn.available()
 

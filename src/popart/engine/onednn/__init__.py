@@ -1,8 +1,10 @@
-"""2D float32 convolutions through oneDNN on the CPU, as an XLA FFI custom call (``conv.cc``).
+"""2D float32 convolutions (``conv.cc``) and matrix products (``matmul.cc``: ``linear``, with
+oneDNN's bias and ReLU post-op, for inference's MatMul / Gemm) through oneDNN on the CPU, as
+XLA FFI custom calls.
 
 ``conv2d(x, w, ...)`` is a ``custom_vjp`` function: its forward, input gradient and weight
 gradient are each one call of the same handler (oneDNN's forward, backward-data and
-backward-weights primitives). The handler is compiled at first use with the C++ compiler
+backward-weights primitives). Both handlers are compiled at first use with the C++ compiler
 against the oneDNN PyPI wheels (``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``, linux
 x86-64), into ``~/.cache/popart-xla/onednn-<hash>/`` (``$XDG_CACHE_HOME`` honoured; built under
 a file lock and renamed into place), then loaded and registered with ``jax.ffi``.

@@ -81,6 +81,8 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Buffer<
   int64_t M = da[da.size() - 2], K = da[da.size() - 1];
   const int64_t N = dr[dr.size() - 1];
   const int64_t batches = lead(dr, 2);
+  if (db[db.size() - (trans_b ? 1 : 2)] != K || db[db.size() - (trans_b ? 2 : 1)] != N)
+    return ffi::Error::InvalidArgument("a [.., M, K] and b [K, N] (or [N, K]) do not match");
   if (M * N == 0) return ffi::Error::Success();
   if (K == 0) {  // a sum over nothing: bias (or 0), then relu
     float* po = out->typed_data();
