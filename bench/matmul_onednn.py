@@ -7,7 +7,7 @@
 
 ``--mlp``: the whole MLP of ``bench/bench.py`` (784-512-512-10, batch 128) instead, in one
 process, samples/s: onnxruntime, popart's InferenceSession (batchesPerStep 1 and 10) with the
-oneDNN matmul dispatch on and off, and a raw ``jax.jit`` of the same forward (weights as
+oneDNN matmul dispatch on and off (``POPART_ONEDNN_MATMUL`` 1 / 0), and a raw ``jax.jit`` of the same forward (weights as
 arguments; 10 batches by ``jax.vmap``, as batchesPerStep 10 compiles to) with XLA's dots and
 with the oneDNN call (bias fused; ReLU by XLA or as oneDNN's post-op).
 
@@ -45,7 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
@@ -128,8 +127,6 @@ def whole_mlp(repeats: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
     import bench_models
-    import popart.testing
-    from popart.ops import nn
 
     bench.THREADS = THREADS
     spec = next(s for s in bench_models.MODELS if s.name == "mlp")
@@ -166,12 +163,9 @@ def whole_mlp(repeats: int) -> None:
         path = bench_models.export(spec, model, folder)
         runners["onnxruntime"] = bench.ort_inference(path, x, cfg)[0]
         for on in (True, False):
+            os.environ["POPART_ONEDNN_MATMUL"] = str(int(on))   # read when a session traces
             for k in (1, bps):
-                if on:
-                    r = bench.popart_inference(path, x, k, cfg)[0]
-                else:
-                    with nn.onednn_off():
-                        r = bench.popart_inference(path, x, k, cfg)[0]
+                r = bench.popart_inference(path, x, k, cfg)[0]
                 runners[f"popart bps={k}, oneDNN {'on' if on else 'off'}"] = r
         rates = bench.interleaved(runners, repeats)
     ref = rates["onnxruntime"]

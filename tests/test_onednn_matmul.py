@@ -5,9 +5,7 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -21,6 +19,12 @@ needs_onednn = pytest.mark.skipif(not onednn.available(),
                                   reason="the oneDNN custom call cannot be built or loaded here "
                                          "(onednn-cpu-gomp / onednn-devel-cpu-gomp, g++)")
 RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def matmul_on(monkeypatch):
+    """The dispatch is opt-in (POPART_ONEDNN_MATMUL=1): on for these tests unless one says."""
+    monkeypatch.setenv("POPART_ONEDNN_MATMUL", "1")
 
 
 def _ref(a, w, bias, trans_b, relu):
@@ -145,6 +149,15 @@ def test_switched_off_and_training_stay_on_xla():
                                 deviceInfo=popart.DeviceManager().createCpuDevice())
     ts.prepareDevice()
     assert onednn.MATMUL_TARGET not in popart.testing.lowered_text(ts)
+
+
+@needs_onednn
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("POPART_ONEDNN_MATMUL")
+    assert not onednn.matmul_enabled()
+    s, y = _session(1)
+    assert _flags(s) == []
+    np.testing.assert_allclose(y, ORT[:1], rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_rules():

@@ -28,9 +28,11 @@ def matmul(ctx: LowerCtx, a, b, **_):
     return jnp.matmul(a, b)
 
 # ---- oneDNN dispatch (issue 28 item 3): inference's float32 products by a matrix, on the CPU,
-# through oneDNN's matmul where it is built and runs faster (onednn.prefers_matmul). ----
+# through oneDNN's matmul where it is switched on (POPART_ONEDNN_MATMUL=1), built, and runs
+# faster (onednn.prefers_matmul). ----
 def _use_onednn(ctx: LowerCtx, a, b, trans_b: bool) -> bool:
-    if (ctx.training or ctx.platform != "cpu" or not nn._ONEDNN_ON[0] or jnp.ndim(a) < 2
+    if (ctx.training or ctx.platform != "cpu" or not nn._ONEDNN_ON[0]
+            or not onednn.matmul_enabled() or jnp.ndim(a) < 2
             or jnp.ndim(b) != 2 or _dt(a) != np.float32 or _dt(b) != np.float32):
         return False
     k, n = b.shape[::-1] if trans_b else b.shape

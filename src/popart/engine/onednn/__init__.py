@@ -237,6 +237,14 @@ def _linear_bwd(trans_b, relu, res, dy):
 linear.defvjp(_linear_fwd, _linear_bwd)
 
 
+def matmul_enabled() -> bool:
+    """Whether inference's MatMul / Gemm may use oneDNN's matmul: opt-in,
+    ``POPART_ONEDNN_MATMUL=1`` (read at trace time). Off by default: level with XLA's dot with
+    one thread, ahead at batchesPerStep 10 with two, but behind at batchesPerStep 1 with two
+    (docs/performance.md, "MLP inference: XLA's dot vs MLAS vs oneDNN")."""
+    return os.environ.get("POPART_ONEDNN_MATMUL", "0") not in ("0", "false", "off", "")
+
+
 MATMUL_MAX_ROWS = 512   # more rows (and N >= MATMUL_MIN_COLS): XLA's dot, as fast there
 MATMUL_MIN_COLS = 64
 
