@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import popart
+import popart.testing
 import popxl
 import popxl.ops as ops
 from popxl.ops import collectives as C
@@ -81,7 +82,7 @@ def test_every_operator_over_a_replica_grouping(R, stride, size, placement):
         return out
 
     got, s = run_replicated(R, build, x, "ipu_model" if placement == "shard_map" else one_ipu())
-    assert (len(s._placement.devices) == R) == (placement == "shard_map")
+    assert (len(popart.testing.mesh_devices(s)) == R) == (placement == "shard_map")
     groups = groups_for(R, stride, size)
     for rep in range(R):
         g = group_of(groups, rep)

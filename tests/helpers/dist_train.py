@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 import popart
+import popart.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from test_training import data, mlp  # noqa: E402
@@ -40,5 +41,5 @@ s.run(popart.PyStepIO({ids["x"]: np.ascontiguousarray(X[:, pid]),   # PyStepIO w
 s.weightsToHost()
 w = {k: np.zeros(s.getInfo(ids[k]).shape(), np.float32) for k in ("w1", "b1", "w2")}
 s.readWeights(popart.PyWeightsIO({ids[k]: v for k, v in w.items()}))
-shards = {"shard": s._dev[1]["Accl___" + ids["w1"]].addressable_shards[0].data.shape} if rts else {}
+shards = {"shard": popart.testing.device_values(s, "optimizer")["Accl___" + ids["w1"]].addressable_shards[0].data.shape} if rts else {}
 np.savez(os.path.join(out_dir, f"{pid}.npz"), loss=out[ids["loss"]], **w, **shards)
