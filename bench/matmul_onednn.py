@@ -6,8 +6,8 @@
     python bench/matmul_onednn.py --threads=1 --mlp [--repeats 7]
 
 ``--mlp``: the whole MLP of ``bench/bench.py`` (784-512-512-10, batch 128) instead, in one
-process, samples/s: onnxruntime, popart's InferenceSession (batchesPerStep 1 and 10) with the
-oneDNN matmul dispatch on and off (``POPART_ONEDNN_MATMUL`` 1 / 0), and a raw ``jax.jit`` of the same forward (weights as
+process, samples/s: onnxruntime, popart's InferenceSession (batchesPerStep 1 and 10; XLA's
+dots), and a raw ``jax.jit`` of the same forward (weights as
 arguments; 10 batches by ``jax.vmap``, as batchesPerStep 10 compiles to) with XLA's dots and
 with the oneDNN call (bias fused; ReLU by XLA or as oneDNN's post-op).
 
@@ -162,11 +162,8 @@ def whole_mlp(repeats: int) -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = bench_models.export(spec, model, folder)
         runners["onnxruntime"] = bench.ort_inference(path, x, cfg)[0]
-        for on in (True, False):
-            os.environ["POPART_ONEDNN_MATMUL"] = str(int(on))   # read when a session traces
-            for k in (1, bps):
-                r = bench.popart_inference(path, x, k, cfg)[0]
-                runners[f"popart bps={k}, oneDNN {'on' if on else 'off'}"] = r
+        for k in (1, bps):
+            runners[f"popart bps={k}"] = bench.popart_inference(path, x, k, cfg)[0]
         rates = bench.interleaved(runners, repeats)
     ref = rates["onnxruntime"]
     print(f"\n| MLP inference, batch 128, {THREADS} thread(s) | samples/s | vs onnxruntime |")

@@ -1,15 +1,11 @@
 """Matrix, scan, selection and quantization ops."""
 from __future__ import annotations
 
-import weakref
-
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
 
-from ..engine import onednn
-from . import elementwise, nn
 from .elementwise import c
 from .registry import add, LowerCtx, onnx_semantics, register
 
@@ -23,47 +19,7 @@ def _static_int(ctx: LowerCtx, x, what):
 
 @register("MatMul")
 def matmul(ctx: LowerCtx, a, b, **_):
-    if _use_onednn(ctx, a, b, False):
-        return _linear(a, b, None, False)
     return jnp.matmul(a, b)
-
-# ---- oneDNN dispatch (issue 28 item 3): inference's float32 products by a matrix, on the CPU,
-# through oneDNN's matmul where it is switched on (POPART_ONEDNN_MATMUL=1), built, and runs
-# faster (onednn.prefers_matmul). ----
-def _use_onednn(ctx: LowerCtx, a, b, trans_b: bool) -> bool:
-    if (ctx.training or ctx.platform != "cpu" or not nn._ONEDNN_ON[0]
-            or not onednn.matmul_enabled() or jnp.ndim(a) < 2
-            or jnp.ndim(b) != 2 or _dt(a) != np.float32 or _dt(b) != np.float32):
-        return False
-    k, n = b.shape[::-1] if trans_b else b.shape
-    if a.shape[-1] != k:   # XLA's dot reports the mismatch
-        return False
-    rows = int(np.prod(a.shape[:-1]))   # a's leading dims are rows of one product
-    return onednn.prefers_matmul(rows, a.shape[-1], n) and onednn.available()
-
-
-_LINEAR_OUTPUTS: dict = {}   # id(y) -> (weakref(y), a, b, bias, trans_b), while y is alive
-
-
-def _linear(a, b, bias, trans_b: bool):
-    """oneDNN's product, remembered so that a Relu of it can be oneDNN's ReLU post-op."""
-    y = onednn.linear(a, b, bias, trans_b, False)
-    _LINEAR_OUTPUTS[id(y)] = (weakref.ref(y), a, b, bias, trans_b)
-    weakref.finalize(y, _LINEAR_OUTPUTS.pop, id(y), None)
-    return y
-
-
-def _relu(ctx: LowerCtx, x, **_):
-    """Relu of a oneDNN product: the same product with oneDNN's ReLU post-op (the unfused
-    product is dead code unless something else reads it); else Relu as registered before."""
-    entry = _LINEAR_OUTPUTS.get(id(x))
-    if entry is not None and entry[0]() is x:
-        return onednn.linear(*entry[1:4], entry[4], True)
-    return elementwise.relu(x)
-
-
-add("Relu", _relu)
-# ---- end of the oneDNN dispatch ----
 
 def _zp_rows(zp, ndim_is_matrix):
     """A's zero point may be per row ([M]): align it with A's rows."""
@@ -83,11 +39,6 @@ def matmul_integer(ctx: LowerCtx, a, b, a_zero_point=None, b_zero_point=None, **
 def gemm(ctx: LowerCtx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
     if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
         raise ctx.error(f"A and B must be matrices, got shapes {list(jnp.shape(a))} and {list(jnp.shape(b))}")
-    if not transA and alpha == 1.0 and _use_onednn(ctx, a, b, bool(transB)):
-        bias = cc is not None and beta == 1.0 and jnp.ndim(cc) == 1 and cc.shape[0] == (
-            b.shape[0] if transB else b.shape[1]) and _dt(cc) == np.float32
-        y = _linear(a, b, cc if bias else None, bool(transB))
-        return y if bias or cc is None else y + (cc if beta == 1.0 else c(y, beta) * cc)
     a, b = (a.T if transA else a), (b.T if transB else b)
     y = jnp.matmul(a, b)
     y = y if alpha == 1.0 else c(y, alpha) * y

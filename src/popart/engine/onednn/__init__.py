@@ -1,6 +1,7 @@
 """2D float32 convolutions (``conv.cc``) and matrix products (``matmul.cc``: ``linear``, with
-oneDNN's bias and ReLU post-op, for inference's MatMul / Gemm) through oneDNN on the CPU, as
-XLA FFI custom calls.
+oneDNN's bias and ReLU post-op) through oneDNN on the CPU, as XLA FFI custom calls. The
+convolutions back the Conv lowering; ``linear`` is measured beside XLA's dot by
+``bench/matmul_onednn.py`` and is not used by any lowering (it does not win: docs/performance.md).
 
 ``conv2d(x, w, ...)`` is a ``custom_vjp`` function: its forward, input gradient and weight
 gradient are each one call of the same handler (oneDNN's forward, backward-data and
@@ -235,23 +236,3 @@ def _linear_bwd(trans_b, relu, res, dy):
 
 
 linear.defvjp(_linear_fwd, _linear_bwd)
-
-
-def matmul_enabled() -> bool:
-    """Whether inference's MatMul / Gemm may use oneDNN's matmul: opt-in,
-    ``POPART_ONEDNN_MATMUL=1`` (read at trace time). Off by default: level with XLA's dot with
-    one thread, ahead at batchesPerStep 10 with two, but behind at batchesPerStep 1 with two
-    (docs/performance.md, "MLP inference: XLA's dot vs MLAS vs oneDNN")."""
-    return os.environ.get("POPART_ONEDNN_MATMUL", "0") not in ("0", "false", "off", "")
-
-
-MATMUL_MAX_ROWS = 512   # more rows (and N >= MATMUL_MIN_COLS): XLA's dot, as fast there
-MATMUL_MIN_COLS = 64
-
-
-def prefers_matmul(m: int, k: int, n: int) -> bool:
-    """Whether an [m, k] x [k, n] float32 product (per micro-batch, as traced) runs faster
-    through oneDNN's matmul than through XLA's dot on the CPU. Measured
-    (``bench/matmul_onednn.py``, docs/performance.md): oneDNN is ahead at the MLP's 128 rows
-    (1.04-1.07x; 1.4x for 10 columns) and level with XLA (0.97-1.03x) at BERT's 1024 rows."""
-    return m * k * n > 0 and (m <= MATMUL_MAX_ROWS or n < MATMUL_MIN_COLS)
