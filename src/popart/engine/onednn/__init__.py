@@ -1,11 +1,9 @@
-"""2D float32 convolutions (``conv.cc``) and matrix products (``matmul.cc``: ``linear``, with
-oneDNN's bias and ReLU post-op) through oneDNN on the CPU, as XLA FFI custom calls. The
-convolutions back the Conv lowering; ``linear`` is measured beside XLA's dot by
-``bench/matmul_onednn.py`` and is not used by any lowering (it does not win: docs/performance.md).
+"""2D float32 convolutions through oneDNN on the CPU, as an XLA FFI custom call (``conv.cc``),
+behind the Conv lowering.
 
 ``conv2d(x, w, ...)`` is a ``custom_vjp`` function: its forward, input gradient and weight
 gradient are each one call of the same handler (oneDNN's forward, backward-data and
-backward-weights primitives). Both handlers are compiled at first use with the C++ compiler
+backward-weights primitives). The handler is compiled at first use with the C++ compiler
 against the oneDNN PyPI wheels (``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``, linux
 x86-64), into ``~/.cache/popart-xla/onednn-<hash>/`` (``$XDG_CACHE_HOME`` honoured; built under
 a file lock and renamed into place), then loaded and registered with ``jax.ffi``.
@@ -30,15 +28,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ...logging import getLogger
 
 TARGET = "popart_onednn_conv"
-MATMUL_TARGET = "popart_onednn_matmul"
-TARGETS = (TARGET, MATMUL_TARGET)
-SOURCES = [Path(__file__).with_name(n) for n in ("conv.cc", "matmul.cc")]
+TARGETS = (TARGET,)   # the custom calls an exported program may hold (engine/compiled.py)
+SOURCES = [Path(__file__).with_name("conv.cc")]
 _logger = getLogger("devicex")
 FORWARD, BACKWARD_DATA, BACKWARD_WEIGHTS = 0, 1, 2
 
@@ -109,14 +105,12 @@ def available() -> bool:
             lib = ctypes.CDLL(str(_build(prefix, cxx)))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PopartOnednnConv),
                                         platform="cpu")
-            jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.PopartOnednnMatmul),
-                                        platform="cpu")
         except Exception as e:  # noqa: BLE001 - any failure means XLA's convolution
             why = f"could not be built or loaded: {e}"
     if why is not None:
         _logger.warn(f"oneDNN convolutions unavailable, using XLA's: {why}")
         return False
-    _logger.info(f"oneDNN convolutions and matmuls: {TARGET}, {MATMUL_TARGET} registered")
+    _logger.info(f"oneDNN convolutions: {TARGET} registered")
     return True
 
 
@@ -198,41 +192,3 @@ def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[in
 # convolution; add one where a measurement shows XLA ahead.
 _XLA_SHAPES: list = []
 
-
-# ------------------------------------------------------------------ matrix products (matmul.cc)
-def _linear_call(a, w, bias, trans_b: bool, relu: bool):
-    if not available():
-        raise RuntimeError("the oneDNN matmul is unavailable (see popart's devicex log)")
-    n = w.shape[-2] if trans_b else w.shape[-1]
-    has_bias = bias is not None
-    bias = bias if has_bias else jnp.zeros((1,), np.float32)
-    call = jax.ffi.ffi_call(MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((*a.shape[:-1], n), np.float32),
-                            vmap_method="expand_dims")
-    return call(a, w, bias, mm=np.array([int(trans_b), int(has_bias), int(relu)], np.int64))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def linear(a, w, bias, trans_b: bool, relu: bool):
-    """``relu?(a @ w + bias)`` by oneDNN's matmul: a [..., M, K] float32, w [K, N] (or [N, K]
-    with ``trans_b``), bias [N] or None. Gradients are XLA's dots (``custom_vjp``)."""
-    return _linear_call(a, w, bias, trans_b, relu)
-
-
-def _linear_fwd(a, w, bias, trans_b, relu):
-    y = _linear_call(a, w, bias, trans_b, relu)
-    return y, (a, w, bias, y)
-
-
-def _linear_bwd(trans_b, relu, res, dy):
-    a, w, bias, y = res
-    if relu:
-        dy = jnp.where(y > 0, dy, jnp.zeros_like(dy))
-    a2, dy2 = a.reshape(-1, a.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    da = dy @ (w if trans_b else w.T)
-    dw = dy2.T @ a2 if trans_b else a2.T @ dy2
-    db = None if bias is None else dy2.sum(0).reshape(bias.shape)
-    return da, dw, db
-
-
-linear.defvjp(_linear_fwd, _linear_bwd)
