@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (Executor, InOrder, Layout, StagePlan, Unplaceable,
+from popart.engine.placed import (Executor, ExecutorPlan, InOrder, Layout, Unplaceable,
                                   device_grid, in_order_copies, per_ipu, placed_mesh,
                                   placed_or_none, plan_stages)
 from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
@@ -308,11 +308,10 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
 
 
 @dataclasses.dataclass
-class MainPlan:
+class MainPlan(ExecutorPlan):
     """A session's main graph planned on the devices of its IPUs (:func:`plan_main`): data
     for the executor (its stage plan, copies and state layout) and for the stage functions
     and the schedule of :func:`main_step` (docs/model_parallelism.md)."""
-    executor: Executor
     main: IRGraph                 # the main graph, its calls inlined
     graphs: list                  # it and the graphs its placed repeats run
     nodes: list                   # per stage: its (original) nodes
@@ -326,20 +325,8 @@ class MainPlan:
     d2h: dict                     # device-to-host stream -> the tensor it gives
 
     @property
-    def stages(self) -> StagePlan:
-        return self.executor.plan
-
-    @property
     def layout(self) -> Layout:
         return self.executor.layout
-
-    @property
-    def mesh(self) -> jax.sharding.Mesh:
-        return self.executor.mesh
-
-    @property
-    def ipus(self) -> int:
-        return self.executor.ipus
 
 
 def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list) -> Callable:

@@ -20,8 +20,8 @@ from ..optimizers import GradientNorms, clip_by_norm, local_sum_squares
 from .compiled import CompiledStep, Placement, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
-from .placed import (IPU_AXIS, Executor, Layout, StagePlan, Unplaceable, per_ipu, placed_mesh,
-                     placed_or_none, plan_stages, this_ipu)
+from .placed import (IPU_AXIS, Executor, ExecutorPlan, Layout, StagePlan, Unplaceable, per_ipu,
+                     placed_mesh, placed_or_none, plan_stages, this_ipu)
 from .rts import HOST_MEMORY
 from . import als as _als
 from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan, unstash
@@ -112,13 +112,12 @@ class _BlockNorms(GradientNorms):
 
 
 @dataclass
-class PlacedPlan:
+class PlacedPlan(ExecutorPlan):
     """A popart step's stages on the devices of their IPUs (docs/model_parallelism.md), data:
     the executor (stage plan and mesh), the slots of the weights and of the optimizer state,
     and which slots live off chip, sharded over the replicas, updated on shards or with
     sharded accumulators. ``StepProgram.placed`` holds it; :func:`placed_step` builds the
     step from it and the program; its methods put the state in its layout and take it back."""
-    executor: Executor
     weight_layout: Layout
     state_layout: Layout
     variables: frozenset          # the program's weights (the ids of weight_layout's tensors)
@@ -131,21 +130,9 @@ class PlacedPlan:
     row_weights: dict = field(default_factory=dict)   # weight slot -> representative (_row_weights)
 
     @property
-    def stages(self) -> StagePlan:
-        return self.executor.plan
-
-    @property
     def off_chip(self) -> frozenset:
         """The slots kept in host memory (the executor's memory kinds)."""
         return frozenset(self.executor.memory_kinds)
-
-    @property
-    def ipus(self) -> int:
-        return self.executor.ipus
-
-    @property
-    def mesh(self) -> jax.sharding.Mesh:
-        return self.executor.mesh
 
     @property
     def schedule(self) -> list[list[tuple[int, int]]]:

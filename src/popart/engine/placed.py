@@ -457,6 +457,26 @@ class Executor:
         return program
 
 
+
+@dataclass
+class ExecutorPlan:
+    """A front-end's placed plan: its own data around the one :class:`Executor` (popart's
+    ``pipeline.PlacedPlan``, popxl's ``_placement.MainPlan``)."""
+    executor: Executor
+
+    @property
+    def stages(self) -> StagePlan:
+        return self.executor.plan
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.executor.mesh
+
+    @property
+    def ipus(self) -> int:
+        return self.executor.ipus
+
+
 # ---------------------------------------------------------------------------- state layout
 class Layout:
     """Where each tensor of a named set (the weights, or the optimizer state) lives. The
