@@ -43,6 +43,9 @@ class Ctx:
     def assign(self, tensor_id, value):
         self.assigned[tensor_id] = value
 
+    def channels_last(self, x, transpose=False):
+        return x.transpose(0, 2, 3, 1) if transpose else None
+
 
 def lowering(domain, op, version):
     """The registered lowering; for ai.graphcore with the table's attribute defaults filled in,

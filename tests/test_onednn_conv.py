@@ -17,8 +17,14 @@ needs_onednn = pytest.mark.skipif(not onednn.available(),
                                          "(onednn-cpu-gomp / onednn-devel-cpu-gomp, g++)")
 
 
-class Ctx:   # the LowerCtx service conv_nc reads
+class Ctx:   # the LowerCtx services conv_nc reads
     platform = "cpu"
+
+    def channels_last(self, x, transpose=False):
+        return x.transpose(0, 2, 3, 1) if transpose else None
+
+    def keep_channels_last(self, y_nhwc):
+        return y_nhwc.transpose(0, 3, 1, 2)
 
 
 def torch_conv(x, w, stride, pad, dil, dy):

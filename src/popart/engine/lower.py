@@ -29,6 +29,7 @@ from ..logging import getLogger
 from ..ops import registry
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, is_static
 from ..tensorinfo import to_datatype
+from .layout import ChannelsLast
 
 _logger = getLogger("op")
 
@@ -101,6 +102,7 @@ class TraceState:
     _counter: itertools.count = field(default_factory=itertools.count)
     rng_draws: int = 0
     scope_names: dict = field(default_factory=dict)  # id(node) -> its name in the program
+    layout: ChannelsLast = field(default_factory=ChannelsLast)  # NHWC twins of NCHW values
 
     def footprint(self) -> tuple:
         """What a node with side effects changes (random draws, variable updates, run-time
@@ -199,6 +201,13 @@ class NodeCtx:
 
     def error(self, msg: str) -> Exception:
         return UnsupportedOperatorError(f"{self.node.describe()}: {msg}")
+
+    def channels_last(self, x: Any, transpose: bool = False) -> Optional[Any]:
+        layout = self._state.layout
+        return layout.to_last(x) if transpose else layout.twin(x)
+
+    def keep_channels_last(self, y_nhwc: Any) -> Any:
+        return self._state.layout.keep(y_nhwc)
 
     def host_stream(self, stream_id: str) -> Any:
         """The value of host stream ``stream_id`` (a step input, or a tensor of this or an
@@ -453,6 +462,9 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
             with jax.ensure_compile_time_eval(), scope:
                 outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))
             outs = [_to_static(o) for o in outs]
+        elif opdef.elementwise and (last := state.layout.elementwise_inputs(inputs)) is not None:
+            with scope:   # channels-last inputs: the op runs on them, its output keeps a twin
+                outs = [state.layout.keep(_as_output_list(opdef.lower(ctx, *last, **attrs))[0])]
         else:
             with scope:
                 outs = _as_output_list(opdef.lower(ctx, *inputs, **attrs))

@@ -240,11 +240,12 @@ def legacy_broadcast(a, b, broadcast=0, axis=None):
 
 
 for _name, _fn in UNARY.items():
-    add(_name, lambda ctx, x, _fn=_fn, **_: _fn(x))
+    add(_name, lambda ctx, x, _fn=_fn, **_: _fn(x), elementwise=True)
 for _name, _fn in UNARY_ATTR.items():
-    add(_name, lambda ctx, x, _fn=_fn, **a: _fn(x, **a))
+    add(_name, lambda ctx, x, _fn=_fn, **a: _fn(x, **a), elementwise=True)
 for _name, _fn in BINARY.items():
-    add(_name, lambda ctx, a, b, _fn=_fn, **_: _fn(a, b), since=7 if _name in LEGACY_BCAST else 1)
+    add(_name, lambda ctx, a, b, _fn=_fn, **_: _fn(a, b), since=7 if _name in LEGACY_BCAST else 1,
+        elementwise=True)
 for _name in LEGACY_BCAST:
     add(_name, lambda ctx, a, b, _fn=BINARY[_name], broadcast=0, axis=None, **_:
         _fn(*legacy_broadcast(a, b, broadcast, axis)))
@@ -270,7 +271,8 @@ def _variadic_6(ctx: LowerCtx, name: str, fn: Callable, xs: tuple) -> Any:
 
 for _name, _fn in VARIADIC.items():
     add(_name, lambda ctx, *xs, _fn=_fn, _n=_name, **_: _variadic_6(ctx, _n, _fn, xs), since=1)
-    add(_name, lambda ctx, *xs, _fn=_fn, _n=_name, **_: _variadic(_n, _fn, xs), since=8)
+    add(_name, lambda ctx, *xs, _fn=_fn, _n=_name, **_: _variadic(_n, _fn, xs), since=8,
+        elementwise=True)
 
 
 @register("Mod", since=10)
@@ -336,5 +338,5 @@ def clip(x: Any, lo: Any = None, hi: Any = None) -> Any:
     return (_clip_identity if unbounded else _clip_popart)(x, cast(lo), cast(hi))
 
 
-add("Clip", lambda ctx, x, min=None, max=None, **_: clip(x, min, max), since=1)
-add("Clip", lambda ctx, x, lo=None, hi=None, **_: clip(x, lo, hi), since=11)
+add("Clip", lambda ctx, x, min=None, max=None, **_: clip(x, min, max), since=1, elementwise=True)
+add("Clip", lambda ctx, x, lo=None, hi=None, **_: clip(x, lo, hi), since=11, elementwise=True)

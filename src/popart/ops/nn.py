@@ -32,7 +32,10 @@ def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilati
     lhs_dilation, rhs_dilation = tuple(lhs_dilation or ones), tuple(rhs_dilation or ones)
     w = w.astype(x.dtype)
     if _use_onednn(ctx, x, w, strides, lhs_dilation, rhs_dilation, groups):
-        return onednn.conv_nchw(x, w, strides, padding, rhs_dilation)
+        if ctx.channels_last(x) is None and not onednn.channels_last(x.shape, w.shape):
+            return onednn.conv2d(x, w, strides, padding, rhs_dilation, False)
+        x_last = ctx.channels_last(x, transpose=True)
+        return ctx.keep_channels_last(onednn.conv2d(x_last, w, strides, padding, rhs_dilation, True))
     if ctx.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
     y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,
@@ -241,7 +244,10 @@ def conv(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1
     strides, dil, k = conv_attrs(ctx, x, w, kernel_shape, strides, dilations)
     pp, _o = window_pads(ctx, auto_pad, x.shape[2:], k, strides, dil, pads)
     y = conv_nc(ctx, x, w, strides, pp, rhs_dilation=dil, groups=group)
-    return y if b is None else y + b.reshape((1, -1) + (1,) * n)
+    if b is None:
+        return y
+    y_last = ctx.channels_last(y)
+    return y + b.reshape((1, -1) + (1,) * n) if y_last is None else ctx.keep_channels_last(y_last + b)
 
 
 @register("ConvTranspose")
@@ -331,8 +337,7 @@ def max_pool(ctx: LowerCtx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, k
     if win == st and all(p == (0, 0) for p in pp) and all(d == 1 for d in dil):
         y = max_blocks(x, win[2:])
     else:
-        y = lax.reduce_window(x, np.array(lowest, x.dtype), lax.max, win, st, pp,
-                              window_dilation=dil)
+        y = _pool(ctx, x, np.array(lowest, x.dtype), lax.max, win, st, pp, dil)
     if ctx.num_outputs < 2 or not ctx.output_ids[1]:
         return y
     sp = x.shape[2:]
@@ -354,7 +359,7 @@ def max_pool(ctx: LowerCtx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, k
 
 def _avg(ctx: LowerCtx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad):
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
-    s = lax.reduce_window(x, np.array(0, x.dtype), lax.add, win, st, pp, window_dilation=dil)
+    sum_pp = pp
     with jax.ensure_compile_time_eval():  # window element counts are constants
         ones = jnp.ones((1, 1) + x.shape[2:], x.dtype)
         if count_include_pad:  # explicit pads count, the ceil_mode extension does not
@@ -363,7 +368,21 @@ def _avg(ctx: LowerCtx, x, kernel_shape, strides, dilations, pads, auto_pad, cei
             pp = tuple((0, hi - e_hi) for (_lo, hi), (_e, e_hi) in zip(pp, explicit))
         cnt = np.asarray(lax.reduce_window(ones, np.array(0, x.dtype), lax.add, win, st, pp,
                                            window_dilation=dil))
-    return s / cnt
+    return _pool(ctx, x, np.array(0, x.dtype), lax.add, win, st, sum_pp, dil, cnt)
+
+
+def _pool(ctx: LowerCtx, x, init, op, win, st, pp, dil, divisor=None):
+    """lax.reduce_window over x's windows (NCHW order), divided by ``divisor`` (NCHW, for
+    averages); channels-last where x has that form, the result keeping it."""
+    x_last = ctx.channels_last(x)
+    if x_last is None:
+        y = lax.reduce_window(x, init, op, win, st, pp, window_dilation=dil)
+        return y if divisor is None else y / divisor
+
+    def last(t):
+        return (t[0], *t[2:], t[1])
+    y = lax.reduce_window(x_last, init, op, last(win), last(st), last(pp), window_dilation=last(dil))
+    return ctx.keep_channels_last(y if divisor is None else y / divisor.transpose(0, 2, 3, 1))
 
 
 @register("AveragePool")
@@ -385,7 +404,15 @@ def _spatial(x):
     return tuple(range(2, x.ndim))
 
 
-register("GlobalAveragePool")(lambda ctx, x, **_: jnp.mean(x, _spatial(x), keepdims=True))
+@register("GlobalAveragePool")
+def global_average_pool(ctx: LowerCtx, x, **_):
+    x_last = ctx.channels_last(x)
+    if x_last is None:
+        return jnp.mean(x, _spatial(x), keepdims=True)
+    return jnp.mean(x_last, (1, 2)).reshape(*x.shape[:2], 1, 1)
+
+
+
 register("GlobalMaxPool")(lambda ctx, x, **_: jnp.max(x, _spatial(x), keepdims=True))
 register("GlobalLpPool")(
     lambda ctx, x, p=2, **_: jnp.sum(jnp.abs(x) ** p, _spatial(x), keepdims=True) ** (1.0 / p))
@@ -444,49 +471,56 @@ def _bcast(v, x, axis=1):
     return v.reshape((1,) * axis + v.shape + (1,) * (x.ndim - axis - v.ndim))
 
 
-def _channel_sums(x):
-    """Sums over every axis but 1, in at least float32, as matrix-vector products: XLA's CPU
-    backend runs these multithreaded, and its reductions to few outputs on one thread."""
+def _channel_sums(x, axis=1):
+    """Sums over every axis but ``axis`` (1, or the last of a channels-last tensor), in at
+    least float32, as matrix-vector products: XLA's CPU backend runs these multithreaded, and
+    its reductions to few outputs on one thread."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
+    if axis == x.ndim - 1 and axis != 1:
+        x2 = x.reshape(-1, x.shape[-1])
+        return lax.dot_general(jnp.ones(x2.shape[0], x.dtype), x2, (((0,), (0,)), ((), ())),
+                               precision=HIGHEST, preferred_element_type=acc)
     x3 = x.reshape(x.shape[0], x.shape[1], -1)
     rows = lax.dot_general(x3, jnp.ones(x3.shape[2], x.dtype), (((2,), (0,)), ((), ())),
                            precision=HIGHEST, preferred_element_type=acc)
     return rows.sum(0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def batch_norm_train(x, scale, b, epsilon: float, grad_rstd_scale: float = 1.0):
-    """(y, batch mean, batch variance) of batch normalization over every axis but 1, with the
-    textbook gradient (two channel sums of the output gradient). The gradient takes the
-    inverse standard deviation 1/sqrt(var + epsilon) times ``grad_rstd_scale`` (PopART's
-    ai.graphcore BatchNormalization: see ``batch_norm``)."""
-    return _bn_fwd(x, scale, b, epsilon, grad_rstd_scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def batch_norm_train(x, scale, b, epsilon: float, grad_rstd_scale: float = 1.0, axis: int = 1):
+    """(y, batch mean, batch variance) of batch normalization over every axis but ``axis``
+    (the channels), with the textbook gradient (two channel sums of the output gradient). The
+    gradient takes the inverse standard deviation 1/sqrt(var + epsilon) times
+    ``grad_rstd_scale`` (PopART's ai.graphcore BatchNormalization: see ``batch_norm``)."""
+    return _bn_fwd(x, scale, b, epsilon, grad_rstd_scale, axis)[0]
 
 
-def _bn_fwd(x, scale, b, epsilon, grad_rstd_scale=1.0):
-    n = x.size // x.shape[1]
-    mean = _channel_sums(x) / n
-    centered = x - _bcast(mean.astype(x.dtype), x)
-    var = _channel_sums(jnp.square(centered.astype(mean.dtype))) / n
+def _bn_fwd(x, scale, b, epsilon, grad_rstd_scale=1.0, axis=1):
+    n = x.size // x.shape[axis]
+    mean = _channel_sums(x, axis) / n
+    centered = x - _bcast(mean.astype(x.dtype), x, axis)
+    var = _channel_sums(jnp.square(centered.astype(mean.dtype)), axis) / n
     rstd = lax.rsqrt(var + epsilon)
-    y = centered * _bcast((rstd * scale).astype(x.dtype), x) + _bcast(b, x).astype(x.dtype)
+    y = (centered * _bcast((rstd * scale).astype(x.dtype), x, axis)
+         + _bcast(b, x, axis).astype(x.dtype))
     out = (y, mean.astype(scale.dtype), var.astype(scale.dtype))   # the statistics' type
     return out, (x, mean, rstd, scale)
 
 
-def _bn_bwd(epsilon, grad_rstd_scale, res, cts):
+def _bn_bwd(epsilon, grad_rstd_scale, axis, res, cts):
     x, mean, rstd, scale = res
     rstd = rstd * grad_rstd_scale
     dy, dmean, dvar = cts
-    n = x.size // x.shape[1]
-    centered = x - _bcast(mean.astype(x.dtype), x)
-    xhat = centered * _bcast(rstd.astype(x.dtype), x)
-    db, dscale = _channel_sums(dy), _channel_sums(dy * xhat)
+    n = x.size // x.shape[axis]
+
+    def per_channel(v):
+        return _bcast(v.astype(x.dtype), x, axis)
+    centered = x - per_channel(mean)
+    xhat = centered * per_channel(rstd)
+    db, dscale = _channel_sums(dy, axis), _channel_sums(dy * xhat, axis)
     k = rstd * scale
-    dx = (dy * _bcast(k.astype(x.dtype), x)
-          - _bcast((k * db / n - dmean / n).astype(x.dtype), x)
-          - xhat * _bcast((k * dscale / n).astype(x.dtype), x)
-          + centered * _bcast((2 * dvar / n).astype(x.dtype), x))
+    dx = (dy * per_channel(k) - per_channel(k * db / n - dmean / n)
+          - xhat * per_channel(k * dscale / n) + centered * per_channel(2 * dvar / n))
     return dx, dscale.astype(scale.dtype), db.astype(scale.dtype)
 
 
@@ -501,20 +535,27 @@ def batch_norm(ctx: LowerCtx, x, scale, b, mean, var, epsilon, momentum, trainin
     x, scale and b; the statistics outputs and the mean / var inputs get none), with the
     inverse standard deviation the grad op derives from the saved variance, 1/sqrt(var +
     eps). With ``unbiased_running`` (ai.graphcore) PopART multiplies that inverse deviation
-    by sqrt((n - 1) / n) before it saves the variance, so the gradient uses the product."""
+    by sqrt((n - 1) / n) before it saves the variance, so the gradient uses the product.
+    An x with a channels-last form is normalized in that form (y keeps one)."""
+    x_last = ctx.channels_last(x)
+    xs, axis = (x, 1) if x_last is None else (x_last, 3)
+
+    def output(y):
+        return y if x_last is None else ctx.keep_channels_last(y)
     if not training:
-        y = (x - _bcast(mean, x)) * lax.rsqrt(_bcast(var, x) + epsilon) * _bcast(scale, x) + _bcast(b, x)
-        return y.astype(x.dtype), mean, var, None, None
+        y = ((xs - _bcast(mean, xs, axis)) * lax.rsqrt(_bcast(var, xs, axis) + epsilon)
+             * _bcast(scale, xs, axis) + _bcast(b, xs, axis))
+        return output(y.astype(x.dtype)), mean, var, None, None
     n = x.size // x.shape[1]
     c = math.sqrt((n - 1) / n) if unbiased_running and n > 0 else 1.0
-    y, bm, bv = batch_norm_train(x, scale, b, float(epsilon), c)
+    y, bm, bv = batch_norm_train(xs, scale, b, float(epsilon), c, axis)
     bm, bv = lax.stop_gradient(bm), lax.stop_gradient(bv)
     rv = bv * (n / max(n - 1, 1)) if unbiased_running else bv
     new_m = lax.stop_gradient(mean * momentum + bm * (1 - momentum)).astype(mean.dtype)
     new_v = lax.stop_gradient(var * momentum + rv * (1 - momentum)).astype(var.dtype)
     ctx.assign(ctx.input_ids[3], new_m)
     ctx.assign(ctx.input_ids[4], new_v)
-    return y, new_m, new_v, bm.astype(mean.dtype), bv.astype(var.dtype)
+    return output(y), new_m, new_v, bm.astype(mean.dtype), bv.astype(var.dtype)
 
 
 @register("BatchNormalization")

@@ -79,6 +79,15 @@ class LowerCtx(Protocol):
     def error(self, msg: str) -> Exception:
         """An UnsupportedOperatorError whose message names this node."""
 
+    def channels_last(self, x: Any, transpose: bool = False) -> Optional[Any]:
+        """The NHWC form of the 4-D NCHW input ``x`` where a lowering computed one (the CPU's
+        oneDNN convolutions and what follows them), else None; with ``transpose``, else a
+        transpose of ``x`` that other consumers share (engine/layout.py)."""
+
+    def keep_channels_last(self, y_nhwc: Any) -> Any:
+        """The NCHW output of a lowering that computed ``y_nhwc`` channels-last: a transpose
+        that XLA drops where every consumer takes the NHWC form."""
+
     def host_stream(self, stream_id: str) -> Any:
         """The value of host stream ``stream_id``, or None (HostLoad)."""
 
@@ -111,23 +120,28 @@ class OpDef:
     static_inputs: tuple = ()
     # True for ops that draw random numbers (never constant-folded).
     random: bool = False
+    # True for elementwise ops with NumPy broadcasting: they run channels-last on inputs that
+    # have a channels-last form (engine/layout.py).
+    elementwise: bool = False
 
 
 _REGISTRY: dict[tuple[str, str], list[OpDef]] = {}
 
 
 def register(op_type: str, *, domain: str = ONNX_DOMAIN, since: int = 1,
-             static_inputs: tuple = (), random: bool = False) -> Callable:
+             static_inputs: tuple = (), random: bool = False,
+             elementwise: bool = False) -> Callable:
     """Decorator registering ``fn`` as the lowering of ``op_type`` from opset ``since`` on
     (until the next registered version of the same op)."""
     def deco(fn: Callable) -> Callable:
-        add(op_type, fn, domain=domain, since=since, static_inputs=static_inputs, random=random)
+        add(op_type, fn, domain=domain, since=since, static_inputs=static_inputs, random=random,
+            elementwise=elementwise)
         return fn
     return deco
 
 
 def add(op_type: str, fn: Callable, *, domain: str = ONNX_DOMAIN, since: int = 1,
-        static_inputs: tuple = (), random: bool = False) -> None:
+        static_inputs: tuple = (), random: bool = False, elementwise: bool = False) -> None:
     """Register ``fn`` (non-decorator form, for tables). The registry keeps a copy of ``fn``
     named ``<op_type>_<since>`` (``Softmax_13``), so a traceback through a table row's lambda
     or a family's shared lowering names the op."""
@@ -135,7 +149,7 @@ def add(op_type: str, fn: Callable, *, domain: str = ONNX_DOMAIN, since: int = 1
     defs = _REGISTRY.setdefault((domain, op_type), [])
     defs[:] = [d for d in defs if d.since != since]
     bisect.insort(defs, OpDef(op_type, domain, since, _named(fn, f"{op_type}_{since}"),
-                              tuple(static_inputs), random), key=lambda d: d.since)
+                              tuple(static_inputs), random, elementwise), key=lambda d: d.since)
 
 
 def _named(fn: Callable, name: str) -> Callable:

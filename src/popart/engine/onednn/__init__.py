@@ -164,18 +164,9 @@ LAYOUT_MIN_CHANNELS = 16   # fewer input channels: oneDNN on NCHW as given (the 
 def channels_last(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
     """Whether oneDNN runs a convolution of NCHW x by OIHW w on NHWC activations (XLA
     transposes around the call) rather than on NCHW as they are: NHWC is oneDNN's fast layout,
-    except where the transposes cost more than the convolution (few input channels, 1x1)."""
+    except where the transposes cost more than the convolution (few input channels, 1x1).
+    An input already channels-last (engine/layout.py) always runs NHWC."""
     return x_shape[1] >= LAYOUT_MIN_CHANNELS and tuple(w_shape[2:]) != (1, 1)
-
-
-def conv_nchw(x, w, strides: Sequence[int], padding, dilation: Sequence[int]):
-    """conv2d of NCHW x by OIHW w, in the layout ``channels_last`` picks; y NCHW."""
-    strides, dilation = tuple(strides), tuple(dilation)
-    padding = tuple(map(tuple, padding))
-    if channels_last(x.shape, w.shape):
-        return conv2d(x.transpose(0, 2, 3, 1), w, strides, padding, dilation,
-                      True).transpose(0, 3, 1, 2)
-    return conv2d(x, w, strides, padding, dilation, False)
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
