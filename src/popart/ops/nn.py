@@ -297,32 +297,36 @@ def _pool_window(ctx: LowerCtx, x, kernel_shape, strides, dilations, pads, auto_
     return (1, 1, *k), (1, 1, *strides), ((0, 0), (0, 0), *pp), (1, 1, *dil)
 
 
-def _blocks(x, k):
-    """x (N, C, *sp) cut into non-overlapping windows k: (N, C, *out, K), a trailing partial
-    window dropped."""
-    n, out = len(k), [d // kk for d, kk in zip(x.shape[2:], k)]
-    x = x[(slice(None), slice(None), *(slice(0, o * kk) for o, kk in zip(out, k)))]
-    x = x.reshape(*x.shape[:2], *(d for o, kk in zip(out, k) for d in (o, kk)))
-    perm = (0, 1, *range(2, 2 + 2 * n, 2), *range(3, 3 + 2 * n, 2))
-    return x.transpose(perm).reshape(*x.shape[:2], *out, math.prod(k))
+def _blocks(x, k, first=2):
+    """x with spatial axes ``first``.. (2: N, C, *sp; 1: N, *sp, C) cut into non-overlapping
+    windows k: (N, *out, K) with C kept in place before K, a trailing partial window dropped."""
+    n, lead = len(k), x.shape[:first]
+    out = [d // kk for d, kk in zip(x.shape[first:first + n], k)]
+    x = x[(slice(None),) * first + tuple(slice(0, o * kk) for o, kk in zip(out, k))]
+    trail = x.shape[first + n:]
+    x = x.reshape(*lead, *(d for o, kk in zip(out, k) for d in (o, kk)), *trail)
+    pairs = range(first, first + 2 * n, 2)
+    perm = (*range(first), *pairs, *range(first + 2 * n, x.ndim), *(a + 1 for a in pairs))
+    return x.transpose(perm).reshape(*lead, *out, *trail, math.prod(k))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def max_blocks(x, k):
-    """Max pool whose windows tile the input (stride == kernel, no padding). Its gradient goes
-    to the first maximum of each window, as XLA's select-and-scatter does, without
-    select-and-scatter, which XLA's CPU backend runs slowly."""
-    return jnp.max(_blocks(x, k), axis=-1)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def max_blocks(x, k, first=2):
+    """Max pool whose windows tile the input (stride == kernel, no padding; spatial axes from
+    ``first``). Its gradient goes to the first maximum of each window, as XLA's
+    select-and-scatter does, without select-and-scatter, which XLA's CPU backend runs
+    slowly."""
+    return jnp.max(_blocks(x, k, first), axis=-1)
 
 
-def _max_blocks_fwd(x, k):
-    return max_blocks(x, k), x
+def _max_blocks_fwd(x, k, first=2):
+    return max_blocks(x, k, first), x
 
 
-def _max_blocks_bwd(k, x, dy):
-    blocks, unblock = jax.vjp(lambda v: _blocks(v, k), x)
-    first = jnp.argmax(blocks, axis=-1)[..., None] == np.arange(blocks.shape[-1])
-    return unblock(jnp.where(first, dy[..., None], jnp.zeros((), dy.dtype)))
+def _max_blocks_bwd(k, first, x, dy):
+    blocks, unblock = jax.vjp(lambda v: _blocks(v, k, first), x)
+    first_max = jnp.argmax(blocks, axis=-1)[..., None] == np.arange(blocks.shape[-1])
+    return unblock(jnp.where(first_max, dy[..., None], jnp.zeros((), dy.dtype)))
 
 
 max_blocks.defvjp(_max_blocks_fwd, _max_blocks_bwd)
@@ -335,7 +339,9 @@ def max_pool(ctx: LowerCtx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, k
                                     ceil_mode)
     lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
     if win == st and all(p == (0, 0) for p in pp) and all(d == 1 for d in dil):
-        y = max_blocks(x, win[2:])
+        x_last = ctx.channels_last(x)
+        y = (max_blocks(x, win[2:]) if x_last is None
+             else ctx.keep_channels_last(max_blocks(x_last, win[2:], 1)))
     else:
         y = _pool(ctx, x, np.array(lowest, x.dtype), lax.max, win, st, pp, dil)
     if ctx.num_outputs < 2 or not ctx.output_ids[1]:
