@@ -298,8 +298,8 @@ def _pool_window(ctx: LowerCtx, x, kernel_shape, strides, dilations, pads, auto_
 
 
 def _blocks(x, k, first=2):
-    """x with spatial axes ``first``.. (2: N, C, *sp; 1: N, *sp, C) cut into non-overlapping
-    windows k: (N, *out, K) with C kept in place before K, a trailing partial window dropped."""
+    """x with spatial axes from ``first`` (2: N, C, *sp; 1: N, *sp, C) cut into non-overlapping
+    windows k: (N, C, *out, K) or (N, *out, C, K), a trailing partial window dropped."""
     n, lead = len(k), x.shape[:first]
     out = [d // kk for d, kk in zip(x.shape[first:first + n], k)]
     x = x[(slice(None),) * first + tuple(slice(0, o * kk) for o, kk in zip(out, k))]
