@@ -149,7 +149,7 @@ def popart_inference(path: str, x: np.ndarray, bps: int,
     def loop() -> None:
         for _ in range(runs):
             session.run(stepio)
-    return Runner(loop, runs * bps * x.shape[0]), compile_s, first
+    return Runner(loop, runs * bps * x.shape[0], session), compile_s, first
 
 
 def ort_inference(path: str, x: np.ndarray, cfg: Config) -> tuple[Runner, np.ndarray]:

@@ -1,6 +1,7 @@
-"""Where a training step's time goes: XLA's CPU profile of one bench model's TrainingSession.
+"""Where a training step's time goes: XLA's CPU profile of one bench model's TrainingSession
+(or, with ``--inference``, its InferenceSession).
 
-    python bench/profile_step.py transformer [--threads 2]
+    python bench/profile_step.py transformer [--threads 2] [--inference]
 
 Prints the step time, the thread time of each kind of XLA kernel per step, and each matmul
 (YNNPACK fusion) with its shape and GFLOP/s. Thread time counts every thread: when two
@@ -47,11 +48,16 @@ def _matmuls(hlo: str) -> dict[str, tuple[list[int], list[int], float]]:
     return out
 
 
+# Events that are not a kernel's own time: the executor, loops around kernels, waits, copies.
+_NOT_KERNELS = ("ThunkExecutor", "end:", "while", "SlinkyThreadPool", "H2D", "D2H")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=["mlp", "resnet18", "bert", "cnn", "transformer"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--bps", type=int, default=10)
+    ap.add_argument("--inference", action="store_true", help="the InferenceSession's step")
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
@@ -59,14 +65,17 @@ def main() -> None:
     import bench  # noqa: E402  (the bench's TrainingSession set-up, shared)
     import bench_models  # noqa: E402
     import jax  # noqa: E402
+    import popart.testing  # noqa: E402
     from jax._src.lib import _profile_data  # noqa: E402
 
     spec = next(s for s in bench_models.MODELS if s.name == args.model)
     x, y = bench._data(spec)
     with tempfile.TemporaryDirectory() as folder:
-        path = bench_models.export(spec, bench_models.build(spec), folder, training=True)
-        cfg = bench.Config(0, 10 * args.bps, 1, bps=args.bps)
-        runner, *_ = bench.popart_training(path, x, y, cfg)
+        path = bench_models.export(spec, bench_models.build(spec), folder,
+                                   training=not args.inference)
+        cfg = bench.Config(10 * args.bps, 10 * args.bps, 1, bps=args.bps)
+        runner, *_ = (bench.popart_inference(path, x, args.bps, cfg) if args.inference
+                      else bench.popart_training(path, x, y, cfg))
         session = runner.session
         runner.loop()
         t0 = time.perf_counter()
@@ -82,17 +91,17 @@ def main() -> None:
     per_kernel: collections.Counter = collections.Counter()
     for plane in prof.planes:
         for line in plane.lines:
-            if line.name.startswith("tf_XLAEigen"):
+            if line.name.startswith(("tf_XLAEigen", "tf_XLAPjRtCpuClient")):  # pool, caller
                 for ev in line.events:
                     per_kernel[ev.name] += ev.duration_ns / steps / 1e3
     kinds: collections.Counter = collections.Counter()
     for name, us in per_kernel.items():
-        if name != "ThunkExecutor::Execute" and not name.startswith("end:"):
+        if not name.startswith(_NOT_KERNELS):
             kinds[re.sub(r"\.\d+$", "", name)] += us
     print("\nthread time per step by kernel kind (us):")
     for kind, us in kinds.most_common(12):
         print(f"{us:10.0f}  {kind}")
-    dots = _matmuls(session._program.compiled.as_text())
+    dots = _matmuls(popart.testing.compiled(session).as_text())
     print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
     rows = sorted(((per_kernel[n], n, *d) for n, d in dots.items() if n in per_kernel),
                   reverse=True)
