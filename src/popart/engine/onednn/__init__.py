@@ -158,15 +158,13 @@ def _bwd(strides, padding, dilation, nhwc, res, dy):
 
 conv2d.defvjp(_fwd, _bwd)
 
-LAYOUT_MIN_CHANNELS = 16   # fewer input channels: oneDNN on NCHW as given (the stem's 3)
-
-
 def channels_last(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
-    """Whether oneDNN runs a convolution of NCHW x by OIHW w on NHWC activations (XLA
-    transposes around the call) rather than on NCHW as they are: NHWC is oneDNN's fast layout,
-    except where the transposes cost more than the convolution (few input channels, 1x1).
-    An input already channels-last (engine/layout.py) always runs NHWC."""
-    return x_shape[1] >= LAYOUT_MIN_CHANNELS and tuple(w_shape[2:]) != (1, 1)
+    """Whether oneDNN runs a convolution of NCHW x (no channels-last form) by OIHW w on NHWC
+    activations, x transposed in and y kept NHWC for what follows (engine/layout.py), rather
+    than on NCHW as they are: NHWC is oneDNN's fast layout, the 3-channel stems included
+    (forward 1.4-1.8x NCHW with the input's transpose), except for 1x1 kernels, 0.83-0.94x
+    (docs/performance.md). An input already channels-last always runs NHWC."""
+    return tuple(w_shape[2:]) != (1, 1)
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
