@@ -87,7 +87,10 @@ def main() -> None:
                 runner.loop()
             prof = _profile_data.ProfileData.from_file(
                 glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    # A step is a micro-batch; the inference program runs a call's batchesPerStep batches as
+    # one (vectorised), so its matmuls' shapes, and FLOPs, are per call: per step, 1 / bps.
     steps = runner.samples / spec.batch
+    flops_per_step = 1 / args.bps if args.inference else 1.0
     per_kernel: collections.Counter = collections.Counter()
     for plane in prof.planes:
         for line in plane.lines:
@@ -101,7 +104,8 @@ def main() -> None:
     print("\nthread time per step by kernel kind (us):")
     for kind, us in kinds.most_common(12):
         print(f"{us:10.0f}  {kind}")
-    dots = _matmuls(popart.testing.compiled(session).as_text())
+    dots = {n: (lhs, rhs, f * flops_per_step) for n, (lhs, rhs, f)
+            in _matmuls(popart.testing.compiled(session).as_text()).items()}
     print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
     rows = sorted(((per_kernel[n], n, *d) for n, d in dots.items() if n in per_kernel),
                   reverse=True)
