@@ -184,3 +184,51 @@ def test_training_matches_pytorch_with_the_block_and_its_gradient():
     s.readWeights(popart.PyWeightsIO(got))
     for k, v in weights.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_mixed_consumers_and_subgraphs_match_onnxruntime():
+    """A convolution's output read channels-last and channels-first side by side: a compare
+    (bool) and its Cast, a product with that, Identity, a variadic Sum with a Where (no NHWC
+    form), a Reshape and a ReduceSum, and an If whose branches read the outer tensor; then
+    another convolution."""
+    from onnx import TensorProto, helper, numpy_helper
+    f32 = TensorProto.FLOAT
+    w = RNG.standard_normal((C, C, 3, 3), dtype=np.float32) * 0.2
+    branch = {k: helper.make_graph([helper.make_node(op, ["c"], [f"{k}_out"])], k, [],
+                                   [helper.make_tensor_value_info(f"{k}_out", f32, None)])
+              for k, op in (("then", "Relu"), ("else", "Neg"))}
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1] * 4),
+        helper.make_node("Greater", ["c", "zero"], ["g"]),
+        helper.make_node("Cast", ["g"], ["m"], to=f32),
+        helper.make_node("Mul", ["c", "m"], ["p"]),
+        helper.make_node("Identity", ["p"], ["i"]),
+        helper.make_node("Neg", ["c"], ["nc"]),
+        helper.make_node("Where", ["g", "c", "nc"], ["t"]),
+        helper.make_node("Sum", ["i", "t", "c"], ["u"]),
+        helper.make_node("Reshape", ["i", "shape"], ["r"]),
+        helper.make_node("ReduceSum", ["u"], ["s"], axes=[1], keepdims=1),
+        helper.make_node("If", ["flag"], ["b"], then_branch=branch["then"],
+                         else_branch=branch["else"]),
+        helper.make_node("Add", ["b", "u"], ["v"]),
+        helper.make_node("Conv", ["v", "w"], ["y"], pads=[1] * 4),
+    ]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.float32(0), "zero"),
+             numpy_helper.from_array(np.array([X.shape[0], -1], np.int64), "shape")]
+    outs = ["r", "s", "b", "y"]
+    graph = helper.make_graph(
+        nodes, "mixed", [helper.make_tensor_value_info("x", f32, list(X.shape)),
+                         helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(o, f32, None) for o in outs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    s = popart.InferenceSession(model.SerializeToString(), popart.DataFlow(1, outs),
+                                popart.DeviceManager().createCpuDevice())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    assert "popart_onednn_conv" in s.getSerializedGraph().decode()
+    for flag in (True, False):
+        feeds = {"x": X, "flag": np.array(flag)}
+        s.run(popart.PyStepIO(feeds, anchors))
+        for name, want in zip(outs, ref.run(outs, feeds)):
+            np.testing.assert_allclose(anchors[name], want, rtol=1e-4, atol=1e-4, err_msg=name)
