@@ -106,7 +106,7 @@ class HostIO:
         [R] (FINAL / SUM: the value, PopART's sum of one value per micro-batch for SUM)."""
         if not program.host_anchors:
             return {}
-        values = program._scalar_values(optimizer)
+        values = program.scalar_values(optimizer)
         B, A, _ = self.factors()
         R = program.cfg.replication_factor   # every replica's, as the step's anchors
         out = {}

@@ -261,7 +261,7 @@ def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
     cfg = program.cfg
     R = cfg.replication_factor
     n = ipus_per_replica(program.device_info, R)
-    if cfg.options.enablePipelining and program._accum_anchors():
+    if cfg.options.enablePipelining and program.accum_anchors():
         raise Unplaceable("anchoring a gradient accumulator (Accum___) of a pipelined model")
     stages = popart_stages(program.graph_consts, program.variables, cfg.options, n, sizes)
     ipus = max(stages.stage_ipu) + 1
@@ -369,11 +369,11 @@ def _stage_fn(pp: PlacedPlan, prog: StepProgram, s: int):
         taps = {k[len(TAP) + 1:]: functools.partial(prog.als.tap, stat=v)
                 for k, v in feeds.items() if k.startswith(TAP + "/")}
         feeds = {k: v for k, v in feeds.items() if not k.startswith((PROBE + "/", TAP + "/"))}
-        t = prog._trace(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
+        t = prog.trace_graph(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
                         training=cfg.training, graph=sub, taps=taps)
         env = t.env
         out = {k: jnp.asarray(env[k]) for k in sends}
-        anc = {a: prog._value(env, a) for a in anchors if a != check and a not in assigns}
+        anc = {a: prog.anchor_value(env, a) for a in anchors if a != check and a not in assigns}
         for a in assigns:   # the variable's new value (unchanged when the op did not run)
             v = a.split("/", 1)[1]
             anc[a] = jnp.asarray(t.assignments.get(v, env[v]), prog.variables[v].dtype)
@@ -383,7 +383,7 @@ def _stage_fn(pp: PlacedPlan, prog: StepProgram, s: int):
         loss = jnp.zeros((), jnp.float32)
         if has_loss:
             loss = t.scalable_loss(cfg.loss)
-            scaled = loss * jnp.asarray(prog._hyper(hyper, "lossScaling"), loss.dtype)
+            scaled = loss * jnp.asarray(prog.hyper_value(hyper, "lossScaling"), loss.dtype)
             loss = scaled.astype(jnp.float32).reshape(())   # a loss of shape [1] too
         return out, anc, loss
     return run, sends, anchors
@@ -428,7 +428,7 @@ def _probe_stages(pp: PlacedPlan, x: str) -> list[int]:
 def _fwd_anchor_ids(prog: StepProgram) -> list[str]:
     opt = set(prog.opt_state_ids()) | prog.als_anchors | prog.host_anchors   # host: session
     if prog.cfg.training:   # after the update / the accumulator: the batch's step writes
-        opt |= set(prog._updated_var_anchors()) | set(prog._accum_anchors())
+        opt |= set(prog.updated_var_anchors()) | set(prog.accum_anchors())
     return [a for a in prog.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
 
 
@@ -500,7 +500,7 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
                     [f"{ASSIGN}/{v}" for v in prog.assigned if v in prog.variables]}
     trainable = prog.trainable
     anchor_opt = [a for a in prog.anchor_ids if a in prog.opt_state_ids()]
-    updated_var, accum = prog._updated_var_anchors(), prog._accum_anchors()
+    updated_var, accum = prog.updated_var_anchors(), prog.accum_anchors()
     grad_anchors = [a for a in prog.anchor_ids if a.startswith(GRAD_PREFIX)
                     and a[len(GRAD_PREFIX):] in prog.variables]
 
@@ -566,7 +566,7 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
             wbufs, sbufs = carry
             bfeeds, bkey = xs                                   # bfeeds: [A, R, ...]
             bfeeds = {k: v.reshape((G, M) + v.shape[1:]) for k, v in bfeeds.items()}
-            keys = prog._split(bkey, A * R).reshape((G, M, R))
+            keys = prog.split_key(bkey, A * R).reshape((G, M, R))
             # the state no IPU owns (ALS): replicated, updated outside the IPUs' update
             glob = {t: sbufs[k] for t, k in slayout.globals.items()}
             sbufs = {k: v for k, v in sbufs.items() if k not in slayout.global_specs}
@@ -629,17 +629,17 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
                 vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
             return (wbufs, sbufs), vals
 
-        key, sub = prog._split(key, 2)
+        key, sub = prog.split_key(key, 2)
         if not cfg.training:   # no updates: the step's B x A micro-batches in one go
             flat = {k: v.reshape((G, M) + v.shape[2:]) for k, v in feeds.items()}
-            keys = prog._split(sub, B * A * R).reshape((G, M, R))
+            keys = prog.split_key(sub, B * A * R).reshape((G, M, R))
             _, anchors = jax.lax.map(lambda x: run_group(weights, wlayout, x[0], x[1], hyper),
                                      (flat, keys))
             vals = {a: v.reshape((B, A) + v.shape[2:]) for a, v in anchors.items()}
-            return weights, opt_state, jax.random.key_data(key), prog._reduce_anchors(vals)
+            return weights, opt_state, jax.random.key_data(key), prog.reduce_anchors(vals)
         (weights, opt_state), vals = jax.lax.scan(
-            batch, (weights, opt_state), (feeds, prog._split(sub, B)))
-        return weights, opt_state, jax.random.key_data(key), prog._reduce_anchors(vals)
+            batch, (weights, opt_state), (feeds, prog.split_key(sub, B)))
+        return weights, opt_state, jax.random.key_data(key), prog.reduce_anchors(vals)
     return step
 
 
@@ -649,7 +649,7 @@ def _clip(pp: PlacedPlan, prog: StepProgram, g: dict, h: dict, sharded: frozense
     opt = prog.cfg.optimizer
     if not prog.cfg.training or not opt.clip_norm_settings:
         return g
-    ls = jnp.asarray(prog._hyper(h, "lossScaling"), jnp.float32)
+    ls = jnp.asarray(prog.hyper_value(h, "lossScaling"), jnp.float32)
     return clip_by_norm(opt.clip_norm_settings, g, list(prog.trainable),
                         _BlockNorms(pp.weight_layout, pp.ipus, ls, sharded))
 
@@ -688,11 +688,11 @@ def _als_batch(prog: StepProgram, vals: dict, glob: dict, final: Any, static: An
     ``glob`` with the updated factor."""
     R = prog.cfg.replication_factor
     stats = prog.als.gate(prog.als.counts(vals.pop(_als.STATS)), on)
-    stats_acc, per_micro = _scan(lambda acc, st: prog._als_micro(st, acc),
+    stats_acc, per_micro = _scan(lambda acc, st: prog.als_micro(st, acc),
                                  jnp.zeros((R, 2), jnp.float32), stats)
     vals.update(per_micro)
-    prog._als_batch_anchors(vals, stats_acc, final, static)
-    return prog._auto_loss_scale(stats_acc, glob, on)
+    prog.als_batch_anchors(vals, stats_acc, final, static)
+    return prog.auto_loss_scale(stats_acc, glob, on)
 
 
 def _per_micro(anchors: dict) -> dict:

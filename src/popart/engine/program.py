@@ -260,7 +260,7 @@ class StepProgram:
         self.placed: Any = None
 
     # ------------------------------------------------------------------ tracing helpers
-    def _trace(self, weights, feeds, key, probes=None, training=False, remat=None,
+    def trace_graph(self, weights, feeds, key, probes=None, training=False, remat=None,
                graph: Optional[Graph] = None, effects: Optional[set] = None,
                taps: Optional[Mapping[str, Any]] = None) -> Trace:
         """One trace of the session's graph (or of ``graph``, a part of it) as the step runs it."""
@@ -273,7 +273,7 @@ class StepProgram:
                      checks=self.run_checks)   # plan()'s: the step's checks keep their ids
 
     @staticmethod
-    def _value(env, tid):
+    def anchor_value(env, tid):
         return jnp.asarray(env[unstash(tid)])   # plan() has checked every anchor names a tensor
 
     def plan(self) -> None:
@@ -315,7 +315,7 @@ class StepProgram:
         effects: set = set()   # id(node) of the nodes with side effects
 
         def probe(weights, feeds):
-            t = self._trace(weights, feeds, jax.random.key(0), training=cfg.training, effects=effects)
+            t = self.trace_graph(weights, feeds, jax.random.key(0), training=cfg.training, effects=effects)
             env = t.env
             out["traced"] = {k for k, v in env.items() if isinstance(v, jax.core.Tracer)}
             out["known"] = {k for k, v in env.items() if isinstance(v, (np.ndarray, np.generic))}
@@ -378,18 +378,18 @@ class StepProgram:
         self.rts = _rts.choose(cfg.options, self.placement, self.variables, self.init_opt_state(),
                                self.trainable, cfg.accumulation_factor)
         if cfg.training:   # the optimizer's scalars: the session writes them from the host
-            self.host_anchors = {a for a in self._scalar_values() if a in self.anchor_ids}
+            self.host_anchors = {a for a in self.scalar_values() if a in self.anchor_ids}
             self.anchor_specs = {**self.anchor_specs, **{
                 a: jax.ShapeDtypeStruct((), np.float16 if a.endswith("FLOAT16") else np.float32)
                 for a in self.host_anchors}}
         if cfg.training:   # UpdatedVar___<w>: a trainable weight after the batch's update
             self.anchor_specs = {**self.anchor_specs, **{
                 a: jax.ShapeDtypeStruct(self.variables[w].shape, self.variables[w].dtype)
-                for a, w in self._updated_var_anchors().items()}}
+                for a, w in self.updated_var_anchors().items()}}
             self.anchor_specs = {**self.anchor_specs, **{   # Accum___<w>: accumulated gradient
                 a: jax.ShapeDtypeStruct(self.variables[w].shape,
                                         cfg.optimizer.accum_dtype(self.variables[w].dtype))
-                for a, w in self._accum_anchors().items()}}
+                for a, w in self.accum_anchors().items()}}
         flows = gradient_flow(self.graph, cfg.loss, list(out["specs"]), lambda t: jnp.issubdtype(
             out["specs"][t].dtype, jnp.floating) if t in out["specs"] else False)[0] \
             if cfg.training else set()
@@ -401,20 +401,20 @@ class StepProgram:
             raise missing_anchor(a, set(out["ids"]) | opt_ids | (
                 {GRAD_PREFIX + t for t in flows}))
 
-    def _scalar_values(self, optimizer: Any = None) -> dict[str, float]:
+    def scalar_values(self, optimizer: Any = None) -> dict[str, float]:
         """The optimizer's scalar tensors and their values (``optimizer_scalars``) for
         ``optimizer`` (default: the one the program was planned with)."""
         cfg = self.cfg
         return optimizer_scalars(optimizer or cfg.optimizer, self.variables, self.trainable,
                                  cfg.options, cfg.accumulation_factor, cfg.replication_factor)
 
-    def _updated_var_anchors(self) -> dict[str, str]:
+    def updated_var_anchors(self) -> dict[str, str]:
         """Anchor -> weight, for the anchors naming a trainable weight's VarUpdate output
         (PopART's ``UpdatedVar___<w>``)."""
         return {a: a[len(UPDATED_VAR_PREFIX):] for a in self.anchor_ids
                 if a.startswith(UPDATED_VAR_PREFIX) and a[len(UPDATED_VAR_PREFIX):] in self.trainable}
 
-    def _accum_anchors(self) -> dict[str, str]:
+    def accum_anchors(self) -> dict[str, str]:
         """Anchor -> weight, for the anchors naming a gradient accumulator
         (``Accum___<w>``): PopART has one per trainable weight when gradients accumulate
         (accumulationFactor > 1), except for SGD with momentum combined with its accumulator
@@ -498,7 +498,7 @@ class StepProgram:
         cfg = self.cfg
         grad_ids = [a[len(GRAD_PREFIX):] for a in self.anchor_ids
                     if a.startswith(GRAD_PREFIX) and a not in self.als_anchors]
-        after_update = {**self._updated_var_anchors(), **self._accum_anchors()} \
+        after_update = {**self.updated_var_anchors(), **self.accum_anchors()} \
             if cfg.training else {}
         fwd_ids = [a for a in self.anchor_ids if a in self.anchor_specs
                    and not a.startswith(GRAD_PREFIX) and a not in self.als_anchors
@@ -506,8 +506,8 @@ class StepProgram:
 
         if not cfg.training:
             def micro(weights, feeds, key, hyper):
-                t = self._trace(weights, feeds, key)
-                return self._with_checks({a: self._value(t.env, a) for a in fwd_ids}, t), {}, {}
+                t = self.trace_graph(weights, feeds, key)
+                return self._with_checks({a: self.anchor_value(t.env, a) for a in fwd_ids}, t), {}, {}
             return micro
 
         trainable = self.trainable
@@ -525,12 +525,12 @@ class StepProgram:
 
             def loss_fn(tw, probes, stats):
                 taps = {t: functools.partial(self.als.tap, stat=stats[t]) for t in tracked}
-                t = self._trace({**other_w, **tw}, feeds, key, probes, training=True, remat=remat,
+                t = self.trace_graph({**other_w, **tw}, feeds, key, probes, training=True, remat=remat,
                                 taps=taps)
                 loss = t.scalable_loss(cfg.loss).reshape(())   # one element: [1] too
-                ls = self._hyper(hyper, "lossScaling")   # with ALS: finalLossScale
+                ls = self.hyper_value(hyper, "lossScaling")   # with ALS: finalLossScale
                 scaled = loss * jnp.asarray(ls, loss.dtype)
-                vals = self._with_checks({a: self._value(t.env, a) for a in fwd_ids}, t)
+                vals = self._with_checks({a: self.anchor_value(t.env, a) for a in fwd_ids}, t)
                 return scaled, (vals, dict(t.assignments))
 
             (_, (vals, assigns)), (gw, gp, gs) = jax.value_and_grad(
@@ -556,7 +556,7 @@ class StepProgram:
         if flags is not None:
             raise_failed_checks(self.to_host(flags), self.run_checks)
 
-    def _als_micro(self, stats: Any, stats_acc: Any) -> tuple[Any, dict]:
+    def als_micro(self, stats: Any, stats_acc: Any) -> tuple[Any, dict]:
         """Automatic loss scaling in a micro-batch (all replicas): add the sum of the tracked
         gradients' histograms ``stats`` [R, tracked, 2] (cast to float32) to the batch's
         statistics accumulator [R, 2]; (the accumulator, the statistics anchors of this
@@ -572,7 +572,7 @@ class StepProgram:
             per_micro[self.als.stats_anchor(t)] = stats[:, k]
         return stats_acc, {a: v for a, v in per_micro.items() if a in self.als_anchors}
 
-    def _auto_loss_scale(self, stats_acc: Any, opt_state: dict, on: Any) -> dict:
+    def auto_loss_scale(self, stats_acc: Any, opt_state: dict, on: Any) -> dict:
         """Automatic loss scaling after a batch's micro-batches: the statistics summed over
         the replicas (the ReplicatedAllReduce) drive ``LossScaleUpdateOpx`` on the factor
         (``als.AlsPlan.update``); returns the optimizer state with the new factor."""
@@ -580,7 +580,7 @@ class StepProgram:
         new = self.als.update(opt_state[ALS_FACTOR], total, on)
         return {**opt_state, ALS_FACTOR: new}
 
-    def _als_batch_anchors(self, vals: dict, stats_acc: Any, final: Any, static: Any) -> None:
+    def als_batch_anchors(self, vals: dict, stats_acc: Any, final: Any, static: Any) -> None:
         """The per-batch ALS anchors, broadcast over the batch's [A, R]: ``finalLossScale``,
         the optimizer's loss scaling (``lossScaling_FLOAT16`` / ``_FLOAT``) and, with
         accumulation and replication, the all-reduced accumulated statistics."""
@@ -592,12 +592,12 @@ class StepProgram:
             if a in self.als_anchors and a not in vals:
                 vals[a] = jnp.broadcast_to(v, (A, R) + jnp.shape(v))
 
-    def _hyper(self, hyper, name):
+    def hyper_value(self, hyper, name):
         if name in hyper:
             return hyper[name]
         return self.cfg.optimizer.loss_scaling().val() if self.cfg.optimizer is not None else 1.0
 
-    def _split(self, key, n: int):
+    def split_key(self, key, n: int):
         """``n`` keys from ``key``; when the graph draws no random numbers, ``n`` copies
         (no threefry work in the compiled program)."""
         if self.uses_rng:
@@ -625,14 +625,14 @@ class StepProgram:
             whole = self.rts.gather(weights)
 
             def one(f, k):
-                return replicas(whole, f, self._split(k, R), hyper)[0]
+                return replicas(whole, f, self.split_key(k, R), hyper)[0]
 
-            key, sub = self._split(key, 2)
+            key, sub = self.split_key(key, 2)
             flat = jax.tree_util.tree_map(lambda a: a.reshape((n // chunk, chunk) + a.shape[2:]), feeds)
-            keys = self._split(sub, n).reshape((n // chunk, chunk))
+            keys = self.split_key(sub, n).reshape((n // chunk, chunk))
             _, vals = _scan(lambda c, xs: (c, jax.vmap(one)(*xs)), None, (flat, keys))
             vals = jax.tree_util.tree_map(lambda v: v.reshape((B, A) + v.shape[2:]), vals)
-            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
+            return weights, opt_state, jax.random.key_data(key), self.reduce_anchors(vals)
 
         return step
 
@@ -653,8 +653,8 @@ class StepProgram:
         R, A, B = cfg.replication_factor, cfg.accumulation_factor, cfg.batches_per_step
         replicas = self._replicated(self._micro_fn())
         anchor_opt = [a for a in self.anchor_ids if a in self.opt_state_ids()]
-        updated_var = self._updated_var_anchors()
-        accum = self._accum_anchors()
+        updated_var = self.updated_var_anchors()
+        accum = self.accum_anchors()
 
         def accumulate(grads_acc, count, grads):
             g = self.rts.reduce_replicas(grads)                            # replica reduction
@@ -678,9 +678,9 @@ class StepProgram:
                 def micro_batch(acc, xa):
                     grads_acc, count, w_assign, stats_acc = acc
                     f, akey = xa                                          # f: [R, ...]
-                    vals, grads, assigns = replicas(whole, f, self._split(akey, R), h)
+                    vals, grads, assigns = replicas(whole, f, self.split_key(akey, R), h)
                     if self.als is not None:
-                        stats_acc, als_vals = self._als_micro(vals.pop(_als.STATS), stats_acc)
+                        stats_acc, als_vals = self.als_micro(vals.pop(_als.STATS), stats_acc)
                         vals.update(als_vals)
                     if cfg.training:
                         grads_acc = accumulate(grads_acc, count, grads)
@@ -698,13 +698,13 @@ class StepProgram:
                 assign0 = {k: whole[k] for k in self.assigned if k in whole and cfg.training}
                 stats0 = jnp.zeros((R, 2), jnp.float32) if self.als is not None else None
                 (grads, _, w_assign, stats_acc), vals = _scan(
-                    micro_batch, (zeros, 0.0, assign0, stats0), (feeds, self._split(bkey, A)))
+                    micro_batch, (zeros, 0.0, assign0, stats0), (feeds, self.split_key(bkey, A)))
                 if cfg.training:
                     if cfg.mean_reduction and not cfg.running_mean:
                         grads = {k: v / (A * R) for k, v in grads.items()}
                     if self.als is not None:   # the update uses the batch's finalLossScale
-                        self._als_batch_anchors(vals, stats_acc, final, static)
-                        opt_state = self._auto_loss_scale(stats_acc, opt_state, h[_als.UPDATE])
+                        self.als_batch_anchors(vals, stats_acc, final, static)
+                        opt_state = self.auto_loss_scale(stats_acc, opt_state, h[_als.UPDATE])
                     new_w, new_state = self.rts.update(
                         cfg.optimizer.apply, {k: weights[k] for k in self.trainable}, grads,
                         opt_state, h)
@@ -716,14 +716,14 @@ class StepProgram:
                         vals[a] = jnp.broadcast_to(v, (A, R) + jnp.shape(v))   # after the update
                 return (weights, opt_state), vals
 
-            key, sub = self._split(key, 2)
+            key, sub = self.split_key(key, 2)
             (weights, opt_state), vals = _scan(
-                batch, (weights, opt_state), (feeds, self._split(sub, B)))
-            return weights, opt_state, jax.random.key_data(key), self._reduce_anchors(vals)
+                batch, (weights, opt_state), (feeds, self.split_key(sub, B)))
+            return weights, opt_state, jax.random.key_data(key), self.reduce_anchors(vals)
 
         return step
 
-    def _reduce_anchors(self, vals: dict) -> dict:
+    def reduce_anchors(self, vals: dict) -> dict:
         """Each anchor's values [B, A, R, *shape] as its AnchorReturnType returns them
         (``dataflow.device_lead_dims`` gives the leading dims each kind keeps)."""
         out = {}
