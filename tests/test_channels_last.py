@@ -189,8 +189,8 @@ def test_training_matches_pytorch_with_the_block_and_its_gradient():
 def test_mixed_consumers_and_subgraphs_match_onnxruntime():
     """A convolution's output read channels-last and channels-first side by side: a compare
     (bool) and its Cast, a product with that, Identity, a variadic Sum with a Where (no NHWC
-    form), a Reshape and a ReduceSum, and an If whose branches read the outer tensor; then
-    another convolution."""
+    form), a Reshape and a ReduceSum, an If whose branches read the outer tensor, a Concat of
+    channels; then another convolution."""
     from onnx import TensorProto, helper, numpy_helper
     f32 = TensorProto.FLOAT
     w = RNG.standard_normal((C, C, 3, 3), dtype=np.float32) * 0.2
@@ -211,9 +211,11 @@ def test_mixed_consumers_and_subgraphs_match_onnxruntime():
         helper.make_node("If", ["flag"], ["b"], then_branch=branch["then"],
                          else_branch=branch["else"]),
         helper.make_node("Add", ["b", "u"], ["v"]),
-        helper.make_node("Conv", ["v", "w"], ["y"], pads=[1] * 4),
+        helper.make_node("Concat", ["v", "c"], ["cc"], axis=1),
+        helper.make_node("Conv", ["cc", "w2"], ["y"], pads=[1] * 4),
     ]
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.float32(0), "zero"),
+    w2 = RNG.standard_normal((C, 2 * C, 3, 3), dtype=np.float32) * 0.2
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w2, "w2"), numpy_helper.from_array(np.float32(0), "zero"),
              numpy_helper.from_array(np.array([X.shape[0], -1], np.int64), "shape")]
     outs = ["r", "s", "b", "y"]
     graph = helper.make_graph(

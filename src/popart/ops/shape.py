@@ -91,6 +91,10 @@ add("Unsqueeze", lambda ctx, x, axes, **_: _unsqueeze(ctx, x, ints(ctx, axes, "a
 
 @register("Concat")
 def concat(ctx: LowerCtx, *xs, axis=1, **_):
+    """Images (4-D) with a channels-last form concatenate in it (DenseNet, U-Net skips)."""
+    if xs and all(jnp.ndim(x) == 4 for x in xs) and any(ctx.channels_last(x) is not None for x in xs):
+        last = [ctx.channels_last(x, transpose=True) for x in xs]
+        return ctx.keep_channels_last(jnp.concatenate(last, axis=(0, 3, 1, 2)[axis % 4]))
     return jnp.concatenate(xs, axis=axis)
 
 
