@@ -11,6 +11,7 @@ import popart
 from popart import testing
 import popxl
 import popxl.ops as ops
+from helpers.popxl_case import gather_on_ipu1
 
 B, D, N, LR = 2, 4, 2, 0.1   # batch, width, host transfers per run, learning rate
 
@@ -229,15 +230,7 @@ def test_tensors_read_on_another_ipu_without_ipu_copy_move_there():
 def test_a_failed_run_time_check_in_a_stage_raises_also_from_the_engine_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("POPXL_CACHE_DIR", str(tmp_path))
     for source in ("compiled (cached)", "engine cache"):
-        ir = popxl.Ir()
-        with ir.main_graph:
-            idx_s = popxl.h2d_stream((1,), popxl.int32, "idx")
-            out_s = popxl.d2h_stream((1,), popxl.float32, "out")
-            with popxl.ipu(0):
-                i = ops.host_load(idx_s) + 0
-            with popxl.ipu(1):
-                table = popxl.constant(np.arange(4, dtype=np.float32))
-                ops.host_store(out_s, ops.gather(table, ops.ipu_copy(i, 1, 0)))
+        ir, idx_s, out_s = gather_on_ipu1(placed=True)
         with popxl.Session(ir, "ipu_model") as s:
             assert testing.is_placed(s) and s.executable_source == source
             assert s.run({idx_s: np.array([3], np.int32)})[out_s] == 3.0

@@ -1,5 +1,6 @@
-"""What the popxl tests share (test_popxl_autodiff, test_popxl_fused_ops, test_popxl_mnist):
-running an IR once for the tensors a test checks, and the user guide's linear layer."""
+"""What the popxl tests share (test_popxl_autodiff, test_popxl_fused_ops, test_popxl_mnist,
+test_popxl_placement, step_facts_case): running an IR once for the tensors a test checks, the
+user guide's linear layer, and a Gather on IPU 1 whose index can be out of range."""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
@@ -8,6 +9,23 @@ import numpy as np
 
 import popxl
 from popxl import ops
+
+
+def gather_on_ipu1(placed: bool) -> tuple[popxl.Ir, Any, Any]:
+    """(ir, index stream, output stream): a 1-element index loaded on IPU 0 gathers from a
+    4-element table on IPU 1 (copied there when ``placed``, else both on IPU 0); index 7 fails
+    the Gather's run-time check."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        idx_s = popxl.h2d_stream((1,), popxl.int32, "idx")
+        out_s = popxl.d2h_stream((1,), popxl.float32, "out")
+        with popxl.ipu(0):
+            i = ops.host_load(idx_s) + 0
+        with popxl.ipu(1 if placed else 0):
+            table = popxl.constant(np.arange(4, dtype=np.float32))
+            j = ops.ipu_copy(i, 1, 0) if placed else i
+            ops.host_store(out_s, ops.gather(table, j))
+    return ir, idx_s, out_s
 
 
 def store_and_run(ir: popxl.Ir, tensors: Mapping[str, popxl.Tensor],

@@ -15,8 +15,8 @@ import numpy as np  # noqa: E402
 
 import popart  # noqa: E402
 import popxl  # noqa: E402
-import popxl.ops as ops  # noqa: E402
 from popart import testing  # noqa: E402
+from popxl_case import gather_on_ipu1  # noqa: E402  (this folder, the script's sys.path[0])
 
 
 def popart_case(placed: bool, executable: bool = False) -> dict:
@@ -71,16 +71,7 @@ def _error(err) -> dict:
 
 
 def popxl_case(placed: bool) -> dict:
-    ir = popxl.Ir()
-    with ir.main_graph:
-        idx_s = popxl.h2d_stream((1,), popxl.int32, "idx")
-        out_s = popxl.d2h_stream((1,), popxl.float32, "out")
-        with popxl.ipu(0):
-            i = ops.host_load(idx_s) + 0
-        with popxl.ipu(1 if placed else 0):
-            table = popxl.constant(np.arange(4, dtype=np.float32))
-            j = ops.ipu_copy(i, 1, 0) if placed else i
-            ops.host_store(out_s, ops.gather(table, j))
+    ir, idx_s, out_s = gather_on_ipu1(placed)
     with popxl.Session(ir, "ipu_model") as s:
         ok = float(s.run({idx_s: np.array([3], np.int32)})[out_s][0])
         try:
