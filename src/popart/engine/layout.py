@@ -2,7 +2,7 @@
 the next, with transposes only where a tensor leaves such a run (docs/performance.md).
 
 A lowering that computes a 4-D tensor channels-last (the oneDNN convolution, BatchNormalization,
-pools, every elementwise op whose input has a channels-last form) returns the NCHW value
+pools, Concat, every elementwise op whose input has a channels-last form) returns the NCHW value
 ``keep(y_nhwc)``: a transpose, which XLA drops where nothing reads it, remembered with its
 NHWC "twin". Consumers that can take NHWC ask ``twin(x)``; every other consumer reads the
 NCHW value, so names, anchors, probes and every op see ONNX's layout. The map is keyed by the

@@ -32,9 +32,11 @@ def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilati
     lhs_dilation, rhs_dilation = tuple(lhs_dilation or ones), tuple(rhs_dilation or ones)
     w = w.astype(x.dtype)
     if _use_onednn(ctx, x, w, strides, lhs_dilation, rhs_dilation, groups):
-        if ctx.channels_last(x) is None and not onednn.channels_last(x.shape, w.shape):
-            return onednn.conv2d(x, w, strides, padding, rhs_dilation, False)
-        x_last = ctx.channels_last(x, transpose=True)
+        x_last = ctx.channels_last(x)
+        if x_last is None:
+            if not onednn.channels_last(x.shape, w.shape):
+                return onednn.conv2d(x, w, strides, padding, rhs_dilation, False)
+            x_last = ctx.channels_last(x, transpose=True)
         return ctx.keep_channels_last(onednn.conv2d(x_last, w, strides, padding, rhs_dilation, True))
     if ctx.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
@@ -365,16 +367,15 @@ def max_pool(ctx: LowerCtx, x, auto_pad="NOTSET", ceil_mode=0, dilations=None, k
 
 def _avg(ctx: LowerCtx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode, count_include_pad):
     win, st, pp, dil = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
-    sum_pp = pp
     with jax.ensure_compile_time_eval():  # window element counts are constants
-        ones = jnp.ones((1, 1) + x.shape[2:], x.dtype)
+        ones, count_pp = jnp.ones((1, 1) + x.shape[2:], x.dtype), pp
         if count_include_pad:  # explicit pads count, the ceil_mode extension does not
             _, _, explicit, _ = _pool_window(ctx, x, kernel_shape, strides, dilations, pads, auto_pad, 0)
             ones = jnp.pad(ones, explicit, constant_values=1)
-            pp = tuple((0, hi - e_hi) for (_lo, hi), (_e, e_hi) in zip(pp, explicit))
-        cnt = np.asarray(lax.reduce_window(ones, np.array(0, x.dtype), lax.add, win, st, pp,
+            count_pp = tuple((0, hi - e_hi) for (_lo, hi), (_e, e_hi) in zip(pp, explicit))
+        cnt = np.asarray(lax.reduce_window(ones, np.array(0, x.dtype), lax.add, win, st, count_pp,
                                            window_dilation=dil))
-    return _pool(ctx, x, np.array(0, x.dtype), lax.add, win, st, sum_pp, dil, cnt)
+    return _pool(ctx, x, np.array(0, x.dtype), lax.add, win, st, pp, dil, cnt)
 
 
 def _pool(ctx: LowerCtx, x, init, op, win, st, pp, dil, divisor=None):
@@ -416,7 +417,6 @@ def global_average_pool(ctx: LowerCtx, x, **_):
     if x_last is None:
         return jnp.mean(x, _spatial(x), keepdims=True)
     return jnp.mean(x_last, (1, 2)).reshape(*x.shape[:2], 1, 1)
-
 
 
 register("GlobalMaxPool")(lambda ctx, x, **_: jnp.max(x, _spatial(x), keepdims=True))
