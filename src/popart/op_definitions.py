@@ -295,16 +295,13 @@ _ANY_NUMERIC = [DataType.UINT8, DataType.INT8, DataType.UINT16, DataType.INT16, 
 def _graphcore_table(op_type: str) -> tuple[Optional[list[str]], Optional[int]]:
     """(attribute names, output count or -1) of an ai.graphcore op from the Builder's op
     table, or (None, None) when the table does not describe it."""
-    try:
-        from .ir import graphcore_schema
-        spec = graphcore_schema.NODE_ATTRS.get(op_type)
-        outs = [s.outputs for s in graphcore_schema.SCHEMAS if s.op_type == op_type]
-        if spec is not None:
-            n_out = outs[0] if outs else None
-            return list(spec), (-1 if n_out == "n" else n_out)
-    except (ImportError, AttributeError):
-        pass
-    return None, None
+    from ._ir import graphcore_schema
+    spec = graphcore_schema.NODE_ATTRS.get(op_type)
+    if spec is None:
+        return None, None
+    outs = [s.outputs for s in graphcore_schema.SCHEMAS if s.op_type == op_type]
+    n_out = outs[0] if outs else None
+    return list(spec), (-1 if n_out == "n" else n_out)
 
 
 def _signature_definition(op: Any) -> tuple[OpDefinition, NumInputs, int]:
