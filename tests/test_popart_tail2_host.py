@@ -27,3 +27,73 @@ def test_supported_operations_definition_reads_graphcore_table():
     assert r.returncode == 0, r.stderr
     # ctcbeamsearchdecoder(args, blank, beam_width, top_paths) -> 3 outputs (builder.cpp)
     assert r.stdout.split("\n")[-2] == "3 ['beam_width', 'blank', 'top_paths'] False"
+
+
+# ------------------------------------------------------------------ state
+CPU = popart.DeviceManager().createCpuDevice
+W0 = np.array([1.0, -2.0, 3.0], np.float32)
+
+
+def _l1_model():
+    """loss = sum |x * w| (L1, Sum); dloss/dw = x * sign(x * w)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+    w = b.addInitializedInputTensor(W0, "w")
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.mul([x, w])], 1.0, reduction=popart.ReductionType.Sum)
+    return b, x, w, loss
+
+
+def test_variable_anchor_holds_the_updated_value():
+    """IrLowering::getAnchorReturnFragment: a Variable's anchor is copied in the backward
+    fragment, after the VarUpdate: each batch's anchor is that batch's updated weight."""
+    b, x, w, loss = _l1_model()
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(2, {w: popart.AnchorReturnType("All"),
+                                                                      loss: popart.AnchorReturnType("All")}),
+                               loss, popart.ConstSGD(0.25), CPU())
+    s.prepareDevice()
+    s.weightsFromHost()
+    anchors = s.initAnchorArrays()
+    xs = np.array([[1, 1, 1], [2, -1, 0.5]], np.float32)
+    s.run(popart.PyStepIO({x: xs}, anchors))
+    want, ref = [], W0.copy()
+    for xb in xs:   # the reference: plain SGD on the L1 gradient
+        ref = ref - 0.25 * xb * np.sign(xb * ref)
+        want.append(ref)
+    np.testing.assert_allclose(anchors[w], np.stack(want), rtol=1e-6)
+    np.testing.assert_allclose(anchors[loss], [np.abs(xs[0] * W0).sum(),
+                                               np.abs(xs[1] * want[0]).sum()], rtol=1e-6)
+
+
+def test_session_copies_its_options():
+    """Ir::setUserOptions copies the SessionOptions: changing them later leaves the session."""
+    b, x, w, loss = _l1_model()
+    opts = popart.SessionOptions()
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [loss]), CPU(),
+                                userOptions=opts)
+    opts.constantWeights = False
+    opts.enableOutlining = False
+    with pytest.raises(popart.popart_exception, match="constantWeights is set"):
+        s.prepareDevice()
+        s.writeWeights(popart.PyWeightsIO({w: np.zeros(3, np.float32)}))
+
+
+# ------------------------------------------------------------------ files and storage
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_builder_packs_float16_initializers(n):
+    """BuilderImpl::populateTensorProtoFromConstVoidData: FLOAT16 bytes memcpy'd into
+    ceil(n/2) int32_data entries (low half first); read back as such (onnxutil::getConstData)
+    by a session."""
+    value = (np.arange(n) * 1.5 - 2).astype(np.float16)
+    b = popart.Builder()
+    wid = b.addInitializedInputTensor(value)
+    y = b.aiOnnx.identity([wid])
+    (t,) = onnx.load_from_string(b.getModelProto()).graph.initializer
+    padded = np.zeros(-(-n // 2) * 2, np.float16)
+    padded[:n] = value
+    assert list(t.int32_data) == padded.view(np.int32).tolist()
+    assert not t.raw_data and t.data_type == onnx.TensorProto.FLOAT16
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({}, anchors))
+    np.testing.assert_array_equal(anchors[y], value)

@@ -840,7 +840,7 @@ class Builder:
             array = array.astype(np.float32)
         tid = self._new_id(self.getNameScope(_debug_name(debug) or "init_input"))
         try:
-            tensor = initializer_proto(array, tid)   # PopART's storage field
+            tensor = initializer_proto(array, tid, pack_half=True)   # PopART's storage form
         except Exception as e:
             raise popart_exception(f"addInitializedInputTensor: cannot store an array of dtype "
                                    f"{array.dtype} ({e})") from None

@@ -235,19 +235,27 @@ _PACKED = {onnx.TensorProto.FLOAT16: (np.float16, "int32_data", "<i4"),
            onnx.TensorProto.UINT32: (np.uint32, "uint64_data", "<u8")}
 
 
-def initializer_proto(array: Any, name: str) -> onnx.TensorProto:
+def initializer_proto(array: Any, name: str, pack_half: bool = False) -> onnx.TensorProto:
     """``array`` as a TensorProto in the field PopART's Builder stores its type in
     (``populateTensorProtoFromConstVoidData``): FLOAT in ``float_data``; INT8..INT32, UINT8,
     UINT16, BOOL and FLOAT16 in ``int32_data``; INT64 in ``int64_data``; UINT32 / UINT64 in
     ``uint64_data`` (DOUBLE in ``double_data``, other types where ONNX puts them), never
-    ``raw_data``. Elements are written as ONNX defines them, one value per entry (PopART
-    packed the narrow types' bytes, which no other tool reads: :func:`unpack_popart_data`
-    reads that form)."""
+    ``raw_data``. With ``pack_half``, FLOAT16 is packed as PopART's Builder packs an
+    initializer, two halves per entry (ceil(n/2) entries, builder_impl.cpp); otherwise, and
+    for the other types, one value per entry as ONNX defines them (PopART memcpy'd the narrow
+    integer types' bytes too, a form no other tool reads; :func:`unpack_popart_data` reads
+    both)."""
     array = np.asarray(array)
     if array.dtype.kind in "OUS":   # strings: string_data, as ONNX has them
         return numpy_helper.from_array(array, name)
     dtype = helper.np_dtype_to_tensor_dtype(array.dtype)
     field = _FIXED_FIELDS.get(dtype)
+    if dtype == onnx.TensorProto.FLOAT16 and pack_half:
+        halves = np.zeros(-(-array.size // 2) * 2, "<f2")
+        halves[:array.size] = array.reshape(-1)
+        t = onnx.TensorProto(name=name, data_type=dtype, dims=list(array.shape))
+        t.int32_data.extend(halves.view("<i4").tolist())
+        return t
     if field is None:
         return helper.make_tensor(name, dtype, list(array.shape), array.reshape(-1), raw=False)
     t = onnx.TensorProto(name=name, data_type=dtype, dims=list(array.shape))

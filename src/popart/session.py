@@ -245,7 +245,8 @@ class _Session(_FileMethods):
         self.name, self._device = name, deviceInfo
         self.patterns = for_session(patterns)
         self._dataFlow = dataFlow
-        self.options = userOptions if userOptions is not None else SessionOptions()
+        # a copy, as Ir::setUserOptions: changing userOptions later leaves the session alone
+        self.options = copy.copy(userOptions) if userOptions is not None else SessionOptions()
         self._graph, self._proto = import_model(fnModel, inputShapeInfo)
         base_dir = os.path.dirname(os.path.abspath(fnModel)) \
             if isinstance(fnModel, (str, os.PathLike)) else None   # external data's folder

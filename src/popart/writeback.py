@@ -41,7 +41,8 @@ def store_like(t: onnx.TensorProto, value: Any) -> None:
     if t.HasField("raw_data"):
         t.raw_data = numpy_helper.from_array(value, t.name).raw_data
         return
-    new = initializer_proto(value, t.name)   # PopART's typed field, one value per entry
+    # PopART's typed field; FLOAT16 packed where t was (memcpy into the tensor's storage)
+    new = initializer_proto(value, t.name, pack_half=len(t.int32_data) != value.size)
     for f in _TYPED_FIELDS:
         t.ClearField(f)
         getattr(t, f).extend(getattr(new, f))

@@ -268,7 +268,9 @@ def for_checker(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` for onnx.checker: its external tensors (whose locations PopART lets be
     absolute or relative to the working directory, which the checker rejects, and whose
     files the checker would look for relative to the working directory) replaced by empty
-    tensors of their type, in a copy; ``model`` itself when it has none."""
+    tensors of their type, and tensors in PopART's packed layout (``unpack_popart_data``:
+    the Builder's FLOAT16) one element per entry, in a copy; ``model`` itself when it has
+    neither."""
     def tensors(g: onnx.GraphProto):
         yield from g.initializer
         for sp in g.sparse_initializer:
@@ -286,12 +288,17 @@ def for_checker(model: onnx.ModelProto) -> onnx.ModelProto:
                 for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
                     yield from tensors(sub)
 
-    if not any(is_external(t) for t in tensors(model.graph)):
+    def odd(t: onnx.TensorProto) -> bool:   # external, or in PopART's packed FLOAT16 form
+        return is_external(t) or unpack_popart_data(t) is not t
+
+    if not any(odd(t) for t in tensors(model.graph)):
         return model
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     for t in tensors(copy.graph):
-        if is_external(t):
+        if not is_external(t):
+            t.CopyFrom(unpack_popart_data(t))
+        else:
             del t.external_data[:]
             t.data_location = onnx.TensorProto.DEFAULT
             del t.dims[:]
@@ -380,9 +387,11 @@ def _checker_context(opsets: tuple) -> Any:
 
 
 # Node forms PopART takes where onnx's checker does not: Abort without a condition,
-# Resize-11 with '' for roi or scales (OpCreatorInfo::hasInputTensor).
-_POPART_NODE_FORMS = {"Abort": "has zero input and zero output",
-                      "Resize": "is marked single but has an empty string"}
+# Resize-11 with '' for roi or scales (OpCreatorInfo::hasInputTensor), Resize-10 with
+# nearest_mode (getNearestMode reads it at every version).
+_POPART_NODE_FORMS = {"Abort": ("has zero input and zero output",),
+                      "Resize": ("is marked single but has an empty string",
+                                 "Unrecognized attribute: nearest_mode")}
 
 
 def check_node(n: onnx.NodeProto, opsets: dict, k: int = 0) -> None:
@@ -401,7 +410,7 @@ def check_node(n: onnx.NodeProto, opsets: dict, k: int = 0) -> None:
         msg = " ".join(str(e).split("==>")[0].split())
         if "is deprecated" in msg:   # deprecated ops (GroupNormalization-18, ...) still run
             return
-        if _POPART_NODE_FORMS.get(n.op_type, "\0") in msg:
+        if any(form in msg for form in _POPART_NODE_FORMS.get(n.op_type, ())):
             return
         raise ModelError(f"{canonical_domain(n.domain)}::{n.op_type} node "
                          f"'{n.name or f'{n.op_type}_{k}'}': {msg}") from None

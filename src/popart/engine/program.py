@@ -410,9 +410,11 @@ class StepProgram:
 
     def updated_var_anchors(self) -> dict[str, str]:
         """Anchor -> weight, for the anchors naming a trainable weight's VarUpdate output
-        (PopART's ``UpdatedVar___<w>``)."""
-        return {a: a[len(UPDATED_VAR_PREFIX):] for a in self.anchor_ids
-                if a.startswith(UPDATED_VAR_PREFIX) and a[len(UPDATED_VAR_PREFIX):] in self.trainable}
+        (PopART's ``UpdatedVar___<w>``) or a Variable itself: PopART copies a Variable's
+        anchor after the update (IrLowering::getAnchorReturnFragment, backward fragment)."""
+        return {**{a: a for a in self.anchor_ids if a in self.variables}, **{
+            a: a[len(UPDATED_VAR_PREFIX):] for a in self.anchor_ids
+            if a.startswith(UPDATED_VAR_PREFIX) and a[len(UPDATED_VAR_PREFIX):] in self.trainable}}
 
     def accum_anchors(self) -> dict[str, str]:
         """Anchor -> weight, for the anchors naming a gradient accumulator
