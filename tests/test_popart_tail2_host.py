@@ -97,3 +97,33 @@ def test_builder_packs_float16_initializers(n):
     anchors = s.initAnchorArrays()
     s.run(popart.PyStepIO({}, anchors))
     np.testing.assert_array_equal(anchors[y], value)
+
+
+def test_builder_lists_initialized_inputs_and_stepio_may_feed_a_weight():
+    """BuilderImpl::addInitializedInputTensor adds a graph input and its initializer; the
+    StepIO may then hold the weight (CorrectnessAsserter::checkIn: an ONNX input of the
+    right size passes and is not streamed), but not one of the wrong size."""
+    b, x, w, loss = _l1_model()
+    m = onnx.load_from_string(b.getModelProto())
+    assert [v.name for v in m.graph.input] == [x, w]
+    assert m.graph.input[1].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_value for d in m.graph.input[1].type.tensor_type.shape.dim] == [3]
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [loss]), CPU())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: np.ones(3, np.float32), w: np.full(3, 9, np.float32)}, anchors))
+    assert anchors[loss] == np.abs(W0).sum()          # the weight, not the StepIO's array
+    with pytest.raises(popart.popart_exception,
+                       match=f"Unexpected number of input elements for Tensor {w}. Expected 3, "
+                             f"but received 2"):
+        s.run(popart.PyStepIO({x: np.ones(3, np.float32), w: np.ones(2, np.float32)}, anchors))
+
+
+def test_constant_debug_info_id_is_not_its_value():
+    """A Constant carries the Builder's ``__debug_info_id`` attribute: shape inference reads
+    its 'value' only (Reshape to the constant shape [1, 2], not to [debug id])."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 1]))
+    c = b.aiOnnx.constant(np.array([1, 2], np.int64))
+    r = b.aiOnnx.reshape([x, c])
+    assert b.getTensorShape(r) == [1, 2]

@@ -844,6 +844,9 @@ class Builder:
         except Exception as e:
             raise popart_exception(f"addInitializedInputTensor: cannot store an array of dtype "
                                    f"{array.dtype} ({e})") from None
+        # BuilderImpl::addInitializedInputTensor: a graph input too, then its initializer
+        self._graph.input.append(helper.make_tensor_value_info(tid, tensor.data_type,
+                                                               list(array.shape)))
         self._graph.initializer.append(tensor)
         self._known.add(tid)
         self._order.append(tid)
@@ -1129,6 +1132,12 @@ class Builder:
         """The types ONNX shape inference and PopART's Builder-time rules (defs.cpp) find."""
         cache: dict = {}
         self._shared.shape_error = ""
+        for g in _all_graphs(model.graph):   # ONNX reads a Constant's other attribute as
+            for n in g.node:                  # its value: only 'value' (a copy of the model)
+                if n.op_type == "Constant" and any(a.name == DEBUG_INFO_ID for a in n.attribute):
+                    kept = [a for a in n.attribute if a.name != DEBUG_INFO_ID]
+                    del n.attribute[:]
+                    n.attribute.extend(kept)
         try:
             model = onnx.shape_inference.infer_shapes(model)
         except Exception:
