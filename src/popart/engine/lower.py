@@ -296,6 +296,8 @@ def axis_problem(op_type: str, axis: int, rank: int, tensor: str = "") -> str:
         a=axis, n=axis + rank if axis < 0 else axis, r=rank, t=tensor, lo=lo, hi=hi)
 
 
+# Ops whose setup broadcasts inputs of one type as NumPy does (ElementWiseBinaryBaseOp).
+_NP_TYPED = {"Add", "Sub", "Div", "Pow", "Mod", "PRelu"}
 # Ops whose setup broadcasts their inputs as NumPy does (Op::prettyNpOut / npOut).
 _NP_BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Fmod", "And", "Or", "Xor", "Equal",
                  "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "BitShift", "Max", "Min",
@@ -386,7 +388,7 @@ def _allowed_types(schema: Any, type_str: str) -> frozenset:
     return frozenset(allowed) if all(t.startswith("tensor(") for t in allowed) else frozenset()
 
 
-def _check_signature(node: Node, version: int, inputs: list) -> None:
+def _check_signature(node: Node, graph: Graph, version: int, inputs: list) -> None:
     """ONNX's schema rules that need the inputs' types (the importer checks the rest with
     onnx's checker): flags 0 or 1, an 'axis' attribute in range, inputs of a kind the op
     takes, and inputs bound to one type parameter of one dtype (no implicit promotion)."""
@@ -419,6 +421,14 @@ def _check_signature(node: Node, version: int, inputs: list) -> None:
                 f"{node.op_type}-{schema.since_version} does not take (its {formal.type_str} is one "
                 f"of {', '.join(sorted(t[7:-1] for t in allowed))})")
         first = bound.setdefault(formal.type_str, (k, dtype))
+        if first[1] != dtype and node.op_type in _NP_TYPED:   # ElementWiseBinaryBaseOp::setup
+            a, b = inputs[first[0]], x
+            raise noted(ModelError(
+                f"np broadcasting failed on Op {_op_str(node, graph, version)}, incompatible "
+                f"types {to_datatype(np.dtype(first[1])).name} and {to_datatype(np.dtype(dtype)).name} "
+                f"(shapes [{' '.join(map(str, np.shape(a)))}] and [{' '.join(map(str, np.shape(b)))}])"),
+                f"{node.describe()}: inputs '{node.inputs[first[0]]}' and '{node.inputs[k]}'; "
+                f"insert a Cast")
         if first[1] != dtype:
             raise ModelError(
                 f"{node.describe()}: input {k} ('{node.inputs[k]}') is {dtype} but input "
@@ -450,7 +460,7 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
         raise popart_exception(f"{node.describe()}: input tensor {e} is not produced by any "
                                f"node, graph input or initializer") from None
     if node.domain == ONNX_DOMAIN:
-        _check_signature(node, version, inputs)
+        _check_signature(node, graph, version, inputs)
     _check_setup(node, graph, version, inputs)
     ctx = NodeCtx(node, version, env, state)
     name = node_scope_name(node, graph, state.scope_names)

@@ -155,6 +155,15 @@ def _gelu_grad(g, out, x):
     return (g * d.astype(g.dtype),)
 
 
+def _sqrt(x):
+    """Square root; of an integer tensor (PopART takes those: no schema types at construction)
+    the integer part, in the input's type."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return jnp.floor(jnp.sqrt(x.astype(jnp.float64 if x.dtype.itemsize > 4 else jnp.float32))
+                         ).astype(x.dtype)
+    return jnp.sqrt(x)
+
+
 abs_ = with_popart_grad(jnp.abs, _abs_grad)
 relu = with_popart_grad(jax.nn.relu, _relu_grad)
 gelu_tanh = with_popart_grad(lambda x: jax.nn.gelu(x, approximate=True), _gelu_grad)
@@ -163,7 +172,7 @@ VARIADIC_GRAD = {"Max": with_popart_grad(lambda *xs: functools.reduce(jnp.maximu
 
 
 UNARY = {
-    "Abs": abs_, "Neg": jnp.negative, "Exp": jnp.exp, "Log": jnp.log, "Sqrt": jnp.sqrt,
+    "Abs": abs_, "Neg": jnp.negative, "Exp": jnp.exp, "Log": jnp.log, "Sqrt": _sqrt,
     "Reciprocal": jnp.reciprocal, "Floor": jnp.floor, "Ceil": jnp.ceil, "Round": jnp.round,
     "Sign": jnp.sign, "Sin": jnp.sin, "Cos": jnp.cos, "Tan": jnp.tan, "Asin": jnp.arcsin,
     "Acos": jnp.arccos, "Atan": jnp.arctan, "Sinh": jnp.sinh, "Cosh": jnp.cosh,

@@ -13,7 +13,7 @@ from jax import lax
 
 from ..errors import poplar_application_runtime_error
 from ..tensorinfo import np_dtype
-from . import nn
+from . import nn, reduce
 from .elementwise import gelu_tanh, with_popart_grad
 from .registry import add, GRAPHCORE_DOMAIN, LowerCtx, opid, popart_error, register
 
@@ -156,6 +156,10 @@ def slice_(ctx: LowerCtx, x, *, starts, ends, axes=None, **_):
 
 @_g("Subsample")
 def subsample(ctx: LowerCtx, x, *, strides, **_):
+    """x[::s0, ::s1, ...]; SubsampleBaseOp::setup's check of a 0 stride."""
+    if 0 in strides:
+        raise popart_error(ctx, f"Strides invalid. 0 stride at index {list(strides).index(0)}",
+                           f"strides {list(strides)}")
     return x[tuple(slice(None, None, s) for s in strides)]
 
 
@@ -321,8 +325,11 @@ def topk(ctx: LowerCtx, x, k, axis=-1, largest=1, sorted=1, **_):
 
 @_g("ReduceMedian")
 def reduce_median(ctx: LowerCtx, x, *, axes=None, keepdims, **_):
-    """Lower median; indices flattened over the reduced axes."""
-    axes = sorted(a % x.ndim for a in (axes if axes else range(x.ndim)))
+    """Lower median; indices flattened over the reduced axes. ReduceOp's axes: absent reduce
+    every axis, empty none, others checked (validateReduceAxes)."""
+    if axes is not None:
+        reduce.check_reduce_axes(ctx, list(axes), x.ndim)
+    axes = sorted({a % x.ndim for a in (range(x.ndim) if axes is None else axes)})
     keep = [a for a in range(x.ndim) if a not in axes]
     t = jnp.transpose(x, keep + axes).reshape([x.shape[a] for a in keep] + [-1])
     order = jnp.argsort(t, -1, stable=True)
@@ -468,7 +475,14 @@ def histogram(ctx: LowerCtx, x, *, levels, absoluteOfInput, **_):
 
 @_g("ShapedDropout", random=True)
 def shaped_dropout(ctx: LowerCtx, x, *, shape, ratio, **_):
-    """Dropout with one mask of ``shape`` broadcast over x; only active in training."""
+    """Dropout with one mask of ``shape`` broadcast over x; only active in training.
+    ShapedDropoutOp's checks: the ratio in [0, 1), ``shape`` broadcastable to x."""
+    nn.check_dropout_ratio(ctx, ratio)
+    if len(shape) > x.ndim or any(s not in (1, d) for s, d in zip(shape[::-1], x.shape[::-1])):
+        raise popart_error(ctx, f"ShapedDropout: incompatible input tensor and dropout shape. "
+                           f"{opid(ctx)} is configured with shape [{' '.join(map(str, shape))}] "
+                           f"which is not broadcastable to the input tensor with shape "
+                           f"[{' '.join(map(str, x.shape))}].", f"shape {list(shape)}")
     if not ctx.training:
         return x
     keep = jax.random.uniform(ctx.rng(), tuple(shape), jnp.float32) >= ratio

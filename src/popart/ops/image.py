@@ -10,21 +10,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import LowerCtx, onnx_semantics, register
+from .registry import LowerCtx, onnx_semantics, popart_error, register
 
 HI = lax.Precision.HIGHEST
 
 
-def _coord(mode, x, scale, n_in, n_out, roi_start=0.0, roi_end=1.0):
+def _coord(mode, x, scale, n_in, n_out, roi_start=0.0, roi_end=1.0, popart=False):
     """Input coordinate of output positions ``x`` (NumPy float64) per ONNX's
-    coordinate_transformation_mode."""
+    coordinate_transformation_mode; with ``popart``, pytorch_half_pixel tests the unfloored
+    length n_in * scale > 1 as PopART's coordinateTransformation (resizex.cpp) does, where
+    ONNX tests the output length."""
     if mode == "half_pixel":
         return (x + 0.5) / scale - 0.5
     if mode == "half_pixel_symmetric":
         adj = n_out / (n_in * scale)
         return n_in / 2 * (1 - adj) + (x + 0.5) / scale - 0.5
     if mode == "pytorch_half_pixel":
-        return (x + 0.5) / scale - 0.5 if n_out > 1 else np.zeros_like(x)
+        return (x + 0.5) / scale - 0.5 if (n_in * scale if popart else n_out) > 1 \
+            else np.zeros_like(x)
     if mode == "align_corners":   # the resized length is n_in * scale, not rounded (as onnx's)
         return x * (n_in - 1) / (n_in * scale - 1) if n_in * scale > 1 else np.zeros_like(x)
     if mode == "asymmetric":
@@ -56,13 +59,14 @@ def _cubic(a):
 
 
 def interp_matrix(ctx: LowerCtx, mode, coord_mode, nearest_mode, n_in, n_out, scale, cubic_a,
-                  exclude_outside, antialias, roi=(0.0, 1.0)):
+                  exclude_outside, antialias, roi=(0.0, 1.0), popart=False):
     """[n_out, n_in] weights of one axis, and the mask of output positions that fall
     outside the input (only used by tf_crop_and_resize)."""
     if mode == "nearest" and nearest_mode == "pytorch":
         x = np.arange(n_out, dtype=np.float32) / np.float32(scale)
     else:
-        x = _coord(coord_mode, np.arange(n_out, dtype=np.float64), scale, n_in, n_out, *roi)
+        x = _coord(coord_mode, np.arange(n_out, dtype=np.float64), scale, n_in, n_out, *roi,
+                   popart=popart)
     outside = (x < 0) | (x > n_in - 1)
     m = np.zeros((n_out, n_in))
     if mode == "nearest":
@@ -103,7 +107,7 @@ def resize_core(ctx: LowerCtx, x, out_shape, scales, mode, coord_mode, nearest_m
             continue
         r = (roi[ax], roi[ax + x.ndim]) if roi is not None else (0.0, 1.0)
         m, outside = interp_matrix(ctx, mode, coord_mode, nearest_mode, n_in, n_out, sc, cubic_a,
-                                   exclude_outside, antialias, r)
+                                   exclude_outside, antialias, r, not onnx_semantics(ctx))
         if mode == "nearest":  # a gather keeps every dtype exact
             y = jnp.take(y, jnp.asarray(m.argmax(1)), axis=ax)
         else:
@@ -136,7 +140,9 @@ def resize(ctx: LowerCtx, x, roi=None, scales=None, sizes=None, mode="nearest", 
            **_):
     """ONNX's Resize. Resize-10 (inputs X, scales) in a session is PopART's: nearest_mode
     "pytorch" (floor(i / scale), resizing only the axes whose size changes) and half_pixel
-    coordinates unless the node sets others; elsewhere ONNX's (asymmetric, floor)."""
+    coordinates unless the node sets others (PopART reads both attributes on Resize-10 too);
+    elsewhere ONNX's (asymmetric, floor). Scales and sizes that both have data are PopART's
+    error (getScales, resize.cpp), as ONNX's."""
     if ctx.version < 11:
         scales, roi = roi, None
         if onnx_semantics(ctx):
@@ -147,6 +153,13 @@ def resize(ctx: LowerCtx, x, roi=None, scales=None, sizes=None, mode="nearest", 
     scales = _opt_static(ctx, scales, "Resize scales")
     sizes = _opt_static(ctx, sizes, "Resize sizes")
     roi = _opt_static(ctx, roi, "Resize roi")
+    if sizes is not None and scales is not None:
+        raise popart_error(ctx, "Resize op has inputs for `sizes` and `scales`. Only one of these "
+                           "tensors should be present. If `sizes` is needed, please pass an "
+                           "empty string as the name of `scales` in the input list ( resize([X, "
+                           "roi, '', sizes]) ). If the proto is not generated from the PopART "
+                           "Builder, please confirm that only one of the two tensors shall have "
+                           "data.", f"scales {scales.tolist()}, sizes {sizes.tolist()}")
     sc = [1.0] * r
     out = list(x.shape)
     if sizes is not None:

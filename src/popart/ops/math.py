@@ -7,7 +7,7 @@ import numpy as np
 from jax import lax
 
 from .elementwise import c
-from .registry import add, LowerCtx, onnx_semantics, register
+from .registry import add, debug_name, LowerCtx, onnx_semantics, popart_error, register
 
 I64 = jnp.int64
 
@@ -17,8 +17,25 @@ def _dt(x):
 def _static_int(ctx: LowerCtx, x, what):
     return int(ctx.static(x, what).reshape(-1)[0])
 
+def _shape_text(shape) -> str:
+    return f"[{' '.join(str(d) for d in shape)}]"
+
+
 @register("MatMul")
 def matmul(ctx: LowerCtx, a, b, **_):
+    """MatMulOp::npMatMulOut's checks (matmul.cpp): no scalar operand, equal contracting
+    dimensions (shown with a 1-D lhs promoted to [1, n], a 1-D rhs to [n, 1])."""
+    for side, x, tid in (("lhs", a, ctx.input_ids[0]), ("rhs", b, ctx.input_ids[1])):
+        if jnp.ndim(x) == 0:
+            raise popart_error(ctx, f"{debug_name(ctx)} doesn't support scalar tensor {tid} as "
+                               f"the {side} input", "MatMul needs operands of rank 1 or more")
+    ls = (1,) * (jnp.ndim(a) == 1) + tuple(jnp.shape(a))
+    rs = tuple(jnp.shape(b)) + (1,) * (jnp.ndim(b) == 1)
+    if ls[-1] != rs[-2]:
+        raise popart_error(ctx, f"{debug_name(ctx)} contracting dimensions unequal: lhs "
+                           f"'{ctx.input_ids[0]}' {_shape_text(ls)}, rhs '{ctx.input_ids[1]}' "
+                           f"{_shape_text(rs)}", "the lhs's last dimension must equal the rhs's "
+                           "second to last")
     return jnp.matmul(a, b)
 
 def _zp_rows(zp, ndim_is_matrix):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .registry import add, LowerCtx
+from .registry import add, LowerCtx, opid, popart_error
 
 
 def _lowest(x, sign):
@@ -90,10 +90,19 @@ def reduce_axes(ctx: LowerCtx, x, axes, noop_with_empty_axes):
     axes = [] if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
     if not axes:
         return () if noop_with_empty_axes else tuple(range(jnp.ndim(x)))
-    r = jnp.ndim(x)
-    if any(not -r <= a < max(r, 1) for a in axes):
-        raise ctx.error(f"axes {axes} out of range for an input of rank {r}")
-    return tuple(sorted({a % max(r, 1) for a in axes}))
+    check_reduce_axes(ctx, axes, jnp.ndim(x))
+    return tuple(sorted({a % jnp.ndim(x) for a in axes}))
+
+
+def check_reduce_axes(ctx: LowerCtx, axes: list, rank: int) -> None:
+    """validateReduceAxes (util.cpp): axes of a rank > 0 input, each in [-rank, rank - 1]."""
+    if rank == 0:
+        raise popart_error(ctx, f"Reduce input rank must be greater than 0, invalid Reduce "
+                           f"{ctx.name} ({opid(ctx)}).", f"axes {axes}")
+    bad = next((a for a in axes if not -rank <= a < rank), None)
+    if bad is not None:
+        raise popart_error(ctx, f"Axis {bad} is out of acceptable range [{-rank}, {rank - 1}]",
+                           f"axes {axes} of input '{ctx.input_ids[0]}' of rank {rank}")
 
 
 def _attr_form(fn):

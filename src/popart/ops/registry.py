@@ -170,9 +170,13 @@ def lookup(domain: str, op_type: str, version: int) -> OpDef:
     domain = canonical_domain(domain)
     defs = _REGISTRY.get((domain, op_type))
     if not defs:
+        custom = not domain.startswith(("ai.onnx", "ai.graphcore", "ai.popxl"))
         raise UnsupportedOperatorError(
             f"Operator {domain}::{op_type} is not supported by this runtime "
-            f"(requested at opset {version})")
+            f"(requested at opset {version})" + (
+                f": a custom op runs as its Python equivalent, registered with "
+                f"@popart.custom_ops.register_op('{op_type}', '{domain}', {version}) "
+                f"(docs/custom_ops.md)" if custom else ""))
     usable = [d for d in defs if d.since <= version]
     if not usable:
         raise UnsupportedOperatorError(
@@ -293,6 +297,12 @@ POPART_INPUT_TYPES: dict[tuple[str, int], Any] = {
     ("Gather", 1): "iu",                         # GatherOp never checks the index type
     ("Tile", 1): "iu",                           # TileOp raises its own message
     ("Mul", 0): _fp16_with_fp32_scalar, ("Mul", 1): _fp16_with_fp32_scalar,
+    # BinaryComparisonOp::setup checks no type (equal.cpp's definition takes FLOAT too)
+    **{(op, k): "biuf" for op in ("Equal", "Greater", "Less") for k in (0, 1)},
+    ("TopK", 1): "iu",                           # read with getInputScalarValue
+    ("Sqrt", 0): "iu",                           # an integer square root
+    ("Scatter", 1): "iu", ("ScatterElements", 1): "iu",   # indices of any integer type
+    ("Resize", 3): "iu",                         # sizes read as INT64 or INT32
 }
 
 

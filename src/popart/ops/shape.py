@@ -9,7 +9,7 @@ import onnx
 from jax import lax
 
 from .math import saturate_cast
-from .registry import add, LowerCtx, popart_error, register
+from .registry import add, debug_name, LowerCtx, opid, popart_error, register
 
 I64 = np.int64
 
@@ -35,17 +35,43 @@ def _norm_axes(ctx: LowerCtx, axes, rank):
 # ---------------------------------------------------------------------------------------
 # Reshaping
 
+def shape_text(shape) -> str:
+    """A shape as PopART's messages print one: [2 3]."""
+    return f"[{' '.join(str(int(d)) for d in shape)}]"
+
+
+def shape_input_error(ctx: LowerCtx, what: str, problem: str, note: str) -> Exception:
+    """PopART's error for a shape input whose value does not give an output shape (the
+    connectInTensor of ReshapeOp, ExpandOp, SliceOp)."""
+    return popart_error(ctx, f"Need the value of the {opid(ctx)} input '{what}' to determine "
+                        f"the output shape, but was unable because {problem}", note)
+
+
 def _reshape(ctx: LowerCtx, x, shape, allowzero=0):
-    shape = list(shape)
+    """ReshapeBaseOp::finaliseShape and setup's checks, with PopART's texts."""
+    shape, given = list(shape), list(shape)
+    note = f"shape {given} for an input of shape {list(jnp.shape(x))}"
+    bad = next((d for d in shape if d < -1), None)
+    if bad is not None:
+        raise shape_input_error(ctx, "shape", f"Dimension, {bad}, of new shape for Reshape "
+                                f"cannot be smaller than -1.", note)
     if not allowzero:
         shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
-    if shape.count(-1) > 1:
-        raise ctx.error(f"shape {shape} has more than one -1")
     if -1 in shape:
-        known = int(np.prod([d for d in shape if d != -1]))
+        known = -int(np.prod(shape))
+        if known and jnp.size(x) % known:
+            raise shape_input_error(ctx, "shape", "Incompatible inferred dimension, not whole "
+                                    "number.", note)
+        if shape.count(-1) > 1:
+            raise shape_input_error(ctx, "shape", "shape input to ReshapeOp can only use -1 to "
+                                    "specify one unknown dimension", note)
         shape[shape.index(-1)] = jnp.size(x) // known if known else 0
     if int(np.prod(shape)) != jnp.size(x):
-        raise ctx.error(f"cannot reshape a tensor of shape {list(jnp.shape(x))} to {shape}")
+        raise popart_error(ctx, f"Failure in ReshapeOp::setup() for {debug_name(ctx)}. Trying "
+                           f"to reshape from {shape_text(jnp.shape(x))} to {shape_text(shape)}. "
+                           f"The number of elements of the input is {jnp.size(x)}, while the "
+                           f"number of elements of the output is {int(np.prod(shape))}. The "
+                           f"number of elements cannot change for a ReshapeOp", note)
     return jnp.reshape(x, shape)
 
 
@@ -56,6 +82,13 @@ add("Reshape", lambda ctx, x, shape, allowzero=0, **_:
 
 @register("Transpose")
 def transpose(ctx: LowerCtx, x, perm=None, **_):
+    """TransposeBaseOp::setup's check of the permutation's rank (PopART's text); a
+    permutation of the right rank that is not one is this runtime's error."""
+    if perm and len(perm) != jnp.ndim(x):
+        raise popart_error(ctx, f"Rank of permutation tensor {shape_text(perm)}, rank "
+                           f"{len(perm)} must be equal to rank of input tensor, shape "
+                           f"{shape_text(jnp.shape(x))}, rank {jnp.ndim(x)}.",
+                           f"perm {list(perm)} for input '{ctx.input_ids[0]}'")
     if perm is not None and sorted(perm) != list(range(jnp.ndim(x))):
         raise ctx.error(f"perm {list(perm)} is not a permutation of the {jnp.ndim(x)} axes")
     return jnp.transpose(x, perm)
@@ -124,6 +157,10 @@ add("Split", lambda ctx, x, split=None, axis=0, num_outputs=None, **_:
 
 
 def _slice(ctx: LowerCtx, x, starts, ends, axes=None, steps=None):
+    bad = next((a for a in axes or () if not -x.ndim <= a < x.ndim), None)
+    if bad is not None:   # BaseSliceOp::connectInTensor
+        raise popart_error(ctx, f"slice op input tensor {ctx.input_ids[0]}, rank {x.ndim}, axis "
+                           f"{bad} is out of range", f"axes {list(axes)}")
     axes = list(range(len(starts))) if axes is None else _norm_axes(ctx, axes, x.ndim)
     steps = [1] * len(starts) if steps is None else steps
     if not len(starts) == len(ends) == len(axes) == len(steps):
@@ -150,8 +187,10 @@ def expand(ctx: LowerCtx, x, shape, **_):
     shape = ints(ctx, shape, "shape")
     try:
         return jnp.broadcast_to(x, np.broadcast_shapes(jnp.shape(x), tuple(shape)))
-    except ValueError:
-        raise ctx.error(f"cannot expand shape {list(jnp.shape(x))} to {shape}") from None
+    except ValueError:   # ExpandOp::finaliseShape
+        raise shape_input_error(ctx, "shape", "Expand shape constraint: corresponding "
+                                "dimensions must have the same value or one of them must be 1",
+                                f"cannot expand shape {list(jnp.shape(x))} to {shape}") from None
 
 
 add("Tile", lambda ctx, x, tiles, axis, **_: jnp.tile(x, [int(ctx.static(tiles, "tiles")) if i == int(
