@@ -127,7 +127,8 @@ class Context:
         raise AttributeError("Cannot delete in_sequence. Set to 'False' instead.")
 
     def register_op_created_hook(self, fn: Callable[[Any], Any]) -> int:
-        """Call ``fn(node)`` after each op is created, in any graph; returns a handle for
+        """Call ``fn(op)`` (a ``popart._internal.ir.Op``) after each op is created, in any
+        graph; returns a handle for
         :meth:`remove_op_created_hook`."""
         self._hook_handle += 1
         self._op_created_hooks[self._hook_handle] = fn
@@ -158,13 +159,27 @@ class Context:
         op.annotations["__in_sequence"] = mode
 
     # ------------------------------------------------------------------ package internals
-    def _op_created(self, graph: "Graph", node: Any) -> None:
-        prev, self._op_graph = self._op_graph, graph
+    def _op_created(self, op_or_graph: Any, node: Any = None) -> None:
+        """Run the op-created hooks for an op: ``_op_created(op)`` with a
+        ``popart._internal.ir.Op`` (PopXL's signature, which popxl-addons calls) or
+        ``_op_created(graph, node)`` with a popxl graph and its IR node."""
+        from . import _pb
+        op = op_or_graph if node is None else _pb.op_handle(op_or_graph, node)
+        if not isinstance(op, _pb.Op):
+            raise TypeError(f"_op_created expects a popart._internal.ir.Op, got {type(op).__name__}")
+        prev, self._op_graph = self._op_graph, op._graph
         try:
             for fn in list(self._op_created_hooks.values()):
-                fn(node)
+                fn(op)
         finally:
             self._op_graph = prev
+
+    def _get_op_settings(self, name: str) -> Any:
+        """The settings (``popart._internal.ir.Settings``) of an op named ``name`` created now
+        in the current graph: its name after the name scopes, and the placement annotations of
+        the enclosing blocks (IPU, IO tiles, pipeline stage, execution context, ...)."""
+        from . import _pb
+        return _pb.Settings(_pb.Graph(self.graph), "/".join((*self._name_scope, name)))
 
     def _annotations_now(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -20,7 +20,7 @@ from popart.engine.lower import trace_node
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.ir import Graph as IRGraph, Node, reads
 
-from . import context
+from . import _pb, context
 from .tensor import Constant, Tensor, Variable
 
 if TYPE_CHECKING:
@@ -80,23 +80,22 @@ class Graph:
     @property
     def called_graphs(self) -> tuple["Graph", ...]:
         """The graphs that ops of this graph call (call, repeat, conditional branches)."""
-        by_ir = {id(g._g): g for g in self._ir._graphs}
-        found: dict[int, "Graph"] = {}
+        return tuple(_pb.called_graphs(self._ir, self._g.nodes))
 
-        def walk(nodes: Iterable[Node]) -> None:
-            for n in nodes:
-                for v in n.attrs.values():
-                    if isinstance(v, IRGraph):
-                        if id(v) in by_ir:
-                            found.setdefault(id(v), by_ir[id(v)])
-                        else:   # a wrapper (conditional branch) around a call
-                            walk(v.nodes)
-        walk(self._g.nodes)
-        return tuple(found.values())
+    @property
+    def _pb_graph(self) -> _pb.Graph:
+        """PopART's binding view of this graph (``popart._internal.ir.Graph``), live."""
+        return _pb.Graph(self)
+
+    @classmethod
+    def _from_pb(cls, pb_graph: _pb.Graph) -> "Graph":
+        """The popxl graph of a binding graph handle."""
+        return pb_graph._graph
 
     def register_op_created_hook(self, fn: Callable[[Node], Any]) -> int:
-        """Call ``fn(node)`` after each op (an IR node: ``op_type``, ``domain``, ``inputs``,
-        ``outputs``, ``attrs``) is created in this graph; returns a handle for
+        """Call ``fn(op)`` after each op is created in this graph (``op``: a
+        ``popart._internal.ir.Op``, which also has the IR node's ``op_type``, ``domain``,
+        ``inputs``, ``outputs``, ``attrs``); returns a handle for
         :meth:`remove_op_created_hook`."""
         return context.register_op_created_hook(self, fn)
 

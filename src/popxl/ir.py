@@ -113,6 +113,12 @@ class Ir:
         return f"{name}_{k}"
 
     @property
+    def _pb_ir(self) -> Any:
+        """PopART's binding view of this Ir (``popart._internal.ir.Ir``), live."""
+        from . import _pb
+        return _pb.Ir(self)
+
+    @property
     def _graph_cache(self) -> dict[str, Graph]:
         """Each graph of the Ir by its id, the main graph's included (PopXL's private map,
         which popxl-addons reads): a new dict per read, made from the Ir's graphs."""

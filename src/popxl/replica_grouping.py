@@ -167,6 +167,12 @@ class ReplicaGrouping:
             raise ValueError(f"Invalid retrieval_mode: {retrieval_mode}")
         return VariableSettings(self._stride, self._group_size, modes[retrieval_mode])
 
+    @property
+    def _pb_replica_grouping(self) -> Any:
+        """PopART's binding view (``popart._internal.ir.ReplicaGrouping``)."""
+        from . import _pb
+        return _pb.ReplicaGroupingHandle(self)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ReplicaGrouping) and self._assignment == other._assignment
 

@@ -449,6 +449,12 @@ class Session:
         return self._ir
 
     @property
+    def _pb_session(self) -> Any:
+        """PopART's binding view of the session (``writeWeights``, ``weightsFromHost``)."""
+        from . import _pb
+        return _pb.Session(self)
+
+    @property
     def device(self) -> Any:
         """The session's ``popart.DeviceInfo`` (settable: see :meth:`_set_device`)."""
         return self._device

@@ -204,6 +204,18 @@ class Tensor:
         return TensorLocationInfo()
 
     @property
+    def _pb_tensor(self) -> Any:
+        """PopART's binding view of the tensor's current value (``popart._internal.ir.Tensor``)."""
+        from . import _pb
+        return _pb.Tensor(self._graph, self._ir_id)
+
+    @classmethod
+    def _from_pb_tensor(cls, pb_tensor: Any) -> "Tensor":
+        """The popxl tensor of a binding tensor handle (the tensor whose value it is)."""
+        from . import _pb
+        return _pb.popxl_tensor(pb_tensor._graph, pb_tensor.id)
+
+    @property
     def in_sync_with_ipu(self) -> bool:
         """False for a variable whose device value, in a session of its Ir, changed since the
         last ``weights_to_host`` (the host copy is stale); True otherwise."""

@@ -26,6 +26,7 @@ from popart.engine.ir import NO_GRAD_OPS, RECOMPUTE_OUTPUT, Graph as IRGraph, No
 from popart.ops.collectives import op_name
 from popart.ops.popxl_grad import FROM_ARG_AND_OUTPUT, FROM_OUTPUT
 
+from .. import _pb
 from ..graph import Graph
 from ..ops._base import POPXL
 from ..ops import dynamic_slice, reshape
@@ -54,6 +55,18 @@ class ExpectedConnection:
 
     def __repr__(self) -> str:
         return f"({self._type}, {self._fwd_tensor})"
+
+    @property
+    def _pb_ec(self) -> _pb.ExpectedConnection:
+        """PopART's binding record of the connection (``popart._internal.ir.ExpectedConnection``)."""
+        return _pb.ExpectedConnection(self._fwd_tensor.id, self._type)
+
+    @classmethod
+    def _from_pb(cls, fwd_graph: _pb.Graph, pb_ec: _pb.ExpectedConnection) -> "ExpectedConnection":
+        """The connection of a binding record, whose ``fwdId`` names a tensor of ``fwd_graph``."""
+        g = fwd_graph._graph
+        return cls(_pb.popxl_tensor(g, _pb.tensor_of(g, pb_ec.fwdId).id),
+                   ExpectedConnectionType(pb_ec.type))
 
 
 class GradGraphInfo:
@@ -110,6 +123,15 @@ class GradGraphInfo:
         """Parent tensor passed to the forward call -> its gradient at the gradient call site."""
         return {fwd_call_info.graph_to_parent(t): grad_call_info.graph_to_parent(self._graph._outputs[i])
                 for i, t in enumerate(self.outputs)}
+
+    @classmethod
+    def _from_pb(cls, ir: _pb.Ir, fwd_graph: _pb.Graph, bwd_info: _pb.BwdGraphInfo) -> "GradGraphInfo":
+        """The GradGraphInfo of a binding ``BwdGraphInfo`` (a gradient graph of ``ir`` and its
+        expected connections to ``fwd_graph``), as popxl-addons builds its own grad graphs."""
+        def conns(pb: list) -> list[ExpectedConnection]:
+            return [ExpectedConnection._from_pb(fwd_graph, ec) for ec in pb]
+        return cls(ir.getGraph(bwd_info.bwdGraphId)._graph, fwd_graph._graph,
+                   conns(bwd_info.expectedInputs), conns(bwd_info.expectedOutputs))
 
     def __repr__(self) -> str:
         return (f"GradGraphInfo[graph={self._graph.id} expected_inputs={list(self._expected_inputs)} "

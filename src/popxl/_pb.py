@@ -1,0 +1,1124 @@
+"""Live handles on popxl's IR in the shape of PopART's C++ IR binding (``popart._internal.ir``).
+
+PopXL keeps its graphs in PopART's C++ IR and hands out binding objects (``Ir._pb_ir``,
+``Graph._pb_graph``, ``Tensor._pb_tensor``, op-created hooks); popxl-addons works on them.
+Here the IR is ``popart.engine.ir`` (a ``Node`` list per graph) with popxl's bookkeeping
+(``Graph._tensors`` / ``_specs`` / ``_outputs``, versions of in-place tensors) around it. A handle
+holds the popxl object and reads or changes both on each call: there is no second copy, so what
+popxl compiles afterwards follows every change. ``popart._internal.ir`` gives these classes
+PopART's names (docs/internal_ir.md).
+
+A handle's tensor id is an IR id: the id of the popxl tensor made for that value (an in-place
+op's result is a new tensor; the popxl object the user holds moves to it, as PopXL's does)."""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
+
+from popart.engine.ir import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph as IRGraph, Node
+from popart.errors import popart_exception
+from popart.tensorinfo import TensorInfo
+
+from . import context
+from .tensorlocation import ExecutionContext, TileSet
+
+if TYPE_CHECKING:
+    from .graph import Graph as XGraph
+    from .ir import Ir as XIr
+
+_OP_IDS = itertools.count(1)   # PopART's op ids: unique in the process, given on first use
+
+
+class _Binding:
+    """PopART's binding names that have no meaning here raise ``popart_exception`` naming the
+    method; other missing names are AttributeErrors (so ``hasattr`` probes keep working)."""
+    _PB_NAMES: frozenset = frozenset()
+    _WHY = "the XLA IR has no equivalent"
+
+    def __getattr__(self, name: str) -> Any:
+        if name in type(self)._PB_NAMES:
+            raise popart_exception(f"popart._internal.ir.{type(self).__name__}.{name} is not "
+                                   f"supported on XLA: {self._WHY}")
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
+def _names(s: str) -> frozenset:
+    return frozenset(s.split())
+
+
+class GraphId:
+    """A graph's id (``str()`` gives it); equal to the GraphId or string of the same id."""
+
+    def __init__(self, gid: str) -> None:
+        self._id = str(gid)
+
+    def str(self) -> str:
+        return self._id
+
+    def __eq__(self, other: object) -> bool:
+        return str(other) == self._id if isinstance(other, (GraphId, str)) else NotImplemented
+
+    def __lt__(self, other: "GraphId") -> bool:
+        return self._id < str(other)
+
+    def __hash__(self) -> int:
+        return hash(self._id)
+
+    def __str__(self) -> str:
+        return self._id
+
+    def __repr__(self) -> str:
+        return f"GraphId({self._id!r})"
+
+
+class OperatorIdentifier:
+    """``op.opid``: the op's domain, type and version."""
+
+    def __init__(self, domain: str, type_: str, version: int) -> None:
+        self.domain, self.type, self.version = domain, type_, version
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OperatorIdentifier) and \
+            (self.domain, self.type, self.version) == (other.domain, other.type, other.version)
+
+    def __hash__(self) -> int:
+        return hash((self.domain, self.type, self.version))
+
+    def __repr__(self) -> str:
+        return f"{self.domain}.{self.type}:{self.version}"
+
+
+class Region:
+    """A region of a tensor (``popart::view::Region``): here the whole tensor or nothing, the
+    granularity at which an in-place op modifies its input on XLA."""
+
+    def __init__(self, shape: Sequence[int], empty: bool) -> None:
+        self.shape, self._empty = tuple(int(d) for d in shape), bool(empty)
+
+    @staticmethod
+    def getFull(shape: Sequence[int]) -> "Region":
+        return Region(shape, False)
+
+    @staticmethod
+    def getEmpty(rank: int) -> "Region":
+        return Region((0,) * int(rank), True)
+
+    def isEmpty(self) -> bool:
+        return self._empty or 0 in self.shape
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Region) and (self.isEmpty(), self.shape) == (other.isEmpty(), other.shape)
+
+    def __hash__(self) -> int:
+        return hash((self.isEmpty(), self.shape))
+
+    def __str__(self) -> str:
+        return "[]" if self.isEmpty() else f"[{[0] * len(self.shape)}->{list(self.shape)}]"
+
+    __repr__ = __str__
+
+
+# ---------------------------------------------------------------------------------- settings
+class Settings(_Binding):
+    """``Op::Settings``: the name and placement of an op (``ctx._get_op_settings(name)``), kept
+    as the node annotations popxl gives ops created in the same context."""
+    _PB_NAMES = _names("optimizerOp recomputeType inplacePriorityVeto inferTensorMappingToFrom "
+                       "extraOutlineAttributes batchSerializedPhase executionPhase "
+                       "stochasticRoundingMethod scope debugInfoId excludePatterns")
+
+    def __init__(self, graph: "Graph", name: str = "", annotations: Optional[dict] = None) -> None:
+        self.graph, self.name = graph, name
+        self.annotations = dict(context.current_annotations() if annotations is None else annotations)
+
+    def _get(self, key: str) -> Any:
+        return self.annotations.get(key)
+
+    def _set(self, key: str, value: Any) -> None:
+        if value is None:
+            self.annotations.pop(key, None)
+        else:
+            self.annotations[key] = value
+
+    vgraphId = property(lambda self: self._get(VIRTUAL_GRAPH),
+                        lambda self, v: self._set(VIRTUAL_GRAPH, None if v is None else int(v)))
+    pipelineStage = property(lambda self: self._get(PIPELINE_STAGE),
+                             lambda self, v: self._set(PIPELINE_STAGE, None if v is None else int(v)))
+
+    @property
+    def tileSet(self) -> Any:
+        return TileSet.IO if self._get("__io_tiles") else TileSet.Compute
+
+    @tileSet.setter
+    def tileSet(self, value: Any) -> None:
+        self._set("__io_tiles", 1 if value == TileSet.IO else None)
+
+    @property
+    def executionContext(self) -> Any:
+        return ExecutionContext[self.annotations.get("__execution_context", "Normal")]
+
+    @executionContext.setter
+    def executionContext(self, value: Any) -> None:
+        self._set("__execution_context", None if value.name == "Normal" else value.name)
+
+    def copy(self, name: Optional[str] = None) -> "Settings":
+        return Settings(self.graph, self.name if name is None else name, self.annotations)
+
+
+# ---------------------------------------------------------------------------------- tensors
+class Consumers:
+    """``tensor.consumers``: the ops of the tensor's graph that read it."""
+
+    def __init__(self, tensor: "Tensor") -> None:
+        self._t = tensor
+
+    def getOps(self) -> list["Op"]:
+        g = self._t._graph
+        return [op_handle(g, n) for n in g._g.nodes if self._t.id in n.inputs]
+
+    def getTotal(self) -> int:
+        return sum(n.inputs.count(self._t.id) for n in self._t._graph._g.nodes)
+
+
+class Tensor(_Binding):
+    """A tensor of a graph (``popart::Tensor``), by IR id."""
+    _PB_NAMES = _names(
+        "anyAlias associatedOps clone consumersAllPreLoss dataAsBool getBatchAxis "
+        "getCopyFromTensor getDataViaGraphTraversal getDebugInfo getGraph_const getIr_const "
+        "getRemoteBufferInfo getReplicatedStreamMode getVariableSettings getVariableUpdateType "
+        "getVirtualGraphIdAndTileSet getVirtualGraphIdAndTileSetUnsafe getVirtualGraphIdUnsafe "
+        "hasTensorData idIncludesPrefix inputSettings isAccumulatorTensor isAliased isAnchored "
+        "isCheckpointTensor isHostLoadTensor isImplicitRecomputeTensor isInSyncWithIPU "
+        "isOptimizerStateTensor isOptimizerTensor isRandomSeedTensor isRemote isRemoteArgTensor "
+        "isRestoreInplaceTensor isRootAnchor isSharded isUnmodifiable isWeightTensor returnedShape "
+        "setCopyFromTensor setRemoteBufferInfo setReplicatedStreamMode setTensorLocationInfo "
+        "setTensorType setVariableUpdateType tensorLocationInfo tensorType tensor_type")
+
+    def __init__(self, graph: "XGraph", tid: str) -> None:
+        self._graph, self.id = graph, tid
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tensor) and other._graph is self._graph and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash((id(self._graph), self.id))
+
+    def __repr__(self) -> str:
+        return f"_ir.Tensor({self.id!r} in {self._graph.id!r})"
+
+    def str(self) -> str:
+        return self.id
+
+    @property
+    def info(self) -> TensorInfo:
+        spec = self._graph._specs[self.id]
+        return TensorInfo(spec.dtype, list(spec.shape))
+
+    @property
+    def consumers(self) -> Consumers:
+        return Consumers(self)
+
+    def getGraph(self) -> "Graph":
+        return Graph(self._graph)
+
+    def getIr(self) -> "Ir":
+        return Ir(self._graph.ir)
+
+    def _producer(self) -> Optional[Node]:
+        return next((n for n in self._graph._g.nodes if self.id in n.outputs), None)
+
+    def hasProducer(self) -> bool:
+        return self._producer() is not None
+
+    def getProducer(self) -> "Op":
+        n = self._producer()
+        if n is None:
+            raise popart_exception(f"No producer for tensor {self.id} to return")
+        return op_handle(self._graph, n)
+
+    def getProducerUnsafe(self) -> Optional["Op"]:
+        n = self._producer()
+        return None if n is None else op_handle(self._graph, n)
+
+    def _base(self) -> str:
+        return self._graph._versions.get(self.id, self.id)
+
+    def _modifiers(self, nodes: Iterable[Node]) -> list[Node]:
+        """The nodes whose outputs are later versions of this tensor (in-place writes)."""
+        base, versions = self._base(), self._graph._versions
+        return [n for n in nodes if any(versions.get(o) == base for o in n.outputs)]
+
+    def modifiedRegionsByOps(self, ops: Iterable["Op"], aliases: Any = None) -> list[Region]:
+        """The regions of this tensor that ``ops`` modify in place: all of it or none."""
+        hit = self._modifiers(op._node for op in ops)
+        shape = self._graph._specs[self.id].shape
+        return [Region.getFull(shape) if hit else Region.getEmpty(len(shape))]
+
+    def isModified(self, considerLoopInput: bool = True) -> bool:
+        return bool(self._modifiers(self._graph._g.nodes))
+
+    def getVirtualGraphId(self) -> int:
+        ipu = self._graph._tensors[self.id]._placement[0]
+        return 0 if ipu is None else int(ipu)
+
+    def hasVirtualGraphId(self) -> bool:
+        return self._graph._tensors[self.id]._placement[0] is not None
+
+    def isGraphInput(self) -> bool:
+        return self.id in self._graph._finalize().inputs
+
+    def isGraphOutput(self) -> bool:
+        return self.id in self._graph._finalize().outputs
+
+
+def popxl_tensor(graph: "XGraph", tid: str) -> Any:
+    """The popxl Tensor of IR id ``tid``: the tensor whose value it is now (an in-place op's
+    result: the tensor the op changed), else the tensor made for it."""
+    own = graph._tensors.get(graph._versions.get(tid, tid))
+    return own if own is not None and own._ir_id == tid else graph._tensors[tid]
+
+
+def current(graph: "XGraph", tid: str) -> str:
+    """The IR id of the value of popxl tensor ``tid`` now (its latest in-place version)."""
+    return graph._tensors[tensor_of(graph, tid).id]._ir_id
+
+
+def tensor_of(graph: "XGraph", tid: str) -> Tensor:
+    """The handle of tensor ``tid`` of ``graph``.
+
+    Raises:
+        popart_exception: no tensor ``tid`` in the graph (PopART's message).
+    """
+    if tid not in graph._tensors:
+        raise popart_exception(f"No Ir::Tensor with TensorId '{tid}' in Graph {graph.id}.")
+    return Tensor(graph, tid)
+
+
+# ---------------------------------------------------------------------------------- ops
+class _IndexMap:
+    """``op.input`` / ``op.output``: index -> tensor of one side of an op."""
+
+    def __init__(self, op: "Op", side: str) -> None:
+        self._op, self._side = op, side
+
+    def _ids(self) -> list[str]:
+        return getattr(self._op._node, self._side)
+
+    def tensorMap(self) -> dict[int, Tensor]:
+        return {i: Tensor(self._op._graph, t) for i, t in enumerate(self._ids()) if t}
+
+    def tensorIdMap(self) -> dict[int, str]:
+        return {i: t for i, t in enumerate(self._ids()) if t}
+
+    def tensors(self) -> list[Tensor]:
+        return list(self.tensorMap().values())
+
+    def hasIndex(self, i: int) -> bool:
+        ids = self._ids()
+        return 0 <= i < len(ids) and bool(ids[i])
+
+    def id(self, i: int) -> str:
+        return self._ids()[i]
+
+    def tensor(self, i: int) -> Tensor:
+        return Tensor(self._op._graph, self._ids()[i])
+
+    def n(self) -> int:
+        return len(self.tensorMap())
+
+    def indices(self, t: Tensor) -> list[int]:
+        return [i for i, x in enumerate(self._ids()) if x == t.id]
+
+
+class Op(_Binding):
+    """An op (``popart::Op``): a handle on one IR node of a popxl graph. Its class is chosen
+    from the node's op type (:data:`OP_CLASS_NAMES`). ``op_type``, ``domain``, ``inputs``,
+    ``outputs``, ``attrs`` and ``annotations`` read the node (what popxl's op-created hooks
+    were given before)."""
+    _PB_NAMES = _names(
+        "adjustInSettings adjustOutSettings append calcAutoVirtualGraphCost canBeReplacedByIdentity "
+        "canShard clone consumesGraphOutput copiesOptimizerTensors copy defaultConnectInTensor "
+        "finalizeDebugInfo firstInIndex getBatchSerializedPhase getExecutionPhase getGradOps "
+        "getHighSubgraphValue getInBatchAxis getInSettings getInplaceVariant "
+        "getIntrospectionInVirtualGraphId getLowSubgraphValue getNonGradInIndex "
+        "getOptionalBatchSerializedPhase getOptionalExecutionPhase getOutBatchAxis getOutSettings "
+        "getScope getSeedInIndex getSubgraphEquivId getSubgraphValue gradInputInfo "
+        "gradOutToNonGradIn hasAliasedModifiers hasBatchSerializedPhase hasExecutionPhase "
+        "hasSideEffect inferTensorMappingToFrom inheritPlacementAttributes inplacePriorityDefault "
+        "inputUnmodifiable inputsUnmodifiable isChildOf isElementWiseUnary isExcludedFromPattern "
+        "isInplaceViewChange isLossOp isNorm isOptimizerOp isOutlineable isOutplaceViewChange "
+        "isParentOf memOfOutputs modifiesIndex optionalInputs overwritesTensor prettyNpOut "
+        "requiresRandomSeed setBatchSerializedPhase setCalledSubgraphGradInfo setExecutionPhase "
+        "setScope toJSON transferBaseProperties getSubgraphInputs getSubgraphOutputs "
+        "opOutToSubgraphOutIndex subgraphOutToOpOutIndex addModified addLoopInput addLoopOutput "
+        "removeLoopInput removeLoopOutput")
+
+    def __init__(self, graph: "XGraph", node: Node) -> None:
+        self._graph, self._node = graph, node
+        if not hasattr(node, "_pb_id"):
+            node._pb_id = next(_OP_IDS)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Op) and other._node is self._node
+
+    def __hash__(self) -> int:
+        return hash(id(self._node))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id}, {self._node.describe()})"
+
+    # --- the node, as popxl's hooks saw it
+    op_type = property(lambda self: self._node.op_type)
+    domain = property(lambda self: self._node.domain)
+    inputs = property(lambda self: self._node.inputs)
+    outputs = property(lambda self: self._node.outputs)
+    attrs = property(lambda self: self._node.attrs)
+    annotations = property(lambda self: self._node.annotations)
+
+    # --- identity
+    @property
+    def id(self) -> int:
+        return self._node._pb_id
+
+    @property
+    def opid(self) -> OperatorIdentifier:
+        n = self._node
+        return OperatorIdentifier(n.domain, n.op_type, self._graph._g.opsets.get(n.domain, 1))
+
+    def opType(self) -> str:
+        return self._node.op_type
+
+    def name(self) -> str:
+        return self._node.name
+
+    getName = name
+
+    def setName(self, name: str) -> None:
+        self._node.name = str(name)
+
+    def debugName(self) -> str:
+        return f"Op({self._node.name or self.id}, inputs=[{', '.join(self.inputs)}], " \
+               f"outputs=[{', '.join(o for o in self.outputs if o)}])"
+
+    def str(self) -> str:
+        return f"{self.id} ({self._node.domain}.{self._node.op_type}:{self.opid.version})"
+
+    def getGraph(self) -> "Graph":
+        return Graph(self._graph)
+
+    def getIr(self) -> "Ir":
+        return Ir(self._graph.ir)
+
+    # --- tensors
+    @property
+    def input(self) -> _IndexMap:
+        return _IndexMap(self, "inputs")
+
+    @property
+    def output(self) -> _IndexMap:
+        return _IndexMap(self, "outputs")
+
+    def inTensor(self, i: int) -> Tensor:
+        return self._at("inputs", i)
+
+    def outTensor(self, i: int) -> Tensor:
+        return self._at("outputs", i)
+
+    def _at(self, side: str, i: int) -> Tensor:
+        ids = getattr(self._node, side)
+        if not (0 <= i < len(ids) and ids[i]):
+            raise popart_exception(f"No {side[:-1]} tensor at index {i} of {self.debugName()}")
+        return Tensor(self._graph, ids[i])
+
+    def inId(self, i: int) -> str:
+        return self.inTensor(i).id
+
+    def outId(self, i: int) -> str:
+        return self.outTensor(i).id
+
+    def hasInput(self, i: int) -> bool:
+        return self.input.hasIndex(i)
+
+    def hasOutput(self, i: int) -> bool:
+        return self.output.hasIndex(i)
+
+    def hasInputTensor(self, t: Tensor) -> bool:
+        return t.id in self._node.inputs
+
+    def hasOutputTensor(self, t: Tensor) -> bool:
+        return t.id in self._node.outputs
+
+    def inIndex(self, t: Tensor) -> int:
+        return self._index("inputs", t)
+
+    def outIndex(self, t: Tensor) -> int:
+        return self._index("outputs", t)
+
+    def _index(self, side: str, t: Tensor) -> int:
+        ids = getattr(self._node, side)
+        if t.id not in ids:
+            raise popart_exception(f"{t.id} is not an {side[:-1]} of {self.debugName()}")
+        return ids.index(t.id)
+
+    def inTensorCount(self) -> int:
+        return self.input.n()
+
+    def outTensorCount(self) -> int:
+        return self.output.n()
+
+    def getInputTensors(self) -> list[Tensor]:
+        return self.input.tensors()
+
+    def getOutputTensors(self) -> list[Tensor]:
+        return self.output.tensors()
+
+    def getInputIndexMap(self) -> dict[int, Tensor]:
+        return self.input.tensorMap()
+
+    def getOutputIndexMap(self) -> dict[int, Tensor]:
+        return self.output.tensorMap()
+
+    def inInfo(self, i: int) -> TensorInfo:
+        return self.inTensor(i).info
+
+    def outInfo(self, i: int) -> TensorInfo:
+        return self.outTensor(i).info
+
+    def inShape(self, i: int) -> list[int]:
+        return self.inInfo(i).shape()
+
+    def outShape(self, i: int) -> list[int]:
+        return self.outInfo(i).shape()
+
+    def inRank(self, i: int) -> int:
+        return self.inInfo(i).rank()
+
+    def outRank(self, i: int) -> int:
+        return self.outInfo(i).rank()
+
+    # --- placement (the node's annotations)
+    @property
+    def settings(self) -> Settings:
+        """The op's settings; changing a field changes the node's annotations."""
+        s = Settings(Graph(self._graph), self._node.name, {})
+        s.annotations = self._node.annotations
+        return s
+
+    getSettings = settings.fget
+
+    def getVirtualGraphId(self) -> int:
+        if VIRTUAL_GRAPH not in self._node.annotations:
+            raise popart_exception(f"Cannot return vGraphId for Op {self.debugName()}. "
+                                   f"It has not had this attribute set")
+        return int(self._node.annotations[VIRTUAL_GRAPH])
+
+    def hasVirtualGraphId(self) -> bool:
+        return VIRTUAL_GRAPH in self._node.annotations
+
+    def getOptionalVGraphId(self) -> Optional[int]:
+        return self._node.annotations.get(VIRTUAL_GRAPH)
+
+    def setVirtualGraphId(self, value: Optional[int]) -> None:
+        self.settings.vgraphId = value
+
+    def getPipelineStage(self) -> int:
+        if PIPELINE_STAGE not in self._node.annotations:
+            raise popart_exception(f"Cannot return pipelineStage for Op {self.debugName()}. "
+                                   f"It has not had this attribute set")
+        return int(self._node.annotations[PIPELINE_STAGE])
+
+    def hasPipelineStage(self) -> bool:
+        return PIPELINE_STAGE in self._node.annotations
+
+    def getOptionalPipelineStage(self) -> Optional[int]:
+        return self._node.annotations.get(PIPELINE_STAGE)
+
+    def setPipelineStage(self, value: Optional[int]) -> None:
+        self.settings.pipelineStage = value
+
+    vgraphId = property(getOptionalVGraphId)
+    pipelineStage = property(getOptionalPipelineStage)
+
+    @property
+    def executionContext(self) -> Any:
+        return self.settings.executionContext
+
+    @property
+    def tileSet(self) -> Any:
+        return self.settings.tileSet
+
+    def isIpuCopyOp(self) -> bool:
+        return isinstance(self, op_class("IpuCopyOp"))
+
+    # --- called graphs
+    def getCalledGraphs(self) -> list["Graph"]:
+        return [Graph(g) for g in called_graphs(self._graph.ir, [self._node])]
+
+    def getCalledGraphIds(self) -> list[GraphId]:
+        return [g.id for g in self.getCalledGraphs()]
+
+    def getCalledGraphIndex(self, gid: Any) -> int:
+        return self.getCalledGraphIds().index(GraphId(str(gid)))
+
+    # --- changing the op (PopART: connect, setup, erase)
+    def cloneIntoGraph(self, graph: "Graph") -> "Op":
+        """A copy of this op in ``graph`` with no tensors connected (connect them with
+        :meth:`connectInTensor` / :meth:`createAndConnectOutTensor`, then :meth:`setup`)."""
+        n = self._node
+        clone = Node(n.op_type, [""] * len(n.inputs), [""] * len(n.outputs), dict(n.attrs),
+                     n.domain, n.name, dict(n.annotations))
+        clone._inplace = self._inplace_pairs()
+        graph._graph._g.nodes.append(clone)
+        return op_handle(graph._graph, clone)
+
+    def _inplace_pairs(self) -> dict[int, int]:
+        """output index -> input index for the outputs that are in-place results on an input."""
+        n, versions = self._node, self._graph._versions
+        pairs = getattr(n, "_inplace", {})
+        if pairs:
+            return dict(pairs)
+        for oi, o in enumerate(n.outputs):
+            if o in versions:
+                ii = next((i for i, x in enumerate(n.inputs) if x and versions.get(x, x) == versions[o]), None)
+                if ii is not None:
+                    pairs[oi] = ii
+        return pairs
+
+    def connectInTensor(self, index: int, tid: str, vgraph: Optional[int] = None) -> None:
+        """Connect tensor ``tid`` of the op's graph at input ``index``."""
+        tid = current(self._graph, tid)
+        ins = self._node.inputs
+        ins.extend([""] * (index + 1 - len(ins)))
+        if ins[index]:
+            raise popart_exception(f"Op {self.debugName()} already has an input at index {index}")
+        ins[index] = tid
+
+    def disconnectInTensor(self, *args: Any) -> None:
+        """``disconnectInTensor(index)``, ``(tensor)`` or ``(index, tensor)``."""
+        ins = self._node.inputs
+        for a in args:
+            if isinstance(a, Tensor):
+                for i in [i for i, x in enumerate(ins) if x == a.id]:
+                    ins[i] = ""
+                return
+        ins[int(args[0])] = ""
+
+    def disconnectAllInputs(self) -> None:
+        self._node.inputs[:] = [""] * len(self._node.inputs)
+
+    def disconnectOutTensor(self, t: Tensor) -> None:
+        outs = self._node.outputs
+        outs[:] = ["" if o == t.id else o for o in outs]
+
+    def disconnectAllOutputs(self) -> None:
+        self._node.outputs[:] = [""] * len(self._node.outputs)
+
+    def createAndConnectOutTensor(self, index: int, tid: str) -> None:
+        """Make tensor ``tid`` (exactly this id) the op's output ``index``; its shape and dtype
+        come from the op's lowering over the inputs connected now."""
+        g = self._graph
+        if tid in g._specs:
+            raise popart_exception(f"Tensor with id '{tid}' already exists in graph '{g.id}'")
+        outs = self._node.outputs
+        outs.extend([""] * (index + 1 - len(outs)))
+        outs[index] = tid
+        g._specs[tid] = None   # reserved; :meth:`setup` gives the spec
+        self.setup()
+
+    def connectOutTensor(self, index: int, tid: str) -> None:
+        raise popart_exception(f"popart._internal.ir.Op.connectOutTensor is not supported on XLA: "
+                               f"tensor '{tid}' already has a value (SSA); use "
+                               f"createAndConnectOutTensor")
+
+    def setup(self) -> None:
+        """Infer the output tensors' shapes and dtypes from the lowering (PopART's
+        ``Op::setup``); outputs made in place on an input become that tensor's new value."""
+        g, n = self._graph, self._node
+        specs = g._infer(n)
+        for oi, o in enumerate(n.outputs):
+            if not o:
+                continue
+            if oi >= len(specs) or specs[oi] is None:
+                raise popart_exception(f"{n.describe()} has no output {oi} to connect '{o}' to")
+            if o in g._tensors:
+                g._specs[o] = specs[oi]
+            else:
+                g._add_tensor(o, specs[oi])
+        for oi, ii in getattr(n, "_inplace", {}).items():
+            if oi < len(n.outputs) and ii < len(n.inputs) and n.outputs[oi] and n.inputs[ii]:
+                owner = g._tensors[g._versions.get(n.inputs[ii], n.inputs[ii])]
+                if owner._ir_id == n.inputs[ii]:
+                    from .ops._base import inplace
+                    inplace(owner, g._tensors[n.outputs[oi]])
+
+
+class SubgraphOp(Op):
+    """An op that calls graphs (``popart::SubgraphOp``)."""
+
+    def getCalledGraph(self) -> "Graph":
+        return self.getCalledGraphs()[0]
+
+    _IN_OFFSET = 0   # op input index - called graph input index
+
+    def opInToSubgraphInIndex(self, i: int) -> int:
+        return int(i) - self._IN_OFFSET
+
+    def subgraphInToOpInIndex(self, i: int) -> int:
+        return int(i) + self._IN_OFFSET
+
+    def getNumExplicitInputs(self) -> int:
+        return len(self.getCalledGraph()._graph._inputs) + self._IN_OFFSET
+
+
+class CallOp(SubgraphOp):
+    """``ops.call``: an ai.graphcore Call node."""
+
+
+class LoopOp(SubgraphOp):
+    """``ops.repeat``: an ai.onnx Loop whose body calls the repeated graph. Inputs 0 and 1 are
+    the trip count and the condition, then the called graph's inputs; output i is the value
+    of input i + 2 after the last iteration."""
+    _IN_OFFSET = 2
+
+    def getTripCountValue(self) -> int:
+        import numpy as np
+        return int(np.asarray(self._graph._g.initializers[self._node.inputs[0]]))
+
+    def opOutToSubgraphOutIndex(self, i: int) -> int:
+        return int(i)
+
+    def subgraphOutToOpOutIndex(self, i: int) -> int:
+        return int(i)
+
+
+# PopART's op class of each op type, where it is not "<op type>Op".
+OP_CLASS_NAMES = {
+    "Sub": "SubtractOp", "Neg": "NegateOp", "GroupNormalization": "GroupNormOp",
+    "BatchNormalization": "BatchNormOp", "Loop": "LoopOp", "If": "IfOp", "Call": "CallOp",
+    "Nll": "NllOp", "NllWithSoftmaxGrad": "NllWithSoftmaxGradDirectOp", "Identity": "IdentityOp",
+    "ReplicatedAllReduceInplace": "ReplicatedAllReduceInplaceOp", "GroupedGather": "GatherOp",
+    "Pow2ScaleThenCast": "Pow2ScaleThenCastOp", "OpVJP": "GradOp",
+}
+_CLASSES: dict[str, type] = {"Op": Op, "SubgraphOp": SubgraphOp, "CallOp": CallOp, "LoopOp": LoopOp}
+_BASES = {"IfOp": SubgraphOp}
+
+
+def op_class(name: str) -> type:
+    """PopART's op class ``name`` (made on first use: one class per name)."""
+    if name not in _CLASSES:
+        _CLASSES[name] = type(name, (_BASES.get(name, Op),), {"__module__": "popart._internal.ir.op"})
+    return _CLASSES[name]
+
+
+def op_handle(graph: "XGraph", node: Node) -> Op:
+    """The handle of ``node`` of ``graph``, of the class of its op type."""
+    return op_class(OP_CLASS_NAMES.get(node.op_type, f"{node.op_type}Op"))(graph, node)
+
+
+def called_graphs(ir: "XIr", nodes: Iterable[Node]) -> list["XGraph"]:
+    """The popxl graphs ``nodes`` call, in order (through the wrapper graphs of repeat and
+    conditional)."""
+    by_ir = {id(g._g): g for g in ir._graphs}
+    found: dict[int, "XGraph"] = {}
+
+    def walk(ns: Iterable[Node]) -> None:
+        for n in ns:
+            for v in n.attrs.values():
+                if isinstance(v, IRGraph):
+                    if id(v) in by_ir:
+                        found.setdefault(id(v), by_ir[id(v)])
+                    else:
+                        walk(v.nodes)
+    walk(nodes)
+    return list(found.values())
+
+
+# ---------------------------------------------------------------------------------- graphs
+class TopoCons(_Binding):
+    """A graph's topological constraints (``popart::TopoCons``). Ops run in the order of the
+    graph's node list; ``insert(before, after)`` moves ops so that ``before`` runs first."""
+    _PB_NAMES = _names("remove getBefores getAfters getTiedBefores getTiedAfters contains")
+
+    def __init__(self, graph: "XGraph") -> None:
+        self._graph = graph
+
+    def insert(self, before: Op, after: Op, tied: bool = False) -> None:
+        cons = self._graph.__dict__.setdefault("_topo_cons", [])
+        cons.append((before._node, after._node))
+        reschedule(self._graph)
+
+    def transferToSubgraph(self, replacement: Any, opRemaps: Any, removeOld: bool = True) -> None:
+        """The constraints of ops moved into a subgraph: their order there is the order they
+        were cloned in, and the call runs where the graph's node list puts it."""
+        if removeOld:
+            moved = {id(op._node) for op in (opRemaps or {})}
+            cons = self._graph.__dict__.get("_topo_cons", [])
+            cons[:] = [(a, b) for a, b in cons if id(a) not in moved and id(b) not in moved]
+
+
+def reschedule(graph: "XGraph") -> None:
+    """Reorder the graph's nodes to satisfy data flow and its topological constraints, keeping
+    the current order where they allow it.
+
+    Raises:
+        popart_exception: the constraints form a cycle.
+    """
+    nodes = graph._g.nodes
+    pos = {id(n): i for i, n in enumerate(nodes)}
+    made = {o: n for n in nodes for o in n.outputs if o}
+    preds: dict[int, set] = {id(n): {id(made[i]) for i in n.inputs if i in made} - {id(n)} for n in nodes}
+    for a, b in graph.__dict__.get("_topo_cons", []):
+        if id(a) in preds and id(b) in preds:
+            preds[id(b)].add(id(a))
+    order, done = [], set()
+    while len(order) < len(nodes):
+        ready = [n for n in nodes if id(n) not in done and preds[id(n)] <= done]
+        if not ready:
+            raise popart_exception(f"Topological constraints of graph '{graph.id}' form a cycle")
+        n = min(ready, key=lambda x: pos[id(x)])
+        order.append(n)
+        done.add(id(n))
+    nodes[:] = order
+
+
+class Graph(_Binding):
+    """A graph (``popart::Graph``): a handle on a popxl graph and its IR graph."""
+    _PB_NAMES = _names("addActGrad addInput addStream getAllVirtualGraphIds getScope "
+                       "removeInput removeIsolatedTensors")
+
+    def __init__(self, graph: "XGraph") -> None:
+        self._graph = graph
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Graph) and other._graph is self._graph
+
+    def __hash__(self) -> int:
+        return hash(id(self._graph))
+
+    def __repr__(self) -> str:
+        return f"_ir.Graph({self._graph.id!r})"
+
+    @property
+    def id(self) -> GraphId:
+        return GraphId(self._graph.id)
+
+    def getIr(self) -> "Ir":
+        return Ir(self._graph.ir)
+
+    def getGraphString(self) -> str:
+        return "\n".join(op_handle(self._graph, n).debugName() for n in self._graph._g.nodes)
+
+    # --- ops
+    def getOps(self) -> list[Op]:
+        return [op_handle(self._graph, n) for n in self._graph._g.nodes]
+
+    def getOpSchedule(self, requireOptimalSchedule: bool = False) -> list[Op]:
+        """The ops in the order they run (the node list's)."""
+        return self.getOps()
+
+    def getOpIds(self) -> list[int]:
+        return [op.id for op in self.getOps()]
+
+    def getOp(self, opid: int) -> Op:
+        for op in self.getOps():
+            if op.id == opid:
+                return op
+        raise popart_exception(f"No Op `{opid}' in graph {self._graph.id}")
+
+    def eraseOp(self, opid: int) -> None:
+        """Remove op ``opid`` from the graph (its output tensors stay until nothing reads them)."""
+        node = self.getOp(opid)._node
+        self._graph._g.nodes.remove(node)
+        cons = self._graph.__dict__.get("_topo_cons", [])
+        cons[:] = [(a, b) for a, b in cons if a is not node and b is not node]
+
+    def topoCons(self) -> TopoCons:
+        return TopoCons(self._graph)
+
+    def getCalledGraphs(self) -> list["Graph"]:
+        return [Graph(g) for g in called_graphs(self._graph.ir, self._graph._g.nodes)]
+
+    # --- tensors
+    def getTensor(self, tid: str) -> Tensor:
+        return tensor_of(self._graph, tid)
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._graph._tensors
+
+    def getTensorIds(self) -> list[str]:
+        return list(self._graph._tensors)
+
+    def getTensors(self) -> list[Tensor]:
+        return [Tensor(self._graph, t) for t in self._graph._tensors]
+
+    # --- inputs and outputs (popxl's graph.inputs / graph.outputs)
+    def getInputIds(self) -> list[str]:
+        return [t.id for t in self._graph._inputs]
+
+    def getOutputIds(self) -> list[str]:
+        return [t._ir_id for t in self._graph._outputs]
+
+    def getInputId(self, i: int) -> str:
+        return self._at(self.getInputIds(), i, "input")
+
+    def getOutputId(self, i: int) -> str:
+        return self._at(self.getOutputIds(), i, "output")
+
+    def _at(self, ids: list[str], i: int, what: str) -> str:
+        if not 0 <= i < len(ids):
+            raise popart_exception(f"Graph {self._graph.id} has {len(ids)} {what}s, no {what} {i}")
+        return ids[i]
+
+    def getInputTensor(self, i: int) -> Tensor:
+        return Tensor(self._graph, self.getInputId(i))
+
+    def getOutputTensor(self, i: int) -> Tensor:
+        return Tensor(self._graph, self.getOutputId(i))
+
+    def hasInputId(self, tid: str) -> bool:
+        return tid in self.getInputIds()
+
+    def hasOutputId(self, tid: str) -> bool:
+        return tid in self.getOutputIds()
+
+    def getInputIndex(self, tid: str) -> int:
+        return self._index(self.getInputIds(), tid, "input")
+
+    def getOutputIndex(self, tid: str) -> int:
+        """The index of the output with IR id ``tid`` (or of popxl tensor ``tid``)."""
+        popxl_ids = [t.id for t in self._graph._outputs]
+        if tid not in self.getOutputIds() and tid in popxl_ids:
+            return popxl_ids.index(tid)
+        return self._index(self.getOutputIds(), tid, "output")
+
+    def _index(self, ids: list[str], tid: str, what: str) -> int:
+        if tid not in ids:
+            raise popart_exception(f"Could not find {what} index for {what} tensor '{tid}' in "
+                                   f"graph {self._graph.id}")
+        return ids.index(tid)
+
+    def markAsOutput(self, tid: str) -> None:
+        """Make tensor ``tid`` the graph's next output (calls made before do not return it)."""
+        self._graph._outputs.append(popxl_tensor(self._graph, tensor_of(self._graph, tid).id))
+        self._graph._finalize()
+
+    def removeOutput(self, index: Union[int, str]) -> None:
+        """Remove output ``index`` (or the output with that id) of the graph and of the calls
+        of it.
+
+        Raises:
+            popart_exception: a call's result for it is read, or the graph is repeated (its
+                outputs are loop-carried).
+        """
+        g = self._graph
+        i = index if isinstance(index, int) else self.getOutputIndex(index)
+        self._at(self.getOutputIds(), i, "output")
+        sites = _call_sites(g)
+        for parent, n in sites:
+            if n.op_type != "Call":
+                raise popart_exception(f"Graph {g.id}.removeOutput({i}): the graph is called by "
+                                       f"{n.describe()}, whose outputs are loop-carried")
+            out = n.outputs[i]
+            if any(out in m.inputs for m in parent._g.nodes) or \
+                    any(t._ir_id == out for t in parent._outputs):
+                raise popart_exception(f"Graph {g.id}.removeOutput({i}): output '{out}' of "
+                                       f"{n.describe()} in graph {parent.id} is read")
+        for parent, n in sites:
+            del n.outputs[i]
+        del g._outputs[i]
+        g._finalize()
+
+    # --- flags
+    def setCanBeRecursivelyAutodiffed(self, value: bool) -> None:
+        self._graph._can_be_recursively_autodiffed = bool(value)
+
+    def canBeRecursivelyAutodiffed(self) -> bool:
+        return getattr(self._graph, "_can_be_recursively_autodiffed", True)
+
+    # --- custom ops
+    def createCustomOp(self, op_type: str, domain: str, version: int, inputs: dict[int, str],
+                       outputs: dict[int, str], attributes: dict, settings: Optional[Settings]) -> Op:
+        """Add one node of registry op ``(domain, op_type)`` reading the tensors ``inputs``
+        (index -> tensor id) and making the tensors ``outputs`` (index -> exactly that id);
+        output shapes come from the op's lowering; the node gets ``settings``' name and
+        placement; the graph's op-created hooks run. Returns the op."""
+        g = self._graph
+        ins = [""] * (max(inputs, default=-1) + 1)
+        for i, tid in inputs.items():
+            ins[i] = current(g, tid)
+        outs = [""] * (max(outputs, default=-1) + 1)
+        for i, tid in outputs.items():
+            if tid in g._specs:
+                raise popart_exception(f"{domain}::{op_type}: output {i} '{tid}' already exists "
+                                       f"in graph '{g.id}'")
+            outs[i] = tid
+        s = settings if settings is not None else Settings(self, op_type)
+        node = Node(op_type, ins, outs, dict(attributes or {}), domain, name=s.name or op_type,
+                    annotations=dict(s.annotations))
+        g._g.opsets.setdefault(domain, int(version))
+        specs = g._infer(node)
+        missing = [i for i, o in enumerate(outs) if o and (i >= len(specs) or specs[i] is None)]
+        if missing:
+            raise popart_exception(f"{node.describe()} has no output(s) {missing}: its lowering "
+                                   f"gives {len(specs)}")
+        g._g.nodes.append(node)
+        for o, spec in zip(outs, specs):
+            if o:
+                g._add_tensor(o, spec)
+        context.op_created(g, node)
+        return op_handle(g, node)
+
+
+def _call_sites(graph: "XGraph") -> list[tuple["XGraph", Node]]:
+    """(parent graph, node) of every op in the Ir that calls ``graph`` (Call nodes, or the Loop /
+    If whose wrapper graph calls it)."""
+    out = []
+    for parent in graph.ir._graphs:
+        for n in parent._g.nodes:
+            if graph in called_graphs(graph.ir, [n]):
+                out.append((parent, n))
+    return out
+
+
+# ---------------------------------------------------------------------------------- the Ir
+class Ir(_Binding):
+    """The IR (``popart::Ir``) of a popxl Ir."""
+    _PB_NAMES = _names(
+        "addAnchor applyTransform createUniqueSubgraphId dataStreamTensors dotCheckpoint "
+        "finalizeOpDebugInfo getAllRemoteBufferInfos getDataFlow getHostLoadTensors "
+        "getHostStoreTensors getRemoteBufferInfo getTensor isPrepared logIr removeGraph "
+        "removeIsolatedGraphs removeIsolatedTensors serializeToJSON setDataFlow setDeviceInfo "
+        "setIsPrepared setRemoteBufferInfo updateVertices")
+
+    def __init__(self, ir: "XIr") -> None:
+        self._ir = ir
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ir) and other._ir is self._ir
+
+    def __hash__(self) -> int:
+        return hash(id(self._ir))
+
+    def getId(self) -> int:
+        return self._ir.id
+
+    def getSessionOptions(self) -> Any:
+        return self._ir._options
+
+    def getAllGraphs(self) -> list[Graph]:
+        return [Graph(g) for g in self._ir._graphs]
+
+    def getMainGraph(self) -> Graph:
+        return Graph(self._ir.main_graph)
+
+    def hasGraph(self, gid: Any) -> bool:
+        return str(gid) in self._ir._graph_cache
+
+    def getGraph(self, gid: Any) -> Graph:
+        graphs = self._ir._graph_cache
+        if str(gid) not in graphs:
+            raise popart_exception(f"No graph with id {gid}")
+        return Graph(graphs[str(gid)])
+
+    def createGraph(self, gid: Any) -> Graph:
+        """A new empty subgraph with exactly the id ``gid``."""
+        from .graph import Graph as XGraph
+        if self.hasGraph(gid):
+            raise popart_exception(f"Graph({gid}) is already in Ir")
+        g = XGraph(self._ir, str(gid), parent=self._ir.main_graph)
+        self._ir._graphs.append(g)
+        return Graph(g)
+
+    def createIntermediateTensorId(self, base: str) -> str:
+        return f"{base}__t{next(self._ir._intermediate_ids)}"
+
+    # --- patterns: XLA's compiler makes the rewrites PopART's patterns make (fusion,
+    # in-place buffer reuse), so applying them leaves the graphs as they are.
+    def setPatterns(self, patterns: Any) -> None:
+        self._ir._pb_patterns = patterns
+
+    def getPatterns(self) -> Any:
+        return getattr(self._ir, "_pb_patterns", None)
+
+    def applyPreAliasPatterns(self, graph: Graph) -> None:
+        """Accepted: XLA makes these rewrites when it compiles (the graph is unchanged)."""
+
+    def applyInplacePattern(self, graph: Graph) -> None:
+        """Accepted: XLA reuses buffers in place when it compiles (the graph is unchanged)."""
+
+
+# ---------------------------------------------------------------------------------- autodiff
+class ExpectedConnection:
+    """One input or output of a gradient graph: the forward tensor id and whether it is that
+    tensor (``Fwd``) or its gradient (``FwdGrad``)."""
+
+    def __init__(self, fwdId: str, type: Any) -> None:
+        self.fwdId, self.type = str(fwdId), type
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ExpectedConnection) and (self.fwdId, self.type) == (other.fwdId, other.type)
+
+    def __hash__(self) -> int:
+        return hash((self.fwdId, self.type))
+
+    def __repr__(self) -> str:
+        return f"ExpectedConnection({self.fwdId!r}, {self.type})"
+
+
+class BwdGraphInfo:
+    """A gradient graph's id and its expected inputs / outputs (``popart::BwdGraphInfo``)."""
+
+    def __init__(self, bwdGraphId: Any, expectedInputs: Sequence[ExpectedConnection],
+                 expectedOutputs: Sequence[ExpectedConnection]) -> None:
+        self.bwdGraphId = GraphId(str(bwdGraphId))
+        self.expectedInputs, self.expectedOutputs = list(expectedInputs), list(expectedOutputs)
+
+    def __repr__(self) -> str:
+        return (f"BwdGraphInfo({self.bwdGraphId!r}, {self.expectedInputs}, "
+                f"{self.expectedOutputs})")
+
+
+# ---------------------------------------------------------------------------------- sessions
+class Session(_Binding):
+    """A popxl session's ``popart::Session`` surface that popxl-addons uses."""
+    _PB_NAMES = _names("compileAndExport loadExecutable prepareDevice run readWeights "
+                       "weightsToHost getInfo getSummaryReport getReport getSerializedGraph "
+                       "connectStreamToCallback connectHostFunction setRandomSeed")
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    def writeWeights(self, weights_io: Any) -> None:
+        """Set the host values of the variables ``weights_io`` names (a ``PyWeightsIO``; also
+        on the device when attached, as popxl's ``write_variables_data``)."""
+        main = self._session.ir.main_graph
+        self._session.write_variables_data(
+            {main._tensors[tensor_of(main, tid).id]: data for tid, data in weights_io.weights.items()})
+
+    def weightsFromHost(self) -> None:
+        self._session.weights_from_host()
+
+    def setEngineIsLoaded(self, loaded: bool) -> None:
+        """Accepted: the engine is loaded while the session is attached."""
+
+
+class ReplicaGroupingHandle(_Binding):
+    """``popart::ReplicaGrouping`` of a popxl ReplicaGrouping."""
+    _PB_NAMES = _names("getGroupAt getIndexInGroupAt getReplicaAt getReplicasAt getTranspose")
+
+    def __init__(self, rg: Any) -> None:
+        self._rg = rg
+
+    def getNumReplicas(self) -> int:
+        return self._rg.num_replicas
+
+    def getStride(self) -> int:
+        return self._rg.stride
+
+    def getGroupSize(self) -> int:
+        return self._rg.group_size
+
+    def getNumGroups(self) -> int:
+        return self._rg.num_groups
+
+    def str(self) -> str:
+        return repr(self._rg)
