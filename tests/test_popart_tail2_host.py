@@ -127,3 +127,41 @@ def test_constant_debug_info_id_is_not_its_value():
     c = b.aiOnnx.constant(np.array([1, 2], np.int64))
     r = b.aiOnnx.reshape([x, c])
     assert b.getTensorShape(r) == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def l1_training():
+    b, x, w, loss = _l1_model()
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                               popart.ConstSGD(0.5), CPU())
+    s.prepareDevice()
+    return s, x, w, loss
+
+
+def _weights_model(**arrays):
+    b = popart.Builder()
+    for name, value in arrays.items():
+        b.addInitializedInputTensor(value, name)
+    return b.getModelProto()
+
+
+def test_reset_host_weights_skips_a_tensor_of_the_model(l1_training):
+    """Executablex::resetWeights: an initializer naming any tensor of the session
+    (containsTensor), here the input 'x', is not 'no tensor'; its info is still checked;
+    one naming no tensor raises unless ignoreWeightsInModelWithoutCorrespondingHostWeight."""
+    s, x, w, loss = l1_training
+    new = np.array([4.0, 5.0, 6.0], np.float32)
+    s.resetHostWeights(_weights_model(w=new, x=np.zeros(3, np.float32)))
+    with pytest.raises(popart.popart_exception) as e:
+        s.resetHostWeights(_weights_model(w=new, x=np.zeros(2, np.float32)))
+    assert e.value.args[0] == ("Trying to reset weights using tensor with non matching tensor "
+                               "info. Tensor ID: x")
+    with pytest.raises(popart.popart_exception) as e:
+        s.resetHostWeights(_weights_model(w=new, extra=np.zeros(1, np.float32)))
+    assert e.value.args[0] == "resetWeights, no tensor 'extra' in tensors"
+    s.resetHostWeights(_weights_model(w=new, extra=np.zeros(1, np.float32)), True)
+    s.weightsFromHost()
+    out = {w: np.zeros(3, np.float32)}
+    s.weightsToHost()
+    s.readWeights(popart.PyWeightsIO(out))
+    np.testing.assert_array_equal(out[w], new)

@@ -81,7 +81,7 @@ class _FileMethods:
         state = self._host_opt_state
         new_weights, new_state = model_weights(
             modelProtoOrFilename, self._host_weights, state, self._program.constants,
-            ignoreWeightsInModelWithoutCorrespondingHostWeight)
+            ignoreWeightsInModelWithoutCorrespondingHostWeight, self._infos)
         self._host_weights.update(new_weights)
         if new_state:
             self._host_opt_state = {**state, **new_state}

@@ -74,13 +74,14 @@ def store_sparse_like(sp: onnx.SparseTensorProto, value: Any) -> None:
 
 
 def model_weights(model: ModelLike, weights: Mapping[str, np.ndarray],
-                 state: Mapping[str, Any], constants: Any,
-                 ignore_unknown: bool) -> tuple[dict, dict]:
+                 state: Mapping[str, Any], constants: Any, ignore_unknown: bool,
+                 infos: Mapping[str, Any]) -> tuple[dict, dict]:
     """resetHostWeights' reading of ``model`` (a file, bytes or a ModelProto; external and
     sparse data read as for a session's model): (new weights, new optimizer state), each
     initializer checked against the session's ``weights`` / ``state`` as PopART's
-    executablex.cpp resetWeights does; ``constants`` and saved optimizer state the session
-    has none of are skipped."""
+    executablex.cpp resetWeights does; ``constants``, saved optimizer state the session
+    has none of, and a tensor of the session that is no weight (``infos``: PopART's
+    containsTensor; its type and shape checked) are skipped."""
     proto, base = load_model(model)
     new_weights, new_state = {}, {}
     tensors = [(t.name, t, tensor_to_numpy) for t in proto.graph.initializer] + \
@@ -89,7 +90,11 @@ def model_weights(model: ModelLike, weights: Mapping[str, np.ndarray],
         target = (new_weights if name in weights else new_state if name in state else None)
         if target is None:
             if (name in constants or name.startswith(OPTIMIZER_STATE_PREFIXES)
-                    or ignore_unknown):
+                    or ignore_unknown) and name not in infos:
+                continue
+            if name in infos:   # a tensor of the session, not a weight: checked, not kept
+                _check_reset_info(name, to_numpy(t, base), np.empty(
+                    infos[name].shape(), infos[name].np_dtype()))
                 continue
             raise noted(popart_runtime_error(f"resetWeights, no tensor '{name}' in tensors"),
                         f"The given model's initializer '{name}' is no weight or optimizer "
@@ -97,14 +102,18 @@ def model_weights(model: ModelLike, weights: Mapping[str, np.ndarray],
                         f"ignoreWeightsInModelWithoutCorrespondingHostWeight=True to skip "
                         f"such)")
         val = to_numpy(t, base)
-        cur = weights[name] if target is new_weights else np.asarray(state[name])
-        if val.shape != cur.shape or val.dtype != cur.dtype:
-            raise noted(popart_runtime_error(f"Trying to reset weights using tensor with non "
-                                             f"matching tensor info. Tensor ID: {name}"),
-                        f"{val.dtype}{shape_str(val.shape)} in the given model, "
-                        f"{cur.dtype}{shape_str(cur.shape)} in the session")
+        _check_reset_info(name, val, weights[name] if target is new_weights
+                          else np.asarray(state[name]))
         target[name] = val.copy()
     return new_weights, new_state
+
+
+def _check_reset_info(name: str, val: np.ndarray, cur: Any) -> None:
+    if val.shape != cur.shape or val.dtype != cur.dtype:
+        raise noted(popart_runtime_error(f"Trying to reset weights using tensor with non "
+                                         f"matching tensor info. Tensor ID: {name}"),
+                    f"{val.dtype}{shape_str(val.shape)} in the given model, "
+                    f"{cur.dtype}{shape_str(cur.shape)} in the session")
 
 
 def save_variables(path: str, weights: Mapping[str, Any], state: Mapping[str, Any]) -> None:
