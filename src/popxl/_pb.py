@@ -570,18 +570,38 @@ class Op(_Binding):
         graph._graph._g.nodes.append(clone)
         return op_handle(graph._graph, clone)
 
+    def _read(self) -> list[str]:
+        """The ids the op read (as connected before ``disconnectAllInputs``)."""
+        return getattr(self._node, "_pb_inputs", self._node.inputs)
+
     def _inplace_pairs(self) -> dict[int, int]:
         """output index -> input index for the outputs that are in-place results on an input."""
-        n, versions = self._node, self._graph._versions
-        pairs = getattr(n, "_inplace", {})
+        n, versions, ins = self._node, self._graph._versions, self._read()
+        pairs = dict(getattr(n, "_inplace", {}))
         if pairs:
-            return dict(pairs)
+            return pairs
         for oi, o in enumerate(n.outputs):
             if o in versions:
-                ii = next((i for i, x in enumerate(n.inputs) if x and versions.get(x, x) == versions[o]), None)
+                ii = next((i for i, x in enumerate(ins) if x and versions.get(x, x) == versions[o]), None)
                 if ii is not None:
                     pairs[oi] = ii
         return pairs
+
+    def _release(self, outputs: Iterable[str]) -> None:
+        """The op stops making ``outputs``: where one is its in-place result on an input, the
+        other ops (and the popxl tensor it changed) read the value the op read instead."""
+        g, n, ins = self._graph, self._node, self._read()
+        outputs = set(outputs)
+        for oi, ii in self._inplace_pairs().items():
+            o = n.outputs[oi] if oi < len(n.outputs) else ""
+            if o not in outputs or not ins[ii]:
+                continue
+            for m in g._g.nodes:
+                if m is not n:
+                    m.inputs[:] = [ins[ii] if x == o else x for x in m.inputs]
+            owner = g._tensors.get(g._versions.get(o, o))
+            if owner is not None and owner._ir_id == o:
+                owner._ir_id = ins[ii]
 
     def connectInTensor(self, index: int, tid: str, vgraph: Optional[int] = None) -> None:
         """Connect tensor ``tid`` of the op's graph at input ``index``."""
@@ -603,13 +623,17 @@ class Op(_Binding):
         ins[int(args[0])] = ""
 
     def disconnectAllInputs(self) -> None:
+        if not hasattr(self._node, "_pb_inputs"):
+            self._node._pb_inputs = list(self._node.inputs)
         self._node.inputs[:] = [""] * len(self._node.inputs)
 
     def disconnectOutTensor(self, t: Tensor) -> None:
+        self._release([t.id])
         outs = self._node.outputs
         outs[:] = ["" if o == t.id else o for o in outs]
 
     def disconnectAllOutputs(self) -> None:
+        self._release(self._node.outputs)
         self._node.outputs[:] = [""] * len(self._node.outputs)
 
     def createAndConnectOutTensor(self, index: int, tid: str) -> None:
@@ -825,8 +849,11 @@ class Graph(_Binding):
         raise popart_exception(f"No Op `{opid}' in graph {self._graph.id}")
 
     def eraseOp(self, opid: int) -> None:
-        """Remove op ``opid`` from the graph (its output tensors stay until nothing reads them)."""
-        node = self.getOp(opid)._node
+        """Remove op ``opid`` from the graph: its output tensors stay (dangling if read); a
+        popxl tensor it changed in place keeps the value the op read."""
+        op = self.getOp(opid)
+        op._release(op._node.outputs)
+        node = op._node
         self._graph._g.nodes.remove(node)
         cons = self._graph.__dict__.get("_topo_cons", [])
         cons[:] = [(a, b) for a, b in cons if a is not node and b is not node]
