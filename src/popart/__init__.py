@@ -10,6 +10,7 @@ from . import distributed  # noqa: E402
 distributed.initialize_from_env()  # a process started by `popart launch` joins its job
 
 from . import ops as _ops  # noqa: E402,F401  (registers every op lowering)
+from . import custom_ops  # noqa: E402,F401  (C++ custom ops' Python equivalents; cppimport finders)
 from .builder import Builder  # noqa: E402
 from .dataflow import *  # noqa: E402,F401,F403
 from .devices import (DeviceConnectionType, DeviceInfo, DeviceManager,  # noqa: E402,F401
