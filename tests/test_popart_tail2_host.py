@@ -165,3 +165,26 @@ def test_reset_host_weights_skips_a_tensor_of_the_model(l1_training):
     s.weightsToHost()
     s.readWeights(popart.PyWeightsIO(out))
     np.testing.assert_array_equal(out[w], new)
+
+
+# ------------------------------------------------------------------ multi-process jobs
+def test_poprun_sees_a_rank_raising_system_exit(tmp_path):
+    """`poprun --num-instances 2 python prog.py`: rank 1 ends with `raise SystemExit(7)`
+    (the common `raise SystemExit(main())`) while rank 0 sleeps for two minutes. The job ends
+    with 7 within seconds of both ranks being in it, as with `sys.exit(7)`; the program ran
+    as `python prog.py` would run it (`__name__`, `sys.argv`)."""
+    import os
+    import socket
+    import time
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = os.path.join(os.path.dirname(__file__), "helpers", "raise_exit_worker.py")
+    p = subprocess.run([sys.executable, "-m", "popdist.poprun", "--num-instances", "2",
+                        "--port", str(port), sys.executable, worker, str(tmp_path)],
+                       capture_output=True, text=True, timeout=200)
+    took = time.time() - max(os.path.getmtime(tmp_path / f"ready.{r}") for r in range(2))
+    assert p.returncode == 7, p.stderr
+    assert took < 30, took
+    assert f"[rank 1] rank 1 joined; __name__ __main__; argv ['{tmp_path}']" in p.stdout
+    assert "poprun: rank 1 exited with status 7" in p.stderr

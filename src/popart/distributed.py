@@ -90,7 +90,7 @@ def _install_fail_fast(rank: int, size: int) -> None:
             setattr(builtins, name, _recording(getattr(builtins, name)))
 
 
-class _Exit(SystemExit):
+class RankExit(SystemExit):
     """The SystemExit that ``sys.exit`` raises in a rank. Python frees it at the top level,
     with no Python frame running, only when it ends the program (after the ``finally``
     blocks, before the atexit handlers); one that is caught is freed inside a frame."""
@@ -104,7 +104,7 @@ class _Exit(SystemExit):
 
 
 def _recording(exit_fn: Callable) -> Callable:
-    """``exit_fn`` raising an :class:`_Exit` instead of its SystemExit."""
+    """``exit_fn`` raising an :class:`RankExit` instead of its SystemExit."""
     if getattr(exit_fn, "_popart_records", False):
         return exit_fn
 
@@ -112,7 +112,7 @@ def _recording(exit_fn: Callable) -> Callable:
         try:
             exit_fn(status)
         except SystemExit as e:
-            raise _Exit(e.code) from None
+            raise RankExit(e.code) from None
     exit._popart_records = True   # type: ignore[attr-defined]
     exit.__doc__ = exit_fn.__doc__
     return exit
@@ -128,8 +128,9 @@ def _status(code: object) -> int:
 def failure_status() -> int:
     """The exit status of this process if it is ending because it failed, else 0: an uncaught
     exception (1; 130 for KeyboardInterrupt), or ``sys.exit(n)`` with n != 0 that ended the
-    program (a bare ``raise SystemExit(n)`` is not seen: such a rank waits at JAX's
-    shutdown barrier like one that ended well)."""
+    program (a bare ``raise SystemExit(n)`` is seen where the launcher ran the script
+    through ``popdist._rank``; otherwise such a rank waits at JAX's shutdown barrier like one
+    that ended well)."""
     last = getattr(sys, "last_type", None)
     if last is not None and not hasattr(sys, "ps1"):     # not an interactive session's error
         return 130 if issubclass(last, KeyboardInterrupt) else 1
@@ -301,7 +302,7 @@ def launch(argv: Sequence[str], num_processes: int, port: int = 12355,
     import signal
     import threading
 
-    command = [sys.executable, *argv] if python else list(argv)
+    command = _rank_command([sys.executable, *argv] if python else list(argv))
     prefix = sum(not (quiet and quiet[r]) for r in range(num_processes)) > 1
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -362,6 +363,17 @@ def launch(argv: Sequence[str], num_processes: int, port: int = 12355,
                 signal.signal(sig, h)
             for t in pumps:   # the stopped processes' last output
                 t.join(timeout=GRACE_SECONDS)
+
+
+def _rank_command(command: list[str]) -> list[str]:
+    """``command``, a script run by this Python run through ``popdist._rank`` (which sees
+    the script's own ``raise SystemExit(n)``); any other command as it is."""
+    import shutil
+    exe = shutil.which(command[0]) if command else None
+    if len(command) < 2 or command[1].startswith("-") or exe is None \
+            or not os.path.samefile(exe, sys.executable):
+        return command
+    return [command[0], "-m", "popdist._rank", *command[1:]]
 
 
 def _say(prog: str, message: str) -> None:
