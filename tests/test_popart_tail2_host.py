@@ -188,3 +188,19 @@ def test_poprun_sees_a_rank_raising_system_exit(tmp_path):
     assert took < 30, took
     assert f"[rank 1] rank 1 joined; __name__ __main__; argv ['{tmp_path}']" in p.stdout
     assert "poprun: rank 1 exited with status 7" in p.stderr
+
+
+def test_broadcast_weights_before_prepare_device(tmp_path):
+    """Session::broadcastWeights broadcasts the executable's host weights, so called before
+    prepareDevice it gives every rank rank 0's initial weights (here w = 1 on rank 0, 2 on
+    rank 1): both ranks' loss sum |x * w| is rank 0's, 6."""
+    import os
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    from popart.cli import main
+    worker = os.path.join(os.path.dirname(__file__), "helpers", "broadcast_worker.py")
+    assert main(["launch", "-n", "2", "--port", str(port), worker, str(tmp_path)]) == 0
+    for r in range(2):
+        np.testing.assert_allclose(np.load(tmp_path / f"{r}.npy"), 6.0)

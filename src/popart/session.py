@@ -332,7 +332,7 @@ class _Session(_FileMethods):
                 self._dataFlow.art(a).id().name == "EveryN" for a in self._dataFlow.anchors()):
             raise popart_exception("AnchorReturnType::EVERYN is not valid for pipelined models")
         program = self._plan()
-        self._host_weights = {k: np.array(v) for k, v in program.variables.items()}
+        self._host_weights = self._unprepared_weights(program)
         opt_state = dict(program.init_opt_state())
         with jax.default_device(self._jax_device()):
             key = self._rng.host_key()
@@ -353,6 +353,10 @@ class _Session(_FileMethods):
         self._dev = None
         if loadEngine:
             self._load_engine()
+
+    def _unprepared_weights(self, program: StepProgram) -> dict:
+        """The host weights before prepareDevice: the model's, or broadcastWeights' ones."""
+        return {k: np.array(self._host_weights.get(k, v)) for k, v in program.variables.items()}
 
     def _load_engine(self) -> None:
         """Put the host weights and optimizer state on the device."""
@@ -806,7 +810,9 @@ class TrainingSession(_Session):
     @serialised
     def broadcastWeights(self, rootRank: int = 0) -> None:
         """Copy the weights of instance (process) ``rootRank`` to every instance; with one
-        instance there is nothing to do."""
+        instance there is nothing to do. Before prepareDevice, the host weights (the model's)
+        are broadcast, and prepareDevice keeps them (Session::broadcastWeights reads the
+        executable's host tensor data)."""
         n = distributed.process_count()
         if not 0 <= rootRank < n:
             raise popart_exception(f"broadcastWeights: rootRank {rootRank} does not exist "
@@ -814,10 +820,15 @@ class TrainingSession(_Session):
         if n == 1:
             return
         from jax.experimental import multihost_utils
-        self.weightsToHost()
+        prepared = self._prepared
+        if prepared:
+            self.weightsToHost()
+        else:
+            self._host_weights = self._unprepared_weights(self._plan())
         self._host_weights = {k: np.asarray(v) for k, v in multihost_utils.broadcast_one_to_all(
             self._host_weights, is_source=distributed.process_index() == rootRank).items()}
-        self.weightsFromHost()
+        if prepared:
+            self.weightsFromHost()
 
     def connectStreamToCallback(self, streamHandle: str, callback: Any, index: int = 0) -> None:
         """After every run, call ``callback(array)`` with replica ``index``'s values of anchor
