@@ -21,6 +21,9 @@ from popart.custom_ops import addons_collectives as AC
 from popart.custom_ops import addons_ops as AO
 from popxl.ops._base import node
 
+from helpers.custom_ops_ref import (cross_entropy_reference, fp8_mse_scale_reference, groups,
+                                    layer_norm_reference, member_sum, pack_nibbles, rotate_complex)
+
 
 class Ctx:
     """The lowering context of a node traced over ``r`` replicas (vmap axis "r")."""
@@ -43,19 +46,6 @@ def vjp(fn, xs, gs):
     """The cotangents of ``xs`` for output cotangents ``gs`` (PopART's grad op here)."""
     out, pull = jax.vjp(fn, *xs)
     return out, pull(gs)
-
-
-def groups(r, stride, size):
-    block = stride * size
-    return [[f + i * stride for i in range(size)] for f in range(r) if f % block < stride]
-
-
-def member_sum(x, grps):
-    """[R, ...]: each replica's row is the sum over its group."""
-    out = np.empty_like(x)
-    for g in grps:
-        out[g] = x[g].sum(0)
-    return out
 
 
 RNG = np.random.default_rng(7)
@@ -104,19 +94,6 @@ def test_strided_collectives():
         AC.all_reduce_tp(ctx, x[0], "mean", [4, 1, 4])
 
 
-def layer_norm_reference(xs, w, b, g, eps):
-    """The C++ rule on the unsharded [N, H]: statistics E[x^2] - E[x]^2; dX from dY as given
-    (poplin's distributedNormStatisticsGradients), dScale / dBias summed over N."""
-    x = np.concatenate(xs, 1).astype(np.float64)
-    gy = np.concatenate(g, 1).astype(np.float64)
-    mean = x.mean(1)
-    inv = 1 / np.sqrt((x * x).mean(1) - mean ** 2 + eps)
-    xhat = (x - mean[:, None]) * inv[:, None]
-    y = xhat * np.concatenate(w) + np.concatenate(b)
-    dx = inv[:, None] * (gy - gy.mean(1, keepdims=True) - xhat * (gy * xhat).mean(1, keepdims=True))
-    return y, mean, inv, dx, (gy * xhat).sum(0), gy.sum(0)
-
-
 def test_layer_norm_distributed_forward_and_grad_op():
     R, N, h, eps = 4, 5, 3, 1e-5
     x = RNG.normal(size=(R, N, h)).astype(np.float32)
@@ -141,11 +118,6 @@ def test_layer_norm_distributed_forward_and_grad_op():
         np.testing.assert_allclose(db[r], rdb[cols], rtol=1e-5, atol=1e-6)
 
 
-def log_softmax(x):
-    x = x - x.max(1, keepdims=True)
-    return x - np.log(np.exp(x).sum(1, keepdims=True))
-
-
 def test_cross_entropy_sharded_over_a_group():
     """Logits sharded over groups of 2 of 4 replicas; each shard's indices shifted by its first
     class; a label outside every shard gives loss 0 and no -dLoss."""
@@ -165,17 +137,13 @@ def test_cross_entropy_sharded_over_a_group():
 
     loss, nls, dl = replicated(per_replica, logits, idx)
     for gi, grp in enumerate(gs):
-        full = np.concatenate([logits[m] for m in grp], 1)
-        ls = log_softmax(full.astype(np.float64))
-        lab = labels[gi]
-        ok = (lab >= 0) & (lab < 2 * c)
-        ref = np.where(ok, -ls[np.arange(N), np.clip(lab, 0, 2 * c - 1)], 0)
-        dref = np.exp(ls) * g[:, None]
-        dref[np.arange(N)[ok], lab[ok]] -= g[ok]
+        ref, rnls, dref = cross_entropy_reference(np.concatenate([logits[m] for m in grp], 1),
+                                                  labels[gi], g)
         for rank, rep in enumerate(grp):
+            cols = slice(rank * c, (rank + 1) * c)
             np.testing.assert_allclose(loss[rep], ref, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(nls[rep], -ls[:, rank * c:(rank + 1) * c], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(dl[rep], dref[:, rank * c:(rank + 1) * c], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(nls[rep], rnls[:, cols], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(dl[rep], dref[:, cols], rtol=1e-5, atol=1e-6)
 
 
 def test_cross_entropy_sharded_within_replica():
@@ -187,12 +155,9 @@ def test_cross_entropy_sharded_within_replica():
     (loss, n0, n1), pull = jax.vjp(lambda a, b: tuple(AC.cross_entropy_sharded_wr(
         Ctx(), a, b, lab, lab, ipus=[0, 1])), l0, l1)
     d0, d1 = pull((g, np.zeros_like(l0), np.zeros_like(l1)))
-    ls = log_softmax(np.concatenate([l0, l1], 1).astype(np.float64))
-    ok = lab < 5
-    np.testing.assert_allclose(loss, np.where(ok, -ls[np.arange(N), np.minimum(lab, 4)], 0), rtol=1e-5)
-    np.testing.assert_allclose(np.concatenate([n0, n1], 1), -ls, rtol=1e-5, atol=1e-6)
-    dref = np.exp(ls) * g[:, None]
-    dref[np.arange(N)[ok], lab[ok]] -= g[ok]
+    ref, rnls, dref = cross_entropy_reference(np.concatenate([l0, l1], 1), lab, g)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    np.testing.assert_allclose(np.concatenate([n0, n1], 1), rnls, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.concatenate([d0, d1], 1), dref, rtol=1e-5, atol=1e-6)
     with pytest.raises(popart.popart_exception, match="n logits, n indices"):
         AC.cross_entropy_sharded_wr(Ctx(), l0, l1, lab, lab, ipus=[0])
@@ -214,13 +179,8 @@ def test_rotary_pos_embed_is_a_complex_rotation(rotary_dim):
     y, (dx, ds, dc) = vjp(lambda a, s, c: AO.rotary_pos_embed(Ctx(), a, s, c, rotary_dim),
                           (x, sin, cos), g)
 
-    def rotate(v, sign):
-        z = (v[..., 0:d:2] + 1j * v[..., 1:d:2]) * np.exp(sign * 1j * phi)[:, :, None, :]
-        out = v.copy()
-        out[..., 0:d:2], out[..., 1:d:2] = z.real, z.imag
-        return out
-    np.testing.assert_allclose(y, rotate(x, 1), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(dx, rotate(g, -1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, rotate_complex(x, phi, d, 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, rotate_complex(g, phi, d, -1), rtol=1e-5, atol=1e-6)
     assert not np.any(ds) and not np.any(dc)
     with pytest.raises(popart.popart_exception, match="multiple of 2"):
         AO.rotary_pos_embed(Ctx(), x, sin, cos, 3)
@@ -231,9 +191,7 @@ def test_rotary_pos_embed_is_a_complex_rotation(rotary_dim):
 def test_group_quantize_decompress():
     rows, grps, ids = 3, 2, 4
     vals = RNG.integers(0, 16, size=(rows, grps, ids * 4))
-    packed = np.zeros((rows, grps, ids), np.uint16)
-    for k, shift in enumerate((12, 8, 4, 0)):
-        packed |= (vals[..., k::4] << shift).astype(np.uint16)
+    packed = pack_nibbles(vals)
     scale = RNG.uniform(0.1, 1, size=(rows, grps, 1)).astype(np.float16)
     bias = RNG.normal(size=(rows, grps, 1)).astype(np.float16)
     y = AO.group_quantize_decompress(Ctx(), packed, scale, bias)
@@ -251,36 +209,6 @@ def test_grad_reduce_square_add_and_linear_layout():
     np.testing.assert_allclose(y, (x.astype(np.float64) ** 2).sum() / 64 ** 2, rtol=1e-5)
     np.testing.assert_array_equal(AO.linear_layout(Ctx(), x, 4), x)
     assert not np.any(jax.grad(lambda v: AO.linear_layout(Ctx(), v, 1).sum())(x.astype(np.float32)))
-
-
-def fp8_mse_scale_reference(src, U, S, q):
-    """Fp8FindBestScaleOpx::grow step by step: histogram over 2^-126 .. 2^127, the 62 biases'
-    loops (underflow, within, overflow), argmin and the ties."""
-    levels = np.exp2(np.arange(-126, 128, dtype=np.float32))
-    a = np.abs(src.reshape(-1)).astype(src.dtype)
-    hist = np.bincount(np.searchsorted(levels.astype(src.dtype), a, side="right"),
-                       minlength=255).astype(np.float32) / np.float32(a.size)
-    hist = hist[1:255]
-    bins = levels.copy()
-    bins[0] = np.float32(bins[0] * bins[0] / 4)
-    mse = np.zeros(62, np.float32)
-    under, over = U, U + S
-    for k in range(62):
-        acc, c = np.float32(0), 1
-        while c < under:
-            acc = np.float32(acc + hist[c] * bins[c] * bins[c])
-            c += 1
-        while under <= c < over:
-            acc = np.float32(acc + hist[c] * bins[c] * bins[c] * np.float32(q))
-            last = bins[c]
-            c += 1
-        while over <= c < 254:
-            acc = np.float32(acc + hist[c] * (last - bins[c]) * (last - bins[c]))
-            c += 1
-        mse[k] = acc
-        under, over = under + 1, over + 1
-    ties = int(np.sum(mse == mse.min()))
-    return -(int(np.argmin(mse)) + ties // 2 - 31)
 
 
 @pytest.mark.parametrize("scale", [1e-6, 1e-2, 1.0, 300.0, 1e5])
@@ -348,13 +276,10 @@ def test_replicated_popxl_program_with_addons_ops():
     with popxl.Session(ir, "ipu_model") as s:
         got = s.run({ls: logits, xs: idx})
     for grp_members in groups(R, 1, 2):
-        full = np.concatenate([logits[m] for m in grp_members], 1).astype(np.float64)
-        lsm = log_softmax(full)
-        ref = -lsm[np.arange(N), labels].sum() + full.sum()
-        dref = np.exp(lsm)
-        dref[np.arange(N), labels] -= 1
+        full = np.concatenate([logits[m] for m in grp_members], 1)
+        ref, _, dref = cross_entropy_reference(full, labels, np.ones(N, np.float32))
         for rank, rep in enumerate(grp_members):
-            np.testing.assert_allclose(got[streams["loss"]][rep], ref, rtol=1e-5)
+            np.testing.assert_allclose(got[streams["loss"]][rep], ref.sum() + full.sum(), rtol=1e-5)
             np.testing.assert_allclose(got[streams["dx"]][rep], dref[:, rank * c:(rank + 1) * c] + 1,
                                        rtol=1e-5, atol=1e-6)
 
