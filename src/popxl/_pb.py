@@ -12,7 +12,6 @@ A handle's tensor id is an IR id: the id of the popxl tensor made for that value
 op's result is a new tensor; the popxl object the user holds moves to it, as PopXL's does)."""
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 from popart.engine.ir import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph as IRGraph, Node
@@ -25,8 +24,6 @@ from .tensorlocation import ExecutionContext, TileSet
 if TYPE_CHECKING:
     from .graph import Graph as XGraph
     from .ir import Ir as XIr
-
-_OP_IDS = itertools.count(1)   # PopART's op ids: unique in the process, given on first use
 
 
 class _Binding:
@@ -354,8 +351,8 @@ class Op(_Binding):
 
     def __init__(self, graph: "XGraph", node: Node) -> None:
         self._graph, self._node = graph, node
-        if not hasattr(node, "_pb_id"):
-            node._pb_id = next(_OP_IDS)
+        if not hasattr(node, "_pb_id"):   # given when the op is created (the hooks see it)
+            node._pb_id = next(graph.ir._op_ids)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Op) and other._node is self._node
@@ -938,6 +935,9 @@ class Graph(_Binding):
         """
         g = self._graph
         i = index if isinstance(index, int) else self.getOutputIndex(index)
+        n_out = len(g._outputs)
+        if n_out and i >= n_out:   # PopART erases begin() + i: past the end, libstdc++ drops the
+            i = n_out - 1          # last (popxl-addons removes ascending indices and counts on it)
         self._at(self.getOutputIds(), i, "output")
         sites = _call_sites(g)
         for parent, n in sites:

@@ -57,6 +57,7 @@ class Ir:
         self._d2h: list[DeviceToHostStream] = []
         self._graphs: list[Graph] = []
         self._intermediate_ids = itertools.count()   # PopART's Ir::createIntermediateTensorId
+        self._op_ids = itertools.count(100)          # PopART's Ir::opsCounter (op ids)
         self._main = Graph(self, "main")
         self._graphs.append(self._main)
 

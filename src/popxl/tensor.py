@@ -228,7 +228,8 @@ class Tensor:
         return f"{type(self).__name__}[{self.id} {self.dtype.name} {self.shape}]"
 
     def __len__(self) -> int:
-        """The size of axis 0.
+        """The size of axis 0 (also the tensor's truth value, as in PopXL: ``assert t`` holds
+        for a tensor with a non-empty axis 0).
 
         Raises:
             ValueError: for a scalar.
@@ -236,10 +237,6 @@ class Tensor:
         if not self.shape:
             raise ValueError("Tensor is a scalar and doesn't have a length.")
         return self.shape[0]
-
-    def __bool__(self) -> bool:
-        raise TypeError("A popxl Tensor has no truth value while the graph is being built; "
-                        "use ops.conditional for data-dependent control flow")
 
     __hash__ = object.__hash__  # tensors are dictionary keys (inputs_dict, session data)
 
