@@ -204,3 +204,82 @@ def test_broadcast_weights_before_prepare_device(tmp_path):
     assert main(["launch", "-n", "2", "--port", str(port), worker, str(tmp_path)]) == 0
     for r in range(2):
         np.testing.assert_allclose(np.load(tmp_path / f"{r}.npy"), 6.0)
+
+
+# ------------------------------------------------------------------ the engine cache
+@pytest.fixture
+def session_log(capsys):
+    """The session / devicex log lines (module, level, message) written while the test runs."""
+    import popart.logging as plog
+    plog.getLogger().setLevel("TRACE")
+    capsys.readouterr()
+
+    def lines():
+        out = []
+        for line in capsys.readouterr().err.splitlines():
+            if line.startswith("[") and "] [popart:" in line:
+                module, rest = line.split("] [popart:", 1)[1].split("] [", 1)
+                level, msg = rest.split("] ", 1)
+                out.append((module, level, msg))
+        return out
+    yield lines
+    plog.getLogger().setLevel("OFF")
+
+
+def _cached_session(folder, scale=2.0):
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]), "x")
+    y = b.aiGraphcore.scale([x], scale)
+    opts = popart.SessionOptions()
+    opts.enableEngineCaching, opts.cachePath = True, str(folder)
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU(),
+                                userOptions=opts)
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: np.array([1, 2], np.float32)}, anchors))
+    np.testing.assert_allclose(anchors[y], [scale, 2 * scale])
+    return s
+
+
+def test_engine_cache_entries_are_named_by_the_hash(tmp_path, session_log, monkeypatch):
+    """Executablex::getCachePath: <cachePath>/<hash>.popef. A second session finds it by its
+    name (session.cpp inferCacheEntryFromPath), checks the hash the file holds (popef
+    Reader), loads it and logs no compilation; POPART_PRELOAD_POPEF=full-preload reads the
+    file through first; another file in the folder is looked into and ignored."""
+    from popart import testing
+    _cached_session(tmp_path)
+    (entry,) = tmp_path.glob("*.popef")
+    assert entry.stem.isdigit() and int(entry.stem) < 2 ** 64
+    (tmp_path / "notes.popef").write_bytes(b"not an executable")
+    session_log()
+    monkeypatch.setenv("POPART_PRELOAD_POPEF", "full-preload")
+    s = _cached_session(tmp_path)
+    assert testing.executable_source(s) == "engine cache"
+    log = session_log()
+    msgs = [m for _, _, m in log]
+    assert ("session", "info", f"PopEF file inferred to have hash '{entry.stem}' has been "
+                               f"found: {entry}") in log
+    assert ("session", "info", f"PopART cache file has been found: {entry}") in log
+    assert ("session", "debug", f"Performing preload of popef file {entry}") in log
+    assert ("session", "debug", f"Completed preload of popef file {entry}") in log
+    assert ("session", "trace", "Cannot infer IR hash from PopEF file name: notes") in log
+    assert any(m.startswith(f"Ignoring invalid cache file {tmp_path / 'notes.popef'}: ")
+               for m in msgs)
+    assert not any("ompil" in m for m in msgs), msgs   # no compilation logged
+
+
+def test_engine_cache_false_hit_is_ignored(tmp_path, session_log):
+    """Ir::compareWithSavedHash: a file named by this IR's hash that holds another program
+    (its stored hash differs) is a false cache hit: warned about, and the program compiled."""
+    from popart import testing
+    _cached_session(tmp_path / "a", 2.0)
+    _cached_session(tmp_path / "b", 3.0)
+    (a,), (b,) = (tmp_path / "a").glob("*.popef"), (tmp_path / "b").glob("*.popef")
+    b.write_bytes(a.read_bytes())            # the 2.0 program under the 3.0 program's hash
+    session_log()
+    s = _cached_session(tmp_path / "b", 3.0)
+    assert testing.executable_source(s) == "compiled (cached)"
+    log = session_log()
+    assert ("session", "warning", "Cache file hash did not match the IR hash, ignoring false "
+                                  "cache hit.") in log
+    assert ("devicex", "info", "Starting compilation") in log

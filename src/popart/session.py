@@ -336,12 +336,12 @@ class _Session(_FileMethods):
         opt_state = dict(program.init_opt_state())
         with jax.default_device(self._jax_device()):
             key = self._rng.host_key()
-            _logger.info(f"Compiling '{self.name}' ...")
             exported = self._loaded.get("executable") if self._loaded else None
             with compile_progress(f"'{self.name}'"), report.session_compiling(self):
                 source = program.compile(self._host_weights, opt_state, key, self._hyper(),
                                          exported=exported, cache=self._engine_cache())
-        _logger.info(f"Compiled '{self.name}' in {program.compile_seconds:.2f} s")
+        done = "Compiled" if source.startswith("compiled") else f"Loaded (from the {source})"
+        _logger.info(f"{done} '{self.name}' in {program.compile_seconds:.2f} s")
         self._summary["compile_seconds"] = program.compile_seconds
         self._summary["executable_source"] = source
         if self._loaded and "variables" in self._loaded:

@@ -161,30 +161,85 @@ def xla_cache(folder: Optional[str]) -> Iterator[None]:
             compilation_cache.reset_cache()
 
 
+def signature_hash(signature: Mapping[str, Any]) -> int:
+    """The hash an engine-cache entry is named by: 64 bits (PopART's ``size_t`` IR hash) of
+    the signature's canonical JSON."""
+    return int(hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16], 16)
+
+
 class EngineCache:
-    """One program's entry in an engine-cache folder: ``<folder>/<kind>-<hash>.popef``, the
-    hash of ``signature``. Entries hold the exported step; ``<folder>/xla`` holds XLA's
-    executables for them."""
+    """One program's entry in an engine-cache folder: ``<folder>/<hash>.popef``, the decimal
+    ``signature_hash`` of ``signature`` (PopART's ``Executablex::getCachePath``). Entries hold
+    the exported step and its signature; ``<folder>/xla`` holds XLA's executables for them.
+    Looking up an entry logs as PopART's Session / Ir / popef Reader do."""
 
     def __init__(self, folder: str, kind: str, signature: Mapping[str, Any],
                  max_bytes: int = EXECUTABLE_SLACK) -> None:
-        self.folder, self.signature, self.max_bytes = folder, dict(signature), max_bytes
-        digest = hashlib.sha256(json.dumps(self.signature, sort_keys=True).encode()).hexdigest()
-        self.entry = os.path.join(folder, f"{kind}-{digest[:32]}.popef")
+        self.folder, self.max_bytes = folder, max_bytes
+        self.signature = {**signature, "kind": kind}
+        self.hash = signature_hash(self.signature)
+        self.entry = os.path.join(folder, f"{self.hash}.popef")
         self.xla_folder = os.path.join(os.path.abspath(folder), "xla")
+
+    def _entries(self) -> dict[int, str]:
+        """Hash -> file of the folder's entries (session.cpp getCacheEntries): a ``.popef``
+        file named by a hash, else any file holding a valid executable."""
+        out: dict[int, str] = {}
+        names = sorted(os.listdir(self.folder)) if os.path.isdir(self.folder) else []
+        for path in (os.path.join(self.folder, n) for n in names):
+            if not os.path.isfile(path):
+                continue
+            stem, ext = os.path.splitext(os.path.basename(path))
+            found: Optional[int] = None
+            if ext != ".popef":
+                _logger.trace(f"File in cache path does not have extension '.popef': {path}")
+            elif not stem.isdigit():
+                _logger.trace(f"Cannot infer IR hash from PopEF file name: {stem}")
+            else:
+                found = int(stem)
+                _logger.info(f"PopEF file inferred to have hash '{found}' has been found: {path}")
+            found = self._file_hash(path) if found is None else found
+            if found is not None:
+                out.setdefault(found, path)
+        return out
+
+    def _file_hash(self, path: str) -> Optional[int]:
+        """The hash of the executable ``path`` holds, or None (popefserializer.cpp
+        checkFileForValidPoplarExecutable; POPART_PRELOAD_POPEF=full-preload reads the file
+        through first)."""
+        _preload(path)
+        try:
+            data = load_npz_bounded(path, {"executable": None, "metadata": None},
+                                    max_bytes=self.max_bytes)
+        except popart_exception as e:
+            _logger.trace(f"Ignoring invalid cache file {path}: {e}")
+            return None
+        try:
+            saved = json.loads(bytes(data["metadata"]).decode()) if "metadata" in data else None
+        except (UnicodeDecodeError, ValueError):
+            saved = None
+        if "executable" not in data or not isinstance(saved, dict):
+            _logger.info(f"Ignoring cache file because it does not contain a valid PopART "
+                         f"executable : {path}")
+            return None
+        _logger.info(f"PopART cache file has been found: {path}")
+        return signature_hash(saved)
 
     def load(self) -> Optional[bytes]:
         """The entry's exported step, or None (no entry, or one that cannot be used: logged)."""
-        if not os.path.exists(self.entry):
-            _logger.info(f"Engine cache: no entry '{self.entry}', compiling")
+        path = self._entries().get(self.hash)
+        stored = None if path is None else self._file_hash(path)
+        if stored is not None and stored != self.hash:   # Ir::compareWithSavedHash
+            _logger.warn("Cache file hash did not match the IR hash, ignoring false cache hit.")
+        if stored != self.hash:
+            _logger.info(f"Engine cache: no entry for hash {self.hash}, compiling")
             return None
-        _logger.info(f"Loading serialized PopART executable from {self.entry}")   # PopART's
+        _logger.info(f"Loading serialized PopART executable from {path}")   # PopART's
         try:
-            executable, _ = read_executable(self.entry, self.signature, max_bytes=self.max_bytes)
+            executable, _ = read_executable(path, self.signature, max_bytes=self.max_bytes)
         except popart_exception as e:
             _logger.warn(f"Engine cache: entry not used, recompiling: {e}")
             return None
-        _logger.info(f"Engine cache: using '{self.entry}'")
         return executable
 
     def store(self, executable: bytes) -> None:
@@ -195,6 +250,23 @@ class EngineCache:
             _logger.info(f"Engine cache: wrote '{self.entry}'")
         except (OSError, popart_exception) as e:
             _logger.warn(f"Engine cache: cannot write '{self.entry}': {e}")
+
+
+def _preload(path: str) -> None:
+    """POPART_PRELOAD_POPEF=full-preload: read a ``.popef`` file through once before it is
+    opened (popefserializer.cpp preloadFileIfEnvVarSet)."""
+    value = os.environ.get("POPART_PRELOAD_POPEF")
+    if value != "full-preload" or not path.endswith(".popef"):
+        return
+    try:
+        _logger.debug(f"Performing preload of popef file {path}")
+        with open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
+        _logger.debug(f"Completed preload of popef file {path}")
+    except OSError as e:
+        _logger.warn(f"Error executing preload of file {path}, where POPART_PRELOAD_POPEF env "
+                     f"var has value {value}. Error msg: {e}")
 
 
 def compile_step(step: CompiledStep, specs: Sequence[Any], cache: Optional[EngineCache] = None,
