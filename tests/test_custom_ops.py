@@ -5,6 +5,7 @@ import resolution with and without a real cppimport; a user's own op end to end 
 (Builder.customOp) and popxl; the errors."""
 from __future__ import annotations
 
+import importlib
 import sys
 import textwrap
 
@@ -300,6 +301,9 @@ def scaled_cube(ctx, x, alpha=2.0):
             jax.numpy.asarray(x))
 
 
+USER_OP = custom_ops.binding_op("ScaledCube", ("alpha",), domain=USER_DOMAIN, name="ScaledCubeOp")
+
+
 def test_user_op_in_popart_training_session():
     """Builder.customOp finds the registered equivalent by domain / type / version (no .so is
     loaded); training uses its grad rule."""
@@ -325,7 +329,7 @@ def test_user_op_in_popart_training_session():
 def test_user_op_in_popxl_and_a_binding_class():
     """The user's binding class adds the node through graph.createCustomOp (a handle that
     adds it with popxl's node here); popxl's autodiff uses the grad rule."""
-    Op = custom_ops.binding_op("ScaledCube", ("alpha",), domain=USER_DOMAIN, name="ScaledCubeOp")
+    Op = USER_OP
 
     class GraphHandle:
         def createCustomOp(self, op_type, domain, version, inputs, outputs, attributes, settings):
@@ -373,6 +377,15 @@ def test_unregistered_custom_op_errors():
 # ---------------------------------------------------------------------------------------
 # Import resolution
 
+def user_packages(root, name, other):
+    """Package ``name`` whose ``<name>_binding`` is registered (the user's op class) and
+    package ``other`` whose ``other_binding`` is not; returns ``name``'s op module imported."""
+    custom_ops.register_binding(f"{name}_binding", ScaledCubeOp=USER_OP)
+    make_package(root, name, f"{name}_binding")
+    make_package(root, other, "other_binding")
+    return importlib.import_module(f"{name}.op")
+
+
 def make_package(root, name, binding):
     """A package like popxl-addons' op packages: ``<binding>.cpp`` beside a module that does
     ``import cppimport.import_hook`` and ``from . import <binding>``."""
@@ -407,17 +420,12 @@ class HideCppimport:
 
 def test_binding_resolves_without_cppimport(isolated_imports):
     sys.meta_path.insert(1, HideCppimport())
-    custom_ops.register_binding("cube_binding", ScaledCubeOp=custom_ops.binding_op(
-        "ScaledCube", ("alpha",), domain=USER_DOMAIN))
-    make_package(isolated_imports, "userpkg", "cube_binding")
-    make_package(isolated_imports, "userpkg2", "other_binding")
-    import importlib
-    mod = importlib.import_module("userpkg.op")
+    mod = user_packages(isolated_imports, "userpkg", "userpkg2")
     import cppimport
     assert getattr(cppimport, custom_ops._imports.STAND_IN)
-    assert mod.cube_binding.ScaledCubeOp.op_type == "ScaledCube"
-    assert mod.cube_binding.__spec__.origin.endswith("cube_binding.cpp")
-    assert cppimport.imp("userpkg.cube_binding") is mod.cube_binding
+    assert mod.userpkg_binding.ScaledCubeOp is USER_OP
+    assert mod.userpkg_binding.__spec__.origin.endswith("userpkg_binding.cpp")
+    assert cppimport.imp("userpkg.userpkg_binding") is mod.userpkg_binding
     with pytest.raises(ImportError, match=r"'userpkg2.other_binding'.*other_binding.cpp.*"
                                           r"register_binding\('other_binding'"):
         importlib.import_module("userpkg2.op")
@@ -445,16 +453,11 @@ def test_binding_resolves_before_a_real_cppimport_hook(isolated_imports):
                 module.COMPILED = True
         sys.meta_path.insert(0, Hook())
     """))
-    custom_ops.register_binding("cube2_binding", ScaledCubeOp=custom_ops.binding_op(
-        "ScaledCube", ("alpha",), domain=USER_DOMAIN))
-    make_package(isolated_imports, "fakepkg", "cube2_binding")
-    make_package(isolated_imports, "fakepkg2", "compiled_binding")
-    import importlib
-    mod = importlib.import_module("fakepkg.op")
+    mod = user_packages(isolated_imports, "fakepkg", "fakepkg2")
     import cppimport
     import cppimport.import_hook as hook
     assert cppimport.REAL and custom_ops._imports.real_cppimport_hook()
     assert type(sys.meta_path[0]).__name__ == "BindingFinder"
-    assert mod.cube2_binding.ScaledCubeOp.op_type == "ScaledCube"
-    assert importlib.import_module("fakepkg2.op").compiled_binding.COMPILED
-    assert hook.Hook.seen == ["fakepkg2.compiled_binding"]
+    assert mod.fakepkg_binding.ScaledCubeOp is USER_OP
+    assert importlib.import_module("fakepkg2.op").other_binding.COMPILED
+    assert hook.Hook.seen == ["fakepkg2.other_binding"]
