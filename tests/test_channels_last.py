@@ -30,12 +30,13 @@ WFC = RNG.standard_normal((2 * C, 10), dtype=np.float32) * 0.02
 X = RNG.standard_normal((4, C, 8, 8), dtype=np.float32)
 
 
-def _bn(b, x, name):
+def _bn(b, x, name, training=False):
     scale = b.addInitializedInputTensor(np.ones(C, np.float32), f"{name}_scale")
     bias = b.addInitializedInputTensor(np.zeros(C, np.float32), f"{name}_bias")
     mean = b.addInitializedInputTensor(np.zeros(C, np.float32), f"{name}_mean")
     var = b.addInitializedInputTensor(np.ones(C, np.float32), f"{name}_var")
-    return b.aiOnnx.batchnormalization([x, scale, bias, mean, var], 1)[0]
+    # five outputs in training: PopART's BatchNormOp uses batch statistics only then
+    return b.aiOnnx.batchnormalization([x, scale, bias, mean, var], 5 if training else 1)[0]
 
 
 def residual_model(training: bool):
@@ -46,10 +47,10 @@ def residual_model(training: bool):
     b = popart.Builder()
     x = b.addInputTensor(popart.TensorInfo("FLOAT", list(X.shape)), "x")
     h = b.aiOnnx.conv([x, b.addInitializedInputTensor(W1, "w1")], pads=[1] * 4)
-    h = b.aiOnnx.relu([_bn(b, h, "bn1")])
+    h = b.aiOnnx.relu([_bn(b, h, "bn1", training)])
     h = b.aiOnnx.conv([h, b.addInitializedInputTensor(W2, "w2"),
                        b.addInitializedInputTensor(BIAS, "b2")], pads=[1] * 4)
-    h = b.aiOnnx.add([_bn(b, h, "bn2"), x])
+    h = b.aiOnnx.add([_bn(b, h, "bn2", training), x])
     block = b.aiOnnx.prelu([h, b.aiOnnx.constant(SLOPE)])
     h = b.aiOnnx.sum([block, block, b.aiOnnx.constant(np.float32(0.5))])
     h = b.aiOnnx.clip([h], min=-3.0, max=3.0)

@@ -207,3 +207,178 @@ def test_types_popart_accepts():
     (y,) = run([node("Resize", ["x", "", "", "s"], ["y"])], {"x": x4}, ["y"], opset=13,
                consts=[("s", np.array([1, 1, 4, 4], np.int32))])
     np.testing.assert_array_equal(y, x4.repeat(2, 2).repeat(2, 3))
+
+
+# ---------------------------------------------------------------- subgraphs
+def _graph(name, nodes, ins, outs):
+    return helper.make_graph(nodes, name, [helper.make_tensor_value_info(n, t, s) for n, t, s in ins],
+                             [helper.make_tensor_value_info(n, t, s) for n, t, s in outs])
+
+
+def test_scan_rank1_input_slices_to_shape_1():
+    """PopART's ScanOp slices a rank-1 scan input to [1] (scan.cpp:304-313) and concatenates
+    the scan outputs (scan.cpp:97-105): Shape of each slice is [1], four blocks give [4]. ONNX
+    (onnx.reference) slices scalars: the stacked shapes are [4, 0]."""
+    i64 = TensorProto.INT64
+    body = _graph("body", [node("Add", ["s", "xi"], ["s2"]), node("Shape", ["xi"], ["sh"])],
+                  [("s", TensorProto.FLOAT, [1]), ("xi", TensorProto.FLOAT, None)],
+                  [("s2", TensorProto.FLOAT, [1]), ("sh", i64, None)])
+    xs = np.array([1, 2, 3, 4], F32)
+    nodes = [node("Scan", ["s0", "x"], ["s", "shapes"], body=body, num_scan_inputs=1)]
+    m = model(nodes, {"s0": np.zeros(1, F32), "x": xs}, ["s", "shapes"])
+    s, shapes = infer(m, {"s0": np.zeros(1, F32), "x": xs}, ["s", "shapes"])
+    np.testing.assert_array_equal(s, [10])
+    np.testing.assert_array_equal(shapes, [1, 1, 1, 1])
+    ref = ReferenceEvaluator(m).run(None, {"s0": np.zeros(1, F32), "x": xs})
+    assert ref[1].shape == (4, 0)   # ONNX's rule, which the session does not follow
+
+
+def test_loop_body_takes_the_callers_infos():
+    """A Loop body input declared [1] runs on the [2, 3] the Loop carries (loop.cpp:384-398:
+    the callee's inputs take the op's input infos)."""
+    f = TensorProto.FLOAT
+    body = _graph("body", [node("Identity", ["c"], ["c2"]), node("Add", ["v", "v"], ["v2"])],
+                  [("i", TensorProto.INT64, []), ("c", TensorProto.BOOL, []), ("v", f, [1])],
+                  [("c2", TensorProto.BOOL, []), ("v2", f, [1])])
+    (y,) = run([node("Loop", ["m", "", "x"], ["y"], body=body)], {"x": X23}, ["y"],
+               consts=[("m", np.array(3))])
+    np.testing.assert_array_equal(y, X23 * 8)
+
+
+def test_call_gradient_binds_by_position():
+    """call.cpp:285-293: the callee's inputs bind to the Call's inputs by position, also when
+    the body reads the parent's tensor through addInputTensorFromParentGraph: d sum(w * w) / dw
+    = 2 w, counted once."""
+    b = popart.Builder()
+    wv = np.array([1.0, -2.0, 3.0], F32)
+    w = b.addInitializedInputTensor(wv, "w")
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+    body = b.createSubgraphBuilder()
+    body.addInputTensorFromParentGraph(w)
+    body.addOutputTensor(body.aiOnnx.mul([w, w]))
+    (o,) = b.aiGraphcore.call([w], 1, body)
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.reducesum([b.aiOnnx.mul([o, x])], keepdims=0)])
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [GRAD + w]), loss,
+                               popart.ConstSGD(1e-9), CPU())
+    s.prepareDevice()
+    s.weightsFromHost()
+    a = s.initAnchorArrays()
+    xv = np.array([1.0, 0.5, 2.0], F32)
+    s.run(popart.PyStepIO({x: xv}, a))
+    np.testing.assert_allclose(a[GRAD + w], 2 * wv * xv)
+
+
+# ---------------------------------------------------------------- DynamicSlice
+def test_dynamic_slice_third_input_and_gradient():
+    """DynamicSliceOp's optional third input (the tensor the slice is written into): the
+    output is the slice, the third input gets no gradient; x's gradient is the slice's
+    gradient at the offset, zero elsewhere (DynamicSlicePadGradOp), with noOverlap too."""
+    xv = np.arange(12, dtype=F32).reshape(4, 3)
+    g = np.array([[1, 2, 3], [4, 5, 6]], F32)
+    for no_overlap in (0, 1):
+        b = popart.Builder()
+        x = b.addInitializedInputTensor(xv, "x")
+        into = b.addInitializedInputTensor(np.full((2, 3), 7, F32), "into")
+        off = b.aiOnnx.constant(np.array([1], np.uint32))
+        sl = b.aiGraphcore.dynamicslice([x, off, into], axes=[0], sizes=[2], noOverlap=no_overlap)
+        loss = b.aiGraphcore.identityloss([b.aiOnnx.reducesum(
+            [b.aiOnnx.mul([sl, b.aiOnnx.constant(g)])], keepdims=0)])
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [sl, GRAD + x, GRAD + into]),
+                                   loss, popart.ConstSGD(1e-9), CPU())
+        s.prepareDevice()
+        s.weightsFromHost()
+        a = s.initAnchorArrays()
+        s.run(popart.PyStepIO({}, a))
+        np.testing.assert_array_equal(a[sl], xv[1:3])
+        want = np.zeros_like(xv)
+        want[1:3] = g
+        np.testing.assert_array_equal(a[GRAD + x], want)
+        np.testing.assert_array_equal(a[GRAD + into], np.zeros((2, 3), F32))
+
+
+# ---------------------------------------------------------------- LSTM / RNN
+def test_onnx_and_graphcore_lstm_agree_bit_for_bit():
+    """aiOnnx.lstm and aiGraphcore.lstm on the same weights (PopART's [4, I + H, H] in
+    poplibs' gate order f, i, c, o; ONNX's W [1, 4H, I], R [1, 4H, H] in i, o, f, c; one bias
+    Wb + Rb): outputs and final cell states are equal bit for bit."""
+    T, B, I, H = 5, 2, 3, 4
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((T, B, I), dtype=F32)
+    wi, wh = rng.standard_normal((4, I, H), dtype=F32), rng.standard_normal((4, H, H), dtype=F32)
+    bias = rng.standard_normal((4, H), dtype=F32)
+    h0, c0 = rng.standard_normal((2, B, H), dtype=F32)
+    order = [1, 3, 0, 2]   # i, o, f, c out of f, i, c, o
+    W = np.concatenate([wi[k].T for k in order])[None]
+    R = np.concatenate([wh[k].T for k in order])[None]
+    Bv = np.concatenate([bias[k] for k in order] + [np.zeros(4 * H, F32)])[None]
+    b = popart.Builder()
+    xi = b.addInputTensor(popart.TensorInfo("FLOAT", [T, B, I]), "x")
+    y1, h1, c1 = b.aiOnnx.lstm([xi, b.aiOnnx.constant(W), b.aiOnnx.constant(R),
+                                b.aiOnnx.constant(Bv), "", b.aiOnnx.constant(h0[None]),
+                                b.aiOnnx.constant(c0[None])], 3)
+    y2, c2 = b.aiGraphcore.lstm([xi, b.aiOnnx.constant(np.concatenate([wi, wh], 1)),
+                                 b.aiOnnx.constant(bias), b.aiOnnx.constant(np.stack([h0, c0]))])
+    outs = [y1, c1, y2, c2]
+    got = infer(b.getModelProto(), {xi: x}, outs)
+    np.testing.assert_array_equal(got[0][:, 0], got[2])
+    np.testing.assert_array_equal(got[1][0], got[3])
+    # and ai.onnx's against onnx.reference (ONNX's own rule)
+    m = model([node("LSTM", ["x", "W", "R", "B", "", "h0", "c0"], ["y", "yh", "yc"],
+                    hidden_size=H)], {"x": x}, ["y", "yh", "yc"],
+              inits=[("W", W), ("R", R), ("B", Bv), ("h0", h0[None]), ("c0", c0[None])])
+    ref = ReferenceEvaluator(m).run(None, {"x": x})
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_rnn_activation_message():   # op/rnn.cpp:170
+    raises_text("Activation type 'Cube' is not supported for Op(r[ai.onnx.RNN:7], inputs=[x, w, "
+                "rr], outputs=[y])",
+                [node("RNN", ["x", "w", "rr"], ["y"], hidden_size=2, activations=["Cube"],
+                      name="r")], {"x": np.ones((2, 1, 3), F32)}, ["y"],
+                consts=[("w", np.ones((1, 2, 3), F32)), ("rr", np.ones((1, 2, 2), F32))])
+
+
+# ---------------------------------------------------------------- BatchNormalization
+BN_X = np.random.default_rng(3).standard_normal((4, 2, 3, 3), dtype=F32)
+BN_P = [np.array([1.5, 0.5], F32), np.array([0.1, -0.2], F32), np.array([0.3, -0.1], F32),
+        np.array([2.0, 0.5], F32)]   # scale, bias, running mean, running var
+
+
+def _bn_rule(x, scale, bias, mean, var, eps=1e-5):
+    sh = (1, -1, 1, 1)
+    return (x - mean.reshape(sh)) / np.sqrt(var.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
+
+
+def test_batchnorm_mode_follows_its_outputs():
+    """BatchNormOp::setup (batchnorm.cpp:50-66): more than one output is training mode (batch
+    statistics) in an InferenceSession too; one output is inference mode (running statistics)
+    in a TrainingSession too."""
+    b = popart.Builder(opsets={"ai.onnx": 9, "ai.graphcore": 1})
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", list(BN_X.shape)), "x")
+    ins = [x] + [b.addInitializedInputTensor(v) for v in BN_P]
+    y, m, v, _sm, _sv = b.aiOnnx.batchnormalization(ins, 5, momentum=0.75)
+    (y1,) = b.aiOnnx.batchnormalization(ins, 1)
+    y_got, m_got, v_got, y1_got = infer(b.getModelProto(), {x: BN_X}, [y, m, v, y1])
+    bm, bv = BN_X.mean((0, 2, 3)), BN_X.var((0, 2, 3))
+    np.testing.assert_allclose(y_got, _bn_rule(BN_X, BN_P[0], BN_P[1], bm, bv), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(m_got, 0.75 * BN_P[2] + 0.25 * bm, rtol=1e-6)
+    np.testing.assert_allclose(v_got, 0.75 * BN_P[3] + 0.25 * bv, rtol=1e-5)
+    np.testing.assert_allclose(y1_got, _bn_rule(BN_X, *BN_P), rtol=1e-5, atol=1e-6)
+
+
+def test_one_output_batchnorm_in_training_uses_running_statistics():
+    b = popart.Builder(opsets={"ai.onnx": 9, "ai.graphcore": 1})
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", list(BN_X.shape)), "x")
+    scale = b.addInitializedInputTensor(BN_P[0], "scale")
+    ins = [x, scale] + [b.addInitializedInputTensor(v) for v in BN_P[1:]]
+    (y,) = b.aiOnnx.batchnormalization(ins, 1)
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.reducesum([y], keepdims=0)])
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [y, GRAD + scale]), loss,
+                               popart.ConstSGD(1e-9), CPU())
+    s.prepareDevice()
+    s.weightsFromHost()
+    a = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: BN_X}, a))
+    np.testing.assert_allclose(a[y], _bn_rule(BN_X, *BN_P), rtol=1e-5, atol=1e-6)
+    xhat = _bn_rule(BN_X, np.ones(2, F32), np.zeros(2, F32), BN_P[2], BN_P[3])
+    np.testing.assert_allclose(a[GRAD + scale], xhat.sum((0, 2, 3)), rtol=1e-5)

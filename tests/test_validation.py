@@ -131,12 +131,15 @@ def test_indices_checked_inside_control_flow(where):
                        [numpy_helper.from_array(np.int64(0), "zi")])
         feeds = [{"x": X, "c": np.bool_(c), "i": np.int64(i)} for c, i in ((False, 9), (True, 9))]
     else:
+        # j is a scalar in ONNX's Scan, [1] in PopART's (scan.cpp): the row is reshaped to [5]
         body = helper.make_graph(
             [helper.make_node("Gather", ["x", "j"], ["row"], axis=0, name="g_in_scan"),
-             helper.make_node("Add", ["acc", "row"], ["acc_out"])],
+             helper.make_node("Reshape", ["row", "five"], ["row5"]),
+             helper.make_node("Add", ["acc", "row5"], ["acc_out"])],
             "body", [_vi("acc", F, [5]), _vi("j", I64, [])], [_vi("acc_out", F, [5])])
         model = _model([helper.make_node("Scan", ["zero", "js"], ["y"], body=body, num_scan_inputs=1)],
-                       [x, _vi("js", I64, [3])], [_vi("y", F, None)], [zero])
+                       [x, _vi("js", I64, [3])], [_vi("y", F, None)],
+                       [zero, numpy_helper.from_array(np.array([5]), "five")])
         feeds = [{"x": X, "js": np.array(j)} for j in ([0, 3, -4], [0, 4, 1])]
     s = _session(model, ["y"])
     good, bad = feeds
@@ -222,16 +225,17 @@ def test_graph_structure_errors():
 
 
 def test_lowering_errors_name_the_node(tmp_path, capsys):
-    # Incompatible MatMul shapes fail inside the lowering: a popart error naming the node.
+    # Incompatible MatMul shapes: PopART's check (matmul.cpp), a popart error naming the node.
     model = _model([helper.make_node("MatMul", ["a", "b"], ["y"], name="mm")],
                    [_vi("a", F, [2, 3]), _vi("b", F, [4, 2])], [_vi("y", F, None)])
-    with pytest.raises(popart.popart_exception, match="MatMul node 'mm': cannot be computed"):
+    with pytest.raises(popart.popart_exception, match=r"Op\(mm \(ai.onnx.MatMul:13\).* "
+                                                      "contracting dimensions unequal"):
         _session(model, ["y"])
     path = tmp_path / "m.onnx"
     path.write_bytes(model)
     assert cli.main(["run", str(path), "--runs", "1"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("popart: error:") and "MatMul node 'mm'" in err and "internal" not in err
+    assert err.startswith("popart: error:") and "Op(mm " in err and "internal" not in err
 
 
 def test_fuzz_short_run():

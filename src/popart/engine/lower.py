@@ -166,7 +166,9 @@ class NodeCtx:
         if len(inputs) != len(graph.inputs):
             raise ModelError(f"{self.node.describe()}: subgraph '{graph.name}' has "
                              f"{len(graph.inputs)} input(s), but the node passes {len(inputs)}")
-        for tid, x in zip(graph.inputs, inputs):   # declared types must hold, as in ONNX Runtime
+        # declared types must hold, as in ONNX Runtime; a PopART session's If / Loop / Scan /
+        # Call bodies take the caller's tensor infos instead (loop.cpp, call.cpp, scan.cpp)
+        for tid, x in zip(graph.inputs if self._state.options is None else (), inputs):
             info, shape = graph.tensor_info.get(tid), getattr(x, "shape", None)
             if info is not None and shape is not None and info._shape is not None and (
                     len(info._shape) != len(shape) or any(d not in (-1, s) for d, s in zip(info._shape, shape))):

@@ -174,7 +174,11 @@ def _loop(ctx: LowerCtx, m=None, cond=None, *v_init, body):
 
 def _scan_core(ctx: LowerCtx, body, states, xs, n_out_scan, in_axes, in_dirs, out_axes, out_dirs,
                concat=False):
+    """With ``concat`` PopART's ScanOp: a rank-1 scan input is sliced to shape [1], not a
+    scalar (scan.cpp:304-313), and the scan outputs concatenate (scan.cpp:97-105)."""
     xs = [jnp.moveaxis(jnp.asarray(x), a % jnp.ndim(x), 0) for x, a in zip(xs, in_axes)]
+    if concat:
+        xs = [x[:, None] if x.ndim == 1 else x for x in xs]
     xs = [jnp.flip(x, 0) if d else x for x, d in zip(xs, in_dirs)]
     states = [jnp.asarray(s) for s in states]
 
@@ -241,12 +245,14 @@ def scan8(ctx: LowerCtx, seq_lens, *ins, body, num_scan_inputs, directions=None,
 
 @register("Call", domain=GRAPHCORE_DOMAIN)
 def call(ctx: LowerCtx, *ins, callee, **_):
-    """The callee on the inputs, which must have its inputs' types and shapes (CallOp::setup;
-    dimensions the callee leaves unknown match any)."""
+    """The callee on the inputs, bound by position. A Call of an ONNX model (a PopART
+    session) gives the callee its inputs' tensor infos (call.cpp:285-293); popxl's callee
+    inputs keep theirs, which must match (CallOp::setup; dimensions the callee leaves unknown
+    match any)."""
     from ..engine.lower import info_text
     from ..errors import ModelError
     from ..tensorinfo import to_datatype
-    for i, (x, tid) in enumerate(zip(ins, callee.inputs)):
+    for i, (x, tid) in enumerate(zip(ins, callee.inputs if onnx_semantics(ctx) else ())):
         info = callee.tensor_info.get(tid)
         if info is None or info._shape is None or not hasattr(x, "dtype"):
             continue

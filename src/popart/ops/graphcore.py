@@ -206,8 +206,16 @@ def _dyn_sizes(x, axes, sizes):
 
 
 @_g("DynamicSlice")
-def dynamic_slice(ctx: LowerCtx, x, offset, *, axes, sizes, **_):
-    return lax.dynamic_slice(x, _dyn_starts(x, offset, axes), _dyn_sizes(x, axes, sizes))
+def dynamic_slice(ctx: LowerCtx, x, offset, slice_in=None, *, axes, sizes, **_):
+    """The slice of x at ``offset``; the optional third input is the tensor PopART writes
+    the slice into (DynamicSliceOp's getSliceInIndex): of the slice's shape, its values
+    overwritten (no gradient reaches it)."""
+    out = lax.dynamic_slice(x, _dyn_starts(x, offset, axes), _dyn_sizes(x, axes, sizes))
+    if slice_in is not None and tuple(jnp.shape(slice_in)) != out.shape:
+        raise popart_error(ctx, f"DynamicSliceOp: the slice input '{ctx.input_ids[2]}' has shape "
+                           f"{list(jnp.shape(slice_in))}, but the slice has shape "
+                           f"{list(out.shape)}", "the third input must have the slice's shape")
+    return out
 
 
 @_g("DynamicUpdate")

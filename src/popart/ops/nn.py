@@ -567,7 +567,11 @@ def batch_norm(ctx: LowerCtx, x, scale, b, mean, var, epsilon, momentum, trainin
 @register("BatchNormalization")
 def batch_normalization(ctx: LowerCtx, x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, spatial=1,
                         training_mode=0, **_):
-    training = bool(ctx.training or training_mode)
+    """Before opset 14 PopART's BatchNormOp (batchnorm.cpp:50-66): batch statistics whenever
+    the node has more than one output, in any session; one output is inference mode (in a
+    training session too, differentiated as such where PopART's BatchNormGradOp raises).
+    From opset 14 ONNX's training_mode, or a training session's forward pass."""
+    training = ctx.num_outputs > 1 if ctx.version < 14 else bool(ctx.training or training_mode)
     if not spatial:  # statistics per (C, D1, ...) element: fold the spatial axes into C
         shp = x.shape
         x2 = x.reshape(shp[0], -1)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .registry import GRAPHCORE_DOMAIN, LowerCtx, debug_name, popart_error, register
+from .registry import GRAPHCORE_DOMAIN, LowerCtx, debug_name, opid, popart_error, register
 
 HI = lax.Precision.HIGHEST
 
@@ -36,8 +36,11 @@ def activations(ctx: LowerCtx, names, alphas, betas, defaults, num_dirs):
     fns = []
     for n in names:
         key = n.lower()
-        if key not in ACTIVATIONS:
-            raise ctx.error(f"activation '{n}' is not supported")
+        if key not in ACTIVATIONS:   # rnn.cpp's text, OpCreatorInfo::debugName's form
+            raise popart_error(ctx, f"Activation type '{n}' is not supported for Op({ctx.name}"
+                               f"[{opid(ctx)}], inputs=[{', '.join(ctx.input_ids)}], outputs=["
+                               f"{', '.join(ctx.output_ids)}])",
+                               f"activations {list(names)}; supported: {sorted(ACTIVATIONS)}")
         fn, da, db = ACTIVATIONS[key]
         a = alphas.pop(0) if da is not None and alphas else da
         b = betas.pop(0) if db is not None and betas else db
@@ -107,13 +110,15 @@ def onnx_rnn(ctx: LowerCtx, kind, x, w, r, b, lens, h0, c0, p, direction, hidden
     for d in range(nd):
         f, gact, hact = (acts[d] + [None, None])[:3]
         W, R, Wb, Rb = w[d], r[d], b[d, :g * H], b[d, g * H:]
-        xw = _mm(x, W.T) + Wb  # input projections for every step at once
+        # input projections for every step at once; LSTM and RNN add both biases there, as
+        # PopART's LSTMOp / RNNOp (one bias, Wb + Rb), GRU's recurrent bias stays in the cell
+        xw = _mm(x, W.T) + (Wb if kind == "GRU" else Wb + Rb)
 
         if kind == "LSTM":
             pi, po, pf = p[d, :H], p[d, H:2 * H], p[d, 2 * H:]
 
-            def cell(xt, h, c, R=R, Rb=Rb, f=f, gact=gact, hact=hact, pi=pi, po=po, pf=pf):
-                z = xt + _mm(h, R.T) + Rb
+            def cell(xt, h, c, R=R, f=f, gact=gact, hact=hact, pi=pi, po=po, pf=pf):
+                z = xt + _mm(h, R.T)
                 zi, zo, zf, zc = jnp.split(z, 4, -1)
                 i = f(cl(zi + pi * c))
                 fg = 1 - i if input_forget else f(cl(zf + pf * c))
@@ -133,8 +138,8 @@ def onnx_rnn(ctx: LowerCtx, kind, x, w, r, b, lens, h0, c0, p, direction, hidden
                     hh = gact(cl(xh + _mm(rr * h, Rh.T) + bh))
                 return (1 - z) * hh + z * h, c
         else:
-            def cell(xt, h, c, R=R, Rb=Rb, f=f):
-                return f(cl(xt + _mm(h, R.T) + Rb)), c
+            def cell(xt, h, c, R=R, f=f):
+                return f(cl(xt + _mm(h, R.T))), c
         rev = direction == "reverse" or d == 1
         y, h, c = run_rnn(cell, xw, h0[d], c0[d] if kind == "LSTM" else None, lens, rev)
         ys.append(y), hs.append(h), cs.append(c)
@@ -184,19 +189,19 @@ def popart_lstm(ctx: LowerCtx, x, weights, biases=None, init_state=None, lens=No
     """PopART's LSTM: x [T, B, I], weights [4, I + H, H] (input then recurrent weights),
     biases [4, H], initialState [2, B, H] (output, cell), gates in poplibs' order
     (forget, input, candidate, output). Outputs: output [T, B, H] (or [B, H] when
-    outputFullSequence is 0) and the final cell state [B, H]."""
+    outputFullSequence is 0) and the final cell state [B, H]. Computed as ai.onnx's LSTM
+    on the same weights reordered (gates i, o, f, c; W [4H, I], R [4H, H]): the two agree
+    bit for bit."""
     T, B, I = x.shape
     H = weights.shape[2]
-    Wi, Wh = weights[:, :I], weights[:, I:]
+    order = [1, 3, 0, 2]   # ONNX's i, o, f, c from poplibs' f, i, c, o
+    w = jnp.concatenate([weights[k, :I].T for k in order])[None]
+    r = jnp.concatenate([weights[k, I:].T for k in order])[None]
     bias = jnp.zeros((4, H), x.dtype) if biases is None else biases
-    h0, c0 = (jnp.zeros((B, H), x.dtype),) * 2 if init_state is None else (init_state[0], init_state[1])
-    lens = jnp.full((B,), T, jnp.int32) if lens is None else jnp.asarray(lens).astype(jnp.int32)
-    xw = jnp.einsum("tbi,gih->tbgh", x, Wi, precision=HI) + bias
-
-    def cell(xt, h, c):
-        z = xt + jnp.einsum("bh,ghk->bgk", h, Wh, precision=HI)
-        fg, i, cand, o = (z[:, k] for k in range(4))
-        c2 = jax.nn.sigmoid(fg) * c + jax.nn.sigmoid(i) * jnp.tanh(cand)
-        return jax.nn.sigmoid(o) * jnp.tanh(c2), c2
-    y, h, c = run_rnn(cell, xw, h0, c0, lens, False)
-    return (y if outputFullSequence else h), c
+    b = jnp.concatenate([bias[k] for k in order] + [jnp.zeros(4 * H, x.dtype)])[None]
+    h0 = c0 = None
+    if init_state is not None:
+        h0, c0 = init_state[0][None], init_state[1][None]
+    acts = activations(ctx, None, None, None, ["Sigmoid", "Tanh", "Tanh"], 1)
+    y, h, c = onnx_rnn(ctx, "LSTM", x, w, r, b, lens, h0, c0, None, "forward", None, 0, acts, None)
+    return (y[:, 0] if outputFullSequence else h[0]), c[0]
