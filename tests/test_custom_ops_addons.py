@@ -156,6 +156,9 @@ def test_replicated_ops():
         outs["mean"] = replicated_all_reduce_strided(xt, "mean", strided)
         outs["gather"] = replicated_all_gather_strided(xt, strided)
         outs["scatter"] = replicated_reduce_scatter_strided(xt, "add", strided)
+        shard = replicated_reduce_scatter_strided(xt, "add", strided, True)
+        assert shard.meta_shape == (N, h) and shard.shape == (N * h // 2,)
+        outs["regathered"] = replicated_all_gather_strided(shard, strided)   # reshaped to the meta-shape
         outs["ln"], outs["dln"] = grad_of(
             ir, lambda t: layer_norm_distributed(t, popxl.constant(w), popxl.constant(np.zeros(h, np.float32)),
                                                  group=ir.replica_grouping(1, R)), xt)
@@ -182,6 +185,7 @@ def test_replicated_ops():
             np.testing.assert_allclose(got["gather"][rep], np.concatenate(flat))
             np.testing.assert_allclose(got["scatter"][rep], (flat[0] + flat[1])[3 * rank:3 * rank + 3],
                                        rtol=1e-6)
+            np.testing.assert_allclose(got["regathered"][rep], x[grp].sum(0), rtol=1e-6)
     for rep in range(R):
         cols = slice(h * rep, h * rep + h)
         np.testing.assert_allclose(got["ln"][rep], ln_ref[0][:, cols], rtol=1e-4, atol=1e-5)

@@ -2,9 +2,21 @@
 stand-ins of its pybind11 classes (parameters in the binding's order)."""
 from __future__ import annotations
 
+from typing import Any
+
 from .bindings import binding_op, params_class, register_binding
 
 _GROUP_FLAGS = ("op", "group", "identicalInputs", "identicalGradInputs")
+
+
+def _rts_output(op: Any, attrs: dict) -> None:
+    """ReplicatedReduceScatterStridedOp::setup: configured for replicated tensor sharding, the
+    output's meta-shape is the input's shape."""
+    if attrs.get("configureOutputForReplicatedTensorSharding"):
+        from popxl import Tensor
+        out, x = (Tensor._from_pb_tensor(t) for t in (op.outTensor(0), op.inTensor(0)))
+        out._meta_shape = tuple(x.shape)
+
 _STRIDED = ("stride", "groupSize")
 
 register_binding("replicated_all_reduce_TP_binding", ReplicatedAllReduceTPOp=binding_op(
@@ -16,7 +28,8 @@ register_binding("replicated_all_gather_strided_binding", ReplicatedAllGatherStr
 register_binding("replicated_reduce_scatter_strided_binding",
                  ReplicatedReduceScatterStridedOp=binding_op(
                      "ReplicatedReduceScatterStrided",
-                     ("op", *_STRIDED, "configureOutputForReplicatedTensorSharding")))
+                     ("op", *_STRIDED, "configureOutputForReplicatedTensorSharding"),
+                     created=_rts_output))
 register_binding("layer_norm_distributed_binding", LayerNormDistributedOp=binding_op(
     "LayerNormDistributed", ("epsilon", "group")))
 register_binding("rotary_pos_embed_binding", RotaryPosEmbedOp=binding_op(

@@ -33,12 +33,14 @@ def attribute_value(value: Any) -> Any:
 
 
 def binding_op(op_type: str, params: Sequence[str] = (), *, domain: str = ADDONS_DOMAIN,
-               version: int = 1, name: Optional[str] = None) -> type:
+               version: int = 1, name: Optional[str] = None,
+               created: Optional[Callable[[Any, dict], None]] = None) -> type:
     """A class standing for a C++ op's pybind11 class: ``createOpInGraph(graph, inputs,
     outputs, *params, settings)`` takes ``params`` (by position or name) and adds
     ``domain::op_type`` (``version``) to ``graph`` with those attributes, through
     ``graph.createCustomOp``; ``create_op_in_graph(graph, inputs, outputs, params, settings)``
-    takes a params object (:func:`params_class`) instead."""
+    takes a params object (:func:`params_class`) instead. ``created(op, attributes)`` then
+    does what the C++ op's setup does beyond its outputs' shapes."""
     params = tuple(params)
     signature = inspect.Signature(
         [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -47,8 +49,11 @@ def binding_op(op_type: str, params: Sequence[str] = (), *, domain: str = ADDONS
 
     def add(graph: Any, inputs: dict, outputs: dict, attrs: dict, settings: Any) -> Any:
         attrs = {k: attribute_value(v) for k, v in attrs.items()}
-        return graph.createCustomOp(op_type, domain, version, dict(inputs), dict(outputs),
-                                    attrs, settings)
+        op = graph.createCustomOp(op_type, domain, version, dict(inputs), dict(outputs), attrs,
+                                  settings)
+        if created is not None:
+            created(op, attrs)
+        return op
 
     def createOpInGraph(cls, *args: Any, **kwargs: Any) -> Any:
         try:
