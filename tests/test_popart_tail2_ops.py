@@ -382,3 +382,30 @@ def test_one_output_batchnorm_in_training_uses_running_statistics():
     np.testing.assert_allclose(a[y], _bn_rule(BN_X, *BN_P), rtol=1e-5, atol=1e-6)
     xhat = _bn_rule(BN_X, np.ones(2, F32), np.zeros(2, F32), BN_P[2], BN_P[3])
     np.testing.assert_allclose(a[GRAD + scale], xhat.sum((0, 2, 3)), rtol=1e-5)
+
+
+# ---------------------------------------------------------------- patterns and anchors
+def test_anchored_probability_gradient_survives_softmax_nll_fusion():
+    """A pattern never fuses away an anchored tensor (ir.cpp's touchesAnchored; the
+    SoftmaxGradDirect fuser touches NllGrad's output, fuser.cpp:87): with Gradient___<probs>
+    anchored, NllGrad (-onehot / p / N) and SoftmaxGrad run unfused."""
+    rng = np.random.default_rng(0)
+    xv = rng.standard_normal((3, 4)).astype(F32)
+    lab = np.array([0, 2, 3], np.int32)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3, 4]), "x")
+    w = b.addInitializedInputTensor(np.ones((3, 4), F32), "w")
+    lbl = b.addInputTensor(popart.TensorInfo("INT32", [3]), "l")
+    logits = b.aiOnnx.mul([x, w])
+    p = b.aiOnnx.softmax([logits], axis=1)
+    loss = b.aiGraphcore.nllloss([p, lbl], reduction=popart.ReductionType.Mean)
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [GRAD + p, GRAD + logits]),
+                               loss, popart.ConstSGD(1e-9), CPU())
+    s.prepareDevice()
+    s.weightsFromHost()
+    a = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: xv, lbl: lab}, a))
+    e = np.exp(xv - xv.max(1, keepdims=True))
+    probs, onehot = e / e.sum(1, keepdims=True), np.eye(4, dtype=F32)[lab]
+    np.testing.assert_allclose(a[GRAD + p], -onehot / probs / 3, rtol=1e-5)
+    np.testing.assert_allclose(a[GRAD + logits], (probs - onehot) / 3, rtol=1e-5, atol=1e-7)

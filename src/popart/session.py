@@ -380,7 +380,8 @@ class _Session(_FileMethods):
         if self._program is None:
             graph = self._graph
             if self._training:
-                graph = fuse_softmax_nll(graph, self._loss, self.patterns.isPatternEnabled)
+                graph = fuse_softmax_nll(graph, self._loss, self.patterns.isPatternEnabled,
+                                         self._dataFlow.anchors())
             # planned, then placed or not (engine.pipeline.plan_program decides)
             self._program = plan_program(graph, self._config(), self._input_infos, self._device)
         return self._program

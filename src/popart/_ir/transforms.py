@@ -10,9 +10,10 @@ does the equivalent on its own. The ones here change numbers, so the training IR
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN
+from ..tensornames import PREFIXES
 from .graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, Node, outer_reads, reads
 
 # Ops whose outputs carry no gradient back to their inputs (PopART has no grad op for them).
@@ -71,14 +72,18 @@ def gradient_flow(graph: Graph, loss: str, trainable: Any,
     return has_grad, edges
 
 
-def fuse_softmax_nll(graph: Graph, loss: str, enabled: Callable[[str], bool]) -> Graph:
+def fuse_softmax_nll(graph: Graph, loss: str, enabled: Callable[[str], bool],
+                     anchors: Iterable[str] = ()) -> Graph:
     """``graph`` with each ai.graphcore Nll whose probabilities come from a Softmax replaced
     by a SoftmaxNll node (same output), where PopART's SoftmaxGradDirect pattern would fuse
     NllGrad into SoftmaxGrad: the pattern is enabled, the softmax's output gets no gradient
-    from anything else (its NllGrad feeds SoftmaxGrad alone), and both ops have the same
-    placement. ``enabled(name)`` tells whether a pattern is on. The input graph is unchanged."""
+    from anything else (its NllGrad feeds SoftmaxGrad alone), its gradient is not among the
+    ``anchors`` (a pattern never touches an anchored tensor: Pattern::touchesAnchored,
+    ir.cpp), and both ops have the same placement. ``enabled(name)`` tells whether a pattern
+    is on. The input graph is unchanged."""
     if not enabled("SoftmaxGradDirect"):
         return graph
+    anchored = set(anchors)
     producer, consumers = graph.producer(), graph.consumers()
     to_loss = ancestors(graph, loss)
     fuse_loss = 1 if enabled("NlllWithSoftmaxGradDirect") else 0
@@ -89,6 +94,7 @@ def fuse_softmax_nll(graph: Graph, loss: str, enabled: Callable[[str], bool]) ->
                 and not node.attrs.get("inputIsLogProbability", 0)
                 and soft is not None and soft.op_type == "Softmax" and soft.domain == ONNX_DOMAIN
                 and node.outputs[0] in to_loss
+                and PREFIXES["Gradient"] + node.inputs[0] not in anchored
                 and _only_gradient_consumer(node, consumers.get(node.inputs[0], []), to_loss)
                 and all(node.annotations.get(k) == soft.annotations.get(k) for k in _PLACEMENT)):
             axis = soft.attrs.get("axis", 1 if graph.opsets.get(ONNX_DOMAIN, 13) < 13 else -1)
