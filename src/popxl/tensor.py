@@ -43,7 +43,7 @@ class TensorSpec(Mapping):
     def __init__(self, shape: Iterable[int], dtype: Any, meta_shape: Iterable[int] = ()) -> None:
         self.shape = tuple(int(d) for d in shape)
         self.dtype = _dtype.as_dtype(dtype)
-        self.meta_shape = tuple(meta_shape)
+        self.meta_shape = tuple(meta_shape or ())   # None: none (popxl-addons passes it)
 
     def to_dict(self) -> dict:
         return {"shape": self.shape, "dtype": self.dtype, "meta_shape": self.meta_shape}
