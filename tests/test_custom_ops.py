@@ -461,3 +461,32 @@ def test_binding_resolves_before_a_real_cppimport_hook(isolated_imports):
     assert mod.fakepkg_binding.ScaledCubeOp is USER_OP
     assert importlib.import_module("fakepkg2.op").other_binding.COMPILED
     assert hook.Hook.seen == ["fakepkg2.other_binding"]
+
+
+def test_addons_ops_in_a_replicated_popart_session():
+    """Builder.customOp of the addons' ops in a popart session over 4 replicas: the sharded
+    cross entropy over groups of 2 and the strided Mean all-reduce (stride 2)."""
+    R, N, c = 4, 3, 4
+    logits = RNG.normal(size=(R, N, c)).astype(np.float32)
+    labels = np.array([2, 7, 0])
+    idx = np.stack([labels - c * (r % 2) for r in range(R)]).astype(np.int32)
+    b = popart.Builder()
+    lt = b.addInputTensor(popart.TensorInfo("FLOAT", [N, c]))
+    it = b.addInputTensor(popart.TensorInfo("INT32", [N]))
+    loss, _ = b.customOp("CrossEntropySharded", 1, ADDONS_DOMAIN, [lt, it], {"group": [R, 1, 2]},
+                         numOutputs=2)
+    (mean,) = b.customOp("ReplicatedAllReduceStrided", 1, ADDONS_DOMAIN, [lt],
+                         {"op": "Mean", "stride": 2, "groupSize": 2})
+    opts = popart.SessionOptions()
+    opts.enableReplicatedGraphs, opts.replicatedGraphCount = True, R
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [loss, mean]),
+                                popart.DeviceManager().acquireAvailableDevice(R), userOptions=opts)
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({lt: logits, it: idx}, anchors))
+    for grp in groups(R, 1, 2):
+        ref, _, _ = cross_entropy_reference(np.concatenate([logits[m] for m in grp], 1), labels,
+                                            np.ones(N, np.float32))
+        for rep in grp:
+            np.testing.assert_allclose(anchors[loss][rep], ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(anchors[mean], member_sum(logits, groups(R, 2, 2)) / 2, rtol=1e-6)
