@@ -46,16 +46,6 @@ def all_reduce_identical_grad_inputs(x: Tensor, group: ReplicaGrouping) -> Tenso
     return C.replicated_all_reduce(d, "add", group) + (x - d)
 
 
-@dataclass(frozen=True)
-class TPOps:
-    """The collectives the layers use (see the module docstring)."""
-    identical_inputs: Callable[[Tensor, ReplicaGrouping], Tensor] = all_reduce_identical_inputs
-    identical_grad_inputs: Callable[[Tensor, ReplicaGrouping], Tensor] = all_reduce_identical_grad_inputs
-
-
-PUBLIC_OPS = TPOps()
-
-
 # ---------------------------------------------------------------------------------------------
 # Configuration and weights
 
@@ -108,7 +98,10 @@ class Layer(popxl.Module):
     cfg: Config
     tp: int
     group: ReplicaGrouping            # the tensor-parallel group
-    tp_ops: TPOps = field(default=PUBLIC_OPS)
+    tp_ops: "TPOps" = None          # None: PUBLIC_OPS
+
+    def __post_init__(self) -> None:
+        self.tp_ops = self.tp_ops or PUBLIC_OPS
 
     def add_weight(self, name: str, shape: Sequence[int], w: Weight, dtype=popxl.float32) -> Tensor:
         key = f"{self.name}.{name}" if self.name else name
@@ -184,6 +177,14 @@ def rotary_tables(cfg: Config) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     return cos.astype(np.float32), sin.astype(np.float32), rot
 
 
+def rope(t: Tensor, cfg: Config) -> Tensor:
+    """Rotary position embeddings of t [B, S, heads, head_dim] from elementwise ops and a
+    matmul (:func:`rotary_tables`)."""
+    cos, sin, rot = (popxl.constant(a) for a in rotary_tables(cfg))
+    shape = (cfg.seq, 1, cfg.head_dim)
+    return t * ops.reshape(cos, shape) + (t @ rot) * ops.reshape(sin, shape)
+
+
 @dataclass(eq=False)
 class Attention(Layer):
     """Causal self-attention on this rank's heads: column-parallel fused QKV, rotary position
@@ -197,9 +198,7 @@ class Attention(Layer):
         names = ("q_proj", "k_proj", "v_proj")
         qkv = self.sub(Linear, "qkv", tuple(f"{self.hf}.{n}" for n in names), c.hidden, 3 * c.hidden, "col")(x)
         q, k, v = (ops.reshape(t, (c.batch, c.seq, heads, d)) for t in ops.split(qkv, 3, axis=1))
-        cos, sin, rot = (popxl.constant(a) for a in rotary_tables(c))
-        cos, sin = ops.reshape(cos, (c.seq, 1, d)), ops.reshape(sin, (c.seq, 1, d))
-        q, k = (t * cos + (t @ rot) * sin for t in (q, k))
+        q, k = (self.tp_ops.rope(t, c) for t in (q, k))
         q, k, v = (ops.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))          # [B, heads, S, d]
         scores = q @ ops.transpose(k, (0, 1, 3, 2))
         scores = scores / float(np.sqrt(d)) if c.family == "gptj" else scores * float(d ** -0.5)
@@ -268,6 +267,19 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, offset: Tensor, group:
     return ops.mean(ops.log(total) - picked)
 
 
+@dataclass(frozen=True)
+class TPOps:
+    """The tensor-parallel collectives, the rotary embedding and the sharded loss the layers
+    use; the defaults are built from popxl's public ops."""
+    identical_inputs: Callable[[Tensor, ReplicaGrouping], Tensor] = all_reduce_identical_inputs
+    identical_grad_inputs: Callable[[Tensor, ReplicaGrouping], Tensor] = all_reduce_identical_grad_inputs
+    rope: Callable[[Tensor, Config], Tensor] = rope
+    cross_entropy: Callable[..., Tensor] = sharded_cross_entropy
+
+
+PUBLIC_OPS = TPOps()
+
+
 @dataclass(eq=False)
 class CausalLM(Layer):
     """Embedding, one decoder block, final norm, vocabulary-sharded LM head and loss; returns
@@ -294,7 +306,7 @@ class CausalLM(Layer):
         logits = self.sub(Linear, "lm_head", ("lm_head",), c.hidden, c.vocab, "col", gptj)(h)
         logits = ops.reshape(logits, (c.batch, c.seq, c.vocab // tp))
         shifted = ops.reshape(logits[:, :c.seq - 1], (c.batch * (c.seq - 1), c.vocab // tp))
-        loss = sharded_cross_entropy(shifted, ops.reshape(labels, (c.batch * (c.seq - 1),)), offset,
+        loss = f.cross_entropy(shifted, ops.reshape(labels, (c.batch * (c.seq - 1),)), offset,
                                      self.group, f)
         return loss, logits
 
@@ -333,7 +345,7 @@ class Program:
     state: Dict[str, np.ndarray]           # the HF model's initial weights
     replicas: int
     tp: int
-    tp_ops: TPOps = field(default=PUBLIC_OPS)
+    tp_ops: Optional[TPOps] = None
     adam: Adam = field(default_factory=Adam)
 
     def __post_init__(self) -> None:
@@ -347,6 +359,7 @@ class Program:
             fwd = ir.create_graph(model, popxl.TensorSpec((c.batch, c.seq), popxl.int32),
                                   popxl.TensorSpec((c.batch, c.seq - 1), popxl.int32),
                                   popxl.TensorSpec((), popxl.int32))
+            self.fwd = fwd
             self.weights = {k: w for k, (_, w) in weights.items()}
             ins = {k: t for k, (t, _) in weights.items()}
             bwd = popxl.transforms.autodiff(fwd, grads_provided=fwd.outputs[:1],

@@ -1,0 +1,50 @@
+"""The tensor-parallel ops of tests/helpers/tp_layers.py taken from popxl-addons, as Graphcore's
+popxl applications use them: ``replicated_all_reduce_identical_inputs`` /
+``_identical_grad_inputs`` (its ReplicatedAllReduceTP custom op), ``rotary_pos_embed`` with
+``trig_table_constants`` (GPT-J's interleaved rotation) and ``cross_entropy_sharded_loss``;
+their C++ ops run as this project's Python equivalents (``popart.custom_ops``)."""
+from __future__ import annotations
+
+import sys
+import types
+
+from popxl import ReplicaGrouping, Tensor
+
+from . import tp_layers
+from .tp_layers import Config, TPOps
+
+
+def _stub_mpi() -> None:
+    """popxl-addons imports ``mpi4py.MPI`` (only for a barrier between instances); without an
+    MPI library that import fails, so a single-process stand-in takes its place."""
+    try:
+        import mpi4py.MPI  # noqa: F401
+    except Exception:   # no mpi4py, or no libmpi for it
+        stub = types.ModuleType("mpi4py.MPI")
+        stub.COMM_WORLD = types.SimpleNamespace(Barrier=lambda: None, Get_rank=lambda: 0, Get_size=lambda: 1)
+        sys.modules["mpi4py.MPI"] = stub
+        if "mpi4py" in sys.modules:
+            sys.modules["mpi4py"].MPI = stub
+
+
+def addons_ops() -> TPOps:
+    """The TPOps of popxl-addons (ImportError when it cannot be imported)."""
+    _stub_mpi()
+    from popxl_addons.ops.cross_entropy_sharded_loss import cross_entropy_sharded_loss
+    from popxl_addons.ops.replicated_all_reduce_TP import (replicated_all_reduce_identical_grad_inputs,
+                                                           replicated_all_reduce_identical_inputs)
+    from popxl_addons.ops.rotary_pos_embed import rotary_pos_embed, trig_table_constants
+
+    def rope(t: Tensor, cfg: Config) -> Tensor:
+        """GPT-J's rotation by popxl-addons' op; LLaMA's half rotation has no addons op."""
+        if cfg.family != "gptj":
+            return tp_layers.rope(t, cfg)
+        sin, cos = trig_table_constants(cfg.seq, cfg.rotary_dim)
+        return rotary_pos_embed(t, sin, cos, cfg.rotary_dim)
+
+    def loss(logits: Tensor, labels: Tensor, offset: Tensor, group: ReplicaGrouping, _: TPOps) -> Tensor:
+        """cross_entropy_sharded_loss takes labels already shifted to this rank's classes."""
+        return cross_entropy_sharded_loss(logits, labels - offset, replica_grouping=group)
+
+    return TPOps(lambda x, g: replicated_all_reduce_identical_inputs(x, "add", g),
+                 lambda x, g: replicated_all_reduce_identical_grad_inputs(x, "add", g), rope, loss)
