@@ -409,3 +409,46 @@ def test_anchored_probability_gradient_survives_softmax_nll_fusion():
     probs, onehot = e / e.sum(1, keepdims=True), np.eye(4, dtype=F32)[lab]
     np.testing.assert_allclose(a[GRAD + p], -onehot / probs / 3, rtol=1e-5)
     np.testing.assert_allclose(a[GRAD + logits], (probs - onehot) / 3, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- Resize
+def test_resize_pytorch_half_pixel_tests_the_unfloored_length():
+    """popx/op/resizex.cpp:93-99: pytorch_half_pixel takes (i + 0.5) / scale - 0.5 while
+    inputSize * scale > 1, unfloored: 3 * 0.5 = 1.5 gives one output at coordinate 0.5
+    (linear: the mean of x0 and x1); ONNX Runtime tests the output length, 1, and takes
+    coordinate 0."""
+    ort = pytest.importorskip("onnxruntime")
+    x = np.array([10, 20, 30], F32).reshape(1, 1, 1, 3)
+    nodes = [node("Resize", ["x", "", "sc"], ["y"], mode="linear",
+                  coordinate_transformation_mode="pytorch_half_pixel")]
+    m = model(nodes, {"x": x}, ["y"], opset=13, consts=[("sc", np.array([1, 1, 1, 0.5], F32))])
+    (y,) = infer(m, {"x": x}, ["y"])
+    np.testing.assert_array_equal(y.reshape(-1), [15])
+    m.graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {"x": x})[0].reshape(-1).tolist() == [10]
+
+
+def test_resize10_reads_nearest_mode():
+    """resize.cpp:300-311: Resize-10 reads nearest_mode (default "pytorch": floor(i / scale));
+    with "floor" and half_pixel coordinates floor((i + 0.5) / 1.5 - 0.5), clamped."""
+    x = np.arange(4, dtype=F32).reshape(1, 1, 1, 4)
+    sc = [("sc", np.array([1, 1, 1, 1.5], F32))]
+    (y,) = run([node("Resize", ["x", "sc"], ["y"], mode="nearest", nearest_mode="floor")],
+               {"x": x}, ["y"], opset=10, consts=sc)
+    i = np.clip(np.floor((np.arange(6) + 0.5) / 1.5 - 0.5), 0, 3).astype(int)
+    np.testing.assert_array_equal(y.reshape(-1), x.reshape(-1)[i])
+    (y,) = run([node("Resize", ["x", "sc"], ["y"], mode="nearest")], {"x": x}, ["y"], opset=10,
+               consts=sc)
+    i = np.floor(np.arange(6, dtype=F32) / F32(1.5)).astype(int)
+    np.testing.assert_array_equal(y.reshape(-1), x.reshape(-1)[i])
+
+
+def test_resize_sizes_and_scales_both_given():   # resize.cpp:213
+    x = np.arange(4, dtype=F32).reshape(1, 1, 2, 2)
+    with pytest.raises(popart_exception) as e:
+        run([node("Resize", ["x", "r", "sc", "sz"], ["y"])], {"x": x}, ["y"],
+            consts=[("r", np.zeros(0, F32)), ("sc", np.array([1, 1, 2, 2], F32)),
+                    ("sz", np.array([1, 1, 4, 4]))])
+    assert e.value.args[0].startswith("Resize op has inputs for `sizes` and `scales`. Only one "
+                                      "of these tensors should be present.")
