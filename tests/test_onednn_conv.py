@@ -27,12 +27,12 @@ class Ctx:   # the LowerCtx services conv_nc reads
         return y_nhwc.transpose(0, 3, 1, 2)
 
 
-def torch_conv(x, w, stride, pad, dil, dy):
+def torch_conv(x, w, stride, pad, dil, dy, groups=1):
     """y and (dx, dw) for the cotangent dy by PyTorch; pad ((top, bottom), (left, right))."""
     tx, tw = (torch.from_numpy(a).requires_grad_() for a in (x, w))
     (pt, pb), (pl, pr) = pad
     y = torch.nn.functional.conv2d(torch.nn.functional.pad(tx, (pl, pr, pt, pb)), tw,
-                                   stride=stride, dilation=dil)
+                                   stride=stride, dilation=dil, groups=groups)
     y.backward(torch.from_numpy(dy))
     return y.detach().numpy(), tx.grad.numpy(), tw.grad.numpy()
 
@@ -107,7 +107,8 @@ def test_conv_lowering_dispatches_to_onednn_on_the_cpu_for_float32_only():
     class Gpu:
         platform = "cuda"
     assert not nn._use_onednn(Gpu(), x, w, (1, 1), (1, 1), (1, 1), 1)
-    assert not nn._use_onednn(Ctx(), x, w, (1, 1), (1, 1), (1, 1), 2)      # grouped
+    assert not nn._use_onednn(Ctx(), x, w, (1, 1), (2, 2), (1, 1), 1)      # input dilated
+    assert nn._use_onednn(Ctx(), x, w[:, :32], (1, 1), (1, 1), (1, 1), 2)  # grouped too
 
 
 def test_fallback_when_switched_off_logs_once_and_uses_xla(monkeypatch, caplog):

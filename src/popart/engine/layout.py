@@ -31,7 +31,7 @@ class ChannelsLast:
 
     def keep(self, y_nhwc: Any) -> Any:
         """The NCHW value of ``y_nhwc`` (N, H, W, C), remembered with it."""
-        y = y_nhwc.transpose(TO_FIRST)
+        y = permute(y_nhwc, TO_FIRST)
         self._twins[id(y)] = (y, y_nhwc)
         return y
 
@@ -40,7 +40,7 @@ class ChannelsLast:
         so that every consumer shares it."""
         t = self.twin(x)
         if t is None:
-            t = x.transpose(TO_LAST)
+            t = permute(x, TO_LAST)
             self._twins[id(x)] = (x, t)
         return t
 
@@ -64,4 +64,14 @@ class ChannelsLast:
         if len(shape) == 4 and not isinstance(x, (np.ndarray, np.generic)):
             return self.to_last(x)
         xp = np if isinstance(x, (np.ndarray, np.generic)) else jnp
-        return xp.reshape(x, (1,) * (4 - len(shape)) + tuple(shape)).transpose(TO_LAST)
+        return permute(xp.reshape(x, (1,) * (4 - len(shape)) + tuple(shape)), TO_LAST)
+
+
+def permute(x: Any, perm: Sequence[int]) -> Any:
+    """``x.transpose(perm)``, as a reshape where the permutation only moves axes of size 1
+    (squeeze-and-excitation's N, C, 1, 1 scales; pooled N, 1, 1, C): no data moves."""
+    shape = np.shape(x)
+    moved = [a for a in perm if shape[a] != 1]
+    if moved == sorted(moved):
+        return x.reshape([shape[a] for a in perm])
+    return x.transpose(perm)

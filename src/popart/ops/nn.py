@@ -19,8 +19,8 @@ HIGHEST = lax.Precision.HIGHEST
 def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
     """ONNX's channels-first convolution (x: N,C,*sp; w: O,I,*k).
 
-    On the CPU, float32 2D ungrouped convolutions are oneDNN custom calls where the library
-    is built (``_use_onednn``, docs/performance.md); else matmuls over patches
+    On the CPU, float32 2D convolutions (grouped and depthwise too) are oneDNN custom calls
+    where the library is built (``_use_onednn``, docs/performance.md); else matmuls over patches
     (``conv_patches``) where that applies. Otherwise as an
     XLA convolution on channels-last operands: XLA's CPU convolutions are several times faster
     so, and its layout pass cannot pick that layout for weights carried through the step
@@ -35,9 +35,10 @@ def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilati
         x_last = ctx.channels_last(x)
         if x_last is None:
             if not onednn.channels_last(x.shape, w.shape):
-                return onednn.conv2d(x, w, strides, padding, rhs_dilation, False)
+                return onednn.conv2d(x, w, strides, padding, rhs_dilation, False, groups)
             x_last = ctx.channels_last(x, transpose=True)
-        return ctx.keep_channels_last(onednn.conv2d(x_last, w, strides, padding, rhs_dilation, True))
+        return ctx.keep_channels_last(onednn.conv2d(x_last, w, strides, padding, rhs_dilation, True,
+                                                    groups))
     if ctx.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
     y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,
@@ -61,9 +62,9 @@ def onednn_off():
 
 
 def _use_onednn(ctx: LowerCtx, x, w, strides, lhs_dilation, rhs_dilation, groups) -> bool:
-    return (_ONEDNN_ON[0] and ctx.platform == "cpu" and x.ndim == 4 and groups == 1
-            and x.dtype == np.float32 and all(d == 1 for d in lhs_dilation)
-            and onednn.prefers(x.shape, w.shape, strides, rhs_dilation) and onednn.available())
+    return (_ONEDNN_ON[0] and ctx.platform == "cpu" and x.ndim == 4 and x.dtype == np.float32
+            and all(d == 1 for d in lhs_dilation)
+            and onednn.prefers(x.shape, w.shape, strides, rhs_dilation, groups) and onednn.available())
 # ---- end of the oneDNN dispatch ----
 
 

@@ -122,16 +122,17 @@ def _call(kind: int, a, b, out_shape: Sequence[int], geom: Sequence[int], nhwc: 
     return call(a, b, geom=np.array([kind, int(nhwc), *geom], np.int64))
 
 
-def _geom(strides, padding, dilation) -> tuple:
+def _geom(strides, padding, dilation, groups) -> tuple:
     (pt, pb), (pl, pr) = padding
-    return (*strides, pt, pl, pb, pr, *dilation)
+    return (*strides, pt, pl, pb, pr, *dilation, groups)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def conv2d(x, w, strides: tuple, padding: tuple, dilation: tuple, nhwc: bool):
-    """2D float32 convolution by oneDNN: x NHWC (``nhwc``) or NCHW, w OIHW (ONNX's), y in x's
-    layout; ``padding`` ((top, bottom), (left, right)), ``dilation`` 1 for none."""
-    return _fwd(x, w, strides, padding, dilation, nhwc)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def conv2d(x, w, strides: tuple, padding: tuple, dilation: tuple, nhwc: bool, groups: int = 1):
+    """2D float32 convolution by oneDNN: x NHWC (``nhwc``) or NCHW, w OIHW (ONNX's: O x C/groups
+    x KH x KW), y in x's layout; ``padding`` ((top, bottom), (left, right)), ``dilation`` 1 for
+    none, ``groups`` as ONNX's ``group`` (depthwise: the channels)."""
+    return _fwd(x, w, strides, padding, dilation, nhwc, groups)[0]
 
 
 def _out_shape(x, w, strides, padding, dilation, nhwc):
@@ -142,15 +143,15 @@ def _out_shape(x, w, strides, padding, dilation, nhwc):
     return (n, *out, o) if nhwc else (n, o, *out)
 
 
-def _fwd(x, w, strides, padding, dilation, nhwc):
+def _fwd(x, w, strides, padding, dilation, nhwc, groups=1):
     y = _call(FORWARD, x, w, _out_shape(x, w, strides, padding, dilation, nhwc),
-              _geom(strides, padding, dilation), nhwc)
+              _geom(strides, padding, dilation, groups), nhwc)
     return y, (x, w)
 
 
-def _bwd(strides, padding, dilation, nhwc, res, dy):
+def _bwd(strides, padding, dilation, nhwc, groups, res, dy):
     x, w = res
-    geom = _geom(strides, padding, dilation)
+    geom = _geom(strides, padding, dilation, groups)
     dx = _call(BACKWARD_DATA, dy, w, x.shape, geom, nhwc)
     dw = _call(BACKWARD_WEIGHTS, x, dy, w.shape, geom, nhwc)
     return dx, dw
@@ -168,16 +169,18 @@ def channels_last(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
-            dilation: Sequence[int]) -> bool:
+            dilation: Sequence[int], groups: int = 1) -> bool:
     """Whether a 2D convolution of this shape (x NCHW, w OIHW) runs faster through oneDNN
     than through XLA on the CPU, decided at trace time. Measured (``bench/conv_onednn.py``,
     docs/performance.md): forward + gradients, oneDNN is ahead of popart's XLA lowering on
     every ResNet-18 shape (3x3 of 3 to 512 channels, 1x1, stride 1 and 2; 1.05-12x with one
-    thread and two), so no shape is kept on XLA: the rules of ``_XLA_SHAPES`` are empty."""
-    return not any(rule(x_shape, w_shape, strides, dilation) for rule in _XLA_SHAPES)
+    thread and two) and on every depthwise and grouped shape of MobileNetV3, EfficientNet-B0,
+    ConvNeXt-T, RegNetY-400MF and ShuffleNetV2 (8-900x: XLA's grouped convolutions and their
+    gradients run at 0.1-1.3 GFLOP/s), so no shape is kept on XLA: ``_XLA_SHAPES`` is empty."""
+    return not any(rule(x_shape, w_shape, strides, dilation, groups) for rule in _XLA_SHAPES)
 
 
-# Predicates (x_shape, w_shape, strides, dilation) -> True for shapes that stay on XLA's
+# Predicates (x_shape, w_shape, strides, dilation, groups) -> True for shapes that stay on XLA's
 # convolution; add one where a measurement shows XLA ahead.
 _XLA_SHAPES: list = []
 

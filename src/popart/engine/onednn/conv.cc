@@ -2,8 +2,9 @@
 //
 // One handler, three directions (attribute geom[0]): 0 forward y = conv(x, w); 1 backward data
 // dx from (dy, w); 2 backward weights dw from (x, dy). Activations (x, y, dx, dy) are NHWC when
-// geom[1] is 1, NCHW when 0; weights are always ONNX's OIHW. geom[2..9]: stride h, w; pad top,
-// left, bottom, right; dilation h, w (1 = none). Operands may carry extra leading (vmap) dims:
+// geom[1] is 1, NCHW when 0; weights are always ONNX's OIHW, O x C/G x KH x KW for G groups
+// (the same bytes as oneDNN's goihw). geom[2..9]: stride h, w; pad top, left, bottom, right;
+// dilation h, w (1 = none); geom[10]: groups G (depthwise: G = C). Operands may carry extra leading (vmap) dims:
 // each has either the result's leading dims or all of them 1 (shared). Primitives are made once
 // per shape and cached; weights are reordered to the primitive's blocked format on each call.
 #include <cstdint>
@@ -42,20 +43,24 @@ std::mutex plans_mu;
 std::map<Key, std::shared_ptr<Plan>> plans;
 
 std::shared_ptr<Plan> make_plan(const Key& k) {
-  // k: kind, nhwc, N, C, H, W, O, KH, KW, OH, OW, sh, sw, pt, pl, pb, pr, dh, dw
+  // k: kind, nhwc, N, C, H, W, O, KH, KW, OH, OW, sh, sw, pt, pl, pb, pr, dh, dw, G
   const int kind = k[0];
+  const int64_t g = k[19];
   const tag act = k[1] ? tag::nhwc : tag::nchw;
   const auto f32 = memory::data_type::f32;
   memory::desc src({k[2], k[3], k[4], k[5]}, f32, act);
   memory::desc dst({k[2], k[6], k[9], k[10]}, f32, act);
-  memory::desc w_any({k[6], k[3], k[7], k[8]}, f32, tag::any);
+  // Grouped weights are 5-D (G, O/G, C/G, KH, KW); ONNX's OIHW bytes are goihw.
+  const memory::dims wdims = g == 1 ? memory::dims{k[6], k[3], k[7], k[8]}
+                                    : memory::dims{g, k[6] / g, k[3] / g, k[7], k[8]};
+  memory::desc w_any(wdims, f32, tag::any);
   memory::dims strides{k[11], k[12]}, pl{k[13], k[14]}, pr{k[15], k[16]};
   memory::dims dil{k[17] - 1, k[18] - 1};
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   const auto algo = dnnl::algorithm::convolution_direct;
   auto plan = std::make_shared<Plan>();
-  plan->w_user = memory::desc({k[6], k[3], k[7], k[8]}, f32, tag::oihw);
+  plan->w_user = memory::desc(wdims, f32, g == 1 ? tag::oihw : tag::goihw);
   auto fwd = dnnl::convolution_forward::primitive_desc(
       cpu(), dnnl::prop_kind::forward_training, algo, src, w_any, dst, strides, dil, pl, pr, attr);
   memory::desc scratch;
@@ -115,8 +120,8 @@ int64_t lead(ffi::Span<const int64_t> d) {  // product of the dims before the la
 
 ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> out,
                 ffi::Span<const int64_t> geom) {
-  if (geom.size() != 10) return ffi::Error::InvalidArgument("geom needs 10 values");
-  const int64_t kind = geom[0], nhwc = geom[1];
+  if (geom.size() != 11) return ffi::Error::InvalidArgument("geom needs 11 values");
+  const int64_t kind = geom[0], nhwc = geom[1], G = geom[10];
   // The operands' roles: activations x / dy, weights w (OIHW), by direction.
   auto da = a.dimensions(), db = b.dimensions(), dr = out->dimensions();
   if (da.size() < 4 || db.size() < 4 || dr.size() < 4)
@@ -132,7 +137,7 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuf
   int64_t N, C, H, W, O, KH, KW, OH, OW, t;
   auto weights = [&](ffi::Span<const int64_t> d) {
     size_t r = d.size() - 4;
-    O = d[r], C = d[r + 1], KH = d[r + 2], KW = d[r + 3];
+    O = d[r], C = d[r + 1] * G, KH = d[r + 2], KW = d[r + 3];
   };
   if (kind == 0) sp(da, N, C, H, W), weights(db), sp(dr, t, t, OH, OW);
   else if (kind == 1) sp(da, N, t, OH, OW), weights(db), sp(dr, t, t, H, W);
