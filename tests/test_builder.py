@@ -233,7 +233,7 @@ def test_annotation_context_managers_and_setters():
     assert b.getStringNodeAttribute("__serialize_matmul_mode", o5) == "output_channels"
     assert b.getInt64NodeAttribute("__serialize_matmul_factor", o5) == 4
     assert b.getStringVectorNodeAttribute("__inplace_op_names", o5) == ["ReluInplace"]
-    with pytest.raises(popart_exception, match="No virtualGraph"):
+    with pytest.raises(popart_exception, match="Virtual graph not set in current scope"):
         b.getVirtualGraph()
     with b.recomputeOutput(RecomputeType.Checkpoint):
         o6 = b.aiOnnx.relu([o5])

@@ -144,7 +144,7 @@ def test_acquire_by_id(dm):
     assert "attached" in "".join(e.value.__notes__)
     assert dm.tryAcquireDeviceById(ids[0]) is None
     for acquire in (dm.acquireDeviceById, dm.tryAcquireDeviceById):   # Poplar's getDevice
-        with pytest.raises(poplar_exception, match="No device with id 100000"):
+        with pytest.raises(poplar_exception, match="No such device set id: .100000."):
             acquire(100000)
 
 

@@ -272,7 +272,7 @@ def test_convert_initializers_to_constants():
     assert np.array_equal(numpy_helper.to_array(first.attribute[0].t), w)
     (r,) = _ort(out, {"x": x})
     np.testing.assert_array_equal(r, ref)
-    with pytest.raises(popart.popart_exception, match="'nope' is not an initializer"):
+    with pytest.raises(popart.popart_exception, match="TensorId nope not in the model initalizers"):
         gt.convertInitializersToConstants(["shape", "nope"])
     assert [t.name for t in _load(gt).graph.initializer] == ["shape"]   # unchanged
     with pytest.raises(popart.popart_exception, match="tensor ids"):

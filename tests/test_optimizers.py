@@ -416,10 +416,10 @@ def test_unknown_key_names_key_and_lists_valid_ones():
         Adaptive(beta1=0.9)
 
 
-@pytest.mark.parametrize("bad,match", [({"defaultLearningRate": (-0.1, False)}, "learningRate"),
-                                       ({"defaultLearningRate": (0.0, True)}, "learningRate"),
+@pytest.mark.parametrize("bad,match", [({"defaultLearningRate": (-0.1, False)}, "learning rate"),
+                                       ({"defaultLearningRate": (0.0, True)}, "zero learning rate"),
                                        ({"defaultVelocityScaling": (0.0, True)}, "velocity"),
-                                       ({"defaultMomentum": -0.5}, "momentum must be >= 0")])
+                                       ({"defaultMomentum": -0.5}, r"Negative momentum \(-0.5\) in SGD")])
 def test_invalid_values_raise(bad, match):
     with pytest.raises(OptimizerError, match=match):
         SGD(bad)

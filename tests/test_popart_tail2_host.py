@@ -283,3 +283,92 @@ def test_engine_cache_false_hit_is_ignored(tmp_path, session_log):
     assert ("session", "warning", "Cache file hash did not match the IR hash, ignoring false "
                                   "cache hit.") in log
     assert ("devicex", "info", "Starting compilation") in log
+
+
+# ------------------------------------------------------------------ messages
+def _error(fn):
+    """(class, args[0], notes) of what ``fn()`` raises."""
+    with pytest.raises(popart.popart_exception) as e:
+        fn()
+    return type(e.value), e.value.args[0], getattr(e.value, "__notes__", [])
+
+
+@pytest.mark.parametrize("method,text", [("getPipelineStage", "Pipeline stage"),
+                                         ("getExecutionPhase", "Execution phase"),
+                                         ("getVirtualGraph", "Virtual graph")])
+def test_builder_scope_getters_without_a_scope(method, text):
+    """builder.cpp Builder::getPipelineStage / getExecutionPhase / getVirtualGraph."""
+    _, msg, notes = _error(getattr(popart.Builder(), method))
+    assert msg == f"{text} not set in current scope." and notes
+
+
+def test_convert_initializers_to_constants_names_the_missing_id():
+    """graphtransformer_impl.cpp convertInitializersToConstants (PopART's spelling)."""
+    b = popart.Builder()
+    b.addInitializedInputTensor(np.ones(2, np.float32), "w")
+    g = popart.GraphTransformer(b.getModelProto())
+    assert _error(lambda: g.convertInitializersToConstants(["w", "nope"]))[1] == \
+        "TensorId nope not in the model initalizers"
+
+
+@pytest.mark.parametrize("values,text", [
+    ({"defaultLearningRate": (-0.5, False)},
+     "Negative learning rate (-0.5) in SGD, bailing as this might be a user error."),
+    ({"defaultLearningRate": (0.0, True)},
+     "Constant, zero learning rate in SGD, bailing as this might be a user error."),
+    ({"defaultWeightDecay": (-1.0, True)},
+     "Negative weight decay (-1) in SGD, bailing as this might be a user error"),
+    ({"defaultDampening": (-0.25, True)},
+     "Negative dampening (-0.25) in SGD, bailing as this might be a user error"),
+    ({"defaultVelocityScaling": (0.0, True)},
+     "Non-positive velocity scaling (0) in SGD is not supported")])
+def test_sgd_value_checks(values, text):
+    """sgd.cpp SGD::runValueChecks; a non-const zero learning rate is allowed."""
+    assert _error(lambda: popart.SGD(values))[1] == text
+    popart.SGD({"defaultLearningRate": (0.0, False)})
+
+
+def test_adam_value_checks():
+    """adam.cpp Adam::runValueChecks."""
+    assert _error(lambda: popart.Adam({"defaultBeta2": (-0.1, True)}))[1] == \
+        "Negative beta2 (-0.1) in Adam, bailing as this might be a user error"
+    assert _error(lambda: popart.Adam({"defaultEps": (0.0, True)}))[1] == \
+        "Non-positive eps (0) in Adam is not supported"
+
+
+@pytest.mark.parametrize("model,shown", [
+    (b"\x08\x01{not a 'model'}\n", r"\x08\x01{{not a \'model\'}}\n"),
+    ("missing.onnx", "missing.onnx"),
+    (b"\xff" * 120, r"\xff" * 101 + "...")])
+def test_a_string_that_is_no_model(model, shown):
+    """filereader.cpp getModelFromString, the string as formatModelProtoString shows it."""
+    cls, msg, notes = _error(lambda: popart.InferenceSession(model, popart.DataFlow(1, ["y"]),
+                                                             CPU()))
+    assert msg == (f"Failed to load a ModelProto from the string '{shown}'.\nCheck that it is "
+                   f"either a valid path to an existing onnx model file, or is a valid onnx "
+                   f"ModelProto string.") and notes
+
+
+def test_device_id_that_does_not_exist():
+    """Poplar's text for an id no device has (PopART's acquireDeviceById passes it on)."""
+    cls, msg, notes = _error(lambda: popart.DeviceManager().acquireDeviceById(100000))
+    assert issubclass(cls, popart.poplar_exception)
+    assert msg == "No such device set id: '100000'" and notes
+
+
+def test_session_without_a_device():
+    """session.cpp createFromOnnxModel: checked before the model is read."""
+    _, msg, notes = _error(lambda: popart.InferenceSession(b"junk", popart.DataFlow(1, ["y"]),
+                                                           None))
+    assert msg == "Must pass a valid deviceInfo to InferenceSession::createFromOnnxModel" and notes
+
+
+def test_weights_to_host_before_prepare_device():
+    """devicex.cpp Devicex::weightsToHost, as a popart runtime error."""
+    b, x, w, loss = _l1_model()
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                               popart.ConstSGD(0.5), CPU())
+    cls, msg, notes = _error(s.weightsToHost)
+    assert issubclass(cls, popart.popart_runtime_error) and notes
+    assert msg == ("Devicex::prepare() must be called before Devicex::weightsToHost(const "
+                   "std::map<TensorId, MutableVoidData> &) is called.")

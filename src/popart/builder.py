@@ -621,6 +621,11 @@ class _Model:
         self.node_count = 0                    # nodes added (their __debug_info_id)
 
 
+# What Builder::getVirtualGraph / getPipelineStage / getExecutionPhase call their attribute
+_SCOPE_NAMES = {"virtualGraph": "Virtual graph", "pipelineStage": "Pipeline stage",
+                "executionPhase": "Execution phase"}
+
+
 class Builder:
     """Build an ONNX model: inputs, weights, ops (``aiOnnx``, ``aiGraphcore``), outputs and
     PopART's annotations. ``Builder(model)`` extends an existing model (file path, bytes or
@@ -1357,9 +1362,10 @@ class Builder:
     def _context_value(self, attr: str, nodeOutputNames: Any, what: str) -> int:
         if nodeOutputNames is not None:
             return self.getInt64NodeAttribute(attr, nodeOutputNames)
-        if attr not in self._context:
-            raise popart_exception(f"No {what} is set: call it inside a 'with builder.{what}(n)' "
-                                   f"block or pass node output names")
+        if attr not in self._context:   # Builder::get<what>'s text (builder.cpp)
+            raise noted(popart_exception(f"{_SCOPE_NAMES[what]} not set in current scope."),
+                        f"call get{what[0].upper()}{what[1:]} inside a 'with builder.{what}(n)' "
+                        f"block, or pass node output names")
         return self._context[attr][-1]
 
     def getVirtualGraph(self, nodeOutputNames: Any = None) -> int:

@@ -353,8 +353,9 @@ class DeviceManager:
                                "createOfflineIPUDevice")
         groups = _device_groups()
         if not 0 <= id < len(groups):
-            raise poplar_exception(f"No device with id {id}: valid ids are 0 to "
-                                   f"{len(groups) - 1} (see DeviceManager.enumerateDevices)")
+            raise noted(poplar_exception(f"No such device set id: '{id}'"),   # Poplar's text
+                        f"valid device ids are 0 to {len(groups) - 1} (see "
+                        f"DeviceManager.enumerateDevices)")
         device = self._hardware(id, groups[id], pattern, connectionType, 0)
         if any(i in _ATTACHED for i in device.ipus):
             return None

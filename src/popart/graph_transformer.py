@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, numpy_helper
 
-from .errors import ModelError, popart_exception
+from .errors import ModelError, noted, popart_exception
 from ._ir.onnx_import import for_checker, load_model, save_initializers_externally, tensor_to_numpy
 
 __all__ = ["GraphTransformer"]
@@ -237,11 +237,11 @@ class GraphTransformer:
             graph = model.graph
             inits = {t.name: t for t in graph.initializer}
             missing = [i for i in ids if i not in inits]
-            if missing:
-                raise popart_exception(
-                    f"convertInitializersToConstants: {', '.join(repr(m) for m in missing)} "
-                    f"{'is not an initializer' if len(missing) == 1 else 'are not initializers'}"
-                    f" of the model (its initializers: {sorted(inits)[:20]})")
+            if missing:   # PopART's text (graphtransformer_impl.cpp), its first missing id
+                raise noted(popart_exception(f"TensorId {missing[0]} not in the model "
+                                             f"initalizers"),
+                            f"convertInitializersToConstants: not initializers: {missing}; the "
+                            f"model's initializers: {sorted(inits)[:20]}")
             constants = []
             for i in ids:
                 value = copy.deepcopy(inits[i])

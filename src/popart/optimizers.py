@@ -85,6 +85,19 @@ class OptimizerValueMap:
         return dict(self._specifics)
 
 
+# PopART's names of the hyper-parameters in runValueChecks' messages
+_VALUE_PHRASES = {"learningRate": "learning rate", "weightDecay": "weight decay",
+                  "momentum": "momentum", "dampening": "dampening", "beta1": "beta1",
+                  "beta2": "beta2", "alpha": "alpha", "eps": "eps",
+                  "velocityScaling": "velocity scaling"}
+
+
+def _fmt(x: float) -> str:
+    """A float32 value as fmt's ``{}`` prints it (-1.0 -> '-1', 0.1 -> '0.1')."""
+    text = str(np.float32(x))
+    return text[:-2] if text.endswith(".0") else text
+
+
 class ClipNormSettings:
     """Clip a group's gradients so that their global L2 norm is at most ``maxNorm``."""
 
@@ -210,13 +223,23 @@ class Optimizer:
 
     # ---------------------------------------------------------------- PopART's Python API
     def _value(self, name: str, v: Any) -> OptimizerValue:
+        """``v`` as an OptimizerValue, checked as PopART's ``runValueChecks`` (sgd.cpp,
+        adam.cpp, adaptive.cpp: their texts, the package's for other names)."""
         ov = OptimizerValue(v)
-        x = ov.val()
+        x, t = ov.val(), self.type_name()
         positive = name in ("eps", "velocityScaling", "lossScaling")
-        if x < 0 or (positive and x == 0) or (name == "learningRate" and x == 0 and ov.isConst()):
-            need = "> 0" if positive or name == "learningRate" else ">= 0"
-            raise OptimizerError(f"{self.type_name()}: {name} must be {need}, got {ov}")
-        return ov
+        if not (x < 0 or (positive and x == 0) or (name == "learningRate" and x == 0 and ov.isConst())):
+            return ov
+        phrase = _VALUE_PHRASES.get(name)
+        if phrase is None:
+            raise OptimizerError(f"{t}: {name} must be {'> 0' if positive else '>= 0'}, got {ov}")
+        if positive:
+            raise OptimizerError(f"Non-positive {phrase} ({_fmt(x)}) in {t} is not supported")
+        if x == 0:
+            raise OptimizerError(f"Constant, zero learning rate in {t}, bailing as this might be "
+                                 f"a user error.")
+        raise OptimizerError(f"Negative {phrase} ({_fmt(x)}) in {t}, bailing as this might be a "
+                             f"user error" + ("." if name == "learningRate" else ""))
 
     def insertSpecific(self, weightId: str, values: Mapping[str, Any]) -> None:
         """Give weight ``weightId`` its own values, e.g. ``{"learningRate": (0.01, False)}``;

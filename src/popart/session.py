@@ -236,9 +236,10 @@ class _Session(_FileMethods):
                  userOptions: Optional[SessionOptions] = None, name: str = "session",
                  loss: Optional[str] = None, optimizer: Any = None) -> None:
         if deviceInfo is None:
-            raise popart_exception(f"Must pass a valid deviceInfo to {type(self).__name__}::"
-                                   f"createFromOnnxModel (no device given: pass deviceInfo, for "
-                                   f"example popart.DeviceManager().createCpuDevice())")
+            raise noted(popart_exception(f"Must pass a valid deviceInfo to "
+                                         f"{type(self).__name__}::createFromOnnxModel"),
+                        "no device given: pass deviceInfo, for example "
+                        "popart.DeviceManager().createCpuDevice()")
         if not isinstance(dataFlow, _df.DataFlow):
             raise ArgumentError(f"dataFlow must be a popart.DataFlow, got "
                                 f"{type(dataFlow).__name__}")

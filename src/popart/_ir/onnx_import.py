@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..errors import ModelError, UnsupportedOperatorError, popart_exception
+from ..errors import ModelError, UnsupportedOperatorError, noted, popart_exception
 from ..fileio import atomic_patch, is_own_file, note_own_file, read_exact, unpack_popart_data
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, canonical_domain, decode_attr
 from ..tensorinfo import TensorInfo, to_datatype
@@ -20,6 +20,22 @@ from .graph import Graph, Node
 
 ModelLike = Union[str, bytes, onnx.ModelProto, os.PathLike]
 MIN_ONNX_OPSET = 1   # PopART started at 6; older models import too
+
+
+# formatModelProtoString's escapes (filereader.cpp); other bytes outside ' '..'~' as \xHH
+_PROTO_STRING_ESCAPES = {ord("{"): "{{", ord("}"): "}}", ord("\\"): "\\\\", ord("'"): "\\'",
+                         ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r"}
+
+
+def _not_a_model(data: bytes, note: str) -> ModelError:
+    """PopART's error for a model string that is neither a file nor a ModelProto
+    (filereader.cpp getModelFromString), the string as formatModelProtoString shows it: its
+    first 101 bytes, escaped, then "..."."""
+    shown = "".join(_PROTO_STRING_ESCAPES.get(c, chr(c) if 32 <= c <= 126 else f"\\x{c:02x}")
+                    for c in data[:101]) + ("..." if len(data) > 100 else "")
+    return noted(ModelError(f"Failed to load a ModelProto from the string '{shown}'.\nCheck "
+                            f"that it is either a valid path to an existing onnx model file, or "
+                            f"is a valid onnx ModelProto string."), note)
 
 
 def load_model(model: ModelLike) -> tuple[onnx.ModelProto, Optional[str]]:
@@ -32,13 +48,15 @@ def load_model(model: ModelLike) -> tuple[onnx.ModelProto, Optional[str]]:
         try:
             proto.ParseFromString(bytes(model))
         except Exception as e:
-            raise ModelError(f"Could not parse the given bytes as an ONNX ModelProto: {e}") from None
+            raise _not_a_model(bytes(model), f"the bytes do not parse as an ONNX ModelProto: "
+                                             f"{e}") from None
         return proto, None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isfile(path):
-            raise ModelError(f"ONNX model file '{path}' does not exist (expected a path to an "
-                             f".onnx file, serialized ModelProto bytes or a ModelProto)")
+            raise _not_a_model(os.fsencode(path), f"file '{path}' does not exist (expected a "
+                                                  f"path to an .onnx file, serialized ModelProto "
+                                                  f"bytes or a ModelProto)")
         try:
             proto = onnx.load(path, load_external_data=False)
         except Exception as e:
