@@ -452,3 +452,27 @@ def test_resize_sizes_and_scales_both_given():   # resize.cpp:213
                     ("sz", np.array([1, 1, 4, 4]))])
     assert e.value.args[0].startswith("Resize op has inputs for `sizes` and `scales`. Only one "
                                       "of these tensors should be present.")
+
+
+# ---------------------------------------------------------------- ArgMax's INT32
+def test_argmax_int32_only_where_no_op_reads_it():
+    """PopART's ArgExtremaOp gives INT32; the graph torch's exporter writes for CLIP's text
+    model (ArgMax -> Unsqueeze -> Concat with an INT64 Range -> GatherND), valid ONNX, runs:
+    an ArgMax that ops read is ONNX's INT64, one only anchored is PopART's INT32."""
+    rng = np.random.default_rng(1)
+    ids, hidden = rng.integers(0, 50, (3, 5)), rng.standard_normal((3, 5, 4), dtype=F32)
+    nodes = [node("ArgMax", ["ids"], ["am"], axis=-1, keepdims=0),
+             node("ArgMax", ["ids"], ["am_out"], axis=-1, keepdims=0),
+             node("Range", ["zero", "three", "one"], ["rows"]),
+             node("Unsqueeze", ["rows", "ax1"], ["rows1"]),
+             node("Unsqueeze", ["am", "ax1"], ["am1"]),
+             node("Concat", ["rows1", "am1"], ["idx"], axis=1),
+             node("GatherND", ["h", "idx"], ["y"])]
+    consts = [("zero", np.array(0)), ("three", np.array(3)), ("one", np.array(1)),
+              ("ax1", np.array([1]))]
+    feeds = {"ids": ids, "h": hidden}
+    m = model(nodes, feeds, ["y", "am_out"], opset=13, consts=consts)
+    y, am_out = infer(m, feeds, ["y", "am_out"])
+    np.testing.assert_array_equal(y, hidden[np.arange(3), ids.argmax(-1)])
+    assert am_out.dtype == np.int32
+    np.testing.assert_array_equal(am_out, ids.argmax(-1))

@@ -103,6 +103,7 @@ class TraceState:
     rng_draws: int = 0
     scope_names: dict = field(default_factory=dict)  # id(node) -> its name in the program
     layout: ChannelsLast = field(default_factory=ChannelsLast)  # NHWC twins of NCHW values
+    graph_reads: dict = field(default_factory=dict)  # id(graph) -> what its nodes read
 
     def footprint(self) -> tuple:
         """What a node with side effects changes (random draws, variable updates, run-time
@@ -124,8 +125,10 @@ class TraceState:
 class NodeCtx:
     """The :class:`popart.ops.registry.LowerCtx` of one node."""
 
-    def __init__(self, node: Node, version: int, env: Mapping[str, Any], state: TraceState):
+    def __init__(self, node: Node, version: int, env: Mapping[str, Any], state: TraceState,
+                 graph: Optional[Graph] = None):
         self.node, self.version, self._env, self._state = node, version, env, state
+        self._graph = graph
         self.op_type, self.domain, self.name = node.op_type, node.domain, node.name
         self.output_ids = node.outputs
         self.input_ids = node.inputs
@@ -139,6 +142,16 @@ class NodeCtx:
 
     def rng(self) -> Any:
         return self._state.next_key()
+
+    @property
+    def consumed(self) -> bool:
+        if self._graph is None:
+            return True
+        read = self._state.graph_reads.get(id(self._graph))
+        if read is None:
+            read = self._state.graph_reads[id(self._graph)] = {
+                t for n in self._graph.nodes for t in reads(n)}
+        return any(o in read for o in self.output_ids if o)
 
     def static(self, x: Any, what: str) -> np.ndarray:
         if x is None:
@@ -464,7 +477,7 @@ def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceSta
     if node.domain == ONNX_DOMAIN:
         _check_signature(node, graph, version, inputs)
     _check_setup(node, graph, version, inputs)
-    ctx = NodeCtx(node, version, env, state)
+    ctx = NodeCtx(node, version, env, state, graph)
     name = node_scope_name(node, graph, state.scope_names)
     scope = jax.named_scope(name) if name else contextlib.nullcontext()
     has_body = any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))

@@ -121,7 +121,10 @@ def _arg(fn):
             i = x.shape[ax] - 1 - fn(jnp.flip(x, ax), axis=ax, keepdims=bool(keepdims))
         else:
             i = fn(x, axis=ax, keepdims=bool(keepdims))
-        return i.astype(I64 if onnx_semantics(ctx) else jnp.int32)   # PopART's ArgExtremaOp: INT32
+        # PopART's ArgExtremaOp gives INT32; applied where nothing reads the result but the
+        # user (an anchor), so that no consumer ONNX types as INT64 (Unsqueeze -> Concat with
+        # INT64 shapes, as exported models write) sees another type
+        return i.astype(I64 if onnx_semantics(ctx) or ctx.consumed else jnp.int32)
     return lower
 
 add("ArgMax", _arg(jnp.argmax))

@@ -40,6 +40,7 @@ class LowerCtx(Protocol):
     output_ids: list      # the node's output tensor ids
     input_ids: list       # the node's input tensor ids ("" for omitted optional inputs)
     training: bool        # True inside a TrainingSession's forward pass
+    consumed: bool        # a node of the graph (or of a graph it calls) reads an output
     replica_axis: Optional[str]   # vmap / shard_map axis name of replicas, or None
     replication_factor: int
     options: Any          # the session's SessionOptions (or None)
