@@ -476,3 +476,38 @@ def test_argmax_int32_only_where_no_op_reads_it():
     np.testing.assert_array_equal(y, hidden[np.arange(3), ids.argmax(-1)])
     assert am_out.dtype == np.int32
     np.testing.assert_array_equal(am_out, ids.argmax(-1))
+
+
+# ---------------------------------------------------------------- GroupNormalization
+def _group_norm_rule(x, scale, bias, groups, eps, strided):
+    """Group normalization; strided (poplibs' groupNormStridedChannelGrouping): group g holds
+    channels g, g + G, g + 2G, ..., else the block [g * C/G, (g + 1) * C/G)."""
+    n, c = x.shape[:2]
+    group_of = np.arange(c) % groups if strided else np.arange(c) // (c // groups)
+    y = np.empty_like(x)
+    for g in range(groups):
+        sel = group_of == g
+        v = x[:, sel]
+        m = v.mean(axis=tuple(range(1, v.ndim)), keepdims=True)
+        var = v.var(axis=tuple(range(1, v.ndim)), keepdims=True)
+        y[:, sel] = (v - m) / np.sqrt(var + eps)
+    sh = (1, c) + (1,) * (x.ndim - 2)
+    return y * scale.reshape(sh) + bias.reshape(sh)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_group_norm_strided_channel_grouping(strided):
+    x = np.random.default_rng(5).standard_normal((2, 6, 3), dtype=F32) * np.arange(1, 7, dtype=F32)[:, None]
+    scale, bias = np.linspace(0.5, 1.5, 6, dtype=F32), np.linspace(-1, 1, 6, dtype=F32)
+    b = popart.Builder()
+    xi = b.addInputTensor(popart.TensorInfo("FLOAT", list(x.shape)), "x")
+    y = b.aiGraphcore.groupnormalization([xi, b.aiOnnx.constant(scale), b.aiOnnx.constant(bias)],
+                                         2, 1e-5)[0]
+    opts = popart.SessionOptions()
+    opts.groupNormStridedChannelGrouping = strided
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU(), userOptions=opts)
+    s.prepareDevice()
+    a = s.initAnchorArrays()
+    s.run(popart.PyStepIO({xi: x}, a))
+    np.testing.assert_allclose(a[y], _group_norm_rule(x, scale, bias, 2, 1e-5, strided),
+                               rtol=1e-5, atol=1e-5)

@@ -259,8 +259,15 @@ def sequence_slice(ctx: LowerCtx, src, dst, n, src_off, dst_off, *, zeroUnused, 
 def group_normalization(ctx: LowerCtx, x, scale, bias, *, num_groups, epsilon, **_):
     """Outputs y, mean and inverse standard deviation, the last two of shape [N * groups].
     As PopART's GroupNormGradOp, only y is differentiated (the textbook gradient, which
-    autodiff gives): mean and inverse standard deviation pass no gradient back."""
-    y, m, inv = nn._group_norm(x, num_groups, epsilon)
+    autodiff gives): mean and inverse standard deviation pass no gradient back. With the
+    session option ``groupNormStridedChannelGrouping`` (poplibs' strided grouping) group g
+    holds the channels c with c % num_groups == g instead of a block of neighbours."""
+    strided = bool(getattr(ctx.options, "groupNormStridedChannelGrouping", False))
+    c = x.shape[1]
+    perm = np.arange(c).reshape(c // num_groups, num_groups).T.reshape(-1) if strided else None
+    y, m, inv = nn._group_norm(x if perm is None else x[:, perm], num_groups, epsilon)
+    if perm is not None:   # back to the channels' own order
+        y = y[:, np.argsort(perm)]
     y = y * nn._bcast(scale, x) + nn._bcast(bias, x)
     m, inv = lax.stop_gradient(m), lax.stop_gradient(inv)
     return y, m.reshape(-1).astype(x.dtype), inv.reshape(-1).astype(x.dtype)
