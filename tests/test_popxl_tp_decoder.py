@@ -84,10 +84,10 @@ CASES = {"gptj_tp4": (GPTJ, 4, False), "llama_tp4": (LLAMA, 4, False), "gptj_tp2
 
 
 def addons_or_skip():
-    """popxl-addons' ops (PYTHONPATH=/tmp/pxa, say), else skip."""
+    """popxl-addons' ops and Adam step (PYTHONPATH=/tmp/pxa, say), else skip."""
     try:
-        from helpers.tp_addons import addons_ops
-        return addons_ops()
+        from helpers.tp_addons import AddonsAdam, addons_ops
+        return addons_ops(), AddonsAdam()
     except ImportError as e:
         pytest.skip(f"popxl_addons is not importable: {e}")
 
@@ -98,9 +98,9 @@ def trained(request):
     one compiled session, STEPS runs."""
     cfg, tp, addons = CASES[request.param]
     dp = 4 // tp
-    tp_ops = addons_or_skip() if addons else None
+    tp_ops, adam = addons_or_skip() if addons else (None, Adam())
     state = {n: p.detach().numpy().copy() for n, p in hf_model(cfg).state_dict().items()}
-    prog = Program(cfg, state, replicas=4, tp=tp, tp_ops=tp_ops)
+    prog = Program(cfg, state, replicas=4, tp=tp, tp_ops=tp_ops, adam=adam)
     data = batches(cfg, dp)
     with prog.session:
         outs = [prog.run(step, step[..., 1:]) for step in data]
@@ -110,13 +110,16 @@ def trained(request):
 
 
 def test_the_variant_builds_with_its_ops(trained):
-    """The popxl-addons variant runs its custom ops; the public one only popxl's own."""
+    """The popxl-addons variant runs its custom ops and calls AdamOptimizerStep graphs; the
+    public one uses popxl's own ops only."""
     prog = trained[0]
     types = {op.opType() for op in prog.fwd._pb_graph.getOps()}
     custom = {"ReplicatedAllReduceTP", "CrossEntropySharded"} | (
         {"RotaryPosEmbed"} if prog.cfg.family == "gptj" else set())
     addons = prog.tp_ops is not None
     assert (custom <= types) if addons else not (custom & types), types
+    called = [g.name for g in prog.ir.main_graph.called_graphs]
+    assert any("AdamOptimizerStep" in n for n in called) == addons, called
 
 
 def shards(prog: Program, x: np.ndarray) -> np.ndarray:
@@ -156,8 +159,8 @@ def test_backward_every_gradient_equals_huggingface(trained):
 
 def test_adam_steps_equal_torch_adam(trained):
     """popxl-addons' Adam step (accumulate_moving_average(_square)_, adam_updater,
-    scaled_add_) over STEPS steps: each step's loss and the final weights equal
-    torch.optim.Adam's."""
+    scaled_add_; in the addons variant its AdamOptimizerStep module itself) over STEPS steps:
+    each step's loss and the final weights equal torch.optim.Adam's."""
     prog, outs, final, ref, ref_final = trained
     losses = [shards(prog, o["loss"])[:, 0].mean() for o in outs]
     np.testing.assert_allclose(losses, [r[0] for r in ref], rtol=5e-5)

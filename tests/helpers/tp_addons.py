@@ -2,16 +2,20 @@
 popxl applications use them: ``replicated_all_reduce_identical_inputs`` /
 ``_identical_grad_inputs`` (its ReplicatedAllReduceTP custom op), ``rotary_pos_embed`` with
 ``trig_table_constants`` (GPT-J's interleaved rotation) and ``cross_entropy_sharded_loss``;
-their C++ ops run as this project's Python equivalents (``popart.custom_ops``)."""
+their C++ ops run as this project's Python equivalents (``popart.custom_ops``). The Adam step
+is popxl-addons' ``AdamOptimizerStep`` module (its graph, variable factories and binding)."""
 from __future__ import annotations
 
 import sys
 import types
 
+from typing import Optional
+
+import popxl
 from popxl import ReplicaGrouping, Tensor
 
 from . import tp_layers
-from .tp_layers import Config, TPOps
+from .tp_layers import Adam, Config, TPOps
 
 
 def _stub_mpi() -> None:
@@ -48,3 +52,17 @@ def addons_ops() -> TPOps:
 
     return TPOps(lambda x, g: replicated_all_reduce_identical_inputs(x, "add", g),
                  lambda x, g: replicated_all_reduce_identical_grad_inputs(x, "add", g), rope, loss)
+
+
+class AddonsAdam(Adam):
+    """:class:`tp_layers.Adam`'s step by popxl-addons' ``AdamOptimizerStep``: a graph per weight
+    whose optimizer state (first / second order in float32, step) comes from its variable
+    factories, with the weight's replica grouping, bound and called on (weight, gradient)."""
+
+    def step(self, var: Tensor, grad: Tensor, grouping: Optional[ReplicaGrouping]) -> None:
+        _stub_mpi()
+        from popxl_addons.optimizers.adam import AdamOptimizerStep
+        facts, graph = AdamOptimizerStep().create_graph(
+            var, var.spec, replica_grouping=grouping, lr=self.lr, beta1=self.beta1, beta2=self.beta2,
+            eps=self.eps, weight_decay=0.0, first_order_dtype=popxl.float32)
+        graph.bind(facts.init(f"{var.name}/adam")).call(var, grad)
