@@ -245,29 +245,6 @@ def test_loop_body_takes_the_callers_infos():
     np.testing.assert_array_equal(y, X23 * 8)
 
 
-def test_call_gradient_binds_by_position():
-    """call.cpp:285-293: the callee's inputs bind to the Call's inputs by position, also when
-    the body reads the parent's tensor through addInputTensorFromParentGraph: d sum(w * w) / dw
-    = 2 w, counted once."""
-    b = popart.Builder()
-    wv = np.array([1.0, -2.0, 3.0], F32)
-    w = b.addInitializedInputTensor(wv, "w")
-    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
-    body = b.createSubgraphBuilder()
-    body.addInputTensorFromParentGraph(w)
-    body.addOutputTensor(body.aiOnnx.mul([w, w]))
-    (o,) = b.aiGraphcore.call([w], 1, body)
-    loss = b.aiGraphcore.identityloss([b.aiOnnx.reducesum([b.aiOnnx.mul([o, x])], keepdims=0)])
-    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [GRAD + w]), loss,
-                               popart.ConstSGD(1e-9), CPU())
-    s.prepareDevice()
-    s.weightsFromHost()
-    a = s.initAnchorArrays()
-    xv = np.array([1.0, 0.5, 2.0], F32)
-    s.run(popart.PyStepIO({x: xv}, a))
-    np.testing.assert_allclose(a[GRAD + w], 2 * wv * xv)
-
-
 # ---------------------------------------------------------------- DynamicSlice
 def test_dynamic_slice_third_input_and_gradient():
     """DynamicSliceOp's optional third input (the tensor the slice is written into): the
