@@ -372,3 +372,20 @@ def test_weights_to_host_before_prepare_device():
     assert issubclass(cls, popart.popart_runtime_error) and notes
     assert msg == ("Devicex::prepare() must be called before Devicex::weightsToHost(const "
                    "std::map<TensorId, MutableVoidData> &) is called.")
+
+
+def test_session_argument_of_a_type_the_binding_rejects():
+    """pybind11's TypeError for PopART's _InferenceSessionCore / _TrainingSessionCore
+    constructors (popart.cpp): raised before any PopART check (the missing device)."""
+    b, x, w, loss = _l1_model()
+    with pytest.raises(TypeError) as e:
+        popart.InferenceSession(b.getModelProto(), {loss: "ALL"}, None)
+    msg = e.value.args[0]
+    assert msg.startswith("__init__(): incompatible constructor arguments. The following "
+                          "argument types are supported:\n    1. popart_core._InferenceSession"
+                          "Core(model: str, dataFlow: popart_core.DataFlow, deviceInfo: ")
+    assert "\n    2. popart_core._InferenceSessionCore(ir: popart_core.Ir" in msg
+    assert f"\n\nInvoked with: " in msg and repr({loss: "ALL"}) in msg
+    assert isinstance(e.value, popart.popart_exception)
+    with pytest.raises(TypeError, match=r"optimizer: popart_core\.Optimizer"):
+        popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, 0.1, CPU())

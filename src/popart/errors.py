@@ -145,3 +145,15 @@ class WeightsIOError(popart_exception):
 class ArgumentError(popart_exception, TypeError):
     """An argument of the wrong type or out of range for its parameter (where PopART's
     bindings raise TypeError); catchable as popart_exception or TypeError."""
+
+
+def incompatible_arguments(fn: str, signatures: "list[str]", args: tuple,
+                           constructor: bool = False) -> ArgumentError:
+    """pybind11's TypeError for a call no overload of a PopART binding accepts: ``fn`` (the
+    method name, ``__init__`` for a constructor), each overload's signature as pybind11
+    prints it, the arguments given (``self`` left out)."""
+    kind = "constructor" if constructor else "function"
+    overloads = "\n".join(f"    {i}. {sig}" for i, sig in enumerate(signatures, 1))
+    return ArgumentError(f"{fn}(): incompatible {kind} arguments. The following argument "
+                         f"types are supported:\n{overloads}\n\nInvoked with: "
+                         + ", ".join(repr(a) for a in args))

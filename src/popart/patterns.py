@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from .errors import popart_exception
+from .errors import incompatible_arguments, popart_exception
 from .options import _Enum
 
 __all__ = ["Patterns", "PatternsLevel"]
@@ -139,9 +139,7 @@ def _cpp_bool(v: bool) -> str:
 
 
 def _incompatible(fn: str, sig: str, args: tuple) -> TypeError:
-    invoked = ", ".join(repr(a) for a in args)
-    return TypeError(f"{fn}(): incompatible function arguments. The following argument types "
-                     f"are supported:\n    1. {sig}\n\nInvoked with: {invoked}")
+    return incompatible_arguments(fn, [sig], args)
 
 
 def _as_bool(fn: str, sig: str, v: Any, *args: Any) -> bool:

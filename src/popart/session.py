@@ -31,9 +31,11 @@ from .engine.executable import SessionFiles, state_arrays
 from .engine.pipeline import plan_program
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
 from .engine.progress import compile_progress
+from .devices import DeviceInfo
 from .errors import (ArgumentError, OptionError, OutOfMemoryException,  # noqa: F401
-                     noted, popart_exception, popart_runtime_error)
+                     incompatible_arguments, noted, popart_exception, popart_runtime_error)
 from .fileio import atomic_write
+from .optimizers import Optimizer
 from .options import IrSerializationFormat, MeanReductionStrategy, ReductionType, SessionOptions
 from .patterns import for_session
 from .run_plan import RunPlan
@@ -235,14 +237,13 @@ class _Session(_FileMethods):
                  inputShapeInfo: Optional[_df.InputShapeInfo] = None, patterns: Any = None,
                  userOptions: Optional[SessionOptions] = None, name: str = "session",
                  loss: Optional[str] = None, optimizer: Any = None) -> None:
+        self._check_argument_types(fnModel, dataFlow, loss, optimizer, deviceInfo,
+                                   inputShapeInfo, userOptions, patterns, name)
         if deviceInfo is None:
             raise noted(popart_exception(f"Must pass a valid deviceInfo to "
                                          f"{type(self).__name__}::createFromOnnxModel"),
                         "no device given: pass deviceInfo, for example "
                         "popart.DeviceManager().createCpuDevice()")
-        if not isinstance(dataFlow, _df.DataFlow):
-            raise ArgumentError(f"dataFlow must be a popart.DataFlow, got "
-                                f"{type(dataFlow).__name__}")
         self.name, self._device = name, deviceInfo
         self.patterns = for_session(patterns)
         self._dataFlow = dataFlow
@@ -277,6 +278,32 @@ class _Session(_FileMethods):
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
         report.session_built(self)   # progress 0, dotChecks, POPART_IR_DUMP
+
+    def _check_argument_types(self, model: Any, dataFlow: Any, loss: Any, optimizer: Any,
+                              deviceInfo: Any, isi: Any, options: Any, patterns: Any,
+                              name: Any) -> None:
+        """pybind11's TypeError where PopART's binding of the session's constructor takes
+        none of the arguments' types (a None that defaults here is taken)."""
+        expected = [(dataFlow, _df.DataFlow), (deviceInfo, (DeviceInfo, type(None))),
+                    (isi, (_df.InputShapeInfo, type(None))),
+                    (options, (SessionOptions, type(None))), (name, str)]
+        if self._training:
+            expected += [(loss, str), (optimizer, Optimizer)]
+        if all(isinstance(v, t) for v, t in expected):
+            return
+        kind = "training" if self._training else "inference"
+        train = "loss: str, optimizer: popart_core.Optimizer, " if self._training else ""
+        core = f"popart_core._{kind.capitalize()}SessionCore"
+        forms = [f"{core}(model: str, dataFlow: popart_core.DataFlow, {train}deviceInfo: "
+                 f"popart_core.DeviceInfo, inputShapeInfo: popart_core.InputShapeInfo, "
+                 f"userOptions: popart_core.SessionOptions, patterns: popart_core.Patterns, "
+                 f"name: str = '{kind}')"]
+        if not self._training:
+            forms.append(f"{core}(ir: popart_core.Ir, deviceInfo: popart_core.DeviceInfo, "
+                         f"name: str = 'fromIr')")
+        given = (model, dataFlow, *((loss, optimizer) if self._training else ()), deviceInfo,
+                 isi, options, patterns, name)
+        raise incompatible_arguments("__init__", forms, given, constructor=True)
 
     @property
     def replicationFactor(self) -> int:
