@@ -389,3 +389,45 @@ def test_session_argument_of_a_type_the_binding_rejects():
     assert isinstance(e.value, popart.popart_exception)
     with pytest.raises(TypeError, match=r"optimizer: popart_core\.Optimizer"):
         popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, 0.1, CPU())
+
+
+# ------------------------------------------------------------------ pipelining checks
+def _pipelined(stages, bps=4, accumulation=None):
+    """Mul on (virtual graph, stage) stages[0], Relu + L1 loss on stages[1]; 2 IPUs."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]), "x")
+    w = b.addInitializedInputTensor(np.ones(2, np.float32), "w")
+    with b.virtualGraph(stages[0]):
+        y = b.aiOnnx.mul([x, w])
+    with b.virtualGraph(stages[1]):
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.relu([y])], 1.0)
+    o = popart.SessionOptions()
+    o.enablePipelining, o.virtualGraphMode = True, popart.VirtualGraphMode.Manual
+    if accumulation is not None:
+        o.enableGradientAccumulation, o.accumulationFactor = True, accumulation
+    return lambda: popart.TrainingSession(
+        b.getModelProto(), popart.DataFlow(bps, [loss]), loss, popart.ConstSGD(0.1),
+        popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}), userOptions=o)
+
+
+def test_pipeline_depth_against_batches_per_step():
+    """Pipeline::apply: enough batches (or accumulated micro-batches) to fill 2 stages."""
+    assert _error(_pipelined((0, 1), bps=1))[1] == (
+        "For pipelining, depth (batchesPerStep) must equal at least the number of pipeline "
+        "stages (2)")
+    assert _error(_pipelined((0, 1), bps=8, accumulation=1))[1] == (
+        "For pipelining, depth (gradient accumulation factor) must equal at least the number "
+        "of pipeline stages (2)")
+    _pipelined((0, 1), bps=2)()
+
+
+def test_tensor_consumed_in_an_earlier_pipeline_stage():
+    """InferPipelineStages' checkOrder (stages from the virtual graphs): raised when the
+    session is built."""
+    _, msg, _ = _error(_pipelined((1, 0)))
+    lines = msg.split("\n")
+    assert lines[0] == "Tensor Mul:0 is consumed in an earlier pipeline stage than it is produced"
+    assert lines[1].startswith("Producer Op(Mul (ai.onnx.Mul:") and \
+        lines[1].endswith("inputs=[x, w], outputs=[Mul:0]) has pipeline stage 1")
+    assert lines[2].startswith("Consumer Op(Relu (ai.onnx.Relu:") and \
+        lines[2].endswith("inputs=[Mul:0], outputs=[Relu:0]) has pipeline stage 0")

@@ -344,6 +344,8 @@ def _check_pipeline_settings(graph: Graph, o: Any, device: Any, replicas: int,
             raise IrError(f"Ops {[_op_str(graph, op) for op in members]} have the same pipeline "
                           f"stage {ps}, but different virtual graph ids {vgraphs}. All ops with "
                           f"the same pipeline stage must also have the same virtual graph id")
+    if not auto:
+        _check_stage_order(graph, ops, key)
     n_stages = len(stages)
     missing = [i for i in range(n_stages) if i not in stages]
     if missing:
@@ -356,6 +358,22 @@ def _check_pipeline_settings(graph: Graph, o: Any, device: Any, replicas: int,
     elif batches_per_step < n_stages:
         raise IrError(f"For pipelining, depth (batchesPerStep) must equal at least the number "
                       f"of pipeline stages ({n_stages})")
+
+
+def _check_stage_order(graph: Graph, ops: list, key: str) -> None:
+    """InferPipelineStages' checkOrder: no op reads a tensor an op of a later pipeline stage
+    (annotation ``key``) produces."""
+    stage = lambda op: int(op.annotations.get(key, 0))
+    producer = {t: op for op in ops for t in op.outputs if t}
+    debug = lambda op: (f"Op({_op_str(graph, op)}, inputs=[{', '.join(op.inputs)}], "
+                        f"outputs=[{', '.join(op.outputs)}])")   # Op::debugName
+    for op in ops:
+        for t in op.inputs:
+            p = producer.get(t)
+            if p is not None and stage(p) > stage(op):
+                raise IrError(f"Tensor {t} is consumed in an earlier pipeline stage than it is "
+                              f"produced\nProducer {debug(p)} has pipeline stage {stage(p)}\n"
+                              f"Consumer {debug(op)} has pipeline stage {stage(op)}")
 
 
 # Ops PopART never prunes (side effects, variable updates) or that may hold anchors in a
