@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import popart.testing
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -118,6 +120,7 @@ def test_the_variant_builds_with_its_ops(trained):
         {"RotaryPosEmbed"} if prog.cfg.family == "gptj" else set())
     addons = prog.tp_ops is not None
     assert (custom <= types) if addons else not (custom & types), types
+    assert len(popart.testing.mesh_devices(prog.session)) == 4     # one device per replica
     called = [g.name for g in prog.ir.main_graph.called_graphs]
     assert any("AdamOptimizerStep" in n for n in called) == addons, called
 

@@ -11,9 +11,10 @@ replicas), a sharded weight's variable grouping is ``ir.replica_grouping(tp, rep
 (the replicas of one rank share its shard), and gradients are averaged over that grouping
 (data parallelism) before the Adam step.
 
-The tensor-parallel collectives are a :class:`TPOps`: :data:`PUBLIC_OPS` builds them from
-popxl's public ops only (``replicated_all_reduce``, ``detach``); a popxl-addons variant swaps
-in its ``replicated_all_reduce_TP`` ops."""
+The tensor-parallel collectives, the rotary embedding and the sharded loss are a
+:class:`TPOps`: :data:`PUBLIC_OPS` builds them from popxl's public ops only
+(``replicated_all_reduce``, ``detach``, elementwise ops); tests/helpers/tp_addons.py swaps in
+popxl-addons' ops and its Adam module."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class Layer(popxl.Module):
     cfg: Config
     tp: int
     group: ReplicaGrouping            # the tensor-parallel group
-    tp_ops: "TPOps" = None          # None: PUBLIC_OPS
+    tp_ops: Optional["TPOps"] = None          # None: PUBLIC_OPS
 
     def __post_init__(self) -> None:
         self.tp_ops = self.tp_ops or PUBLIC_OPS
@@ -257,7 +258,7 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, offset: Tensor, group:
     """Mean cross entropy of [N, vocab / tp] logits sharded over ``group`` (this rank's
     classes start at ``offset``) against [N] labels: the maximum, the sum of exponentials and
     the label's logit are all-reduced over the ranks."""
-    n, part = logits.shape
+    part = logits.shape[1]
     top = ops.detach(C.replicated_all_reduce(ops.max(logits, -1, keepdims=True), "max", group))
     shifted = logits - top
     total = tp_ops.identical_grad_inputs(ops.sum(ops.exp(shifted), -1), group)
@@ -306,8 +307,7 @@ class CausalLM(Layer):
         logits = self.sub(Linear, "lm_head", ("lm_head",), c.hidden, c.vocab, "col", gptj)(h)
         logits = ops.reshape(logits, (c.batch, c.seq, c.vocab // tp))
         shifted = ops.reshape(logits[:, :c.seq - 1], (c.batch * (c.seq - 1), c.vocab // tp))
-        loss = f.cross_entropy(shifted, ops.reshape(labels, (c.batch * (c.seq - 1),)), offset,
-                                     self.group, f)
+        loss = f.cross_entropy(shifted, ops.reshape(labels, (c.batch * (c.seq - 1),)), offset, self.group, f)
         return loss, logits
 
 
@@ -317,8 +317,9 @@ class CausalLM(Layer):
 
 @dataclass(frozen=True)
 class Adam:
-    """popxl-addons' AdamOptimizerStep with its default bias correction and no weight decay
-    (then it is ``torch.optim.Adam``)."""
+    """popxl-addons' AdamOptimizerStep written with popxl's var-update ops: bias-corrected,
+    no weight decay (then it is ``torch.optim.Adam``), state in float32 with the weight's
+    replica grouping."""
     lr: float = 1e-2
     beta1: float = 0.9
     beta2: float = 0.999
