@@ -8,26 +8,12 @@ the Python classes it exposes (:func:`register_binding`, :func:`binding_op`). Im
 popart installs the import finders; popxl-addons' ops are registered here."""
 from __future__ import annotations
 
-from typing import Callable
-
-from ..ops import registry as _registry
 from . import _imports
-from .bindings import (ADDONS_DOMAIN, attribute_value, binding_op, grad_rule,  # noqa: F401
-                       params_class, register_binding)
+from .bindings import (ADDONS_DOMAIN, GRAD_READS, attribute_value, binding_op,  # noqa: F401
+                       grad_rule, params_class, register_binding, register_op)
 
-__all__ = ["ADDONS_DOMAIN", "register_op", "register_binding", "binding_op", "params_class",
-           "grad_rule", "attribute_value", "install_import_hooks"]
-
-
-def register_op(op_type: str, domain: str, version: int = 1, *, random: bool = False,
-                static_inputs: tuple = ()) -> Callable:
-    """Decorator registering ``fn(ctx, *inputs, **attributes)`` (attributes with their
-    defaults in its signature) as the Python equivalent of the custom op
-    ``domain::op_type`` from ``version`` on; ``Builder.customOp(op_type, version, domain,
-    ...)`` and ``graph.createCustomOp`` nodes then run it (docs/op_registry.md)."""
-    return _registry.register(op_type, domain=domain, since=version, random=random,
-                              static_inputs=static_inputs)
-
+__all__ = ["ADDONS_DOMAIN", "GRAD_READS", "register_op", "register_binding", "binding_op",
+           "params_class", "grad_rule", "attribute_value", "install_import_hooks"]
 
 install_import_hooks = _imports.install
 

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..ops import collectives as C
-from ..ops.registry import LowerCtx, popart_error, register
-from .bindings import ADDONS_DOMAIN, grad_rule
+from ..ops.registry import LowerCtx, popart_error
+from .bindings import ADDONS_DOMAIN, grad_rule, register_op
 
 _ADD_OR_MEAN = ("add", "mean")
 
@@ -46,7 +46,7 @@ def all_reduce_pair(ctx: LowerCtx, x: Any, op: str, group: Optional[list], ident
     return grad_rule(lambda v: (fwd(v), None), lambda _, g: (bwd(g),))(jnp.asarray(x))
 
 
-@register("ReplicatedAllReduceTP", domain=ADDONS_DOMAIN)
+@register_op("ReplicatedAllReduceTP", ADDONS_DOMAIN, grad_reads="none")
 def all_reduce_tp(ctx: LowerCtx, x: Any, op: Any = "Add", group: Optional[list] = None,
                   identicalInputs: int = 0, identicalGradInputs: int = 0, **_: Any) -> Any:
     """ReplicatedAllReduceTPOp: Add over ``group``; identity forward (identicalInputs) or
@@ -66,7 +66,7 @@ def _add_or_mean(ctx: LowerCtx, op: Any, what: str) -> str:
     return name
 
 
-@register("ReplicatedAllReduceStrided", domain=ADDONS_DOMAIN)
+@register_op("ReplicatedAllReduceStrided", ADDONS_DOMAIN, grad_reads="none")
 def all_reduce_strided(ctx: LowerCtx, x: Any, op: Any = "Add", stride: int = 1,
                        groupSize: int = 1, identicalInputs: int = 0, identicalGradInputs: int = 0,
                        **_: Any) -> Any:
@@ -77,7 +77,7 @@ def all_reduce_strided(ctx: LowerCtx, x: Any, op: Any = "Add", stride: int = 1,
     return all_reduce_pair(ctx, x, name, group, identicalInputs, identicalGradInputs)
 
 
-@register("ReplicatedAllGatherStrided", domain=ADDONS_DOMAIN)
+@register_op("ReplicatedAllGatherStrided", ADDONS_DOMAIN)
 def all_gather_strided(ctx: LowerCtx, x: Any, stride: int = 1, groupSize: int = 1,
                        **_: Any) -> Any:
     """ReplicatedAllGatherStridedOp: the group's flattened inputs in rank order, shape
@@ -86,7 +86,7 @@ def all_gather_strided(ctx: LowerCtx, x: Any, stride: int = 1, groupSize: int = 
     return C.all_gather(ctx, lax.stop_gradient(x), __collectiveReplicaGrouping=group)
 
 
-@register("ReplicatedReduceScatterStrided", domain=ADDONS_DOMAIN)
+@register_op("ReplicatedReduceScatterStrided", ADDONS_DOMAIN)
 def reduce_scatter_strided(ctx: LowerCtx, x: Any, op: Any = "Add", stride: int = 1,
                            groupSize: int = 1, **_: Any) -> Any:
     """ReplicatedReduceScatterStridedOp: this rank's ceil(nelms / groupSize) elements of the
@@ -97,7 +97,7 @@ def reduce_scatter_strided(ctx: LowerCtx, x: Any, op: Any = "Add", stride: int =
                             __collectiveReplicaGrouping=group)
 
 
-@register("LayerNormDistributed", domain=ADDONS_DOMAIN)
+@register_op("LayerNormDistributed", ADDONS_DOMAIN, grad_reads=((0, 1), (1, 2)))
 def layer_norm_distributed(ctx: LowerCtx, x: Any, scale: Any, bias: Any, epsilon: float = 1e-5,
                            group: Optional[list] = None, **_: Any) -> Any:
     """LayerNormDistributedOp: layer norm of x [N, H / group size] whose hidden dimension is
@@ -155,7 +155,7 @@ def _logits_grad(nls: Any, idx: Any, g: Any) -> Any:
     return jnp.exp(-nls) * g[:, None] - jnp.where(onehot, g[:, None], jnp.zeros_like(nls))
 
 
-@register("CrossEntropySharded", domain=ADDONS_DOMAIN)
+@register_op("CrossEntropySharded", ADDONS_DOMAIN, grad_reads=((0, 1), (0, 1)))
 def cross_entropy_sharded(ctx: LowerCtx, logits: Any, indices: Any, group: Optional[list] = None,
                           availableMemoryProportion: float = 0.4, **_: Any) -> Any:
     """CrossEntropyShardedOp: logits [N, C / group size] sharded over the group's classes,
@@ -172,7 +172,7 @@ def cross_entropy_sharded(ctx: LowerCtx, logits: Any, indices: Any, group: Optio
     return grad_rule(forward, backward)(jnp.asarray(logits), jnp.asarray(indices))
 
 
-@register("CrossEntropyShardedWR", domain=ADDONS_DOMAIN)
+@register_op("CrossEntropyShardedWR", ADDONS_DOMAIN, grad_reads="in+out")
 def cross_entropy_sharded_wr(ctx: LowerCtx, *inputs: Any, ipus: Optional[list] = None,
                              **_: Any) -> Any:
     """CrossEntropyShardedWROp: the class shards of the logits on the IPUs of one replica

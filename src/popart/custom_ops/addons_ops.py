@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..ops.registry import LowerCtx, popart_error, register
-from .bindings import ADDONS_DOMAIN, grad_rule
+from ..ops.registry import LowerCtx, popart_error
+from .bindings import ADDONS_DOMAIN, grad_rule, register_op
 
 
 def rotate_pairs(x: Any, sin: Any, cos: Any, sign: int) -> Any:
@@ -24,7 +24,7 @@ def rotate_pairs(x: Any, sin: Any, cos: Any, sign: int) -> Any:
     return jnp.stack([re * c - sign * im * s, im * c + sign * re * s], -1).reshape(x.shape)
 
 
-@register("RotaryPosEmbed", domain=ADDONS_DOMAIN)
+@register_op("RotaryPosEmbed", ADDONS_DOMAIN, grad_reads=((1, 2), ()))
 def rotary_pos_embed(ctx: LowerCtx, x: Any, sin: Any, cos: Any, rotary_dim: Optional[int] = None,
                      **_: Any) -> Any:
     """RotaryPosEmbedOp: the first ``rotary_dim`` hidden elements of x [batch, seq, heads,
@@ -54,7 +54,7 @@ def unpack_nibbles(x: Any) -> Any:
     return parts.reshape(*x.shape[:-1], x.shape[-1] * 4)
 
 
-@register("GroupQuantizeDecompress", domain=ADDONS_DOMAIN)
+@register_op("GroupQuantizeDecompress", ADDONS_DOMAIN)
 def group_quantize_decompress(ctx: LowerCtx, x: Any, scale: Any, bias: Any, **_: Any) -> Any:
     """GroupQuantizeDecompressOp: packed uint16 x [rows, groups, ids] -> [rows, groups * ids *
     4] in the scale's type, each 4-bit value v as v * scale + bias of its group (scale, bias
@@ -72,7 +72,7 @@ def group_quantize_decompress(ctx: LowerCtx, x: Any, scale: Any, bias: Any, **_:
     return y.reshape(x.shape[0], -1)
 
 
-@register("GradReduceSquareAdd", domain=ADDONS_DOMAIN)
+@register_op("GradReduceSquareAdd", ADDONS_DOMAIN)
 def grad_reduce_square_add(ctx: LowerCtx, x: Any, scale: Any, **_: Any) -> Any:
     """GradReduceSquareAddOp: float32 scale * sum(x^2) (the squared norm of a gradient scaled by
     the loss scaling: scale = 1 / loss_scaling^2). No grad op."""
@@ -102,7 +102,7 @@ def fp8_bias_mse(hist: Any, bins: Any, min_fp32_exp_index: int, format_span: int
     return jnp.sum(terms, 1)
 
 
-@register("Fp8Scale", domain=ADDONS_DOMAIN)
+@register_op("Fp8Scale", ADDONS_DOMAIN)
 def fp8_scale(ctx: LowerCtx, src: Any, min_fp32_exp_index: int = 0, format_span: int = 0,
               quantisation_error: float = 0.0, **_: Any) -> Any:
     """Fp8FindBestScaleOp: the int32 scaling bias for casting ``src`` to float8 that the C++
@@ -120,7 +120,7 @@ def fp8_scale(ctx: LowerCtx, src: Any, min_fp32_exp_index: int = 0, format_span:
     return (-(jnp.argmin(mse).astype(jnp.int32) + (ties / 2).astype(jnp.int32) - 31)).reshape(())
 
 
-@register("LinearLayout", domain=ADDONS_DOMAIN)
+@register_op("LinearLayout", ADDONS_DOMAIN)
 def linear_layout(ctx: LowerCtx, x: Any, batchsize: int = 1, bs: Optional[int] = None,
                   **_: Any) -> Any:
     """LinearLayoutOp: a copy of x laid out linearly over the tiles; the values are x's.
@@ -139,7 +139,7 @@ def csr_dense(nz: Any, cols: Any, rows: Any, k: int, n: int) -> np.ndarray:
     return dense
 
 
-@register("SparseMatmul", domain=ADDONS_DOMAIN)
+@register_op("SparseMatmul", ADDONS_DOMAIN)
 def sparse_matmul(ctx: LowerCtx, lhs: Any, nz: Any = (), cols: Any = (), rows: Any = (),
                   output_cols: int = 0, **_: Any) -> Any:
     """DenseSparseMatMulOp: dense lhs [(1,) m, k] times the constant CSR matrix [k,

@@ -10,9 +10,28 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ..ops import registry
 from ._imports import BINDINGS
 
 ADDONS_DOMAIN = "popxl.addons.ops"
+
+# op type -> what its C++ grad op reads of the forward op (its gradInputInfo()), in
+# popxl.transforms.autodiff's GRAD_READS terms: "none" (the output gradient only), "in",
+# "in+out", or (input indices, output indices); absent: its inputs.
+GRAD_READS: dict[str, Any] = {}
+
+
+def register_op(op_type: str, domain: str, version: int = 1, *, grad_reads: Any = None,
+                random: bool = False, static_inputs: tuple = ()) -> Callable:
+    """Decorator registering ``fn(ctx, *inputs, **attributes)`` (attributes with their
+    defaults in its signature) as the Python equivalent of the custom op
+    ``domain::op_type`` from ``version`` on; ``Builder.customOp(op_type, version, domain,
+    ...)`` and ``graph.createCustomOp`` nodes then run it (docs/op_registry.md).
+    ``grad_reads``: what the C++ grad op reads of the forward op (:data:`GRAD_READS`)."""
+    if grad_reads is not None:
+        GRAD_READS[op_type] = grad_reads
+    return registry.register(op_type, domain=domain, since=version, random=random,
+                             static_inputs=static_inputs)
 
 
 def attribute_value(value: Any) -> Any:
