@@ -490,3 +490,28 @@ def test_addons_ops_in_a_replicated_popart_session():
         for rep in grp:
             np.testing.assert_allclose(anchors[loss][rep], ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(anchors[mean], member_sum(logits, groups(R, 2, 2)) / 2, rtol=1e-6)
+
+
+def test_gradient_graph_reads_what_the_grad_op_reads(monkeypatch):
+    """popxl's gradient graph of ReplicatedAllReduceTP (identicalInputs) takes only the output
+    gradient (its grad op's gradInputInfo), so it can be called with that alone, as
+    popxl-addons' tests do; its output is the all-reduce of it."""
+    autodiff = sys.modules["popxl.transforms.autodiff"]
+    for op_type, reads in custom_ops.GRAD_READS.items():   # while autodiff has no custom-op rows
+        monkeypatch.setitem(autodiff.GRAD_READS, op_type, autodiff.GRAD_READS.get(op_type, reads))
+    R = 2
+    x = RNG.normal(size=(R, 3)).astype(np.float32)
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph:
+        xs = popxl.h2d_stream((3,), popxl.float32, "x")
+        t = ops.host_load(xs)
+        fwd = ir.create_graph(lambda a: node("ReplicatedAllReduceTP", [a], {
+            "op": "Add", "group": [R, 1, R], "identicalInputs": 1}, domain=ADDONS_DOMAIN)[0], t)
+        bwd = popxl.transforms.autodiff(fwd)
+        assert len(bwd.graph.inputs) == 1
+        (dx,) = ops.call(bwd.graph, t)
+        sd = popxl.d2h_stream(dx.shape, dx.dtype, "dx")
+        ops.host_store(sd, dx)
+    with popxl.Session(ir, "ipu_model") as s:
+        got = s.run({xs: x})[sd]
+    np.testing.assert_allclose(got, member_sum(x, [[0, 1]]), rtol=1e-6)
