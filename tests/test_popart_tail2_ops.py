@@ -429,6 +429,9 @@ def test_resize_sizes_and_scales_both_given():   # resize.cpp:213
                     ("sz", np.array([1, 1, 4, 4]))])
     assert e.value.args[0].startswith("Resize op has inputs for `sizes` and `scales`. Only one "
                                       "of these tensors should be present.")
+    empty = [("r", np.zeros(0, F32)), ("sc", np.zeros(0, F32)), ("sz", np.zeros(0, np.int64))]
+    raises_text("Resize op has  inputs for `sizes` and `scales`,but none of them have data.",
+                [node("Resize", ["x", "r", "sc", "sz"], ["y"])], {"x": x}, ["y"], consts=empty)
 
 
 # ---------------------------------------------------------------- ArgMax's INT32

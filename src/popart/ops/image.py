@@ -176,8 +176,12 @@ def resize(ctx: LowerCtx, x, roi=None, scales=None, sizes=None, mode="nearest", 
     elif scales is not None:
         for a, s in zip(axes, scales):
             sc[a], out[a] = float(s), int(np.floor(np.float32(x.shape[a]) * np.float32(s)))  # float32
+    elif len(ctx.input_ids) > 3 and ctx.input_ids[2] and ctx.input_ids[3]:   # getScales' texts
+        raise popart_error(ctx, "Resize op has  inputs for `sizes` and `scales`,but none of them "
+                           "have data.", "scales and sizes are both empty")
     else:
-        raise ctx.error("one of scales or sizes is required")
+        raise popart_error(ctx, "Resize op has no input for `size` or `scales`. One of these "
+                           "tensors needs to be present.", "give scales or sizes")
     if roi is not None and len(axes) != r:
         full = [0.0] * r + [1.0] * r
         for i, a in enumerate(axes):
