@@ -497,7 +497,7 @@ def test_print_tensor_prints_self_and_gradient_as_asked(capfd):
         ops.host_store(d, dx)
     with popxl.Session(ir, "cpu") as s:
         out = s.run()
-    printed = " ".join(capfd.readouterr().out.split()).replace("[ ", "[")
+    printed = " ".join(capfd.readouterr().err.split()).replace("[ ", "[")
     np.testing.assert_allclose(out[d], 18 * a)                                # d/dx sum((3x)^2)
     assert "shown: [1.5 -2. ]" in printed and "Gradient of grad_only: [9. -12.]" in printed
     assert "grad_only: [" not in printed.replace("Gradient of grad_only", "")

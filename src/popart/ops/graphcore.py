@@ -5,6 +5,7 @@ of the ops it lists take those attributes as keyword-only parameters without def
 (``None`` for an optional attribute the table leaves unset)."""
 from __future__ import annotations
 
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -507,10 +508,15 @@ def shaped_dropout(ctx: LowerCtx, x, *, shape, ratio, **_):
 # ---------------------------------------------------------------------------------------
 # Side effects
 
+def print_to_stderr(fmt: str, x) -> None:
+    """``jax.debug.print(fmt, x)`` to stderr, where PopART's PrintTensor writes."""
+    jax.debug.callback(lambda v: print(fmt.format(v), file=sys.stderr, flush=True), x)
+
+
 def _print(title, x, print_gradient):
     @jax.custom_vjp
     def f(x):
-        jax.debug.print(title + "{}", x)
+        print_to_stderr(title + "{}", x)
         return x
 
     def fwd(x):
@@ -518,7 +524,7 @@ def _print(title, x, print_gradient):
 
     def bwd(_, g):
         if print_gradient:
-            jax.debug.print("Gradient of " + title + "{}", g)
+            print_to_stderr("Gradient of " + title + "{}", g)
         return (g,)
     f.defvjp(fwd, bwd)
     return f(x)

@@ -10,6 +10,7 @@ from jax import lax
 
 from ..tensorinfo import np_dtype
 from . import losses
+from .graphcore import print_to_stderr
 from .registry import LowerCtx, is_static, register
 
 POPXL_DOMAIN = "ai.popxl"
@@ -271,7 +272,7 @@ def print_gradient(ctx: LowerCtx, x, title="", **_):
         return v
 
     def bwd(_, g):
-        jax.debug.print(head, g)
+        print_to_stderr(head, g)
         return (g,)
     f.defvjp(lambda v: (v, None), bwd)
     return f(x)
