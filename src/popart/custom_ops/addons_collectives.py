@@ -28,9 +28,11 @@ def group_size(ctx: LowerCtx, group: Optional[list]) -> int:
     return ctx.replication_factor if group is None else int(group[2])
 
 
-def _strided(ctx: LowerCtx, stride: int, groupSize: int, what: str) -> list:
+def _strided(ctx: LowerCtx, stride: int, groupSize: int) -> list:
+    """The replica grouping of a strided op (the three C++ ops' one message)."""
     if int(stride) <= 0 or int(groupSize) <= 0:
-        raise popart_error(ctx, f"Cannot create {what} op stride and group size must be > 0.")
+        raise popart_error(ctx, "Cannot create ReplicatedAllGatherStrided op stride and group size "
+                           "must be > 0.")
     return [ctx.replication_factor, int(stride), int(groupSize)]
 
 
@@ -73,7 +75,7 @@ def all_reduce_strided(ctx: LowerCtx, x: Any, op: Any = "Add", stride: int = 1,
     """ReplicatedAllReduceStridedOp: Add or Mean over groups of ``groupSize`` replicas
     ``stride`` apart, with the TP op's identical-inputs flags."""
     name = _add_or_mean(ctx, op, "ReplicatedAllReduceStridedOp")
-    group = _strided(ctx, stride, groupSize, "ReplicatedAllGatherStrided")
+    group = _strided(ctx, stride, groupSize)
     return all_reduce_pair(ctx, x, name, group, identicalInputs, identicalGradInputs)
 
 
@@ -82,7 +84,7 @@ def all_gather_strided(ctx: LowerCtx, x: Any, stride: int = 1, groupSize: int = 
                        **_: Any) -> Any:
     """ReplicatedAllGatherStridedOp: the group's flattened inputs in rank order, shape
     [groupSize * nelms]. It has no grad op: no gradient flows through it."""
-    group = _strided(ctx, stride, groupSize, "ReplicatedAllGatherStrided")
+    group = _strided(ctx, stride, groupSize)
     return C.all_gather(ctx, lax.stop_gradient(x), __collectiveReplicaGrouping=group)
 
 
@@ -92,7 +94,7 @@ def reduce_scatter_strided(ctx: LowerCtx, x: Any, op: Any = "Add", stride: int =
     """ReplicatedReduceScatterStridedOp: this rank's ceil(nelms / groupSize) elements of the
     Add / Mean of the group's flattened (zero-padded) inputs. No grad op."""
     name = _add_or_mean(ctx, op, "ReplicatedReduceScatterStridedOp")
-    group = _strided(ctx, stride, groupSize, "ReplicatedAllGatherStrided")
+    group = _strided(ctx, stride, groupSize)
     return C.reduce_scatter(ctx, lax.stop_gradient(x), collectiveOperator=name,
                             __collectiveReplicaGrouping=group)
 
@@ -124,10 +126,10 @@ def layer_norm_distributed(ctx: LowerCtx, x: Any, scale: Any, bias: Any, epsilon
 
     def backward(res: tuple, grads: tuple) -> tuple:
         xhat, inv = res
-        dy = grads[0]
-        m_dy, m_dyx = total(dy.sum(1), (dy * xhat).sum(1))
-        dx = inv[:, None] * (dy - m_dy[:, None] - xhat * m_dyx[:, None])
-        return dx, (dy * xhat).sum(0), dy.sum(0)
+        dy, xh = (v.astype(jnp.float32) for v in (grads[0], xhat))   # float32 partials
+        m_dy, m_dyx = total(dy.sum(1), (dy * xh).sum(1))
+        dx = inv[:, None] * (dy - m_dy[:, None] - xh * m_dyx[:, None])
+        return tuple(v.astype(inv.dtype) for v in (dx, (dy * xh).sum(0), dy.sum(0)))
 
     return grad_rule(forward, backward)(x, jnp.asarray(scale), jnp.asarray(bias))
 
