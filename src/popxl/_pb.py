@@ -347,7 +347,7 @@ class Op(_Binding):
         "requiresRandomSeed setBatchSerializedPhase setCalledSubgraphGradInfo setExecutionPhase "
         "setScope toJSON transferBaseProperties getSubgraphInputs getSubgraphOutputs "
         "opOutToSubgraphOutIndex subgraphOutToOpOutIndex addModified addLoopInput addLoopOutput "
-        "removeLoopInput removeLoopOutput")
+        "removeLoopInput removeLoopOutput getNumExplicitInputs")
 
     def __init__(self, graph: "XGraph", node: Node) -> None:
         self._graph, self._node = graph, node
@@ -586,7 +586,8 @@ class Op(_Binding):
 
     def _release(self, outputs: Iterable[str]) -> None:
         """The op stops making ``outputs``: where one is its in-place result on an input, the
-        other ops (and the popxl tensor it changed) read the value the op read instead."""
+        other ops and the popxl tensors naming it (the tensor it changed, the result) name the
+        value the op read instead."""
         g, n, ins = self._graph, self._node, self._read()
         outputs = set(outputs)
         for oi, ii in self._inplace_pairs().items():
@@ -596,9 +597,9 @@ class Op(_Binding):
             for m in g._g.nodes:
                 if m is not n:
                     m.inputs[:] = [ins[ii] if x == o else x for x in m.inputs]
-            owner = g._tensors.get(g._versions.get(o, o))
-            if owner is not None and owner._ir_id == o:
-                owner._ir_id = ins[ii]
+            for t in g._tensors.values():   # the tensor it changed, and the result's own
+                if t._ir_id == o:
+                    t._ir_id = ins[ii]
 
     def connectInTensor(self, index: int, tid: str, vgraph: Optional[int] = None) -> None:
         """Connect tensor ``tid`` of the op's graph at input ``index``."""
@@ -673,12 +674,15 @@ class Op(_Binding):
 
 
 class SubgraphOp(Op):
-    """An op that calls graphs (``popart::SubgraphOp``)."""
+    """An op that calls a graph (``popart::SubgraphOp``). Its inputs, by PopART's index: the
+    called graph's inputs (after ``_IN_OFFSET`` of its own), then the graph's hidden inputs
+    (host-stream and remote-buffer state). A graph input added after the call is connected
+    with :meth:`connectInTensor`, and :meth:`addModified` makes the call return its new value
+    (the graph takes it by reference; the caller's tensor moves to the call's result)."""
+    _IN_OFFSET = 0   # op input index - called graph input index
 
     def getCalledGraph(self) -> "Graph":
         return self.getCalledGraphs()[0]
-
-    _IN_OFFSET = 0   # op input index - called graph input index
 
     def opInToSubgraphInIndex(self, i: int) -> int:
         return int(i) - self._IN_OFFSET
@@ -687,7 +691,148 @@ class SubgraphOp(Op):
         return int(i) + self._IN_OFFSET
 
     def getNumExplicitInputs(self) -> int:
-        return len(self.getCalledGraph()._graph._inputs) + self._IN_OFFSET
+        return len(self._sg()._inputs) + self._IN_OFFSET
+
+    def _sg(self) -> "XGraph":
+        return called_graphs(self._graph.ir, [self._node])[0]
+
+    def _inner(self) -> Node:
+        """The Call node of the called graph (the op's own node for a call)."""
+        return self._node
+
+    def _n_connected(self) -> int:
+        """How many of the called graph's (explicit) inputs the op connects."""
+        return len(self._inner().inputs) - len(self._sg()._hidden)
+
+    def _pos(self, i: int) -> Optional[int]:
+        """The node input position of input ``i`` (None: a graph input not connected yet)."""
+        k, n_c, n_exp = int(i) - self._IN_OFFSET, self._n_connected(), len(self._sg()._inputs)
+        return int(i) if k < n_c else None if k < n_exp else int(i) - (n_exp - n_c)
+
+    def _bind(self, p: int) -> int:
+        """The input index of node input position ``p``."""
+        n_c = self._n_connected()
+        return p if p - self._IN_OFFSET < n_c else p + len(self._sg()._inputs) - n_c
+
+    def hasInput(self, i: int) -> bool:
+        p = self._pos(i)
+        return p is not None and super().hasInput(p)
+
+    def inTensor(self, i: int) -> Tensor:
+        p = self._pos(i)
+        if p is None:
+            raise popart_exception(f"No input tensor at index {i} of {self.debugName()}")
+        return super().inTensor(p)
+
+    def _same(self, t: Tensor) -> Optional[int]:
+        """The node input position of ``t``, or of the value its popxl tensor had when the
+        call read it (the call's by-reference result is the same PopART tensor)."""
+        ins, versions = self._node.inputs, self._graph._versions
+        if t.id in ins:
+            return ins.index(t.id)
+        base = versions.get(t.id, t.id)
+        return next((p for p, x in enumerate(ins) if x and versions.get(x, x) == base
+                     and t.id in self._node.outputs), None)
+
+    def hasInputTensor(self, t: Tensor) -> bool:
+        return self._same(t) is not None
+
+    def inIndex(self, t: Tensor) -> int:
+        p = self._same(t)
+        if p is None:
+            raise popart_exception(f"{t.id} is not an input of {self.debugName()}")
+        return self._bind(p)
+
+    def getInputIndexMap(self) -> dict[int, Tensor]:
+        return {self._bind(p): t for p, t in super().getInputIndexMap().items()}
+
+    def connectInTensor(self, index: int, tid: str, vgraph: Optional[int] = None) -> None:
+        """Connect ``tid`` at input ``index``; the next graph input not connected yet is
+        added to the call."""
+        p = self._pos(index)
+        if p is not None:
+            return super().connectInTensor(p, tid)
+        k = int(index) - self._IN_OFFSET
+        if k != self._n_connected():
+            raise popart_exception(f"{self.debugName()}: connect the inputs of graph "
+                                   f"{self._sg().id} in order: input {index} before "
+                                   f"{self._n_connected() + self._IN_OFFSET}")
+        self._insert_input(k, current(self._graph, tid))
+        self._sg()._finalize()
+        self._sync_refs()
+
+    def _insert_input(self, k: int, tid: str) -> None:
+        self._node.inputs.insert(k, tid)
+
+    def addModified(self, index: int, regions: Iterable[Region]) -> None:
+        """Input ``index`` is changed by the called graph: the graph takes it by reference and
+        every call of it returns its new value, which the caller's tensor moves to."""
+        if all(r.isEmpty() for r in regions):
+            return
+        sg = self._sg()
+        k = int(index) - self._IN_OFFSET
+        if not 0 <= k < len(sg._inputs):
+            raise popart_exception(f"{self.debugName()}.addModified({index}): not an input of "
+                                   f"graph {sg.id}")
+        t = sg._inputs[k]
+        sites = [op_handle(parent, n) for parent, n in _call_sites(sg)]
+        for site in sites:
+            if not isinstance(site, SubgraphOp) or isinstance(site, op_class("IfOp")):
+                raise popart_exception(f"{self.debugName()}.addModified: graph {sg.id} is also "
+                                       f"called by {site.debugName()}, which cannot return it")
+            site._refs()
+        if not any(t is r for r in sg._by_ref_inputs):
+            sg._by_ref_inputs.append(t)
+        sg._finalize()
+        for site in sites:
+            site._sync_refs()
+
+    def _refs(self) -> list:
+        """The by-reference graph inputs whose new values the call returns, in order."""
+        inner = self._inner()
+        if not hasattr(inner, "_pb_refs"):
+            inner._pb_refs = list(self._sg()._by_ref_list())
+        return inner._pb_refs
+
+    def _sync_refs(self) -> None:
+        """Return from this call the new value of each by-reference input it connects."""
+        sg, inner, have = self._sg(), self._inner(), self._refs()
+        want = sg._by_ref_list()
+        for r in want:
+            if any(r is h for h in have):
+                continue
+            k = next(i for i, x in enumerate(sg._all_inputs()) if x is r)
+            p = self._pos(k + self._IN_OFFSET)
+            if p is None:
+                continue   # connected later (connectInTensor syncs again)
+            j = sum(1 for w in want[:want.index(r)] if any(w is h for h in have))
+            at = len(inner.outputs) - len(have) + j
+            result = self._add_ref_output(k, at)
+            src = self._node.inputs[p]
+            owner = popxl_tensor(self._graph, src)
+            if owner._ir_id == src:
+                from .ops._base import inplace
+                inplace(owner, self._graph._tensors[result])
+            have.insert(j, r)
+
+    def _add_ref_output(self, k: int, at: int) -> str:
+        """Add the call's output (at position ``at``) for by-reference input ``k``; its id."""
+        g, src = self._graph, self._sg()._all_inputs()[k]
+        oid = g._new_id(src.name)
+        self._node.outputs.insert(at, oid)
+        g._add_tensor(oid, src._spec)
+        return oid
+
+    def createAndConnectOutTensor(self, index: int, tid: str) -> None:
+        """Connect output ``index``: an unconnected one (of a clone), or the output for a graph
+        output added after the call."""
+        outs = self._inner().outputs
+        if not (index < len(outs) and not outs[index]):
+            if index != len(outs) - len(self._refs()) or index >= len(self._sg()._outputs):
+                raise popart_exception(f"{self.debugName()}: graph {self._sg().id} has no "
+                                       f"output {index} to connect")
+            outs.insert(index, "")
+        super().createAndConnectOutTensor(index, tid)
 
 
 class CallOp(SubgraphOp):
@@ -695,10 +840,13 @@ class CallOp(SubgraphOp):
 
 
 class LoopOp(SubgraphOp):
-    """``ops.repeat``: an ai.onnx Loop whose body calls the repeated graph. Inputs 0 and 1 are
-    the trip count and the condition, then the called graph's inputs; output i is the value
-    of input i + 2 after the last iteration."""
+    """``ops.repeat``: an ai.onnx Loop whose body (a wrapper graph) calls the repeated graph.
+    Inputs 0 and 1 are the trip count and the condition, then the called graph's inputs;
+    output i is the value of input i + 2 after the last iteration."""
     _IN_OFFSET = 2
+
+    def _inner(self) -> Node:
+        return self._node.attrs["body"].nodes[0]
 
     def getTripCountValue(self) -> int:
         import numpy as np
@@ -709,6 +857,62 @@ class LoopOp(SubgraphOp):
 
     def subgraphOutToOpOutIndex(self, i: int) -> int:
         return int(i)
+
+    def _fresh(self, base: str) -> str:
+        body = self._node.attrs["body"]
+        used = set(body.inputs) | set(body.outputs) | {o for n in body.nodes for o in n.outputs}
+        i = len(used)
+        while f"{base}{i}" in used:
+            i += 1
+        return f"{base}{i}"
+
+    def _insert_input(self, k: int, tid: str) -> None:
+        """A new loop input passed through each iteration unchanged (an input of the called
+        graph that it does not return)."""
+        n, g = self._node, self._graph
+        body = n.attrs["body"]
+        cid = self._fresh(f"{body.name}/in")
+        n.inputs.insert(2 + k, tid)
+        body.inputs.insert(2 + k, cid)
+        self._inner().inputs.insert(k, cid)
+        body.outputs.insert(1 + k, cid)
+        oid = g._new_id(g._tensors[tid].name if tid in g._tensors else "loop_out")
+        n.outputs.insert(k, oid)
+        g._add_tensor(oid, g._specs[tid])
+
+    def _add_ref_output(self, k: int, at: int) -> str:
+        """The called graph's new value of input ``k`` becomes the loop-carried value."""
+        body = self._node.attrs["body"]
+        rid = self._fresh(f"{body.name}/out")
+        self._inner().outputs.insert(at, rid)
+        p = self._pos(k + 2) - 2
+        body.outputs[1 + p] = rid
+        return self._node.outputs[p]
+
+    def addLoopInput(self, index: int, tid: str, sg_tid: str, overwrite: bool = False) -> None:
+        """Add input ``index`` (the next one after the called graph's inputs), connected to
+        ``tid``, and the called graph's input ``sg_tid`` (exactly that id) it feeds."""
+        sg, k = self._sg(), int(index) - 2
+        if k != len(sg._inputs) or k != self._n_connected():
+            raise popart_exception(f"{self.debugName()}.addLoopInput({index}): only the next "
+                                   f"input, {len(sg._inputs) + 2}, can be added")
+        if sg_tid in sg._specs:
+            raise popart_exception(f"Tensor with id '{sg_tid}' already exists in graph '{sg.id}'")
+        t = sg._add_tensor(sg_tid, self._graph._specs[current(self._graph, tid)])
+        sg._entry[t] = sg_tid
+        sg._inputs.append(t)
+        self.connectInTensor(index, tid)
+
+    def addLoopOutput(self, index: int, tid: str, sg_tid: str, overwrite: bool = True) -> None:
+        """The called graph's tensor ``sg_tid`` becomes its output ``index`` (the value carried
+        into input ``index`` of the next iteration, and the op's output ``index``)."""
+        sg = self._sg()
+        if not (overwrite and 0 <= index < len(sg._outputs)):
+            raise popart_exception(f"popart._internal.ir.LoopOp.addLoopOutput is not supported "
+                                   f"on XLA: only an existing output ({len(sg._outputs)} here) "
+                                   f"can be overwritten, not {index}")
+        sg._outputs[index] = popxl_tensor(sg, current(sg, sg_tid))
+        sg._finalize()
 
 
 # PopART's op class of each op type, where it is not "<op type>Op".
@@ -730,8 +934,36 @@ def op_class(name: str) -> type:
     return _CLASSES[name]
 
 
+class IpuCopyOp(Op):
+    """``ops.ipu_copy``: an Identity whose output is on another IPU than its input."""
+
+    def getSourceIpu(self, tid: Optional[str] = None) -> int:
+        return _ipu_of(self._graph, tid or self._read()[0])
+
+    def getDestIpu(self) -> int:
+        return int(self._node.annotations[VIRTUAL_GRAPH])
+
+
+_CLASSES["IpuCopyOp"] = IpuCopyOp
+
+
+def _ipu_of(graph: "XGraph", tid: str) -> Optional[int]:
+    t = graph._tensors.get(tid)
+    return None if t is None else t._placement[0]
+
+
+def _is_ipu_copy(graph: "XGraph", node: Node) -> bool:
+    ins = [i for i in getattr(node, "_pb_inputs", node.inputs) if i]
+    dest = node.annotations.get(VIRTUAL_GRAPH)
+    return node.op_type == "Identity" and dest is not None and len(ins) == 1 and \
+        _ipu_of(graph, ins[0]) not in (None, dest)
+
+
 def op_handle(graph: "XGraph", node: Node) -> Op:
-    """The handle of ``node`` of ``graph``, of the class of its op type."""
+    """The handle of ``node`` of ``graph``, of the class of its op type (an Identity across
+    IPUs: ``IpuCopyOp``)."""
+    if _is_ipu_copy(graph, node):
+        return IpuCopyOp(graph, node)
     return op_class(OP_CLASS_NAMES.get(node.op_type, f"{node.op_type}Op"))(graph, node)
 
 
@@ -921,9 +1153,24 @@ class Graph(_Binding):
         return ids.index(tid)
 
     def markAsOutput(self, tid: str) -> None:
-        """Make tensor ``tid`` the graph's next output (calls made before do not return it)."""
-        self._graph._outputs.append(popxl_tensor(self._graph, tensor_of(self._graph, tid).id))
-        self._graph._finalize()
+        """Make tensor ``tid`` the graph's next output. Calls made before get an unconnected
+        output for it (``CallOp.createAndConnectOutTensor`` connects it).
+
+        Raises:
+            popart_exception: the graph is repeated (its outputs are loop-carried).
+        """
+        g = self._graph
+        t = popxl_tensor(g, tensor_of(g, tid).id)
+        sites = [op_handle(parent, n) for parent, n in _call_sites(g)]
+        for site in sites:
+            if not isinstance(site, CallOp):
+                raise popart_exception(f"Graph {g.id}.markAsOutput('{tid}'): the graph is called "
+                                       f"by {site.debugName()}, whose outputs are loop-carried")
+        for site in sites:
+            n_explicit = len(site._node.outputs) - len(site._refs())
+            site._node.outputs.insert(n_explicit, "")
+        g._outputs.append(t)
+        g._finalize()
 
     def removeOutput(self, index: Union[int, str]) -> None:
         """Remove output ``index`` (or the output with that id) of the graph and of the calls

@@ -211,8 +211,13 @@ class Graph:
         return [t for t in self._all_inputs() if t in refs]
 
     def _finalize(self) -> IRGraph:
-        """Bring the IR graph's inputs / outputs up to date; returns the IR graph."""
-        if not self._is_main:
+        """Bring the IR graph's inputs / outputs up to date (the main graph's: every
+        subgraph's, which binding handles may have changed after it was called); returns the
+        IR graph."""
+        if self._is_main:
+            for g in self._ir._graphs[1:]:
+                g._finalize()
+        else:
             self._g.inputs = [self._entry[t] for t in self._all_inputs()]
             self._g.outputs = [t._ir_id for t in self._outputs] + \
                               [t._ir_id for t in self._by_ref_list()]

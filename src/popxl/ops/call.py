@@ -34,6 +34,12 @@ class _SubgraphOp:
         ids = self.node.outputs[self.first_output:self.first_output + len(self.graph._outputs)]
         return [self.parent._tensors[i] for i in ids]
 
+    def __getattr__(self, name: str) -> Any:
+        """PopART's binding methods of the op (``popart._internal.ir.CallOp`` / ``LoopOp``),
+        which PopXL's ``CallSiteInfo._op`` is and popxl-addons uses."""
+        from .._pb import op_handle
+        return getattr(op_handle(self.parent, self.node), name)
+
 
 class CallSiteInfo:
     """A call site: the called graph, the parent tensors passed in and the outputs."""
