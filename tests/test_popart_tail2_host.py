@@ -431,3 +431,72 @@ def test_tensor_consumed_in_an_earlier_pipeline_stage():
         lines[1].endswith("inputs=[x, w], outputs=[Mul:0]) has pipeline stage 1")
     assert lines[2].startswith("Consumer Op(Relu (ai.onnx.Relu:") and \
         lines[2].endswith("inputs=[Mul:0], outputs=[Relu:0]) has pipeline stage 0")
+
+
+# ------------------------------------------------------------------ sessions and logs
+def test_print_tensor_writes_to_stderr(capfd):
+    """PrintTensor's output goes to stderr (PopART's), the anchors are the input's."""
+    import jax
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+    y = b.aiGraphcore.printtensor([x], title="seen")
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    capfd.readouterr()
+    s.run(popart.PyStepIO({x: np.array([1.5, -2, 3], np.float32)}, anchors))
+    jax.effects_barrier()
+    out, err = capfd.readouterr()
+    assert "seen" not in out and "seen: [ 1.5 -2.   3. ]" in err
+    np.testing.assert_array_equal(anchors[y], [1.5, -2, 3])
+
+
+def test_weights_to_host_logs_popart_lines(l1_training, session_log):
+    """Devicex::weightsToHost's debug lines (devicex module)."""
+    s = l1_training[0]
+    s.weightsFromHost()
+    session_log()
+    s.weightsToHost()
+    log = session_log()
+    assert ("devicex", "debug", "Writing weights to host") in log
+    assert ("devicex", "debug", "Writing weights to host complete.") in log
+
+
+SYNTHETIC_TYPES = ["FLOAT", "FLOAT16", "INT32", "UINT32", "INT16", "UINT16", "INT8", "UINT8",
+                   "BOOL"]
+
+
+@pytest.mark.parametrize("mode", ["Zeros", "RandomNormal", "RandomUniform"])
+def test_synthetic_data_over_every_input_type(mode):
+    """Ir::registerInputTensors: every input type PopART makes synthetic data for (one
+    session, an input of each); RandomNormal rounds to the integer types
+    (convertFloatToDataType); INT64 has none, an error when the session is built."""
+    b = popart.Builder()
+    xs = [b.addInputTensor(popart.TensorInfo(t, [64]), t.lower()) for t in SYNTHETIC_TYPES]
+    ys = [b.aiOnnx.identity([x]) for x in xs]
+    opts = popart.SessionOptions()
+    opts.syntheticDataMode = getattr(popart.SyntheticDataMode, mode)
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, ys), CPU(),
+                                userOptions=opts)
+    s.prepareDevice()
+    feeds = s._io.synthetic()
+    for x, t in zip(xs, SYNTHETIC_TYPES):
+        v = feeds[x][0, 0, 0]
+        assert v.dtype == popart.TensorInfo(t, [1]).np_dtype() and v.shape == (64,)
+        if mode == "Zeros":
+            assert not v.any()
+        elif mode == "RandomNormal" and t in ("FLOAT", "FLOAT16"):
+            assert abs(float(v.astype(np.float64).mean())) < 0.5 and 0.5 < v.astype(np.float64).std() < 1.5
+        elif mode == "RandomNormal" and t.startswith("INT"):
+            normal = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+            np.testing.assert_array_equal(v, np.rint(normal).astype(v.dtype))
+        elif mode == "RandomUniform" and t != "BOOL":
+            assert len(np.unique(v)) > 32
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({}, anchors))
+    b = popart.Builder()
+    y = b.aiOnnx.identity([b.addInputTensor(popart.TensorInfo("INT64", [2]), "i")])
+    what = "generate synthetic data for" if mode == "RandomUniform" else "convert float to"
+    assert _error(lambda: popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
+                                                  CPU(), userOptions=opts))[1] == \
+        f"Can't {what} DataType INT64"

@@ -36,7 +36,8 @@ from .errors import (ArgumentError, OptionError, OutOfMemoryException,  # noqa: 
                      incompatible_arguments, noted, popart_exception, popart_runtime_error)
 from .fileio import atomic_write
 from .optimizers import Optimizer
-from .options import IrSerializationFormat, MeanReductionStrategy, ReductionType, SessionOptions
+from .options import (IrSerializationFormat, MeanReductionStrategy, ReductionType, SessionOptions,
+                      SyntheticDataMode)
 from .patterns import for_session
 from .run_plan import RunPlan
 from .session_checks import check_ir, check_model, check_virtual_graph_range, resolve_inputs
@@ -579,8 +580,14 @@ class _Session(_FileMethods):
         self._require_prepared("weightsToHost")
         if self._dev is None:   # engine not loaded: the host values are the latest
             return
+        synthetic = self.options.syntheticDataMode != SyntheticDataMode.Off
+        devicex = _log.getLogger("devicex")   # Devicex::weightsToHost's lines
+        if not synthetic:
+            devicex.debug("Writing weights to host")
         self._host_weights = self._device_to_host(0)
         self._host_opt_state = self._device_to_host(1)
+        if not synthetic:
+            devicex.debug("Writing weights to host complete.")
         self._host_in_sync = True
 
     def areHostWeightsInSync(self) -> bool:

@@ -30,6 +30,7 @@ class HostIO:
         self.input_infos, self.infos, self.onnx_inputs = input_infos, infos, onnx_inputs
         self.callbacks: dict[str, Any] = {}
         self._synthetic: Optional[dict] = None
+        self._check_synthetic_types()
 
     def factors(self) -> tuple[int, int, int]:
         """(batchesPerStep, accumulationFactor, replicationFactor)."""
@@ -198,37 +199,56 @@ class HostIO:
             feeds[tid] = np.stack(parts).reshape((bps, A, R, *info.shape()))
         return feeds
 
+    def _mode(self) -> str:
+        return getattr(getattr(self.options, "syntheticDataMode", None), "name", "Off")
+
+    def _check_synthetic_types(self) -> None:
+        """Ir::registerInputTensors: synthetic data exists for the float and 8- to 32-bit
+        types only (convertFloatToDataType; generateSyntheticUniformData)."""
+        mode = self._mode()
+        for tid, info in ({} if mode == "Off" else self.input_infos).items():
+            if info.np_dtype() not in _SYNTHETIC_TYPES:
+                what = "generate synthetic data for" if mode == "RandomUniform" else \
+                    "convert float to"
+                raise noted(popart_exception(f"Can't {what} DataType {info.data_type()}"),
+                            f"syntheticDataMode {mode}: input '{tid}' is {info.data_type()}")
+
     def synthetic(self) -> Optional[dict[str, np.ndarray]]:
         """SessionOptions.syntheticDataMode (Ir::useSyntheticData): None when Off; else
         every input's data, made once (Ir::registerInputTensors) and used for every
         micro-batch, the StepIO's inputs ignored and no anchor written: zeros, standard
-        normal or uniform over the type's range (floats: float16's +-65504, else float32's),
-        from a fixed generator (not bit-equal to PopART's mt19937 draws)."""
-        mode = getattr(self.options, "syntheticDataMode", None)
-        mode = getattr(mode, "name", "Off")
+        normal (rounded to the nearest integer for integer types, as convertFloatToDataType)
+        or uniform over the type's range (floats: float16's +-65504, else float32's), each
+        input from its own generator with one fixed seed (as PopART's; not bit-equal to its
+        mt19937 draws)."""
+        mode = self._mode()
         if mode == "Off":
             return None
         if self._synthetic is None:
             bps, A, R = self.factors()
-            rng = np.random.default_rng(0)
             feeds = {}
             for tid, info in self.input_infos.items():
-                shape, dtype = info.shape(), info.np_dtype()
+                shape, dtype, rng = info.shape(), info.np_dtype(), np.random.default_rng(0)
+                integer = not np.issubdtype(dtype, np.floating) and dtype != np.bool_
                 if mode == "Zeros":
                     one = np.zeros(shape, dtype)
                 elif mode == "RandomNormal":
-                    one = rng.standard_normal(shape).astype(dtype)
+                    one = rng.standard_normal(shape).astype(np.float32)
+                    one = np.rint(one).astype(np.int64).astype(dtype) if integer else one.astype(dtype)
                 elif np.issubdtype(dtype, np.floating):
                     top = 65504.0 if dtype == np.float16 else float(np.finfo(np.float32).max)
                     one = rng.uniform(-top, top, shape).astype(dtype)
-                elif dtype == np.bool_:
-                    one = rng.integers(0, 2, shape).astype(dtype)
                 else:
-                    lim = np.iinfo(dtype)
-                    one = rng.integers(lim.min, lim.max, shape, dtype=dtype, endpoint=True)
+                    lim = (0, 1) if dtype == np.bool_ else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+                    one = rng.integers(lim[0], lim[1], shape, endpoint=True).astype(dtype)
                 feeds[tid] = np.broadcast_to(one, (bps, A, R, *shape))
             self._synthetic = feeds
         return self._synthetic
+
+
+# The types PopART makes synthetic data for (util.cpp convertFloatToDataType).
+_SYNTHETIC_TYPES = {np.dtype(t) for t in (np.float32, np.float16, np.int32, np.uint32, np.int16,
+                                          np.uint16, np.int8, np.uint8, np.bool_)}
 
 
 def _check_anchor_dtype(a: str, dst: Any, dtype: np.dtype) -> None:
