@@ -491,3 +491,15 @@ def test_group_norm_strided_channel_grouping(strided):
     s.run(popart.PyStepIO({xi: x}, a))
     np.testing.assert_allclose(a[y], _group_norm_rule(x, scale, bias, 2, 1e-5, strided),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_shape_inputs_known_only_at_run_time():   # op/slice.cpp:384, reshape.cpp, expand.cpp
+    fed = {"x": X23, "s": np.array([0])}
+    raises_text("Need the value of the ai.onnx.Slice:11 input 'starts' to determine the output "
+                "shape, but was unable because [Tensor::getDataViaGraphTraversal] Could not work "
+                "out tensor data for s.",
+                [node("Slice", ["x", "s", "e"], ["y"])], fed, ["y"], consts=[("e", np.array([1]))])
+    raises_text("Need the value of the ai.onnx.Reshape:5 input 'shape' to determine the output "
+                "shape, but was unable because [Tensor::getDataViaGraphTraversal] Could not work "
+                "out tensor data for s.",
+                [node("Reshape", ["x", "s"], ["y"])], {"x": X23, "s": np.array([3, 2])}, ["y"])

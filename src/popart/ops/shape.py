@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 from jax import lax
 
+from ..errors import UnsupportedOperatorError
 from .math import saturate_cast
 from .registry import add, debug_name, LowerCtx, opid, popart_error, register
 
@@ -43,8 +44,19 @@ def shape_text(shape) -> str:
 def shape_input_error(ctx: LowerCtx, what: str, problem: str, note: str) -> Exception:
     """PopART's error for a shape input whose value does not give an output shape (the
     connectInTensor of ReshapeOp, ExpandOp, SliceOp)."""
+    purpose = "slicing direction" if what == "steps" else "output shape"
     return popart_error(ctx, f"Need the value of the {opid(ctx)} input '{what}' to determine "
-                        f"the output shape, but was unable because {problem}", note)
+                        f"the {purpose}, but was unable because {problem}", note)
+
+
+def shape_ints(ctx: LowerCtx, x, what: str, k: int):
+    """``ints`` of input ``k`` named ``what`` by PopART (Reshape's shape, Expand's shape,
+    Slice's starts ... steps): a value computed at run time is PopART's error."""
+    try:
+        return ints(ctx, x, what)
+    except UnsupportedOperatorError as e:
+        raise shape_input_error(ctx, what, f"[Tensor::getDataViaGraphTraversal] Could not work "
+                                f"out tensor data for {ctx.input_ids[k]}.", str(e)) from None
 
 
 def _reshape(ctx: LowerCtx, x, shape, allowzero=0):
@@ -77,7 +89,7 @@ def _reshape(ctx: LowerCtx, x, shape, allowzero=0):
 
 add("Reshape", lambda ctx, x, shape=(), **_: _reshape(ctx, x, shape), since=1)
 add("Reshape", lambda ctx, x, shape, allowzero=0, **_:
-    _reshape(ctx, x, ints(ctx, shape, "shape"), allowzero), since=5, static_inputs=(1,))
+    _reshape(ctx, x, shape_ints(ctx, shape, "shape", 1), allowzero), since=5, static_inputs=(1,))
 
 
 @register("Transpose")
@@ -178,13 +190,14 @@ def _slice(ctx: LowerCtx, x, starts, ends, axes=None, steps=None):
 add("Slice", lambda ctx, x, starts=(), ends=(), axes=None, **_:
     _slice(ctx, x, starts, ends, axes), since=1)
 add("Slice", lambda ctx, x, starts, ends, axes=None, steps=None, **_: _slice(
-    ctx, x, ints(ctx, starts, "starts"), ints(ctx, ends, "ends"), ints(ctx, axes, "axes"),
-    ints(ctx, steps, "steps")), since=10, static_inputs=(1, 2, 3, 4))
+    ctx, x, shape_ints(ctx, starts, "starts", 1), shape_ints(ctx, ends, "ends", 2),
+    shape_ints(ctx, axes, "axes", 3), shape_ints(ctx, steps, "steps", 4)), since=10,
+    static_inputs=(1, 2, 3, 4))
 
 
 @register("Expand", since=8, static_inputs=(1,))
 def expand(ctx: LowerCtx, x, shape, **_):
-    shape = ints(ctx, shape, "shape")
+    shape = shape_ints(ctx, shape, "shape", 1)
     try:
         return jnp.broadcast_to(x, np.broadcast_shapes(jnp.shape(x), tuple(shape)))
     except ValueError:   # ExpandOp::finaliseShape
