@@ -500,3 +500,24 @@ def test_synthetic_data_over_every_input_type(mode):
     assert _error(lambda: popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
                                                   CPU(), userOptions=opts))[1] == \
         f"Can't {what} DataType INT64"
+
+
+def test_exception_classes_as_popart_binds_them():
+    """popart.cpp's py::exception hierarchy: each _throw_* raises its class, whose base is
+    the one PopART registers it with (unknown runtime errors are system runtime errors)."""
+    bases = {popart.popart_internal_exception: popart.popart_exception,
+             popart.popart_runtime_error: popart.popart_exception,
+             popart.poplar_runtime_error: popart.poplar_exception,
+             popart.poplar_application_runtime_error: popart.poplar_runtime_error,
+             popart.poplar_system_runtime_error: popart.poplar_runtime_error,
+             popart.poplar_recoverable_runtime_error: popart.poplar_system_runtime_error,
+             popart.poplar_unrecoverable_runtime_error: popart.poplar_system_runtime_error,
+             popart.poplar_unknown_runtime_error: popart.poplar_system_runtime_error}
+    for cls, base in bases.items():
+        assert cls.__bases__ == (base,), cls
+    for fn, cls in ((popart._throw_unknown_runtime_error, popart.poplar_unknown_runtime_error),
+                    (popart._throw_system_runtime_error, popart.poplar_system_runtime_error),
+                    (popart._throw_popart_runtime_error, popart.popart_runtime_error)):
+        with pytest.raises(cls) as e:
+            fn("boom")
+        assert type(e.value) is cls and e.value.args[0] == "boom"

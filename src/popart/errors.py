@@ -75,7 +75,7 @@ class poplar_unrecoverable_runtime_error(poplar_system_runtime_error):
     pass
 
 
-class poplar_unknown_runtime_error(poplar_runtime_error):
+class poplar_unknown_runtime_error(poplar_system_runtime_error):   # PopART's binding's base
     pass
 
 
