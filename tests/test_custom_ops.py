@@ -515,3 +515,25 @@ def test_gradient_graph_reads_what_the_grad_op_reads(monkeypatch):
     with popxl.Session(ir, "ipu_model") as s:
         got = s.run({xs: x})[sd]
     np.testing.assert_allclose(got, member_sum(x, [[0, 1]]), rtol=1e-6)
+
+
+def test_binding_parameters_as_attributes():
+    """A binding's parameters as node attributes: PopART's CollectiveOperator enum and popxl's
+    op name, PopART's replica grouping handle and popxl's, flags, params objects."""
+    from popart._internal.ir import CollectiveOperator
+    from popxl.ops.collectives.collectives import to_collective_op
+    rg = popxl.Ir(replication=4).replica_grouping(2, 2)
+    assert custom_ops.attribute_value(CollectiveOperator.Add) == "Add" == to_collective_op("add")
+    assert custom_ops.attribute_value(rg) == [4, 2, 2] == custom_ops.attribute_value(rg._pb_replica_grouping)
+    assert custom_ops.attribute_value(True) == 1
+    assert custom_ops.attribute_value(np.arange(3)) == [0, 1, 2]
+    Params = custom_ops.params_class("P", "a", "b")
+    assert (Params(1, b=2).a, Params(1, b=2).b) == (1, 2)
+
+    class Graph:
+        def createCustomOp(self, *args):
+            return args
+    Op = custom_ops.binding_op("X", ("op", "group"), domain="d", version=3)
+    assert Op.createOpInGraph(Graph(), {0: "t"}, {0: "y"}, CollectiveOperator.Mean, rg, settings="s") == \
+        ("X", "d", 3, {0: "t"}, {0: "y"}, {"op": "Mean", "group": [4, 2, 2]}, "s")
+    assert Op.create_op_in_graph(Graph(), {0: "t"}, {0: "y"}, Params(1, [2]), "s")[5] == {"a": 1, "b": [2]}
