@@ -197,6 +197,10 @@ def test_types_popart_accepts():
     v, i = run([node("TopK", ["x", "k"], ["v", "i"])], {"x": X23}, ["v", "i"],
                consts=[("k", np.array([2], np.int32))])
     np.testing.assert_array_equal(v, X23[:, ::-1][:, :2])
+    xi = np.array([[3, 9, 1], [4, 0, 8]], np.int32)   # TopK-10 of INT32 (topk.cpp:190)
+    v, i = run([node("TopK", ["x", "k"], ["v", "i"])], {"x": xi}, ["v", "i"], opset=10,
+               consts=[("k", np.array([2]))])
+    np.testing.assert_array_equal(v, -np.sort(-xi, 1)[:, :2])
     xi = np.array([0, 1, 4, 8, 17], np.int32)
     (y,) = run([node("Sqrt", ["x"], ["y"])], {"x": xi}, ["y"])
     np.testing.assert_array_equal(y, np.floor(np.sqrt(xi)).astype(np.int32))

@@ -300,6 +300,7 @@ POPART_INPUT_TYPES: dict[tuple[str, int], Any] = {
     ("Mul", 0): _fp16_with_fp32_scalar, ("Mul", 1): _fp16_with_fp32_scalar,
     # BinaryComparisonOp::setup checks no type (equal.cpp's definition takes FLOAT too)
     **{(op, k): "biuf" for op in ("Equal", "Greater", "Less") for k in (0, 1)},
+    ("TopK", 0): "iuf",                          # topk.cpp's T: integers too (TopK-10)
     ("TopK", 1): "iu",                           # read with getInputScalarValue
     ("Sqrt", 0): "iu",                           # an integer square root
     ("Scatter", 1): "iu", ("ScatterElements", 1): "iu",   # indices of any integer type
