@@ -22,8 +22,8 @@ def _cpp_beside(name: str, path: Optional[Sequence[str]]) -> Optional[str]:
     """``<dir>/<name>.cpp`` in the importing package's directories (``path``), or in
     sys.path's for a top-level module; None when there is none."""
     for d in (path if path is not None else sys.path):
-        cpp = os.path.join(d or ".", name + ".cpp")
-        if isinstance(d, str) and os.path.isfile(cpp):
+        cpp = os.path.join(d or ".", name + ".cpp") if isinstance(d, str) else ""
+        if cpp and os.path.isfile(cpp):
             return cpp
     return None
 
