@@ -153,8 +153,9 @@ GRAD_READS = {
                      "Flatten", "Squeeze", "Unsqueeze", "Expand", "ReduceSum", "ReduceMean",
                      "Concat", "Slice", "Split", "Scale", "Cast", "Subsample", "Resize", "Gather",
                      "GroupedGather", "DynamicSlice", "DynamicUpdate", "OneHot", "Where",
-                     "Dropout", "PrintTensor", "ReplicatedAllReduce", "ReplicatedAllReduceInplace",
-                     "ReplicatedAllGather", "ReplicatedReduceScatter"), "none"),
+                     "Dropout", "PrintTensor", "AllReduce", "ReplicatedAllReduce",
+                     "ReplicatedAllReduceInplace", "ReplicatedAllGather",
+                     "ReplicatedReduceScatter"), "none"),
     **dict.fromkeys(FROM_OUTPUT, "out"),
     # TopKGradOp, ReduceMedianGradOp: the indices output (FROM_OUTPUT)
     **dict.fromkeys(("TopK", "ReduceMedian"), ((), (1,))),
