@@ -27,12 +27,12 @@ LLAMA = Config("llama")
 
 
 def hf_model(cfg: Config):
-    """The HF model of ``cfg`` (one layer, no dropout, eager attention) with random weights
+    """The HF model of ``cfg`` (no dropout, eager attention) with random weights
     large enough that every term matters."""
     torch.manual_seed(0)
     if cfg.family == "gptj":
         hf = transformers.GPTJConfig(
-            vocab_size=cfg.vocab, n_positions=16, n_embd=cfg.hidden, n_layer=1, n_head=cfg.heads,
+            vocab_size=cfg.vocab, n_positions=16, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
             rotary_dim=cfg.rotary_dim, n_inner=cfg.inner, activation_function="gelu_new",
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.eps,
             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
@@ -40,7 +40,7 @@ def hf_model(cfg: Config):
     else:
         hf = transformers.LlamaConfig(
             vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.inner,
-            num_hidden_layers=1, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+            num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
             max_position_embeddings=16, rms_norm_eps=cfg.eps, hidden_act="silu",
             tie_word_embeddings=False)
         cls = transformers.LlamaForCausalLM
@@ -115,7 +115,8 @@ def test_the_variant_builds_with_its_ops(trained):
     """The popxl-addons variant runs its custom ops and calls AdamOptimizerStep graphs; the
     public one uses popxl's own ops only."""
     prog = trained[0]
-    types = {op.opType() for op in prog.fwd._pb_graph.getOps()}
+    types = {op.opType() for g in (prog.fwd, *prog.fwd.called_graphs) for op in g._pb_graph.getOps()}
+    assert "Call" in types                               # the decoder layer graph, once per layer
     custom = {"ReplicatedAllReduceTP", "CrossEntropySharded"} | (
         {"RotaryPosEmbed"} if prog.cfg.family == "gptj" else set())
     addons = prog.tp_ops is not None

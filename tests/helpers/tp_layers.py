@@ -17,7 +17,7 @@ The tensor-parallel collectives, the rotary embedding and the sharded loss are a
 popxl-addons' ops and its Adam module."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -64,6 +64,7 @@ class Config:
     rotary_dim: int = 2
     seq: int = 6
     batch: int = 2
+    layers: int = 2
     eps: float = 1e-5
 
     @property
@@ -282,27 +283,43 @@ PUBLIC_OPS = TPOps()
 
 
 @dataclass(eq=False)
+class DecoderBlock(Layer):
+    """One decoder layer on [B * S, hidden]; its HF names hold ``{}`` for the layer index."""
+    hf: str = ""
+
+    def build(self, x: Tensor) -> Tensor:
+        f, gptj = self.tp_ops, self.cfg.family == "gptj"
+        h = f.identical_inputs(self.sub(Norm, "ln_1", f"{self.hf}.{'ln_1' if gptj else 'input_layernorm'}")(x),
+                               self.group)
+        attn = self.sub(Attention, "attn", f"{self.hf}.{'attn' if gptj else 'self_attn'}")(h)
+        attn = f.identical_grad_inputs(attn, self.group)
+        if gptj:
+            mlp, down = self.sub(MLP, "mlp", f"{self.hf}.mlp")(h)
+            return x + attn + down.row_bias(f.identical_grad_inputs(mlp, self.group))
+        x = x + attn
+        h = f.identical_inputs(self.sub(Norm, "ln_2", f"{self.hf}.post_attention_layernorm")(x), self.group)
+        mlp, _ = self.sub(MLP, "mlp", f"{self.hf}.mlp")(h)
+        return x + f.identical_grad_inputs(mlp, self.group)
+
+
+@dataclass(eq=False)
 class CausalLM(Layer):
-    """Embedding, one decoder block, final norm, vocabulary-sharded LM head and loss; returns
-    (loss, this rank's logits [B, S, vocab / tp])."""
+    """Embedding, ``cfg.layers`` decoder layers (one graph, called per layer with that layer's
+    weights, as the popxl applications bind one layer graph to each layer's variables), final
+    norm, vocabulary-sharded LM head and loss; returns (loss, this rank's logits
+    [B, S, vocab / tp])."""
 
     def build(self, ids: Tensor, labels: Tensor, offset: Tensor) -> Tuple[Tensor, Tensor]:
         c, tp, f = self.cfg, self.tp, self.tp_ops
         gptj = c.family == "gptj"
-        pre, blk = ("transformer", "transformer.h.0") if gptj else ("model", "model.layers.0")
+        pre, blk = ("transformer", "transformer.h.{}") if gptj else ("model", "model.layers.{}")
         x = self.sub(Embedding, "embed", f"{pre}.{'wte' if gptj else 'embed_tokens'}")(ids, offset)
-        h = f.identical_inputs(self.sub(Norm, "ln_1", f"{blk}.{'ln_1' if gptj else 'input_layernorm'}")(x),
-                               self.group)
-        attn = f.identical_grad_inputs(self.sub(Attention, "attn", f"{blk}.{'attn' if gptj else 'self_attn'}")(h),
-                                       self.group)
-        if gptj:
-            mlp, down = self.sub(MLP, "mlp", f"{blk}.mlp")(h)
-            x = x + attn + down.row_bias(f.identical_grad_inputs(mlp, self.group))
-        else:
-            x = x + attn
-            h = f.identical_inputs(self.sub(Norm, "ln_2", f"{blk}.post_attention_layernorm")(x), self.group)
-            mlp, _ = self.sub(MLP, "mlp", f"{blk}.mlp")(h)
-            x = x + f.identical_grad_inputs(mlp, self.group)
+        block = DecoderBlock("", {}, c, tp, self.group, f, blk)
+        graph = popxl.gcg().ir.create_graph(block, x.spec)
+        for i in range(c.layers):
+            binds = {t: self.add_weight(f"h{i}.{k}", t.shape, replace(w, hf=tuple(h.format(i) for h in w.hf)))
+                     for k, (t, w) in block.weights.items()}
+            (x,) = ops.call(graph, x, inputs_dict=binds)
         h = f.identical_inputs(self.sub(Norm, "ln_f", f"{pre}.{'ln_f' if gptj else 'norm'}")(x), self.group)
         logits = self.sub(Linear, "lm_head", ("lm_head",), c.hidden, c.vocab, "col", gptj)(h)
         logits = ops.reshape(logits, (c.batch, c.seq, c.vocab // tp))
