@@ -68,6 +68,9 @@ def test_matmul_messages():   # op/matmul.cpp:130, 222
                 mm, {"x": X23, "w": X23}, ["y"])
     raises_text(f"{op} contracting dimensions unequal: lhs 'x' [1 3], rhs 'w' [2 3]",
                 mm, {"x": X23[0], "w": X23}, ["y"])   # a 1-D lhs shown as [1, n]
+    raises_text("np broadcasting failed on 'Op 0 (ai.onnx.MatMul:9)', frames [2] and [3] are "
+                "not aligned", mm, {"x": np.ones((2, 2, 3), F32), "w": np.ones((3, 3, 4), F32)},
+                ["y"])   # the batch dimensions (prettyNpOut)
     raises_text(f"{op} doesn't support scalar tensor w as the rhs input",
                 mm, {"x": X23, "w": np.array(2, F32)}, ["y"])
     (y,) = run(mm, {"x": X23, "w": X23.T.copy()}, ["y"])   # the corrected call

@@ -344,14 +344,14 @@ def info_text(x: Any, shape: Any = None) -> str:
 
 def _check_setup(node: Node, graph: Graph, version: int, inputs: list) -> None:
     """Shape rules PopART's op setup checks with its own texts: NumPy broadcasting of
-    elementwise ops (tensorinfo.cpp's npOut) and Nll's label shape (nll.cpp)."""
+    elementwise ops and of MatMul's batch dimensions (tensorinfo.cpp's npOut) and Nll's label
+    shape (nll.cpp)."""
     shapes = [np.shape(x) for x in inputs if x is not None and hasattr(x, "shape")]
     legacy = node.domain == ONNX_DOMAIN and "broadcast" in getattr(
         registry.onnx_schema(node.op_type, version), "attributes", {})   # Add-6's rules
-    if node.domain == ONNX_DOMAIN and node.op_type in _NP_BROADCAST and len(shapes) > 1 \
-            and not legacy:
-        out = shapes[0]
-        for s in shapes[1:]:
+    def broadcast(frames: list) -> None:   # npOut's check and text
+        out = frames[0]
+        for s in frames[1:]:
             nxt = _np_broadcast(out, s)
             if nxt is None:
                 fmt = lambda t: ", ".join(str(d) for d in t)
@@ -360,6 +360,12 @@ def _check_setup(node: Node, graph: Graph, version: int, inputs: list) -> None:
                     f"[{fmt(out)}] and [{fmt(s)}] are not aligned"),
                     f"{node.describe()}: inputs {list(node.inputs)} do not broadcast")
             out = nxt
+    if node.domain == ONNX_DOMAIN and node.op_type in _NP_BROADCAST and len(shapes) > 1 \
+            and not legacy:
+        broadcast(shapes)
+    if node.domain == ONNX_DOMAIN and node.op_type == "MatMul" and len(shapes) == 2 \
+            and all(len(s) > 1 for s in shapes):   # npMatMulOut: the batch (group) frames
+        broadcast([s[:-2] or (1,) for s in shapes])
     if node.domain == GRAPHCORE_DOMAIN and node.op_type == "Nll" and len(inputs) > 1 \
             and inputs[0] is not None and inputs[1] is not None:
         probs, label = inputs[0], inputs[1]
