@@ -266,6 +266,48 @@ def test_topo_cons_reorder():
     assert c._pb_tensor.getProducer() == add2
 
 
+def test_route_into_an_existing_call():
+    """A graph input added after the call: connected at the call site, marked modified (the
+    caller's variable moves to the call's result), and a graph output added afterwards."""
+    ir = popxl.Ir()
+    sg = ir.create_empty_graph("sg")
+    with ir.main_graph as g:
+        v = popxl.variable(np.array([1.0, 2.0], np.float32), name="v")
+        info = ops.call_with_info(sg)
+    call = g._pb_graph.getOps()[0]
+    with sg:
+        v_sg = popxl.graph_input((2,), popxl.float32, "v")
+        assert not call.hasInput(0) and call.getNumExplicitInputs() == 1
+        call.connectInTensor(0, v.id)
+        call.addModified(0, [_ir.view.Region.getFull((2,))])
+        v_sg += 10.0
+        doubled = v_sg * 2.0
+    sg._pb_graph.markAsOutput(doubled.id)
+    out = g._create_tensor_id("doubled")
+    call.createAndConnectOutTensor(0, out)
+    assert call.hasInputTensor(v._pb_tensor) and call.inIndex(v._pb_tensor) == 0
+    with g:
+        s = popxl.d2h_stream((2,), popxl.float32)
+        ops.host_store(s, popxl.Tensor._from_pb_tensor(call.outTensor(0)))
+    assert info.outputs[0].id == out
+    outs, vs = _run(ir)
+    np.testing.assert_allclose(vs[v], [11.0, 12.0])
+    np.testing.assert_allclose(outs[s], [22.0, 24.0])
+
+
+def test_ipu_copy_class():
+    ir = popxl.Ir()
+    with ir.main_graph as g:
+        with popxl.ipu(0):
+            x = popxl.variable(np.zeros(2, np.float32)) + 1.0
+        y = x.copy_to_ipu(1)
+        z = ops.identity(y)
+    copy, ident = y._pb_tensor.getProducer(), z._pb_tensor.getProducer()
+    assert isinstance(copy, _ir.op.IpuCopyOp) and copy.isIpuCopyOp()
+    assert (copy.getSourceIpu(x.id), copy.getDestIpu()) == (0, 1)
+    assert not isinstance(ident, _ir.op.IpuCopyOp) and type(ident).__name__ == "IdentityOp"
+
+
 # ---------------------------------------------------------------------------------- autodiff
 def _fwd_and_hand_grad(ir: popxl.Ir, factor: float):
     """f(x, w) = x @ w and a hand-built gradient graph (dy, x, w) -> (factor * dx, dw)."""
