@@ -521,3 +521,71 @@ def test_exception_classes_as_popart_binds_them():
         with pytest.raises(cls) as e:
             fn("boom")
         assert type(e.value) is cls and e.value.args[0] == "boom"
+
+
+# ------------------------------------------------------------------ the IR's JSON
+def _ir_ops(s):
+    import json
+    return json.loads(s._serializeIr(popart.IrSerializationFormat.JSON))["maingraph"]
+
+
+def test_ir_json_sgd2_decomposition_and_schedule_priority():
+    """SGD2Decompose (separate accumulators, 2 accumulated micro-batches): Accumulate into
+    Accum___w, SGD2PartialAcclUpdate and Accumulate of Accl1___w (intermediate ids
+    <id>__t<n>), AccumulatorZero, SGD2VarUpdate; every op's attributes end with
+    schedulePriority (Op::appendMore)."""
+    b, x, w, loss = _l1_model()
+    opts = popart.SessionOptions()
+    opts.enableGradientAccumulation, opts.accumulationFactor = True, 2
+    opt = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, True)},
+                     accumulatorAndMomentum=popart.SGDAccumulatorAndMomentum.Separate)
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, opt, CPU(),
+                               userOptions=opts)
+    ops = _ir_ops(s)
+    got = [(o["type"], o["name"], [i["name"] for i in o["inputs"]],
+            [t["name"] for t in o["outputs"]]) for o in ops]
+    g = "Gradient___" + w
+    assert got[-5:] == [
+        ("Accumulate", "w_accumulate", ["Accum___w", g], ["Accum___w__t0"]),
+        ("SGD2PartialAcclUpdate", "w_accl_update_0_prev_v_w", ["Accl1___w", "w"],
+         ["Accl1___w__t1"]),
+        ("Accumulate", "w_accl_update_1_grads", ["Accl1___w__t1", "Accum___w__t0"],
+         ["Accl1___w__t1__t2"]),
+        ("AccumulatorZero", "w_accumupdate", ["Accum___w"], ["UpdatedVar___Accum___w"]),
+        ("SGD2VarUpdate", "w_var_update", ["w", "Accl1___w__t1__t2"], ["UpdatedVar___w"])]
+    assert all(list(o["attributes"])[-1] == "schedulePriority" and
+               o["attributes"]["schedulePriority"] == "0.000000" for o in ops)
+
+
+def test_ir_json_random_like_ops_are_folded():
+    """LikeOpsPattern: RandomNormalLike(x) is RandomNormal of x's shape and type, named
+    <name>_RandomNormalLikeOpPattern, with no input."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    r = b.aiOnnx.randomuniformlike([x], high=2.0, low=1.0)
+    y = b.aiOnnx.add([x, r])
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU())
+    (op, add) = _ir_ops(s)
+    assert (op["type"], op["inputs"], op["outputs"][0]["name"]) == ("RandomUniform", [], r)
+    assert op["name"].endswith("_RandomUniformLikeOpPattern")
+    assert op["attributes"]["shape"] == "[2 3]" and op["attributes"]["dtype"] == "FLOAT"
+    assert op["attributes"]["high"] == "2.0" and add["type"] == "Add"
+
+
+def test_ir_json_als_histograms_scheduled_early():
+    """AutomaticLossScale: with delayed var updates and
+    scheduleNonWeightUpdateGradientConsumersEarly, each Histogram's schedulePriority is the
+    largest double (std::to_string of it as a float: inf)."""
+    b2 = popart.Builder()
+    x = b2.addInputTensor(popart.TensorInfo("FLOAT16", [3]), "x")
+    w = b2.addInitializedInputTensor(W0.astype(np.float16), "w")
+    loss = b2.aiGraphcore.l1loss([b2.aiOnnx.mul([x, w])], 1.0)
+    opts = popart.SessionOptions()
+    opts.automaticLossScalingSettings.enabled = True
+    opts.scheduleNonWeightUpdateGradientConsumersEarly = True
+    opt = popart.SGD({"defaultLearningRate": (0.1, False), "lossScaling": (8.0, False)})
+    s = popart.TrainingSession(b2.getModelProto(), popart.DataFlow(1, [loss]), loss, opt, CPU(),
+                               userOptions=opts)
+    s.prepareDevice()
+    hist = [o for o in _ir_ops(s) if o["type"] == "Histogram"]
+    assert hist and all(o["attributes"]["schedulePriority"] == "inf" for o in hist)

@@ -58,11 +58,33 @@ def _attr(v: Any) -> str:
     return str(v)
 
 
-def _op(node_type: str, name: str, inputs: list, outputs: list, attrs: dict, infos: dict) -> dict:
+def _op(node_type: str, name: str, inputs: list, outputs: list, attrs: dict, infos: dict,
+        priority: float = 0.0) -> dict:
+    """One op as Op::toJSON writes it; its attributes end with ``schedulePriority``
+    (Op::appendMore: the priority as a float, std::to_string's form)."""
     return {"type": node_type, "name": name,
             "inputs": [_tensor(t, infos, i) for i, t in enumerate(inputs) if t],
             "outputs": [{"name": t, "index": str(i)} for i, t in enumerate(outputs) if t],
-            "attributes": {k: _attr(v) for k, v in {"recompute": "NO", **attrs}.items()}}
+            "attributes": {**{k: _attr(v) for k, v in {"recompute": "NO", **attrs}.items()},
+                           "schedulePriority": f"{float(np.float32(priority)):.6f}"}}
+
+
+# PopART's LikeOpsPattern (mandatory): RandomNormalLike / RandomUniformLike become
+# RandomNormal / RandomUniform of the input's shape and type, named "<name>_<pattern>".
+_FOLDED_LIKE = {"RandomNormalLike": ("RandomNormal", "RandomNormalLikeOpPattern"),
+                "RandomUniformLike": ("RandomUniform", "RandomUniformLikeOpPattern")}
+
+
+def _node_op(n: Any, attrs: dict, infos: dict) -> dict:
+    """A graph node as its op, after PopART's LikeOpsPattern."""
+    name = n.name or n.outputs[0]
+    if n.op_type not in _FOLDED_LIKE or n.domain not in ("", "ai.onnx") or n.inputs[0] not in infos:
+        return _op(n.op_type, name, n.inputs, n.outputs, attrs, infos)
+    info = infos[n.inputs[0]]
+    op_type, pattern = _FOLDED_LIKE[n.op_type]
+    shape = "[" + " ".join(str(d) for d in info.shape()) + "]"
+    return _op(op_type, f"{name}_{pattern}", [], n.outputs,
+               {**attrs, "shape": shape, "dtype": attrs.get("dtype", info.data_type())}, infos)
 
 
 def _graphs(graph: Graph) -> list[Graph]:
@@ -83,9 +105,8 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
     doc = {}
     stages = _stages(graph, training)
     for g in _graphs(graph):
-        ops = [_op(n.op_type, n.name or n.outputs[0], n.inputs, n.outputs,
-                   {**n.attrs, **_placement(n, stages.get(id(n)) if g is graph else None)},
-                   infos)
+        ops = [_node_op(n, {**n.attrs, **_placement(n, stages.get(id(n)) if g is graph else None)},
+                        infos)
                for n in g.nodes]
         if g is graph and training is not None:
             ops += _backward(g, infos, training, stages)
@@ -178,8 +199,10 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict) -> list[dict]
     grads = {w: GRAD + w for w in trained}
     ops += _clipping(training["optimizer"], trained, grads, infos, new_id)
     ops += _als_ops(training.get("program"), infos)
+    accumulating = getattr(getattr(training.get("program"), "cfg", None),
+                           "accumulation_factor", 1) > 1
     for w in trained:
-        ops += _var_update(training["optimizer"], w, grads[w], infos)
+        ops += _var_update(training["optimizer"], w, grads[w], infos, new_id, accumulating)
     return ops
 
 
@@ -267,8 +290,13 @@ def _als_ops(program: Any, infos: dict) -> list:
     infos.update({h: TensorInfo("UINT32", [2]) for h in stats + ["summedHistograms"]})
     infos.update({"summedCastedHistograms": f32(2), "lossScaleUpdateFactor": f32(),
                   "finalLossScale": f32(), als.loss_scaling_id: f32()})
+    o = program.cfg.options   # SessionOptions::shouldDelayVarUpdates, consumers early
+    early = (o.delayVarUpdates and o.executionPhaseSettings.phases < 2 and
+             o.batchSerializationSettings.factor < 2 and not o.explicitRecomputation and
+             not o.enableExplicitMainLoops and o.scheduleNonWeightUpdateGradientConsumersEarly)
     ops = [_op("Histogram", f"Histogram_{t}", [GRAD + t], [h],
-               {"levels": [float(als.level)], "absoluteOfInput": 1}, infos)
+               {"levels": [float(als.level)], "absoluteOfInput": 1}, infos,
+               priority=np.inf if early else 0.0)
            for t, h in zip(als.tracked, stats)]
     ops += [_op("Sum", "HistogramSum", stats, ["summedHistograms"], {}, infos),
             _op("Cast", "HistogramCast", ["summedHistograms"], ["summedCastedHistograms"],
@@ -281,11 +309,16 @@ def _als_ops(program: Any, infos: dict) -> list:
     return ops
 
 
-def _var_update(optimizer: Any, w: str, grad: str, infos: dict) -> list:
+def _var_update(optimizer: Any, w: str, grad: str, infos: dict, new_id: _Ids,
+                accumulating: bool) -> list:
     """The var update of weight ``w``; SGD1 (``SGD1Decompose``) is Accumulate into
     ``Accl___<w>`` (giving ``AcclIntoUpdate___<w>``), SGD1VarUpdate, then SGD1AcclUpdate
-    (giving ``AcclOutOfAcclUpdate___<w>``)."""
+    (giving ``AcclOutOfAcclUpdate___<w>``); SGD2 (``SGD2Decompose``) is
+    SGD2PartialAcclUpdate and Accumulate of ``Accl1___<w>``, then SGD2VarUpdate (when
+    gradients accumulate: first Accumulate into ``Accum___<w>``, zeroed after)."""
     update = _var_update_type(optimizer, w)
+    if update == "SGD2VarUpdate":
+        return _sgd2_update(w, grad, infos, new_id, accumulating)
     if update != "SGD1VarUpdate":
         return [_op(update, f"{update}_{w}", [w, grad], ["UpdatedVar___" + w], {}, infos)]
     accl, to_update, final = (PREFIXES[p] + w for p in ("Accl", "AcclToUpdate", "AcclFinalOut"))
@@ -295,6 +328,30 @@ def _var_update(optimizer: Any, w: str, grad: str, infos: dict) -> list:
             _op("SGD1VarUpdate", f"{w}_var_update", [w, to_update], ["UpdatedVar___" + w],
                 {}, infos),
             _op("SGD1AcclUpdate", f"{w}_accl_update", [to_update, w], [final], {}, infos)]
+
+
+def _sgd2_update(w: str, grad: str, infos: dict, new_id: _Ids, accumulating: bool) -> list:
+    """SGD2Decompose's ops for weight ``w`` (intermediate ids ``Ir::
+    createIntermediateTensorId``'s)."""
+    accl1, accum = PREFIXES["Accl1"] + w, PREFIXES["Accum"] + w
+    ops, into = [], grad
+    if accumulating:   # OptimizerDecompose::gradAccum
+        into = new_id(accum)
+        infos.update({accum: infos.get(w), into: infos.get(w)})
+        ops.append(_op("Accumulate", f"{w}_accumulate", [accum, grad], [into], {"type": "Add"},
+                       infos))
+    accl1_0 = new_id(accl1)
+    accl1_1 = new_id(accl1_0)
+    infos.update({t: infos.get(w) for t in (accl1, accl1_0, accl1_1)})
+    ops += [_op("SGD2PartialAcclUpdate", f"{w}_accl_update_0_prev_v_w", [accl1, w], [accl1_0],
+                {}, infos),
+            _op("Accumulate", f"{w}_accl_update_1_grads", [accl1_0, into], [accl1_1],
+                {"type": "DampenedAdd"}, infos)]
+    if accumulating:   # OptimizerDecompose::zeroAccumulator
+        ops.append(_op("AccumulatorZero", f"{w}_accumupdate", [accum],
+                       ["UpdatedVar___" + accum], {}, infos))
+    return ops + [_op("SGD2VarUpdate", f"{w}_var_update", [w, accl1_1], ["UpdatedVar___" + w],
+                      {}, infos)]
 
 
 class SessionIr:
