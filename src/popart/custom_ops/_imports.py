@@ -109,7 +109,7 @@ def real_cppimport_hook() -> bool:
 class FallbackFinder(importlib.abc.MetaPathFinder):
     """Last on sys.meta_path, so asked only for what no other finder found: ``cppimport``
     and ``cppimport.import_hook`` (the stand-ins), and an unregistered binding module whose
-    ``.cpp`` exists (ModuleNotFoundError saying how to register an equivalent)."""
+    ``.cpp`` exists (an ImportError saying how to register an equivalent)."""
 
     def find_spec(self, fullname: str, path: Optional[Sequence[str]],
                   target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
@@ -121,7 +121,7 @@ class FallbackFinder(importlib.abc.MetaPathFinder):
         cpp = _cpp_beside(name, path)
         if cpp is None or real_cppimport_hook():
             return None
-        raise ModuleNotFoundError(   # an ImportError that `except ModuleNotFoundError` probes catch
+        raise ImportError(   # not ModuleNotFoundError: `from . import x` would replace its message
             f"Cannot import the C++ custom op binding '{fullname}': '{cpp}' needs a C++ "
             f"compiler and PopART's libraries, which this runtime does not use, and no Python "
             f"equivalent is registered for '{name}'. Register one before importing it: "
