@@ -447,7 +447,7 @@ def _check_signature(node: Node, graph: Graph, version: int, inputs: list) -> No
             raise noted(ModelError(
                 f"np broadcasting failed on Op {_op_str(node, graph, version)}, incompatible "
                 f"types {to_datatype(np.dtype(first[1])).name} and {to_datatype(np.dtype(dtype)).name} "
-                f"(shapes [{' '.join(map(str, np.shape(a)))}] and [{' '.join(map(str, np.shape(b)))}])"),
+                f"(shapes {registry.shape_text(np.shape(a))} and {registry.shape_text(np.shape(b))})"),
                 f"{node.describe()}: inputs '{node.inputs[first[0]]}' and '{node.inputs[k]}'; "
                 f"insert a Cast")
         if first[1] != dtype:

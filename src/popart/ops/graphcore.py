@@ -16,7 +16,7 @@ from ..errors import poplar_application_runtime_error
 from ..tensorinfo import np_dtype
 from . import nn, reduce
 from .elementwise import gelu_tanh, with_popart_grad
-from .registry import add, GRAPHCORE_DOMAIN, LowerCtx, opid, popart_error, register
+from .registry import add, GRAPHCORE_DOMAIN, LowerCtx, opid, popart_error, register, shape_text
 
 
 def _g(name, **kw):
@@ -496,9 +496,9 @@ def shaped_dropout(ctx: LowerCtx, x, *, shape, ratio, **_):
     nn.check_dropout_ratio(ctx, ratio)
     if len(shape) > x.ndim or any(s not in (1, d) for s, d in zip(shape[::-1], x.shape[::-1])):
         raise popart_error(ctx, f"ShapedDropout: incompatible input tensor and dropout shape. "
-                           f"{opid(ctx)} is configured with shape [{' '.join(map(str, shape))}] "
-                           f"which is not broadcastable to the input tensor with shape "
-                           f"[{' '.join(map(str, x.shape))}].", f"shape {list(shape)}")
+                           f"{opid(ctx)} is configured with shape {shape_text(shape)} which is "
+                           f"not broadcastable to the input tensor with shape "
+                           f"{shape_text(x.shape)}.", f"shape {list(shape)}")
     if not ctx.training:
         return x
     keep = jax.random.uniform(ctx.rng(), tuple(shape), jnp.float32) >= ratio

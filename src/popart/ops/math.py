@@ -7,7 +7,8 @@ import numpy as np
 from jax import lax
 
 from .elementwise import c
-from .registry import add, debug_name, LowerCtx, onnx_semantics, popart_error, register
+from .registry import (add, debug_name, LowerCtx, onnx_semantics, popart_error, register,
+                       shape_text)
 
 I64 = jnp.int64
 
@@ -16,10 +17,6 @@ def _dt(x):
 
 def _static_int(ctx: LowerCtx, x, what):
     return int(ctx.static(x, what).reshape(-1)[0])
-
-def _shape_text(shape) -> str:
-    return f"[{' '.join(str(d) for d in shape)}]"
-
 
 @register("MatMul")
 def matmul(ctx: LowerCtx, a, b, **_):
@@ -33,8 +30,8 @@ def matmul(ctx: LowerCtx, a, b, **_):
     rs = tuple(jnp.shape(b)) + (1,) * (jnp.ndim(b) == 1)
     if ls[-1] != rs[-2]:
         raise popart_error(ctx, f"{debug_name(ctx)} contracting dimensions unequal: lhs "
-                           f"'{ctx.input_ids[0]}' {_shape_text(ls)}, rhs '{ctx.input_ids[1]}' "
-                           f"{_shape_text(rs)}", "the lhs's last dimension must equal the rhs's "
+                           f"'{ctx.input_ids[0]}' {shape_text(ls)}, rhs '{ctx.input_ids[1]}' "
+                           f"{shape_text(rs)}", "the lhs's last dimension must equal the rhs's "
                            "second to last")
     return jnp.matmul(a, b)
 

@@ -267,6 +267,11 @@ def debug_name(ctx: LowerCtx) -> str:
             f"{', '.join(i for i in ctx.input_ids if i)}], outputs=[{', '.join(ctx.output_ids)}])")
 
 
+def shape_text(shape: Any) -> str:
+    """A shape as PopART's messages print one (operator<< of a Shape): [2 3]."""
+    return f"[{' '.join(str(int(d)) for d in shape)}]"
+
+
 def fmt_float(v: float) -> str:
     """A float attribute as PopART's messages print it (the shortest float32 form: 1, 0.5)."""
     return np.format_float_positional(np.float32(v), trim="-")

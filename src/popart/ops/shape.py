@@ -10,7 +10,7 @@ from jax import lax
 
 from ..errors import UnsupportedOperatorError
 from .math import saturate_cast
-from .registry import add, debug_name, LowerCtx, opid, popart_error, register
+from .registry import add, debug_name, LowerCtx, opid, popart_error, register, shape_text
 
 I64 = np.int64
 
@@ -35,11 +35,6 @@ def _norm_axes(ctx: LowerCtx, axes, rank):
 
 # ---------------------------------------------------------------------------------------
 # Reshaping
-
-def shape_text(shape) -> str:
-    """A shape as PopART's messages print one: [2 3]."""
-    return f"[{' '.join(str(int(d)) for d in shape)}]"
-
 
 def shape_input_error(ctx: LowerCtx, what: str, problem: str, note: str) -> Exception:
     """PopART's error for a shape input whose value does not give an output shape (the
