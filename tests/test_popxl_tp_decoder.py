@@ -23,7 +23,7 @@ from helpers.tp_layers import Adam, Config, Program  # noqa: E402
 
 STEPS = 3
 GPTJ = Config("gptj", rotary_dim=2)
-LLAMA = Config("llama")
+LLAMA = Config("llama", kv_heads=4)        # grouped-query attention: 2 query heads per key head
 
 
 def hf_model(cfg: Config):
@@ -40,7 +40,7 @@ def hf_model(cfg: Config):
     else:
         hf = transformers.LlamaConfig(
             vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.inner,
-            num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+            num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
             max_position_embeddings=16, rms_norm_eps=cfg.eps, hidden_act="silu",
             tie_word_embeddings=False)
         cls = transformers.LlamaForCausalLM

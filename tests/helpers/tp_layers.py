@@ -55,11 +55,13 @@ def all_reduce_identical_grad_inputs(x: Tensor, group: ReplicaGrouping) -> Tenso
 class Config:
     """A tiny causal LM: ``family`` "gptj" (parallel residual, LayerNorm, interleaved rotary on
     the first ``rotary_dim`` dims of each head, gelu MLP with biases, LM head with bias) or
-    "llama" (sequential residual, RMSNorm, half rotation, SwiGLU MLP, no biases)."""
+    "llama" (sequential residual, RMSNorm, half rotation, SwiGLU MLP, no biases; ``kv_heads``
+    below ``heads`` is grouped-query attention)."""
     family: str
     vocab: int = 64
     hidden: int = 32
     heads: int = 8
+    kv_heads: int = 8
     inner: int = 64
     rotary_dim: int = 2
     seq: int = 6
@@ -196,11 +198,16 @@ class Attention(Layer):
 
     def build(self, x: Tensor) -> Tensor:
         c, tp = self.cfg, self.tp
-        heads, d = c.heads // tp, c.head_dim
+        heads, kv, d = c.heads // tp, c.kv_heads // tp, c.head_dim
         names = ("q_proj", "k_proj", "v_proj")
-        qkv = self.sub(Linear, "qkv", tuple(f"{self.hf}.{n}" for n in names), c.hidden, 3 * c.hidden, "col")(x)
-        q, k, v = (ops.reshape(t, (c.batch, c.seq, heads, d)) for t in ops.split(qkv, 3, axis=1))
+        qkv = self.sub(Linear, "qkv", tuple(f"{self.hf}.{n}" for n in names), c.hidden,
+                       (c.heads + 2 * c.kv_heads) * d, "col")(x)
+        q, k, v = (ops.reshape(t, (c.batch, c.seq, n, d))
+                   for t, n in zip(ops.split(qkv, [heads * d, kv * d, kv * d], axis=1), (heads, kv, kv)))
         q, k = (self.tp_ops.rope(t, c) for t in (q, k))
+        if kv < heads:       # each key / value head serves heads // kv consecutive query heads
+            k, v = (ops.reshape(ops.concat([ops.unsqueeze(t, [3])] * (heads // kv), 3), (c.batch, c.seq, heads, d))
+                    for t in (k, v))
         q, k, v = (ops.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))          # [B, heads, S, d]
         scores = q @ ops.transpose(k, (0, 1, 3, 2))
         scores = scores / float(np.sqrt(d)) if c.family == "gptj" else scores * float(d ** -0.5)
