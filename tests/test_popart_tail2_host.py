@@ -589,3 +589,22 @@ def test_ir_json_als_histograms_scheduled_early():
     s.prepareDevice()
     hist = [o for o in _ir_ops(s) if o["type"] == "Histogram"]
     assert hist and all(o["attributes"]["schedulePriority"] == "inf" for o in hist)
+
+
+def test_invalid_virtual_graph_names_the_op_as_popart():
+    """IrLowering::prepareGraph (prepareDevice): the op as Op::debugName writes it."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2]), "x")
+    with b.virtualGraph(0):
+        y = b.aiOnnx.relu([x])
+    with b.virtualGraph(3):
+        z = b.aiOnnx.neg([y])
+    opts = popart.SessionOptions()
+    opts.virtualGraphMode = popart.VirtualGraphMode.Manual
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [z]),
+                                popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
+                                userOptions=opts)
+    msg = _error(s.prepareDevice)[1]
+    assert msg.startswith("Op(Neg (ai.onnx.Neg:") and msg.endswith(
+        f"inputs=[{y}], outputs=[{z}]) has been assigned to an invalid virtual graph 3. "
+        f"numIPUs = 2.")

@@ -262,6 +262,12 @@ def _op_str(graph: Graph, node: Any) -> str:
     return f"{node.name} ({node.domain}.{node.op_type}:{graph.opsets.get(node.domain, '?')})"
 
 
+def _op_debug_name(graph: Graph, node: Any) -> str:
+    """A node as PopART's Op::debugName names it: ``Op(<Op::str>, inputs=[..], outputs=[..])``."""
+    return (f"Op({_op_str(graph, node)}, inputs=[{', '.join(t for t in node.inputs if t)}], "
+            f"outputs=[{', '.join(t for t in node.outputs if t)}])")
+
+
 def num_virtual_graphs(o: Any, device: Any, replicas: int) -> int:
     """IPUs per replica (Ir::getNumVirtualGraphIds)."""
     n = int(getattr(device, "numIpus", 1) or 1)
@@ -309,8 +315,8 @@ def check_virtual_graph_range(graph: Graph, o: Any, device: Any, replicas: int) 
     for op in _main_ops(graph):
         v = op.annotations.get(VIRTUAL_GRAPH)
         if v is not None and not 0 <= int(v) < n:
-            raise IrError(f"{_op_str(graph, op)} has been assigned to an invalid virtual graph "
-                          f"{int(v)}. numIPUs = {n}.")
+            raise IrError(f"{_op_debug_name(graph, op)} has been assigned to an invalid "
+                          f"virtual graph {int(v)}. numIPUs = {n}.")
 
 
 def _check_pipeline_settings(graph: Graph, o: Any, device: Any, replicas: int,
@@ -365,8 +371,7 @@ def _check_stage_order(graph: Graph, ops: list, key: str) -> None:
     (annotation ``key``) produces."""
     stage = lambda op: int(op.annotations.get(key, 0))
     producer = {t: op for op in ops for t in op.outputs if t}
-    debug = lambda op: (f"Op({_op_str(graph, op)}, inputs=[{', '.join(op.inputs)}], "
-                        f"outputs=[{', '.join(op.outputs)}])")   # Op::debugName
+    debug = lambda op: _op_debug_name(graph, op)
     for op in ops:
         for t in op.inputs:
             p = producer.get(t)
