@@ -389,7 +389,7 @@ def test_random_seed_must_be_an_unsigned_64_bit_integer():
     s = inference(b.getModelProto(), [z], options(enableStochasticRounding=True))   # seedable
     s.prepareDevice()
     for bad in (-1, 1.5, "3", 2 ** 64, True):
-        with pytest.raises(ArgumentError, match="seedValue must be an unsigned 64-bit integer"):
+        with pytest.raises(ArgumentError, match=r"setRandomSeed\(\): incompatible function arguments"):
             s.setRandomSeed(bad)
         with pytest.raises(TypeError):   # as PopART's binding raises
             s.setRandomSeed(bad)

@@ -608,3 +608,16 @@ def test_invalid_virtual_graph_names_the_op_as_popart():
     assert msg.startswith("Op(Neg (ai.onnx.Neg:") and msg.endswith(
         f"inputs=[{y}], outputs=[{z}]) has been assigned to an invalid virtual graph 3. "
         f"numIPUs = 2.")
+
+
+def test_set_random_seed_of_a_type_the_binding_rejects():
+    """pybind11's TypeError for setRandomSeed(uint64_t) given a str."""
+    b, x, w, loss = _l1_model()
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                               popart.ConstSGD(0.5), CPU())
+    with pytest.raises(TypeError) as e:
+        s.setRandomSeed("3")
+    assert e.value.args[0] == (
+        "setRandomSeed(): incompatible function arguments. The following argument types are "
+        "supported:\n    1. (self: popart_core._TrainingSessionCore, seedValue: int) -> None"
+        f"\n\nInvoked with: {s!r}, '3'")

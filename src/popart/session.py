@@ -704,6 +704,12 @@ class _Session(_FileMethods):
     def setRandomSeed(self, seedValue: int) -> None:
         """Seed the session's random ops: an unsigned 64-bit integer (PopART's uint64_t;
         ArgumentError, a TypeError, for anything else, the seed unchanged)."""
+        if isinstance(seedValue, bool) or not isinstance(seedValue, (int, np.integer)) \
+                or not 0 <= int(seedValue) < 2 ** 64:   # pybind11: no uint64_t conversion
+            kind = "Training" if self._training else "Inference"
+            raise incompatible_arguments(
+                "setRandomSeed", [f"(self: popart_core._{kind}SessionCore, seedValue: int) -> "
+                                  f"None"], (self, seedValue))
         self._rng.set_seed(seedValue, self._requires_random_seed(), self._compiled_program())
 
     def getRandomSeed(self) -> int:

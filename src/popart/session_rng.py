@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from ._ir.graph import Graph
-from .errors import ArgumentError, OptionError, noted, popart_exception, popart_runtime_error
+from .errors import OptionError, noted, popart_exception, popart_runtime_error
 from .logging import getLogger
 from .session_checks import has_random_ops
 
@@ -78,11 +78,6 @@ class Rng:
 
     def set_seed(self, seedValue: Any, random: bool, program: Optional[Any]) -> None:
         """setRandomSeed: ``random``, the session has random behaviour."""
-        if isinstance(seedValue, bool) or not isinstance(seedValue, (int, np.integer)) \
-                or not 0 <= int(seedValue) < 2 ** 64:
-            raise ArgumentError(f"setRandomSeed(): incompatible function arguments: seedValue "
-                                f"must be an unsigned 64-bit integer (0 <= seed < 2**64), got "
-                                f"{seedValue!r}")
         if not random:
             return _no_random("set")
         _require_executable(program)
