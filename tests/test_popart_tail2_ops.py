@@ -218,8 +218,8 @@ def test_types_popart_accepts():
 
 # ---------------------------------------------------------------- subgraphs
 def _graph(name, nodes, ins, outs):
-    return helper.make_graph(nodes, name, [helper.make_tensor_value_info(n, t, s) for n, t, s in ins],
-                             [helper.make_tensor_value_info(n, t, s) for n, t, s in outs])
+    info = helper.make_tensor_value_info
+    return helper.make_graph(nodes, name, [info(*i) for i in ins], [info(*o) for o in outs])
 
 
 def test_scan_rank1_input_slices_to_shape_1():
@@ -267,8 +267,9 @@ def test_dynamic_slice_third_input_and_gradient():
         sl = b.aiGraphcore.dynamicslice([x, off, into], axes=[0], sizes=[2], noOverlap=no_overlap)
         loss = b.aiGraphcore.identityloss([b.aiOnnx.reducesum(
             [b.aiOnnx.mul([sl, b.aiOnnx.constant(g)])], keepdims=0)])
-        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [sl, GRAD + x, GRAD + into]),
-                                   loss, popart.ConstSGD(1e-9), CPU())
+        s = popart.TrainingSession(b.getModelProto(),
+                                   popart.DataFlow(1, [sl, GRAD + x, GRAD + into]), loss,
+                                   popart.ConstSGD(1e-9), CPU())
         s.prepareDevice()
         s.weightsFromHost()
         a = s.initAnchorArrays()
@@ -330,7 +331,8 @@ BN_P = [np.array([1.5, 0.5], F32), np.array([0.1, -0.2], F32), np.array([0.3, -0
 
 def _bn_rule(x, scale, bias, mean, var, eps=1e-5):
     sh = (1, -1, 1, 1)
-    return (x - mean.reshape(sh)) / np.sqrt(var.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
+    xhat = (x - mean.reshape(sh)) / np.sqrt(var.reshape(sh) + eps)
+    return xhat * scale.reshape(sh) + bias.reshape(sh)
 
 
 def test_batchnorm_mode_follows_its_outputs():
@@ -344,7 +346,8 @@ def test_batchnorm_mode_follows_its_outputs():
     (y1,) = b.aiOnnx.batchnormalization(ins, 1)
     y_got, m_got, v_got, y1_got = infer(b.getModelProto(), {x: BN_X}, [y, m, v, y1])
     bm, bv = BN_X.mean((0, 2, 3)), BN_X.var((0, 2, 3))
-    np.testing.assert_allclose(y_got, _bn_rule(BN_X, BN_P[0], BN_P[1], bm, bv), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y_got, _bn_rule(BN_X, BN_P[0], BN_P[1], bm, bv), rtol=1e-5,
+                               atol=1e-5)
     np.testing.assert_allclose(m_got, 0.75 * BN_P[2] + 0.25 * bm, rtol=1e-6)
     np.testing.assert_allclose(v_got, 0.75 * BN_P[3] + 0.25 * bv, rtol=1e-5)
     np.testing.assert_allclose(y1_got, _bn_rule(BN_X, *BN_P), rtol=1e-5, atol=1e-6)
@@ -484,7 +487,8 @@ def _group_norm_rule(x, scale, bias, groups, eps, strided):
 
 @pytest.mark.parametrize("strided", [False, True])
 def test_group_norm_strided_channel_grouping(strided):
-    x = np.random.default_rng(5).standard_normal((2, 6, 3), dtype=F32) * np.arange(1, 7, dtype=F32)[:, None]
+    x = np.random.default_rng(5).standard_normal((2, 6, 3), dtype=F32)
+    x *= np.arange(1, 7, dtype=F32)[:, None]
     scale, bias = np.linspace(0.5, 1.5, 6, dtype=F32), np.linspace(-1, 1, 6, dtype=F32)
     b = popart.Builder()
     xi = b.addInputTensor(popart.TensorInfo("FLOAT", list(x.shape)), "x")

@@ -444,10 +444,11 @@ def _check_signature(node: Node, graph: Graph, version: int, inputs: list) -> No
         first = bound.setdefault(formal.type_str, (k, dtype))
         if first[1] != dtype and node.op_type in _NP_TYPED:   # ElementWiseBinaryBaseOp::setup
             a, b = inputs[first[0]], x
+            ta, tb = (to_datatype(np.dtype(v.dtype)).name for v in (a, b))
+            sa, sb = (registry.shape_text(np.shape(v)) for v in (a, b))
             raise noted(ModelError(
                 f"np broadcasting failed on Op {_op_str(node, graph, version)}, incompatible "
-                f"types {to_datatype(np.dtype(first[1])).name} and {to_datatype(np.dtype(dtype)).name} "
-                f"(shapes {registry.shape_text(np.shape(a))} and {registry.shape_text(np.shape(b))})"),
+                f"types {ta} and {tb} (shapes {sa} and {sb})"),
                 f"{node.describe()}: inputs '{node.inputs[first[0]]}' and '{node.inputs[k]}'; "
                 f"insert a Cast")
         if first[1] != dtype:
