@@ -31,16 +31,15 @@ from .engine.executable import SessionFiles, state_arrays
 from .engine.pipeline import plan_program
 from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
 from .engine.progress import compile_progress
-from .devices import DeviceInfo
 from .errors import (ArgumentError, OptionError, OutOfMemoryException,  # noqa: F401
-                     incompatible_arguments, noted, popart_exception, popart_runtime_error)
+                     noted, popart_exception, popart_runtime_error)
 from .fileio import atomic_write
-from .optimizers import Optimizer
 from .options import (IrSerializationFormat, MeanReductionStrategy, ReductionType, SessionOptions,
                       SyntheticDataMode)
 from .patterns import for_session
 from .run_plan import RunPlan
-from .session_checks import check_ir, check_model, check_virtual_graph_range, resolve_inputs
+from .session_checks import (check_argument_types, check_ir, check_model, check_seed_type,
+                             check_virtual_graph_range, resolve_inputs)
 from .session_io import HostIO, weights_from_io, weights_to_io
 from .session_ir import SessionIr, serialize_ir
 from .session_report import summary_report, xla_report
@@ -238,8 +237,8 @@ class _Session(_FileMethods):
                  inputShapeInfo: Optional[_df.InputShapeInfo] = None, patterns: Any = None,
                  userOptions: Optional[SessionOptions] = None, name: str = "session",
                  loss: Optional[str] = None, optimizer: Any = None) -> None:
-        self._check_argument_types(fnModel, dataFlow, loss, optimizer, deviceInfo,
-                                   inputShapeInfo, userOptions, patterns, name)
+        check_argument_types(self._training, fnModel, dataFlow, loss, optimizer, deviceInfo,
+                             inputShapeInfo, userOptions, patterns, name)
         if deviceInfo is None:
             raise noted(popart_exception(f"Must pass a valid deviceInfo to "
                                          f"{type(self).__name__}::createFromOnnxModel"),
@@ -279,32 +278,6 @@ class _Session(_FileMethods):
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
         report.session_built(self)   # progress 0, dotChecks, POPART_IR_DUMP
-
-    def _check_argument_types(self, model: Any, dataFlow: Any, loss: Any, optimizer: Any,
-                              deviceInfo: Any, isi: Any, options: Any, patterns: Any,
-                              name: Any) -> None:
-        """pybind11's TypeError where PopART's binding of the session's constructor takes
-        none of the arguments' types (a None that defaults here is taken)."""
-        expected = [(dataFlow, _df.DataFlow), (deviceInfo, (DeviceInfo, type(None))),
-                    (isi, (_df.InputShapeInfo, type(None))),
-                    (options, (SessionOptions, type(None))), (name, str)]
-        if self._training:
-            expected += [(loss, str), (optimizer, Optimizer)]
-        if all(isinstance(v, t) for v, t in expected):
-            return
-        kind = "training" if self._training else "inference"
-        train = "loss: str, optimizer: popart_core.Optimizer, " if self._training else ""
-        core = f"popart_core._{kind.capitalize()}SessionCore"
-        forms = [f"{core}(model: str, dataFlow: popart_core.DataFlow, {train}deviceInfo: "
-                 f"popart_core.DeviceInfo, inputShapeInfo: popart_core.InputShapeInfo, "
-                 f"userOptions: popart_core.SessionOptions, patterns: popart_core.Patterns, "
-                 f"name: str = '{kind}')"]
-        if not self._training:
-            forms.append(f"{core}(ir: popart_core.Ir, deviceInfo: popart_core.DeviceInfo, "
-                         f"name: str = 'fromIr')")
-        given = (model, dataFlow, *((loss, optimizer) if self._training else ()), deviceInfo,
-                 isi, options, patterns, name)
-        raise incompatible_arguments("__init__", forms, given, constructor=True)
 
     @property
     def replicationFactor(self) -> int:
@@ -704,12 +677,7 @@ class _Session(_FileMethods):
     def setRandomSeed(self, seedValue: int) -> None:
         """Seed the session's random ops: an unsigned 64-bit integer (PopART's uint64_t;
         ArgumentError, a TypeError, for anything else, the seed unchanged)."""
-        if isinstance(seedValue, bool) or not isinstance(seedValue, (int, np.integer)) \
-                or not 0 <= int(seedValue) < 2 ** 64:   # pybind11: no uint64_t conversion
-            kind = "Training" if self._training else "Inference"
-            raise incompatible_arguments(
-                "setRandomSeed", [f"(self: popart_core._{kind}SessionCore, seedValue: int) -> "
-                                  f"None"], (self, seedValue))
+        check_seed_type(self, seedValue, self._training)
         self._rng.set_seed(seedValue, self._requires_random_seed(), self._compiled_program())
 
     def getRandomSeed(self) -> int:

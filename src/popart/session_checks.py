@@ -17,8 +17,12 @@ from .engine.als import check_tracked as check_als_tracked
 from .engine.pipeline import auto_virtual_graphs
 from .engine.program import GRAD_PREFIX, check_recompute_mixture, missing_anchor
 from .engine.shapes import infer_graph, input_specs
-from .errors import IrError, OptimizerError, OptionError, noted, popart_exception
+from .devices import DeviceInfo
+from .errors import (IrError, OptimizerError, OptionError, incompatible_arguments, noted,
+                     popart_exception)
 from .logging import getLogger
+from .optimizers import Optimizer
+from .options import SessionOptions
 from .ops import registry as _registry
 from .tensorinfo import TensorInfo, to_datatype
 from .tensornames import PREFIXES as _RESERVED_PREFIXES
@@ -155,6 +159,44 @@ def _shape_info_ids(isi: Any) -> set:
     if isinstance(isi, Mapping):
         return set(isi)
     return set(getattr(isi, "_infos", None) or getattr(isi, "infos", {}) or {})
+
+
+def check_argument_types(training: bool, model: Any, dataFlow: Any, loss: Any, optimizer: Any,
+                         deviceInfo: Any, isi: Any, options: Any, patterns: Any,
+                         name: Any) -> None:
+    """pybind11's TypeError where PopART's binding of the session's constructor
+    (``_InferenceSessionCore`` / ``_TrainingSessionCore``) takes none of the arguments'
+    types (a None that defaults here is taken)."""
+    expected = [(dataFlow, _df.DataFlow), (deviceInfo, (DeviceInfo, type(None))),
+                (isi, (_df.InputShapeInfo, type(None))),
+                (options, (SessionOptions, type(None))), (name, str)]
+    if training:
+        expected += [(loss, str), (optimizer, Optimizer)]
+    if all(isinstance(v, t) for v, t in expected):
+        return
+    kind = "training" if training else "inference"
+    train = "loss: str, optimizer: popart_core.Optimizer, " if training else ""
+    core = f"popart_core._{kind.capitalize()}SessionCore"
+    forms = [f"{core}(model: str, dataFlow: popart_core.DataFlow, {train}deviceInfo: "
+             f"popart_core.DeviceInfo, inputShapeInfo: popart_core.InputShapeInfo, "
+             f"userOptions: popart_core.SessionOptions, patterns: popart_core.Patterns, "
+             f"name: str = '{kind}')"]
+    if not training:
+        forms.append(f"{core}(ir: popart_core.Ir, deviceInfo: popart_core.DeviceInfo, "
+                     f"name: str = 'fromIr')")
+    given = (model, dataFlow, *((loss, optimizer) if training else ()), deviceInfo, isi,
+             options, patterns, name)
+    raise incompatible_arguments("__init__", forms, given, constructor=True)
+
+
+def check_seed_type(session: Any, seedValue: Any, training: bool) -> None:
+    """pybind11's TypeError for a seed ``setRandomSeed(uint64_t)`` cannot take."""
+    if isinstance(seedValue, bool) or not isinstance(seedValue, (int, np.integer)) \
+            or not 0 <= int(seedValue) < 2 ** 64:
+        kind = "Training" if training else "Inference"
+        raise incompatible_arguments("setRandomSeed", [
+            f"(self: popart_core._{kind}SessionCore, seedValue: int) -> None"],
+            (session, seedValue))
 
 
 def check_model(proto: onnx.ModelProto, dataFlow: _df.DataFlow, isi: Any, training: bool) -> None:
