@@ -64,9 +64,11 @@ def batches(cfg: Config, dp: int) -> np.ndarray:
 
 def torch_reference(cfg: Config, data: np.ndarray, adam: Adam):
     """Per step: (loss, logits [dp * B, S, V], {param: grad}) of HF on the step's whole batch
-    (the data-parallel batches side by side), then torch.optim.Adam; and the final weights."""
+    (the data-parallel batches side by side), then torch.optim.Adam (AdamW with weight
+    decay); and the final weights."""
     model = hf_model(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=adam.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps)
+    kind, extra = (torch.optim.AdamW, {"weight_decay": adam.weight_decay}) if adam.weight_decay else (torch.optim.Adam, {})
+    opt = kind(model.parameters(), lr=adam.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, **extra)
     steps = []
     for step in data:
         ids = torch.from_numpy(step.reshape(-1, cfg.seq).astype(np.int64))
@@ -79,17 +81,18 @@ def torch_reference(cfg: Config, data: np.ndarray, adam: Adam):
     return steps, {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
 
 
-# (config, tensor-parallel ranks, popxl-addons' ops): 4 replicas are 4 / tp data-parallel groups
+# (config, tensor-parallel ranks, popxl-addons' ops): 4 replicas are 4 / tp data-parallel groups;
+# the data-parallel cases train with weight decay
 CASES = {"gptj_tp4": (GPTJ, 4, False), "llama_tp4": (LLAMA, 4, False), "gptj_tp2_dp2": (GPTJ, 2, False),
          "llama_tp2_dp2": (LLAMA, 2, False), "gptj_tp4_addons": (GPTJ, 4, True),
          "llama_tp2_dp2_addons": (LLAMA, 2, True)}
 
 
-def addons_or_skip():
+def addons_or_skip(weight_decay: float):
     """popxl-addons' ops and Adam step (PYTHONPATH=/tmp/pxa, say), else skip."""
     try:
         from helpers.tp_addons import AddonsAdam, addons_ops
-        return addons_ops(), AddonsAdam()
+        return addons_ops(), AddonsAdam(weight_decay=weight_decay)
     except ImportError as e:
         pytest.skip(f"popxl_addons is not importable: {e}")
 
@@ -100,7 +103,8 @@ def trained(request):
     one compiled session, STEPS runs."""
     cfg, tp, addons = CASES[request.param]
     dp = 4 // tp
-    tp_ops, adam = addons_or_skip() if addons else (None, Adam())
+    wd = 0.1 if dp > 1 else 0.0
+    tp_ops, adam = addons_or_skip(wd) if addons else (None, Adam(weight_decay=wd))
     state = {n: p.detach().numpy().copy() for n, p in hf_model(cfg).state_dict().items()}
     prog = Program(cfg, state, replicas=4, tp=tp, tp_ops=tp_ops, adam=adam)
     data = batches(cfg, dp)
@@ -164,7 +168,8 @@ def test_backward_every_gradient_equals_huggingface(trained):
 def test_adam_steps_equal_torch_adam(trained):
     """popxl-addons' Adam step (accumulate_moving_average(_square)_, adam_updater,
     scaled_add_; in the addons variant its AdamOptimizerStep module itself) over STEPS steps:
-    each step's loss and the final weights equal torch.optim.Adam's."""
+    each step's loss and the final weights equal torch.optim.Adam's (AdamW's with weight
+    decay: popxl-addons' updater adds weight_decay * w before the learning rate)."""
     prog, outs, final, ref, ref_final = trained
     losses = [shards(prog, o["loss"])[:, 0].mean() for o in outs]
     np.testing.assert_allclose(losses, [r[0] for r in ref], rtol=5e-5)

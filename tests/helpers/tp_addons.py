@@ -64,5 +64,5 @@ class AddonsAdam(Adam):
         from popxl_addons.optimizers.adam import AdamOptimizerStep
         facts, graph = AdamOptimizerStep().create_graph(
             var, var.spec, replica_grouping=grouping, lr=self.lr, beta1=self.beta1, beta2=self.beta2,
-            eps=self.eps, weight_decay=0.0, first_order_dtype=popxl.float32)
+            eps=self.eps, weight_decay=self.weight_decay, first_order_dtype=popxl.float32)
         graph.bind(facts.init(f"{var.name}/adam")).call(var, grad)

@@ -342,12 +342,13 @@ class CausalLM(Layer):
 @dataclass(frozen=True)
 class Adam:
     """popxl-addons' AdamOptimizerStep written with popxl's var-update ops: bias-corrected,
-    no weight decay (then it is ``torch.optim.Adam``), state in float32 with the weight's
-    replica grouping."""
+    decoupled weight decay in the updater (``torch.optim.AdamW``; without it
+    ``torch.optim.Adam``), state in float32 with the weight's replica grouping."""
     lr: float = 1e-2
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    weight_decay: float = 0.0
 
     def step(self, var: Tensor, grad: Tensor, grouping: Optional[ReplicaGrouping]) -> None:
         zeros = np.zeros(((grouping.num_groups,) if grouping else ()) + var.shape, np.float32)
@@ -356,7 +357,7 @@ class Adam:
         t = popxl.variable(np.zeros((), np.float32), popxl.float32, f"{var.name}/step")
         ops.var_updates.accumulate_moving_average_(m, grad, f=self.beta1)
         ops.var_updates.accumulate_moving_average_square_(v, grad, f=self.beta2)
-        upd = ops.var_updates.adam_updater(m, v, weight=var, weight_decay=0.0, time_step=t,
+        upd = ops.var_updates.adam_updater(m, v, weight=var, weight_decay=self.weight_decay, time_step=t,
                                            beta1=self.beta1, beta2=self.beta2, epsilon=self.eps)
         ops.scaled_add_(var, upd, b=-self.lr)
 
