@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping, Optional
 import jax
 import numpy as np
 
+from popart import custom_ops
 from popart.errors import popart_exception
 from popart.engine.ir import NO_GRAD_OPS, RECOMPUTE_OUTPUT, Graph as IRGraph, Node
 from popart.ops.collectives import op_name
@@ -146,7 +147,8 @@ class GradGraphInfo:
 # the output (NonLinearVariadicGradOp, FROM_ARG_AND_OUTPUT); "other": for
 # each input's gradient the other inputs (MatMulLhsGradOp reads the rhs, ConvDataGradOp the
 # weights, ...); (inputs, outputs): those indices (GroupNormGradOp: x, scale, mean, inv std).
-# Any other op type reads its inputs ("in"). Inputs that are not floating point (indices,
+# A custom op reads what its C++ grad op reads (``popart.custom_ops.GRAD_READS``); any other
+# op type reads its inputs ("in"). Inputs that are not floating point (indices,
 # labels, seeds, conditions) are read whenever the op is differentiated.
 GRAD_READS = {
     **dict.fromkeys(("Add", "Sub", "Neg", "Sum", "Mean", "Identity", "Reshape", "Transpose",
@@ -291,7 +293,7 @@ def _reads(fwd: _Fwd, n: Node, wrt: list[str]) -> tuple[list[str], list[str], st
     gradients of ``wrt``, and the op type when the gradient comes from its output
     (``FROM_OUTPUT``: ops of one traced input)."""
     traced = [i for i in dict.fromkeys(n.inputs) if i and i not in fwd.consts]
-    kind = GRAD_READS.get(n.op_type, "in")
+    kind = GRAD_READS.get(n.op_type, custom_ops.GRAD_READS.get(n.op_type, "in"))
     if isinstance(kind, dict):
         kind = kind.get(n.attrs.get("reduction"), "in")
     if kind == "out" and len(traced) != 1:
