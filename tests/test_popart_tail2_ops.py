@@ -315,12 +315,14 @@ def test_onnx_and_graphcore_lstm_agree_bit_for_bit():
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
 
 
-def test_rnn_activation_message():   # op/rnn.cpp:170
-    raises_text("Activation type 'Cube' is not supported for Op(r[ai.onnx.RNN:7], inputs=[x, w, "
-                "rr], outputs=[y])",
-                [node("RNN", ["x", "w", "rr"], ["y"], hidden_size=2, activations=["Cube"],
-                      name="r")], {"x": np.ones((2, 1, 3), F32)}, ["y"],
-                consts=[("w", np.ones((1, 2, 3), F32)), ("rr", np.ones((1, 2, 2), F32))])
+def test_rnn_activation_messages():   # op/rnn.cpp:170, 175
+    op = "Op(r[ai.onnx.RNN:7], inputs=[x, w, rr], outputs=[y])"
+    consts = [("w", np.ones((1, 2, 3), F32)), ("rr", np.ones((1, 2, 2), F32))]
+    for acts, text in ((["Cube"], f"Activation type 'Cube' is not supported for {op}"),
+                       (["Tanh", "Relu", "Relu"], f"{op} only supports 1 activation, 3 were "
+                                                  f"specified")):
+        raises_text(text, [node("RNN", ["x", "w", "rr"], ["y"], hidden_size=2, activations=acts,
+                                name="r")], {"x": np.ones((2, 1, 3), F32)}, ["y"], consts=consts)
 
 
 # ---------------------------------------------------------------- BatchNormalization

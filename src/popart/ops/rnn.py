@@ -25,21 +25,29 @@ ACTIVATIONS = {
 }
 
 
+def _creator_name(ctx: LowerCtx) -> str:
+    """The node as PopART's OpCreatorInfo::debugName prints it."""
+    return (f"Op({ctx.name}[{opid(ctx)}], inputs=[{', '.join(ctx.input_ids)}], outputs=["
+            f"{', '.join(ctx.output_ids)}])")
+
+
 def activations(ctx: LowerCtx, names, alphas, betas, defaults, num_dirs):
     """Per direction, the list of activation callables (alpha / beta consumed in order)."""
     names = list(names) if names else defaults * num_dirs
     if len(names) == 2 * len(defaults) and num_dirs == 1:  # RNN's schema default lists both
         names = names[:len(defaults)]
     if len(names) != len(defaults) * num_dirs:
+        if len(defaults) * num_dirs == 1:   # a one-direction RNN: rnn.cpp:175's text
+            raise popart_error(ctx, f"{_creator_name(ctx)} only supports 1 activation, "
+                               f"{len(names)} were specified", f"activations {names}")
         raise ctx.error(f"expected {len(defaults) * num_dirs} activations, got {names}")
     alphas, betas = list(alphas or []), list(betas or [])
     fns = []
     for n in names:
         key = n.lower()
-        if key not in ACTIVATIONS:   # rnn.cpp's text, OpCreatorInfo::debugName's form
-            raise popart_error(ctx, f"Activation type '{n}' is not supported for Op({ctx.name}"
-                               f"[{opid(ctx)}], inputs=[{', '.join(ctx.input_ids)}], outputs=["
-                               f"{', '.join(ctx.output_ids)}])",
+        if key not in ACTIVATIONS:   # rnn.cpp:170's text
+            raise popart_error(ctx, f"Activation type '{n}' is not supported for "
+                               f"{_creator_name(ctx)}",
                                f"activations {list(names)}; supported: {sorted(ACTIVATIONS)}")
         fn, da, db = ACTIVATIONS[key]
         a = alphas.pop(0) if da is not None and alphas else da
