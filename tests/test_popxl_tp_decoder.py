@@ -1,14 +1,18 @@
 """Graphcore-style popxl LLM layers, tensor parallel over 4 replicas, against HuggingFace.
 
-A one-block GPT-J and a one-block LLaMA causal LM written with this project's popxl as
-popxl-addons' layers are (tests/helpers/tp_layers.py): column-parallel QKV / up projections /
-LM head, row-parallel output / down projections with an all-reduce, a vocabulary-sharded
-embedding and cross entropy, rotary position embeddings (GPT-J's interleaved pairs on part of
-each head, LLaMA's half rotation). Each is trained with ``popxl.transforms.autodiff`` and
-popxl-addons' Adam step, on 4 replicas as 4 tensor-parallel ranks and as 2 tensor-parallel x 2
+Two-layer GPT-J and LLaMA (grouped-query attention) causal LMs written with this project's
+popxl as popxl-addons' layers are (tests/helpers/tp_layers.py, docs/popxl_tensor_parallel.md):
+one decoder-layer graph called per layer; column-parallel QKV / up projections / LM head,
+row-parallel output / down projections with an all-reduce, a vocabulary-sharded embedding and
+cross entropy, rotary position embeddings (GPT-J's interleaved pairs on part of each head,
+LLaMA's half rotation). Each is trained with ``popxl.transforms.autodiff`` and popxl-addons'
+Adam step on 4 replicas, as 4 tensor-parallel ranks and as 2 tensor-parallel x 2
 data-parallel, against ``transformers``' GPTJForCausalLM / LlamaForCausalLM with the same
-weights trained by ``torch.optim.Adam``: the loss, the logits and every gradient of the first
-step, then the losses and weights after a few steps, to fp32 tolerance."""
+weights trained by ``torch.optim.Adam`` / ``AdamW``: the loss, the logits and every gradient of
+the first step, then each step's loss and the final weights, to fp32 tolerance. The
+``_addons`` cases build the same with popxl-addons' own ops and AdamOptimizerStep
+(tests/helpers/tp_addons.py; skipped when ``popxl_addons`` is not importable, e.g. without
+PYTHONPATH=/tmp/pxa)."""
 from __future__ import annotations
 
 import jax
