@@ -200,12 +200,13 @@ def test_tensor_diag_is_numpy_diag(shape):
 
 def test_pow2scale_casts_match_host_conversion():
     x = np.array([0.1, -3.7, 130.0, 1e-4, 250.0, 7.3], np.float32)
-    f8 = fp8_utils.host_pow2scale_cast_to_fp8(x, popxl.float8_143, 1)
+    f8 = fp8_utils.host_pow2scale_cast_to_fp8(x, popxl.float8_143, 1)   # PopXL's uint8 records
+    back = fp8_utils.host_pow2scale_cast_from_fp8(f8, popxl.float32, -1)
+    f8 = f8.view(F8)                                                   # the same bits
     np.testing.assert_array_equal(f8.astype(np.float32), (x * 2.0).astype(F8).astype(np.float32))
     assert np.isnan(f8.astype(np.float32)[2]) and np.isnan(f8.astype(np.float32)[4])   # 260, 500 > 240
-    sat = fp8_utils.host_pow2scale_cast_to_fp8(x, popxl.float8_143, 1, nan_on_overflow=False)
+    sat = fp8_utils.host_pow2scale_cast_to_fp8(x, popxl.float8_143, 1, nan_on_overflow=False).view(F8)
     assert sat.astype(np.float32)[2] == 240.0 and sat.astype(np.float32)[4] == 240.0
-    back = fp8_utils.host_pow2scale_cast_from_fp8(f8, popxl.float32, -1)
     np.testing.assert_array_equal(back, f8.astype(np.float32) / 2)
     with pytest.raises(RuntimeError):
         fp8_utils.host_pow2scale_cast_to_fp8(x, popxl.float16)
@@ -273,7 +274,7 @@ def test_float8_matmul_and_conv_pow2scaled():
     got, t = _run(build)
     a8 = (a * 4).astype(F8).astype(np.float32)
     b8 = b.astype(F8_152).astype(np.float32)
-    np.testing.assert_array_equal(got["a8"].astype(np.float32), a8)
+    np.testing.assert_array_equal(got["a8"].view(F8).astype(np.float32), a8)   # host: uint8 records
     assert t["mm"].dtype == popxl.float16 and t["conv"].dtype == popxl.float16
     np.testing.assert_allclose(got["mm"].astype(np.float32), ((a8 @ b8) / 4).astype(np.float16).astype(np.float32),
                                rtol=2e-3, atol=1e-3)

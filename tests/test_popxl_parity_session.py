@@ -302,11 +302,13 @@ def test_utils_to_numpy_and_table_to_string():
     assert to_numpy(b, popxl.float16).dtype == np.float16
     assert to_numpy(torch.tensor([1, 2], dtype=torch.int32)).dtype == np.int32
     f8 = to_numpy(np.array([1.0, 300.0], np.float32), popxl.float8_143, log2_scale=-1)
-    assert f8.dtype == ml_dtypes.float8_e4m3fnuz
+    assert f8.dtype == popxl.dtypes.np_dtype_float8_143          # PopXL's host form: uint8 records
+    f8 = f8.view(ml_dtypes.float8_e4m3fnuz)                      # the same bits
     np.testing.assert_array_equal(f8.astype(np.float32), [0.5, 144.0])     # 150 rounds to 144
-    assert np.isnan(to_numpy(np.array([500.0], np.float32), popxl.float8_143).astype(np.float32)[0])
+    e4m3 = ml_dtypes.float8_e4m3fnuz
+    assert np.isnan(to_numpy(np.array([500.0], np.float32), popxl.float8_143).view(e4m3).astype(np.float32)[0])
     assert to_numpy(np.array([500.0], np.float32), popxl.float8_143,
-                    nan_on_overflow=False).astype(np.float32)[0] == 240.0
+                    nan_on_overflow=False).view(e4m3).astype(np.float32)[0] == 240.0
     with pytest.raises(TypeError, match="float8"):
         to_numpy(np.array([1], np.int32), popxl.float8_143)
     with pytest.raises(RuntimeError, match="nan_on_overflow"):

@@ -765,8 +765,9 @@ class SubgraphOp(Op):
         self._node.inputs.insert(k, tid)
 
     def addModified(self, index: int, regions: Iterable[Region]) -> None:
-        """Input ``index`` is changed by the called graph: the graph takes it by reference and
-        every call of it returns its new value, which the caller's tensor moves to."""
+        """Input ``index`` is changed by this call (PopART's modified input): the graph takes
+        it by reference and every call of it returns its new value; the caller's tensor moves
+        to it at this call only (other calls, earlier or later, leave theirs as they are)."""
         if all(r.isEmpty() for r in regions):
             return
         sg = self._sg()
@@ -783,9 +784,11 @@ class SubgraphOp(Op):
             site._refs()
         if not any(t is r for r in sg._by_ref_inputs):
             sg._by_ref_inputs.append(t)
+            sg._modified_by_calls = [*getattr(sg, "_modified_by_calls", ()), t]   # ops.call: not moved
         sg._finalize()
         for site in sites:
-            site._sync_refs()
+            site._sync_refs(move=site._node is self._node)
+        self._move_ref(t)
 
     def _refs(self) -> list:
         """The by-reference graph inputs whose new values the call returns, in order."""
@@ -794,8 +797,9 @@ class SubgraphOp(Op):
             inner._pb_refs = list(self._sg()._by_ref_list())
         return inner._pb_refs
 
-    def _sync_refs(self) -> None:
-        """Return from this call the new value of each by-reference input it connects."""
+    def _sync_refs(self, move: bool = True) -> None:
+        """Return from this call the new value of each by-reference input it connects (the
+        caller's tensor moves to it where ``move``)."""
         sg, inner, have = self._sg(), self._inner(), self._refs()
         want = sg._by_ref_list()
         for r in want:
@@ -807,13 +811,28 @@ class SubgraphOp(Op):
                 continue   # connected later (connectInTensor syncs again)
             j = sum(1 for w in want[:want.index(r)] if any(w is h for h in have))
             at = len(inner.outputs) - len(have) + j
-            result = self._add_ref_output(k, at)
-            src = self._node.inputs[p]
-            owner = popxl_tensor(self._graph, src)
-            if owner._ir_id == src:
-                from .ops._base import inplace
-                inplace(owner, self._graph._tensors[result])
+            self._add_ref_output(k, at)
             have.insert(j, r)
+            if move:
+                self._move_ref(r)
+
+    def _ref_result(self, k: int) -> str:
+        """The call's output: the new value of by-reference input ``k`` (after the explicit
+        outputs, in the order of :meth:`_refs`)."""
+        have, r = self._refs(), self._sg()._all_inputs()[k]
+        return self._node.outputs[len(self._node.outputs) - len(have) +
+                                  next(i for i, h in enumerate(have) if h is r)]
+
+    def _move_ref(self, r: Any) -> None:
+        """The caller's tensor for by-reference input ``r`` moves to this call's new value of
+        it (unless it has moved on since)."""
+        k = next(i for i, x in enumerate(self._sg()._all_inputs()) if x is r)
+        p = self._pos(k + self._IN_OFFSET)
+        src = None if p is None else self._node.inputs[p]
+        owner = None if src is None else popxl_tensor(self._graph, src)
+        if owner is not None and owner._ir_id == src:
+            from .ops._base import inplace
+            inplace(owner, self._graph._tensors[self._ref_result(k)])
 
     def _add_ref_output(self, k: int, at: int) -> str:
         """Add the call's output (at position ``at``) for by-reference input ``k``; its id."""
@@ -879,6 +898,9 @@ class LoopOp(SubgraphOp):
         oid = g._new_id(g._tensors[tid].name if tid in g._tensors else "loop_out")
         n.outputs.insert(k, oid)
         g._add_tensor(oid, g._specs[tid])
+
+    def _ref_result(self, k: int) -> str:
+        return self._node.outputs[self._pos(k + 2) - 2]   # the loop-carried value
 
     def _add_ref_output(self, k: int, at: int) -> str:
         """The called graph's new value of input ``k`` becomes the loop-carried value."""
@@ -1305,8 +1327,8 @@ class Ir(_Binding):
     def createIntermediateTensorId(self, base: str) -> str:
         return f"{base}__t{next(self._ir._intermediate_ids)}"
 
-    # --- patterns: XLA's compiler makes the rewrites PopART's patterns make (fusion,
-    # in-place buffer reuse), so applying them leaves the graphs as they are.
+    # --- patterns: OpToIdentity rewrites the graph (popxl.transforms.patterns); XLA's compiler
+    # makes the other rewrites PopART's patterns make (fusion, in-place buffer reuse).
     def setPatterns(self, patterns: Any) -> None:
         self._ir._pb_patterns = patterns
 
@@ -1314,10 +1336,16 @@ class Ir(_Binding):
         return getattr(self._ir, "_pb_patterns", None)
 
     def applyPreAliasPatterns(self, graph: Graph) -> None:
-        """Accepted: XLA makes these rewrites when it compiles (the graph is unchanged)."""
+        """PopART's OpToIdentityPattern on ``graph`` when the Ir's patterns enable it (the
+        default); the other pre-alias patterns' forms are the lowerings' own."""
+        from .transforms.patterns import op_to_identity
+        p = self.getPatterns()
+        if p is None or p.isPatternEnabled("OpToIdentity"):
+            op_to_identity(graph._graph)
 
     def applyInplacePattern(self, graph: Graph) -> None:
-        """Accepted: XLA reuses buffers in place when it compiles (the graph is unchanged)."""
+        """Accepted: values are SSA here and XLA reuses buffers in place when it compiles (the
+        graph is unchanged)."""
 
 
 # ---------------------------------------------------------------------------------- autodiff

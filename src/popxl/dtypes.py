@@ -1,6 +1,7 @@
 """popxl data types (the popart.ir data-type table), each tied to a NumPy dtype and to the
 torch dtype of the same values (where the installed PyTorch has one). float8_143 / float8_152 are ml_dtypes' float8_e4m3fnuz /
-float8_e5m2fnuz (Graphcore's formats: biases 8 and 16, no infinities, one NaN)."""
+float8_e5m2fnuz (Graphcore's formats: biases 8 and 16, no infinities, one NaN); their host data
+are PopXL's uint8 records (``np_dtype_float8_143`` / ``_152``, see ``popxl.fp8_utils``)."""
 from __future__ import annotations
 
 import builtins as _b
@@ -116,13 +117,15 @@ float16 = dtype("float16", np.float16, False, True, True, alias="half", torch_na
 float32 = dtype("float32", np.float32, False, True, True, _b.float, alias="float", torch_name="float32")
 float64 = dtype("float64", np.float64, False, True, True, alias="double", torch_name="float64")
 bfloat16 = dtype("bfloat16", ml_dtypes.bfloat16, False, True, True, torch_name="bfloat16")
-# the NumPy dtypes of float8 host data (PopXL's are uint8 records; here ml_dtypes' formats)
-np_dtype_float8_143 = np.dtype(ml_dtypes.float8_e4m3fnuz)
-np_dtype_float8_152 = np.dtype(ml_dtypes.float8_e5m2fnuz)
-float8_143 = dtype("float8_143", np_dtype_float8_143, False, True, True,
+# float8: ml_dtypes' formats on the device (as_numpy()); host data are PopXL's uint8 records
+# (these dtypes; popxl.fp8_utils converts)
+np_dtype_float8_143 = np.dtype([("float8_143", "u1")])
+np_dtype_float8_152 = np.dtype([("float8_152", "u1")])
+float8_143 = dtype("float8_143", ml_dtypes.float8_e4m3fnuz, False, True, True,
                    torch_name="float8_e4m3fnuz")
-float8_152 = dtype("float8_152", np_dtype_float8_152, False, True, True,
+float8_152 = dtype("float8_152", ml_dtypes.float8_e5m2fnuz, False, True, True,
                    torch_name="float8_e5m2fnuz")
+dtype._by_np.update({np_dtype_float8_143: float8_143, np_dtype_float8_152: float8_152})
 complex64 = dtype("complex64", np.complex64, False, False, True, torch_name="complex64", is_complex=True)
 complex128 = dtype("complex128", np.complex128, False, False, True, torch_name="complex128",
                    is_complex=True)

@@ -1,5 +1,8 @@
-"""Host-side float8 helpers: PopXL's float8 data are NumPy arrays of ml_dtypes'
-float8_e4m3fnuz (popxl.float8_143) and float8_e5m2fnuz (popxl.float8_152)."""
+"""Host-side float8 helpers. On the host, float8 data are PopXL's NumPy arrays of uint8
+records, ``np.dtype([("float8_143", "u1")])`` (``popxl.dtypes.np_dtype_float8_143``) and
+``[("float8_152", "u1")]``: the format's bits, one byte each. On the device (and in
+``popxl.float8_143.as_numpy()``) they are ml_dtypes' float8_e4m3fnuz / float8_e5m2fnuz, the
+same bytes (:func:`from_host_fp8` / :func:`to_host_fp8` view one as the other)."""
 from __future__ import annotations
 
 from collections import namedtuple
@@ -10,6 +13,7 @@ import numpy as np
 
 from .dtypes import dtype as _dtype
 from .dtypes import float8_143, float8_152, float16, float32, float64
+from .dtypes import np_dtype_float8_143, np_dtype_float8_152
 
 try:
     import torch as _torch
@@ -17,6 +21,29 @@ except ModuleNotFoundError:  # pragma: no cover
     _torch = None
 
 _FP8 = (float8_143, float8_152)
+_HOST = {float8_143: np_dtype_float8_143, float8_152: np_dtype_float8_152}
+_TO_DEVICE = {np_dtype_float8_143: float8_143.as_numpy(), np_dtype_float8_152: float8_152.as_numpy()}
+_TO_HOST = {v: k for k, v in _TO_DEVICE.items()}
+
+
+def host_np_dtype(dt: _dtype) -> np.dtype:
+    """The NumPy dtype of ``dt``'s host data: PopXL's uint8 record for a float8 dtype, else
+    ``dt.as_numpy()``."""
+    return _HOST.get(dt, dt.as_numpy())
+
+
+def to_host_fp8(arr: Any) -> Any:
+    """``arr`` with float8 data (ml_dtypes) as PopXL's host form: a view of the same bytes as
+    uint8 records. Other data as it is."""
+    host = _TO_HOST.get(getattr(arr, "dtype", None))
+    return arr if host is None else arr.view(host)
+
+
+def from_host_fp8(arr: Any) -> Any:
+    """``arr`` in PopXL's float8 host form (uint8 records) as ml_dtypes float8 data: a view of
+    the same bytes. Other data as it is."""
+    dev = _TO_DEVICE.get(getattr(arr, "dtype", None))
+    return arr if dev is None else arr.view(dev)
 
 
 def _as_array(src: Any) -> np.ndarray:
@@ -34,8 +61,10 @@ def _check_scale(log2_scale: Any) -> int:
 
 def host_pow2scale_cast_to_fp8(src: Any, dtype: Optional[_dtype] = None, log2_scale: int = 0,
                                nan_on_overflow: bool = True) -> np.ndarray:
-    """``cast(src * 2**log2_scale, dtype)`` on the host, rounding to nearest even. Values
-    beyond the format's largest magnitude become NaN (``nan_on_overflow``) or saturate to it.
+    """``cast(src * 2**log2_scale, dtype)`` on the host, rounding to nearest even, in PopXL's
+    float8 host form (``popxl.dtypes.np_dtype_float8_143`` / ``_152``: uint8 records).
+    Values beyond the format's largest magnitude become NaN (``nan_on_overflow``) or
+    saturate to it.
 
     Args:
         src: float16 / float32 / float64 data (NumPy array, torch tensor or nested lists).
@@ -56,19 +85,20 @@ def host_pow2scale_cast_to_fp8(src: Any, dtype: Optional[_dtype] = None, log2_sc
     if not nan_on_overflow:
         big = float(ml_dtypes.finfo(dtype.as_numpy()).max)
         x = np.where(np.isnan(x), x, np.clip(x, -big, big))
-    return x.astype(dtype.as_numpy())
+    return to_host_fp8(x.astype(dtype.as_numpy()))
 
 
 def host_pow2scale_cast_from_fp8(src: np.ndarray, dtype: Optional[_dtype] = None,
                                  log2_scale: int = 0) -> np.ndarray:
-    """``cast(src, dtype) * 2**log2_scale`` on the host for float8 data ``src``; ``dtype`` is
-    popxl.float16, float32 or float64.
+    """``cast(src, dtype) * 2**log2_scale`` on the host for float8 data ``src`` (PopXL's host
+    form, uint8 records; ml_dtypes float8 arrays too); ``dtype`` is popxl.float16, float32
+    or float64.
 
     Raises:
         RuntimeError: for another source or target type, or a scale outside [-32, 32).
     """
-    src = np.asarray(src)
-    if src.dtype not in (float8_143.as_numpy(), float8_152.as_numpy()):
+    src = from_host_fp8(np.asarray(src))
+    if src.dtype not in _TO_HOST:
         raise RuntimeError(f"src.dtype {src.dtype} not currently supported.")
     if dtype not in (float16, float32, float64):
         raise RuntimeError(f"dtype {dtype} not currently supported.")

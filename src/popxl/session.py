@@ -49,6 +49,7 @@ from popart.tensorinfo import TensorInfo, to_datatype
 
 from ._placement import device_ipus, main_step, placed_program
 from .dtypes import _DOWNCAST, to_numpy
+from .fp8_utils import from_host_fp8, host_np_dtype, to_host_fp8
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
 from .tensor import Constant, Variable
@@ -200,11 +201,13 @@ class Session:
         self._placement = Placement(self._r, self._device,
                                     across_processes=ir._options.enableDistributedReplicatedGraphs)
         main = ir.main_graph
-        self._main_ir = main._finalize()
+        self._main_ir = main._finalize(lowering=True)
         self._variables: list[Variable] = list(ir._variables)
         self._h2d = [(s, t) for k, s, t in main._stream_inputs if k == "h2d"]
         self._d2h = [(s, t) for k, s, t in main._stream_inputs if k == "d2h"]
         self._d2h_final = {s: main._hidden[("d2h", s)] for s, _ in self._d2h}
+        self._fp8_streams = any(host_np_dtype(s.dtype) != s.dtype.as_numpy()
+                                for s, _ in self._h2d + self._d2h)
         self._main_ir.inputs = [t.id for _, t in self._h2d + self._d2h]
         self._host: dict[Variable, np.ndarray] = {   # a variable's np.memmap is kept, not copied
             v: d if isinstance(d, np.memmap) else np.array(d)
@@ -597,11 +600,14 @@ class Session:
         self._in_sync = True
 
     def get_tensor_data(self, tensor: Union[Variable, Constant]) -> np.ndarray:
+        """The value of a variable or constant (see :meth:`get_tensors_data`)."""
         return self.get_tensors_data([tensor])[tensor]
 
     @serialised
     def get_tensors_data(self, tensors: Iterable[Union[Variable, Constant]]) -> dict:
-        """Values of variables (fetched from the device when it holds newer ones) and constants."""
+        """Values of variables (fetched from the device when it holds newer ones) and constants,
+        as PopXL gives them: a variable made from an ``np.memmap`` gives that very memmap;
+        float8 data are PopXL's uint8 records (``popxl.dtypes.np_dtype_float8_143``)."""
         tensors = list(tensors)
         out = {}
         for t in tensors:
@@ -615,10 +621,13 @@ class Session:
                 if t.retrieval_mode == "all_replicas" and self._r > 1:   # one value per replica
                     out[t] = np.array(self._host_all[t] if t in self._host_all
                                       else self._per_replica(t, self._host[t]))
+                elif t._memmap_arr is not None:   # PopXL: the very np.memmap it was made from
+                    out[t] = t._memmap_arr
                 else:
                     out[t] = np.array(self._host[t])
             else:
                 out[t] = np.array(t._graph._g.initializers[t.id])
+            out[t] = to_host_fp8(out[t])   # float8: PopXL's uint8 records
         return out
 
     def write_variable_data(self, tensor: Variable, data: np.ndarray) -> None:
@@ -633,16 +642,22 @@ class Session:
                                 f"supported for this type.")
             arr = np.asarray(data)
             want = v.shape_on_host
+            if np.ndim(data) == 0 and not isinstance(data, np.ndarray):   # a Python number
+                if v.dtype.name in ("float8_143", "float8_152"):
+                    raise TypeError(f"Data for variable {v.id} must be passed in as an np.array with "
+                                    f"dtype {host_np_dtype(v.dtype)} (see "
+                                    f"popxl.fp8_utils.host_pow2scale_cast_to_fp8)")
+                arr = arr.astype(v.dtype.as_numpy())
+            arr = from_host_fp8(arr)
             if arr.dtype != v.dtype.as_numpy():
-                if np.ndim(data) == 0 and not isinstance(data, np.ndarray):
-                    arr = arr.astype(v.dtype.as_numpy())
-                else:
-                    raise TypeError(f"Variable '{v.id}' is {v.dtype.name}, data is {arr.dtype}")
+                raise TypeError(f"The dtype of the input array {np.asarray(data).dtype} must match "
+                                f"the equivalent type of the tensor {v.id} : {v.dtype}")
             if arr.shape != tuple(want):
                 if arr.size == 1 and not want:
                     arr = arr.reshape(())
                 else:
-                    raise ValueError(f"Variable '{v.id}' has host shape {list(want)}, data has {list(arr.shape)}")
+                    raise ValueError(f"The shape of the input array {arr.shape} must match the shape "
+                                     f"of the tensor {v.id} : {v.shape}")
             if self.is_attached and not self._in_sync:
                 self.weights_to_host()
             if v.retrieval_mode == "all_replicas" and v.replica_grouping.group_size > 1:
@@ -661,11 +676,8 @@ class Session:
         return tuple(d for d in (self._n, self._local_r) if d != 1) + tuple(shape)
 
     def create_host_outputs(self) -> dict[DeviceToHostStream, np.ndarray]:
-        """Zeroed output arrays, one per device-to-host stream."""
-        plan = self._run_plan()
-        if plan is not None:
-            return {s: np.zeros(host, dtype) for s, dtype, host in plan.d2h}
-        return {s: np.zeros(self._host_shape(s.shape), s.dtype.as_numpy()) for s, _ in self._d2h}
+        """Zeroed output arrays, one per device-to-host stream (float8: PopXL's uint8 records)."""
+        return {s: np.zeros(self._host_shape(s.shape), host_np_dtype(s.dtype)) for s, _ in self._d2h}
 
     def _expected_outputs(self) -> list[DeviceToHostStream]:
         return [s for s, _ in self._d2h]
@@ -759,6 +771,9 @@ class Session:
                           downcast_inputs: bool) -> None:
         self._require_attached()
         inputs, outputs = inputs or {}, outputs if outputs is not None else {}
+        if self._fp8_streams:   # PopXL's float8 host arrays (uint8 records) as ml_dtypes views
+            inputs = {s: from_host_fp8(a) for s, a in inputs.items()}
+            outputs = {s: from_host_fp8(a) for s, a in outputs.items()}
         plan = self._run_plan()
         feeds = None if plan is None else plan.feeds(inputs, downcast_inputs)
         if feeds is None:   # the general path: conversions, popxl's and popart's checks

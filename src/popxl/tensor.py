@@ -420,8 +420,8 @@ class TensorByRef(Tensor):
 
 def _resolve_data(data: Any, dtype: Any, downcast: bool, log2_scale: Optional[int] = None,
                   nan_on_overflow: Optional[bool] = None) -> np.ndarray:
-    """``data`` as a NumPy array (``popxl.utils.to_numpy``); an ``np.memmap`` is returned
-    itself, never copied.
+    """``data`` as a NumPy array (``popxl.utils.to_numpy``; float8 data in ml_dtypes' form);
+    an ``np.memmap`` is returned itself, never copied.
 
     Raises:
         ValueError: for an ``np.memmap`` that is not C-ordered and aligned, that needs
@@ -429,10 +429,11 @@ def _resolve_data(data: Any, dtype: Any, downcast: bool, log2_scale: Optional[in
     """
     if isinstance(data, Tensor):
         raise TypeError("A popxl Tensor cannot be used as the data of a variable or constant")
+    from .fp8_utils import from_host_fp8
     from .utils import to_numpy
-    return to_numpy(data, None if dtype is None else _dtype.as_dtype(dtype), downcast,
-                    copy=not isinstance(data, np.memmap), log2_scale=log2_scale,
-                    nan_on_overflow=nan_on_overflow)
+    return from_host_fp8(to_numpy(data, None if dtype is None else _dtype.as_dtype(dtype), downcast,
+                                  copy=not isinstance(data, np.memmap), log2_scale=log2_scale,
+                                  nan_on_overflow=nan_on_overflow))
 
 
 def _host_value(arr: np.ndarray, grouping: "ReplicaGrouping", tid: str) -> np.ndarray:

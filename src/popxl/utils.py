@@ -12,7 +12,7 @@ import popart
 
 from .dtypes import _DOWNCAST, dtype as _dtype, float8_143, float8_152
 from .dtypes import to_numpy as _to_numpy
-from .fp8_utils import host_pow2scale_cast_to_fp8
+from .fp8_utils import host_np_dtype, host_pow2scale_cast_to_fp8, to_host_fp8
 
 try:
     import torch as _torch
@@ -31,8 +31,9 @@ def to_numpy(x: Any, dtype: Optional[_dtype] = None, downcast: bool = True, copy
 
     Args:
         x: the data.
-        dtype: the popxl dtype of the result. Without it, the data's own type, with 64-bit
-            floats / ints downcast to 32 bits when ``downcast``.
+        dtype: the popxl dtype of the result (float8: PopXL's host form, uint8 records of
+            ``popxl.dtypes.np_dtype_float8_143`` / ``_152``). Without it, the data's own type,
+            with 64-bit floats / ints downcast to 32 bits when ``downcast``.
         downcast: see ``dtype``.
         copy: always return a new array (otherwise ``x`` itself when it needs no conversion).
         log2_scale: float8 ``dtype`` only: multiply by ``2**log2_scale`` before the cast
@@ -49,7 +50,7 @@ def to_numpy(x: Any, dtype: Optional[_dtype] = None, downcast: bool = True, copy
     if dtype is not None:
         dtype = _dtype.as_dtype(dtype)
     if isinstance(x, np.memmap) and not copy:
-        if dtype is not None and dtype.as_numpy() != x.dtype:
+        if dtype is not None and host_np_dtype(dtype) != x.dtype:
             raise ValueError("When passing a memory-mapped NumPy array, the `dtype` parameter "
                              "must be None or the same as the array's dtype")
         if not (x.flags.c_contiguous and x.flags.aligned):
@@ -60,9 +61,9 @@ def to_numpy(x: Any, dtype: Optional[_dtype] = None, downcast: bool = True, copy
                              "not supported, as it requires downcasting the array into a new "
                              "array with a dtype supported by PopXL.")
         return x
-    if dtype in (float8_143, float8_152):
-        arr = _to_numpy(x)
-        if arr.dtype != dtype.as_numpy():
+    if dtype in (float8_143, float8_152):   # PopXL's host form (uint8 records)
+        arr = to_host_fp8(_to_numpy(x))
+        if arr.dtype != host_np_dtype(dtype):
             if arr.dtype not in (np.float16, np.float32, np.float64):
                 raise TypeError(f"Type {arr.dtype} is not supported for float8 tensors. Please use "
                                 "float16, float32 or float64 types.")

@@ -78,13 +78,16 @@ class CallSiteInfo:
         return self._outputs[idx]
 
     def graph_to_parent_input_index(self, idx: int) -> int:
-        return idx
+        """The op's input index of the called graph's input ``idx`` (a repeat's is 2 more:
+        its trip count and condition come first)."""
+        return self._op.subgraphInToOpInIndex(idx)
 
     def parent_to_graph_input_index(self, idx: int) -> int:
-        return idx
+        """The called graph's input index of the op's input ``idx``."""
+        return self._op.opInToSubgraphInIndex(idx)
 
     def graph_to_parent_output_index(self, idx: int) -> int:
-        return idx
+        return idx   # the same for calls and repeats (PopART's CallOp / LoopOp)
 
     def parent_to_graph_output_index(self, idx: int) -> int:
         return idx
@@ -105,8 +108,17 @@ class CallSiteInfo:
         raise ValueError(f"Tensor {parent_tensor.id} is not a parent graph input of the call site.")
 
     def set_parent_input_modified(self, parent_tensor: Tensor, infer_modified_regions: bool = False) -> None:
-        """Accepted for compatibility: pass inputs by reference (TensorByRef) when creating the
-        graph to make the graph's in-place changes reach the caller."""
+        """This call modifies its input ``parent_tensor`` (PopXL's): the called graph's in-place
+        changes to that input reach ``parent_tensor``, as if the graph took it by reference,
+        at this call only. ``infer_modified_regions``: only where ops of the called graph
+        modify the input (none: nothing changes); else the whole tensor."""
+        from .._pb import Region
+        index = self._op.inIndex(parent_tensor._pb_tensor)
+        graph = self._op.getCalledGraph()
+        sg_tensor = graph.getInputTensor(self.parent_to_graph_input_index(index))
+        regions = (sg_tensor.modifiedRegionsByOps(graph.getOps()) if infer_modified_regions
+                   else [Region.getFull(parent_tensor.shape)])
+        self._op.addModified(index, regions)
 
 
 def _prep_inputs(parent: Graph, graph: Graph, inputs: Sequence[Any],
@@ -150,12 +162,20 @@ def _hidden_inputs(parent: Graph, graph: Graph) -> list[Tensor]:
     return [parent._state(k, _maker(k), k in graph._hidden_by_ref) for k in graph._hidden]
 
 
+def _moves(graph: Graph, t: Tensor) -> bool:
+    """Whether a new call of ``graph`` moves the caller's tensor for by-reference input ``t``:
+    not for an input the graph returns only because another call was marked as modifying it
+    (``CallSiteInfo.set_parent_input_modified``: that call's own)."""
+    return not any(t is m for m in getattr(graph, "_modified_by_calls", ()))
+
+
 def _connect_by_ref(graph: Graph, all_in: list[Tensor], extra: list[Tensor]) -> None:
     """Move the caller's by-reference tensors to their values after the call."""
     refs = graph._by_ref_list()
     pos = {id(t): i for i, t in enumerate(graph._all_inputs())}
     for t, new in zip(refs, extra):
-        inplace(all_in[pos[id(t)]], new)
+        if _moves(graph, t):
+            inplace(all_in[pos[id(t)]], new)
 
 
 def call_with_info(graph: Graph, *inputs: Any, inputs_dict: Optional[Mapping[Tensor, Any]] = None,
@@ -215,7 +235,7 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any,
     outs = node("Loop", [trip, keep_going] + all_in, {"body": body}, ONNX, len(all_in),
                 name=f"repeat_{graph.name}")
     for i, t in enumerate(graph._all_inputs()):
-        if id(t) in ref_pos:
+        if id(t) in ref_pos and _moves(graph, t):
             inplace(all_in[i], outs[i])
     return CallSiteInfo(_SubgraphOp(graph, parent, parent._g.nodes[-1], user_in))
 
