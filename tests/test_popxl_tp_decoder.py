@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+import popart
 import popart.testing
 
 torch = pytest.importorskip("torch")
@@ -86,11 +87,12 @@ def torch_reference(cfg: Config, data: np.ndarray, adam: Adam):
     return steps, {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
 
 
-# (config, tensor-parallel ranks, popxl-addons' ops): 4 replicas are 4 / tp data-parallel groups;
-# the data-parallel cases train with weight decay
-CASES = {"gptj_tp4": (GPTJ, 4, False), "llama_tp4": (LLAMA, 4, False), "gptj_tp2_dp2": (GPTJ, 2, False),
-         "llama_tp2_dp2": (LLAMA, 2, False), "gptj_tp4_addons": (GPTJ, 4, True),
-         "llama_tp2_dp2_addons": (LLAMA, 2, True)}
+# (config, tensor-parallel ranks, popxl-addons' ops, replicas side by side on one device):
+# 4 replicas are 4 / tp data-parallel groups; the data-parallel cases train with weight decay
+CASES = {"gptj_tp4": (GPTJ, 4, False, False), "llama_tp4": (LLAMA, 4, False, False),
+         "gptj_tp2_dp2": (GPTJ, 2, False, False), "llama_tp2_dp2": (LLAMA, 2, False, False),
+         "llama_tp2_dp2_one_device": (LLAMA, 2, False, True),
+         "gptj_tp4_addons": (GPTJ, 4, True, False), "llama_tp2_dp2_addons": (LLAMA, 2, True, False)}
 
 
 def addons_or_skip(weight_decay: float):
@@ -106,12 +108,13 @@ def addons_or_skip(weight_decay: float):
 def trained(request):
     """(program, per-step popxl outputs, its final weights, torch steps, torch final weights) for a case:
     one compiled session, STEPS runs."""
-    cfg, tp, addons = CASES[request.param]
+    cfg, tp, addons, one_device = CASES[request.param]
     dp = 4 // tp
     wd = 0.1 if dp > 1 else 0.0
     tp_ops, adam = addons_or_skip(wd) if addons else (None, Adam(weight_decay=wd))
     state = {n: p.detach().numpy().copy() for n, p in hf_model(cfg).state_dict().items()}
-    prog = Program(cfg, state, replicas=4, tp=tp, tp_ops=tp_ops, adam=adam)
+    device = popart.DeviceManager().createIpuModelDevice({"numIPUs": 1}) if one_device else "ipu_model"
+    prog = Program(cfg, state, replicas=4, tp=tp, tp_ops=tp_ops, adam=adam, device=device)
     data = batches(cfg, dp)
     with prog.session:
         outs = [prog.run(step, step[..., 1:]) for step in data]
@@ -130,8 +133,10 @@ def test_the_variant_builds_with_its_ops(trained):
         {"RotaryPosEmbed"} if prog.cfg.family == "gptj" else set())
     addons = prog.tp_ops is not None
     assert (custom <= types) if addons else not (custom & types), types
-    # a device per replica where there are 4 (the test session's host CPU devices)
-    assert len(popart.testing.mesh_devices(prog.session)) == 4 or len(jax.devices()) < 4
+    # a device per replica where there are 4 (the test session's host CPU devices), unless the
+    # case puts the replicas side by side (vmap)
+    devices = len(popart.testing.mesh_devices(prog.session))
+    assert devices == 0 if prog.device != "ipu_model" else (devices == 4 or len(jax.devices()) < 4)
     called = [g.name for g in prog.ir.main_graph.called_graphs]
     assert any("AdamOptimizerStep" in n for n in called) == addons, called
 

@@ -18,7 +18,7 @@ popxl-addons' ops and its Adam module."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -373,6 +373,7 @@ class Program:
     tp: int
     tp_ops: Optional[TPOps] = None
     adam: Adam = field(default_factory=Adam)
+    device: Any = "ipu_model"              # popxl.Session's device
 
     def __post_init__(self) -> None:
         c, R, tp = self.cfg, self.replicas, self.tp
@@ -411,7 +412,9 @@ class Program:
                 ops.host_store(self.streams[k], t)
             for k, var in self.vars.items():
                 self.adam.step(var, named[k], self._grouping(self.weights[k]))
-        self.session = popxl.Session(ir, "ipu_model")
+        for g in ir._pb_ir.getAllGraphs():   # OpToIdentity, as popxl-addons' users run it
+            ir._pb_ir.applyPreAliasPatterns(g)
+        self.session = popxl.Session(ir, self.device)
 
     def _grouping(self, w: Weight) -> Optional[ReplicaGrouping]:
         return self.shard_grouping if w.axis is not None else None
