@@ -210,11 +210,15 @@ class Graph:
         refs = set(self._by_ref_inputs) | {self._hidden[k] for k in self._hidden_by_ref}
         return [t for t in self._all_inputs() if t in refs]
 
-    def _finalize(self) -> IRGraph:
+    def _finalize(self, lowering: bool = False) -> IRGraph:
         """Bring the IR graph's inputs / outputs up to date (the main graph's: every
         subgraph's, which binding handles may have changed after it was called); returns the
-        IR graph."""
+        IR graph. ``lowering`` (a session is built from it): raise PopART's lowering errors
+        for ops that a pattern must replace first."""
         if self._is_main:
+            if lowering:
+                from .transforms.patterns import check_lowerable
+                check_lowerable(self._ir._graphs)
             for g in self._ir._graphs[1:]:
                 g._finalize()
         else:

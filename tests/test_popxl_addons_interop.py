@@ -1,0 +1,107 @@
+"""popxl-addons' reach into PopART's IR (issue 34): PopART's OpToIdentityPattern through
+``Ir._pb_ir.applyPreAliasPatterns`` (the collectives with identicalInputs / identicalGradInputs
+and PopART's other canBeReplacedByIdentity rules), checked against NumPy sums over replica
+groups."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import popart
+import popxl
+import popxl.ops as ops
+from popart._internal.ir import patterns as pb_patterns
+from popart.custom_ops import ADDONS_DOMAIN
+from popxl.ops._base import node
+
+from helpers.custom_ops_ref import groups, member_sum
+
+RNG = np.random.default_rng(34)
+R = 2
+
+
+def apply_patterns(ir: popxl.Ir, level=None) -> None:
+    """popxl_addons.patterns.apply_pre_alias_patterns: set the level, run every graph."""
+    if level is not None:
+        ir._pb_ir.setPatterns(pb_patterns.Patterns(level))
+    for g in ir._pb_ir.getAllGraphs():
+        ir._pb_ir.applyPreAliasPatterns(g)
+
+
+def tp_program(flag: str):
+    """y = all_reduce_TP(x) with ``flag`` set, and dx from popxl's autodiff of it given dy."""
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph:
+        xs = popxl.h2d_stream((3,), popxl.float32, "x")
+        gs = popxl.h2d_stream((3,), popxl.float32, "g")
+        x, g = ops.host_load(xs), ops.host_load(gs)
+        fwd = ir.create_graph(lambda a: node("ReplicatedAllReduceTP", [a], {
+            "op": "Add", "group": [R, 1, R], flag: 1}, domain=ADDONS_DOMAIN)[0], x)
+        bwd = popxl.transforms.autodiff(fwd)
+        (y,) = ops.call(fwd, x)
+        (dx,) = ops.call(bwd.graph, g)
+        out = {k: popxl.d2h_stream(t.shape, t.dtype, k) for k, t in (("y", y), ("dx", dx))}
+        ops.host_store(out["y"], y)
+        ops.host_store(out["dx"], dx)
+    return ir, fwd, bwd.graph, (xs, gs), out
+
+
+@pytest.mark.parametrize("flag", ["identicalInputs", "identicalGradInputs"])
+def test_unpatterned_identical_collective_raises_popart_error(flag):
+    """PopART's Opx of the op (or of its grad op, the same op with the flags swapped) refuses
+    an op that OpToIdentityPattern should have replaced; Minimal patterns (popxl.Session's)
+    do not hold OpToIdentity."""
+    ir, *_ = tp_program(flag)
+    apply_patterns(ir, pb_patterns.PatternsLevel.Minimal)
+    with pytest.raises(popart.popart_exception,
+                       match="You need to run the `OpToIdentityPattern` pattern before running the IR."):
+        popxl.Session(ir, "ipu_model")
+
+
+@pytest.mark.parametrize("flag", ["identicalInputs", "identicalGradInputs"])
+def test_op_to_identity_on_identical_collectives(flag):
+    """After the default patterns the identity side is an Identity op of the graph (the
+    forward for identicalInputs, the grad op for identicalGradInputs) and the other side the
+    group's sum."""
+    ir, fwd, bwd, (xs, gs), out = tp_program(flag)
+    apply_patterns(ir)
+    types = [op.opType() for op in fwd._pb_graph.getOpSchedule()]
+    grad_types = [op.opType() for op in bwd._pb_graph.getOpSchedule()]
+    ii = flag == "identicalInputs"
+    assert ("Identity" in types) == ii and ("Identity" in grad_types) == (not ii)
+    x, g = (RNG.normal(size=(R, 3)).astype(np.float32) for _ in range(2))
+    with popxl.Session(ir, "ipu_model") as s:
+        got = s.run({xs: x, gs: g})
+    sums = groups(R, 1, R)
+    np.testing.assert_allclose(got[out["y"]], x if ii else member_sum(x, sums), rtol=1e-6)
+    np.testing.assert_allclose(got[out["dx"]], member_sum(g, sums) if ii else g, rtol=1e-6)
+
+
+def test_op_to_identity_rules_of_popart_ops():
+    """PopART's canBeReplacedByIdentity: a reshape to its own shape, a sorted transpose, a
+    scale by 1, a one-input concat / sum, a cast to its own type become Identity; a real
+    reshape or scale stays. The values are unchanged."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        xs = popxl.h2d_stream((2, 3), popxl.float32, "x")
+        x = ops.host_load(xs)
+        y = ops.reshape(x, (2, 3))
+        y = ops.transpose(y, (0, 1))
+        y = ops.scale(y, 1.0)
+        y = ops.concat([y], 0)
+        y = ops.cast(y, popxl.float32)
+        z = ops.reshape(ops.mul(y, popxl.constant(2.0)), (3, 2))
+        out = popxl.d2h_stream(z.shape, z.dtype, "z")
+        ops.host_store(out, z)
+    main = ir.main_graph._pb_graph
+    before = [op.opType() for op in main.getOpSchedule()]
+    apply_patterns(ir)
+    after = [op.opType() for op in main.getOpSchedule()]
+    assert len(before) == len(after)
+    changed = [(b, a) for b, a in zip(before, after) if b != a]
+    assert all(a == "Identity" for _, a in changed)
+    assert {b for b, _ in changed} >= {"Reshape", "Transpose", "Scale", "Concat", "Cast"}
+    assert after.count("Reshape") == 1 and "Mul" in after
+    x = RNG.normal(size=(2, 3)).astype(np.float32)
+    with popxl.Session(ir, "ipu_model") as s:
+        np.testing.assert_allclose(s.run({xs: x})[out], (2 * x).reshape(3, 2), rtol=1e-6)
