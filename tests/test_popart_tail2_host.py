@@ -621,3 +621,22 @@ def test_set_random_seed_of_a_type_the_binding_rejects():
         "setRandomSeed(): incompatible function arguments. The following argument types are "
         "supported:\n    1. (self: popart_core._TrainingSessionCore, seedValue: int) -> None"
         f"\n\nInvoked with: {s!r}, '3'")
+
+
+def test_variable_anchor_with_accumulated_gradients_holds_the_step_s_input():
+    """With gradient accumulation the update runs after the micro-batches (the accumulate
+    outer fragment), so each micro-batch's anchor of a Variable is the weight it used."""
+    b, x, w, loss = _l1_model()
+    opts = popart.SessionOptions()
+    opts.enableGradientAccumulation, opts.accumulationFactor = True, 2
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, {w: popart.AnchorReturnType("All")}),
+                               loss, popart.ConstSGD(0.25), CPU(), userOptions=opts)
+    s.prepareDevice()
+    s.weightsFromHost()
+    anchors = s.initAnchorArrays()
+    xs = np.ones((2, 3), np.float32)
+    for step in range(2):
+        s.run(popart.PyStepIO({x: xs}, anchors))
+        # step 0 uses W0; the accumulated (summed) gradient 2 sign(W0) then updates it
+        want = W0 - step * 0.25 * 2 * np.sign(W0)
+        np.testing.assert_allclose(anchors[w], np.stack([want, want]), rtol=1e-6)

@@ -410,9 +410,12 @@ class StepProgram:
 
     def updated_var_anchors(self) -> dict[str, str]:
         """Anchor -> weight, for the anchors naming a trainable weight's VarUpdate output
-        (PopART's ``UpdatedVar___<w>``) or a Variable itself: PopART copies a Variable's
-        anchor after the update (IrLowering::getAnchorReturnFragment, backward fragment)."""
-        return {**{a: a for a in self.anchor_ids if a in self.variables}, **{
+        (PopART's ``UpdatedVar___<w>``) or, without gradient accumulation, a Variable itself:
+        PopART copies a Variable's anchor in the backward fragment, after the update
+        (IrLowering::getAnchorReturnFragment; accumulated updates run after it, in the
+        accumulate outer fragment)."""
+        variables = self.variables if self.cfg.accumulation_factor == 1 else {}
+        return {**{a: a for a in self.anchor_ids if a in variables}, **{
             a: a[len(UPDATED_VAR_PREFIX):] for a in self.anchor_ids
             if a.startswith(UPDATED_VAR_PREFIX) and a[len(UPDATED_VAR_PREFIX):] in self.trainable}}
 
