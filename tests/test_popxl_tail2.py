@@ -76,27 +76,16 @@ def test_write_variable_data_messages_are_popxls(host_case):
         s.write_variable_data(v8, np.zeros((1, 3), np.float32))
 
 
-def test_memmap_with_a_non_const_grouping_warns_popxls_text(tmp_path):
+def test_memmap_with_a_non_const_grouping_warns_popxls_text(tmp_path, caplog):
     mm = np.memmap(str(tmp_path / "g.bin"), dtype=np.float32, mode="w+", shape=(2, 3))
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("popart")
-    log.addHandler(handler)
-    level = popart.getLogger().getLevel()
-    popart.getLogger().setLevel("WARN")
-    try:
-        ir = popxl.Ir(replication=4)
-        with ir.main_graph:
-            v = popxl.variable(mm, replica_grouping=ir.replica_grouping_from_assignments([0, 1, 1, 0]),
-                               name="g")
-    finally:
-        log.removeHandler(handler)
-        popart.getLogger().setLevel(level)
+    ir = popxl.Ir(replication=4)
+    with caplog.at_level(logging.WARNING, logger="popart"), ir.main_graph:
+        v = popxl.variable(mm, replica_grouping=ir.replica_grouping_from_assignments([0, 1, 1, 0]),
+                           name="g")
     text = ("In creation of variable g, you have passed np.memmap data and a non-const replica "
             "grouping, which requires us to make a copy of your np.memmap data. Your variable "
             "will be treated as NOT an np.memmap.")
-    assert text in [r.getMessage() for r in records]
+    assert text in caplog.messages
     assert v._memmap_arr is None
 
 
@@ -284,3 +273,21 @@ def test_all_reduce_grad_graph_takes_only_gradients(fn):
     assert kinds == [popxl.transforms.ExpectedConnectionType.FwdGrad] * 2
     assert [e.fwd_tensor for e in bwd.expected_inputs] == list(fwd.outputs)
     assert len(bwd.graph.inputs) == 2
+
+
+def test_memmap_downcast_message_prints_the_dtype_argument(tmp_path):
+    """PopXL's utils.to_numpy prints the `dtype` argument (None when not given), not the
+    array's dtype."""
+    f64 = np.memmap(str(tmp_path / "d.bin"), dtype=np.float64, mode="w+", shape=(3,))
+    with popxl.Ir().main_graph:
+        with pytest.raises(ValueError) as e:
+            popxl.variable(f64)
+        assert str(e.value) == ("When passing a memory-mapped NumPy array, the dtype None is not "
+                                "supported, as it requires downcasting the array into a new array "
+                                "with a dtype supported by PopXL.")
+        with pytest.raises(ValueError, match="the dtype popxl.dtypes.float64 is not supported"):
+            popxl.variable(f64, popxl.float64)
+        with pytest.raises(ValueError) as e:
+            popxl.variable(f64, popxl.float32)
+        assert str(e.value) == ("When passing a memory-mapped NumPy array, the `dtype` parameter "
+                                "must be None or the same as the array's dtype")

@@ -56,8 +56,8 @@ def to_numpy(x: Any, dtype: Optional[_dtype] = None, downcast: bool = True, copy
         if not (x.flags.c_contiguous and x.flags.aligned):
             raise ValueError("When passing a memory-mapped NumPy array, it must already be in "
                              "C-ordered and aligned form.")
-        if x.dtype in _DOWNCAST:
-            raise ValueError(f"When passing a memory-mapped NumPy array, the dtype {x.dtype} is "
+        if x.dtype in _DOWNCAST:   # PopXL's text, which prints the `dtype` argument
+            raise ValueError(f"When passing a memory-mapped NumPy array, the dtype {dtype} is "
                              "not supported, as it requires downcasting the array into a new "
                              "array with a dtype supported by PopXL.")
         return x
