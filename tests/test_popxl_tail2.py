@@ -145,6 +145,11 @@ def test_session_float8_data_are_uint8_records(host_case):
         s.run_with_outputs({host_case["h8"]: new}, outs)     # written into the caller's records
         np.testing.assert_array_equal(outs[host_case["dv"]], new)
         np.testing.assert_array_equal(outs[host_case["d8"]], new)
+        raw = np.array([[0x40, 0xC8, 0x7F]], np.uint8)      # bytes: as PopXL's run sends them
+        out = s.run({host_case["h8"]: raw})[host_case["d8"]]
+        np.testing.assert_array_equal(out.view(np.uint8), raw)
+        np.testing.assert_array_equal(fp8_utils.host_pow2scale_cast_from_fp8(out, popxl.float32),
+                                      [[1.0, -2.0, 240.0]])
 
 
 # ---------------------------------------------------------------------------------------

@@ -39,10 +39,14 @@ def to_host_fp8(arr: Any) -> Any:
     return arr if host is None else arr.view(host)
 
 
-def from_host_fp8(arr: Any) -> Any:
+def from_host_fp8(arr: Any, dt: Optional[_dtype] = None) -> Any:
     """``arr`` in PopXL's float8 host form (uint8 records) as ml_dtypes float8 data: a view of
-    the same bytes. Other data as it is."""
-    dev = _TO_DEVICE.get(getattr(arr, "dtype", None))
+    the same bytes; with a float8 ``dt`` (a stream's), plain uint8 data too (PopXL's session
+    sends float8 inputs as their bytes). Other data as it is."""
+    have = getattr(arr, "dtype", None)
+    dev = _TO_DEVICE.get(have)
+    if dev is None and dt in _FP8 and have == np.uint8:
+        dev = dt.as_numpy()
     return arr if dev is None else arr.view(dev)
 
 

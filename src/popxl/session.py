@@ -772,7 +772,7 @@ class Session:
         self._require_attached()
         inputs, outputs = inputs or {}, outputs if outputs is not None else {}
         if self._fp8_streams:   # PopXL's float8 host arrays (uint8 records) as ml_dtypes views
-            inputs = {s: from_host_fp8(a) for s, a in inputs.items()}
+            inputs = {s: from_host_fp8(a, s.dtype) for s, a in inputs.items()}
             outputs = {s: from_host_fp8(a) for s, a in outputs.items()}
         plan = self._run_plan()
         feeds = None if plan is None else plan.feeds(inputs, downcast_inputs)
