@@ -640,3 +640,24 @@ def test_variable_anchor_with_accumulated_gradients_holds_the_step_s_input():
         # step 0 uses W0; the accumulated (summed) gradient 2 sign(W0) then updates it
         want = W0 - step * 0.25 * 2 * np.sign(W0)
         np.testing.assert_allclose(anchors[w], np.stack([want, want]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("inplace,anchor_expand", [(True, False), (False, False), (True, True)])
+def test_ir_json_expand_inplace(inplace, anchor_expand):
+    """The Inplace pattern (on by default) makes an inference Expand of a stream input
+    ExpandInplace; not with InPlace off, nor when the Expand's output is an anchor."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3, 1]), "x")
+    e = b.aiOnnx.expand([x, b.aiOnnx.constant(np.array([2, 1, 6], np.int64))])
+    y = b.aiOnnx.identity([e])
+    patterns = popart.Patterns()
+    patterns.InPlace = inplace
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y] + [e] * anchor_expand),
+                                CPU(), patterns=patterns)
+    types = [op["type"] for op in _ir_ops(s)]
+    assert ("ExpandInplace" in types) == (inplace and not anchor_expand)
+    assert ("Expand" in types) == (not inplace or anchor_expand)
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: np.array([[1], [2], [3]], np.float32)}, anchors))
+    np.testing.assert_array_equal(anchors[y], np.broadcast_to([[1], [2], [3]], (2, 3, 6)))

@@ -598,7 +598,9 @@ class _Session(_FileMethods):
                         "program": program, "options": self.options}
         name = self._proto.graph.name
         main = name if name and not name.startswith("BuilderGraph") else "maingraph"
-        return serialize_ir(self._graph, infos, main, training)
+        keep = set(self._dataFlow.anchors()) \
+            if not self._training and self.patterns.isInPlaceEnabled() else None
+        return serialize_ir(self._graph, infos, main, training, keep)
 
     @serialised
     def getReport(self) -> str:

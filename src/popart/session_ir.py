@@ -75,9 +75,29 @@ _FOLDED_LIKE = {"RandomNormalLike": ("RandomNormal", "RandomNormalLikeOpPattern"
                 "RandomUniformLike": ("RandomUniform", "RandomUniformLikeOpPattern")}
 
 
-def _node_op(n: Any, attrs: dict, infos: dict) -> dict:
-    """A graph node as its op, after PopART's LikeOpsPattern."""
+# Ops shown as their inplace variant when PopART's Inplace pattern would make them so (a
+# conservative reading, for inference: see _inplaced).
+_INPLACE_VARIANTS = {"Expand": "ExpandInplace"}
+
+
+def _inplaced(n: Any, graph: Graph, keep: Optional[set]) -> bool:
+    """Whether an inference op becomes its inplace variant: ``keep`` (the anchors; None when
+    the InPlace pattern is off or in training, whose backward pass reads the activations)
+    names neither its input nor output, and no other op reads the input it would modify,
+    which is no weight."""
+    if keep is None or n.op_type not in _INPLACE_VARIANTS or n.domain not in ("", "ai.onnx"):
+        return False
+    x = n.inputs[0]
+    readers = sum(t == x for m in graph.nodes for t in m.inputs)
+    return (readers == 1 and x not in graph.initializers and x not in keep
+            and not keep.intersection(n.outputs))
+
+
+def _node_op(n: Any, attrs: dict, infos: dict, inplace: bool = False) -> dict:
+    """A graph node as its op, after PopART's LikeOpsPattern and (``inplace``) Inplace."""
     name = n.name or n.outputs[0]
+    if inplace:
+        return _op(_INPLACE_VARIANTS[n.op_type], name, n.inputs, n.outputs, attrs, infos)
     if n.op_type not in _FOLDED_LIKE or n.domain not in ("", "ai.onnx") or n.inputs[0] not in infos:
         return _op(n.op_type, name, n.inputs, n.outputs, attrs, infos)
     info = infos[n.inputs[0]]
@@ -99,14 +119,16 @@ def _graphs(graph: Graph) -> list[Graph]:
     return out
 
 
-def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[dict] = None) -> str:
+def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[dict] = None,
+                 inplace_keep: Optional[set] = None) -> str:
     """The IR as PopART's JSON. ``infos``: TensorInfo by id; ``training``: {"loss", "trainable",
-    "optimizer"} for a TrainingSession."""
+    "optimizer"} for a TrainingSession; ``inplace_keep``: an inference session's anchors when
+    its InPlace pattern is on (see ``_inplaced``)."""
     doc = {}
     stages = _stages(graph, training)
     for g in _graphs(graph):
         ops = [_node_op(n, {**n.attrs, **_placement(n, stages.get(id(n)) if g is graph else None)},
-                        infos)
+                        infos, g is graph and _inplaced(n, g, inplace_keep))
                for n in g.nodes]
         if g is graph and training is not None:
             ops += _backward(g, infos, training, stages)
