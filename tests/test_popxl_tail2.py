@@ -109,6 +109,10 @@ def test_host_fp8_conversions_give_and_take_uint8_records(dt, np_dt, fmt):
     assert big.view(np.uint8)[0] == 0x80                     # NaN (the one NaN of the format)
     sat = fp8_utils.host_pow2scale_cast_to_fp8(np.array([1e6], np.float32), dt, nan_on_overflow=False)
     assert sat.view(np.uint8)[0] == 0x7F                     # the largest magnitude
+    special = np.array([np.inf, -np.inf, np.nan], np.float32)    # never saturated: NaN
+    np.testing.assert_array_equal(
+        fp8_utils.host_pow2scale_cast_to_fp8(special, dt, nan_on_overflow=False).view(np.uint8),
+        _torch_bits(special, fmt))
     back = fp8_utils.host_pow2scale_cast_from_fp8(got, popxl.float32, -1)
     ref = torch.tensor(_torch_bits(x * 2, fmt)).view(fmt).to(torch.float32).numpy() / 2
     assert back.dtype == np.float32

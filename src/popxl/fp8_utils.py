@@ -67,8 +67,8 @@ def host_pow2scale_cast_to_fp8(src: Any, dtype: Optional[_dtype] = None, log2_sc
                                nan_on_overflow: bool = True) -> np.ndarray:
     """``cast(src * 2**log2_scale, dtype)`` on the host, rounding to nearest even, in PopXL's
     float8 host form (``popxl.dtypes.np_dtype_float8_143`` / ``_152``: uint8 records).
-    Values beyond the format's largest magnitude become NaN (``nan_on_overflow``) or
-    saturate to it.
+    Finite values beyond the format's largest magnitude become NaN (``nan_on_overflow``) or
+    saturate to it; infinities and NaN become NaN.
 
     Args:
         src: float16 / float32 / float64 data (NumPy array, torch tensor or nested lists).
@@ -86,9 +86,9 @@ def host_pow2scale_cast_to_fp8(src: Any, dtype: Optional[_dtype] = None, log2_sc
         raise RuntimeError(f"src.dtype {src.dtype} not currently supported.")
     s = _check_scale(log2_scale)
     x = src.astype(np.float64) * np.ldexp(1.0, s)
-    if not nan_on_overflow:
+    if not nan_on_overflow:   # finite values saturate; infinities (none in float8) are NaN
         big = float(ml_dtypes.finfo(dtype.as_numpy()).max)
-        x = np.where(np.isnan(x), x, np.clip(x, -big, big))
+        x = np.where(np.isfinite(x), np.clip(x, -big, big), np.nan)
     return to_host_fp8(x.astype(dtype.as_numpy()))
 
 
