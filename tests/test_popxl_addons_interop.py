@@ -105,3 +105,56 @@ def test_op_to_identity_rules_of_popart_ops():
     x = RNG.normal(size=(2, 3)).astype(np.float32)
     with popxl.Session(ir, "ipu_model") as s:
         np.testing.assert_allclose(s.run({xs: x})[out], (2 * x).reshape(3, 2), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# Adam from popxl's var-update ops, as popxl-addons' AdamOptimizerStep composes them
+
+def adam_numpy(w, grads, lr, b1, b2, eps, wd, m_dtype):
+    """PopART's AccumulateOpx (MovingAverage / MovingAverageSquare: f * t + (1 - f) * g (* g),
+    in the accumulator's type), AdamUpdaterOpx (step += 1; corrections 1 - beta ** step in
+    float32 cast to each moment's type; mhat / (sqrt(vhat) + eps) in the second moment's type;
+    + wd * w in the weight's) and ScaledAdd (w - lr * updater), op by op in NumPy."""
+    f32 = np.float32
+    m, v, step = np.zeros(w.shape, m_dtype), np.zeros(w.shape, f32), f32(0)
+    for g in grads:
+        gm = g.astype(m_dtype)
+        m = (m_dtype(b1) * m + m_dtype(1 - b1) * gm).astype(m_dtype)
+        v = (f32(b2) * v + f32(1 - b2) * g * g).astype(f32)
+        step = step + f32(1)
+        mhat = (m / m_dtype(f32(1) - f32(b1) ** step)).astype(m_dtype)
+        vhat = v / (f32(1) - f32(b2) ** step)
+        upd = mhat.astype(f32) / (np.sqrt(vhat) + f32(eps)) + f32(wd) * w
+        w = (w - f32(lr) * upd).astype(f32)
+    return w, m, v
+
+
+@pytest.mark.parametrize("m_dtype", [np.float32, np.float16])
+def test_adam_steps_equal_popart_formulas(m_dtype):
+    """Two Adam steps (lr 2, weight decay 0.01; first moment float32 or float16, as
+    popxl-addons' default) equal the op-by-op NumPy transcription; a float16 bias correction
+    divides exactly (not by a half-precision reciprocal)."""
+    lr, b1, b2, eps, wd = 2.0, 0.9, 0.999, 1e-5, 0.01
+    w = RNG.normal(size=(3, 4)).astype(np.float32)
+    grads = [RNG.normal(size=(3, 4)).astype(np.float32) for _ in range(2)]
+    ir = popxl.Ir()
+    with ir.main_graph:
+        gs = popxl.h2d_stream((3, 4), popxl.float32, "g")
+        var = popxl.variable(w, popxl.float32)
+        m = popxl.variable(np.zeros((3, 4)), popxl.dtype.as_dtype(m_dtype))
+        v = popxl.variable(np.zeros((3, 4)), popxl.float32)
+        step = popxl.variable(np.zeros(()), popxl.float32)
+        g = ops.host_load(gs)
+        ops.var_updates.accumulate_moving_average_(m, g, f=b1)
+        ops.var_updates.accumulate_moving_average_square_(v, g, f=b2)
+        upd = ops.var_updates.adam_updater(m, v, weight=var, weight_decay=wd, time_step=step,
+                                           beta1=b1, beta2=b2, epsilon=eps)
+        ops.scaled_add_(var, upd, b=-lr)
+    with popxl.Session(ir, "ipu_model") as s:
+        for x in grads:
+            s.run({gs: x})
+        got = s.get_tensors_data([var, m, v])
+    ref_w, ref_m, ref_v = adam_numpy(w, grads, lr, b1, b2, eps, wd, m_dtype)
+    np.testing.assert_allclose(got[m], ref_m, rtol=1e-6 if m_dtype == np.float32 else 1e-3)
+    np.testing.assert_allclose(got[v], ref_v, rtol=1e-6)
+    np.testing.assert_allclose(got[var], ref_w, rtol=1e-5, atol=1e-6)

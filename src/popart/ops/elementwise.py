@@ -208,7 +208,16 @@ BINARY = {
 VARIADIC = {"Sum": jnp.add, "Max": jnp.maximum, "Min": jnp.minimum, "Mean": jnp.add}
 
 
-_div_float = with_popart_grad(jnp.divide, _div_grad)
+def _divide(a, b):
+    """a / b, float16 / bfloat16 in float32: XLA makes a division by a broadcast scalar a
+    multiplication by its reciprocal, which half precision rounds (PopART's is exact)."""
+    t = jnp.result_type(a, b)
+    if t in (jnp.float16, jnp.bfloat16):
+        return jnp.divide(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)).astype(t)
+    return jnp.divide(a, b)
+
+
+_div_float = with_popart_grad(_divide, _div_grad)
 _pow_float = with_popart_grad(jnp.power, _pow_grad)
 
 
