@@ -158,3 +158,33 @@ def test_adam_steps_equal_popart_formulas(m_dtype):
     np.testing.assert_allclose(got[m], ref_m, rtol=1e-6 if m_dtype == np.float32 else 1e-3)
     np.testing.assert_allclose(got[v], ref_v, rtol=1e-6)
     np.testing.assert_allclose(got[var], ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_matmul_of_float32_and_float16_is_the_lhs_type():
+    """MatMulOp::setup takes the lhs's type whatever the rhs's: float32 @ float16 is float32,
+    float16 @ float32 float16; popxl's autodiff gives each operand's gradient in its type."""
+    a = RNG.normal(size=(2, 3)).astype(np.float32)
+    b = RNG.normal(size=(3, 4)).astype(np.float16)
+    g = RNG.normal(size=(2, 4)).astype(np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        at, bt, gt = (popxl.variable(x, popxl.dtype.as_dtype(x.dtype)) for x in (a, b, g))
+        fwd = ir.create_graph(lambda x, y: ops.matmul(x, y), at, bt)
+        bwd = popxl.transforms.autodiff(fwd)
+        info = ops.call_with_info(fwd, at, bt)
+        y = info.outputs[0]
+        da, db = ops.call(bwd.graph, gt, inputs_dict=bwd.inputs_dict(info))
+        rev = ops.matmul(ops.transpose(bt), ops.transpose(at))
+        outs = {k: popxl.d2h_stream(t.shape, t.dtype, k) for k, t in
+                (("y", y), ("da", da), ("db", db), ("rev", rev))}
+        for k, t in (("y", y), ("da", da), ("db", db), ("rev", rev)):
+            ops.host_store(outs[k], t)
+    assert (y.dtype, da.dtype, db.dtype, rev.dtype) == (popxl.float32, popxl.float32, popxl.float16,
+                                                        popxl.float16)
+    with popxl.Session(ir, "ipu_model") as s:
+        got = s.run()
+    b32 = b.astype(np.float32)
+    np.testing.assert_allclose(got[outs["y"]], a @ b32, rtol=1e-5)
+    np.testing.assert_allclose(got[outs["da"]], g @ b32.T, rtol=1e-5)
+    np.testing.assert_allclose(got[outs["db"]], (a.T @ g).astype(np.float16), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(got[outs["rev"]], (b32.T @ a.T).astype(np.float16), rtol=2e-3, atol=2e-3)

@@ -33,7 +33,7 @@ def matmul(ctx: LowerCtx, a, b, **_):
                            f"'{ctx.input_ids[0]}' {shape_text(ls)}, rhs '{ctx.input_ids[1]}' "
                            f"{shape_text(rs)}", "the lhs's last dimension must equal the rhs's "
                            "second to last")
-    return jnp.matmul(a, b)
+    return jnp.matmul(a, b).astype(_dt(a))   # MatMulOp::setup: the lhs's type
 
 def _zp_rows(zp, ndim_is_matrix):
     """A's zero point may be per row ([M]): align it with A's rows."""

@@ -310,6 +310,7 @@ POPART_INPUT_TYPES: dict[tuple[str, int], Any] = {
     ("Sqrt", 0): "iu",                           # an integer square root
     ("Scatter", 1): "iu", ("ScatterElements", 1): "iu",   # indices of any integer type
     ("Resize", 3): "iu",                         # sizes read as INT64 or INT32
+    ("MatMul", 1): _FLOATS,                      # MatMulOp::setup: the lhs's type, any rhs
 }
 
 
