@@ -247,6 +247,12 @@ def test_grouped_reduce_scatter_and_grouped_remote_variables(stride):
         out["rv"] = ops.remote_load(buf, 0)
         sbuf = popxl.replica_sharded_buffer((2, 6), F32, grp)
         sv = popxl.remote_replica_sharded_variable(data * 10, sbuf, 0, replica_grouping=grp, name="sv")
+        one = ir.replica_grouping(stride=1, group_size=R)          # one group: data (1, 1)
+        b1 = popxl.RemoteBuffer((1,), popxl.int32, 1)
+        r1 = popxl.remote_variable(np.array([[5]], np.int32), b1, 0, replica_grouping=one, name="r1")
+        out["r1"] = ops.remote_load(b1, 0)                         # the buffer's shape, (1,)
+        with pytest.raises(ValueError, match="does not match buffer"):   # 2 elements for 1
+            popxl.remote_variable(np.array([[5, 6]], np.int32), popxl.RemoteBuffer((1,), popxl.int32, 1))
         shard = ops.remote_load(sbuf, 0)
         out["sv"] = C.replicated_all_gather(shard, group=grp)
         ops.remote_store(sbuf, 0, shard + 1)
@@ -257,6 +263,9 @@ def test_grouped_reduce_scatter_and_grouped_remote_variables(stride):
         o = s.run({xs: x})
         got_sv = s.get_tensor_data(sv)
         got_rv = s.get_tensor_data(rv)
+        got_r1 = s.get_tensor_data(r1)
+    assert r1.shape == (1, 1) and got_r1.shape == (1, 1) and got_r1[0, 0] == 5   # as PopXL
+    np.testing.assert_array_equal(o[streams["r1"]], np.full((R, 1), 5))
     for gi, members in enumerate(_groups(R, stride, size)):
         total = x[members].sum(0)
         for rank, rep in enumerate(members):

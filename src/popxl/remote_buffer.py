@@ -7,6 +7,7 @@ in host memory where the backend offers it (a ``pinned_host`` memory kind, see
 ``ops.remote_load`` reads one; remote variables are entries initialised from host data."""
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Optional
 
 from .context import gcg
@@ -74,6 +75,17 @@ class RemoteBuffer:
             raise ValueError(f"Tensor {t.id} does not match buffer.\nExisting remote buffer has "
                              f"shape={tuple(existing)} and dtype={dt.name}.\nThe tensor has "
                              f"shape={tuple(t.shape)}, dtype={t.dtype.name}.")
+
+    def _check_variable(self, t: Any) -> None:
+        """Check that remote variable ``t`` fits an entry: the buffer's type and number of
+        elements. As in PopXL, the variable's data fill the entry whatever its shape (data of
+        shape (1, 1) for a buffer of (1,)); loads and stores must match the buffer's shape.
+
+        Raises:
+            ValueError: another type or number of elements (:meth:`validate_tensor_matches_buffer`'s text).
+        """
+        if t.dtype != self.tensor_dtype or math.prod(t.shape) != math.prod(self.tensor_shape):
+            self.validate_tensor_matches_buffer(t)
 
     @property
     def remote_buffer_id(self) -> int:

@@ -310,7 +310,7 @@ class Session:
                     if v._sharding is not None:
                         arr[:, off] = v._sharding.to_replicas(self._host[v])
                     else:
-                        arr[:, off] = self._per_replica(v, self._host[v])
+                        arr[:, off] = self._per_replica(v, self._host[v]).reshape(arr[:, off].shape)
                 out[s.key] = arr
             out[s.key] = np.ascontiguousarray(out[s.key], dtype=s.dtype)
         if self._placed:   # each replica's variables in the slots of their IPUs
@@ -593,8 +593,8 @@ class Session:
                     entry = arr[:, v._remote[1]]
                     if v._sharding is not None:
                         self._set_host_sharded(v, entry)
-                    else:
-                        self._set_host(v, entry)
+                    else:   # the entry's data in the variable's shape (PopXL: any of its size)
+                        self._set_host(v, entry.reshape((len(entry),) + v.shape))
         for v in self._variables:
             v._flush_data_if_memmap()
         self._in_sync = True

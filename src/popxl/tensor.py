@@ -502,8 +502,8 @@ def variable(data: Any, dtype: Any = None, name: Optional[str] = None, downcast:
 
 
 class _Described:
-    """What ``RemoteBuffer.validate_tensor_matches_buffer`` reads of a tensor (id, shape,
-    dtype), for checking data before its variable is created."""
+    """What ``RemoteBuffer._check_variable`` reads of a tensor (id, shape, dtype), for
+    checking data before its variable is created."""
 
     def __init__(self, tid: str, shape: tuple, dt: Any) -> None:
         self.id, self.shape, self.dtype = tid, tuple(shape), _dtype.as_dtype(dt)
@@ -560,8 +560,9 @@ def remote_variable(data: Any, remote_buffer: Any, offset: int = 0, dtype: Any =
     :func:`variable`.
 
     Raises:
-        ValueError: If the variable's shape or dtype does not match the buffer's, if
-            ``offset`` is not in [0, entries), or if the entry already holds a variable.
+        ValueError: If the variable's dtype or number of elements does not match the
+            buffer's (its shape may differ, as in PopXL), if ``offset`` is not in
+            [0, entries), or if the entry already holds a variable.
     """
     _main_graph("Remote variables")
     _check_retrieval_mode(retrieval_mode)
@@ -569,7 +570,7 @@ def remote_variable(data: Any, remote_buffer: Any, offset: int = 0, dtype: Any =
     arr = _resolve_data(data, dtype, downcast, log2_scale, nan_on_overflow)
     groups = 1 if replica_grouping is None else replica_grouping.num_groups
     per = _per_group(arr, groups, name)
-    remote_buffer.validate_tensor_matches_buffer(_Described(name or "v", per.shape, per.dtype))
+    remote_buffer._check_variable(_Described(name or "v", per.shape, per.dtype))
     return _remote_variable(arr, per, remote_buffer, off, name, replica_grouping, retrieval_mode)
 
 
