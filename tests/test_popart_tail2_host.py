@@ -168,11 +168,13 @@ def test_reset_host_weights_skips_a_tensor_of_the_model(l1_training):
 
 
 # ------------------------------------------------------------------ multi-process jobs
-def test_poprun_sees_a_rank_raising_system_exit(tmp_path):
-    """`poprun --num-instances 2 python prog.py`: rank 1 ends with `raise SystemExit(7)`
-    (the common `raise SystemExit(main())`) while rank 0 sleeps for two minutes. The job ends
-    with 7 within seconds of both ranks being in it, as with `sys.exit(7)`; the program ran
-    as `python prog.py` would run it (`__name__`, `sys.argv`)."""
+@pytest.mark.parametrize("as_module", [False, True])
+def test_poprun_sees_a_rank_raising_system_exit(tmp_path, as_module):
+    """`poprun --num-instances 2 python prog.py` (or `python -m prog`): rank 1 ends with
+    `raise SystemExit(7)` (the common `raise SystemExit(main())`) while rank 0 sleeps for two
+    minutes. The job ends with 7 within seconds of both ranks being in it, as with
+    `sys.exit(7)`; the program ran as `python prog.py` would run it (`__name__`,
+    `sys.argv`)."""
     import os
     import socket
     import time
@@ -180,9 +182,10 @@ def test_poprun_sees_a_rank_raising_system_exit(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     worker = os.path.join(os.path.dirname(__file__), "helpers", "raise_exit_worker.py")
+    program = ["-m", "raise_exit_worker"] if as_module else [worker]
     p = subprocess.run([sys.executable, "-m", "popdist.poprun", "--num-instances", "2",
-                        "--port", str(port), sys.executable, worker, str(tmp_path)],
-                       capture_output=True, text=True, timeout=200)
+                        "--port", str(port), sys.executable, *program, str(tmp_path)],
+                       capture_output=True, text=True, timeout=200, cwd=os.path.dirname(worker))
     took = time.time() - max(os.path.getmtime(tmp_path / f"ready.{r}") for r in range(2))
     assert p.returncode == 7, p.stderr
     assert took < 30, took

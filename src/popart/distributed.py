@@ -366,12 +366,14 @@ def launch(argv: Sequence[str], num_processes: int, port: int = 12355,
 
 
 def _rank_command(command: list[str]) -> list[str]:
-    """``command``, a script run by this Python run through ``popdist._rank`` (which sees
-    the script's own ``raise SystemExit(n)``); any other command as it is."""
+    """``command``, a script or ``-m`` module run by this Python run through
+    ``popdist._rank`` (which sees the program's own ``raise SystemExit(n)``); any other
+    command as it is."""
     import shutil
     exe = shutil.which(command[0]) if command else None
-    if len(command) < 2 or command[1].startswith("-") or exe is None \
-            or not os.path.samefile(exe, sys.executable):
+    runs = len(command) > 2 if command[1:2] == ["-m"] else \
+        len(command) > 1 and not command[1].startswith("-")
+    if not runs or exe is None or not os.path.samefile(exe, sys.executable):
         return command
     return [command[0], "-m", "popdist._rank", *command[1:]]
 
