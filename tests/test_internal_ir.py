@@ -93,11 +93,18 @@ def test_subgraph_ops_and_io(built):
     assert call.getCalledGraph() == pg and call.getCalledGraphIds() == [pg.id]
     assert call.subgraphInToOpInIndex(1) == 1
     body = rep.called_graph._pb_graph
-    assert loop.getCalledGraphs() == [body] and loop.getTripCountValue() == 3
-    assert loop.opInToSubgraphInIndex(2) == 0 and loop.subgraphInToOpInIndex(0) == 2
-    assert loop.inTensor(2) == built.d._pb_tensor
-    assert {g.id for g in built.ir._pb_ir.getAllGraphs()} == {"main", sg.id, rep.called_graph.id}
-    assert built.ir._pb_ir.getGraph(sg.id) == pg and built.g._pb_graph.getCalledGraphs() == [pg, body]
+    (middle,) = loop.getCalledGraphs()   # PopXL's middle graph: it calls the repeated graph
+    assert str(middle.id).startswith(f"{body.id}__loop_wrapper") and loop.getTripCountValue() == 3
+    (inner,) = middle.getOps()
+    assert isinstance(inner, _ir.op.CallOp) and inner.getCalledGraph() == body
+    assert loop.opInToSubgraphInIndex(2) == 2 and loop.subgraphInToOpInIndex(2) == 2
+    assert loop.opOutToSubgraphOutIndex(0) == 1 and loop.subgraphOutToOpOutIndex(1) == 0
+    assert len(middle.getInputIds()) == 3 and len(middle.getOutputIds()) == 2
+    assert loop.inTensor(2) == built.d._pb_tensor and inner.inTensor(0).id == middle.getInputId(2)
+    assert middle.getOutputId(1) == inner.outId(0)   # carried into the next iteration
+    assert rep.parent_to_graph_input_index(2) == 0 and rep.graph_to_parent_input_index(0) == 2
+    assert {g.id for g in built.ir._pb_ir.getAllGraphs()} == {"main", sg.id, body.id, middle.id}
+    assert built.ir._pb_ir.getGraph(sg.id) == pg and built.g._pb_graph.getCalledGraphs() == [pg, middle]
     with pytest.raises(popart_exception, match="Could not find input index"):
         pg.getInputIndex("nope")
 

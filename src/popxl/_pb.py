@@ -859,82 +859,70 @@ class CallOp(SubgraphOp):
 
 
 class LoopOp(SubgraphOp):
-    """``ops.repeat``: an ai.onnx Loop whose body (a wrapper graph) calls the repeated graph.
-    Inputs 0 and 1 are the trip count and the condition, then the called graph's inputs;
-    output i is the value of input i + 2 after the last iteration."""
-    _IN_OFFSET = 2
-
-    def _inner(self) -> Node:
-        return self._node.attrs["body"].nodes[0]
+    """``ops.repeat``: an ai.onnx Loop of PopXL's middle graph (``popxl.graph.RepeatBody``:
+    inputs iteration, condition, the carried values; outputs condition, the carried values),
+    which calls the repeated graph once. Op input i is the middle graph's input i (0 and 1:
+    the trip count and the condition); op output i is its output i + 1. Every input is
+    carried (ONNX's Loop): one added with :meth:`addLoopInput` passes through unchanged."""
 
     def getTripCountValue(self) -> int:
         import numpy as np
         return int(np.asarray(self._graph._g.initializers[self._node.inputs[0]]))
 
     def opOutToSubgraphOutIndex(self, i: int) -> int:
-        return int(i)
+        return int(i) + 1
 
     def subgraphOutToOpOutIndex(self, i: int) -> int:
-        return int(i)
+        return int(i) - 1
 
-    def _fresh(self, base: str) -> str:
-        body = self._node.attrs["body"]
-        used = set(body.inputs) | set(body.outputs) | {o for n in body.nodes for o in n.outputs}
-        i = len(used)
-        while f"{base}{i}" in used:
-            i += 1
-        return f"{base}{i}"
+    def _refs(self) -> list:
+        return []   # the middle graph returns every carried value: no by-reference results
 
-    def _insert_input(self, k: int, tid: str) -> None:
-        """A new loop input passed through each iteration unchanged (an input of the called
-        graph that it does not return)."""
-        n, g = self._node, self._graph
-        body = n.attrs["body"]
-        cid = self._fresh(f"{body.name}/in")
-        n.inputs.insert(2 + k, tid)
-        body.inputs.insert(2 + k, cid)
-        self._inner().inputs.insert(k, cid)
-        body.outputs.insert(1 + k, cid)
-        oid = g._new_id(g._tensors[tid].name if tid in g._tensors else "loop_out")
-        n.outputs.insert(k, oid)
-        g._add_tensor(oid, g._specs[tid])
+    def _sync_refs(self, move: bool = True) -> None:
+        pass
 
-    def _ref_result(self, k: int) -> str:
-        return self._node.outputs[self._pos(k + 2) - 2]   # the loop-carried value
-
-    def _add_ref_output(self, k: int, at: int) -> str:
-        """The called graph's new value of input ``k`` becomes the loop-carried value."""
-        body = self._node.attrs["body"]
-        rid = self._fresh(f"{body.name}/out")
-        self._inner().outputs.insert(at, rid)
-        p = self._pos(k + 2) - 2
-        body.outputs[1 + p] = rid
-        return self._node.outputs[p]
+    def addModified(self, index: int, regions: Iterable[Region]) -> None:
+        """Input ``index`` is changed: the caller's tensor moves to the op's output for it
+        (its carried value after the last iteration)."""
+        if all(r.isEmpty() for r in regions):
+            return
+        src = self._node.inputs[int(index)]
+        owner = popxl_tensor(self._graph, src)
+        if owner is not None and owner._ir_id == src:
+            from .ops._base import inplace
+            inplace(owner, self._graph._tensors[self._node.outputs[int(index) - 2]])
 
     def addLoopInput(self, index: int, tid: str, sg_tid: str, overwrite: bool = False) -> None:
-        """Add input ``index`` (the next one after the called graph's inputs), connected to
-        ``tid``, and the called graph's input ``sg_tid`` (exactly that id) it feeds."""
-        sg, k = self._sg(), int(index) - 2
-        if k != len(sg._inputs) or k != self._n_connected():
+        """Add op input ``index`` (the next one after the middle graph's inputs), connected to
+        ``tid``, the middle graph's input ``sg_tid`` (exactly that id) it feeds, and (ONNX's
+        Loop carries every input) its output, that input unchanged."""
+        mid, k = self._sg(), int(index)
+        if k != len(mid._inputs):
             raise popart_exception(f"{self.debugName()}.addLoopInput({index}): only the next "
-                                   f"input, {len(sg._inputs) + 2}, can be added")
-        if sg_tid in sg._specs:
-            raise popart_exception(f"Tensor with id '{sg_tid}' already exists in graph '{sg.id}'")
-        t = sg._add_tensor(sg_tid, self._graph._specs[current(self._graph, tid)])
-        sg._entry[t] = sg_tid
-        sg._inputs.append(t)
-        self.connectInTensor(index, tid)
+                                   f"input, {len(mid._inputs)}, can be added")
+        if sg_tid in mid._specs:
+            raise popart_exception(f"Tensor with id '{sg_tid}' already exists in graph '{mid.id}'")
+        g, src = self._graph, current(self._graph, tid)
+        t = mid._add_tensor(sg_tid, g._specs[src])
+        mid._entry[t] = sg_tid
+        mid._inputs.append(t)
+        mid._outputs.append(t)
+        self._node.inputs.insert(k, src)
+        oid = g._new_id(g._tensors[src].name if src in g._tensors else "loop_out")
+        self._node.outputs.insert(k - 2, oid)
+        g._add_tensor(oid, g._specs[src])
+        mid._finalize()
 
     def addLoopOutput(self, index: int, tid: str, sg_tid: str, overwrite: bool = True) -> None:
-        """The called graph's tensor ``sg_tid`` becomes its output ``index`` (the value carried
-        into input ``index`` of the next iteration, and the op's output ``index``)."""
-        sg = self._sg()
-        if not (overwrite and 0 <= index < len(sg._outputs)):
+        """The middle graph's tensor ``sg_tid`` becomes its output ``index + 1``: the value
+        carried into input ``index + 2`` of the next iteration, and the op's output ``index``."""
+        mid, j = self._sg(), int(index) + 1
+        if not (overwrite and 1 <= j < len(mid._outputs)):
             raise popart_exception(f"popart._internal.ir.LoopOp.addLoopOutput is not supported "
-                                   f"on XLA: only an existing output ({len(sg._outputs)} here) "
-                                   f"can be overwritten, not {index}")
-        sg._outputs[index] = popxl_tensor(sg, current(sg, sg_tid))
-        sg._finalize()
+                                   f"on XLA: only an existing output (0 to "
+                                   f"{len(mid._outputs) - 2} here) can be overwritten, not {index}")
+        mid._outputs[j] = popxl_tensor(mid, current(mid, sg_tid))
+        mid._finalize()
 
 
 # PopART's op class of each op type, where it is not "<op type>Op".

@@ -304,3 +304,23 @@ class Graph:
         context._set_outputs(node._debug_info, result)
         context.op_created(self, node)
         return result
+
+
+class RepeatBody(Graph):
+    """PopXL's *middle graph* of ``ops.repeat`` (the body of its Loop): inputs (iteration,
+    condition, the carried values, the repeated graph's hidden state), one Call of the
+    repeated graph, outputs (condition, each carried value after the iteration: the call's
+    output, or the input's last version). Its outputs are its IR outputs, as ONNX's Loop
+    body needs: one per carried input, then the Loop's scan outputs (``scan_outputs``: ids
+    whose value at every iteration the Loop stacks, for autodiff)."""
+
+    def __init__(self, ir: "Ir", name: str, parent: Optional[Graph] = None) -> None:
+        super().__init__(ir, name, parent)
+        self.scan_outputs: list[str] = []
+
+    def _finalize(self, lowering: bool = False) -> IRGraph:
+        self._g.inputs = [self._entry[t] for t in self._all_inputs()]
+        self._g.outputs = [t._ir_id for t in (*self._outputs, *self._hidden.values())] + \
+            self.scan_outputs
+        return self._g
+

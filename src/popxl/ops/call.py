@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import jax
 import numpy as np
 
 from popart.engine.ir import Graph as IRGraph, Node
 
 from ..context import get_current_graph
-from ..graph import OPSETS, Graph
+from ..graph import OPSETS, Graph, RepeatBody
 from ..streams import DeviceToHostStream, HostToDeviceStream
 from ..tensor import Tensor, constant
 from ._base import GC, ONNX, POPXL, inplace, node
@@ -198,10 +199,38 @@ def call(graph: Graph, *inputs: Any, inputs_dict: Optional[Mapping[Tensor, Any]]
     return call_with_info(graph, *inputs, inputs_dict=inputs_dict, check_inputs=check_inputs).outputs
 
 
+class _RepeatOp(_SubgraphOp):
+    """A repeat's op as its :class:`CallSiteInfo` sees it: the Loop as a call of the repeated
+    graph (whose inputs come after the trip count and condition). The binding's LoopOp
+    (``info._op.getCalledGraphs()``, ``addLoopInput``, ...) sees PopXL's middle graph."""
+
+    def __init__(self, graph: Graph, parent: Graph, node_: Node, inputs: list[Tensor],
+                 middle: RepeatBody) -> None:
+        super().__init__(graph, parent, node_, inputs)
+        self.middle = middle
+
+    def opInToSubgraphInIndex(self, i: int) -> int:
+        return int(i) - 2
+
+    def subgraphInToOpInIndex(self, i: int) -> int:
+        return int(i) + 2
+
+    def getCalledGraph(self) -> Any:
+        return self.graph._pb_graph
+
+    def addModified(self, index: int, regions: Iterable[Any]) -> None:
+        """The repeated graph changes input ``index`` in place, each iteration seeing the last
+        one's value, and the caller's tensor moves to its value after the last."""
+        from .._pb import op_handle
+        op_handle(self.middle, self.middle._g.nodes[0]).addModified(int(index) - 2, regions)
+        op_handle(self.parent, self.node).addModified(index, regions)
+
+
 def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any,
                      inputs_dict: Optional[Mapping[Tensor, Any]] = None,
                      check_inputs: bool = True) -> CallSiteInfo:
-    """Call ``graph`` ``repeat_count`` times; its N outputs feed its first N inputs."""
+    """Call ``graph`` ``repeat_count`` times; its N outputs feed its first N inputs. As PopXL,
+    the Loop repeats a *middle graph* (:class:`popxl.graph.RepeatBody`) that calls ``graph``."""
     if repeat_count < 0:
         raise ValueError(f"Repeat count must be >= 0. Repeat count: {repeat_count}. Graph: {graph}")
     n_out = len(graph._outputs)
@@ -215,29 +244,25 @@ def repeat_with_info(graph: Graph, repeat_count: int, *inputs: Any,
         if (o.shape, o.dtype) != (t.shape, t.dtype):
             raise ValueError(f"Repeated graph '{graph.name}': output {i} ({o.dtype.name}{list(o.shape)}) "
                              f"must match input {i} ({t.dtype.name}{list(t.shape)}) it is carried into")
-    all_in = user_in + _hidden_inputs(parent, graph)
-    ir_graph = graph._finalize()
-    refs = graph._by_ref_list()
-    ref_pos = {id(t): n_out + k for k, t in enumerate(refs)}
-    # The loop body: (iteration, condition, carried...) -> (condition, carried...).
-    body = IRGraph(name=f"{graph.name}__loop_wrapper", opsets=dict(OPSETS), parent=parent._g)
-    carried = [f"{body.name}/in{i}" for i in range(len(all_in))]
-    results = [f"{body.name}/out{i}" for i in range(len(ir_graph.outputs))]
-    body.inputs = [f"{body.name}/iter", f"{body.name}/cond"] + carried
-    body.nodes = [Node("Call", list(carried), results, {"callee": ir_graph}, GC, name=f"call_{graph.name}")]
-    new = []
-    for i, t in enumerate(graph._all_inputs()):
-        j = i if i < n_out else ref_pos.get(id(t))
-        new.append(carried[i] if j is None else results[j])
-    body.outputs = [body.inputs[1]] + new
+    ir = parent.ir
+    mid = RepeatBody(ir, ir._create_name(f"{graph.name}__loop_wrapper"), parent=parent)
+    ir._graphs.append(mid)
+    cond = [mid._add_input(jax.ShapeDtypeStruct((), d), n)
+            for d, n in ((np.int64, "Iterator___"), (np.bool_, "LoopCond___"))][1]
+    carried = [mid._add_input(t._spec, t.name) for t in user_in]
+    with mid:
+        outs = call(graph, *carried, check_inputs=check_inputs)
+    mid._outputs = [cond, *outs, *carried[n_out:]]
+    mid._finalize()
+    all_in = user_in + _hidden_inputs(parent, mid)
     trip = constant(np.array(repeat_count, np.int64), name="trip_count", downcast=False)
     keep_going = constant(np.array(True), name="cond")
-    outs = node("Loop", [trip, keep_going] + all_in, {"body": body}, ONNX, len(all_in),
+    outs = node("Loop", [trip, keep_going] + all_in, {"body": mid._g}, ONNX, len(all_in),
                 name=f"repeat_{graph.name}")
-    for i, t in enumerate(graph._all_inputs()):
-        if id(t) in ref_pos and _moves(graph, t):
+    for i, t in enumerate(mid._all_inputs()[2:]):
+        if t._ir_id != mid._entry[t]:   # changed in place (by reference): the caller's moves
             inplace(all_in[i], outs[i])
-    return CallSiteInfo(_SubgraphOp(graph, parent, parent._g.nodes[-1], user_in))
+    return CallSiteInfo(_RepeatOp(graph, parent, parent._g.nodes[-1], user_in, mid))
 
 
 def repeat(graph: Graph, repeat_count: int, *inputs: Any,

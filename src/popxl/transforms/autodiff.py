@@ -28,7 +28,7 @@ from popart.ops.collectives import op_name
 from popart.ops.popxl_grad import FROM_ARG_AND_OUTPUT, FROM_OUTPUT
 
 from .. import _pb
-from ..graph import Graph
+from ..graph import Graph, RepeatBody
 from ..ops._base import POPXL
 from ..ops import dynamic_slice, reshape
 from ..ops.call import CallSiteInfo, call, conditional, repeat
@@ -240,6 +240,7 @@ def _save_iterations(graph: Graph, n: Node, body_graph: Graph, sub: GradGraphInf
     gradient graph reads and that changes across iterations (a carried input, an output),
     its value at every iteration, stacked. Returns {forward tensor: stacked id}."""
     body = n.attrs["body"]
+    middle = next(g for g in graph.ir._graphs if g._g is body)   # the repeat's RepeatBody
     call_node, n_out, trips = body.nodes[0], len(body_graph._outputs), _trips(graph._g, n)
     stacked = {}
     for e in sub.expected_inputs if trips > 0 else ():     # (no iteration: nothing to read)
@@ -252,11 +253,12 @@ def _save_iterations(graph: Graph, n: Node, body_graph: Graph, sub: GradGraphInf
             src = body.inputs[2 + body_graph._inputs.index(t)]
         else:
             continue        # the same every iteration: read the Loop's input
-        body.outputs.append(src)
+        middle.scan_outputs.append(src)
         tid = graph._new_id(f"{n.name.split('/')[-1]}_saved")
         graph._add_tensor(tid, jax.ShapeDtypeStruct((trips, *t.shape), t.dtype.as_numpy()))
         n.outputs.append(tid)
         stacked[t] = tid
+    middle._finalize()
     graph._finalize()
     return stacked
 
@@ -350,8 +352,9 @@ def _call_sites(graph: Graph) -> tuple[list, bool]:
     """The Call nodes that call ``graph`` (with their graphs), and whether a repeat /
     conditional wrapper calls it too (then PopART's SafeAddFwdOutputStitcher recomputes)."""
     old_ir = graph._finalize()
-    sites, wrapped, own = [], False, {id(g._g) for g in graph.ir._graphs}
-    for g in graph.ir._graphs:
+    graphs = [g for g in graph.ir._graphs if not isinstance(g, RepeatBody)]   # repeats' wrappers
+    sites, wrapped, own = [], False, {id(g._g) for g in graphs}
+    for g in graphs:
         for node in g._g.nodes:
             if node.op_type == "Call" and node.attrs.get("callee") is old_ir:
                 sites.append((g, node))
