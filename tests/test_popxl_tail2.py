@@ -157,21 +157,45 @@ def test_session_float8_data_are_uint8_records(host_case):
 
 
 # ---------------------------------------------------------------------------------------
-# Session.device: the setter is PopXL's _set_device
+# Session.device: PopXL's Session has none, so assigning it changes nothing (PopXL's
+# test_session.py does); _set_device moves the session
 
-def test_device_setter_moves_the_session_to_another_device(host_case):
+def test_assigning_device_leaves_the_session_on_its_device(host_case):
     s, w = host_case["s"], host_case["w"]
+    own = s.device
     before = s.get_tensor_data(w).copy()
     other = popart.DeviceManager().createCpuDevice()
     assert other.isAttached                                  # a CPU device comes attached
-    s.device = other
-    assert s.device is other and s.is_attached               # the session follows its device
-    s.run({host_case["h8"]: host_case["x8"]})                # the weights went to it
+    s.device = other                                         # a plain attribute, as in PopXL
+    assert s.device is other and s._device is own and not s.is_attached
+    with s:                                                  # attaches its own device
+        s.run({host_case["h8"]: host_case["x8"]})
+        assert own.isAttached
+    assert not s.is_attached and not own.isAttached
     np.testing.assert_array_equal(s.get_tensor_data(w), before + 1)
+    s._set_device(other)                                     # PopXL's: the session moves
+    assert s._device is other and s.is_attached              # the session follows its device
+    s.run({host_case["h8"]: host_case["x8"]})                # the weights went to it first
+    np.testing.assert_array_equal(s.get_tensor_data(w), before + 2)
     other.detach()
     assert not s.is_attached
     with pytest.raises(TypeError, match="popart.DeviceInfo, not str"):
-        s.device = "cpu"
+        s._set_device("cpu")
+    # a device the program was not built for is taken, but using it raises (Poplar's targets)
+    dm = popart.DeviceManager()
+    for wrong in (dm.createIpuModelDevice({"numIPUs": 1}), dm.createIpuModelDevice({"numIPUs": 2})):
+        wrong.detach()
+        s._set_device(wrong)
+        assert s._device is wrong
+        with pytest.raises(popart.poplar_runtime_error,
+                           match=f"compiled for device type Cpu with 1 IPU\\(s\\); it cannot run on "
+                                 f"device {wrong.id} of type IpuModel with {wrong.numIpus} IPU"):
+            s.__enter__()
+        assert not wrong.isAttached
+    s._set_device(own)                                       # back on a device it runs on
+    with s:
+        s.run({host_case["h8"]: host_case["x8"]})
+    np.testing.assert_array_equal(s.get_tensor_data(w), before + 3)
 
 
 # ---------------------------------------------------------------------------------------

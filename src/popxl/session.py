@@ -114,6 +114,15 @@ def _device(desc: Any, replicas: int) -> Any:
     return dev
 
 
+def _runs_on(compiled: Any, device: Any) -> bool:
+    """Whether a program compiled for device ``compiled`` runs on ``device`` (as Poplar's
+    targets): the same IPU count, and IPU hardware (an offline IPU device is compiled for
+    it), an IPU model or a simulator on the same kind; an IPU model's program on a CPU too."""
+    kind = lambda d: "Ipu" if d.type == popart.DeviceType.OfflineIpu else d.type.name  # noqa: E731
+    return compiled.numIpus == device.numIpus and (
+        kind(compiled) == kind(device) or (kind(compiled), kind(device)) == ("IpuModel", "Cpu"))
+
+
 def _acquire_hw_device_with_timeout(num_ipus: int = 1, timeout: float = HW_DEVICE_CONNECTION_TIMEOUT
                                     ) -> Any:
     """An attached device of ``num_ipus`` IPUs (PopXL's): the first of them that is free,
@@ -198,6 +207,7 @@ class Session:
                               f"instance_replication_factor {self._local_r}: {e}") from None
         self._n = ir.num_host_transfers
         self._device = _device(device_desc, device_ipus(ir, device_desc, self._local_r))
+        self._compiled_for = self._device   # the device the program is built for (its target)
         self._placement = Placement(self._r, self._device,
                                     across_processes=ir._options.enableDistributedReplicatedGraphs)
         main = ir.main_graph
@@ -459,18 +469,23 @@ class Session:
 
     @property
     def device(self) -> Any:
-        """The session's ``popart.DeviceInfo`` (settable: see :meth:`_set_device`)."""
-        return self._device
+        """The session's ``popart.DeviceInfo``. PopXL's Session has no ``device`` attribute:
+        assigning one (as PopXL's tests do) sets a plain attribute that this property then
+        returns, and the session keeps its device, as in PopXL. :meth:`_set_device` (PopXL's,
+        which popxl-addons uses) moves the session to another device."""
+        return getattr(self, "_device_attribute", self._device)
 
     @device.setter
     def device(self, device: Any) -> None:
-        self._set_device(device)
+        self._device_attribute = device
 
     def _set_device(self, device: Any) -> None:
         """Run on ``device`` (a ``popart.DeviceInfo``) from now on (PopXL's private method,
         which popxl-addons uses). Values on the old device that the host has not seen are read
         back first and go to the new device; where its devices differ the program is placed and
-        compiled again. The attached state is ``device``'s own.
+        compiled again. The attached state is ``device``'s own. A device the program was not
+        built for (another kind or IPU count, see :func:`_runs_on`) is taken, but using the
+        session on it raises, as Poplar's executables do.
 
         Raises:
             TypeError: ``device`` is not a ``popart.DeviceInfo``.
@@ -481,6 +496,9 @@ class Session:
             if device is self._device:
                 return
             self._pull_weights()
+            if not _runs_on(self._compiled_for, device):
+                self._device = device
+                return
             old = (self._placement.device, list(self._placement.devices))
             self._device = device
             self._placement = Placement(self._r, device,
@@ -498,6 +516,7 @@ class Session:
         return bool(self._device.isAttached)
 
     def __enter__(self) -> "Session":
+        self._check_target()
         was_attached = self.is_attached
         if self._device.type == popart.DeviceType.OfflineIpu:   # PopXL: run on acquired IPUs,
             offline, hw = self._device, _acquire_hw_device_with_timeout(self._device.numIpus)
@@ -534,7 +553,19 @@ class Session:
     def _host_in_sync(self, v: Variable) -> bool:
         return self._in_sync or v not in self._host
 
+    def _check_target(self) -> None:
+        """Raises popart.poplar_runtime_error where the session's device is not one the
+        program was built for (:meth:`_set_device`)."""
+        if self._device is not self._compiled_for and not _runs_on(self._compiled_for, self._device):
+            c, d = self._compiled_for, self._device
+            raise popart.poplar_runtime_error(
+                f"popxl.Session of Ir {self._ir.id} was compiled for device type {c.type.name} "
+                f"with {c.numIpus} IPU(s); it cannot run on device {d.id} of type {d.type.name} "
+                f"with {d.numIpus} IPU(s) (it needs the same type and IPU count; an IpuModel "
+                f"program also runs on a Cpu device)")
+
     def _require_attached(self) -> None:
+        self._check_target()
         if not self.is_attached:
             raise ValueError("Must be attached to device before calling a runtime function. Put the "
                              "call inside a `Session` context, for example `with session: session.run()`.")
@@ -770,6 +801,8 @@ class Session:
     def _run_with_outputs(self, inputs: Optional[Mapping], outputs: Optional[Mapping],
                           downcast_inputs: bool) -> None:
         self._require_attached()
+        if self._dev is None:   # attached by _set_device to a device that came attached
+            self.weights_from_host()
         inputs, outputs = inputs or {}, outputs if outputs is not None else {}
         if self._fp8_streams:   # PopXL's float8 host arrays (uint8 records) as ml_dtypes views
             inputs = {s: from_host_fp8(a, s.dtype) for s, a in inputs.items()}
