@@ -215,8 +215,8 @@ def test_set_random_seed_rules(caplog):
     s = popart.InferenceSession(rand, popart.DataFlow(1, ["y"]), CPU())
     with pytest.raises(popart.popart_runtime_error) as e:
         s.setRandomSeed(3)
-    assert e.value.args[0] == ("There is no executatable. Try calling Session::prepareDevice "
-                               "first.")
+    assert e.value.args[0] == ("Devicex::prepare() must be called before "
+                               "Devicex::setRandomSeedFromHost(uint64_t) is called.")
     s.prepareDevice()
     s.setRandomSeed(3)
     assert s.getRandomSeed() == 3

@@ -664,3 +664,30 @@ def test_ir_json_expand_inplace(inplace, anchor_expand):
     anchors = s.initAnchorArrays()
     s.run(popart.PyStepIO({x: np.array([[1], [2], [3]], np.float32)}, anchors))
     np.testing.assert_array_equal(anchors[y], np.broadcast_to([[1], [2], [3]], (2, 3, 6)))
+
+
+def test_random_seed_before_prepare_device_error_order(tmp_path):
+    """Session::setRandomSeed / getRandomSeed before prepareDevice: a session built with a
+    device has its executable (Session::setDevice), so Devicex's prepare check speaks;
+    with an engine-cache hit setDevice makes none: 'There is no executatable'."""
+    def session():
+        b = popart.Builder()
+        x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+        y = b.aiOnnx.add([x, b.aiOnnx.randomuniform(shape=[3])])
+        opts = popart.SessionOptions()
+        opts.enableEngineCaching, opts.cachePath = True, str(tmp_path)
+        return popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), CPU(),
+                                       userOptions=opts)
+    s = session()
+    assert _error(lambda: s.setRandomSeed(1))[1] == (
+        "Devicex::prepare() must be called before Devicex::setRandomSeedFromHost(uint64_t) "
+        "is called.")
+    assert _error(s.getRandomSeed)[1] == (
+        "Devicex::prepare() must be called before Devicex::getRandomSeedToHost() is called.")
+    s.prepareDevice()                        # writes the engine-cache entry
+    hit = session()
+    for call in (lambda: hit.setRandomSeed(1), hit.getRandomSeed):
+        assert _error(call)[1] == "There is no executatable. Try calling Session::prepareDevice first."
+    hit.prepareDevice()
+    hit.setRandomSeed(5)
+    assert hit.getRandomSeed() == 5

@@ -166,6 +166,11 @@ class _FileMethods:
             return None
         return self._files.cache(self._config(), self._saved_arrays)
 
+    def _cache_hit(self) -> bool:
+        """Whether the engine cache holds this session's program (PopART's hashMatched)."""
+        cache = self._engine_cache()
+        return cache is not None and cache.matching_entry() is not None
+
     @serialised
     def updateEngineCache(self) -> None:
         """Write the compiled program to this session's engine-cache entry (with
@@ -680,12 +685,14 @@ class _Session(_FileMethods):
         """Seed the session's random ops: an unsigned 64-bit integer (PopART's uint64_t;
         ArgumentError, a TypeError, for anything else, the seed unchanged)."""
         check_seed_type(self, seedValue, self._training)
-        self._rng.set_seed(seedValue, self._requires_random_seed(), self._compiled_program())
+        self._rng.set_seed(seedValue, self._requires_random_seed(), self._compiled_program(),
+                           self._cache_hit)
 
     def getRandomSeed(self) -> int:
         """The seed last set (Session::getRandomSeed: 0, with a warning, in a session with
         no random behaviour; a prepared session needed otherwise)."""
-        return self._rng.get_seed(self._requires_random_seed(), self._compiled_program())
+        return self._rng.get_seed(self._requires_random_seed(), self._compiled_program(),
+                                  self._cache_hit)
 
     @serialised
     def getRNGState(self) -> list[int]:

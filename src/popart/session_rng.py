@@ -2,7 +2,7 @@
 (getRNGState / setRNGState), with PopART's checks and texts."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import jax
 import numpy as np
@@ -46,12 +46,26 @@ def _no_random(verb: str) -> None:
                  f"behaviour. Doing nothing.")
 
 
-def _require_executable(program: Optional[Any]) -> None:
-    if program is None:
+# Devicex's checks in Session::setRandomSeed / getRandomSeed, by verb
+_NOT_PREPARED = {"set": "Devicex::prepare() must be called before "
+                        "Devicex::setRandomSeedFromHost(uint64_t) is called.",
+                 "get": "Devicex::prepare() must be called before "
+                        "Devicex::getRandomSeedToHost() is called."}
+
+
+def _require_executable(program: Optional[Any], verb: str, hash_matched: Callable[[], bool]) -> None:
+    """Session::assertExecutableLoaded, then Devicex's prepare check. A session has its
+    executable from construction, unless its IR hash matched an engine-cache entry
+    (Session::setDevice returns before making it); neither is prepared before prepareDevice."""
+    if program is not None:
+        return
+    hint = "call prepareDevice() before setRandomSeed / getRandomSeed"
+    if hash_matched():
         raise noted(popart_runtime_error("There is no executatable. Try calling "
                                          "Session::prepareDevice first."),
-                    "(PopART's text, its spelling included.) Call prepareDevice() before "
-                    "setRandomSeed / getRandomSeed.")
+                    f"(PopART's text, its spelling included.) The engine cache has this "
+                    f"program: {hint}")
+    raise noted(popart_runtime_error(_NOT_PREPARED[verb]), hint)
 
 
 class Rng:
@@ -76,21 +90,24 @@ class Rng:
     def _set_key(self, key: Any, program: Optional[Any]) -> None:
         self.key = program.put(key) if program is not None else key
 
-    def set_seed(self, seedValue: Any, random: bool, program: Optional[Any]) -> None:
-        """setRandomSeed: ``random``, the session has random behaviour."""
+    def set_seed(self, seedValue: Any, random: bool, program: Optional[Any],
+                 hash_matched: Callable[[], bool]) -> None:
+        """setRandomSeed: ``random``, the session has random behaviour; ``hash_matched``,
+        whether its engine-cache entry exists (asked only before prepareDevice)."""
         if not random:
             return _no_random("set")
-        _require_executable(program)
+        _require_executable(program, "set", hash_matched)
         seed = int(seedValue)
         self._set_key(key_data(seed - 2 ** 64 if seed >= 2 ** 63 else seed), program)   # int64 bits
         self.seed = seed
 
-    def get_seed(self, random: bool, program: Optional[Any]) -> int:
+    def get_seed(self, random: bool, program: Optional[Any],
+                 hash_matched: Callable[[], bool]) -> int:
         """getRandomSeed (0, with a warning, without random behaviour)."""
         if not random:
             _no_random("get")
             return 0
-        _require_executable(program)
+        _require_executable(program, "get", hash_matched)
         return self.seed
 
     def state(self, options: Any) -> list[int]:

@@ -225,13 +225,19 @@ class EngineCache:
         _logger.info(f"PopART cache file has been found: {path}")
         return signature_hash(saved)
 
-    def load(self) -> Optional[bytes]:
-        """The entry's exported step, or None (no entry, or one that cannot be used: logged)."""
+    def matching_entry(self) -> Optional[str]:
+        """The folder's entry for this program, or None (Ir::compareWithSavedHash: a file
+        named by the hash that holds another program is a false hit, warned about)."""
         path = self._entries().get(self.hash)
         stored = None if path is None else self._file_hash(path)
-        if stored is not None and stored != self.hash:   # Ir::compareWithSavedHash
+        if stored is not None and stored != self.hash:
             _logger.warn("Cache file hash did not match the IR hash, ignoring false cache hit.")
-        if stored != self.hash:
+        return path if stored == self.hash else None
+
+    def load(self) -> Optional[bytes]:
+        """The entry's exported step, or None (no entry, or one that cannot be used: logged)."""
+        path = self.matching_entry()
+        if path is None:
             _logger.info(f"Engine cache: no entry for hash {self.hash}, compiling")
             return None
         _logger.info(f"Loading serialized PopART executable from {path}")   # PopART's
