@@ -558,14 +558,12 @@ class _Session(_FileMethods):
         self._require_prepared("weightsToHost")
         if self._dev is None:   # engine not loaded: the host values are the latest
             return
-        synthetic = self.options.syntheticDataMode != SyntheticDataMode.Off
-        devicex = _log.getLogger("devicex")   # Devicex::weightsToHost's lines
-        if not synthetic:
-            devicex.debug("Writing weights to host")
+        log = _log.getLogger("devicex").debug if self.options.syntheticDataMode == \
+            SyntheticDataMode.Off else (lambda _: None)   # Devicex::weightsToHost's lines
+        log("Writing weights to host")
         self._host_weights = self._device_to_host(0)
         self._host_opt_state = self._device_to_host(1)
-        if not synthetic:
-            devicex.debug("Writing weights to host complete.")
+        log("Writing weights to host complete.")
         self._host_in_sync = True
 
     def areHostWeightsInSync(self) -> bool:
@@ -603,9 +601,9 @@ class _Session(_FileMethods):
                         "program": program, "options": self.options}
         name = self._proto.graph.name
         main = name if name and not name.startswith("BuilderGraph") else "maingraph"
-        keep = set(self._dataFlow.anchors()) \
-            if not self._training and self.patterns.isInPlaceEnabled() else None
-        return serialize_ir(self._graph, infos, main, training, keep)
+        inplace = not self._training and self.patterns.isInPlaceEnabled()
+        return serialize_ir(self._graph, infos, main, training,
+                            set(self._dataFlow.anchors()) if inplace else None)
 
     @serialised
     def getReport(self) -> str:
