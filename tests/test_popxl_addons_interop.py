@@ -188,3 +188,141 @@ def test_matmul_of_float32_and_float16_is_the_lhs_type():
     np.testing.assert_allclose(got[outs["da"]], g @ b32.T, rtol=1e-5)
     np.testing.assert_allclose(got[outs["db"]], (a.T @ g).astype(np.float16), rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(got[outs["rev"]], (b32.T @ a.T).astype(np.float16), rtol=2e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------
+# PopXL's repeat structure, walked by popxl-addons' pipelining transform
+
+@pytest.fixture(scope="module")
+def addons():
+    """popxl_addons as a user imports it (PYTHONPATH=/tmp/pxa, say; mpi4py stubbed where it
+    has no MPI library), else skip."""
+    import importlib
+    import os
+    import sys
+    import types
+    added = os.path.isdir("/tmp/pxa") and "/tmp/pxa" not in sys.path
+    if added:
+        sys.path.insert(0, "/tmp/pxa")
+    try:
+        importlib.import_module("mpi4py.MPI")
+    except Exception:
+        mpi = types.ModuleType("mpi4py.MPI")
+        mpi.COMM_WORLD = types.SimpleNamespace(Barrier=lambda: None)
+        sys.modules["mpi4py"] = types.SimpleNamespace(MPI=mpi)
+        sys.modules["mpi4py.MPI"] = mpi
+    try:
+        yield importlib.import_module("popxl_addons")
+    except ImportError as e:
+        pytest.skip(f"popxl_addons is not importable: {e}")
+    finally:
+        if added:
+            sys.path.remove("/tmp/pxa")
+
+
+def test_repeat_calls_the_graph_from_a_middle_graph():
+    """PopXL's repeat: the LoopOp calls a middle graph whose one CallOp calls the repeated
+    graph; a loop input added through the binding (addLoopInput, then the call's
+    connectInTensor, as popxl-addons' route_tensor does) reaches the repeated graph every
+    iteration, and addLoopOutput makes a new output of it the carried value."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        x = popxl.variable(np.float32([1, 2]), name="x")
+        w = popxl.variable(np.float32([10, 20]), name="w")
+        g = ir.create_graph(lambda a: a + 1.0, x)
+        info = ops.repeat_with_info(g, 3, x)
+        loop = info._op
+        (middle,) = loop.getCalledGraphs()
+        (call,) = middle.getOps()
+        assert isinstance(call, _pb_op("CallOp")) and call.getCalledGraph() == g._pb_graph
+        # route w into g: a new input of the loop, the middle graph and the call
+        mid_w = middle.getIr().createIntermediateTensorId("w")
+        loop.addLoopInput(loop.getNumExplicitInputs(), w.id, mid_w, False)
+        with g:
+            gw = popxl.graph_input((2,), popxl.float32, "w")
+            out = g.outputs[0] * gw
+            popxl.graph_output(out)
+        call.connectInTensor(call.subgraphInToOpInIndex(g._pb_graph.getInputIndex(gw.id)), mid_w)
+        new = popxl.Graph._from_pb(middle)._create_tensor_id("scaled")
+        call.createAndConnectOutTensor(g._pb_graph.getOutputIndex(out.id), new)
+        loop.addLoopOutput(0, loop.outId(0), new, True)
+        y = popxl.Tensor._from_pb_tensor(loop.outTensor(0))
+        s = popxl.d2h_stream((2,), popxl.float32, "y")
+        ops.host_store(s, y)
+    with popxl.Session(ir, "ipu_model") as sess:
+        got = sess.run()[s]
+    want = np.float32([1, 2])
+    for _ in range(3):
+        want = (want + 1) * np.float32([10, 20])
+    np.testing.assert_allclose(got, want)
+
+
+def _pb_op(name: str) -> type:
+    from popart._internal.ir import op
+    return getattr(op, name)
+
+
+def test_pipelined_training_equals_unpipelined(addons):
+    """A two-IPU pipeline written as popxl-addons' pipelining expects (stages in
+    ``pipelined_execution``, host load in stage 0, activations stashed for the backward
+    stage on IPU 0) gives the same losses and accumulated gradients as the same program run
+    step by step, and NumPy's."""
+    steps = 6
+    X = RNG.normal(size=(steps, 3)).astype(np.float32)
+    W0, W1 = RNG.normal(size=3).astype(np.float32), RNG.normal(size=3).astype(np.float32)
+
+    def run(pipelined: bool):
+        ir = popxl.Ir()
+        with ir.main_graph:
+            xs = popxl.h2d_stream((3,), popxl.float32, "x")
+            ls = popxl.d2h_stream((), popxl.float32, "loss")
+            with popxl.ipu(0):
+                w0 = popxl.variable(W0, name="w0")
+                a0 = popxl.variable(np.zeros(3, np.float32), name="a0")
+            with popxl.ipu(1):
+                w1 = popxl.variable(W1, name="w1")
+                a1 = popxl.variable(np.zeros(3, np.float32), name="a1")
+            spec = popxl.TensorSpec((3,), popxl.float32)
+            f0 = ir.create_graph(lambda x, w: ops.tanh(x * w), spec, spec)
+            g0 = popxl.transforms.autodiff(f0, grads_required=[f0.inputs[1]])
+            f1 = ir.create_graph(lambda h, w: ops.sum((h * w) * (h * w)), spec, spec)
+            g1 = popxl.transforms.autodiff(f1)
+
+            def body(stage, stash):
+                with stage(0), popxl.ipu(0):
+                    i0 = ops.call_with_info(f0, ops.host_load(xs), w0)
+                    h = i0.outputs[0].copy_to_ipu(1)
+                with stage(1), popxl.ipu(1):
+                    i1 = ops.call_with_info(f1, h, w1)
+                    dh, dw1 = ops.call(g1.graph, popxl.constant(1.0), inputs_dict=g1.inputs_dict(i1))
+                    ops.var_updates.accumulate_(a1, dw1)
+                    ops.host_store(ls, i1.outputs[0])
+                    dh = dh.copy_to_ipu(0)
+                with stage(2), popxl.ipu(0):
+                    (dw0,) = ops.call(g0.graph, dh, inputs_dict=stash(i0, g0))
+                    ops.var_updates.accumulate_(a0, dw0)
+
+            if pipelined:
+                with addons.pipelined_execution(steps) as p:
+                    body(p.stage, p.stash_and_restore_activations)
+            else:
+                import contextlib
+                body(lambda i: contextlib.nullcontext(), lambda info, grad: grad.inputs_dict(info))
+        ir.num_host_transfers = steps if pipelined else 1
+        if pipelined:   # the pipeline's main cycle: a repeat, through PopXL's middle graph
+            loops = [op for g in ir._pb_ir.getAllGraphs() for op in g.getOps()
+                     if isinstance(op, _pb_op("LoopOp"))]
+            assert loops and all(isinstance(op, _pb_op("CallOp")) for lp in loops
+                                 for op in lp.getCalledGraphs()[0].getOps())
+        with popxl.Session(ir, "ipu_model") as s:
+            loss = s.run({xs: X})[ls] if pipelined else np.stack([s.run({xs: x})[ls] for x in X])
+            data = s.get_tensors_data([a0, a1])
+        return loss, data[a0], data[a1]
+
+    ref, got = run(False), run(True)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, rtol=1e-5)
+    h = np.tanh(X * W0)
+    np.testing.assert_allclose(got[0], ((h * W1) ** 2).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(got[2], (2 * h * h * W1).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(got[1], (2 * h * W1 * W1 * (1 - h * h) * X).sum(0), rtol=1e-5)
