@@ -327,3 +327,28 @@ def test_pipelined_training_equals_unpipelined(addons):
     np.testing.assert_allclose(got[0], ((h * W1) ** 2).sum(1), rtol=1e-5)
     np.testing.assert_allclose(got[2], (2 * h * h * W1).sum(0), rtol=1e-5)
     np.testing.assert_allclose(got[1], (2 * h * W1 * W1 * (1 - h * h) * X).sum(0), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Remote buffers grown after ops use them (popxl-addons' batch serialisation)
+
+def test_remote_buffer_grows_after_ops_use_it():
+    """``buffer.entries`` set larger after stores and loads (in the main graph and in a called
+    graph) resizes the buffer everywhere: stores at the new offsets land and load back."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        buf = popxl.remote_buffer((2,), popxl.float32, 1)
+        ops.remote_store(buf, 0, popxl.constant(np.float32([1, 2])))
+        g = ir.create_graph(lambda t: ops.remote_store(buf, 0, t * 10.0), popxl.TensorSpec((2,), popxl.float32))
+        ops.call(g, popxl.constant(np.float32([3, 4])))
+        buf.entries = 3
+        ops.remote_store(buf, 2, popxl.constant(np.float32([5, 6])))
+        outs = {k: ops.remote_load(buf, k) for k in (0, 2)}
+        streams = {k: popxl.d2h_stream((2,), popxl.float32, f"e{k}") for k in outs}
+        for k, t in outs.items():
+            ops.host_store(streams[k], t)
+    assert buf.entries == 3
+    with popxl.Session(ir, "ipu_model") as s:
+        got = s.run()
+    np.testing.assert_allclose(got[streams[0]], [30, 40])
+    np.testing.assert_allclose(got[streams[2]], [5, 6])

@@ -48,19 +48,36 @@ class RemoteBuffer:
     def set_remote_buffer_info(self, tensor_dtype: Any, tensor_shape: Iterable[int], entries: int) -> None:
         """Set the type and shape of the buffer's tensors and the number of entries.
 
+        As PopXL, which sizes a buffer when the program is lowered, the number of entries
+        may change after ops use the buffer (popxl-addons grows buffers as it adds entries).
+
         Raises:
             ValueError: If ``entries`` is not a positive integer, or if ops already use the
-                buffer with another shape, type or number of entries (the program is built
-                for those).
+                buffer with another tensor shape or type (the program is built for those).
         """
         _check_entries(entries)
         info = (_shape(tensor_shape), _dtype.as_dtype(tensor_dtype), int(entries))
         used = self._state_spec()
-        if used is not None and used != ((info[2],) + info[0], info[1].as_numpy()):
-            raise ValueError(f"RemoteBuffer[id={self._remote_buffer_id}] is already used by ops as "
-                             f"{self.entries} entries of {self.tensor_dtype.name}{list(self.tensor_shape)}; "
-                             f"its shape, type and entries cannot change any more")
+        if used is not None and used[1:] != (info[0], info[1].as_numpy()):
+            raise ValueError(f"RemoteBuffer[id={self._remote_buffer_id}] is already used by ops with "
+                             f"tensors of {self.tensor_dtype.name}{list(self.tensor_shape)}; its "
+                             f"tensor shape and type cannot change any more")
+        if used is not None and used[0] != info[2]:
+            self._resize_state(info[2])
         self._info = info
+
+    def _resize_state(self, entries: int) -> None:
+        """Every value of the buffer in the Ir's graphs (its hidden state, each version of it
+        that ops and calls make) now holds ``entries`` entries."""
+        import jax
+        for g in self._ir._graphs:
+            t = g._hidden.get(self._state_key)
+            if t is None:
+                continue
+            first = g._versions.get(t._ir_id, t._ir_id)
+            for tid in [first, *(v for v, f in g._versions.items() if f == first)]:
+                old = g._specs[tid]
+                g._specs[tid] = jax.ShapeDtypeStruct((entries, *old.shape[1:]), old.dtype)
 
     def validate_tensor_matches_buffer(self, t: Tensor, num_shards: int = 1) -> None:
         """Check that ``t`` has the buffer's tensor shape (its meta shape when ``num_shards``
@@ -137,9 +154,10 @@ class RemoteBuffer:
         return f"remote_buffer_{self._remote_buffer_id}"
 
     def _state_spec(self) -> Optional[tuple]:
-        """(shape, numpy dtype) of the buffer as ops use it; None before any op did."""
+        """(entries, tensor shape, numpy dtype) of the buffer as ops use it; None before any
+        op did."""
         t = self._ir.main_graph._hidden.get(self._state_key)
-        return None if t is None else (t.shape, t.dtype.as_numpy())
+        return None if t is None else (t.shape[0], t.shape[1:], t.dtype.as_numpy())
 
     def _check_offset(self, offset: int, what: str = "offset") -> int:
         """``offset`` as an int in [0, entries).
