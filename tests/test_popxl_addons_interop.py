@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import popart
+import popart.testing
 import popxl
 import popxl.ops as ops
 from popart._internal.ir import patterns as pb_patterns
@@ -352,3 +353,27 @@ def test_remote_buffer_grows_after_ops_use_it():
         got = s.run()
     np.testing.assert_allclose(got[streams[0]], [30, 40])
     np.testing.assert_allclose(got[streams[2]], [5, 6])
+
+
+def test_grouped_collectives_of_replicas_side_by_side():
+    """Four replicas on one device (vmapped, where JAX has no ``axis_index_groups``):
+    all-reduces over groups of consecutive replicas and over strided groups (popxl-addons'
+    ReplicatedAllReduceStrided), against NumPy sums over the groups."""
+    R = 4
+    x = RNG.normal(size=(R, 3)).astype(np.float32)
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph:
+        xs = popxl.h2d_stream((3,), popxl.float32, "x")
+        t = ops.host_load(xs)
+        outs = {"tp": ops.collectives.replicated_all_reduce(t, "add", ir.replica_grouping(1, 2)),
+                "strided": node("ReplicatedAllReduceStrided", [t], {"op": "Add", "stride": 2,
+                                "groupSize": 2}, domain=ADDONS_DOMAIN)[0]}
+        streams = {k: popxl.d2h_stream((3,), popxl.float32, k) for k in outs}
+        for k, v in outs.items():
+            ops.host_store(streams[k], v)
+    device = popart.DeviceManager().createIpuModelDevice({"numIPUs": 1})
+    with popxl.Session(ir, device) as s:
+        assert popart.testing.mesh_devices(s) == []   # the replicas share one device
+        got = s.run({xs: x})
+    np.testing.assert_allclose(got[streams["tp"]], member_sum(x, groups(R, 1, 2)), rtol=1e-6)
+    np.testing.assert_allclose(got[streams["strided"]], member_sum(x, groups(R, 2, 2)), rtol=1e-6)
