@@ -377,3 +377,34 @@ def test_grouped_collectives_of_replicas_side_by_side():
         got = s.run({xs: x})
     np.testing.assert_allclose(got[streams["tp"]], member_sum(x, groups(R, 1, 2)), rtol=1e-6)
     np.testing.assert_allclose(got[streams["strided"]], member_sum(x, groups(R, 2, 2)), rtol=1e-6)
+
+
+def test_batch_serialise_grows_its_remote_buffer(addons):
+    """popxl-addons' batch_serialise stores each of ``steps`` outputs in a buffer made for one
+    entry (it grows the buffer after its ops use it): the entries hold x * w per step."""
+    from popxl_addons.transforms.batch_serialisation import (RemoteHandle, batch_serial_buffer,
+                                                             batch_serialise)
+
+    class Scale(addons.Module):
+        def build(self, x):
+            return x * self.add_variable_input("w", lambda: np.float32([2, 3]), popxl.float32)
+
+    steps = 4
+    X = np.arange(8, dtype=np.float32).reshape(steps, 2)
+    ir = popxl.Ir()
+    with ir.main_graph:
+        xs = popxl.h2d_stream((2,), popxl.float32, "x")
+        ys = popxl.d2h_stream((2,), popxl.float32, "y")
+        facts, graph = Scale().create_graph(popxl.TensorSpec((2,), popxl.float32))
+        y = graph.graph.outputs[0]
+        buf = batch_serial_buffer(y, steps=1)
+        bs = batch_serialise(graph, steps, {graph.graph.inputs[0]: xs}, {}, {y: RemoteHandle(buf, None)},
+                             io_mode="compute")
+        bs.graph.bind(facts.init()).call(popxl.constant(0, popxl.int32))
+        for k in range(steps):
+            ops.host_store(ys, ops.remote_load(buf, k))
+    assert buf.entries == steps
+    ir.num_host_transfers = steps
+    with popxl.Session(ir, "ipu_model") as s:
+        got = s.run({xs: X})[ys]
+    np.testing.assert_allclose(got, X * np.float32([2, 3]))
