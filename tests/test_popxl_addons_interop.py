@@ -202,17 +202,11 @@ def addons():
     import importlib
     import os
     import sys
-    import types
+    from helpers.tp_addons import _stub_mpi
     added = os.path.isdir("/tmp/pxa") and "/tmp/pxa" not in sys.path
     if added:
         sys.path.insert(0, "/tmp/pxa")
-    try:
-        importlib.import_module("mpi4py.MPI")
-    except Exception:
-        mpi = types.ModuleType("mpi4py.MPI")
-        mpi.COMM_WORLD = types.SimpleNamespace(Barrier=lambda: None)
-        sys.modules["mpi4py"] = types.SimpleNamespace(MPI=mpi)
-        sys.modules["mpi4py.MPI"] = mpi
+    _stub_mpi()
     try:
         yield importlib.import_module("popxl_addons")
     except ImportError as e:
