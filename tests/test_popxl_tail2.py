@@ -213,13 +213,15 @@ def test_set_parent_input_modified_for_calls_and_repeats():
         x = popxl.variable(np.zeros(2, np.float32), name="x")
         plain = popxl.variable(np.zeros(2, np.float32), name="plain")
         called = popxl.variable(np.zeros(2, np.float32), name="called")
-        ops.call(g, x, plain)                                     # by value: plain unchanged
+        first = ops.call_with_info(g, x, plain)                   # by value: plain unchanged
         info = ops.call_with_info(g, x, called)
         later = popxl.variable(np.zeros(2, np.float32), name="later")
         i = info._op.inIndex(called._pb_tensor)
         assert info.parent_to_graph_input_index(i) == 1 and info.graph_to_parent_input_index(1) == i
         info.set_parent_input_modified(called)                   # from now on called is 1
         ops.call(g, x, later)                                     # a later call: by value still
+        assert info._op.modifiesIndex(1) and not info._op.modifiesIndex(0)
+        assert not first._op.modifiesIndex(1)                     # PopART: per op
         g2 = ir.create_graph(lambda a, b: ops.add(a, b), spec, spec)   # no op modifies b
         kept = popxl.variable(np.zeros(2, np.float32), name="kept")
         ops.call_with_info(g2, x, kept).set_parent_input_modified(kept, infer_modified_regions=True)
@@ -333,3 +335,47 @@ def test_memmap_downcast_message_prints_the_dtype_argument(tmp_path):
             popxl.variable(f64, popxl.float32)
         assert str(e.value) == ("When passing a memory-mapped NumPy array, the `dtype` parameter "
                                 "must be None or the same as the array's dtype")
+
+
+def test_call_input_checks_are_popxls():
+    """PopXL's ops.call validation texts (ops/call.py _prep_and_validate_inputs) and PopART's
+    CallOp::setup text for an input of another type or shape (willow/src/op/call.cpp:63)."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        a = popxl.variable(np.float32(1), name="a")
+        g = ir.create_graph(lambda x, y: x + y, a, a)
+        x, y = g.inputs
+        with pytest.raises(ValueError) as e:
+            ops.call(g, a, a, a)
+        assert str(e.value) == ("Too many inputs have been provided to the called graph. The number "
+                                f"of positional inputs exceeds the number of inputs of the graph. "
+                                f"3 > 2. For graph: {g}")
+        with pytest.raises(ValueError) as e:
+            ops.call(g, a, inputs_dict={x: a})
+        assert str(e.value) == ("Graph input tensor is specified twice for the called graph, in "
+                                f"`inputs_dict` and positionally in `inputs`: {x}")
+        with pytest.raises(ValueError) as e:
+            ops.call(g, a)
+        text = str(e.value)
+        assert text.startswith(f"Not enough inputs have been provided for the called graph ({g}).\n\n"
+                               "Missing inputs:\nIndex | Graph Tensor")
+        missing, connected = text.split("\n\n\nConnected inputs:\n")   # PopXL's tables
+        assert missing.splitlines()[-1] == f"1     | {y.id}"
+        rows = connected.splitlines()
+        assert rows[0].split(" | ") == ["Index", "Graph Tensor".ljust(len(x.id)), "Parent Graph Tensor"]
+        assert set(rows[1]) == {"-"} and rows[2].split(" | ") == ["0    ", x.id, "a".ljust(19)]
+        with pytest.raises(TypeError) as e:
+            ops.call(g, "s", a)
+        assert str(e.value) == ('Input at position "0" could not be coerced into a tensor for the '
+                                "called graph: Type <class 'str'>. Value: s")
+        gi = ir.create_graph(lambda v: v, popxl.variable(np.int32(1)))
+        with pytest.raises(TypeError):                      # np.asarray(None, int32) fails so
+            ops.call(gi, None)
+        h = popxl.variable(np.float16(1), name="h")
+        with pytest.raises(popart.popart_exception) as e:
+            ops.call(g, a, h)
+        assert str(e.value) == ("CallOp input (@1) does not match callee input tensor (@1):\n"
+                                f"   h -> {y.id}\n   FLOAT16 [] vs FLOAT   []")
+        with pytest.raises(popart.popart_exception, match=r"FLOAT   \[2\] vs FLOAT   \[\]"):
+            ops.call(g, popxl.variable(np.ones(2, np.float32)), a, )
+        assert ops.call(g, 2.0, a)[0].dtype == popxl.float32   # a value: a constant of x's type

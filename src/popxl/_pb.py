@@ -785,6 +785,7 @@ class SubgraphOp(Op):
         if not any(t is r for r in sg._by_ref_inputs):
             sg._by_ref_inputs.append(t)
             sg._modified_by_calls = [*getattr(sg, "_modified_by_calls", ()), t]   # ops.call: not moved
+        self._node._pb_modified = {*getattr(self._node, "_pb_modified", ()), k}
         sg._finalize()
         for site in sites:
             site._sync_refs(move=site._node is self._node)
@@ -856,6 +857,17 @@ class SubgraphOp(Op):
 
 class CallOp(SubgraphOp):
     """``ops.call``: an ai.graphcore Call node."""
+
+    def modifiesIndex(self, index: int) -> bool:
+        """Whether the call changes its input ``index`` (PopART's modified input): the called
+        graph takes it by reference and this call moves the caller's tensor to its new value
+        (an input passed by reference, or one :meth:`addModified` marked at this call)."""
+        sg, k = self._sg(), int(index)
+        t = sg._inputs[k] if 0 <= k < len(sg._inputs) else None
+        if t is None or not any(t is r for r in sg._by_ref_inputs):
+            return False
+        return k in getattr(self._node, "_pb_modified", ()) or \
+            not any(t is m for m in getattr(sg, "_modified_by_calls", ()))
 
 
 class LoopOp(SubgraphOp):

@@ -12,11 +12,15 @@ import jax
 import numpy as np
 
 from popart.engine.ir import Graph as IRGraph, Node
+from popart.engine.lower import info_text
+from popart.errors import IrError
+from popart.tensorinfo import to_datatype
 
 from ..context import get_current_graph
 from ..graph import OPSETS, Graph, RepeatBody
 from ..streams import DeviceToHostStream, HostToDeviceStream
 from ..tensor import Tensor, constant
+from ..utils import table_to_string
 from ._base import GC, ONNX, POPXL, inplace, node
 
 
@@ -123,39 +127,68 @@ class CallSiteInfo:
 
 
 def _prep_inputs(parent: Graph, graph: Graph, inputs: Sequence[Any],
-                 inputs_dict: Optional[Mapping[Tensor, Any]], check: bool = True) -> list[Tensor]:
-    flat: list[Any] = []
-    for x in inputs:
-        if isinstance(x, (list, tuple)):
-            flat.extend(x)
-        else:
-            flat.append(x)
-    n = len(graph._inputs)
-    if len(flat) > n:
-        raise ValueError(f"Too many inputs have been provided to the called graph '{graph.name}': "
-                         f"{len(flat)} > {n}")
-    slots: list[Any] = flat + [None] * (n - len(flat))
+                 inputs_dict: Optional[Mapping[Tensor, Any]], check: bool = True,
+                 graph_name: str = "called") -> list[Tensor]:
+    """The caller's tensors for ``graph``'s inputs, in input order: ``inputs`` (lists and
+    tuples among them flattened), then ``inputs_dict``; other values become constants of
+    the graph input's dtype. PopXL's checks and texts (``check``: missing inputs, as
+    ``check_inputs``); an input of another type or shape fails as PopART's CallOp::setup.
+
+    Raises:
+        ValueError: too many or (``check``) too few inputs, a tensor of another graph, an
+            input given twice.
+        TypeError: a value that cannot be coerced into a tensor.
+        popart.popart_exception: an input of another type or shape than the graph input.
+    """
+    flat = [y for x in inputs for y in (x if isinstance(x, (list, tuple)) else (x,))]
+    gin = graph._inputs
+    if len(flat) > len(gin):
+        raise ValueError(f"Too many inputs have been provided to the {graph_name} graph. The number "
+                         f"of positional inputs exceeds the number of inputs of the graph. "
+                         f"{len(flat)} > {len(gin)}. For graph: {graph}")
+    for pt in flat:
+        if isinstance(pt, Tensor) and pt._graph is not parent:
+            raise ValueError(f'Parent input tensor "{pt}" is not in parent graph "{parent}".')
+    given = {i: (pt, f'Input at position "{i}"') for i, pt in enumerate(flat)}
     for gt, pt in (inputs_dict or {}).items():
-        if gt not in graph._inputs:
-            raise ValueError(f"The graph input tensor {gt!r} is not an input of graph '{graph.name}'")
-        i = graph._inputs.index(gt)
+        i = next((k for k, g in enumerate(gin) if g is gt), None)
+        if i is None:
+            raise ValueError(f'The graph input tensor "{gt}" is not in the {graph_name} graph ({graph}).')
+        if isinstance(pt, Tensor) and pt._graph is not parent:
+            raise ValueError(f'The parent input tensor "{pt}" is not in the parent graph ({parent}).')
         if i < len(flat):
-            raise ValueError(f"Graph input tensor is specified twice, in `inputs_dict` and positionally: {gt}")
-        slots[i] = pt
-    out = []
-    for i, (gt, pt) in enumerate(zip(graph._inputs, slots)):
+            raise ValueError(f"Graph input tensor is specified twice for the {graph_name} graph, in "
+                             f"`inputs_dict` and positionally in `inputs`: {gt}")
+        given[i] = (pt, f'Input "{gt}"')
+    out = {}
+    for i, (pt, what) in given.items():
+        if not isinstance(pt, Tensor):
+            try:
+                pt = constant(pt, gin[i].dtype)
+            except ValueError:
+                raise TypeError(f"{what} could not be coerced into a tensor for the {graph_name} "
+                                f"graph: Type {type(pt)}. Value: {pt}") from None
+        out[i] = pt
+    if check and len(out) < len(gin):
+        missing = [("Index", "Graph Tensor")] + [(i, t.id) for i, t in enumerate(gin) if i not in out]
+        connected = [("Index", "Graph Tensor", "Parent Graph Tensor")] + \
+            [(i, gin[i].id, out[i].id) for i in sorted(out)]
+        raise ValueError(f"Not enough inputs have been provided for the {graph_name} graph ({graph})."
+                         f"\n\nMissing inputs:\n{table_to_string(missing)}\n\nConnected inputs:\n"
+                         f"{table_to_string(connected)}")
+    for i, gt in enumerate(gin):
+        pt = out.get(i)
         if pt is None:
             raise ValueError(f"No input was given for input {i} ('{gt.id}') of graph '{graph.name}'")
-        if not isinstance(pt, Tensor):
-            pt = constant(pt, gt.dtype)
-        if pt._graph is not parent:
-            raise ValueError(f"Parent input tensor '{pt.id}' is not in the calling graph '{parent.name}'")
-        if check and (pt.shape != gt.shape or pt.dtype != gt.dtype):
-            raise ValueError(f"Input {i} of graph '{graph.name}' ('{gt.id}') is "
-                             f"{gt.dtype.name}{list(gt.shape)}, but {pt.dtype.name}{list(pt.shape)} "
-                             f"('{pt.id}') was given")
-        out.append(pt)
-    return out
+        if pt.shape != gt.shape or pt.dtype != gt.dtype:   # PopART's CallOp::setup
+            raise IrError(f"CallOp input (@{i}) does not match callee input tensor (@{i}):\n"
+                          f"   {pt.id} -> {gt.id}\n   {_info(pt)} vs {_info(gt)}")
+    return [out[i] for i in range(len(gin))]
+
+
+def _info(t: Tensor) -> str:
+    """PopART's TensorInfo text of ``t``."""
+    return info_text(to_datatype(t.dtype.as_numpy()).name, t.shape)
 
 
 def _hidden_inputs(parent: Graph, graph: Graph) -> list[Tensor]:
@@ -293,8 +326,10 @@ def conditional_with_info(cond: Tensor, then_branch: Graph, else_branch: Graph,
     have outputs of the same shapes and dtypes. ``check_inputs``: the inputs must have the
     shapes and dtypes of the branches' graph inputs."""
     parent = get_current_graph()
-    t_in = _prep_inputs(parent, then_branch, list(then_inputs or []), then_inputs_dict, check_inputs)
-    e_in = _prep_inputs(parent, else_branch, list(else_inputs or []), else_inputs_dict, check_inputs)
+    t_in = _prep_inputs(parent, then_branch, list(then_inputs or []), then_inputs_dict, check_inputs,
+                        "then_branch")
+    e_in = _prep_inputs(parent, else_branch, list(else_inputs or []), else_inputs_dict, check_inputs,
+                        "else_branch")
     if [(o.shape, o.dtype) for o in then_branch._outputs] != [(o.shape, o.dtype) for o in else_branch._outputs]:
         raise ValueError("conditional: then_branch and else_branch outputs must have the same shapes and dtypes")
     attrs = {"then_branch": _branch(parent, then_branch, t_in, "then"),
