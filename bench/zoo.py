@@ -15,8 +15,9 @@ per channel) and dropout off, to train the same function.
 
 Inference: samples/s of popart (batchesPerStep 1) over onnxruntime's CPU provider, outputs
 checked against each other. Training: softmax + nllloss with ConstSGD(0.01) (one step per run)
-over ``torch.optim.SGD(lr=0.01)`` on log_softmax + nll_loss, the first losses checked against
-each other. Compile seconds are popart's ``prepareDevice()`` (the engine cache off). The runtimes
+over ``torch.optim.SGD(lr=0.01)`` on log_softmax + nll_loss, the first losses printed side by
+side (they differ where a random-weight model gives a label a probability under 1e-7: PopART's
+nllloss takes -log(max(p, 1e-7)), at most 16.1 per sample). Compile seconds are popart's ``prepareDevice()`` (the engine cache off). The runtimes
 take turns within each repeat; the median of ``--reps`` repeats. ``--threads N`` pins the process
 to N cores and gives every runtime N threads (oneDNN's OpenMP ones too).
 """

@@ -5,6 +5,8 @@ InferenceSession (onnxruntime) and a TrainingSession (PyTorch's SGD), kept chann
 layout pass from the stem to the pooled head."""
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import onnxruntime as ort
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import popart
+import popart.testing
 from popart.engine import onednn
 from test_channels_last import transposes_4d
 from test_onednn_conv import torch_conv
@@ -143,3 +146,27 @@ def test_block_training_matches_pytorch_channels_last():
         np.testing.assert_allclose(got[k], v.detach().numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
     # The stem's input, forward only (x is no weight: no gradient goes back into it).
     assert transposes_4d(s) == 1
+
+
+def test_efficientnet_head_pool_is_clipped_to_the_input():
+    """transformers' EfficientNet head: AveragePool with a 1280 x 1280 kernel and stride,
+    ceil_mode and count_include_pad over a 7 x 7 map, i.e. a global average. The window is
+    clipped to the input (no 1280-wide padding in the program) and gives onnxruntime's mean."""
+    from onnx import TensorProto, helper
+    node = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[1280, 1280],
+                            strides=[1280, 1280], ceil_mode=1, count_include_pad=1)
+    graph = helper.make_graph([node], "head", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [2, 5, 7, 7])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]).SerializeToString()
+    x = RNG.standard_normal((2, 5, 7, 7), dtype=np.float32)
+    s = popart.InferenceSession(model, popart.DataFlow(1, ["y"]),
+                                popart.DeviceManager().createCpuDevice())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({"x": x}, anchors))
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(["y"], {"x": x})[0]
+    np.testing.assert_allclose(anchors["y"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(anchors["y"], x.mean((2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
+    windows = re.findall(r"window_dimensions = array<i64: ([\d, ]+)>", popart.testing.lowered_text(s))
+    assert windows == ["1, 1, 1, 7, 7"]   # (one replica's leading 1)

@@ -382,6 +382,7 @@ def _avg(ctx: LowerCtx, x, kernel_shape, strides, dilations, pads, auto_pad, cei
 def _pool(ctx: LowerCtx, x, init, op, win, st, pp, dil, divisor=None):
     """lax.reduce_window over x's windows (NCHW order), divided by ``divisor`` (NCHW, for
     averages); channels-last where x has that form, the result keeping it."""
+    win, pp = _clip_windows(x.shape, win, st, pp, dil)
     x_last = ctx.channels_last(x)
     if x_last is None:
         y = lax.reduce_window(x, init, op, win, st, pp, window_dilation=dil)
@@ -391,6 +392,19 @@ def _pool(ctx: LowerCtx, x, init, op, win, st, pp, dil, divisor=None):
         return (t[0], *t[2:], t[1])
     y = lax.reduce_window(x_last, init, op, last(win), last(st), last(pp), window_dilation=last(dil))
     return ctx.keep_channels_last(y if divisor is None else y / divisor.transpose(0, 2, 3, 1))
+
+
+def _clip_windows(shape, win, st, pp, dil):
+    """A window past the end of the input along an axis with one output (a global pool
+    written as a huge kernel: transformers' EfficientNet exports a 1280 x 1280 AveragePool
+    with ceil_mode over 7 x 7) reads only padding there, which adds nothing: it is clipped to
+    the input, else XLA pads the input to the window (gigabytes)."""
+    win, pp = list(win), list(pp)
+    for a in range(2, len(shape)):
+        lo, hi = pp[a]
+        if dil[a] == 1 and win[a] >= shape[a] + lo and shape[a] + lo + hi - win[a] < st[a]:
+            win[a], pp[a] = shape[a] + lo, (lo, 0)
+    return tuple(win), tuple(pp)
 
 
 @register("AveragePool")

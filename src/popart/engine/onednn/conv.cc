@@ -4,9 +4,10 @@
 // dx from (dy, w); 2 backward weights dw from (x, dy). Activations (x, y, dx, dy) are NHWC when
 // geom[1] is 1, NCHW when 0; weights are always ONNX's OIHW, O x C/G x KH x KW for G groups
 // (the same bytes as oneDNN's goihw). geom[2..9]: stride h, w; pad top, left, bottom, right;
-// dilation h, w (1 = none); geom[10]: groups G (depthwise: G = C). Operands may carry extra leading (vmap) dims:
-// each has either the result's leading dims or all of them 1 (shared). Primitives are made once
-// per shape and cached; weights are reordered to the primitive's blocked format on each call.
+// dilation h, w (1 = none); geom[10]: groups G (depthwise: G = C). Operands may carry extra
+// leading (vmap) dims: each has either the result's leading dims or all of them 1 (shared).
+// Primitives are made once per shape and cached; weights are reordered to the primitive's
+// blocked format on each call.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
