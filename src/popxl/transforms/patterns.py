@@ -60,9 +60,12 @@ MUST_REPLACE = (*_COLLECTIVES, "OpVJP")
 NEEDS_PATTERN = "You need to run the `OpToIdentityPattern` pattern before running the IR."
 
 
+_DOMAINS = ("ai.onnx", "ai.graphcore", "ai.popxl", ADDONS_DOMAIN)   # not a user's custom op
+
+
 def replaceable(graph: Any, node: Node) -> bool:
     """Whether PopART's OpToIdentityPattern matches ``node`` of popxl graph ``graph``."""
-    rule = TO_IDENTITY.get(node.op_type)
+    rule = TO_IDENTITY.get(node.op_type) if node.domain in _DOMAINS else None
     return rule is not None and len([o for o in node.outputs if o]) == 1 and rule(graph, node)
 
 
