@@ -402,3 +402,17 @@ def test_batch_serialise_grows_its_remote_buffer(addons):
     with popxl.Session(ir, "ipu_model") as s:
         got = s.run({xs: X})[ys]
     np.testing.assert_allclose(got, X * np.float32([2, 3]))
+
+
+def test_only_graphs_the_program_calls_must_be_patterned():
+    """PopXL's session drops graphs nothing calls before lowering: an un-patterned identical
+    collective in such a graph does not stop the session."""
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph:
+        x = popxl.variable(np.ones(3, np.float32))
+        ir.create_graph(lambda a: node("ReplicatedAllReduceTP", [a], {
+            "op": "Add", "group": [R, 1, R], "identicalInputs": 1}, domain=ADDONS_DOMAIN)[0], x)
+        s = popxl.d2h_stream((3,), popxl.float32, "y")
+        ops.host_store(s, x + 1.0)
+    with popxl.Session(ir, "ipu_model") as sess:
+        np.testing.assert_allclose(sess.run()[s], np.full((R, 3), 2.0))

@@ -218,7 +218,7 @@ class Graph:
         if self._is_main:
             if lowering:
                 from .transforms.patterns import check_lowerable
-                check_lowerable(self._ir._graphs)
+                check_lowerable(self)
             for g in self._ir._graphs[1:]:
                 g._finalize()
         else:

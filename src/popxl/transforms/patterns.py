@@ -81,9 +81,17 @@ def op_to_identity(graph: Any) -> int:
     return count
 
 
-def check_lowerable(graphs: Any) -> None:
-    """Raise PopART's Opx error for an op of ``graphs`` (popxl graphs) that only lowers once
-    OpToIdentityPattern has replaced it."""
+def check_lowerable(main: Any) -> None:
+    """Raise PopART's Opx error for an op of popxl graph ``main`` or a graph it calls (PopXL's
+    session removes the others first) that only lowers once OpToIdentityPattern has replaced
+    it."""
+    from .._pb import called_graphs
+    graphs, todo = [], [main]
+    while todo:
+        g = todo.pop()
+        if all(g is not h for h in graphs):
+            graphs.append(g)
+            todo += called_graphs(g.ir, g._g.nodes)
     for g in graphs:
         for n in g._g.nodes:
             if n.op_type in MUST_REPLACE and replaceable(g, n):
