@@ -2,44 +2,20 @@
 cppimport.import_hook``, ``from . import <x>_binding``, ``createOpInGraph`` on
 ``graph._pb_graph``) run unchanged on their Python equivalents (popart.custom_ops), against the
 NumPy transcriptions of the C++ rules: one program on one replica, one over 4 replicas. Skipped
-where popxl-addons (/tmp/pxa or installed) cannot be imported."""
+where popxl-addons (installed, or POPXL_ADDONS_DIR) cannot be imported."""
 from __future__ import annotations
 
-import sys
-import types
 
 import numpy as np
-import pytest
 
 import popxl
 import popxl.ops as ops
 
+from helpers.addons import addons_or_skip
 from helpers.custom_ops_ref import (cross_entropy_reference, fp8_mse_scale_reference, groups,
                                     layer_norm_reference, member_sum, pack_nibbles, rotate_complex)
 
-PXA = "/tmp/pxa"
-
-
-def _import_addons():
-    """popxl_addons, with a one-process stand-in for mpi4py where its MPI library is absent."""
-    try:
-        from mpi4py import MPI  # noqa: F401
-    except Exception:
-        mpi = types.ModuleType("mpi4py.MPI")
-        mpi.COMM_WORLD = types.SimpleNamespace(Barrier=lambda: None, Get_rank=lambda: 0,
-                                               Get_size=lambda: 1)
-        pkg = types.ModuleType("mpi4py")
-        pkg.MPI = mpi
-        sys.modules.update({"mpi4py": pkg, "mpi4py.MPI": mpi})
-    if PXA not in sys.path:
-        sys.path.append(PXA)
-    try:
-        import popxl_addons  # noqa: F401
-    except Exception as e:   # not there, or a dependency missing
-        pytest.skip(f"popxl_addons cannot be imported: {type(e).__name__}: {e}")
-
-
-_import_addons()
+addons_or_skip(module_level=True)
 
 RNG = np.random.default_rng(3)
 

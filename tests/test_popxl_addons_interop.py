@@ -197,23 +197,9 @@ def test_matmul_of_float32_and_float16_is_the_lhs_type():
 
 @pytest.fixture(scope="module")
 def addons():
-    """popxl_addons as a user imports it (PYTHONPATH=/tmp/pxa, say; mpi4py stubbed where it
-    has no MPI library), else skip."""
-    import importlib
-    import os
-    import sys
-    from helpers.tp_addons import _stub_mpi
-    added = os.path.isdir("/tmp/pxa") and "/tmp/pxa" not in sys.path
-    if added:
-        sys.path.insert(0, "/tmp/pxa")
-    _stub_mpi()
-    try:
-        yield importlib.import_module("popxl_addons")
-    except ImportError as e:
-        pytest.skip(f"popxl_addons is not importable: {e}")
-    finally:
-        if added:
-            sys.path.remove("/tmp/pxa")
+    """popxl_addons as a user imports it (helpers/addons.py), else skip."""
+    from helpers.addons import addons_or_skip
+    return addons_or_skip()
 
 
 def test_repeat_calls_the_graph_from_a_middle_graph():

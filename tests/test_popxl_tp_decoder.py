@@ -12,7 +12,7 @@ weights trained by ``torch.optim.Adam`` / ``AdamW``: the loss, the logits and ev
 the first step, then each step's loss and the final weights, to fp32 tolerance. The
 ``_addons`` cases build the same with popxl-addons' own ops and AdamOptimizerStep
 (tests/helpers/tp_addons.py; skipped when ``popxl_addons`` is not importable, e.g. without
-PYTHONPATH=/tmp/pxa)."""
+POPXL_ADDONS_DIR=<a checkout>)."""
 from __future__ import annotations
 
 import jax
@@ -96,7 +96,7 @@ CASES = {"gptj_tp4": (GPTJ, 4, False, False), "llama_tp4": (LLAMA, 4, False, Fal
 
 
 def addons_or_skip(weight_decay: float):
-    """popxl-addons' ops and Adam step (PYTHONPATH=/tmp/pxa, say), else skip."""
+    """popxl-addons' ops and Adam step (tests/helpers/addons.py), else skip."""
     try:
         from helpers.tp_addons import AddonsAdam, addons_ops
         return addons_ops(), AddonsAdam(weight_decay=weight_decay)

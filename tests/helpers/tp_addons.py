@@ -6,8 +6,6 @@ their C++ ops run as this project's Python equivalents (``popart.custom_ops``). 
 is popxl-addons' ``AdamOptimizerStep`` module (its graph, variable factories and binding)."""
 from __future__ import annotations
 
-import sys
-import types
 
 from typing import Optional
 
@@ -15,25 +13,13 @@ import popxl
 from popxl import ReplicaGrouping, Tensor
 
 from . import tp_layers
+from .addons import import_addons
 from .tp_layers import Adam, Config, TPOps
-
-
-def _stub_mpi() -> None:
-    """popxl-addons imports ``mpi4py.MPI`` (only for a barrier between instances); without an
-    MPI library that import fails, so a single-process stand-in takes its place."""
-    try:
-        import mpi4py.MPI  # noqa: F401
-    except Exception:   # no mpi4py, or no libmpi for it
-        stub = types.ModuleType("mpi4py.MPI")
-        stub.COMM_WORLD = types.SimpleNamespace(Barrier=lambda: None, Get_rank=lambda: 0, Get_size=lambda: 1)
-        sys.modules["mpi4py.MPI"] = stub
-        if "mpi4py" in sys.modules:
-            sys.modules["mpi4py"].MPI = stub
 
 
 def addons_ops() -> TPOps:
     """The TPOps of popxl-addons (ImportError when it cannot be imported)."""
-    _stub_mpi()
+    import_addons()
     from popxl_addons.ops.cross_entropy_sharded_loss import cross_entropy_sharded_loss
     from popxl_addons.ops.replicated_all_reduce_TP import (replicated_all_reduce_identical_grad_inputs,
                                                            replicated_all_reduce_identical_inputs)
@@ -60,7 +46,7 @@ class AddonsAdam(Adam):
     factories, with the weight's replica grouping, bound and called on (weight, gradient)."""
 
     def step(self, var: Tensor, grad: Tensor, grouping: Optional[ReplicaGrouping]) -> None:
-        _stub_mpi()
+        import_addons()
         from popxl_addons.optimizers.adam import AdamOptimizerStep
         facts, graph = AdamOptimizerStep().create_graph(
             var, var.spec, replica_grouping=grouping, lr=self.lr, beta1=self.beta1, beta2=self.beta2,
