@@ -9,14 +9,16 @@ popart installs the import finders; popxl-addons' ops are registered here."""
 from __future__ import annotations
 
 from . import _imports
-from .bindings import (ADDONS_DOMAIN, GRAD_READS, attribute_value, binding_op,  # noqa: F401
-                       grad_rule, params_class, register_binding, register_op)
+from .bindings import (ADDONS_DOMAIN, EXAMPLES_DOMAIN, GRAD_READS, attribute_value, binding_op,  # noqa: F401
+                       grad_rule, params_class, register_binding, register_op,
+                       source_contains)
 
-__all__ = ["ADDONS_DOMAIN", "GRAD_READS", "register_op", "register_binding", "binding_op",
-           "params_class", "grad_rule", "attribute_value", "install_import_hooks"]
+__all__ = ["ADDONS_DOMAIN", "EXAMPLES_DOMAIN", "GRAD_READS", "register_op", "register_binding",
+           "binding_op", "params_class", "grad_rule", "attribute_value", "source_contains",
+           "install_import_hooks"]
 
 install_import_hooks = _imports.install
 
-from . import addons_bindings, addons_collectives, addons_ops  # noqa: E402,F401
+from . import addons_bindings, addons_collectives, addons_ops, apps_bindings  # noqa: E402,F401
 
 install_import_hooks()

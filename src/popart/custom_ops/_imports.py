@@ -11,10 +11,11 @@ import importlib.util
 import os
 import sys
 import types
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-# binding module name (its last component) -> the names it exposes (classes, params types)
-BINDINGS: dict[str, dict[str, Any]] = {}
+# binding module name (its last component) -> its registered variants, in the order they are
+# tried: (when(cpp path) -> bool, or None for any; the names it exposes: classes, params types)
+BINDINGS: dict[str, list[tuple[Optional[Callable[[str], bool]], dict[str, Any]]]] = {}
 STAND_IN = "__popart_stand_in__"   # set on the stand-in cppimport modules
 
 
@@ -69,11 +70,11 @@ class BindingFinder(importlib.abc.MetaPathFinder):
             if spec is not None and spec.loader is not None:
                 spec.loader = _RealHookLoader(spec.loader)
             return spec
-        names = BINDINGS.get(name)
-        if names is None:
-            return None
-        cpp = _cpp_beside(name, path)
+        cpp = _cpp_beside(name, path) if name in BINDINGS else None
         if cpp is None:
+            return None
+        names = next((n for when, n in BINDINGS[name] if when is None or when(cpp)), None)
+        if names is None:
             return None
         doc = f"Python equivalent of the C++ custom op binding {cpp} (popart.custom_ops)."
         spec = importlib.util.spec_from_loader(fullname, _Loader(names, doc), origin=cpp)

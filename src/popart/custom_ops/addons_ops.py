@@ -1,5 +1,6 @@
 """popxl-addons' C++ custom ops without collectives (domain popxl.addons.ops), from their C++
-sources: RotaryPosEmbed, GroupQuantizeDecompress, GradReduceSquareAdd, Fp8Scale (the MSE
+sources: RotaryPosEmbed (and the copy in Graphcore's Dolly and LLaMA applications, domain
+graphcore.examples.ops), GroupQuantizeDecompress, GradReduceSquareAdd, Fp8Scale (the MSE
 estimate of a float8 scaling bias), LinearLayout and SparseMatmul. Ops whose C++ class has no
 grad op pass no gradient."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from ..ops.registry import LowerCtx, popart_error
-from .bindings import ADDONS_DOMAIN, grad_rule, register_op
+from .bindings import ADDONS_DOMAIN, EXAMPLES_DOMAIN, grad_rule, register_op
 
 
 def rotate_pairs(x: Any, sin: Any, cos: Any, sign: int) -> Any:
@@ -24,12 +25,22 @@ def rotate_pairs(x: Any, sin: Any, cos: Any, sign: int) -> Any:
     return jnp.stack([re * c - sign * im * s, im * c + sign * re * s], -1).reshape(x.shape)
 
 
-@register_op("RotaryPosEmbed", ADDONS_DOMAIN, grad_reads=((1, 2), ()))
-def rotary_pos_embed(ctx: LowerCtx, x: Any, sin: Any, cos: Any, rotary_dim: Optional[int] = None,
-                     **_: Any) -> Any:
+def rotate_halves(x: Any, sin: Any, cos: Any, sign: int) -> Any:
+    """x [B, S, H, d] as its two halves (real, imaginary) rotated by the angles of sin / cos
+    [1 | B, S, d/2]: y1 = x1 cos - sign x2 sin, y2 = x2 cos + sign x1 sin (the forward of the
+    copy of RotaryPosEmbed in Graphcore's Dolly and LLaMA applications)."""
+    h = x.shape[3] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    s, c = sin[:, :, None, :], cos[:, :, None, :]
+    return jnp.concatenate([x1 * c - sign * x2 * s, x2 * c + sign * x1 * s], 3)
+
+
+def rotary_op(ctx: LowerCtx, x: Any, sin: Any, cos: Any, rotary_dim: Optional[int],
+              rotate_forward: Any) -> Any:
     """RotaryPosEmbedOp: the first ``rotary_dim`` hidden elements of x [batch, seq, heads,
-    hh] rotated (:func:`rotate_pairs`), the rest passed. RotaryPosEmbedGradOp: the inverse
-    rotation of the output gradient; sin and cos get none."""
+    hh] rotated by ``rotate_forward`` (:func:`rotate_pairs` or :func:`rotate_halves`), the rest
+    passed. RotaryPosEmbedGradOp (the same C++ in both copies): the inverse rotation of the
+    output gradient's interleaved pairs; sin and cos get none."""
     x, sin, cos = jnp.asarray(x), jnp.asarray(sin), jnp.asarray(cos)
     if x.ndim != 4:
         raise popart_error(ctx, "RotaryPosEmbedOp::setup x should have rank 4 (batch, heads, seq, hh)")
@@ -40,11 +51,27 @@ def rotary_pos_embed(ctx: LowerCtx, x: Any, sin: Any, cos: Any, rotary_dim: Opti
     if d % 2:
         raise popart_error(ctx, "RotaryPosEmbedOp::setup rotary dim must be a multiple of 2")
 
-    def rotate(v: Any, s: Any, c: Any, sign: int) -> Any:
-        return jnp.concatenate([rotate_pairs(v[..., :d], s, c, sign), v[..., d:]], 3)
+    def rotate(v: Any, s: Any, c: Any, rot: Any, sign: int) -> Any:
+        return jnp.concatenate([rot(v[..., :d], s, c, sign), v[..., d:]], 3)
 
-    return grad_rule(lambda v, s, c: (rotate(v, s, c, 1), (s, c)),
-                     lambda sc, g: (rotate(g, *sc, -1), None, None))(x, sin, cos)
+    return grad_rule(lambda v, s, c: (rotate(v, s, c, rotate_forward, 1), (s, c)),
+                     lambda sc, g: (rotate(g, *sc, rotate_pairs, -1), None, None))(x, sin, cos)
+
+
+@register_op("RotaryPosEmbed", ADDONS_DOMAIN, grad_reads=((1, 2), ()))
+def rotary_pos_embed(ctx: LowerCtx, x: Any, sin: Any, cos: Any, rotary_dim: Optional[int] = None,
+                     **_: Any) -> Any:
+    """popxl-addons' RotaryPosEmbedOp: interleaved (real, imaginary) pairs (:func:`rotary_op`)."""
+    return rotary_op(ctx, x, sin, cos, rotary_dim, rotate_pairs)
+
+
+@register_op("RotaryPosEmbed", EXAMPLES_DOMAIN, grad_reads=((1, 2), ()))
+def rotary_pos_embed_halves(ctx: LowerCtx, x: Any, sin: Any, cos: Any,
+                            rotary_dim: Optional[int] = None, **_: Any) -> Any:
+    """The RotaryPosEmbedOp of Graphcore's Dolly and LLaMA applications: the forward rotates
+    the halves (:func:`rotate_halves`), the grad op is popxl-addons' (interleaved pairs), as in
+    their C++ (:func:`rotary_op`)."""
+    return rotary_op(ctx, x, sin, cos, rotary_dim, rotate_halves)
 
 
 def unpack_nibbles(x: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -14,6 +15,8 @@ from ..ops import registry
 from ._imports import BINDINGS
 
 ADDONS_DOMAIN = "popxl.addons.ops"
+# the copies of C++ ops in Graphcore's popxl applications that differ from popxl-addons' ops
+EXAMPLES_DOMAIN = "graphcore.examples.ops"
 
 # op type -> what its C++ grad op reads of the forward op (its gradInputInfo()), in
 # popxl.transforms.autodiff's GRAD_READS terms: "none" (the output gradient only), "in",
@@ -105,12 +108,32 @@ def params_class(name: str, *fields: str) -> type:
     return dataclasses.make_dataclass(name, [(f, Any) for f in fields])
 
 
-def register_binding(module_name: str, **names: Any) -> None:
+def register_binding(module_name: str, *, when: Optional[Callable[[str], bool]] = None,
+                     **names: Any) -> None:
     """Make the cppimport binding module ``module_name`` (its last component, e.g.
     ``"rotary_pos_embed_binding"``) resolve to a module holding ``names`` (op classes from
     :func:`binding_op`, params types from :func:`params_class`) wherever ``<module>.cpp``
-    lies beside the importing package."""
-    BINDINGS[module_name.rpartition(".")[2]] = dict(names)
+    lies beside the importing package. ``when(cpp_path)``: this variant only for the ``.cpp``
+    files it accepts (another C++ op under the same module name, e.g. an application's own
+    copy); variants with ``when`` are tried first, and one without replaces the last one
+    without."""
+    variants = BINDINGS.setdefault(module_name.rpartition(".")[2], [])
+    if when is None:
+        variants[:] = [v for v in variants if v[0] is not None] + [(None, dict(names))]
+    else:
+        variants.insert(sum(v[0] is not None for v in variants), (when, dict(names)))
+
+
+def source_contains(file_name: str, text: str) -> Callable[[str], bool]:
+    """A ``when`` for :func:`register_binding`: the C++ file ``file_name`` beside the binding's
+    ``.cpp`` contains ``text``."""
+    def when(cpp: str) -> bool:
+        try:
+            with open(os.path.join(os.path.dirname(cpp), file_name), encoding="utf-8") as f:
+                return text in f.read()
+        except OSError:
+            return False
+    return when
 
 
 def grad_rule(forward: Callable, backward: Callable) -> Callable:
