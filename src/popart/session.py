@@ -317,16 +317,20 @@ class _Session(_FileMethods):
 
     # ------------------------------------------------------------------ compile
     def _recompile(self) -> None:
-        """Plan and compile again for the current options (e.g. replication changed by
-        ``popart.horovod``), keeping the current weights; nothing to do before prepareDevice."""
+        """Plan and compile again for the current options (``popart.horovod``), keeping the
+        weights and optimizer state: on the device where the layout is the same."""
         if not self._prepared:
             return
-        self.weightsToHost()
-        weights = dict(self._host_weights)
+        old, dev, in_sync = self._program, self._dev, self._host_in_sync
         self._program = None
-        self.prepareDevice()
-        self._host_weights.update(weights)
-        self.weightsFromHost()
+        self.prepareDevice(loadEngine=False)
+        if self._program.holds(dev):
+            self._dev, self._host_in_sync = dev, in_sync
+        elif dev is not None:   # through the host, in the old program's layout
+            weights, state = (old.state_to_host(part) for part in dev)
+            self._host_weights.update(weights)
+            self._host_opt_state.update({k: state[k] for k in state.keys() & self._host_opt_state.keys()})
+            self._load_engine()
 
     @serialised
     def prepareDevice(self, loadEngine: bool = True) -> None:
@@ -382,15 +386,13 @@ class _Session(_FileMethods):
         return self._dev
 
     def _plan(self) -> StepProgram:
-        """The session's step program, planned (anchors, trainable weights) but maybe not
-        compiled yet."""
+        """The session's step program, planned (anchors, trainable weights), maybe not compiled."""
         if self._program is None:
             graph = self._graph
             if self._training:
                 graph = fuse_softmax_nll(graph, self._loss, self.patterns.isPatternEnabled,
                                          self._dataFlow.anchors())
-            # planned, then placed or not (engine.pipeline.plan_program decides)
-            self._program = plan_program(graph, self._config(), self._input_infos, self._device)
+            self._program = plan_program(graph, self._config(), self._input_infos, self._device)   # placed or not
         return self._program
 
     @property
@@ -406,10 +408,8 @@ class _Session(_FileMethods):
         return self._program.put_state(tree)
 
     def _hyper(self) -> dict:
-        if not self._training:
-            return {}
-        return {k: np.float32(v) for k, v in
-                self._optimizer.non_const_feed(self._program.trainable).items()}
+        feed = self._optimizer.non_const_feed(self._program.trainable) if self._training else {}
+        return {k: np.float32(v) for k, v in feed.items()}
 
     def _require_writable_weights(self, what: str) -> None:
         """A prepared session whose weights may change: PopART freezes an inference session's
@@ -548,7 +548,7 @@ class _Session(_FileMethods):
     def weightsFromHost(self) -> None:
         """Copy the host weights to the device."""
         self._require_prepared("weightsFromHost")
-        self._dev = (self._put(self._host_weights), self._device_state()[1])
+        self._dev = (self._put(self._host_weights), self._put(self._host_opt_state) if self._dev is None else self._dev[1])
         self._host_in_sync = True
         self._weights_written = True
 
@@ -561,8 +561,8 @@ class _Session(_FileMethods):
         log = _log.getLogger("devicex").debug if self.options.syntheticDataMode == \
             SyntheticDataMode.Off else (lambda _: None)   # Devicex::weightsToHost's lines
         log("Writing weights to host")
-        self._host_weights = self._device_to_host(0)
-        self._host_opt_state = self._device_to_host(1)
+        if not self._host_in_sync:   # in sync: the host has the device's values already
+            self._host_weights, self._host_opt_state = self._device_to_host(0), self._device_to_host(1)
         log("Writing weights to host complete.")
         self._host_in_sync = True
 
@@ -577,11 +577,11 @@ class _Session(_FileMethods):
 
     @serialised
     def writeWeights(self, weightsIo: Any) -> None:
-        """Write the arrays of a PyWeightsIO to the host weights (and the device)."""
+        """Write the arrays of a PyWeightsIO to the host weights / optimizer state and, when
+        the engine is loaded, to the device: only those tensors cross."""
         self._require_writable_weights("writeWeights")
-        opt = self._device_to_host(1)
-        weights_from_io(weightsIo, self._host_weights, opt)
-        self._dev = (self._put(self._host_weights), self._put(opt))
+        written = weights_from_io(weightsIo, self._host_weights, self._host_opt_state)
+        self._dev = self._dev and self._program.write_state(self._dev, written)
 
     # ------------------------------------------------------------------ IR, reports, sync state
     def getIr(self) -> SessionIr:

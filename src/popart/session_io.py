@@ -271,9 +271,11 @@ def weights_to_io(weightsIo: Any, weights: Mapping[str, np.ndarray],
         _copy_checked(tid, dst, src)
 
 
-def weights_from_io(weightsIo: Any, weights: dict, state: dict) -> None:
+def weights_from_io(weightsIo: Any, weights: dict, state: dict) -> dict[str, np.ndarray]:
     """writeWeights: the arrays of a PyWeightsIO into host ``weights`` / optimizer ``state``
-    (by id, each of its tensor's shape; converted to its dtype)."""
+    (by id, each of its tensor's shape; converted to its dtype). Returns the written arrays
+    by id (checked first: nothing is written when one is wrong)."""
+    written = {}
     for tid, src in _weights_dict(weightsIo).items():
         target = weights if tid in weights else state if tid in state else None
         if target is None:
@@ -286,7 +288,10 @@ def weights_from_io(weightsIo: Any, weights: dict, state: dict) -> None:
                 f"write region of this tensor. Tensor Write ({len(want)}): {want} != "
                 f"MutableVoidData ({len(got)}): {got} (writeWeights: '{tid}' has shape "
                 f"{shape_str(want)}, given {shape_str(got)})")
-        target[tid] = np.asarray(src, dtype=target[tid].dtype).copy()
+        written[tid] = np.array(src, dtype=target[tid].dtype)
+    for tid, value in written.items():
+        (weights if tid in weights else state)[tid] = value
+    return written
 
 
 def _weights_dict(weightsIo: Any) -> dict:

@@ -9,9 +9,12 @@ without touching the tests.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
-__all__ = ["step_program", "placed_plan", "compiled_step", "compiled", "is_placed", "mesh_shape",
+__all__ = ["count_transfers", "Transfers", "step_program", "placed_plan", "compiled_step", "compiled", "is_placed", "mesh_shape",
            "mesh_devices", "device_values", "executable_source", "engine_loaded",
            "lowered_text"]
 
@@ -106,3 +109,77 @@ def lowered_text(session: Any) -> str:
     """The step as StableHLO text, before XLA optimises it (``CompiledStep.export``)."""
     import jax
     return jax.export.deserialize(compiled_step(session).export()).mlir_module()
+
+
+@dataclass
+class Transfers:
+    """What crossed between host and device under :func:`count_transfers`: the number of
+    arrays and their bytes each way, and each transfer's (shape, dtype) in ``log``."""
+    to_device: int = 0
+    to_device_bytes: int = 0
+    to_host: int = 0
+    to_host_bytes: int = 0
+    log: list = field(default_factory=list)   # ("to_device" | "to_host", shape, dtype)
+
+    def _add(self, way: str, shape: tuple, dtype: Any) -> None:
+        import numpy as np
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        setattr(self, way, getattr(self, way) + 1)
+        setattr(self, way + "_bytes", getattr(self, way + "_bytes") + nbytes)
+        self.log.append((way, tuple(shape), np.dtype(dtype)))
+
+
+_counting = threading.Lock()
+
+
+@contextlib.contextmanager
+def count_transfers() -> Iterator[Transfers]:
+    """Count the host <-> device transfers made inside the ``with`` block (by any thread):
+    host arrays given to ``jax.device_put``, ``jax.make_array_from_callback`` and
+    ``jax.make_array_from_process_local_data`` (the package's ways onto the device), and
+    device arrays the package reads back (``engine.compiled.fetch``, the one way to the host
+    of both front-ends' state and outputs). Host arrays passed straight to a compiled program
+    (a run's inputs) are not counted. One counter at a time."""
+    import jax
+    import numpy as np
+    from .engine import compiled as _compiled
+
+    counts = Transfers()
+    host_types = (np.ndarray, np.generic, int, float, bool, complex)
+
+    def count_leaves(tree: Any) -> None:
+        for x in jax.tree_util.tree_leaves(tree):
+            if isinstance(x, host_types):
+                counts._add("to_device", np.shape(x), np.result_type(x))
+
+    put, from_callback, from_local = (jax.device_put, jax.make_array_from_callback,
+                                      jax.make_array_from_process_local_data)
+
+    def device_put(x: Any, *args: Any, **kwargs: Any) -> Any:
+        count_leaves(x)
+        return put(x, *args, **kwargs)
+
+    def make_array_from_callback(shape: Any, sharding: Any, callback: Any, *args: Any, **kw: Any) -> Any:
+        out = from_callback(shape, sharding, callback, *args, **kw)
+        counts._add("to_device", out.shape, out.dtype)
+        return out
+
+    def make_array_from_process_local_data(sharding: Any, local: Any, *args: Any, **kw: Any) -> Any:
+        count_leaves(local)
+        return from_local(sharding, local, *args, **kw)
+
+    def fetched(values: Any) -> None:
+        for x in values:
+            if isinstance(x, jax.Array):
+                counts._add("to_host", x.shape, x.dtype)
+
+    with _counting:
+        jax.device_put, jax.make_array_from_callback = device_put, make_array_from_callback
+        jax.make_array_from_process_local_data = make_array_from_process_local_data
+        _compiled.FETCH_HOOKS.append(fetched)
+        try:
+            yield counts
+        finally:
+            jax.device_put, jax.make_array_from_callback = put, from_callback
+            jax.make_array_from_process_local_data = from_local
+            _compiled.FETCH_HOOKS.remove(fetched)

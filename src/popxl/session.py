@@ -225,6 +225,10 @@ class Session:
         self._host_all: dict[Variable, np.ndarray] = {}   # all_replicas variables: [replicas, ...]
         self._buffer_host: dict[str, np.ndarray] = {}     # remote buffers' last contents on the host
         self._slots = self._make_slots()
+        self._written = {s.key for s in self._slots   # the slots a run writes (a newer version)
+                         if s.graph_out is not None and s.graph_out._ir_id != s.graph_in}
+        self._slot_of = {v: s.key for s in self._slots for v in ([s.var] if s.var is not None else s.entries)}
+        self._stale: set[str] = set()   # slots whose device value is newer than the host's
         self._placed = placed_program(self)   # the main graph's IPUs on their own devices
         self._engine_cache_ = self._engine_cache()
         self._dev: Optional[dict] = None
@@ -585,7 +589,7 @@ class Session:
         (other entries keep the buffer's contents)."""
         self._require_attached()
         self._dev = self._put(self._device_values())
-        self._in_sync = True
+        self._in_sync, self._stale = True, set()
 
     @serialised
     @in_x64
@@ -597,23 +601,35 @@ class Session:
         Raises:
             Exception: if the Ir has a variable made from a read-only np.memmap (PopXL's rule).
         """
+        self._weights_to_host()
+
+    def _weights_to_host(self, keys: Optional[set] = None) -> None:
+        """:meth:`weights_to_host` for the slots ``keys`` (None: all)."""
         if self._ir._has_read_only_memmap:
             raise Exception("Writing data from device to host is not possible as the `ir` "
                             "contains a read-only memmap.")
         self._require_attached()
-        self._pull_weights()
+        self._pull(keys)
+        self._in_sync = True
 
-    def _pull_weights(self) -> None:
-        """The host values of the variables from the device values, where they differ."""
-        if self._in_sync or self._dev is None:
+    def _pull(self, keys: Optional[set] = None) -> None:
+        """The host values of the slots ``keys`` (None: all) from the device, of those whose
+        device value is newer (a run wrote them since): only those cross. Placed programs
+        pack the slots together: all of them."""
+        keys = self._stale if keys is None else self._stale & keys
+        if not keys or self._dev is None:
             return
-        with xla_errors("Copying the weights to the host"):   # every instance's replicas
-            values = {k: distributed.global_value(v) for k, v in self._dev.items()}
-        if self._placed:
-            per = self._placed.executor.unpack(values)
+        get = dict(get=distributed.global_value, what="Copying the weights to the host")
+        if self._placed:   # every instance's replicas
+            per = self._placed.executor.unpack(dict(zip(self._dev, fetch(list(self._dev.values()), **get))))
             values = {s.key: np.stack([p[s.graph_in] for p in per]) for s in self._slots}
+        else:
+            order = [s.key for s in self._slots if s.key in keys]   # the same on every instance
+            values = dict(zip(order, fetch([self._dev[k] for k in order], **get)))
         for s in self._slots:
-            arr = values[s.key]
+            arr = values.get(s.key)
+            if arr is None:
+                continue
             if s.kind == "variable":
                 self._set_host(s.var, arr)
             elif s.kind == "rts":
@@ -628,7 +644,7 @@ class Session:
                         self._set_host(v, entry.reshape((len(entry),) + v.shape))
         for v in self._variables:
             v._flush_data_if_memmap()
-        self._in_sync = True
+        self._stale -= set(values)
 
     def get_tensor_data(self, tensor: Union[Variable, Constant]) -> np.ndarray:
         """The value of a variable or constant (see :meth:`get_tensors_data`)."""
@@ -645,8 +661,9 @@ class Session:
             if not isinstance(t, (Variable, Constant)):
                 raise TypeError(f"{t} is not of type Constant or Variable. get_tensor_data is not "
                                 f"supported for this type.")
-        if self.is_attached and not self._in_sync and any(isinstance(t, Variable) for t in tensors):
-            self.weights_to_host()
+        keys = {self._slot_of[t] for t in tensors if isinstance(t, Variable) and t in self._slot_of}
+        if self.is_attached and keys and (not self._in_sync or keys & self._stale):
+            self._weights_to_host(keys)   # only the variables asked for
         for t in tensors:
             if isinstance(t, Variable):
                 if t.retrieval_mode == "all_replicas" and self._r > 1:   # one value per replica
@@ -666,7 +683,11 @@ class Session:
 
     @serialised
     def write_variables_data(self, tensors: Mapping[Variable, Any]) -> None:
-        """Set variables' values on the host (and on the device when attached)."""
+        """Set variables' values on the host (and on the device when attached: only theirs)."""
+        keys = {self._slot_of[v] for v in tensors if v in self._slot_of}
+        if self.is_attached:   # the device's newer values of what is written only in part
+            self._pull(None if self._placed else {s.key for s in self._slots
+                                                  if s.key in keys and s.kind == "remote"})
         for v, data in tensors.items():
             if not isinstance(v, Variable):
                 raise TypeError(f"Tensor {v.id} is not of type Variable. write_variable_data is not "
@@ -689,15 +710,24 @@ class Session:
                 else:
                     raise ValueError(f"The shape of the input array {arr.shape} must match the shape "
                                      f"of the tensor {v.id} : {v.shape}")
-            if self.is_attached and not self._in_sync:
-                self.weights_to_host()
             if v.retrieval_mode == "all_replicas" and v.replica_grouping.group_size > 1:
                 raise NotImplementedError(f'Copying to tensor {v.id} with "all_replicas" retreval '
                                           f'mode is not yet supported.')
             self._store_host(v, np.array(arr))
             self._host_all.pop(v, None)
         if self.is_attached:
+            self._write_slots(keys)
+
+    def _write_slots(self, keys: set) -> None:
+        """Copy the host values of the slots ``keys`` to the device: only those cross
+        (placed programs pack the slots together: all of them)."""
+        if self._placed or self._dev is None:
             self.weights_from_host()
+            return
+        values = self._device_values()
+        self._dev = {**self._dev, **self._put({k: values[k] for k in keys})}
+        self._stale -= keys
+        self._in_sync = True
 
     # ------------------------------------------------------------------ run
     def expected_inputs(self) -> list[HostToDeviceStream]:
@@ -821,7 +851,8 @@ class Session:
             feeds = jax.device_put(feeds, self._feed_sharding()) if self._placed else \
                 self._placement.put(feeds, 0)
         self._dev, outs = self._step(self._dev, feeds)   # host feeds are moved by the call
-        self._in_sync = not self._slots
+        self._in_sync = not self._slots   # PopXL: every variable (in_sync_with_ipu)
+        self._stale |= self._written       # what crosses back (only when the host asks)
         flags = outs.pop(CHECKS, None)
         ids = plan.d2h_ids if plan is not None else [t.id for _, t in self._d2h]
         values = [outs[i] for i in ids] + ([] if flags is None else [flags])

@@ -55,21 +55,30 @@ def xla_errors(what: str) -> Iterator[None]:
         raise_as_popart(e, what)
 
 
-def fetch(values: Sequence[Any], local: bool = False) -> list:
-    """Program outputs as NumPy arrays (replicated outputs: this process's copy; ``local``:
-    the caller knows every array is whole in this process), their copies to the host started
-    together; the run's own errors surface here as popart errors (XLA runs asynchronously)."""
+# Called with the arrays of every fetch (``popart.testing.count_transfers`` counts them).
+FETCH_HOOKS: list[Callable[[Sequence[Any]], None]] = []
+
+
+def fetch(values: Sequence[Any], local: bool = False,
+          get: Callable[[Any], np.ndarray] = np.asarray, what: str = "Running the step") -> list:
+    """Device arrays as NumPy arrays, the one way to the host (replicated outputs: this
+    process's copy; ``local``: the caller knows every array is whole in this process; ``get``:
+    how to read one whole, e.g. ``distributed.global_value``), their copies to the host
+    started together; the run's own errors surface here as popart errors named by ``what``
+    (XLA runs asynchronously)."""
+    for hook in FETCH_HOOKS:
+        hook(values)
     try:
         if len(values) > 1:
             for x in values:
-                if isinstance(x, jax.Array):
+                if isinstance(x, jax.Array) and x.is_fully_addressable:
                     x.copy_to_host_async()
-        if local:
-            return [np.asarray(x) for x in values]
+        if local or get is not np.asarray:
+            return [get(x) for x in values]
         return [np.asarray(x) if getattr(x, "is_fully_addressable", True)
                 else np.asarray(x.addressable_data(0)) for x in values]
     except Exception as e:
-        raise_as_popart(e, "Running the step")
+        raise_as_popart(e, what)
         raise   # not reached
 
 

@@ -772,6 +772,35 @@ class StepProgram:
             return self.placed.state_to_host(state)
         return self.rts.to_host(state)
 
+    def write_state(self, state: tuple, written: Mapping[str, np.ndarray]) -> tuple:
+        """The device (weights, optimizer state) with the ``written`` host arrays (by tensor
+        id) put in place of theirs: only those cross to the device, the rest stays there.
+        Placed slots pack several tensors each, so a placed program's state goes through the
+        host."""
+        if self.placed is not None:
+            hosts = [self.state_to_host(part) for part in state]
+            return tuple(self.put_state({**h, **{k: v for k, v in written.items() if k in h}})
+                         for h in hosts)
+        return tuple({**part, **self.put_state({k: v for k, v in written.items() if k in part})}
+                     for part in state)
+
+    def holds(self, state: Optional[tuple]) -> bool:
+        """True when another program's device ``state`` (weights, optimizer state) is in this
+        program's layout as it is (the same tensors, shapes, dtypes and shardings), so that a
+        recompile keeps it on the device. Placed programs: never."""
+        if state is None or self.placed is not None:
+            return False
+        for part, like in zip(state, (self.variables, self.init_opt_state())):
+            specs, shardings = self.state_specs(like), self.state_shardings(like)
+            if set(part) != set(specs):
+                return False
+            for k, x in part.items():
+                where = shardings[k] if isinstance(shardings, dict) else shardings
+                if not (isinstance(x, jax.Array) and (x.shape, x.dtype) == (specs[k].shape, specs[k].dtype)
+                        and x.sharding.is_equivalent_to(where, x.ndim)):
+                    return False
+        return True
+
     def share_state_layout(self, other: "StepProgram") -> None:
         """Take ``other``'s device layout of the weights (a program run on its weights):
         placed on its slots when ``other`` is placed (or IrError)."""
