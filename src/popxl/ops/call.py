@@ -222,6 +222,8 @@ def call_with_info(graph: Graph, *inputs: Any, inputs_dict: Optional[Mapping[Ten
     n_out = len(graph._outputs)
     outs = node("Call", all_in, {"callee": ir_graph}, GC, len(ir_graph.outputs),
                 name=f"call_{graph.name}")
+    for out, g_out in zip(outs, graph._outputs):   # CallOp::setup: the callee's TensorInfo,
+        out._meta_shape = g_out._meta_shape        # its meta shape included
     _connect_by_ref(graph, all_in, outs[n_out:])
     return CallSiteInfo(_SubgraphOp(graph, parent, parent._g.nodes[-1], user_in))
 

@@ -1,0 +1,214 @@
+"""popxl-addons used as a user uses it (issue 34, item 3): Modules and NamedTensors, graphs bound
+and called with info, autodiff (with accumulation, recomputation), TaskSession with its
+checkpoints, InputStreams / OutputStreams, remote variables and replica-sharded variables, tensor
+parallel with data parallel replica groupings, patterns and seed variables; every number against
+NumPy. Skipped where popxl-addons cannot be imported (tests/helpers/addons.py); what each one
+rests on of ours has a test that does not need popxl-addons, named in each test's docstring."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import popxl
+import popxl.ops as ops
+
+from helpers.addons import addons_or_skip
+
+addons = addons_or_skip(module_level=True)
+from popxl_addons.layers import Linear  # noqa: E402
+from popxl_addons.rts import all_gather_replica_sharded_graph, reduce_replica_sharded_graph  # noqa: E402
+
+F32 = popxl.float32
+B, D, H, O = 6, 4, 8, 3
+LR, STEPS = 0.1, 3
+
+
+class MLP(addons.Module):
+    """Linear -> relu -> Linear, sub-modules named as attributes (fc1.weight, fc2.bias, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = Linear(H), Linear(O)
+
+    def build(self, x: popxl.Tensor) -> popxl.Tensor:
+        return self.fc2(ops.relu(self.fc1(x)))
+
+
+def mlp_numpy(w, x, y):
+    """loss = mean((mlp(x) - y)^2) and its gradients by hand."""
+    h = x @ w["fc1.weight"] + w["fc1.bias"]
+    a = np.maximum(h, 0)
+    out = a @ w["fc2.weight"] + w["fc2.bias"]
+    d = out - y
+    dout = 2 * d / d.size
+    da = dout @ w["fc2.weight"].T
+    dh = da * (h > 0)
+    grads = {"fc2.weight": a.T @ dout, "fc2.bias": dout.sum(0),
+             "fc1.weight": x.T @ dh, "fc1.bias": dh.sum(0)}
+    return float(np.mean(d * d)), grads
+
+
+@pytest.fixture(scope="module")
+def sgd_session():
+    """A TaskSession training the MLP with SGD: streams from InputStreams / OutputStreams, the
+    forward graph bound to its variables and called with info, addons.autodiff's gradient graph
+    called with the activations its GradGraphInfo asks for."""
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        ins = addons.InputStreams(x=((B, D), F32), y=((B, O), F32))
+        outs = addons.OutputStreams(loss=((), F32))
+        facts, fwd = MLP().create_graph(popxl.TensorSpec((B, D), F32))
+        variables = facts.init()
+        bwd = addons.autodiff(fwd, grads_required=fwd.args.tensors)
+        x, y = ops.host_load(ins.x), ops.host_load(ins.y)
+        info = fwd.bind(variables).call_with_info(x)
+        diff = info.outputs[0] - y
+        binfo = bwd.call_with_info(diff * (2.0 / diff.nelms),
+                                   args=bwd.grad_graph_info.inputs_dict(info))
+        grad_of = bwd.grad_graph_info.fwd_parent_ins_to_grad_parent_outs(info, binfo)
+        for v in variables.tensors:
+            ops.scaled_add_(v, grad_of[v], b=-LR)
+        ops.host_store(outs.loss, ops.mean(diff * diff))
+    session = addons.TaskSession(ins, outs, variables, ir=ir, device_desc="ipu_model")
+    return session, ins, outs, facts
+
+
+def test_module_variables_and_sgd_steps_equal_numpy(sgd_session):
+    """Module / NamedVariableFactories / NamedTensors names, bind + call_with_info,
+    addons.autodiff, TaskSession.run and get_named_tensors_data, against NumPy SGD.
+    Ours without popxl-addons: tests/test_internal_ir.py (the binding calls), tests/test_popxl_autodiff.py."""
+    session, ins, outs, facts = sgd_session
+    assert sorted(facts.to_dict()) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    w = {k: np.array(v) for k, v in session.get_named_tensors_data().to_dict().items()}
+    assert w["fc1.weight"].shape == (D, H) and not np.any(w["fc2.bias"])
+    rng = np.random.default_rng(1)
+    xs, ys = rng.normal(size=(STEPS, B, D)), rng.normal(size=(STEPS, B, O))
+    with session:
+        for step in range(STEPS):
+            got = session.run({ins.x: xs[step].astype(np.float32), ins.y: ys[step].astype(np.float32)})
+            loss, grads = mlp_numpy(w, xs[step], ys[step])
+            np.testing.assert_allclose(got[outs.loss], loss, rtol=1e-5)
+            w = {k: w[k] - LR * grads[k] for k in w}
+    assert session.session_state["steps"] == STEPS
+    for k, v in session.get_named_tensors_data().to_dict().items():
+        np.testing.assert_allclose(v, w[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_task_session_checkpoint_save_and_load(sgd_session, tmp_path):
+    """save_checkpoint writes each variable (model/<name>.npz) and the session state; other
+    values written over the variables, load_checkpoint restores both.
+    Ours: Session.get_tensors_data / write_variables_data (tests/test_popxl_parity_session.py)."""
+    session, *_ = sgd_session
+    saved = {k: np.array(v) for k, v in session.get_named_tensors_data().to_dict().items()}
+    session.add_session_state_info({"note": "h10"})
+    ckpt = str(tmp_path / "ckpt")
+    session.save_checkpoint(ckpt)
+    files = sorted(os.listdir(os.path.join(ckpt, "model")))
+    assert files == [f"{k}.npz" for k in sorted(saved)]
+    np.testing.assert_array_equal(np.load(os.path.join(ckpt, "model", "fc1.weight.npz"))["fc1.weight"],
+                                  saved["fc1.weight"])
+    state = json.load(open(os.path.join(ckpt, "session_info.json")))
+    session.write_variables_data({t: np.zeros(t.shape, np.float32) for t in session.state.tensors})
+    session.session_state = {"steps": 0}
+    assert not np.any(session.get_named_tensors_data().to_dict()["fc1.weight"])
+    session.load_checkpoint(ckpt)
+    assert session.session_state == state and state["note"] == "h10"
+    for k, v in session.get_named_tensors_data().to_dict().items():
+        np.testing.assert_array_equal(v, saved[k], err_msg=k)
+
+
+def test_autodiff_with_accumulation_and_recompute():
+    """autodiff_with_accumulation's running means (accum.*, mean_accum_counter, by reference)
+    over 3 micro-batches, through recompute_graph (the forward called again in the gradient
+    graph), against NumPy's mean of the gradients.
+    Ours: tests/test_popxl_autodiff.py (GradGraphInfo.inputs_dict, expected connections),
+    tests/test_internal_ir.py (removeOutput, BwdGraphInfo, GradGraphInfo._from_pb)."""
+    K = 3
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        ins = addons.InputStreams(**{f"x{k}": ((B, D), F32) for k in range(K)},
+                                  **{f"g{k}": ((B, O), F32) for k in range(K)})
+        facts, fwd = Linear(O).create_graph(popxl.TensorSpec((B, D), F32))
+        acc_facts, bwd = addons.autodiff_with_accumulation(fwd, fwd.args.tensors)
+        rbwd = addons.recompute_graph(bwd)
+        variables, accum = facts.init(), acc_facts.init()
+        layer, grad = fwd.bind(variables), rbwd.bind(accum)
+        for k in range(K):
+            info = layer.call_with_info(ops.host_load(ins[f"x{k}"]))
+            grad.call(ops.host_load(ins[f"g{k}"]), args=rbwd.grad_graph_info.inputs_dict(info))
+    assert sorted(acc_facts.to_dict()) == ["accum.bias", "accum.weight", "mean_accum_counter"]
+    assert "Call" in {op.opType() for op in rbwd.graph._pb_graph.getOps()}   # the recomputation
+    assert len(bwd.graph.outputs) == 0   # the accumulated gradients' outputs removed
+    rng = np.random.default_rng(2)
+    data = {s: rng.normal(size=s.shape).astype(np.float32) for s in ins}
+    with popxl.Session(ir, "ipu_model") as s:
+        w = s.get_tensor_data(variables.weight)
+        s.run(data)
+        got = {k: s.get_tensor_data(t) for k, t in accum.to_dict().items()}
+    xs, gs = ([data[ins[f"{c}{k}"]] for k in range(K)] for c in "xg")
+    assert got["mean_accum_counter"] == K
+    np.testing.assert_allclose(got["accum.weight"], np.mean([x.T @ g for x, g in zip(xs, gs)], 0),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["accum.bias"], np.mean([g.sum(0) for g in gs], 0), rtol=1e-5)
+    assert w.shape == (D, O)
+
+
+def test_remote_replica_sharded_variables_data_parallel():
+    """Phased data-parallel training as the applications write it: two Linear layers' variables
+    in one sharded remote buffer (named_variable_buffers, init_remote: RTS over 2 replicas),
+    load_remote_graph, all_gather_replica_sharded_graph, forward and addons.autodiff per layer,
+    reduce_replica_sharded_graph (the gradients' sum, reduce-scattered to this replica's shard),
+    SGD on the shard, store_remote_graph. Outputs and new weights against NumPy.
+    Ours: tests/test_popxl_placement_rts.py, tests/test_popxl_remote.py,
+    tests/test_custom_ops.py (the strided collectives)."""
+    R, L = 2, 2
+    ir = popxl.Ir(replication=R)
+    with ir.main_graph, popxl.in_sequence():
+        ins = addons.InputStreams(x=((B, D), F32), g=((B, D), F32))
+        outs = addons.OutputStreams(y=((B, D), F32))
+        facts, fwd = Linear(D).create_graph(popxl.TensorSpec((B, D), F32))
+        bwd = addons.autodiff(fwd)
+        buffers = addons.named_variable_buffers(facts, entries=L)
+        layers = [facts.init_remote(buffers, e, prefix=f"layer{e}") for e in range(L)]
+        load, names = addons.load_remote_graph(buffers, L)
+        store = addons.store_remote_graph(buffers, L)
+        shards = [addons.NamedTensors.pack(names, load.call(e)) for e in range(L)]
+        gather, gnames = all_gather_replica_sharded_graph(shards[0])
+        h, infos = ops.host_load(ins.x), []
+        for e in range(L):
+            full = addons.NamedTensors.pack(gnames, gather.bind(shards[e]).call())
+            infos.append((h, full, fwd.bind(full).call_with_info(h)))
+            h = infos[-1][2].outputs[0]
+        ops.host_store(outs.y, h)
+        dy = ops.host_load(ins.g)
+        for e in reversed(range(L)):
+            h_in, full, info = infos[e]
+            binfo = bwd.call_with_info(dy, args=bwd.grad_graph_info.inputs_dict(info))
+            grad_of = bwd.grad_graph_info.fwd_parent_ins_to_grad_parent_outs(info, binfo)
+            dy = grad_of[h_in]
+            grads = addons.NamedTensors.from_dict({k: grad_of[t] for k, t in full.to_dict().items()})
+            reduce, rnames = reduce_replica_sharded_graph(grads, "add")
+            summed = dict(zip(rnames, reduce.bind(grads).call()))
+            new = {k: t - LR * summed[k] for k, t in shards[e].to_dict().items()}
+            store.bind(addons.NamedTensors.from_dict(new)).call(e)
+    assert buffers.weight.meta_shape == (D, D) and buffers.weight.tensor_shape == (D * D // R,)
+    rng = np.random.default_rng(3)
+    x, g = (rng.normal(size=(R, B, D)).astype(np.float32) for _ in range(2))
+    with popxl.Session(ir, "ipu_model") as s:
+        w = [{k: np.array(s.get_tensor_data(t)) for k, t in lay.to_dict().items()} for lay in layers]
+        got = s.run({ins.x: x, ins.g: g})
+        new = [{k: s.get_tensor_data(t) for k, t in lay.to_dict().items()} for lay in layers]
+    acts = [x]
+    for e in range(L):
+        acts.append(acts[-1] @ w[e]["weight"] + w[e]["bias"])
+    np.testing.assert_allclose(got[outs.y], acts[-1], rtol=1e-5, atol=1e-6)
+    dy = g
+    for e in reversed(range(L)):
+        ref = {"weight": np.einsum("rbi,rbo->io", acts[e], dy), "bias": dy.sum((0, 1))}
+        dy = dy @ w[e]["weight"].T
+        for k in ref:
+            np.testing.assert_allclose(new[e][k], w[e][k] - LR * ref[k], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"layer{e}.{k}")
