@@ -19,6 +19,9 @@ from helpers.addons import addons_or_skip
 
 addons = addons_or_skip(module_level=True)
 from popxl_addons.layers import Linear  # noqa: E402
+from popxl_addons.ops.replicated_all_reduce_TP import (  # noqa: E402
+    replicated_all_reduce_identical_grad_inputs, replicated_all_reduce_identical_inputs)
+from popxl_addons.patterns import apply_pre_alias_patterns  # noqa: E402
 from popxl_addons.rts import all_gather_replica_sharded_graph, reduce_replica_sharded_graph  # noqa: E402
 
 F32 = popxl.float32
@@ -212,3 +215,134 @@ def test_remote_replica_sharded_variables_data_parallel():
         for k in ref:
             np.testing.assert_allclose(new[e][k], w[e][k] - LR * ref[k], rtol=1e-5, atol=1e-6,
                                        err_msg=f"layer{e}.{k}")
+
+
+class TPMLP(addons.Module):
+    """Megatron-style MLP over a tensor-parallel group: the input all-reduced in the backward
+    only, a column-parallel Linear, relu, a row-parallel Linear, its output all-reduced in
+    the forward only; each rank's shards are variables of replica grouping ``shards`` (equal
+    across the data-parallel replicas, one value per tensor-parallel rank)."""
+
+    def __init__(self, tp: popxl.ReplicaGrouping, shards: popxl.ReplicaGrouping, n: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.fc1 = Linear(H // n, replica_grouping=shards)
+        self.fc2 = Linear(O, bias=False, replica_grouping=shards)
+
+    def build(self, x: popxl.Tensor) -> popxl.Tensor:
+        x = replicated_all_reduce_identical_inputs(x, group=self.tp)
+        z = self.fc2(ops.relu(self.fc1(x)))
+        return replicated_all_reduce_identical_grad_inputs(z, group=self.tp)
+
+
+def create_seeds_numpy(seed: int, replicas: int) -> np.ndarray:
+    """PopXL's create_seeds: uint64 draws of NumPy's default_rng(seed), each as its
+    (most, least) significant 32-bit words."""
+    draws = np.random.default_rng(seed).integers(0, 2**64 - 1, endpoint=True, dtype="uint64",
+                                                 size=replicas)
+    return np.array([[int(v) >> 32, int(v) & 0xFFFFFFFF] for v in draws], np.uint32)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_with_data_parallel_replica_groupings(tp):
+    """4 replicas as 2 tensor-parallel x 2 data-parallel: the variables' replica grouping
+    (stride tp, groups of 4 / tp: one value per tensor-parallel rank), popxl-addons'
+    all-reduces over the tensor-parallel group, apply_pre_alias_patterns (the identity sides
+    become Identity), the gradients all-reduced over the data-parallel group, SGD; the loss and
+    each rank's new shards against NumPy's unsharded model. seed_variable: one seed per
+    replica, PopXL's create_seeds, and its draws distinct per replica.
+    Ours: tests/test_popxl_tp_decoder.py (tensor parallel x data parallel without popxl-addons),
+    tests/test_popxl_addons_interop.py (OpToIdentity through the binding), tests/test_custom_ops.py."""
+    R = 4
+    dp = R // tp
+    ir = popxl.Ir(replication=R)
+    tp_group = ir.replica_grouping(group_size=tp)
+    shards = ir.replica_grouping(stride=tp, group_size=dp)
+    with ir.main_graph, popxl.in_sequence():
+        ins = addons.InputStreams(x=((B, D), F32), y=((B, O), F32))
+        outs = addons.OutputStreams(loss=((), F32), u=((3,), F32))
+        facts, fwd = TPMLP(tp_group, shards, tp).create_graph(popxl.TensorSpec((B, D), F32))
+        variables = facts.init()
+        bwd = addons.autodiff(fwd, grads_required=fwd.args.tensors)
+        info = fwd.bind(variables).call_with_info(ops.host_load(ins.x))
+        diff = info.outputs[0] - ops.host_load(ins.y)
+        binfo = bwd.call_with_info(diff * (2.0 / diff.nelms),
+                                   args=bwd.grad_graph_info.inputs_dict(info))
+        grad_of = bwd.grad_graph_info.fwd_parent_ins_to_grad_parent_outs(info, binfo)
+        for v in variables.tensors:
+            g = ops.collectives.replicated_all_reduce(grad_of[v], group=shards)
+            ops.scaled_add_(v, g, b=-LR)
+        ops.host_store(outs.loss, ops.mean(diff * diff))
+        seed_var, seed = addons.seed_variable(7)
+        _, s1 = ops.split_random_seed(seed)
+        ops.host_store(outs.u, ops.random_uniform(s1, (3,)))
+    apply_pre_alias_patterns(ir, "default")
+    op_types = [op.opType() for g in (fwd.graph, bwd.graph) for op in g._pb_graph.getOps()]
+    # the forward's identity side and the grad op's; the input's gradient (an all-reduce) is
+    # not required, so autodiff leaves it out
+    assert op_types.count("Identity") == 2 and op_types.count("ReplicatedAllReduceTP") == 1
+    rng = np.random.default_rng(4)
+    xd, yd = rng.normal(size=(dp, B, D)), rng.normal(size=(dp, B, O))
+    with popxl.Session(ir, "ipu_model") as s:
+        w = {k: np.array(s.get_tensor_data(t)) for k, t in variables.to_dict().items()}
+        seeds = s.get_tensor_data(seed_var)
+        got = s.run({ins.x: np.repeat(xd, tp, 0).astype(np.float32),
+                     ins.y: np.repeat(yd, tp, 0).astype(np.float32)})
+        new = {k: s.get_tensor_data(t) for k, t in variables.to_dict().items()}
+    assert w["fc1.weight"].shape == (tp, D, H // tp)       # one value per tensor-parallel rank
+    full = {"fc1.weight": np.concatenate(list(w["fc1.weight"]), 1),
+            "fc1.bias": np.concatenate(list(w["fc1.bias"]), 0),
+            "fc2.weight": np.concatenate(list(w["fc2.weight"]), 0),
+            "fc2.bias": np.zeros(O)}
+    losses, grads = zip(*(mlp_numpy(full, xd[d], yd[d]) for d in range(dp)))
+    np.testing.assert_allclose(got[outs.loss], np.repeat(losses, tp), rtol=1e-5)
+    split = {"fc1.weight": (1, H // tp), "fc1.bias": (0, H // tp), "fc2.weight": (0, H // tp)}
+    for k, (axis, n) in split.items():
+        g = sum(gr[k] for gr in grads)
+        ref = [w[k][t] - LR * np.take(g, range(t * n, (t + 1) * n), axis) for t in range(tp)]
+        np.testing.assert_allclose(new[k], np.stack(ref), rtol=1e-5, atol=1e-6, err_msg=k)
+    np.testing.assert_array_equal(seeds, create_seeds_numpy(7, R))
+    u = got[outs.u]
+    assert u.shape == (R, 3) and np.all((u >= 0) & (u < 1)) and len({tuple(r) for r in u}) == R
+
+
+@pytest.mark.parametrize("io_mode", ["compute", "io_overlapped"])
+def test_batch_serialised_forward_and_gradient(io_mode):
+    """Phased execution's batch serialisation (batch_serialise_fwd_and_grad): a Linear layer's
+    forward and accumulated gradient repeated over 4 micro-batches from host streams, the
+    activations the gradient reads kept in a remote buffer by the transform; io_overlapped
+    interleaves the next batch's load with this one's compute. Outputs and gradient means
+    against NumPy.
+    Ours: tests/test_popxl_addons_interop.py (batch_serialise's remote buffer growth, the
+    pipelining transform), tests/test_popxl_remote.py, tests/test_popxl_ops.py (io tiles)."""
+    from popxl.transforms.autodiff import ExpectedConnectionType
+    from popxl_addons.transforms.batch_serialisation import batch_serialise_fwd_and_grad
+    steps = 4
+    ir = popxl.Ir()
+    ir._pb_ir.getSessionOptions().numIOTiles = 32   # as the applications set them
+    with ir.main_graph, popxl.in_sequence():
+        xs, dys = popxl.h2d_stream((B, D), F32, "x"), popxl.h2d_stream((B, O), F32, "dy")
+        ys = popxl.d2h_stream((B, O), F32, "y")
+        facts, fwd = Linear(O).create_graph(popxl.TensorSpec((B, D), F32))
+        acc_facts, bwd = addons.autodiff_with_accumulation(fwd, fwd.args.tensors)
+        (dy_in,) = [bwd.graph.inputs[i] for i, ec in enumerate(bwd.grad_graph_info.expected_inputs)
+                    if ec.connection_type == ExpectedConnectionType.FwdGrad]
+        fwd_bs, bwd_bs = batch_serialise_fwd_and_grad(
+            fwd, bwd, fwd.args, steps, {fwd.graph.inputs[0]: xs, dy_in: dys},
+            {fwd.graph.outputs[0]: ys}, {}, io_mode=io_mode)
+        variables, accum = facts.init(), acc_facts.init()
+        fwd_bs.graph.bind(variables).call(0)
+        bwd_bs.graph.bind(addons.NamedTensors.from_dict(
+            {**variables.to_dict(), **accum.to_dict()})).call(0)
+    ir.num_host_transfers = steps
+    rng = np.random.default_rng(5)
+    x, dy = (rng.normal(size=(steps, B, n)).astype(np.float32) for n in (D, O))
+    with popxl.Session(ir, "ipu_model") as s:
+        w, b = (s.get_tensor_data(variables[k]) for k in ("weight", "bias"))
+        y = s.run({xs: x, dys: dy})[ys]
+        got = {k: s.get_tensor_data(t) for k, t in accum.to_dict().items()}
+    np.testing.assert_allclose(y, x @ w + b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["accum.weight"], np.einsum("kbi,kbo->io", x, dy) / steps,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["accum.bias"], dy.sum((0, 1)) / steps, rtol=1e-5, atol=1e-6)
+    assert got["mean_accum_counter"] == steps
