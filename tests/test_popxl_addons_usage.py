@@ -346,3 +346,61 @@ def test_batch_serialised_forward_and_gradient(io_mode):
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["accum.bias"], dy.sum((0, 1)) / steps, rtol=1e-5, atol=1e-6)
     assert got["mean_accum_counter"] == steps
+
+
+class ManualLinear(addons.Module):
+    """A Module with its own gradient (build_grad, aux, var_grad), as in Module.create_grad_graph's
+    documentation."""
+
+    def build(self, x: popxl.Tensor) -> popxl.Tensor:
+        rng = np.random.default_rng(6)
+        w = self.add_variable_input("w", lambda: rng.normal(size=(D, O)).astype(np.float32), F32)
+        b = self.add_variable_input("b", lambda: rng.normal(size=(O,)).astype(np.float32), F32)
+        self.aux["x"], self.aux["w"] = x, w
+        return x @ w + b
+
+    def build_grad(self, dy: popxl.Tensor) -> popxl.Tensor:
+        self.var_grad["b"] = ops.sum(dy, 0)
+        self.var_grad["w"] = (dy.T @ self.aux["x"]).T
+        return dy @ self.aux["w"].T
+
+
+def test_build_grad_route_tensor_and_stream_helpers():
+    """Module.build_grad through GraphWithNamedArgs.autodiff (the forward graph stitched with
+    its aux outputs, a GradGraphInfo built from PopART's BwdGraphInfo); popxl_addons.ops'
+    host_load / host_store; route_tensor_into_graph reaching a main-graph variable from a graph
+    called inside a repeated graph after both call sites exist (the binding's call and loop ops
+    get the new input, modified). Against NumPy.
+    Ours: tests/test_internal_ir.py (connectInTensor, addLoopInput, addModified, BwdGraphInfo),
+    tests/test_popxl_addons_interop.py (the repeat's middle graph)."""
+    from popxl_addons.route_tensor import route_tensor_into_graph
+    rng = np.random.default_rng(7)
+    x, dy = rng.normal(size=(B, D)).astype(np.float32), rng.normal(size=(B, O)).astype(np.float32)
+    ir = popxl.Ir()
+    with ir.main_graph, popxl.in_sequence():
+        x_np, x_s, xt = addons.host_load(x, F32, "x")
+        dy_np, dy_s, dyt = addons.host_load(dy, F32, "dy")
+        facts, fwd = ManualLinear().create_graph(xt)
+        bwd = fwd.autodiff()
+        variables = facts.init()
+        info = fwd.bind(variables).call_with_info(xt)
+        dx, dw, db = bwd.call(dyt, args=bwd.grad_graph_info.inputs_dict(info))
+        streams = [addons.host_store(t) for t in (info.outputs[0], dx, dw, db)]
+        count = popxl.variable(np.float32(0), name="count")
+        inner, body = ir.create_empty_graph("inner"), ir.create_empty_graph("body")
+        ops.repeat(body, 3)
+        with body:
+            ops.call(inner)
+        with inner:
+            ops.var_updates.accumulate_(route_tensor_into_graph(count, modified=True),
+                                        popxl.constant(np.float32(2)))
+    with popxl.Session(ir, "ipu_model") as s:
+        w, b = (s.get_tensor_data(variables[k]) for k in ("w", "b"))
+        got = s.run({x_s: x_np, dy_s: dy_np})
+        n = s.get_tensor_data(count)
+    y, gdx, gdw, gdb = (got[st] for st in streams)
+    np.testing.assert_allclose(y, x @ w + b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gdx, dy @ w.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gdw, x.T @ dy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gdb, dy.sum(0), rtol=1e-5, atol=1e-6)
+    assert n == 6
