@@ -103,7 +103,7 @@ def test_module_variables_and_sgd_steps_equal_numpy(sgd_session):
 def test_task_session_checkpoint_save_and_load(sgd_session, tmp_path):
     """save_checkpoint writes each variable (model/<name>.npz) and the session state; other
     values written over the variables, load_checkpoint restores both.
-    Ours: Session.get_tensors_data / write_variables_data (tests/test_popxl_parity_session.py)."""
+    Ours: Session.get_tensors_data / write_variables_data (tests/test_popxl_placement.py)."""
     session, *_ = sgd_session
     saved = {k: np.array(v) for k, v in session.get_named_tensors_data().to_dict().items()}
     session.add_session_state_info({"note": "h10"})
@@ -314,7 +314,8 @@ def test_batch_serialised_forward_and_gradient(io_mode):
     interleaves the next batch's load with this one's compute. Outputs and gradient means
     against NumPy.
     Ours: tests/test_popxl_addons_interop.py (batch_serialise's remote buffer growth, the
-    pipelining transform), tests/test_popxl_remote.py, tests/test_popxl_ops.py (io tiles)."""
+    pipelining transform), tests/test_popxl_remote.py, tests/test_popxl_context.py (io tiles),
+    tests/test_internal_ir.py (getSessionOptions)."""
     from popxl.transforms.autodiff import ExpectedConnectionType
     from popxl_addons.transforms.batch_serialisation import batch_serialise_fwd_and_grad
     steps = 4
@@ -371,8 +372,8 @@ def test_build_grad_route_tensor_and_stream_helpers():
     host_load / host_store; route_tensor_into_graph reaching a main-graph variable from a graph
     called inside a repeated graph after both call sites exist (the binding's call and loop ops
     get the new input, modified). Against NumPy.
-    Ours: tests/test_internal_ir.py (connectInTensor, addLoopInput, addModified, BwdGraphInfo),
-    tests/test_popxl_addons_interop.py (the repeat's middle graph)."""
+    Ours: tests/test_internal_ir.py (connectInTensor, addModified, BwdGraphInfo),
+    tests/test_popxl_addons_interop.py (the repeat's middle graph, addLoopInput)."""
     from popxl_addons.route_tensor import route_tensor_into_graph
     rng = np.random.default_rng(7)
     x, dy = rng.normal(size=(B, D)).astype(np.float32), rng.normal(size=(B, O)).astype(np.float32)
