@@ -72,10 +72,12 @@ OP_MODULE = textwrap.dedent("""
     from popxl.context import get_current_context
 
     def rope(t, sin, cos):
-        g = get_current_context().graph
+        ctx = get_current_context()
+        g = ctx.graph
         op = rotary_pos_embed_binding.RotaryPosEmbedOp.createOpInGraph(
             g._pb_graph, {0: t.id, 1: sin.id, 2: cos.id}, {0: g._create_tensor_id("t_rotated")},
-            t.shape[-1], get_current_context()._get_op_settings("RotaryPosEmbedOp"))
+            t.shape[-1], ctx._get_op_settings("RotaryPosEmbedOp"))
+        ctx._op_created(op)
         return popxl.Tensor._from_pb_tensor(op.outTensor(0))
 """)
 
