@@ -499,7 +499,9 @@ class Session:
         with self._lock:
             if device is self._device:
                 return
-            self._pull_weights()
+            if self._dev is not None:   # the device's newer values, before the device changes
+                self._pull()
+                self._in_sync = True
             if not _runs_on(self._compiled_for, device):
                 self._device = device
                 return
@@ -856,10 +858,8 @@ class Session:
         flags = outs.pop(CHECKS, None)
         ids = plan.d2h_ids if plan is not None else [t.id for _, t in self._d2h]
         values = [outs[i] for i in ids] + ([] if flags is None else [flags])
-        if plan is None:
-            values = [self._to_host(x) for x in values]
-        else:   # the copies to the host started together
-            values = fetch(values, local=True)
+        # the copies to the host started together (across processes: this instance's rows)
+        values = fetch(values, local=True, get=np.asarray if plan is not None else distributed.local_rows)
         if flags is not None:
             rows = values.pop().reshape(-1, RECORD)   # each replica's first failure: the first of them
             raise_failed_checks(rows[np.argmax(rows[:, 0] != 0)], self._checks)
@@ -874,12 +874,6 @@ class Session:
                 raise ValueError(f"Output array for stream '{s.name}' has shape {list(dst.shape)}; "
                                  f"expected {list(val.shape)}")
             np.copyto(dst, val.reshape(dst.shape), casting="unsafe")
-
-    @staticmethod
-    def _to_host(x: Any) -> np.ndarray:
-        """This instance's replicas' rows of a program output ([replicas, ...])."""
-        with xla_errors("Running the step"):
-            return distributed.local_rows(x)
 
     def run(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
             downcast_inputs: bool = True) -> dict[DeviceToHostStream, np.ndarray]:
