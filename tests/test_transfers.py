@@ -123,3 +123,34 @@ def test_popxl_copies_back_only_what_a_run_wrote():
     assert [e[1] for e in n.log if e[0] == "to_host"] == [(1, 1, 64), (1, 64)]
     np.testing.assert_array_equal(s.get_tensor_data(a), 2 * x)
     np.testing.assert_array_equal(s.get_tensor_data(b), np.full(32, 2.0, np.float32))
+
+
+def test_replica_sharded_weight_is_written_as_its_shards_and_kept_by_a_recompile():
+    """Replicated tensor sharding: the written weight crosses once, in its stored (padded,
+    flat) form; the optimizer state stays; a recompile keeps every buffer."""
+    from test_rts import OPTIMIZERS, R, STATE, WEIGHTS, options
+    from test_training import I, data, mlp, train
+    device = popart.DeviceManager().acquireAvailableDevice(R)
+    try:
+        b, ids, _ = mlp()
+        X, L = data(1, lead=(2, R))
+        s, _ = train(b, ids, OPTIMIZERS["adam"](), 1, X, L, opts=options((WEIGHTS, STATE)),
+                     device=device)
+        w1 = ids["w1"]
+        stored = testing.device_values(s, "weights")[w1]
+        state = testing.device_values(s, "optimizer")
+        new = np.arange(I * 5, dtype=np.float32).reshape(I, 5)
+        assert stored.shape == (-(-new.size // R) * R,)   # flat, padded to the replicas: sharded
+        with count_transfers() as c:
+            s.writeWeights(popart.PyWeightsIO({w1: new}))
+        assert (c.to_device, c.to_device_bytes, c.to_host) == (1, stored.nbytes, 0), c.log
+        assert all(testing.device_values(s, "optimizer")[k] is state[k] for k in state)
+        flat = np.asarray(testing.device_values(s, "weights")[w1])
+        np.testing.assert_array_equal(flat[:new.size], new.reshape(-1))
+        before = testing.device_values(s)
+        with count_transfers() as c:
+            s._recompile()
+        assert (c.to_device, c.to_host) == (0, 0), c.log
+        assert all(testing.device_values(s)[k] is before[k] for k in before)
+    finally:
+        device.detach()
