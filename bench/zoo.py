@@ -95,14 +95,17 @@ def popart_training(path: str, x: np.ndarray, y: np.ndarray, batches: int):
 
 
 def torch_training(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batches: int):
-    """(runner, first loss) of PyTorch eager, BatchNorm in eval mode and dropout off (as the
-    exported function), torch.optim.SGD."""
+    """(runner, first loss) of PyTorch eager, BatchNorm in eval mode and dropout and
+    stochastic depth off (as the exported function), torch.optim.SGD."""
     model.train()
-    for m in model.modules():
-        if isinstance(m, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.Dropout)):
+    for m in model.modules():   # (transformers' attention reads its Dropout's p when training)
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             m.eval()
-        if hasattr(m, "dropout") and isinstance(getattr(m, "dropout"), float):
-            m.dropout = 0.0
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for k, v in vars(m).items():
+            if ("dropout" in k or k.startswith("drop")) and isinstance(v, float):  # drop_prob
+                setattr(m, k, 0.0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
     F = torch.nn.functional
