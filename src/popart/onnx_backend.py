@@ -109,7 +109,8 @@ class PopartBackendRep(BackendRep):
                 more = {k for k, v in feeds.items() if isinstance(v, np.ndarray) and (
                     v.ndim == 0 or (v.ndim == 1 and v.size <= 16)
                     or (v.dtype.kind in "iub" and v.size <= 4096))} - static
-                if _STATIC_MSG not in str(e) or not more:
+                said = " ".join((str(e), *getattr(e, "__notes__", ())))
+                if _STATIC_MSG not in said or not more:
                     raise
                 static |= more
         return tuple(_to_numpy(o) for o in out)

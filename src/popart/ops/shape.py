@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from jax import lax
 
-from ..errors import UnsupportedOperatorError
+from ..errors import UnsupportedOperatorError, noted
 from .math import saturate_cast
 from .registry import add, debug_name, LowerCtx, opid, popart_error, register, shape_text
 
@@ -50,8 +50,11 @@ def shape_ints(ctx: LowerCtx, x, what: str, k: int):
     try:
         return ints(ctx, x, what)
     except UnsupportedOperatorError as e:
-        raise shape_input_error(ctx, what, f"[Tensor::getDataViaGraphTraversal] Could not work "
-                                f"out tensor data for {ctx.input_ids[k]}.", str(e)) from None
+        # Still an UnsupportedOperatorError (a run-time shape is what XLA cannot do; the ONNX
+        # backend specialises on such inputs and retries), with PopART's text as args[0].
+        err = shape_input_error(ctx, what, f"[Tensor::getDataViaGraphTraversal] Could not work "
+                                f"out tensor data for {ctx.input_ids[k]}.", str(e))
+        raise noted(UnsupportedOperatorError(*err.args), *err.__notes__) from None
 
 
 def _reshape(ctx: LowerCtx, x, shape, allowzero=0):
