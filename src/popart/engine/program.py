@@ -774,15 +774,18 @@ class StepProgram:
 
     def write_state(self, state: tuple, written: Mapping[str, np.ndarray]) -> tuple:
         """The device (weights, optimizer state) with the ``written`` host arrays (by tensor
-        id) put in place of theirs: only those cross to the device, the rest stays there.
-        Placed slots pack several tensors each, so a placed program's state goes through the
-        host."""
-        if self.placed is not None:
-            hosts = [self.state_to_host(part) for part in state]
-            return tuple(self.put_state({**h, **{k: v for k, v in written.items() if k in h}})
-                         for h in hosts)
-        return tuple({**part, **self.put_state({k: v for k, v in written.items() if k in part})}
-                     for part in state)
+        id) put in place of theirs: only those cross to the device, the rest stays there. A
+        placed program's slots pack several tensors each: a part with a written tensor goes
+        through the host."""
+        out = []
+        for part, ids in zip(state, (self.variables, self.init_opt_state())):
+            mine = {k: v for k, v in written.items() if k in ids}
+            if mine and self.placed is not None:
+                part = self.put_state({**self.state_to_host(part), **mine})
+            elif mine:
+                part = {**part, **self.put_state(mine)}
+            out.append(part)
+        return tuple(out)
 
     def holds(self, state: Optional[tuple]) -> bool:
         """True when another program's device ``state`` (weights, optimizer state) is in this
