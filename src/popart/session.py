@@ -329,7 +329,7 @@ class _Session(_FileMethods):
         elif dev is not None:   # through the host, in the old program's layout
             weights, state = (old.state_to_host(part) for part in dev)
             self._host_weights.update(weights)
-            self._host_opt_state.update({k: state[k] for k in state.keys() & self._host_opt_state.keys()})
+            self._host_opt_state.update({k: v for k, v in state.items() if k in self._host_opt_state})
             self._load_engine()
 
     @serialised
@@ -548,7 +548,8 @@ class _Session(_FileMethods):
     def weightsFromHost(self) -> None:
         """Copy the host weights to the device."""
         self._require_prepared("weightsFromHost")
-        self._dev = (self._put(self._host_weights), self._put(self._host_opt_state) if self._dev is None else self._dev[1])
+        state = self._put(self._host_opt_state) if self._dev is None else self._dev[1]   # engine loaded
+        self._dev = (self._put(self._host_weights), state)
         self._host_in_sync = True
         self._weights_written = True
 
@@ -628,8 +629,7 @@ class _Session(_FileMethods):
         """Load the compiled program and the weights onto the device (prepareDevice does
         this unless given loadEngine=False; run() does it when needed)."""
         self._require_prepared("loadEngineAndConnectStreams")
-        if self._dev is None:
-            self._load_engine()
+        self._device_state()   # loads the engine when it is not loaded
 
     def setEngineIsLoaded(self, isLoaded: bool) -> None:
         """Mark the engine loaded or not: a session whose engine is not loaded loads it (and

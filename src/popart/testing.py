@@ -14,9 +14,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-__all__ = ["count_transfers", "Transfers", "step_program", "placed_plan", "compiled_step", "compiled", "is_placed", "mesh_shape",
+__all__ = ["step_program", "placed_plan", "compiled_step", "compiled", "is_placed", "mesh_shape",
            "mesh_devices", "device_values", "executable_source", "engine_loaded",
-           "lowered_text"]
+           "lowered_text", "count_transfers", "Transfers"]
 
 
 def _is_popxl(session: Any) -> bool:
@@ -173,13 +173,15 @@ def count_transfers() -> Iterator[Transfers]:
             if isinstance(x, jax.Array):
                 counts._add("to_host", x.shape, x.dtype)
 
-    with _counting:
-        jax.device_put, jax.make_array_from_callback = device_put, make_array_from_callback
-        jax.make_array_from_process_local_data = make_array_from_process_local_data
-        _compiled.FETCH_HOOKS.append(fetched)
-        try:
-            yield counts
-        finally:
-            jax.device_put, jax.make_array_from_callback = put, from_callback
-            jax.make_array_from_process_local_data = from_local
-            _compiled.FETCH_HOOKS.remove(fetched)
+    if not _counting.acquire(blocking=False):
+        raise RuntimeError("count_transfers is counting already (one counter at a time)")
+    jax.device_put, jax.make_array_from_callback = device_put, make_array_from_callback
+    jax.make_array_from_process_local_data = make_array_from_process_local_data
+    _compiled.FETCH_HOOKS.append(fetched)
+    try:
+        yield counts
+    finally:
+        jax.device_put, jax.make_array_from_callback = put, from_callback
+        jax.make_array_from_process_local_data = from_local
+        _compiled.FETCH_HOOKS.remove(fetched)
+        _counting.release()

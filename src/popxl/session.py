@@ -227,7 +227,8 @@ class Session:
         self._slots = self._make_slots()
         self._written = {s.key for s in self._slots   # the slots a run writes (a newer version)
                          if s.graph_out is not None and s.graph_out._ir_id != s.graph_in}
-        self._slot_of = {v: s.key for s in self._slots for v in ([s.var] if s.var is not None else s.entries)}
+        self._slot_of = {v: s.key for s in self._slots   # variable -> the slot that holds it
+                         for v in ([s.var] if s.var is not None else s.entries)}
         self._stale: set[str] = set()   # slots whose device value is newer than the host's
         self._placed = placed_program(self)   # the main graph's IPUs on their own devices
         self._engine_cache_ = self._engine_cache()
