@@ -37,8 +37,7 @@ from popart import distributed
 from popart.dataflow import validate_input
 from popart.engine import in_x64, serialised, x64
 from popart import report
-from popart.engine.compiled import (REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace,
-                                    xla_errors)
+from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.host_plan import HostInput, HostOutput, HostPlan
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
