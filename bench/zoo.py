@@ -2,7 +2,7 @@
 TrainingSession against PyTorch eager, on public architectures with random weights.
 
     python bench/zoo.py [--threads N] [--models mobilenetv3,efficientnet_b0] [--reps 3]
-                        [--infer-batches 10] [--train-batches 4]
+                        [--infer-batches 10] [--train-batches 4] [--no-train] [--grouped-on-xla]
 
 The models (``bench/zoo_models.py``): ResNet-50, MobileNetV3-Small, EfficientNet-B0, ConvNeXt-T,
 RegNetY-400MF, ShuffleNetV2 x1.0, SegFormer-B0 (segmentation; its map's mean over pixels as
@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import zoo_models  # noqa: E402
 
 import popart  # noqa: E402
+from popart.engine import onednn  # noqa: E402
 
 LR = 0.01
 
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infer-batches", type=int, default=10)
     ap.add_argument("--train-batches", type=int, default=4)
     ap.add_argument("--no-train", action="store_true", help="inference only")
+    ap.add_argument("--grouped-on-xla", action="store_true",
+                    help="grouped / depthwise convolutions on XLA, as before issue 36")
     args = ap.parse_args(argv)
+    if args.grouped_on_xla:
+        onednn._XLA_SHAPES.append(lambda x, w, strides, dilation, groups: groups > 1)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("POPART_LOG_LEVEL", "ERR")
     print(f"jax {bench.jax_backend()}, torch {torch.__version__}, {args.threads} thread(s), "
