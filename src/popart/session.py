@@ -604,8 +604,9 @@ class _Session(_FileMethods):
         name = self._proto.graph.name
         main = name if name and not name.startswith("BuilderGraph") else "maingraph"
         inplace = not self._training and self.patterns.isInPlaceEnabled()
-        return serialize_ir(self._graph, infos, main, training,
-                            set(self._dataFlow.anchors()) if inplace else None)
+        anchors = set(self._dataFlow.anchors())
+        return serialize_ir(self._graph, infos, main, training, anchors if inplace else None,
+                            self.patterns, anchors)
 
     @serialised
     def getReport(self) -> str:

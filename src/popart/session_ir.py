@@ -17,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
+from ._ir import recompute as _recompute
 from ._ir.recompute import RECOMPUTE, RECOMPUTE_OUTPUT
 from ._ir.transforms import gradient_flow
 from .options import IrSerializationFormat
@@ -93,13 +94,31 @@ def _inplaced(n: Any, graph: Graph, keep: Optional[set]) -> bool:
             and not keep.intersection(n.outputs))
 
 
-def _node_op(n: Any, attrs: dict, infos: dict, inplace: bool = False) -> dict:
-    """A graph node as its op, after PopART's LikeOpsPattern and (``inplace``) Inplace."""
-    name = n.name or n.outputs[0]
+def _opt_to_identity(n: Any, infos: dict, patterns: Any) -> bool:
+    """PopART's OpToIdentity pattern (on by default): ``IdentityLossOp::
+    canBeReplacedByIdentity``, an IdentityLoss with reduction None or of a scalar."""
+    if n.op_type != "IdentityLoss" or n.domain != "ai.graphcore" or patterns is None or \
+            not patterns.isPatternEnabled("OpToIdentity"):
+        return False
+    info = infos.get(n.inputs[0])
+    return n.attrs.get("reduction", "Mean") == "None" or (info is not None and info.rank() == 0)
+
+
+def _node_op(n: Any, attrs: dict, infos: dict, inplace: bool = False,
+             inputs: Optional[list] = None, identity: bool = False) -> dict:
+    """A graph node as its op, after PopART's LikeOpsPattern, (``inplace``) Inplace and
+    (``identity``) OpToIdentity: ``Identity`` named ``<name>:OpToIdentity``
+    (``Pattern::getReplacementOpName``), only the node's placement and debug id kept
+    (``makeReplacementOp``). ``inputs``: the tensors it reads, when the IR renamed them."""
+    name, inputs = n.name or n.outputs[0], list(n.inputs) if inputs is None else inputs
+    if identity:
+        kept = {k: v for k, v in attrs.items() if k not in n.attrs}
+        return _op("Identity", f"{n.name}:OpToIdentity" if n.name else "", inputs, n.outputs,
+                   kept, infos)
     if inplace:
-        return _op(_INPLACE_VARIANTS[n.op_type], name, n.inputs, n.outputs, attrs, infos)
+        return _op(_INPLACE_VARIANTS[n.op_type], name, inputs, n.outputs, attrs, infos)
     if n.op_type not in _FOLDED_LIKE or n.domain not in ("", "ai.onnx") or n.inputs[0] not in infos:
-        return _op(n.op_type, name, n.inputs, n.outputs, attrs, infos)
+        return _op(n.op_type, name, inputs, n.outputs, attrs, infos)
     info = infos[n.inputs[0]]
     op_type, pattern = _FOLDED_LIKE[n.op_type]
     shape = "[" + " ".join(str(d) for d in info.shape()) + "]"
@@ -120,22 +139,95 @@ def _graphs(graph: Graph) -> list[Graph]:
 
 
 def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[dict] = None,
-                 inplace_keep: Optional[set] = None) -> str:
+                 inplace_keep: Optional[set] = None, patterns: Any = None,
+                 anchors: Optional[set] = None) -> str:
     """The IR as PopART's JSON. ``infos``: TensorInfo by id; ``training``: {"loss", "trainable",
     "optimizer"} for a TrainingSession; ``inplace_keep``: an inference session's anchors when
-    its InPlace pattern is on (see ``_inplaced``)."""
-    doc = {}
-    stages = _stages(graph, training)
+    its InPlace pattern is on (see ``_inplaced``); ``patterns``: the session's Patterns;
+    ``anchors``: its anchored tensors."""
+    doc, infos = {}, dict(infos)
+    plan = _plan(training)
+    stages = _stages(plan, training)
+    marks = _marks(graph, infos, training) if training is not None and not stages else {}
     for g in _graphs(graph):
-        ops = [_node_op(n, {**n.attrs, **_placement(n, stages.get(id(n)) if g is graph else None)},
-                        infos, g is graph and _inplaced(n, g, inplace_keep))
-               for n in g.nodes]
-        if g is graph and training is not None:
-            ops += _backward(g, infos, training, stages)
-        doc["maingraph" if g is graph else g.name] = ops
+        main = g is graph
+        ops, read = _forward(g, infos, stages if main else {}, plan if main else None,
+                             marks if main else {}, inplace_keep if main else None,
+                             patterns, anchors, training)
+        if main and training is not None:
+            ops += _backward(g, infos, training, stages, read, marks, patterns)
+        doc["maingraph" if main else g.name] = ops
     if main_name != "maingraph":
         doc = {(main_name if k == "maingraph" else k): v for k, v in doc.items()}
     return json.dumps(doc)
+
+
+def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
+             inplace_keep: Optional[set], patterns: Any, anchors: Optional[set],
+             training: Optional[dict]) -> tuple[list, Any]:
+    """Graph ``g``'s ops as PopART's patterns and transforms leave them, and ``read(t, ipu)``:
+    the id an op on IPU ``ipu`` reads for tensor ``t``. OpToIdentity's Identity is removed
+    by PostNRepl in an inference session when its output is no anchor and no graph output
+    (its readers read its input); in a pipeline, each stage boundary's ``IpuCopy`` ops
+    (``_ipu_copies``) come before the first op of the next stage."""
+    ops: list = []
+    alias: dict = {}                 # tensor -> what PostNRepl has its readers read
+    moved: dict = {}                 # (tensor, IPU) -> its copy there (IpuCopy)
+    copies = plan.copies if stages else []
+    keep = set(anchors or ()) | (set(g.outputs) if training is None and g.name else set())
+    explicit = training is not None and getattr(training.get("options"),
+                                                "explicitRecomputation", False)
+
+    def read(t: str, ipu: Optional[int] = None) -> str:
+        return moved.get((alias.get(t, t), ipu), alias.get(t, t)) if t else t
+
+    done = 0
+    for n in g.nodes:
+        s, ipu, _ = stages.get(id(n), (None, None, False))
+        while s is not None and done < s:    # the copies of the boundaries before stage s
+            ops += _ipu_copies(copies[done], done, infos, moved, read)
+            done += 1
+        identity = _opt_to_identity(n, infos, patterns)
+        if (identity and training is None and patterns.isPatternEnabled("PostNRepl")
+                and not keep.intersection(n.outputs)):
+            alias[n.outputs[0]] = read(n.inputs[0])
+            continue
+        attrs = {**n.attrs, **_placement(n, stages.get(id(n)))}
+        if marks:   # autoRecomputation: Recompute ops say YES, unless made explicit (clones)
+            attrs["recompute"] = YES_NO[marks.get(id(n)) == RECOMPUTE and not explicit]
+        ops.append(_node_op(n, attrs, infos, _inplaced(n, g, inplace_keep),
+                            [read(t, ipu) for t in n.inputs], identity))
+    return ops, read
+
+
+def _ipu_copies(nodes: list, stage: int, infos: dict, moved: dict, read: Any) -> list:
+    """The program's IpuCopy nodes of one stage boundary (``StagePlan.copies``) as PopART's
+    InterIpuCopy writes them: no name, the copy of ``t`` is ``<t>_c<destIpu>``
+    (``generateCopiedTensorId``), in the pipeline stage of its producer, with
+    ``__sourceIpus`` / ``__destIpu`` (``IpuCopyOp::appendOutlineAttributes``)."""
+    out = []
+    for node in nodes:
+        t, src, dst = node.inputs[0], node.attrs["sourceIpu"], node.attrs["destIpu"]
+        source = read(t, src)
+        copied = f"{source}_c{dst}"
+        infos[copied], moved[(t, dst)] = infos.get(t), copied
+        out.append(_op("IpuCopy", "", [source], [copied],
+                       {"recompute": "NO", PIPELINE_STAGE: stage, "__sourceIpus": f"{{{src}}}",
+                        "__destIpu": dst}, infos))
+    return out
+
+
+def _marks(g: Graph, infos: dict, training: dict) -> dict:
+    """id(node) -> CHECKPOINT / RECOMPUTE of a TrainingSession's forward ops
+    (``_ir.recompute.annotate``, the marks the program recomputes by), when
+    ``autoRecomputation`` or ``explicitRecomputation`` asks for them."""
+    options = training.get("options")
+    method = _recompute.method_name(getattr(options, "autoRecomputation", None))
+    if method == "NoRecompute" and not getattr(options, "explicitRecomputation", False):
+        return {}
+    nbytes = {t: int(np.prod(i.shape())) * np.dtype(i.np_dtype()).itemsize
+              for t, i in infos.items() if i is not None}
+    return _recompute.annotate(g, training["loss"], method, nbytes)
 
 
 def _placement(n: Any, stage: Optional[tuple]) -> dict:
@@ -153,13 +245,12 @@ def _placement(n: Any, stage: Optional[tuple]) -> dict:
     return {"recompute": YES_NO[recompute], **out}
 
 
-def _stages(graph: Graph, training: Optional[dict]) -> dict:
-    """id(node) -> (pipeline stage, IPU, recomputed) for a pipelined TrainingSession whose
-    program places the graph over several IPUs (``engine.pipeline.StagePlan``); the forward
-    ops of every stage but the last are recomputed with ``RecomputationType.Pipeline``."""
+def _plan(training: Optional[dict]) -> Any:
+    """The stage plan (``engine.pipeline.StagePlan``) of a pipelined TrainingSession whose
+    program places the graph over several IPUs, or None."""
     program, options = (training or {}).get("program"), (training or {}).get("options")
     if program is None or not getattr(options, "enablePipelining", False):
-        return {}
+        return None
     plan = program.placed.stages if program.placed is not None else None
     if plan is None:   # not placed on this machine's devices: the same stages, unplaced
         from .engine.pipeline import popart_stages
@@ -167,9 +258,15 @@ def _stages(graph: Graph, training: Optional[dict]) -> dict:
         sizes = {k: int(np.prod(v.shape)) for k, v in program.tensor_specs.items()}
         plan = popart_stages(program.graph_consts, program.variables, options,
                              max(ipus // program.cfg.replication_factor, 1), sizes)
-    if not plan.pipelined or plan.num_stages < 2:
+    return plan if plan.pipelined and plan.num_stages >= 2 else None
+
+
+def _stages(plan: Any, training: Optional[dict]) -> dict:
+    """id(node) -> (pipeline stage, IPU, recomputed) for ``plan``'s nodes; the forward ops
+    of every stage but the last are recomputed with ``RecomputationType.Pipeline``."""
+    if plan is None:
         return {}
-    auto = getattr(getattr(options, "autoRecomputation", None), "name", "") == "Pipeline"
+    auto = getattr(getattr(training["options"], "autoRecomputation", None), "name", "") == "Pipeline"
     last = plan.num_stages - 1
     return {id(n): (s, plan.stage_ipu[s], auto and s < last)
             for s, nodes in enumerate(plan.nodes) for n in nodes}
@@ -186,19 +283,33 @@ class _Ids:
         return f"{base}__t{self.k - 1}"
 
 
-def _backward(g: Graph, infos: dict, training: dict, stages: dict) -> list[dict]:
+def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, marks: dict,
+              patterns: Any) -> list[dict]:
     """What PopART's backward pass and optimizer transforms add to the main graph: grad ops
-    (reverse order, where ``ir.transforms.gradient_flow`` has a gradient flow), pipeline
-    stashes and restores, gradient clipping, automatic loss scaling's statistics and update,
-    and the var updates (SGD1's accumulator ops with their PopART tensor names)."""
+    (reverse order, where ``ir.transforms.gradient_flow`` has a gradient flow, reading what
+    ``read`` names), explicit recomputation's clones, pipeline stashes and restores, gradient
+    clipping, automatic loss scaling's statistics and update, and the var updates (SGD1's
+    accumulator ops with their PopART tensor names). Intermediate ids are numbered in
+    PopART's transform order: the optimizer's decomposition, the clones, the clipping."""
     def is_float(t: str) -> bool:
         info = infos.get(t)
         return info is not None and np.issubdtype(info.np_dtype(), np.floating)
 
     has_grad, edges = gradient_flow(g, training["loss"], training["trainable"], is_float)
-    infos = dict(infos)
-    ops, new_id = [], _Ids()
     last = max((s for s, _, _ in stages.values()), default=0)
+    trained = [w for w in training["trainable"] if w in has_grad]
+    accumulating = getattr(getattr(training.get("program"), "cfg", None),
+                           "accumulation_factor", 1) > 1
+    new_id = _Ids()
+    for w in trained:   # only to count the decomposition's ids (SGD2Decompose runs first)
+        _var_update(training["optimizer"], w, GRAD + w, dict(infos), new_id, accumulating)
+    grad_nodes = [(k, n) for k, n in reversed(list(enumerate(g.nodes)))
+                  if any((k, i) in edges for i in range(len(n.inputs)))]
+    explicit = getattr(training.get("options"), "explicitRecomputation", False)
+    clones = _recompute_clones(g, [n for _, n in grad_nodes], marks, infos, new_id, read) \
+        if explicit and marks else {}
+    recomputed = {t: c["outputs"][i]["name"] for c in clones.values()
+                  for i, t in enumerate(o for o in c["_node"].outputs if o)}
 
     def place(n: Any) -> dict:   # a grad op's stage: maxPipelineStage - its forward stage
         if id(n) not in stages:
@@ -207,33 +318,100 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict) -> list[dict]
         return {"recompute": "NO", VIRTUAL_GRAPH: ipu, PIPELINE_STAGE: 2 * last - s}
 
     stash = _stash_ops(g, edges, stages, training, infos)
-    ops += stash["stash"]
-    for k, n in reversed(list(enumerate(g.nodes))):
+    ops, copied = stash["stash"], {}
+    for k, n in grad_nodes:
         ins = [t for i, t in enumerate(n.inputs) if (k, i) in edges]
-        if not ins:
-            continue
-        ops += stash["restore"].get(id(n), [])
+        s, ipu, _ = stages.get(id(n), (None, None, False))
+        restored = {t: op for t, (st, k, op) in stash["restore"].items()
+                    if st == s and (t in n.inputs or k == id(n))}
+        ops += [stash["restore"].pop(t)[2] for t in restored]
+        ops += _take_clones(clones, n.inputs)
         outs = [o for o in n.outputs if o in has_grad]
-        ops.append(_op(f"{n.op_type}Grad", f"{n.name or n.outputs[0]}_Grad",
-                       [GRAD + o for o in outs] + [i for i in n.inputs if i],
+        ops += [c for o in outs for c in _grad_copy(g, o, n, stages, last, copied, infos)]
+        kind = "Identity" if _opt_to_identity(n, infos, patterns) else n.op_type
+        reads = [restored[i]["outputs"][0]["name"] if i in restored else
+                 recomputed.get(i, read(i, ipu)) for i in n.inputs if i]
+        ops.append(_op(f"{kind}Grad", f"{n.name or n.outputs[0]}_Grad",
+                       [copied.get((GRAD + o, ipu), GRAD + o) for o in outs] + reads,
                        [GRAD + i for i in ins], {"recompute": "NO", **place(n)}, infos))
-    trained = [w for w in training["trainable"] if w in has_grad]
     grads = {w: GRAD + w for w in trained}
     ops += _clipping(training["optimizer"], trained, grads, infos, new_id)
     ops += _als_ops(training.get("program"), infos)
-    accumulating = getattr(getattr(training.get("program"), "cfg", None),
-                           "accumulation_factor", 1) > 1
+    decomposed = _Ids()
     for w in trained:
-        ops += _var_update(training["optimizer"], w, grads[w], infos, new_id, accumulating)
+        ops += _var_update(training["optimizer"], w, grads[w], infos, decomposed, accumulating)
     return ops
+
+
+def _grad_copy(g: Graph, o: str, n: Any, stages: dict, last: int, copied: dict,
+               infos: dict) -> list:
+    """The IpuCopy of gradient ``Gradient___<o>`` to the IPU of ``n``'s grad op, when the
+    grad ops of ``o``'s readers (which make it) run on another IPU (InterIpuCopy after the
+    backward pass): ``Gradient___<o>_c<ipu>``, in the stage of the grad ops making it.
+    ``copied``: (gradient, IPU) -> its copy, updated."""
+    if id(n) not in stages:
+        return []
+    ipu = stages[id(n)][1]
+    makers = {stages[id(m)][:2] for m in g.nodes if o in m.inputs and id(m) in stages}
+    if len(makers) != 1 or (GRAD + o, ipu) in copied:
+        return []
+    (s, src), = makers
+    if src == ipu:
+        return []
+    copy = copied[(GRAD + o, ipu)] = f"{GRAD}{o}_c{ipu}"
+    infos[copy] = infos.get(o)
+    return [_op("IpuCopy", "", [GRAD + o], [copy],
+                {"recompute": "NO", PIPELINE_STAGE: 2 * last - s, "__sourceIpus": f"{{{src}}}",
+                 "__destIpu": ipu}, infos)]
+
+
+def _recompute_clones(g: Graph, grad_nodes: list, marks: dict, infos: dict, new_id: "_Ids",
+                      read: Any) -> dict:
+    """ExplicitRecompute (``explicitRecomputation``, no pipeline): each Recompute op whose
+    outputs a backward op reads (a grad op or another clone) is cloned, last op first, into
+    the backward pass: same type, name and attributes, outputs ``<t>__re__t<n>``
+    (``createRecomputedTensorId``, then ``createIntermediateTensorId``), inputs the
+    recomputed tensors where there are; the original and the clone both serialise
+    ``recompute`` NO (Checkpoint / Recomputed). id(node) -> the clone op (``_node``: its
+    node), in forward order."""
+    wanted = {t for n in grad_nodes for t in n.inputs if t}
+    picked = []
+    for n in reversed(g.nodes):
+        if marks.get(id(n)) == RECOMPUTE and wanted.intersection(n.outputs):
+            picked.append(n)
+            wanted |= {t for t in n.inputs if t}
+    new = {o: new_id(f"{o}__re") for n in picked for o in n.outputs if o}
+    infos.update({new[o]: infos.get(o) for o in new})
+    out = {}
+    for n in reversed(picked):
+        op = _op(n.op_type, n.name or n.outputs[0],
+                 [new.get(t) or read(t) for t in n.inputs], [new.get(o, o) for o in n.outputs],
+                 {**n.attrs, **_placement(n, None), "recompute": "NO"}, infos)
+        out[id(n)] = {**op, "_node": n}
+    return out
+
+
+def _take_clones(clones: dict, inputs: list) -> list:
+    """The not yet scheduled clones a backward op reading ``inputs`` needs (and those they
+    need), in forward order, removed from ``clones``."""
+    made = {o: k for k, c in clones.items() for o in c["_node"].outputs if o}
+    need, todo = set(), [made[t] for t in inputs if t in made]
+    while todo:
+        k = todo.pop()
+        if k not in need:
+            need.add(k)
+            todo += [made[t] for t in clones[k]["_node"].inputs if t in made]
+    return [{key: v for key, v in clones.pop(k).items() if key != "_node"}
+            for k in list(clones) if k in need]
 
 
 def _stash_ops(g: Graph, edges: set, stages: dict, training: dict, infos: dict) -> dict:
     """Implicit pipelining's Stash / Restore ops (``Pipeline::addStashRestoreOps``): each
     activation a backward stage reads that its forward stage s (not the last) made or took
     in is stashed in stage s (``Stashed___<t>``, stash size 2 (S-1) - 2 s + 1) and restored
-    before its first grad op (``Restored___<t>``; ``RestoreInplace`` unless anchored or
-    sent to a later stage). With ``RecomputationType.Pipeline`` only each stage's inputs are
+    before the first grad op that reads it, which reads ``Restored___<t>`` as every grad op
+    of stage s does (``RestoreInplace`` unless anchored or sent to a later stage; ``restore``:
+    t -> (s, id(the forward op whose grad op reads it at the latest), the op)). With ``RecomputationType.Pipeline`` only each stage's inputs are
     stashed (the rest is recomputed)."""
     out: dict = {"stash": [], "restore": {}}
     if not stages:
@@ -264,7 +442,7 @@ def _stash_ops(g: Graph, edges: set, stages: dict, training: dict, infos: dict) 
             out["stash"].append(_op("Stash", f"Stash_{t}", [t], [stashed],
                                     {**attrs, PIPELINE_STAGE: s}, infos))
             inplace = t not in anchors and t not in later
-            out["restore"].setdefault(id(n), []).append(_op(
+            out["restore"][t] = (s, id(n), _op(
                 "RestoreInplace" if inplace else "Restore", f"Restore_{t}",
                 [stashed, t] if inplace else [stashed], [restored],
                 {**attrs, PIPELINE_STAGE: 2 * last - s}, infos))
