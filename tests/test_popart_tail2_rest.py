@@ -59,3 +59,32 @@ def test_no_overlap_gradient_overwrites(offsets, no_overlap):
     gs = [np.array([[1, 2], [3, 4]], F32), np.array([[10, 20], [30, 40]], F32)]
     got = _slice_grads(offsets, no_overlap, gs, w)
     np.testing.assert_array_equal(got, _popart_rule(offsets, no_overlap, gs, w))
+
+
+# ---------------------------------------------------------------- popxl float8 host dtype
+@pytest.mark.parametrize("name,bits", [("float8_143", 0x48), ("float8_152", 0x44)])
+def test_popxl_float8_as_numpy_is_popxl_record_and_round_trips(name, bits):
+    """popxl/python_files/dtypes.py: float8_143 / float8_152's as_numpy() is the uint8 record
+    np.dtype([(name, "u1")]) (PopXL has no NumPy float8); a float8 variable made from float32
+    data holds PopXL's record bytes, and get_tensor_data / write_variable_data keep that form.
+    2.0's bits: float8_143 (bias 8) 0 1001 000 = 0x48, float8_152 (bias 16) 0 10001 00 = 0x44."""
+    import popxl
+    dt = getattr(popxl, name)
+    record = np.dtype([(name, "u1")])
+    assert dt.as_numpy() == record
+    assert popxl.dtype.as_dtype(record) is dt
+    ir = popxl.Ir()
+    with ir.main_graph:
+        v = popxl.variable(np.array([2.0, -2.0], F32), dt, name="v")
+        d = popxl.d2h_stream((2,), dt, "d")
+        popxl.ops.host_store(d, v)
+    with popxl.Session(ir, "cpu") as s:
+        held = s.get_tensor_data(v)
+        assert held.dtype == record
+        np.testing.assert_array_equal(held.view(np.uint8), [bits, bits | 0x80])
+        out = s.run()[d]
+        assert out.dtype == record
+        np.testing.assert_array_equal(out.view(np.uint8), [bits, bits | 0x80])
+        new = np.array([(bits | 0x80,), (bits,)], record)
+        s.write_variable_data(v, new)
+        np.testing.assert_array_equal(s.get_tensor_data(v).view(np.uint8), [bits | 0x80, bits])

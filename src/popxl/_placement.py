@@ -365,7 +365,7 @@ def main_step(p: MainPlan, session: "Session", planned: dict, facts: Optional[di
     output's IPU. The schedule: the stages in program order, a repeat's in a fori_loop."""
     known = planned.get("shapes", {})
     st, ex, n = p.stages, p.executor, session._n
-    d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_numpy()) for s, t in session._d2h}
+    d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_device_numpy()) for s, t in session._d2h}
 
     def schedule(blocks: dict, feeds: dict) -> tuple:   # this device's blocks, [N, ...] feeds
         feeds = {**feeds, **{k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()}}

@@ -1,7 +1,8 @@
 """popxl data types (the popart.ir data-type table), each tied to a NumPy dtype and to the
-torch dtype of the same values (where the installed PyTorch has one). float8_143 / float8_152 are ml_dtypes' float8_e4m3fnuz /
-float8_e5m2fnuz (Graphcore's formats: biases 8 and 16, no infinities, one NaN); their host data
-are PopXL's uint8 records (``np_dtype_float8_143`` / ``_152``, see ``popxl.fp8_utils``)."""
+torch dtype of the same values (where the installed PyTorch has one). float8_143 / float8_152's
+``as_numpy()`` is PopXL's uint8 record (``np_dtype_float8_143`` / ``_152``, their host data, see
+``popxl.fp8_utils``); on the device (``as_device_numpy()``) they are ml_dtypes' float8_e4m3fnuz /
+float8_e5m2fnuz (Graphcore's formats: biases 8 and 16, no infinities, one NaN)."""
 from __future__ import annotations
 
 import builtins as _b
@@ -26,12 +27,14 @@ class dtype:
 
     def __init__(self, name: str, np_type: Any, is_int: bool, is_float: bool, signed: bool,
                  py_type: Any = None, alias: "str | None" = None, torch_name: "str | None" = None,
-                 is_complex: _b.bool = False) -> None:
+                 is_complex: _b.bool = False, host_np: Any = None) -> None:
         self._name, self._np = name, np.dtype(np_type)
+        self._host = self._np if host_np is None else np.dtype(host_np)
         self.is_int, self.is_floating_point, self.is_signed = is_int, is_float, signed
         self.is_complex = is_complex
         self._py, self.alias = py_type, alias
         dtype._by_np.setdefault(self._np, self)
+        dtype._by_np.setdefault(self._host, self)
         dtype._by_name[name] = self
         if alias:
             dtype._by_name[alias] = self
@@ -46,6 +49,12 @@ class dtype:
         return self._name
 
     def as_numpy(self) -> np.dtype:
+        """The NumPy dtype of host data (PopXL's uint8 record for float8_143 / float8_152)."""
+        return self._host
+
+    def as_device_numpy(self) -> np.dtype:
+        """The NumPy dtype of the values on the device: ``as_numpy()``, except ml_dtypes'
+        float8_e4m3fnuz / float8_e5m2fnuz for float8_143 / float8_152."""
         return self._np
 
     def as_torch(self) -> Any:
@@ -117,15 +126,14 @@ float16 = dtype("float16", np.float16, False, True, True, alias="half", torch_na
 float32 = dtype("float32", np.float32, False, True, True, _b.float, alias="float", torch_name="float32")
 float64 = dtype("float64", np.float64, False, True, True, alias="double", torch_name="float64")
 bfloat16 = dtype("bfloat16", ml_dtypes.bfloat16, False, True, True, torch_name="bfloat16")
-# float8: ml_dtypes' formats on the device (as_numpy()); host data are PopXL's uint8 records
-# (these dtypes; popxl.fp8_utils converts)
+# float8: host data are PopXL's uint8 records (as_numpy()); ml_dtypes' formats on the device
+# (as_device_numpy()); popxl.fp8_utils converts
 np_dtype_float8_143 = np.dtype([("float8_143", "u1")])
 np_dtype_float8_152 = np.dtype([("float8_152", "u1")])
 float8_143 = dtype("float8_143", ml_dtypes.float8_e4m3fnuz, False, True, True,
-                   torch_name="float8_e4m3fnuz")
+                   torch_name="float8_e4m3fnuz", host_np=np_dtype_float8_143)
 float8_152 = dtype("float8_152", ml_dtypes.float8_e5m2fnuz, False, True, True,
-                   torch_name="float8_e5m2fnuz")
-dtype._by_np.update({np_dtype_float8_143: float8_143, np_dtype_float8_152: float8_152})
+                   torch_name="float8_e5m2fnuz", host_np=np_dtype_float8_152)
 complex64 = dtype("complex64", np.complex64, False, False, True, torch_name="complex64", is_complex=True)
 complex128 = dtype("complex128", np.complex128, False, False, True, torch_name="complex128",
                    is_complex=True)
@@ -142,13 +150,13 @@ def to_numpy(data: Any, dt: dtype | None = None, downcast: _b.bool = True) -> np
     if _torch is not None and isinstance(data, _torch.Tensor):
         data = data.detach().cpu()
         dt_ = dtype._by_torch.get(data.dtype)
-        if dt_ is not None and dt_.as_numpy().itemsize in (1, 2) and dt_.as_numpy().kind == "V":
+        if dt_ is not None and dt_.as_device_numpy().kind == "V":   # bfloat16, float8: as bytes
             data = data.view(_torch.uint8 if dt_.as_numpy().itemsize == 1 else _torch.int16)
-            data = data.numpy().view(dt_.as_numpy())
+            data = data.numpy().view(dt_.as_numpy())   # float8: PopXL's host form
         else:
             data = data.numpy()
     if dt is not None:
-        return np.asarray(data, dtype=dtype.as_dtype(dt).as_numpy())
+        return np.asarray(data, dtype=dtype.as_dtype(dt).as_device_numpy())
     arr = np.asarray(data)
     if isinstance(data, (_b.float, _b.int)) and not isinstance(data, _b.bool):
         arr = arr.astype(np.float32 if isinstance(data, _b.float) else np.int32)

@@ -1,7 +1,7 @@
 """Host-side float8 helpers. On the host, float8 data are PopXL's NumPy arrays of uint8
 records, ``np.dtype([("float8_143", "u1")])`` (``popxl.dtypes.np_dtype_float8_143``) and
-``[("float8_152", "u1")]``: the format's bits, one byte each. On the device (and in
-``popxl.float8_143.as_numpy()``) they are ml_dtypes' float8_e4m3fnuz / float8_e5m2fnuz, the
+``[("float8_152", "u1")]`` (``popxl.float8_143.as_numpy()``): the format's bits, one byte
+each. On the device (``popxl.float8_143.as_device_numpy()``) they are ml_dtypes' float8_e4m3fnuz / float8_e5m2fnuz, the
 same bytes (:func:`from_host_fp8` / :func:`to_host_fp8` view one as the other)."""
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import numpy as np
 
 from .dtypes import dtype as _dtype
 from .dtypes import float8_143, float8_152, float16, float32, float64
-from .dtypes import np_dtype_float8_143, np_dtype_float8_152
 
 try:
     import torch as _torch
@@ -21,15 +20,14 @@ except ModuleNotFoundError:  # pragma: no cover
     _torch = None
 
 _FP8 = (float8_143, float8_152)
-_HOST = {float8_143: np_dtype_float8_143, float8_152: np_dtype_float8_152}
-_TO_DEVICE = {np_dtype_float8_143: float8_143.as_numpy(), np_dtype_float8_152: float8_152.as_numpy()}
+_TO_DEVICE = {dt.as_numpy(): dt.as_device_numpy() for dt in _FP8}
 _TO_HOST = {v: k for k, v in _TO_DEVICE.items()}
 
 
 def host_np_dtype(dt: _dtype) -> np.dtype:
-    """The NumPy dtype of ``dt``'s host data: PopXL's uint8 record for a float8 dtype, else
-    ``dt.as_numpy()``."""
-    return _HOST.get(dt, dt.as_numpy())
+    """The NumPy dtype of ``dt``'s host data, ``dt.as_numpy()`` (PopXL's uint8 record for a
+    float8 dtype)."""
+    return dt.as_numpy()
 
 
 def to_host_fp8(arr: Any) -> Any:
@@ -46,7 +44,7 @@ def from_host_fp8(arr: Any, dt: Optional[_dtype] = None) -> Any:
     have = getattr(arr, "dtype", None)
     dev = _TO_DEVICE.get(have)
     if dev is None and dt in _FP8 and have == np.uint8:
-        dev = dt.as_numpy()
+        dev = dt.as_device_numpy()
     return arr if dev is None else arr.view(dev)
 
 
@@ -87,9 +85,9 @@ def host_pow2scale_cast_to_fp8(src: Any, dtype: Optional[_dtype] = None, log2_sc
     s = _check_scale(log2_scale)
     x = src.astype(np.float64) * np.ldexp(1.0, s)
     if not nan_on_overflow:   # finite values saturate; infinities (none in float8) are NaN
-        big = float(ml_dtypes.finfo(dtype.as_numpy()).max)
+        big = float(ml_dtypes.finfo(dtype.as_device_numpy()).max)
         x = np.where(np.isfinite(x), np.clip(x, -big, big), np.nan)
-    return to_host_fp8(x.astype(dtype.as_numpy()))
+    return to_host_fp8(x.astype(dtype.as_device_numpy()))
 
 
 def host_pow2scale_cast_from_fp8(src: np.ndarray, dtype: Optional[_dtype] = None,
@@ -107,7 +105,7 @@ def host_pow2scale_cast_from_fp8(src: np.ndarray, dtype: Optional[_dtype] = None
     if dtype not in (float16, float32, float64):
         raise RuntimeError(f"dtype {dtype} not currently supported.")
     s = _check_scale(log2_scale)
-    return (src.astype(np.float64) * np.ldexp(1.0, s)).astype(dtype.as_numpy())
+    return (src.astype(np.float64) * np.ldexp(1.0, s)).astype(dtype.as_device_numpy())
 
 
 def host_fp8_mse_scale(src: Any, dtype: Optional[_dtype] = None) -> tuple[float, int]:

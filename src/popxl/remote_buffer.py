@@ -58,7 +58,7 @@ class RemoteBuffer:
         _check_entries(entries)
         info = (_shape(tensor_shape), _dtype.as_dtype(tensor_dtype), int(entries))
         used = self._state_spec()
-        if used is not None and used[1:] != (info[0], info[1].as_numpy()):
+        if used is not None and used[1:] != (info[0], info[1].as_device_numpy()):
             raise ValueError(f"RemoteBuffer[id={self._remote_buffer_id}] is already used by ops with "
                              f"tensors of {self.tensor_dtype.name}{list(self.tensor_shape)}; its "
                              f"tensor shape and type cannot change any more")
@@ -157,7 +157,7 @@ class RemoteBuffer:
         """(entries, tensor shape, numpy dtype) of the buffer as ops use it; None before any
         op did."""
         t = self._ir.main_graph._hidden.get(self._state_key)
-        return None if t is None else (t.shape[0], t.shape[1:], t.dtype.as_numpy())
+        return None if t is None else (t.shape[0], t.shape[1:], t.dtype.as_device_numpy())
 
     def _check_offset(self, offset: int, what: str = "offset") -> int:
         """``offset`` as an int in [0, entries).

@@ -156,11 +156,11 @@ class _RunPlan:
         self.swap = n > 1 and r > 1
         inputs = []   # [n, r, ...] host arrays as the step's [r, n, ...]
         for s, t in session._h2d:
-            dtype, shape = np.dtype(s.dtype.as_numpy()), tuple(s.shape)
+            dtype, shape = np.dtype(s.dtype.as_device_numpy()), tuple(s.shape)
             inputs.append(HostInput(s, t.id, dtype, (session._host_shape(shape),),
                                     ((n, r) if self.swap else (r, n)) + shape, self.swap,
                                     downcast=dtype in _DOWNCAST))
-        self.d2h = [(s, s.dtype.as_numpy(), session._host_shape(s.shape)) for s, _ in session._d2h]
+        self.d2h = [(s, s.dtype.as_device_numpy(), session._host_shape(s.shape)) for s, _ in session._d2h]
         self.d2h_ids = [t.id for _, t in session._d2h]
         self.host = HostPlan(inputs, [HostOutput(s, shape=host) for s, _, host in self.d2h],
                              exact_outputs=True)
@@ -215,7 +215,7 @@ class Session:
         self._h2d = [(s, t) for k, s, t in main._stream_inputs if k == "h2d"]
         self._d2h = [(s, t) for k, s, t in main._stream_inputs if k == "d2h"]
         self._d2h_final = {s: main._hidden[("d2h", s)] for s, _ in self._d2h}
-        self._fp8_streams = any(host_np_dtype(s.dtype) != s.dtype.as_numpy()
+        self._fp8_streams = any(host_np_dtype(s.dtype) != s.dtype.as_device_numpy()
                                 for s, _ in self._h2d + self._d2h)
         self._main_ir.inputs = [t.id for _, t in self._h2d + self._d2h]
         self._host: dict[Variable, np.ndarray] = {   # a variable's np.memmap is kept, not copied
@@ -254,10 +254,10 @@ class Session:
         buffers: dict = {}
         for v in self._variables:
             if v._remote is None:
-                slots.append(_Slot(v.id, v.shape, v.dtype.as_numpy(), v.id, v, "variable", var=v))
+                slots.append(_Slot(v.id, v.shape, v.dtype.as_device_numpy(), v.id, v, "variable", var=v))
             elif v._shard is not None:
                 sh = v._shard
-                slots.append(_Slot(v.id, sh.shape, sh.dtype.as_numpy(), sh.id, sh, "rts", var=v))
+                slots.append(_Slot(v.id, sh.shape, sh.dtype.as_device_numpy(), sh.id, sh, "rts", var=v))
             else:
                 buffers.setdefault(v._remote[0], [])
         for key in main._hidden:
@@ -278,7 +278,7 @@ class Session:
             for v in buffers[buf]:
                 buf._check_offset(v._remote[1], f"offset of remote variable '{v.id}'")
             key = f"remote_buffer:{buf.remote_buffer_id}"
-            slots.append(_Slot(key, shape, buf.tensor_dtype.as_numpy(), t.id if t is not None else key,
+            slots.append(_Slot(key, shape, buf.tensor_dtype.as_device_numpy(), t.id if t is not None else key,
                                t, "remote", buffer=buf, entries=buffers[buf], memory_kind=kind))
         return slots
 
@@ -378,7 +378,7 @@ class Session:
         def replica(state: dict, feeds: dict) -> tuple:
             feeds = dict(feeds)
             for s, tid, _ in d2h:
-                feeds[tid] = jnp.zeros((n,) + s.shape, s.dtype.as_numpy())
+                feeds[tid] = jnp.zeros((n,) + s.shape, s.dtype.as_device_numpy())
             weights = {gin: state[key] for key, gin, _ in slots}
             t = trace(main_ir, feeds, key=jax.random.key(0), weights=weights, platform=platform,
                       replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r,
@@ -397,7 +397,7 @@ class Session:
         wspecs = {s.key: jax.ShapeDtypeStruct((r,) + tuple(s.shape), s.dtype) for s in self._slots}
         if self._placed:
             wspecs = self._placed.executor.state_specs()
-        fspecs = {t.id: jax.ShapeDtypeStruct((r, n) + s.shape, s.dtype.as_numpy()) for s, t in self._h2d}
+        fspecs = {t.id: jax.ShapeDtypeStruct((r, n) + s.shape, s.dtype.as_device_numpy()) for s, t in self._h2d}
         return wspecs, fspecs
 
     def _state_shardings(self) -> dict:
@@ -701,9 +701,9 @@ class Session:
                     raise TypeError(f"Data for variable {v.id} must be passed in as an np.array with "
                                     f"dtype {host_np_dtype(v.dtype)} (see "
                                     f"popxl.fp8_utils.host_pow2scale_cast_to_fp8)")
-                arr = arr.astype(v.dtype.as_numpy())
+                arr = arr.astype(v.dtype.as_device_numpy())
             arr = from_host_fp8(arr)
-            if arr.dtype != v.dtype.as_numpy():
+            if arr.dtype != v.dtype.as_device_numpy():
                 raise TypeError(f"The dtype of the input array {np.asarray(data).dtype} must match "
                                 f"the equivalent type of the tensor {v.id} : {v.dtype}")
             if arr.shape != tuple(want):
@@ -806,7 +806,7 @@ class Session:
         """A stream's (validated) input as [instance replicas, num_host_transfers, *shape],
         after popart's StepIO rule (dtype, element count)."""
         full = (self._n, self._local_r) + s.shape
-        info = TensorInfo(to_datatype(s.dtype.as_numpy()), list(s.shape))
+        info = TensorInfo(to_datatype(s.dtype.as_device_numpy()), list(s.shape))
         a = validate_input(s.name, a, info, self._n, 1, self._local_r).reshape(full)
         return np.ascontiguousarray(np.swapaxes(a, 0, 1))
 

@@ -177,7 +177,7 @@ class Tensor:
         """Bytes to step in each dimension of a C-ordered array of this dtype and ``shape``
         (default: the tensor's shape), as :py:attr:`numpy.ndarray.strides`."""
         shape = self.shape if shape is None else tuple(int(d) for d in shape)
-        out, step = [], self.dtype.as_numpy().itemsize
+        out, step = [], self.dtype.as_device_numpy().itemsize
         for d in reversed(shape):
             out.append(step)
             step *= d
@@ -708,7 +708,7 @@ def replica_sharded_variable(data: Any, dtype: Any = None, name: Optional[str] =
     import jax
     layout = var._sharding
     shard = g._add_tensor(g._new_id(f"{var.name}_rts"),
-                          jax.ShapeDtypeStruct((layout.shard_size,), var.dtype.as_numpy()))
+                          jax.ShapeDtypeStruct((layout.shard_size,), var.dtype.as_device_numpy()))
     shard._meta_shape = var.shape
     var._shard = shard
     return var, shard
@@ -729,7 +729,7 @@ def graph_input(shape: Iterable[int], dtype: Any, name: Optional[str] = None, by
     a replica shard belongs to, see :attr:`Tensor.meta_shape`)."""
     import jax
     g = context.get_current_graph()
-    spec = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), _dtype.as_dtype(dtype).as_numpy())
+    spec = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), _dtype.as_dtype(dtype).as_device_numpy())
     t = g._add_input(spec, name or "t", by_ref)
     t._meta_shape = tuple(int(d) for d in meta_shape or ())
     return t

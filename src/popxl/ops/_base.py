@@ -122,7 +122,7 @@ def view(base: Tensor, out: Tensor, fwd: Any, back: Any) -> Tensor:
 
 
 def onnx_type(dt: Any) -> int:
-    return onnx_dtype(_dtype.as_dtype(dt).as_numpy())
+    return onnx_dtype(_dtype.as_dtype(dt).as_device_numpy())
 
 
 def axes_list(axis: Union[None, int, Iterable[int]], rank: int) -> Optional[list[int]]:

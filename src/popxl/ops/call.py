@@ -188,7 +188,7 @@ def _prep_inputs(parent: Graph, graph: Graph, inputs: Sequence[Any],
 
 def _info(t: Tensor) -> str:
     """PopART's TensorInfo text of ``t``."""
-    return info_text(to_datatype(t.dtype.as_numpy()).name, t.shape)
+    return info_text(to_datatype(t.dtype.as_device_numpy()).name, t.shape)
 
 
 def _hidden_inputs(parent: Graph, graph: Graph) -> list[Tensor]:
@@ -364,7 +364,7 @@ def _maker(key: tuple):
 
     def make(main: Graph) -> Tensor:
         import jax
-        spec = jax.ShapeDtypeStruct((1,) + stream.shape, stream.dtype.as_numpy())
+        spec = jax.ShapeDtypeStruct((1,) + stream.shape, stream.dtype.as_device_numpy())
         t = main._add_tensor(main._new_id(stream.name), spec)
         main._stream_inputs.append((kind, stream, t))
         return t

@@ -26,7 +26,7 @@ def remote_state_maker(buffer: RemoteBuffer):
     session provides it)."""
     def make(main: Any) -> Tensor:
         spec = jax.ShapeDtypeStruct((buffer.entries,) + tuple(buffer.tensor_shape),
-                                    buffer.tensor_dtype.as_numpy())
+                                    buffer.tensor_dtype.as_device_numpy())
         return main._add_tensor(main._new_id(buffer._state_name), spec)
     return make
 

@@ -255,7 +255,7 @@ def _save_iterations(graph: Graph, n: Node, body_graph: Graph, sub: GradGraphInf
             continue        # the same every iteration: read the Loop's input
         middle.scan_outputs.append(src)
         tid = graph._new_id(f"{n.name.split('/')[-1]}_saved")
-        graph._add_tensor(tid, jax.ShapeDtypeStruct((trips, *t.shape), t.dtype.as_numpy()))
+        graph._add_tensor(tid, jax.ShapeDtypeStruct((trips, *t.shape), t.dtype.as_device_numpy()))
         n.outputs.append(tid)
         stacked[t] = tid
     middle._finalize()
@@ -515,7 +515,7 @@ def _autodiff(graph: Graph, grads_provided: Optional[list[Tensor]],
             parts = gsum.get(tid, [])
             if not parts:
                 t = fwd.tensor(tid)
-                return constant(np.zeros(t.shape, t.dtype.as_numpy()), t.dtype, name=f"Gradient___{t.name}")
+                return constant(np.zeros(t.shape, t.dtype.as_device_numpy()), t.dtype, name=f"Gradient___{t.name}")
             if len(parts) > 1:     # PopART's grad sum takes its placement from its inputs' ops
                 with _placed(grad, placement.get(id(parts[0]), {})):
                     gsum[tid] = [grad._add_node("Sum", parts, name=f"Gradient___{fwd.tensor(tid).name}")[0]]
@@ -548,7 +548,7 @@ def _autodiff(graph: Graph, grads_provided: Optional[list[Tensor]],
             attrs = {"fwd": sub, "provided": [sub.outputs.index(n.outputs[k]) for k in outs],
                      "required": [sub.inputs.index(i) for i in wrt],
                      "given": [sub.inputs.index(i) for i in ins],
-                     "specs": [[list(fwd.tensor(i).shape), fwd.tensor(i).dtype.as_numpy().name]
+                     "specs": [[list(fwd.tensor(i).shape), fwd.tensor(i).dtype.as_device_numpy().name]
                                for i in sub.inputs],
                      "n_saved_out": len(souts), "rule": rule}
             g_outs = [total(n.outputs[k]) for k in outs]
@@ -610,7 +610,7 @@ def _called_grads(fwd: _Fwd, n: Node, subs: list, wrt: list[str], total, value) 
         def body(*xs: Tensor) -> list[Tensor]:
             got = grads_of(g, sub, site, call(sub.graph, *xs))
             return [got[i] if i in got else constant(np.zeros(fwd.tensor(i).shape,
-                                                              fwd.tensor(i).dtype.as_numpy()),
+                                                              fwd.tensor(i).dtype.as_device_numpy()),
                                                      fwd.tensor(i).dtype) for i in wrt]
         body.__qualname__ = f"{sub.graph.name}_branch"
         return ir.create_graph(body, *[x.spec for x in a]), a
@@ -659,7 +659,7 @@ def _repeat_grads(fwd: _Fwd, n: Node, g: Graph, sub: GradGraphInfo, site: Node, 
         for e, r in zip(sub.expected_outputs, call(sub.graph, *args)):
             if e.fwd_tensor in g._inputs:
                 got[g._inputs.index(e.fwd_tensor)] = r
-        zeros = lambda t: constant(np.zeros(t.shape, t.dtype.as_numpy()), t.dtype)
+        zeros = lambda t: constant(np.zeros(t.shape, t.dtype.as_device_numpy()), t.dtype)
         return ([got[j] if j in got else zeros(g._inputs[j]) for j in carry] +
                 [a + got[i] if i in got else a for a, i in zip(accs, acc)] + [k - 1])
 
