@@ -153,7 +153,8 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
         main = g is graph
         ops, read = _forward(g, infos, stages if main else {}, plan if main else None,
                              marks if main else {}, inplace_keep if main else None,
-                             patterns, anchors, training)
+                             patterns, set(anchors or ()) | (set() if main else set(g.outputs)),
+                             training)
         if main and training is not None:
             ops += _backward(g, infos, training, stages, read, marks, patterns)
         doc["maingraph" if main else g.name] = ops
@@ -163,18 +164,17 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
 
 
 def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
-             inplace_keep: Optional[set], patterns: Any, anchors: Optional[set],
+             inplace_keep: Optional[set], patterns: Any, keep: set,
              training: Optional[dict]) -> tuple[list, Any]:
     """Graph ``g``'s ops as PopART's patterns and transforms leave them, and ``read(t, ipu)``:
     the id an op on IPU ``ipu`` reads for tensor ``t``. OpToIdentity's Identity is removed
-    by PostNRepl in an inference session when its output is no anchor and no graph output
-    (its readers read its input); in a pipeline, each stage boundary's ``IpuCopy`` ops
+    by PostNRepl in an inference session when its output is not in ``keep`` (the anchors,
+    a subgraph's outputs: its readers read its input); in a pipeline, each stage boundary's ``IpuCopy`` ops
     (``_ipu_copies``) come before the first op of the next stage."""
     ops: list = []
     alias: dict = {}                 # tensor -> what PostNRepl has its readers read
     moved: dict = {}                 # (tensor, IPU) -> its copy there (IpuCopy)
     copies = plan.copies if stages else []
-    keep = set(anchors or ()) | (set(g.outputs) if training is None and g.name else set())
     explicit = training is not None and getattr(training.get("options"),
                                                 "explicitRecomputation", False)
 

@@ -1,0 +1,223 @@
+"""``_serializeIr``'s JSON against PopART's transforms, each rule transcribed from PopART's
+source: OpToIdentity / PostNRepl on IdentityLoss (patterns/optoidentitypattern.cpp,
+op/identity.cpp ``IdentityLossOp::canBeReplacedByIdentity``, patterns/postnrepl.cpp,
+ir.cpp ``applyPreAliasPattern``), ExplicitRecompute (transforms/explicitrecompute.cpp,
+tensornames.cpp ``createRecomputedTensorId``) and a pipeline's InterIpuCopy
+(transforms/interipucopy.cpp, op/ipucopy.cpp) with the stash / restore ops."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import popart
+
+GRAD = "Gradient___"
+
+
+def ir_ops(session) -> list:
+    return json.loads(session._serializeIr(popart.IrSerializationFormat.JSON))["maingraph"]
+
+
+def names(ops, key):
+    return [[t["name"] for t in op[key]] for op in ops]
+
+
+def cpu():
+    return popart.DeviceManager().createCpuDevice()
+
+
+# ------------------------------------------------------------------ IdentityLoss
+def replaced_by_identity(reduction: str, rank: int) -> bool:
+    """IdentityLossOp::canBeReplacedByIdentity (op/identity.cpp:94-105)."""
+    return reduction == "None" or rank == 0
+
+
+@pytest.mark.parametrize("reduction,shape,anchor_it,pattern_on", [
+    ("None", [3], False, True),     # OpToIdentity, then PostNRepl removes the Identity
+    ("None", [3], True, True),      # anchored output: PostNRepl touches an anchor, Identity kept
+    ("Mean", [], False, True),      # a scalar's loss: replaced too
+    ("Mean", [3], False, True),     # a real reduction: stays an IdentityLoss
+    ("None", [3], False, False),    # OpToIdentity off
+])
+def test_inference_identity_loss(reduction, shape, anchor_it, pattern_on):
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", shape), "x")
+    r = b.aiOnnx.relu([x])
+    loss = b.aiGraphcore.identityloss([r], reduction=getattr(popart.ReductionType, {
+        "None": "NoReduction", "Mean": "Mean"}[reduction]))
+    y = b.aiOnnx.neg([loss])
+    patterns = popart.Patterns().enablePattern("OpToIdentity", pattern_on)
+    s = popart.InferenceSession(b.getModelProto(),
+                                popart.DataFlow(1, [y] + ([loss] if anchor_it else [])), cpu(),
+                                patterns=patterns)
+    ops = ir_ops(s)
+    replaced = pattern_on and replaced_by_identity(reduction, len(shape))
+    removed = replaced and not anchor_it
+    assert [op["type"] for op in ops] == \
+        ["Relu"] + ([] if removed else ["Identity" if replaced else "IdentityLoss"]) + ["Neg"]
+    assert names(ops, "inputs")[-1] == [r if removed else loss]   # Neg reads Relu's output
+    if replaced and not removed:
+        ident = ops[1]
+        assert ident["name"] == "IdentityLoss:OpToIdentity"   # getReplacementOpName
+        assert "reduction" not in ident["attributes"]         # makeReplacementOp: debug id only
+        assert "__debug_info_id" in ident["attributes"]
+
+
+def test_training_identity_loss_becomes_identity_and_stays():
+    """In training the scalar IdentityLoss becomes an Identity (OpToIdentity touches no
+    tensor) that PostNRepl may not remove (it touches the loss before setFinalLoss); its
+    grad op is the Identity's."""
+    ops = ir_ops(recompute_session(explicit=False))
+    ident = [op for op in ops if op["outputs"][0]["name"] == "IdentityLoss:0"]
+    assert [(op["type"], op["name"]) for op in ident] == [("Identity", "IdentityLoss:OpToIdentity")]
+    assert [op["type"] for op in ops if op["name"] == "IdentityLoss_Grad"] == ["IdentityGrad"]
+    assert not any(op["type"].startswith("IdentityLoss") for op in ops)
+
+
+# ------------------------------------------------------------------ explicit recomputation
+def mlp(builder):
+    x = builder.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]), "x")
+    w1 = builder.addInitializedInputTensor(np.full((4, 4), 0.1, np.float32), "w1")
+    w2 = builder.addInitializedInputTensor(np.full((4, 3), -0.2, np.float32), "w2")
+    return x, w1, w2
+
+
+_SESSIONS: dict = {}
+
+
+def recompute_session(explicit: bool):
+    """x -> MatMul -> Relu (both recomputeOutputInBackwardPass) -> MatMul -> L1 ->
+    IdentityLoss; built once per mode (no compile: _serializeIr reads the IR)."""
+    if explicit not in _SESSIONS:
+        b = popart.Builder()
+        x, w1, w2 = mlp(b)
+        m = b.aiOnnx.matmul([x, w1])
+        h = b.aiOnnx.relu([m])
+        b.recomputeOutputInBackwardPass(m)
+        b.recomputeOutputInBackwardPass(h)
+        y = b.aiOnnx.matmul([h, w2])
+        loss = b.aiGraphcore.identityloss(
+            [b.aiGraphcore.l1loss([y], 0.5, reduction=popart.ReductionType.Sum)])
+        o = popart.SessionOptions()
+        o.explicitRecomputation = explicit
+        _SESSIONS[explicit] = popart.TrainingSession(
+            b.getModelProto(), popart.DataFlow(1, [loss]), loss, popart.ConstSGD(0.1), cpu(),
+            userOptions=o)
+    return _SESSIONS[explicit]
+
+
+def test_implicit_recompute_ops_say_yes_and_are_not_cloned():
+    ops = ir_ops(recompute_session(explicit=False))
+    fwd = {op["outputs"][0]["name"]: op["attributes"]["recompute"] for op in ops
+           if not op["type"].endswith(("Grad", "VarUpdate"))}
+    assert fwd == {"MatMul:0": "YES", "Relu:0": "YES", "MatMul:0/1": "NO", "L1:0": "NO",
+                   "IdentityLoss:0": "NO"}
+    assert not any("__re" in t for op in ops for t in sum(names([op], "outputs"), []))
+
+
+def test_explicit_recompute_clones():
+    """ExplicitRecompute: each Recompute op read in the backward pass is cloned (last op
+    first: the ids' counter runs in that order) with its name, type and attributes, outputs
+    <t>__re__t<n>; the clone reads the other clones' outputs, the grad ops read the
+    recomputed tensors; original (Checkpoint) and clone (Recomputed) both say NO."""
+    ops = ir_ops(recompute_session(explicit=True))
+    assert all(op["attributes"]["recompute"] == "NO" for op in ops)
+    by_name = {}
+    for op in ops:
+        by_name.setdefault((op["type"], op["name"]), []).append(op)
+    (mm, mm_re), (relu, relu_re) = by_name[("MatMul", "MatMul")], by_name[("Relu", "Relu")]
+    assert names([mm, relu], "outputs") == [["MatMul:0"], ["Relu:0"]]
+    # reverse schedule: Relu's clone takes the counter's first id, MatMul's the next
+    assert names([relu_re, mm_re], "outputs") == [["Relu:0__re__t0"], ["MatMul:0__re__t1"]]
+    assert names([mm_re, relu_re], "inputs") == [["x", "w1"], ["MatMul:0__re__t1"]]
+    assert mm_re["attributes"].keys() == mm["attributes"].keys()
+    grads = {op["name"]: [t["name"] for t in op["inputs"]] for op in ops
+             if op["type"].endswith("Grad")}
+    assert "Relu:0__re__t0" in grads["MatMul/1_Grad"]
+    assert "MatMul:0__re__t1" in grads["Relu_Grad"]
+    # the clones come after the forward pass, before the first grad op that reads them
+    pos = {id(op): i for i, op in enumerate(ops)}
+    first_reader = min(pos[id(op)] for op in ops if op["type"].endswith("Grad") and
+                       "Relu:0__re__t0" in [t["name"] for t in op["inputs"]])
+    assert pos[id(ops[-1])] > first_reader > pos[id(relu_re)] > pos[id(mm_re)] > \
+        pos[id(by_name[("L1", "L1")][0])]
+
+
+# ------------------------------------------------------------------ pipelines
+@pytest.fixture(scope="module")
+def pipeline_ops():
+    """Stage 0 (IPU 0): MatMul, Relu; stage 1 (IPU 1): MatMul, L1; backward stages 1, 2."""
+    b = popart.Builder()
+    x, w1, w2 = mlp(b)
+    with b.virtualGraph(0), b.pipelineStage(0):
+        h = b.aiOnnx.relu([b.aiOnnx.matmul([x, w1])])
+    with b.virtualGraph(1), b.pipelineStage(1):
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([h, w2])], 0.5,
+                                    reduction=popart.ReductionType.Sum)
+    o = popart.SessionOptions()
+    o.enablePipelining, o.virtualGraphMode = True, popart.VirtualGraphMode.Manual
+    o.enableGradientAccumulation, o.accumulationFactor = True, 4
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                               popart.ConstSGD(0.1),
+                               popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
+                               userOptions=o)
+    return ir_ops(s), h
+
+
+def test_pipeline_ipu_copies(pipeline_ops):
+    """InterIpuCopy: one IpuCopy per tensor read on another IPU than the one making it,
+    unnamed, writing <t>_c<destIpu>, in the stage of the op making it, with __sourceIpus /
+    __destIpu and no __ipu_number (IpuCopyOp has none); its readers read the copy. The
+    gradient of h, made on IPU 1 (backward stage 1) and read on IPU 0, is copied too."""
+    ops, h = pipeline_ops
+    copies = [op for op in ops if op["type"] == "IpuCopy"]
+    got = [(op["name"], names([op], "inputs")[0], names([op], "outputs")[0],
+            {k: v for k, v in op["attributes"].items() if k != "schedulePriority"})
+           for op in copies]
+    assert got == [
+        ("", [h], [h + "_c1"], {"recompute": "NO", "__pipeline_stage": "0",
+                                "__sourceIpus": "{0}", "__destIpu": "1"}),
+        ("", [GRAD + h], [GRAD + h + "_c0"], {"recompute": "NO", "__pipeline_stage": "1",
+                                               "__sourceIpus": "{1}", "__destIpu": "0"})]
+    readers = [op for op in ops if h + "_c1" in names([op], "inputs")[0]]
+    assert {op["attributes"]["__ipu_number"] for op in readers} == {"1"}
+    assert not any(h in names([op], "inputs")[0] for op in ops
+                   if op["attributes"].get("__ipu_number") == "1")
+    relu_grad = [op for op in ops if op["type"] == "ReluGrad"][0]
+    assert GRAD + h + "_c0" in names([relu_grad], "inputs")[0]
+    assert ops.index(copies[1]) < ops.index(relu_grad)
+
+
+def test_pipeline_grad_ops_read_restored_tensors(pipeline_ops):
+    """Pipeline::addStashRestoreOps: the grad ops of stage 0's ops (backward stage 2) read
+    the restored activations, each Restore before the first of them."""
+    ops, _ = pipeline_ops
+    restores = {op["outputs"][0]["name"]: i for i, op in enumerate(ops)
+                if op["type"].startswith("Restore")}
+    stage2 = [(i, op) for i, op in enumerate(ops) if op["type"].endswith("Grad")
+              and op["attributes"]["__pipeline_stage"] == "2"]
+    read = {t for _, op in stage2 for t in names([op], "inputs")[0]}
+    stashed = {op["inputs"][0]["name"] for op in ops if op["type"] == "Stash"}
+    assert {"x", "MatMul:0"} <= stashed
+    for t in stashed:   # no stage-2 grad op reads a stashed activation itself
+        assert t not in read
+    for i, op in stage2:
+        for t in names([op], "inputs")[0]:
+            if t.startswith("Restored___"):
+                assert restores[t] < i
+    assert {"Restored___x", "Restored___MatMul:0"} <= read
+
+
+def test_main_graph_output_is_no_reason_to_keep_the_identity():
+    """PostNRepl keeps an Identity whose output is a graph output; PopART's main graph has
+    none (the ONNX outputs are not marked), so only anchors keep it there."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "x")
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.relu([x])],
+                                      reduction=popart.ReductionType.NoReduction)
+    y = b.aiOnnx.neg([loss])
+    b.addOutputTensor(loss)
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), cpu())
+    assert [op["type"] for op in ir_ops(s)] == ["Relu", "Neg"]
