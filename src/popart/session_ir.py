@@ -169,8 +169,9 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
     """Graph ``g``'s ops as PopART's patterns and transforms leave them, and ``read(t, ipu)``:
     the id an op on IPU ``ipu`` reads for tensor ``t``. OpToIdentity's Identity is removed
     by PostNRepl in an inference session when its output is not in ``keep`` (the anchors,
-    a subgraph's outputs: its readers read its input); in a pipeline, each stage boundary's ``IpuCopy`` ops
-    (``_ipu_copies``) come before the first op of the next stage."""
+    a subgraph's outputs: its readers read its input); in a pipeline, each stage
+    boundary's ``IpuCopy`` ops (``_ipu_copies``) come before the first op of the next
+    stage."""
     ops: list = []
     alias: dict = {}                 # tensor -> what PostNRepl has its readers read
     moved: dict = {}                 # (tensor, IPU) -> its copy there (IpuCopy)
@@ -266,7 +267,8 @@ def _stages(plan: Any, training: Optional[dict]) -> dict:
     of every stage but the last are recomputed with ``RecomputationType.Pipeline``."""
     if plan is None:
         return {}
-    auto = getattr(getattr(training["options"], "autoRecomputation", None), "name", "") == "Pipeline"
+    auto = getattr(getattr(training["options"], "autoRecomputation", None), "name",
+                   "") == "Pipeline"
     last = plan.num_stages - 1
     return {id(n): (s, plan.stage_ipu[s], auto and s < last)
             for s, nodes in enumerate(plan.nodes) for n in nodes}
@@ -411,8 +413,9 @@ def _stash_ops(g: Graph, edges: set, stages: dict, training: dict, infos: dict) 
     in is stashed in stage s (``Stashed___<t>``, stash size 2 (S-1) - 2 s + 1) and restored
     before the first grad op that reads it, which reads ``Restored___<t>`` as every grad op
     of stage s does (``RestoreInplace`` unless anchored or sent to a later stage; ``restore``:
-    t -> (s, id(the forward op whose grad op reads it at the latest), the op)). With ``RecomputationType.Pipeline`` only each stage's inputs are
-    stashed (the rest is recomputed)."""
+    t -> (s, id(the forward op whose grad op reads it at the latest), the op)). With
+    ``RecomputationType.Pipeline`` only each stage's inputs are stashed (the rest is
+    recomputed)."""
     out: dict = {"stash": [], "restore": {}}
     if not stages:
         return out
