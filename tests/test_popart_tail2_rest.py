@@ -88,3 +88,51 @@ def test_popxl_float8_as_numpy_is_popxl_record_and_round_trips(name, bits):
         new = np.array([(bits | 0x80,), (bits,)], record)
         s.write_variable_data(v, new)
         np.testing.assert_array_equal(s.get_tensor_data(v).view(np.uint8), [bits | 0x80, bits])
+
+
+# ---------------------------------------------------------------- ALS past float16's maximum
+def test_als_float16_reduce_loss_scaled_past_float16_range():
+    """A float16 loss from ReduceSum (not Nll / L1) with ALS and a loss scale of 2**17:
+    EnsureFp32LossScale (ensurefp32lossscale.cpp) makes the loss scale float32, the
+    single-input grad ops from it (IdentityLoss, ReduceSum: pass-through) give float32, and
+    the first other grad op (the last MatMul's) computes from its float16 inputs cast up and
+    casts its gradients down to float16. So dW2 = fp16(r32^T @ full(2**17)) (finite), and the
+    weights train as with a scale of 1024 (scaling by powers of two is exact)."""
+    from popart import testing
+    batch, I, H, O = 16, 4, 5, 3
+    rs = np.random.RandomState(3)
+    xv = (rs.randn(batch, I) * 0.01).astype(np.float16)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT16", [batch, I]), "x")
+    w1 = b.addInitializedInputTensor((rs.randn(I, H) * 0.5).astype(np.float16), "w1")
+    w2 = b.addInitializedInputTensor((rs.randn(H, O) * 0.05).astype(np.float16), "w2")
+    r = b.aiOnnx.relu([b.aiOnnx.matmul([x, w1])])
+    y = b.aiOnnx.matmul([r, w2])
+    loss = b.aiGraphcore.identityloss([b.aiOnnx.reducesum([y], keepdims=0)])
+    opts = popart.SessionOptions()
+    opts.automaticLossScalingSettings.enabled = True
+    anchors = {t: popart.AnchorReturnType("ALL") for t in ("finalLossScale", r, GRAD + w2)}
+    trained = {}
+    for ls in (1024.0, 2.0 ** 17):
+        s = popart.TrainingSession(
+            b.getModelProto(), popart.DataFlow(1, anchors), loss,
+            popart.SGD({"defaultLearningRate": (0.1, False), "lossScaling": (ls, False)}),
+            CPU(), userOptions=opts)
+        s.prepareDevice()
+        s.weightsFromHost()
+        a = s.initAnchorArrays()
+        s.run(popart.PyStepIO({x: xv}, a))
+        assert a["finalLossScale"] == ls
+        want = (a[r].astype(F32).T @ np.full((batch, O), ls, F32)).astype(np.float16)
+        np.testing.assert_array_equal(a[GRAD + w2], want)
+        trained[ls] = []
+        for w in (w1, w2):
+            s.weightsToHost()
+            wv = np.zeros(s.getInfo(w).shape(), np.float16)
+            s.readWeights(popart.PyWeightsIO({w: wv}))
+            trained[ls].append(wv)
+    program = testing.step_program(s)
+    assert program.float32_loss == loss and y in program.float32_region
+    for got, want in zip(trained[2.0 ** 17], trained[1024.0]):
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, want)

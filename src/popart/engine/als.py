@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import OptimizerError, OptionError, popart_exception
-from .._ir.graph import Graph
+from .._ir.graph import Graph, reads
 from .._ir.transforms import gradient_flow
 from ..logging import getLogger
 from ..tensorinfo import TensorInfo, to_datatype
@@ -178,6 +178,36 @@ def _loss_scale_edges(graph: Graph, loss: str, specs: Mapping[str, Any], edges: 
             frontier.extend(producer[n.inputs[i]] for i in by_node.get(k, [])
                             if n.inputs[i] in producer)
     return blocked
+
+
+def float32_loss_region(graph: Graph, loss: str, keep: set, effects: set) -> frozenset:
+    """The outputs of the nodes whose gradients run in float32 with a float16 ``loss`` under
+    EnsureFp32LossScale (ensurefp32lossscale.cpp): the loss op, the ops before it whose grad
+    ops are pass-through (:data:`PASS_THROUGH_GRAD_OPS`: single input, float32 once the
+    loss scale is) and the first other ops (their grad ops take their float16 inputs cast
+    up and give float16 gradients cast down). For a loss op in :data:`MPLGO_LOSS_OPS` the
+    loss op alone. The region runs as one function (``lower.run_float32_loss``), so it
+    holds only nodes whose outputs nothing outside it reads, none in ``keep`` (probed or
+    tracked tensors) and none with side effects (``effects``: id(node))."""
+    producer = {o: k for k, n in enumerate(graph.nodes) for o in n.outputs if o}
+    if loss not in producer:
+        return frozenset()
+    first = producer[loss]
+    region = {first}
+    consumers = graph.consumers()
+    grows = lambda n: n.op_type in PASS_THROUGH_GRAD_OPS and \
+        graph.nodes[first].op_type not in MPLGO_LOSS_OPS   # noqa: E731
+    wanted = {producer[t] for t in reads(graph.nodes[first]) if t in producer} \
+        if grows(graph.nodes[first]) else set()
+    for k in range(first - 1, -1, -1):   # reverse graph order: a node's readers come first
+        n = graph.nodes[k]
+        outs = [o for o in n.outputs if o]
+        if k in wanted and id(n) not in effects and not keep.intersection(outs) and all(
+                any(u is graph.nodes[r] for r in region) for o in outs for u in consumers.get(o, [])):
+            region.add(k)
+            if grows(n):
+                wanted |= {producer[t] for t in reads(n) if t in producer}
+    return frozenset(o for k in region for o in graph.nodes[k].outputs if o)
 
 
 def tracked_tensors(settings: Any, graph: Graph, loss: str, variables: Sequence[str],

@@ -98,6 +98,7 @@ class TraceState:
     remat: Optional["Remat"] = None      # recomputation: the top graph's recompute segments
     float32_loss: Optional[str] = None   # a float16 loss whose gradient runs in float32 ...
     loss32: Any = None                   # ... and its value as float32, to scale and differentiate
+    float32_region: frozenset = frozenset()   # outputs of the nodes run with it (als.float32_loss_region)
     effects: Optional[set] = None        # when a set: collects id(node) of nodes with side effects
     _counter: itertools.count = field(default_factory=itertools.count)
     rng_draws: int = 0
@@ -544,7 +545,11 @@ def execute(graph: Graph, feeds: Mapping[str, Any], state: TraceState,
             continue
         before = state.footprint() if state.effects is not None else None
         if state.float32_loss is not None and state.float32_loss in node.outputs:
-            outs = run_float32_loss(node, graph, env, state)
+            made = run_float32_loss(node, graph, env, state)
+            local.update({t: v for t, v in made.items() if t not in node.outputs})
+            outs = [made.get(t) for t in node.outputs]
+        elif state.float32_region.intersection(node.outputs):
+            continue   # runs with the float16 loss (run_float32_loss)
         else:
             outs = lower_node(node, graph, env, state)
         if before is not None and state.footprint() != before:
@@ -638,19 +643,29 @@ def run_segment(seg: Segment, graph: Graph, env: Mapping[str, Any], state: Trace
     return {**known, **dict(zip([t for t in seg.gives if t not in known], out))}
 
 
-def run_float32_loss(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceState) -> list:
-    """A float16 loss op (Nll, SoftmaxNll, L1) as PopART's mixed-precision loss-grad ops run it
-    under EnsureFp32LossScale: the forward pass in float16 as usual, the backward pass in
-    float32 from a float32 loss (``state.loss32``), so that a loss scale above float16's
-    range reaches the inputs' gradients (then float16) without overflowing. Returns the
-    node's outputs (the loss in float16, as without this)."""
-    traced, fixed, diff = _split_reads(reads(node), env)
+def run_float32_loss(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceState) -> dict:
+    """A float16 loss op as PopART runs its gradient under EnsureFp32LossScale, with the nodes
+    of ``state.float32_region`` before it (none for Nll, SoftmaxNll, L1, whose
+    mixed-precision grad ops take the float32 scale): the forward pass in float16 as usual,
+    the backward pass in float32 from a float32 loss (``state.loss32``) with the region's
+    float16 inputs cast up, so that a loss scale above float16's range reaches their
+    gradients (then cast to float16) without overflowing. Returns every output of the
+    region's nodes (the loss in float16, as without this)."""
+    nodes = [n for n in graph.nodes if n is node or state.float32_region.intersection(n.outputs)]
+    made = {o for n in nodes for o in n.outputs if o}
+    traced, fixed, diff = _split_reads(
+        list(dict.fromkeys(t for n in nodes for t in reads(n) if t not in made)), env)
 
-    def loss(vals: tuple, upcast: bool) -> Any:   # the loss ops have the loss as one output
+    def run(vals: tuple, upcast: bool) -> dict:
         vals = [v.astype(jnp.float32) if upcast and d and v.dtype == jnp.float16 else v
                 for v, d in zip(vals, diff)]
-        got = lower_node(node, graph, {**fixed, **dict(zip(traced, vals))}, state)
-        return jnp.asarray(got[0]).astype(jnp.float32)
+        local = {**fixed, **dict(zip(traced, vals))}
+        for n in nodes:
+            local.update((t, v) for t, v in zip(n.outputs, lower_node(n, graph, local, state)) if t)
+        return local
+
+    def loss(vals: tuple, upcast: bool) -> Any:
+        return jnp.asarray(run(vals, upcast)[state.float32_loss]).astype(jnp.float32)
 
     def bwd(vals: tuple, ct: Any) -> tuple:
         _, vjp = jax.vjp(lambda *v: loss(v, True), *vals)
@@ -662,8 +677,13 @@ def run_float32_loss(node: Node, graph: Graph, env: Mapping[str, Any], state: Tr
         return loss(vals, False)
 
     f.defvjp(lambda vals: (loss(vals, False), vals), bwd)
-    state.loss32 = f(tuple(env[t] for t in traced))
-    return [state.loss32.astype(jnp.float16)]
+    vals = tuple(env[t] for t in traced)
+    state.loss32 = f(vals)
+    out: dict = {}
+    if made != set(node.outputs):   # the region's other tensors (anchors may read them)
+        got = run(tuple(map(jax.lax.stop_gradient, vals)), False)
+        out = {t: got[t] for t in made}
+    return {**out, state.float32_loss: state.loss32.astype(jnp.float16)}
 
 
 @dataclass
@@ -703,7 +723,8 @@ def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: 
           probes: Optional[Mapping[str, Any]] = None, remat: Optional[Remat] = None,
           effects: Optional[set] = None,
           taps: Optional[Mapping[str, Callable[[Any], Any]]] = None,
-          float32_loss: Optional[str] = None, checks: Sequence[RunCheck] = ()) -> Trace:
+          float32_loss: Optional[str] = None, float32_region: frozenset = frozenset(),
+          checks: Sequence[RunCheck] = ()) -> Trace:
     """Trace ``graph`` once on ``feeds`` (and ``weights``, which override initializers):
     the engine's one entry for front-ends. ``key`` is the base PRNG key (default key(0));
     ``replica_axis`` the vmap / shard_map axis replicas run under; ``probes`` zero tensors
@@ -712,7 +733,8 @@ def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: 
     records statistics of the gradient, e.g. ``als.AlsPlan.tap``); ``remat`` the graph's
     recompute segments; ``effects`` a set that collects id(node) of the nodes with side
     effects (what a segment may not hold); ``float32_loss`` a float16 loss whose gradient
-    runs in float32 (:func:`run_float32_loss`, :meth:`Trace.scalable_loss`); ``checks`` the
+    runs in float32 (:func:`run_float32_loss`, :meth:`Trace.scalable_loss`) with the nodes
+    making ``float32_region``; ``checks`` the
     run-time checks a plan found (``Trace.checks`` of its abstract trace): they keep their ids
     there, so records of this trace index the plan's registry (a step's facts come from its
     plan, never from tracing the step)."""
@@ -720,7 +742,8 @@ def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: 
                        replication_factor=replication_factor, options=options,
                        probes=probes or {}, taps=taps or {},
                        platform=platform or jax.default_backend(), remat=remat, effects=effects,
-                       float32_loss=float32_loss, registry=list(checks))
+                       float32_loss=float32_loss, float32_region=float32_region,
+                       registry=list(checks))
     return Trace(execute(graph, feeds, state, weights=weights), state)
 
 

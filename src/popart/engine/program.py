@@ -253,6 +253,7 @@ class StepProgram:
         self.host_anchors: set = set()            # anchors the session writes (optimizer scalars)
         self.segments: list = []                  # recomputation (ir.recompute.segments)
         self.float32_loss: Optional[str] = None   # ALS: a float16 loss differentiated in float32
+        self.float32_region: frozenset = frozenset()   # ... with these tensors' nodes (als.py)
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
         self.rts = _rts.Layout(self.placement)    # replicated tensor sharding (plan() chooses)
         # its IPUs on devices of their own: a pipeline.PlacedPlan (pipeline.plan_program makes
@@ -270,6 +271,7 @@ class StepProgram:
                      options=self.cfg.options, probes=probes, platform=self.placement.platform,
                      remat=remat, effects=effects, taps=taps,
                      float32_loss=self.float32_loss if training else None,
+                     float32_region=self.float32_region if training else frozenset(),
                      checks=self.run_checks)   # plan()'s: the step's checks keep their ids
 
     @staticmethod
@@ -369,10 +371,12 @@ class StepProgram:
             self.trainable = [k for k in self.variables if k not in self.assigned]
             if cfg.als is not None:
                 self._plan_als(out["specs"])
-                loss_op = self.graph.producer().get(cfg.loss)
-                if loss_op is not None and loss_op.op_type in _als.MPLGO_LOSS_OPS and \
-                        np.dtype(out["specs"][cfg.loss].dtype) == np.float16:
+                if np.dtype(out["specs"][cfg.loss].dtype) == np.float16:
                     self.float32_loss = cfg.loss   # EnsureFp32LossScale: a float32 loss scale
+                    keep = {a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)}
+                    keep |= set(self.als.tracked)
+                    self.float32_region = _als.float32_loss_region(self.graph_consts, cfg.loss,
+                                                                   keep, effects)
             self._plan_recompute(out["specs"], out["traced"], out["known"], effects)
         opt_ids = set(self.opt_state_ids())
         self.rts = _rts.choose(cfg.options, self.placement, self.variables, self.init_opt_state(),
@@ -452,7 +456,7 @@ class StepProgram:
             return
         probed = {a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)}
         probed |= set(self.als.tracked) if self.als is not None else set()
-        probed |= {self.float32_loss} if self.float32_loss else set()   # run_float32_loss
+        probed |= {self.float32_loss} | self.float32_region if self.float32_loss else set()
         nodes = self.graph_consts.nodes
         outs = [[o for o in n.outputs if o] for n in nodes]
         static = {i for i, n in enumerate(nodes) if id(n) not in effects
