@@ -1,8 +1,8 @@
 """Host-side float8 helpers. On the host, float8 data are PopXL's NumPy arrays of uint8
 records, ``np.dtype([("float8_143", "u1")])`` (``popxl.dtypes.np_dtype_float8_143``) and
 ``[("float8_152", "u1")]`` (``popxl.float8_143.as_numpy()``): the format's bits, one byte
-each. On the device (``popxl.float8_143.as_device_numpy()``) they are ml_dtypes' float8_e4m3fnuz / float8_e5m2fnuz, the
-same bytes (:func:`from_host_fp8` / :func:`to_host_fp8` view one as the other)."""
+each. On the device (``popxl.float8_143.as_device_numpy()``) they are ml_dtypes'
+float8_e4m3fnuz / float8_e5m2fnuz, the same bytes (:func:`from_host_fp8` / :func:`to_host_fp8` view one as the other)."""
 from __future__ import annotations
 
 from collections import namedtuple

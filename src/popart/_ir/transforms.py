@@ -6,6 +6,8 @@ does the equivalent on its own. The ones here change numbers, so the training IR
 * ``SoftmaxGradDirect``: Softmax followed by Nll differentiates as (p - onehot) * scale with
   respect to the softmax's input, not through Nll's clamped -1/p.
 * ``NlllWithSoftmaxGradDirect``: the fused op also computes the loss, as -log(p + 1e-7).
+* DynamicOpTransform: a ``noOverlap`` DynamicSlice's gradient overwrites the gradient of the
+  tensor it reads (``overwrite_no_overlap_grads``).
 """
 from __future__ import annotations
 

@@ -202,8 +202,10 @@ def float32_loss_region(graph: Graph, loss: str, keep: set, effects: set) -> fro
     for k in range(first - 1, -1, -1):   # reverse graph order: a node's readers come first
         n = graph.nodes[k]
         outs = [o for o in n.outputs if o]
-        if k in wanted and id(n) not in effects and not keep.intersection(outs) and all(
-                any(u is graph.nodes[r] for r in region) for o in outs for u in consumers.get(o, [])):
+        if k not in wanted or id(n) in effects or keep.intersection(outs):
+            continue
+        inside = {id(graph.nodes[r]) for r in region}
+        if all(id(u) in inside for o in outs for u in consumers.get(o, [])):
             region.add(k)
             if grows(n):
                 wanted |= {producer[t] for t in reads(n) if t in producer}

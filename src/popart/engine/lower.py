@@ -98,7 +98,7 @@ class TraceState:
     remat: Optional["Remat"] = None      # recomputation: the top graph's recompute segments
     float32_loss: Optional[str] = None   # a float16 loss whose gradient runs in float32 ...
     loss32: Any = None                   # ... and its value as float32, to scale and differentiate
-    float32_region: frozenset = frozenset()   # outputs of the nodes run with it (als.float32_loss_region)
+    float32_region: frozenset = frozenset()   # ... with the nodes making these (als.py)
     effects: Optional[set] = None        # when a set: collects id(node) of nodes with side effects
     _counter: itertools.count = field(default_factory=itertools.count)
     rng_draws: int = 0

@@ -373,8 +373,8 @@ class StepProgram:
                 self._plan_als(out["specs"])
                 if np.dtype(out["specs"][cfg.loss].dtype) == np.float16:
                     self.float32_loss = cfg.loss   # EnsureFp32LossScale: a float32 loss scale
-                    keep = {a[len(GRAD_PREFIX):] for a in self.anchor_ids if a.startswith(GRAD_PREFIX)}
-                    keep |= set(self.als.tracked)
+                    keep = set(self.als.tracked) | {a[len(GRAD_PREFIX):] for a in self.anchor_ids
+                                                    if a.startswith(GRAD_PREFIX)}
                     self.float32_region = _als.float32_loss_region(self.graph_consts, cfg.loss,
                                                                    keep, effects)
             self._plan_recompute(out["specs"], out["traced"], out["known"], effects)
