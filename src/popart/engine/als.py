@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import OptimizerError, OptionError, popart_exception
-from .._ir.graph import Graph, reads
+from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
 from .._ir.transforms import gradient_flow
 from ..logging import getLogger
 from ..tensorinfo import TensorInfo, to_datatype
@@ -188,13 +188,14 @@ def float32_loss_region(graph: Graph, loss: str, keep: set, effects: set) -> fro
     up and give float16 gradients cast down). For a loss op in :data:`MPLGO_LOSS_OPS` the
     loss op alone. The region runs as one function (``lower.run_float32_loss``), so it
     holds only nodes whose outputs nothing outside it reads, none in ``keep`` (probed or
-    tracked tensors) and none with side effects (``effects``: id(node))."""
+    tracked tensors), none with side effects (``effects``: id(node)) and none placed
+    elsewhere than the loss op (a placed program runs each stage's nodes apart)."""
     producer = {o: k for k, n in enumerate(graph.nodes) for o in n.outputs if o}
     if loss not in producer:
         return frozenset()
     first = producer[loss]
     region = {first}
-    consumers = graph.consumers()
+    consumers, placed = graph.consumers(), (VIRTUAL_GRAPH, PIPELINE_STAGE)
     grows = lambda n: n.op_type in PASS_THROUGH_GRAD_OPS and \
         graph.nodes[first].op_type not in MPLGO_LOSS_OPS   # noqa: E731
     wanted = {producer[t] for t in reads(graph.nodes[first]) if t in producer} \
@@ -202,7 +203,8 @@ def float32_loss_region(graph: Graph, loss: str, keep: set, effects: set) -> fro
     for k in range(first - 1, -1, -1):   # reverse graph order: a node's readers come first
         n = graph.nodes[k]
         outs = [o for o in n.outputs if o]
-        if k not in wanted or id(n) in effects or keep.intersection(outs):
+        if k not in wanted or id(n) in effects or keep.intersection(outs) or any(
+                n.annotations.get(a) != graph.nodes[first].annotations.get(a) for a in placed):
             continue
         inside = {id(graph.nodes[r]) for r in region}
         if all(id(u) in inside for o in outs for u in consumers.get(o, [])):
