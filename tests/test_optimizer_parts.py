@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import popart
-from popart.optimizers import GradientNorms, clip_by_norm, unscale
+from popart.optimizers import (Context, GradientNorms, chain, clip_by_norm, local_sum_squares,
+                               rule_part, unscale, unscale_part, whole_tensors)
 
 RS = np.random.RandomState(3)
 W = {k: RS.randn(*s).astype(np.float32) for k, s in (("a", (3, 4)), ("b", (5,)), ("c", (2, 2)))}
@@ -47,11 +48,42 @@ def test_apply_is_the_chain_of_its_parts():
         np.testing.assert_array_equal(np.asarray(new_w[k]), np.asarray(chain_w[k]))
     for k in new_s:
         np.testing.assert_array_equal(np.asarray(new_s[k]), np.asarray(chain_s[k]))
-    # clip=False skips clipping only: the update of the unclipped gradients
-    raw_w, _ = opt.apply(W, G, state, {}, clip=False)
+
+
+def test_chain_without_clip_is_the_update_of_the_unclipped_gradients():
+    """The parts compose: a chain of unscale and the rule alone skips clipping only."""
+    opt = lamb()
+    state = {k: v for w in W for k, v in opt.init_state(w, W[w]).items()}
+    ctx = Context(opt, {}, 8.0, GradientNorms(), whole_tensors, list(W))
+    _, raw_w, _ = chain(unscale_part(), rule_part(opt)).update(dict(G), dict(W), state, ctx)
     ref_w, _ = opt.update(W, unscale(G, 8.0), state, {}, 8.0)
+    clipped_w, _ = opt.apply(W, G, state, {})
     np.testing.assert_array_equal(np.asarray(raw_w["a"]), np.asarray(ref_w["a"]))
-    assert not np.allclose(np.asarray(raw_w["a"]), np.asarray(new_w["a"]))
+    assert not np.allclose(np.asarray(raw_w["a"]), np.asarray(clipped_w["a"]))
+
+
+def test_engine_supplied_per_weight_runs_the_rule():
+    """The engine's ``per_weight`` decides how the rule meets the stored form: here each
+    weight apart, which for an elementwise rule (SGD) gives the same numbers."""
+    opt = popart.SGD({"defaultLearningRate": (0.1, True), "defaultMomentum": (0.9, True),
+                      "lossScaling": (8.0, True)}, clip_norm_settings=CLIPS)
+    state = {k: v for w in W for k, v in opt.init_state(w, W[w]).items()}
+    calls = []
+
+    def one_by_one(rule, w, g, s):
+        out_w, out_s = {}, {}
+        for k in w:
+            calls.append(k)
+            nw, ns = rule({k: w[k]}, {k: g[k]}, s, local_sum_squares)
+            out_w.update(nw)
+            out_s.update(ns)
+        return out_w, out_s
+    got_w, got_s = opt.apply(W, G, state, {}, per_weight=one_by_one)
+    want_w, want_s = opt.apply(W, G, state, {})
+    assert calls == list(W)
+    for k in W:
+        np.testing.assert_array_equal(np.asarray(got_w[k]), np.asarray(want_w[k]))
+    assert set(got_s) == set(want_s) == {"Accl___" + k for k in W}
 
 
 def test_engine_supplied_norms_are_used():

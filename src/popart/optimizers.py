@@ -6,6 +6,7 @@ The update formulas and the composition: docs/optimizers.md.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import jax.numpy as jnp
@@ -184,6 +185,86 @@ def clip_by_norm(settings: Iterable["ClipNormSettings"], g: Mapping[str, Array],
     return g
 
 
+# ----------------------------------------------------------------- the parts and their chain
+# How an engine runs a per-weight rule over its stored form: (rule, weights, grads, state) ->
+# (weights, state), ``rule(weights, grads, state, sum_squares)`` taking dicts of whole tensors
+# (or of replica shards, with ``sum_squares`` summing over the shards).
+PerWeight = Callable[[Callable, dict, dict, dict], tuple[dict, dict]]
+
+
+def whole_tensors(rule: Callable, w: dict, g: dict, s: dict) -> tuple[dict, dict]:
+    """Weights held whole on one device: the rule on all of them, local sums of squares."""
+    return rule(w, g, s, local_sum_squares)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What one update's parts read: the optimizer (its per-weight values), the runtime
+    hyper-parameters, the loss scaling, and the engine's ``norms``, ``per_weight`` and
+    trainable weight ids."""
+    optimizer: "Optimizer"
+    hyper: Mapping[str, Array]
+    ls: Any
+    norms: GradientNorms
+    per_weight: PerWeight
+    trainable: list[str]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A part of an optimizer, as optax's ``GradientTransformation(init, update)``:
+    ``init(optimizer, weight_id, w)`` -> the state it keeps for a weight (prefix -> (dtype,
+    initial value)), ``update(g, w, s, ctx)`` -> (g, w, the state entries it wrote)."""
+    init: Callable[["Optimizer", str, Array], dict[str, tuple[np.dtype, float]]]
+    update: Callable[[dict, dict, dict, Context], tuple[dict, dict, dict]]
+
+
+def _no_state(optimizer: "Optimizer", weight_id: str, w: Array) -> dict:
+    return {}
+
+
+def chain(*parts: Transform) -> Transform:
+    """The parts one after another (optax's ``chain``): their states side by side."""
+    def init(opt: "Optimizer", weight_id: str, w: Array) -> dict:
+        return {k: v for p in parts for k, v in p.init(opt, weight_id, w).items()}
+
+    def update(g: dict, w: dict, s: dict, ctx: Context) -> tuple[dict, dict, dict]:
+        written: dict = {}
+        for p in parts:
+            g, w, out = p.update(g, w, {**s, **written}, ctx)
+            written.update(out)
+        return g, w, written
+    return Transform(init, update)
+
+
+def map_grads(fn: Callable[[Array], Array]) -> Transform:
+    """A stateless part applying ``fn`` to each gradient."""
+    return Transform(_no_state, lambda g, w, s, ctx: ({k: fn(v) for k, v in g.items()}, w, {}))
+
+
+def unscale_part() -> Transform:
+    """:func:`unscale` by the update's loss scaling."""
+    return Transform(_no_state, lambda g, w, s, ctx: (unscale(g, ctx.ls), w, {}))
+
+
+def clip_part(settings: Iterable["ClipNormSettings"]) -> Transform:
+    """:func:`clip_by_norm` with the engine's norms over its trainable weights."""
+    settings = list(settings)
+    return Transform(_no_state, lambda g, w, s, ctx: (
+        clip_by_norm(settings, g, ctx.trainable, ctx.norms) if settings else g, w, {}))
+
+
+def rule_part(optimizer: "Optimizer") -> Transform:
+    """``optimizer``'s per-weight rule (:meth:`Optimizer.update`), run by the engine's
+    ``per_weight``; its state is ``optimizer._state_spec``."""
+    def update(g: dict, w: dict, s: dict, ctx: Context) -> tuple[dict, dict, dict]:
+        def rule(w, g, s, sum_squares):
+            return optimizer.update(w, g, s, ctx.hyper, ctx.ls, sum_squares)
+        w2, s2 = ctx.per_weight(rule, w, g, s)
+        return g, {**w, **w2}, s2
+    return Transform(lambda opt, wid, w: opt._state_spec(wid, w), update)
+
+
 class Optimizer:
     """Base of PopART's optimizers: hyper-parameter maps, loss scaling, clip norms and the
     engine-facing interface (``non_const_feed``, ``check_compatible``, ``init_state``, ``apply``).
@@ -314,6 +395,28 @@ class Optimizer:
                 raise OptimizerError(f"{where}: {what} is const ({old.val()}) and cannot "
                                      f"change; got {nv.val()}")
 
+    def has_specific(self, weight_id: str) -> bool:
+        """Whether ``weight_id`` has values of its own (``insertSpecific``)."""
+        return any(m.hasSpecific(weight_id) for m in self._maps.values())
+
+    def has_accumulator(self, weight_id: str) -> bool:
+        """Whether gradient accumulation keeps ``Accum___<weight_id>`` (PopART's gradient
+        accumulator) apart from the optimizer's state."""
+        return True
+
+    def var_update_type(self, weight_id: str) -> str:
+        """PopART's var-update op type for a weight (in the IR's JSON)."""
+        return f"{self.type_name()}VarUpdate"
+
+    def scalar_rows(self, v: Callable[[str], OptimizerValue], ls: OptimizerValue,
+                    f: Mapping[str, Any]) -> list[tuple[str, float, tuple]]:
+        """PopART's compound scalars of one weight (compoundscalarhelper.hpp): (prefix,
+        value, the OptimizerValues that make it non-const) of the optimizer's combo op's
+        inputs; ``v(name)`` the weight's values, ``f`` the reduction facts (``ga``:
+        accumulating, ``mean``, ``A``, ``R``, ``paf`` / ``prf``: the post accumulation /
+        replication factors)."""
+        return []
+
     def accum_dtype(self, weight_dtype: Any) -> np.dtype:
         """dtype of the gradient accumulator (``Accum___``) of a weight of ``weight_dtype``."""
         return _dtype(self.accum_type, weight_dtype)
@@ -321,7 +424,7 @@ class Optimizer:
     def init_state(self, weight_id: str, w: np.ndarray) -> dict[str, np.ndarray]:
         """Initial optimizer state of one weight, keyed by PopART's reserved names."""
         return {p + weight_id: np.full(() if p == "Step___" else np.shape(w), fill, dtype)
-                for p, (dtype, fill) in self._state_spec(weight_id, w).items()}
+                for p, (dtype, fill) in self.transform().init(self, weight_id, w).items()}
 
     def value(self, hyper: Mapping[str, Array], ov: OptimizerValue, key: str) -> Any:
         """A hyper-parameter's value: the constant, or the runtime value ``hyper[key]``."""
@@ -332,22 +435,28 @@ class Optimizer:
                                  f"non-const hyper-parameter '{key}'")
         return jnp.asarray(hyper[key], jnp.float32)
 
-    def apply(self, weights: Mapping[str, Array], grads: Mapping[str, Array],
-              state: Mapping[str, Array], hyper: Mapping[str, Array], *, clip: bool = True,
-              sum_squares: Callable[[Array], Array] = local_sum_squares
-              ) -> tuple[dict[str, Array], dict[str, Array]]:
-        """One update of ``weights`` from the loss-scaled ``grads``; returns (weights, state).
+    def transform(self) -> "Transform":
+        """The optimizer as a chain of parts: :func:`unscale_part`, :func:`clip_part` of its
+        clip norm settings, then its per-weight rule (:meth:`update`). A new optimizer
+        overrides this (and :meth:`_state_spec` when its rule keeps state)."""
+        return chain(unscale_part(), clip_part(self.clip_norm_settings), rule_part(self))
 
-        The chain of parts: :func:`unscale`, :func:`clip_by_norm` over these weights (an
-        engine whose weights span devices clips first with its own norms and passes
-        ``clip=False``), then :meth:`update`. ``sum_squares`` sums a tensor's squares (an
-        engine updating shards sums the shards' partial sums over their mesh axis).
-        ``hyper`` holds the non-const values keyed as in :meth:`non_const_feed`."""
-        ls = self.value(hyper, self._ls, "lossScaling")
-        g = unscale({k: grads[k] for k in weights}, ls)
-        if clip:
-            g = clip_by_norm(self.clip_norm_settings, g, list(weights))
-        return self.update(weights, g, state, hyper, ls, sum_squares)
+    def apply(self, weights: Mapping[str, Array], grads: Mapping[str, Array],
+              state: Mapping[str, Array], hyper: Mapping[str, Array],
+              norms: "GradientNorms | None" = None, per_weight: "PerWeight | None" = None,
+              trainable: "list[str] | None" = None
+              ) -> tuple[dict[str, Array], dict[str, Array]]:
+        """One update of ``weights`` from the loss-scaled ``grads``: :meth:`transform`'s
+        chain; returns (weights, state). The engine supplies how clipping sums a group's
+        squares (``norms``), how a per-weight rule runs over its stored form (``per_weight``)
+        and the ids of the trainable weights (default: ``weights``' keys). ``hyper`` holds
+        the non-const values keyed as in :meth:`non_const_feed`."""
+        ctx = Context(self, hyper, self.value(hyper, self._ls, "lossScaling"),
+                      norms or GradientNorms(), per_weight or whole_tensors,
+                      list(weights) if trainable is None else list(trainable))
+        _, w, s = self.transform().update({k: v for k, v in grads.items() if k in weights},
+                                          dict(weights), dict(state), ctx)
+        return w, s
 
     def update(self, weights: Mapping[str, Array], g: Mapping[str, Array],
                state: Mapping[str, Array], hyper: Mapping[str, Array], ls: Any,
@@ -406,10 +515,61 @@ class SGD(Optimizer):
         self.accumulatorAndMomentum = SGDAccumulatorAndMomentum(accumulatorAndMomentum)
         self.accum_type, self.accl1_type = to_datatype(accumType), to_datatype(accl1Type)
 
-    def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
+    def _has_momentum(self, weight_id: str) -> bool:
         mm = self.hyper_value(weight_id, "momentum")
-        has_momentum = not mm.isConst() or mm.val() != 0.0
-        return {"Accl___": (_dtype(self.accl1_type, w.dtype), 0.0)} if has_momentum else {}
+        return not mm.isConst() or mm.val() != 0.0
+
+    def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
+        return {"Accl___": (_dtype(self.accl1_type, w.dtype), 0.0)} \
+            if self._has_momentum(weight_id) else {}
+
+    def _combined(self) -> bool:
+        return self.accumulatorAndMomentum == SGDAccumulatorAndMomentum.Combined
+
+    def has_accumulator(self, weight_id: str) -> bool:
+        """SGD1 (momentum combined with the accumulator) keeps both in ``Accl___``."""
+        return not (self._combined() and self._has_momentum(weight_id))
+
+    def var_update_type(self, weight_id: str) -> str:
+        """SGD0 without momentum, SGD1 / SGD2 with it (combined / separate accumulators)."""
+        if not self._has_momentum(weight_id):
+            return "SGD0VarUpdate"
+        return "SGD1VarUpdate" if self._combined() else "SGD2VarUpdate"
+
+    def scalar_rows(self, v, ls, f):
+        """SGD0 / SGD1 / SGD2's compound scalars (SGD::getInputIds)."""
+        lr, wd, mm, dp, vs = (v(n) for n in ("learningRate", "weightDecay", "momentum",
+                                             "dampening", "velocityScaling"))
+        if mm.isConst() and mm.val() == 0.0:   # SGD0
+            return [("scaledLearningRate0", lr.val() * (1 - dp.val()) /
+                     (ls.val() * f["paf"] * f["prf"]), (lr, dp, ls)),
+                    ("weightDecayScaleFactor0", 1 - lr.val() * (1 - dp.val()) * wd.val(),
+                     (lr, dp, wd))]
+        swd = ("scaledWeightDecay1", (1 - dp.val()) * wd.val() * vs.val(), (dp, wd, vs))
+        if self._combined():   # SGD1
+            rf = f["R"] if f["ga"] else 1.0
+            rfd = f["R"] if f["ga"] and not f["mean"] else \
+                1.0 / f["R"] if not f["ga"] and f["mean"] else 1.0
+            afd = f["A"] if f["mean"] else 1.0
+            rows = [swd, ("scaledLearningRate1", lr.val() / (vs.val() * rf), (lr, vs)),
+                    ("scaledMomentum1", mm.val() / rf, (mm,)),
+                    ("dampeningScaleFactor1", (1 - dp.val()) * vs.val() * rfd /
+                     (ls.val() * afd), (dp, vs, ls))]
+            nesterov = [("nesterovDampeningScaleFactor1", f["paf"] /
+                         ((1 - dp.val()) * vs.val() * rfd), (dp, vs, ls)),
+                        ("nesterovGradScaleFactor1", vs.val() * rf, (vs,))]
+        else:   # SGD2
+            rows = [swd, ("scaledLearningRate2", lr.val() / vs.val(), (lr, vs)),
+                    ("scaledMomentum2", mm.val(), (mm,)),
+                    ("dampeningScaleFactor2", (1 - dp.val()) * vs.val() /
+                     (ls.val() * f["paf"] * f["prf"]), (dp, vs, ls))]
+            nesterov = [("nesterovDampeningScaleFactor2", f["paf"] * f["prf"] /
+                         ((1 - dp.val()) * vs.val()), (dp, vs, ls)),
+                        ("nesterovGradScaleFactor2", vs.val(), (vs,))]
+        if v("nesterov").val() != 0 and mm.val() > 0:   # SGD::enableNesterov
+            rows += nesterov + [("sgdMomentum", mm.val(), (mm,)),
+                                ("sgdWeightDecay", wd.val(), (wd,))]
+        return rows
 
     def _update(self, w, g, s, h, ls, sum_squares):
         mm, dm, wd, lr, vs = (h[k] for k in ("momentum", "dampening", "weightDecay",
@@ -467,6 +627,22 @@ class Adam(Optimizer):
         return {"Accl1___": (_dtype(self.accl1_type, w.dtype), 0.0),
                 "Accl2___": (_dtype(self.accl2_type, w.dtype), 0.0),
                 "Step___": (np.dtype(np.float32), 0.0)}
+
+    def scalar_rows(self, v, ls, f):
+        """Adam's compound scalars (Adam::getInputIds)."""
+        one, scaled = OptimizerValue(1.0, True), self.scaled_optimizer_state
+        l2 = scaled and self.weight_decay_mode == WeightDecayMode.L2Regularization
+        lr, wd = v("learningRate"), v("weightDecay")
+        return [("learningRate", lr.val(), (lr,)),
+                ("weightDecay", wd.val() * (ls.val() if l2 else 1.0), (wd, ls if l2 else one)),
+                ("adamBeta1", v("beta1").val(), (v("beta1"),)),
+                ("adamBeta2", v("beta2").val(), (v("beta2"),)),
+                ("adamEps", v("eps").val() * (ls.val() if scaled else 1.0),
+                 (v("eps"), ls if scaled else one)),
+                ("lossScaling", ls.val(), (ls,)),
+                ("maxWeightNorm", v("maxWeightNorm").val(), (v("maxWeightNorm"),)),
+                ("adamGradientScaling", 1.0 / ((1.0 if scaled else ls.val()) * f["paf"] *
+                                               f["prf"]), (one if scaled else ls,))]
 
     @property
     def elementwise_rule(self) -> bool:
@@ -535,6 +711,16 @@ class Adaptive(Optimizer):
         if not mm.isConst() or mm.val() > 0.0:
             spec["Accl3___"] = (_dtype(self.accl3_type, w.dtype), 0.0)
         return spec
+
+    def scalar_rows(self, v, ls, f):
+        """Adaptive's compound scalars (Adaptive::getInputIds)."""
+        lr, wd = v("learningRate"), v("weightDecay")
+        return [("learningRate", lr.val(), (lr,)), ("weightDecay", wd.val(), (wd,)),
+                ("adaptiveAlpha", v("alpha").val(), (v("alpha"),)),
+                ("adaptiveMomentum", v("momentum").val(), (v("momentum"),)),
+                ("adaptiveEps", v("eps").val(), (v("eps"),)),
+                ("lossScaling", ls.val(), (ls,)),
+                ("adaptiveGradientScaling", 1.0 / (ls.val() * f["paf"] * f["prf"]), (ls,))]
 
     def _update(self, w, g, s, h, ls, sum_squares):
         A = AdaptiveMode

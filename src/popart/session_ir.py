@@ -28,19 +28,6 @@ GRAD = "Gradient___"
 YES_NO = {True: "YES", False: "NO"}
 
 
-def _var_update_type(optimizer: Any, weight_id: str) -> str:
-    """PopART's var-update op type for a weight: ``SGD0VarUpdate`` for SGD without momentum,
-    ``SGD1VarUpdate`` / ``SGD2VarUpdate`` with it (combined / separate accumulators),
-    ``AdamVarUpdate``, ``AdaptiveVarUpdate``."""
-    name = optimizer.type_name()
-    if name in ("SGD", "ConstSGD"):
-        mm = optimizer.hyper_value(weight_id, "momentum") if "momentum" in optimizer.hyper_names() else None
-        if mm is None or (mm.isConst() and mm.val() == 0.0):
-            return "SGD0VarUpdate"
-        return "SGD2VarUpdate" if "Separate" in str(optimizer.accumulatorAndMomentum) else "SGD1VarUpdate"
-    return f"{name}VarUpdate"
-
-
 def _tensor(tid: str, infos: dict, index: int) -> dict:
     info: Optional[TensorInfo] = infos.get(tid) if tid in infos else \
         infos.get(tid[len(GRAD):] if tid.startswith(GRAD) else tid)
@@ -519,7 +506,7 @@ def _var_update(optimizer: Any, w: str, grad: str, infos: dict, new_id: _Ids,
     (giving ``AcclOutOfAcclUpdate___<w>``); SGD2 (``SGD2Decompose``) is
     SGD2PartialAcclUpdate and Accumulate of ``Accl1___<w>``, then SGD2VarUpdate (when
     gradients accumulate: first Accumulate into ``Accum___<w>``, zeroed after)."""
-    update = _var_update_type(optimizer, w)
+    update = optimizer.var_update_type(w)
     if update == "SGD2VarUpdate":
         return _sgd2_update(w, grad, infos, new_id, accumulating)
     if update != "SGD1VarUpdate":

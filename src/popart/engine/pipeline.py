@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import IrError, noted
 from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
 from ..logging import getLogger
-from ..optimizers import GradientNorms, clip_by_norm, local_sum_squares
+from ..optimizers import GradientNorms, local_sum_squares
 from .compiled import CompiledStep, Placement, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
@@ -81,12 +81,12 @@ def popart_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: An
 
 # ---------------------------------------------------------------------------- the program
 class _BlockNorms(GradientNorms):
-    """Clipping's view of a placed step's gradient blocks (this device's; the replica's
-    shards of those in ``sharded``), still scaled by ``ls``: a group's squares summed over
-    the IPUs (and the shards over the replicas), its factor applied to its elements."""
+    """Clipping's view of a placed step's unscaled gradient blocks (this device's; the
+    replica's shards of those in ``sharded``): a group's squares summed over the IPUs (and
+    the shards over the replicas), its factor applied to its elements."""
 
-    def __init__(self, layout: "Layout", ipus: int, ls: Any, sharded: frozenset) -> None:
-        self.layout, self.ipus, self.ls, self.sharded = layout, ipus, ls, sharded
+    def __init__(self, layout: "Layout", ipus: int, sharded: frozenset) -> None:
+        self.layout, self.ipus, self.sharded = layout, ipus, sharded
 
     def _mine(self, ids: list[str]) -> dict:
         masks = {k: np.zeros(self.ipus, bool) for k in self.layout.blocks}
@@ -98,7 +98,7 @@ class _BlockNorms(GradientNorms):
 
     def sum_squares(self, ids: list[str], g: Mapping[str, Any]) -> Any:
         mine = self._mine(ids)
-        parts = {k: jnp.where(mine[k], jnp.sum(jnp.square(v.astype(jnp.float32) / self.ls)), 0.0)
+        parts = {k: jnp.where(mine[k], jnp.sum(jnp.square(v.astype(jnp.float32))), 0.0)
                  for k, v in g.items()}
         part = sum(v for k, v in parts.items() if k not in self.sharded)
         if self.sharded & set(g):
@@ -333,7 +333,7 @@ def _row_weights(program: StepProgram, weight_layout: Layout) -> dict[str, str]:
     """Elementwise updates of whole blocks (or their shards): per weight slot, a weight
     whose optimizer values every weight of the slot shares (empty when the update needs
     each weight apart: Lamb's norms, per-weight values)."""
-    opt = program.cfg.optimizer   # clipping runs before, over all blocks (_clip)
+    opt = program.cfg.optimizer   # clipping runs before, over all blocks (_BlockNorms)
     if not program.cfg.training or not opt.elementwise_rule:
         return {}
     reps: dict[str, str] = {}
@@ -526,31 +526,33 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
         else on whole blocks (sharded accumulators all-gathered)."""
         ipus, on, views = pp.ipus, pp.update_slots, pp.view_slots
 
-        def body(w, g, s, h):
-            w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own blocks
-            g = _clip(pp, prog, g, h, views)
+        def per_weight(rule, w, g, s):   # the optimizer's rule on this device's blocks
             w, s = ({k: pp.rts.shard_local(v) if k in on - pp.rts_slots else v
                      for k, v in x.items()} for x in (w, s))
             g = pp.gather(g, views - on)
             if pp.row_weights:
-                w, s = _row_update(pp, prog, w, g, s, h)
-            else:
-                def branch(d):
-                    def f(w, g, s):
-                        mine = [k for k in trainable if wlayout.slots[k][0] == d]
-                        ws, gs = wlayout.unpack(w, d, on), wlayout.unpack(g, d, on)
-                        ss, new_w, new_s = slayout.unpack(s, d, on), {}, {}
-                        for sharded in (False, True):
-                            ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
-                            if ids:
-                                nw, ns = cfg.optimizer.apply(
-                                    {k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss, h,
-                                    clip=False, sum_squares=_sum_squares(sharded))
-                                new_w.update(nw)
-                                new_s.update(ns)
-                        return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
-                    return f
-                w, s = per_ipu([branch(d) for d in range(ipus)], w, g, s)
+                return _row_update(pp, prog, rule, w, g, s)
+
+            def branch(d):
+                def f(w, g, s):
+                    mine = [k for k in trainable if wlayout.slots[k][0] == d]
+                    ws, gs = wlayout.unpack(w, d, on), wlayout.unpack(g, d, on)
+                    ss, new_w, new_s = slayout.unpack(s, d, on), {}, {}
+                    for sharded in (False, True):
+                        ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
+                        if ids:
+                            nw, ns = rule({k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss,
+                                          _sum_squares(sharded))
+                            new_w.update(nw)
+                            new_s.update(ns)
+                    return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
+                return f
+            return per_ipu([branch(d) for d in range(ipus)], w, g, s)
+
+        def body(w, g, s, h):
+            w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own blocks
+            w, s = cfg.optimizer.apply(w, g, s, h, _BlockNorms(pp.weight_layout, ipus, views),
+                                       per_weight, list(trainable))
             w, s = (pp.gather(x, on - pp.rts_slots) for x in (w, s))
             return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
         wspec, sspec = ({k: pp.slot_spec(k) for k in x} for x in (wbufs, sbufs))
@@ -643,17 +645,6 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
     return step
 
 
-def _clip(pp: PlacedPlan, prog: StepProgram, g: dict, h: dict, sharded: frozenset) -> dict:
-    """The optimizer's gradient norm clipping on this device's gradient blocks (the
-    replica's shards of those in ``sharded``), with norms over the IPUs (and replicas)."""
-    opt = prog.cfg.optimizer
-    if not prog.cfg.training or not opt.clip_norm_settings:
-        return g
-    ls = jnp.asarray(prog.hyper_value(h, "lossScaling"), jnp.float32)
-    return clip_by_norm(opt.clip_norm_settings, g, list(prog.trainable),
-                        _BlockNorms(pp.weight_layout, pp.ipus, ls, sharded))
-
-
 def _sum_squares(on_shards: bool):
     """How the update sums a tensor's squares (Lamb's norms): over the replicas' shards
     when it updates shards."""
@@ -662,18 +653,17 @@ def _sum_squares(on_shards: bool):
     return lambda x: jax.lax.psum(local_sum_squares(x), REPLICA_AXIS)
 
 
-def _row_update(pp: PlacedPlan, prog: StepProgram, w: dict, g: dict, s: dict,
-                h: dict) -> tuple[dict, dict]:
-    """The optimizer on whole blocks (or their shards, ``update_slots``), in place: each
-    weight slot updated as one weight (its representative's values), with the state
-    slots beside it."""
+def _row_update(pp: PlacedPlan, prog: StepProgram, rule: Any, w: dict, g: dict, s: dict
+                ) -> tuple[dict, dict]:
+    """The optimizer's per-weight ``rule`` on whole blocks (or their shards,
+    ``update_slots``), in place: each weight slot updated as one weight (its
+    representative's values), with the state slots beside it."""
     lay, w, s = pp.state_layout, dict(w), dict(s)
     for wkey, r in pp.row_weights.items():
-        opt = prog.cfg.optimizer
-        keys = {sid: lay.slots[sid][1] for sid in opt.init_state(r, prog.variables[r])}
-        new_w, new_s = opt.apply({r: w[wkey]}, {r: g[wkey]},
-                                 {sid: s[key] for sid, key in keys.items()}, h, clip=False,
-                                 sum_squares=_sum_squares(wkey in pp.update_slots))
+        keys = {sid: lay.slots[sid][1]
+                for sid in prog.cfg.optimizer.init_state(r, prog.variables[r])}
+        new_w, new_s = rule({r: w[wkey]}, {r: g[wkey]}, {sid: s[key] for sid, key in keys.items()},
+                            _sum_squares(wkey in pp.update_slots))
         w[wkey] = new_w[r]
         s.update({keys[sid]: v for sid, v in new_s.items()})
     return w, s

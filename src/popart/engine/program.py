@@ -24,12 +24,12 @@ from ..logging import getLogger
 from .._ir import recompute
 from .._ir.graph import Graph, reads
 from .._ir.transforms import gradient_flow
-from ..optimizers import OptimizerValue
 from ..ops import registry
 from ..tensorinfo import TensorInfo
 from ..tensornames import PREFIXES
 from . import als as _als
 from . import rts as _rts
+from .backends import backend
 from .compiled import REPLICA_AXIS, CompiledStep, Placement, arg_specs
 from .executable import EngineCache, compile_step
 from .lower import CHECKS, Remat, Trace, first_failure, raise_failed_checks, trace
@@ -104,70 +104,10 @@ def unstash(tid: str) -> str:
     return tid.split("___", 1)[1] if tid.startswith(STASH_PREFIXES) else tid
 
 
-def _scalar_rows(optimizer: Any, v: Any, ls: Any, f: dict) -> list:
-    """PopART's compound scalars of one weight (compoundscalarhelper.hpp): (prefix, value,
-    the OptimizerValues that make it non-const) for the optimizer's combo op's inputs
-    (SGD::getInputIds, Adam::getInputIds, Adaptive::getInputIds)."""
-    kind, one = optimizer.type_name(), OptimizerValue(1.0, True)
-    lr, wd = v("learningRate"), v("weightDecay")
-    if kind == "SGD":
-        mm, dp, vs = v("momentum"), v("dampening"), v("velocityScaling")
-        if mm.isConst() and mm.val() == 0.0:   # SGD0
-            return [("scaledLearningRate0", lr.val() * (1 - dp.val()) /
-                     (ls.val() * f["paf"] * f["prf"]), (lr, dp, ls)),
-                    ("weightDecayScaleFactor0", 1 - lr.val() * (1 - dp.val()) * wd.val(),
-                     (lr, dp, wd))]
-        swd = ("scaledWeightDecay1", (1 - dp.val()) * wd.val() * vs.val(), (dp, wd, vs))
-        if optimizer.accumulatorAndMomentum.name == "Combined":   # SGD1
-            rf = f["R"] if f["ga"] else 1.0
-            rfd = f["R"] if f["ga"] and not f["mean"] else \
-                1.0 / f["R"] if not f["ga"] and f["mean"] else 1.0
-            afd = f["A"] if f["mean"] else 1.0
-            rows = [swd, ("scaledLearningRate1", lr.val() / (vs.val() * rf), (lr, vs)),
-                    ("scaledMomentum1", mm.val() / rf, (mm,)),
-                    ("dampeningScaleFactor1", (1 - dp.val()) * vs.val() * rfd /
-                     (ls.val() * afd), (dp, vs, ls))]
-            nesterov = [("nesterovDampeningScaleFactor1", f["paf"] /
-                         ((1 - dp.val()) * vs.val() * rfd), (dp, vs, ls)),
-                        ("nesterovGradScaleFactor1", vs.val() * rf, (vs,))]
-        else:   # SGD2
-            rows = [swd, ("scaledLearningRate2", lr.val() / vs.val(), (lr, vs)),
-                    ("scaledMomentum2", mm.val(), (mm,)),
-                    ("dampeningScaleFactor2", (1 - dp.val()) * vs.val() /
-                     (ls.val() * f["paf"] * f["prf"]), (dp, vs, ls))]
-            nesterov = [("nesterovDampeningScaleFactor2", f["paf"] * f["prf"] /
-                         ((1 - dp.val()) * vs.val()), (dp, vs, ls)),
-                        ("nesterovGradScaleFactor2", vs.val(), (vs,))]
-        if v("nesterov").val() != 0 and mm.val() > 0:   # SGD::enableNesterov
-            rows += nesterov + [("sgdMomentum", mm.val(), (mm,)),
-                                ("sgdWeightDecay", wd.val(), (wd,))]
-        return rows
-    if kind == "Adam":
-        scaled = bool(optimizer.scaled_optimizer_state)
-        l2 = scaled and optimizer.weight_decay_mode.name == "L2Regularization"
-        return [("learningRate", lr.val(), (lr,)),
-                ("weightDecay", wd.val() * (ls.val() if l2 else 1.0), (wd, ls if l2 else one)),
-                ("adamBeta1", v("beta1").val(), (v("beta1"),)),
-                ("adamBeta2", v("beta2").val(), (v("beta2"),)),
-                ("adamEps", v("eps").val() * (ls.val() if scaled else 1.0),
-                 (v("eps"), ls if scaled else one)),
-                ("lossScaling", ls.val(), (ls,)),
-                ("maxWeightNorm", v("maxWeightNorm").val(), (v("maxWeightNorm"),)),
-                ("adamGradientScaling", 1.0 / ((1.0 if scaled else ls.val()) * f["paf"] *
-                                               f["prf"]), (one if scaled else ls,))]
-    if kind == "Adaptive":
-        return [("learningRate", lr.val(), (lr,)), ("weightDecay", wd.val(), (wd,)),
-                ("adaptiveAlpha", v("alpha").val(), (v("alpha"),)),
-                ("adaptiveMomentum", v("momentum").val(), (v("momentum"),)),
-                ("adaptiveEps", v("eps").val(), (v("eps"),)),
-                ("lossScaling", ls.val(), (ls,)),
-                ("adaptiveGradientScaling", 1.0 / (ls.val() * f["paf"] * f["prf"]), (ls,))]
-    return []
-
-
 def optimizer_scalars(optimizer: Any, variables: Mapping[str, Any], trainable: list,
                       options: Any, accumulation: int, replication: int) -> dict[str, float]:
-    """PopART's optimizer scalar tensors, by their tensor ids (``_scalar_rows``):
+    """PopART's optimizer scalar tensors, by their tensor ids (the optimizer's
+    ``scalar_rows``):
     ``<prefix>___default___<FLOAT|FLOAT16>``, or ``<prefix>___specific___<w>`` for a weight
     with its own values, and the loss's ``lossScaling_<dtype>``; each exists, as in PopART,
     only when one of its terms is non-const. Sessions with automatic loss scaling: none here
@@ -187,10 +127,10 @@ def optimizer_scalars(optimizer: Any, variables: Mapping[str, Any], trainable: l
     out: dict[str, float] = {}
     for w in trainable:
         dtype = {np.dtype(np.float16): "FLOAT16"}.get(np.dtype(variables[w].dtype), "FLOAT")
-        specific = any(w in m.getSpecifics() for m in optimizer._maps.values())
+        specific = optimizer.has_specific(w)
         suffix = f"___specific___{w}" if specific else f"___default___{dtype}"
-        for prefix, value, terms in _scalar_rows(
-                optimizer, lambda n: optimizer.hyper_value(w, n), ls, f):
+        for prefix, value, terms in optimizer.scalar_rows(
+                lambda n: optimizer.hyper_value(w, n), ls, f):
             if not all(t.isConst() for t in terms):
                 out[prefix + suffix] = value
         if not ls.isConst():
@@ -431,16 +371,9 @@ class StepProgram:
         cfg, opt = self.cfg, self.cfg.optimizer
         if cfg.accumulation_factor < 2 or opt is None:
             return {}
-        combined = getattr(getattr(opt, "accumulatorAndMomentum", None), "name", "") == \
-            "Combined"
-        out = {}
-        for a in self.anchor_ids:
-            w = a[len(ACCUM_PREFIX):]
-            if a.startswith(ACCUM_PREFIX) and w in self.trainable:
-                mm = opt.hyper_value(w, "momentum") if opt.type_name() == "SGD" else None
-                if not (combined and mm is not None and (not mm.isConst() or mm.val() != 0)):
-                    out[a] = w
-        return out
+        return {a: a[len(ACCUM_PREFIX):] for a in self.anchor_ids
+                if a.startswith(ACCUM_PREFIX) and a[len(ACCUM_PREFIX):] in self.trainable
+                and opt.has_accumulator(a[len(ACCUM_PREFIX):])}
 
     def _plan_recompute(self, specs: dict, traced: set, known: set, effects: set) -> None:
         """The recompute segments PopART's annotations ask for (``ir.recompute``): segments
@@ -646,14 +579,11 @@ class StepProgram:
         return step
 
     def _vector_budget(self) -> int:
-        """Activation bytes a vectorised chunk may hold. XLA's CPU convolutions run slower on
-        wider batches (cache), so conv nets on the CPU run micro-batch by micro-batch; matmul
-        models gain from wider batches everywhere. POPART_VECTOR_BYTES overrides."""
+        """Activation bytes a vectorised chunk may hold: the platform backend's rule (conv
+        nets on the CPU run micro-batch by micro-batch). POPART_VECTOR_BYTES overrides."""
         if "POPART_VECTOR_BYTES" in os.environ:
             return int(os.environ["POPART_VECTOR_BYTES"])
-        on_cpu = self.placement.platform == "cpu"
-        convs = any(n.op_type in ("Conv", "ConvTranspose", "MultiConv") for n in self.graph.nodes)
-        return 1 if on_cpu and convs else 1 << 26
+        return backend(self.placement.platform).vector_budget({n.op_type for n in self.graph.nodes})
 
     def _step_fn(self):
         cfg = self.cfg
