@@ -10,16 +10,19 @@ the logits), ViT-S/16, Swin-T, a 6-layer BERT (seq 128), a 6-layer GPT-2 (seq 12
 every token) and a 4-layer LLaMA-style decoder (grouped-query attention, RMSNorm, SwiGLU, rotary
 embeddings). Each is exported once with torch's default exporter (``torch.onnx.export(...,
 dynamo=True)``, which needs ``onnxscript``; the TorchScript exporter where it fails), in eval
-mode: the default exporter folds BatchNormalization into the convolutions, so PyTorch's training keeps its BatchNorm layers in eval mode (an affine
-per channel) and dropout off, to train the same function.
+mode: the default exporter folds BatchNormalization into the convolutions, so PyTorch's
+training keeps its BatchNorm layers in eval mode (an affine per channel) and dropout and
+stochastic depth off, to train the same function.
 
 Inference: samples/s of popart (batchesPerStep 1) over onnxruntime's CPU provider, outputs
 checked against each other. Training: softmax + nllloss with ConstSGD(0.01) (one step per run)
 over ``torch.optim.SGD(lr=0.01)`` on log_softmax + nll_loss, the first losses printed side by
 side (they differ where a random-weight model gives a label a probability under 1e-7: PopART's
-nllloss takes -log(max(p, 1e-7)), at most 16.1 per sample). Compile seconds are popart's ``prepareDevice()`` (the engine cache off). The runtimes
-take turns within each repeat; the median of ``--reps`` repeats. ``--threads N`` pins the process
-to N cores and gives every runtime N threads (oneDNN's OpenMP ones too).
+nllloss takes -log(max(p, 1e-7)), at most 16.1 per sample). Compile seconds are popart's
+``prepareDevice()`` (the engine cache off). The runtimes take turns within each repeat; the
+median of ``--reps`` repeats. ``--threads N`` pins the process to N cores and gives every
+runtime N threads (oneDNN's OpenMP ones too). ``--grouped-on-xla`` keeps grouped and depthwise
+convolutions on XLA (``onednn._XLA_SHAPES``), as before issue 36.
 """
 from __future__ import annotations
 
