@@ -254,15 +254,43 @@ def clip_part(settings: Iterable["ClipNormSettings"]) -> Transform:
         clip_by_norm(settings, g, ctx.trainable, ctx.norms) if settings else g, w, {}))
 
 
-def rule_part(optimizer: "Optimizer") -> Transform:
-    """``optimizer``'s per-weight rule (:meth:`Optimizer.update`), run by the engine's
-    ``per_weight``; its state is ``optimizer._state_spec``."""
+# A per-weight rule: (w, g, its state by prefix, its values by name, ls, sum_squares) ->
+# (w, state by prefix), on the unscaled, clipped gradient of one weight.
+Rule = Callable[[Array, Array, dict, dict, Any, Callable], tuple[Array, dict]]
+
+
+def rule_part(optimizer: "Optimizer", fn: "Rule | None" = None,
+              spec: "Callable[[str, Array], dict] | None" = None) -> Transform:
+    """A per-weight rule run by the engine's ``per_weight``: ``fn`` with the state ``spec``
+    (weight id, weight -> prefix -> (dtype, initial value)); by default ``optimizer``'s own
+    (``_update``, ``_state_spec``); a given ``fn`` keeps no state unless ``spec`` says."""
+    fn = fn or optimizer._update
+    spec = spec or (optimizer._state_spec if fn == optimizer._update else lambda wid, w: {})
+
     def update(g: dict, w: dict, s: dict, ctx: Context) -> tuple[dict, dict, dict]:
         def rule(w, g, s, sum_squares):
-            return optimizer.update(w, g, s, ctx.hyper, ctx.ls, sum_squares)
+            return run_rule(optimizer, fn, spec, w, g, s, ctx.hyper, ctx.ls, sum_squares)
         w2, s2 = ctx.per_weight(rule, w, g, s)
         return g, {**w, **w2}, s2
-    return Transform(lambda opt, wid, w: opt._state_spec(wid, w), update)
+    return Transform(lambda opt, wid, w: spec(wid, w), update)
+
+
+def run_rule(optimizer: "Optimizer", fn: Rule, spec: Callable[[str, Array], dict],
+             weights: Mapping[str, Array], g: Mapping[str, Array], state: Mapping[str, Array],
+             hyper: Mapping[str, Array], ls: Any, sum_squares: Callable[[Array], Array]
+             ) -> tuple[dict[str, Array], dict[str, Array]]:
+    """``fn`` on each weight, in the gradient's dtype, with the weight's values (runtime ones
+    from ``hyper``) and state; the results cast back to the stored dtypes."""
+    new_w, new_s = {}, {}
+    for wid, w in weights.items():
+        h = {n: optimizer.value(hyper, optimizer.hyper_value(wid, n), f"{n}/{wid}")
+             for n in optimizer.hyper_names()}
+        sp = spec(wid, w)
+        s = {p: jnp.asarray(state[p + wid], g[wid].dtype) for p in sp}
+        w2, s2 = fn(jnp.asarray(w, g[wid].dtype), g[wid], s, h, ls, sum_squares)
+        new_w[wid] = w2.astype(jnp.asarray(w).dtype)
+        new_s.update({p + wid: s2[p].astype(sp[p][0]) for p in sp})
+    return new_w, new_s
 
 
 class Optimizer:
@@ -463,16 +491,8 @@ class Optimizer:
                sum_squares: Callable[[Array], Array] = local_sum_squares
                ) -> tuple[dict[str, Array], dict[str, Array]]:
         """The per-weight rule on unscaled, clipped gradients ``g`` (loss scaling ``ls``)."""
-        new_w, new_s = {}, {}
-        for wid, w in weights.items():
-            h = {n: self.value(hyper, self.hyper_value(wid, n), f"{n}/{wid}")
-                 for n in self.hyper_names()}
-            spec = self._state_spec(wid, w)
-            s = {p: jnp.asarray(state[p + wid], g[wid].dtype) for p in spec}
-            w2, s2 = self._update(jnp.asarray(w, g[wid].dtype), g[wid], s, h, ls, sum_squares)
-            new_w[wid] = w2.astype(jnp.asarray(w).dtype)
-            new_s.update({p + wid: s2[p].astype(spec[p][0]) for p in spec})
-        return new_w, new_s
+        return run_rule(self, self._update, self._state_spec, weights, g, state, hyper, ls,
+                        sum_squares)
 
     # ------------------------------------------------------------- implemented per optimizer
     def _state_spec(self, weight_id: str, w: Array) -> dict[str, tuple[np.dtype, float]]:
