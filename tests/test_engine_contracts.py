@@ -11,6 +11,76 @@ import popart
 
 
 # ---------------------------------------------------------------------------------------
+# Backends per platform (issue 35, item 4): no lowering tests the platform; an override
+# registered for a platform is used only there.
+
+def _platform_comparisons(path: Path) -> list:
+    """``file:line`` of each comparison in ``path`` with a ``platform`` name or attribute
+    (``ctx.platform == "cpu"``, ``platform in (...)``) on either side (``is None`` aside)."""
+    def names_platform(e: ast.AST) -> bool:
+        return (isinstance(e, ast.Attribute) and e.attr == "platform") or \
+            (isinstance(e, ast.Name) and e.id == "platform")
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Compare)
+            and not all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+            and any(names_platform(e) for e in [node.left, *node.comparators])]
+
+
+def test_no_lowering_tests_the_platform(tmp_path):
+    """Lowerings in src/popart/ops/ never compare the platform: a platform's own lowering is
+    an override registered for it (``registry.register(..., platform=)``)."""
+    ops = Path(popart.__file__).parent / "ops"
+    assert [hit for path in sorted(ops.rglob("*.py")) for hit in _platform_comparisons(path)] == []
+    probe = tmp_path / "probe.py"   # the scan finds the comparisons it forbids
+    probe.write_text('def f(ctx, platform):\n    return ctx.platform == "cpu" or platform in ("gpu",)\n')
+    assert _platform_comparisons(probe) == ["probe.py:2", "probe.py:2"]
+
+
+def test_a_backend_override_is_chosen_by_platform():
+    """A toy op with a generic lowering (x + 1) and an override for a fake platform (x + 2):
+    the engine's trace uses the override on that platform only, and ``registry.lookup`` falls
+    back to the generic lowering elsewhere and before the override's opset."""
+    from popart._ir.graph import Graph, Node
+    from popart.engine import backends
+    from popart.engine.lower import trace
+    from popart.ops import registry
+
+    registry.add("ToyBump", lambda ctx, x: x + 1, domain="test.h15", since=1)
+    registry.add("ToyBump", lambda ctx, x: x + 2, domain="test.h15", since=2, platform="fakeplat")
+    try:
+        g = Graph(nodes=[Node("ToyBump", ["x"], ["y"], domain="test.h15")], inputs=["x"],
+                  outputs=["y"], opsets={"ai.onnx": 13, "test.h15": 2})
+        x = np.arange(3, dtype=np.float32)
+        on = {p: np.asarray(trace(g, {"x": x}, platform=p).env["y"]) for p in ("cpu", "fakeplat")}
+        np.testing.assert_array_equal(on["cpu"], x + 1)
+        np.testing.assert_array_equal(on["fakeplat"], x + 2)
+        assert backends.backend("fakeplat").lookup("test.h15", "ToyBump", 1).lower(None, 1) == 2
+        assert backends.backend("fakeplat").lookup("test.h15", "ToyBump", 2).lower(None, 1) == 3
+        assert registry.lookup("test.h15", "ToyBump", 2, platform="gpu").lower(None, 1) == 2
+        assert [o for o in registry.registered_ops() if o[1] == "ToyBump"] == \
+            [("test.h15", "ToyBump", [1])]   # overrides are no ops of their own
+    finally:
+        registry._REGISTRY.pop(("test.h15", "ToyBump"))
+        registry._OVERRIDES.pop(("fakeplat", "test.h15", "ToyBump"))
+
+
+def test_the_cpu_backend_holds_onednn_and_the_conv_budget():
+    """Conv's CPU override is the oneDNN / im2col dispatch and the generic Conv is XLA's; the
+    vectorisation budget and the custom-call targets are the backends' facts."""
+    from popart.engine import backends, onednn
+    from popart.ops import nn, registry
+
+    cpu, gpu = backends.backend("cpu"), backends.backend("cuda")
+    assert cpu.lookup("ai.onnx", "Conv", 11).lower.__wrapped__ is nn.conv_cpu
+    assert gpu.lookup("ai.onnx", "Conv", 11).lower.__wrapped__ is nn.conv
+    assert registry.lookup("ai.onnx", "ConvTranspose", 11).lower.__wrapped__ is nn.conv_transpose
+    assert cpu.vector_budget({"Conv", "Relu"}) == 1 and cpu.vector_budget({"MatMul"}) == 1 << 26
+    assert gpu.vector_budget({"Conv"}) == 1 << 26
+    assert onednn.TARGET in backends.custom_call_targets() and not gpu.custom_call_targets
+    assert gpu.keeps_barriers and not cpu.keeps_barriers
+
+
+# ---------------------------------------------------------------------------------------
 # Optimizers that chain (issue 35, item 5): the engine never branches on an optimizer's
 # type name; a new optimizer is one class, written as a chain of parts.
 

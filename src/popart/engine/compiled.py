@@ -27,7 +27,7 @@ from ..errors import OutOfMemoryException, popart_exception, popart_runtime_erro
 from .. import report
 from .._ir.graph import Graph
 from .lower import raise_failed_checks, trace
-from . import onednn
+from . import backends
 
 REPLICA_AXIS = "replica"
 
@@ -209,8 +209,8 @@ class CompiledStep:
         self._specs = tuple(specs)
         hooks = report.current()   # None unless a report or progress logger is on
         t0 = time.perf_counter()
-        if exported is not None and any(t.encode() in exported for t in onednn.TARGETS):
-            onednn.available()   # register the oneDNN custom call the module holds
+        if exported is not None:
+            backends.load_custom_calls(exported)   # register the custom calls it holds
         fn = self.fn if exported is None else jax.export.deserialize(bytearray(exported)).call
         self._jitted = self._jit(fn)
         with xla_errors("Compiling the step"):
@@ -227,8 +227,8 @@ class CompiledStep:
     def export(self, specs: Optional[Sequence[Any]] = None) -> bytes:
         """The step as a serialized StableHLO module (``jax.export``): the compiled one, or
         for ``specs`` traced without compiling (what the engine cache stores and compiles)."""
-        # The oneDNN custom calls are this package's own, built on this machine.
-        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in onednn.TARGETS]
+        # The backends' custom calls are this package's own, built on this machine.
+        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in backends.custom_call_targets()]
         if specs is None:
             return bytes(jax.export.export(self._jitted, disabled_checks=checks)(
                 *self._specs).serialize())

@@ -29,6 +29,7 @@ from ..logging import getLogger
 from ..ops import registry
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, is_static
 from ..tensorinfo import to_datatype
+from .backends import Backend, backend
 from .layout import ChannelsLast
 
 _logger = getLogger("op")
@@ -105,6 +106,11 @@ class TraceState:
     scope_names: dict = field(default_factory=dict)  # id(node) -> its name in the program
     layout: ChannelsLast = field(default_factory=ChannelsLast)  # NHWC twins of NCHW values
     graph_reads: dict = field(default_factory=dict)  # id(graph) -> what its nodes read
+
+    @property
+    def backend(self) -> Backend:
+        """The platform's backend: its lowering overrides and compiler facts."""
+        return backend(self.platform)
 
     def footprint(self) -> tuple:
         """What a node with side effects changes (random draws, variable updates, run-time
@@ -474,7 +480,7 @@ def node_scope_name(node: Node, graph: Graph, names: Optional[dict] = None) -> s
 def lower_node(node: Node, graph: Graph, env: Mapping[str, Any], state: TraceState) -> list:
     """Run one node's lowering; returns its output values (None for absent optional outputs)."""
     version = graph.opsets.get(node.domain, 1)
-    opdef = registry.lookup(node.domain, node.op_type, version)
+    opdef = state.backend.lookup(node.domain, node.op_type, version)
     attrs = registry.node_attribute_defaults(node, version)
     attrs.update(node.attrs)
     try:
@@ -569,11 +575,6 @@ def _instrumented(tid: str, val: Any, state: TraceState) -> Any:
     return val
 
 
-# Backends whose XLA compiler keeps optimisation barriers until it schedules: there they keep
-# a recomputation apart from the forward pass; elsewhere (the CPU) a conditional does.
-BARRIER_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
-
-
 @dataclass
 class Remat:
     """The recompute segments of one graph (``ir.recompute.segments``) and a run-time true
@@ -626,7 +627,7 @@ def run_segment(seg: Segment, graph: Graph, env: Mapping[str, Any], state: Trace
             g = vjp(tuple(next(it) if z is None else z for z in zero))
             return tuple(gi for gi, d in zip(g, diff) if d)
 
-        if state.platform in BARRIER_PLATFORMS:
+        if state.backend.keeps_barriers:   # keeps the recomputation apart; else a conditional
             grads = gradients(*jax.lax.optimization_barrier((vals, real)))
         else:
             grads = jax.lax.cond(one > 0, gradients, lambda v, c: tuple(

@@ -16,7 +16,8 @@ from ..errors import poplar_application_runtime_error
 from ..tensorinfo import np_dtype
 from . import nn, reduce
 from .elementwise import gelu_tanh, with_popart_grad
-from .registry import add, GRAPHCORE_DOMAIN, LowerCtx, opid, popart_error, register, shape_text
+from .registry import (add, GRAPHCORE_DOMAIN, LowerCtx, opid, platform_lowering, popart_error,
+                       register, shape_text)
 
 
 def _g(name, **kw):
@@ -324,7 +325,7 @@ def multi_conv(ctx: LowerCtx, *ins, dilations=(), inDilations=(), pads=(), outPa
         if (ind and any(d != 1 for d in ind)) or (op and any(p != 0 for p in op)):
             raise ctx.error("inDilations / outPads other than 1 / 0 are not supported")
         g = x.shape[1] // w.shape[1]
-        outs.append(nn.conv(ctx, x, w, b, dilations=pick(dilations, 1), group=g,
+        outs.append(platform_lowering(ctx, "Conv")(ctx, x, w, b, dilations=pick(dilations, 1), group=g,
                             pads=pick(pads, 2), strides=pick(strides, 1)))
         before += sp
     return outs

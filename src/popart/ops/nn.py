@@ -11,26 +11,44 @@ import numpy as np
 from jax import lax
 
 from ..engine import onednn
+from ..engine.backends import backend
 from .registry import LowerCtx, fmt_float, onnx_semantics, opid, popart_error, register
 
 HIGHEST = lax.Precision.HIGHEST
 
 
-def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
-    """ONNX's channels-first convolution (x: N,C,*sp; w: O,I,*k).
+def _conv_args(x, w, strides, padding, lhs_dilation, rhs_dilation) -> tuple:
+    """(w in x's dtype, strides, padding, lhs_dilation, rhs_dilation) as tuples (dilations 1
+    where None)."""
+    ones = (1,) * (x.ndim - 2)
+    return (w.astype(x.dtype), tuple(strides), tuple(map(tuple, padding)),
+            tuple(lhs_dilation or ones), tuple(rhs_dilation or ones))
 
-    On the CPU, float32 2D convolutions (grouped and depthwise too) are oneDNN custom calls
-    where the library is built (``_use_onednn``, docs/performance.md); else matmuls over patches
-    (``conv_patches``) where that applies. Otherwise as an
-    XLA convolution on channels-last operands: XLA's CPU convolutions are several times faster
-    so, and its layout pass cannot pick that layout for weights carried through the step
+
+def xla_conv(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
+    """ONNX's channels-first convolution (x: N,C,*sp; w: O,I,*k) as an XLA convolution on
+    channels-last operands, the generic lowering's: XLA's CPU convolutions are several times
+    faster so, and its layout pass cannot pick that layout for weights carried through the step
     program's loops, so the transposes are explicit (they fuse into neighbouring ops)."""
     n = x.ndim - 2
     to_last, to_first = (0, *range(2, n + 2), 1), (0, n + 1, *range(1, n + 1))
-    ones = (1,) * n
-    strides, padding = tuple(strides), tuple(map(tuple, padding))
-    lhs_dilation, rhs_dilation = tuple(lhs_dilation or ones), tuple(rhs_dilation or ones)
-    w = w.astype(x.dtype)
+    w, strides, padding, lhs_dilation, rhs_dilation = _conv_args(x, w, strides, padding,
+                                                                 lhs_dilation, rhs_dilation)
+    y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,
+                  lhs_dilation, rhs_dilation, int(groups))
+    return y.transpose(to_first)
+
+
+# ---- The CPU backend's convolution (registered below as its override of Conv and
+# ConvTranspose; engine/backends.py). ----
+
+def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilation=None, groups=1):
+    """ONNX's channels-first convolution on the CPU: float32 2D convolutions (grouped and
+    depthwise too) are oneDNN custom calls where the library is built (``_use_onednn``,
+    docs/performance.md); else matmuls over patches (``conv_patches``) where that applies;
+    otherwise ``xla_conv``."""
+    w, strides, padding, lhs_dilation, rhs_dilation = _conv_args(x, w, strides, padding,
+                                                                 lhs_dilation, rhs_dilation)
     if _use_onednn(ctx, x, w, strides, lhs_dilation, rhs_dilation, groups):
         x_last = ctx.channels_last(x)
         if x_last is None:
@@ -39,11 +57,9 @@ def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilati
             x_last = ctx.channels_last(x, transpose=True)
         return ctx.keep_channels_last(onednn.conv2d(x_last, w, strides, padding, rhs_dilation, True,
                                                     groups))
-    if ctx.platform == "cpu" and _use_patches(x, w, strides, lhs_dilation, groups):
+    if _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
-    y = conv_last(x.transpose(to_last), w.transpose(*range(2, n + 2), 1, 0), strides, padding,
-                  lhs_dilation, rhs_dilation, int(groups))
-    return y.transpose(to_first)
+    return xla_conv(ctx, x, w, strides, padding, lhs_dilation, rhs_dilation, groups)
 
 
 # ---- oneDNN dispatch (issue 28 item 2): the oneDNN custom call where it is built and the shape
@@ -62,8 +78,10 @@ def onednn_off():
 
 
 def _use_onednn(ctx: LowerCtx, x, w, strides, lhs_dilation, rhs_dilation, groups) -> bool:
-    return (_ONEDNN_ON[0] and ctx.platform == "cpu" and x.ndim == 4 and x.dtype == np.float32
-            and all(d == 1 for d in lhs_dilation)
+    """Whether the oneDNN custom call computes this convolution: switched on, offered by the
+    platform's backend, float32 2D, input undilated, a shape it runs faster."""
+    return (_ONEDNN_ON[0] and onednn.TARGET in backend(ctx.platform).custom_call_targets
+            and x.ndim == 4 and x.dtype == np.float32 and all(d == 1 for d in lhs_dilation)
             and onednn.prefers(x.shape, w.shape, strides, rhs_dilation, groups) and onednn.available())
 # ---- end of the oneDNN dispatch ----
 
@@ -242,11 +260,12 @@ def conv_attrs(ctx: LowerCtx, x, w, kernel_shape, strides, dilations):
 
 @register("Conv")
 def conv(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
-         pads=None, strides=None, **_):
+         pads=None, strides=None, conv_nd=xla_conv, **_):
+    """Conv, computing with ``conv_nd`` (a platform's override passes its own)."""
     n = x.ndim - 2
     strides, dil, k = conv_attrs(ctx, x, w, kernel_shape, strides, dilations)
     pp, _o = window_pads(ctx, auto_pad, x.shape[2:], k, strides, dil, pads)
-    y = conv_nc(ctx, x, w, strides, pp, rhs_dilation=dil, groups=group)
+    y = conv_nd(ctx, x, w, strides, pp, rhs_dilation=dil, groups=group)
     if b is None:
         return y
     y_last = ctx.channels_last(y)
@@ -256,7 +275,8 @@ def conv(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1
 @register("ConvTranspose")
 def conv_transpose(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1,
                    kernel_shape=None, output_padding=None, output_shape=None, pads=None,
-                   strides=None, **_):
+                   strides=None, conv_nd=xla_conv, **_):
+    """ConvTranspose, computing with ``conv_nd`` (a platform's override passes its own)."""
     n = x.ndim - 2
     strides, dil, k = _spatial_attrs(x, w.shape[2:], strides, dilations)
     in_sp = x.shape[2:]
@@ -287,8 +307,20 @@ def conv_transpose(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=Non
     wt = jnp.flip(wt.reshape((m, c // group) + tuple(k)), axis=tuple(range(2, 2 + n)))
     pp = [((kk - 1) * d - pads[a], (kk - 1) * d - pads[a + n] + opad[a])
           for a, (kk, d) in enumerate(zip(k, dil))]
-    y = conv_nc(ctx, x, wt, [1] * n, pp, lhs_dilation=strides, rhs_dilation=dil, groups=group)
+    y = conv_nd(ctx, x, wt, [1] * n, pp, lhs_dilation=strides, rhs_dilation=dil, groups=group)
     return y if b is None else y + b.reshape((1, -1) + (1,) * n)
+
+
+@register("Conv", platform="cpu")
+def conv_cpu(ctx: LowerCtx, *inputs, **attrs):
+    """Conv on the CPU: oneDNN's convolution or matmuls over patches where they apply (conv_nc)."""
+    return conv(ctx, *inputs, **attrs, conv_nd=conv_nc)
+
+
+@register("ConvTranspose", platform="cpu")
+def conv_transpose_cpu(ctx: LowerCtx, *inputs, **attrs):
+    """ConvTranspose on the CPU, as Conv (conv_nc)."""
+    return conv_transpose(ctx, *inputs, **attrs, conv_nd=conv_nc)
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,8 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .math import _calc_dtype, saturate_cast
-from .nn import conv
-from .registry import LowerCtx, register
+from .registry import LowerCtx, platform_lowering, register
 
 I32 = jnp.int32
 
@@ -27,7 +26,7 @@ def _centered(v, zp, per_channel=False):
 
 
 def conv_integer_nc(ctx: LowerCtx, x, w, x_zp, w_zp, attrs):
-    return conv(ctx, _centered(x, x_zp), _centered(w, w_zp, per_channel=True), None, **attrs)
+    return platform_lowering(ctx, "Conv")(ctx, _centered(x, x_zp), _centered(w, w_zp, per_channel=True), None, **attrs)
 
 
 @register("ConvInteger", since=10)

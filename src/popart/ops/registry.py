@@ -2,8 +2,9 @@
 
 A lowering is ``fn(ctx, *inputs, **attrs)`` returning one array or a tuple (one per output);
 ``attrs`` come with ONNX's / PopART's defaults filled in, shapes and dtypes from tracing it.
-Register with ``@register("Relu", since=6)`` or, for a family, ``add`` from a table. See
-docs/op_registry.md."""
+Register with ``@register("Relu", since=6)`` or, for a family, ``add`` from a table; with
+``platform="cpu"``, an override used only where the program runs on that platform (the
+generic lowering elsewhere: engine/backends.py). See docs/op_registry.md."""
 from __future__ import annotations
 
 import bisect
@@ -44,7 +45,8 @@ class LowerCtx(Protocol):
     replica_axis: Optional[str]   # vmap / shard_map axis name of replicas, or None
     replication_factor: int
     options: Any          # the session's SessionOptions (or None)
-    platform: str         # where the program runs: "cpu", "gpu", ...
+    platform: str         # where the program runs: "cpu", "gpu", ... (never compared in a
+                          # lowering: register a platform override, engine/backends.py)
 
     def rng(self) -> Any:
         """A fresh jax PRNG key derived from the session seed (for random ops)."""
@@ -126,28 +128,34 @@ class OpDef:
     elementwise: bool = False
 
 
+# (domain, op type) -> generic lowerings; (platform, domain, op type) -> that platform's
+# overrides. Each list is sorted by ``since``.
 _REGISTRY: dict[tuple[str, str], list[OpDef]] = {}
+_OVERRIDES: dict[tuple[str, str, str], list[OpDef]] = {}
 
 
 def register(op_type: str, *, domain: str = ONNX_DOMAIN, since: int = 1,
              static_inputs: tuple = (), random: bool = False,
-             elementwise: bool = False) -> Callable:
+             elementwise: bool = False, platform: Optional[str] = None) -> Callable:
     """Decorator registering ``fn`` as the lowering of ``op_type`` from opset ``since`` on
-    (until the next registered version of the same op)."""
+    (until the next registered version of the same op); with ``platform``, as that platform's
+    override of the generic lowering."""
     def deco(fn: Callable) -> Callable:
         add(op_type, fn, domain=domain, since=since, static_inputs=static_inputs, random=random,
-            elementwise=elementwise)
+            elementwise=elementwise, platform=platform)
         return fn
     return deco
 
 
 def add(op_type: str, fn: Callable, *, domain: str = ONNX_DOMAIN, since: int = 1,
-        static_inputs: tuple = (), random: bool = False, elementwise: bool = False) -> None:
+        static_inputs: tuple = (), random: bool = False, elementwise: bool = False,
+        platform: Optional[str] = None) -> None:
     """Register ``fn`` (non-decorator form, for tables). The registry keeps a copy of ``fn``
     named ``<op_type>_<since>`` (``Softmax_13``), so a traceback through a table row's lambda
-    or a family's shared lowering names the op."""
+    or a family's shared lowering names the op; ``platform`` as in :func:`register`."""
     domain = canonical_domain(domain)
-    defs = _REGISTRY.setdefault((domain, op_type), [])
+    defs = (_REGISTRY.setdefault((domain, op_type), []) if platform is None
+            else _OVERRIDES.setdefault((platform, domain, op_type), []))
     defs[:] = [d for d in defs if d.since != since]
     bisect.insort(defs, OpDef(op_type, domain, since, _named(fn, f"{op_type}_{since}"),
                               tuple(static_inputs), random, elementwise), key=lambda d: d.since)
@@ -166,9 +174,13 @@ def _named(fn: Callable, name: str) -> Callable:
     return named
 
 
-def lookup(domain: str, op_type: str, version: int) -> OpDef:
-    """The lowering for ``op_type`` as of opset ``version`` of ``domain``."""
+def lookup(domain: str, op_type: str, version: int, platform: Optional[str] = None) -> OpDef:
+    """The lowering for ``op_type`` as of opset ``version`` of ``domain``: ``platform``'s
+    override where one covers that version, else the generic lowering."""
     domain = canonical_domain(domain)
+    overrides = [d for d in _OVERRIDES.get((platform, domain, op_type), ()) if d.since <= version]
+    if overrides:
+        return overrides[-1]
     defs = _REGISTRY.get((domain, op_type))
     if not defs:
         custom = not domain.startswith(("ai.onnx", "ai.graphcore", "ai.popxl"))
@@ -184,6 +196,12 @@ def lookup(domain: str, op_type: str, version: int) -> OpDef:
             f"Operator {domain}::{op_type} at opset {version} is not supported: "
             f"the earliest supported version is {defs[0].since}")
     return usable[-1]
+
+
+def platform_lowering(ctx: LowerCtx, op_type: str, domain: str = ONNX_DOMAIN) -> Callable:
+    """The latest lowering of ``op_type`` as ``ctx``'s platform runs it (its override, else the
+    generic one), for ops computed by another op's lowering (MultiConv by Conv's)."""
+    return lookup(domain, op_type, 1 << 30, platform=ctx.platform).lower
 
 
 def is_registered(domain: str, op_type: str) -> bool:
