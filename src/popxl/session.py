@@ -36,6 +36,7 @@ import popart
 from popart import distributed
 from popart.dataflow import validate_input
 from popart.engine import in_x64, serialised, x64
+from popart.engine.backends import backend
 from popart import report
 from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
@@ -297,7 +298,7 @@ class Session:
             kinds, default = set(), None
         platform = self._placement.platform
         if want == "auto":
-            want = "pinned_host" if platform != "cpu" else "device"
+            want = backend(platform).remote_buffer_memory
         if want in ("device", default):
             _logger.info(f"Remote buffers are in device memory ({platform})")
             return None

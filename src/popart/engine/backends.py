@@ -4,10 +4,10 @@ As JAX's ``mlir.register_lowering(..., platform=)`` and onnxruntime's kernel reg
 execution provider: the op registry holds a generic lowering of each op and, per platform,
 overrides (``registry.register(..., platform="cpu")``); a :class:`Backend`, chosen with the
 placement (``backend(placement.platform)``), holds the rest of a platform's knowledge: which
-ops are costly to vectorise, its memory kinds, the custom calls its overrides emit, whether its
-compiler keeps optimisation barriers. A new platform is a row of ``BACKENDS`` (and overrides
-registered for it), with no edit of a lowering, the step builder or a session. See
-docs/op_registry.md."""
+ops are costly to vectorise, its remote buffers' memory kind, the custom calls its overrides
+emit, whether its compiler keeps optimisation barriers. A new platform is a row of
+``BACKENDS`` (and overrides registered for it), with no edit of a lowering, the step builder
+or a session. See docs/op_registry.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +27,9 @@ class Backend:
     # Op types whose graphs run micro-batch by micro-batch rather than vectorised over batches
     # (XLA's CPU convolutions run slower on wider batches: cache).
     costly_to_vectorise: frozenset = frozenset()
-    host_memory: Optional[str] = "pinned_host"   # memory kind for host-resident tensors
+    # Memory kind of popxl's remote buffers (POPXL_REMOTE_MEMORY_KIND=auto): host memory where
+    # the device has its own; on the CPU the device memory is the host's.
+    remote_buffer_memory: str = "pinned_host"
     # Custom-call targets the platform's overrides may emit, and what registers them (a
     # program loaded from a serialized module calls it before compiling).
     custom_call_targets: tuple = ()
@@ -46,8 +48,8 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {b.platform: b for b in (
-    Backend("cpu", costly_to_vectorise=CONV_OPS, custom_call_targets=onednn.TARGETS,
-            load_custom_calls=onednn.available),
+    Backend("cpu", costly_to_vectorise=CONV_OPS, remote_buffer_memory="device",
+            custom_call_targets=onednn.TARGETS, load_custom_calls=onednn.available),
     *(Backend(p, keeps_barriers=True) for p in ("gpu", "cuda", "rocm", "tpu")),
 )}
 
