@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import popart
-from popart.optimizers import (Context, GradientNorms, chain, clip_by_norm, local_sum_squares,
-                               rule_part, unscale, unscale_part, whole_tensors)
+from popart.optimizers import (Context, GradientNorms, chain, clip_by_norm, clip_part,
+                               local_sum_squares, rule_part, unscale, unscale_part,
+                               whole_tensors)
 
 RS = np.random.RandomState(3)
 W = {k: RS.randn(*s).astype(np.float32) for k, s in (("a", (3, 4)), ("b", (5,)), ("c", (2, 2)))}
@@ -133,3 +134,54 @@ def test_placed_training_leaves_the_users_optimizer_unchanged():
     assert opt.__dict__.keys() == before.keys()
     assert opt.clip_norm_settings == before["clip_norm_settings"]
     assert opt.clip_norm_settings[0].maxNorm == 0.1
+
+
+class _ClippedDescent(popart.Optimizer):
+    """A user's optimizer written only as parts: unscale, clip, ``w - lr * g``."""
+    _TYPE = "ClippedDescent"
+    _UNSET = {"learningRate": 0.1}
+
+    def transform(self):
+        return chain(unscale_part(), clip_part(self.clip_norm_settings),
+                     rule_part(self, lambda w, g, s, h, ls, sum_squares:
+                               (w - h["learningRate"] * g, {})))
+
+
+def test_a_chained_user_optimizer_runs_placed_with_block_norms():
+    """Two IPUs placed on their own devices: the same chain, with the placed step's norms
+    over both IPUs' blocks, gives NumPy's clipped descent on ``sum((x @ w0 @ w1 - t)^2)``."""
+    from popart import testing
+    rs = np.random.RandomState(1)
+    x0, t0 = rs.randn(4, 3).astype(np.float32), rs.randn(4, 2).astype(np.float32)
+    w0, w1 = rs.randn(3, 5).astype(np.float32), rs.randn(5, 2).astype(np.float32)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 3]), "x")
+    t = b.addInputTensor(popart.TensorInfo("FLOAT", [4, 2]), "t")
+    with b.virtualGraph(0):
+        a = b.addInitializedInputTensor(w0, "w0")
+        h = b.aiOnnx.matmul([x, a])
+    with b.virtualGraph(1):
+        c = b.addInitializedInputTensor(w1, "w1")
+        d = b.aiOnnx.sub([b.aiOnnx.matmul([h, c]), t])
+        loss = b.aiOnnx.reducesum([b.aiOnnx.mul([d, d])], keepdims=False)
+    opt = _ClippedDescent({"defaultLearningRate": (0.01, True), "lossScaling": (16.0, True)},
+                          clip_norm_settings=[popart.ClipNormSettings.clipAllWeights(1.0)])
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, opt,
+                               popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
+    s.prepareDevice()
+    s.weightsFromHost()
+    assert testing.is_placed(s)
+    v0, v1 = w0.astype(np.float64), w1.astype(np.float64)
+    for _ in range(2):
+        s.run(popart.PyStepIO({x: x0, t: t0}, s.initAnchorArrays()))
+        dd = 2 * (x0 @ v0 @ v1 - t0)
+        g0, g1 = x0.T @ dd @ v1.T, (x0 @ v0).T @ dd
+        f = 1.0 / max(np.sqrt(np.sum(g0 ** 2) + np.sum(g1 ** 2)), 1.0)
+        v0, v1 = v0 - 0.01 * f * g0, v1 - 0.01 * f * g1
+    got = {a: np.zeros_like(w0), c: np.zeros_like(w1)}
+    s.weightsToHost()
+    s.readWeights(popart.PyWeightsIO(got))
+    np.testing.assert_allclose(got[a], v0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[c], v1, rtol=1e-5, atol=1e-6)
