@@ -295,8 +295,8 @@ def run_rule(optimizer: "Optimizer", fn: Rule, spec: Callable[[str, Array], dict
 
 class Optimizer:
     """Base of PopART's optimizers: hyper-parameter maps, loss scaling, clip norms and the
-    engine-facing interface (``non_const_feed``, ``check_compatible``, ``init_state``, ``apply``).
-    """
+    engine-facing interface (``transform``, ``apply``, ``init_state``, ``non_const_feed``,
+    ``check_compatible``, ``scalar_rows``, ``has_accumulator``, ``var_update_type``)."""
 
     _TYPE = "Optimizer"
     _UNSET: dict[str, float] = {}          # per-weight hyper-parameter -> PopART's default
