@@ -390,9 +390,8 @@ class _Session(_FileMethods):
         if self._program is None:
             graph = self._graph
             if self._training:
-                graph = fuse_softmax_nll(graph, self._loss, self.patterns.isPatternEnabled,
-                                         self._dataFlow.anchors())
-                graph = overwrite_no_overlap_grads(graph)
+                graph = overwrite_no_overlap_grads(fuse_softmax_nll(
+                    graph, self._loss, self.patterns.isPatternEnabled, self._dataFlow.anchors()))
             self._program = plan_program(graph, self._config(), self._input_infos, self._device)   # placed or not
         return self._program
 
@@ -596,7 +595,6 @@ class _Session(_FileMethods):
         if format != IrSerializationFormat.JSON:
             raise popart_exception(f"_serializeIr: format must be IrSerializationFormat.JSON, got {format!r}")
         program = self._plan()
-        infos = dict(self._infos)
         training = None
         if self._training:
             training = {"loss": self._loss, "trainable": program.trainable, "optimizer": self._optimizer,
@@ -605,7 +603,7 @@ class _Session(_FileMethods):
         main = name if name and not name.startswith("BuilderGraph") else "maingraph"
         inplace = not self._training and self.patterns.isInPlaceEnabled()
         anchors = set(self._dataFlow.anchors())
-        return serialize_ir(self._graph, infos, main, training, anchors if inplace else None,
+        return serialize_ir(self._graph, dict(self._infos), main, training, anchors if inplace else None,
                             self.patterns, anchors)
 
     @serialised
