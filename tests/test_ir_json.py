@@ -221,3 +221,51 @@ def test_main_graph_output_is_no_reason_to_keep_the_identity():
     b.addOutputTensor(loss)
     s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), cpu())
     assert [op["type"] for op in ir_ops(s)] == ["Relu", "Neg"]
+
+
+# ------------------------------------------------------------------ Inplace pattern
+@pytest.fixture(scope="module")
+def inplace_session():
+    """An inference graph whose ops PopART's Inplace pattern would turn into their inplace
+    variants, and a few it must leave: a tensor read twice, an anchor, Tanh (no variant)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    v = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "v")
+    u = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "u")
+    a = b.aiOnnx.relu([x], "relu")                      # x read once: ReluInplace
+    c = b.aiOnnx.add([v, a], "add")                     # lhs [3] != out [2 3]: AddRhsInplace
+    d = b.aiOnnx.reshape([c, b.aiOnnx.constant(np.array([3, 2], np.int64))], "reshape")
+    e = b.aiOnnx.transpose([d], [1, 0], "transpose")    # TransposeInplace
+    f = b.aiOnnx.mul([e, b.aiOnnx.sigmoid([u], "sig")], "mul")   # MulLhsInplace
+    g = b.aiOnnx.tanh([f], "tanh")                      # no TanhInplace in PopART
+    h = b.aiOnnx.relu([u], "relu_u")                    # u also read by sig: stays Relu
+    y = b.aiOnnx.concat([g, h], 0, "concat")            # g read once, h read once
+    k = b.aiGraphcore.scale([y], 2.0, "scale")          # output anchored: stays Scale
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [k]), cpu())
+    return s, (x, v, u, k)
+
+
+def test_inplace_variants(inplace_session):
+    """patterns/inplace.cpp with the ops' inplacePriorityDefault: each op with a variant
+    becomes it when the tensor it aliases is read by it alone, is no weight and neither it
+    nor the output is anchored; binary ops pick Lhs when the output has the first input's
+    size, else Rhs."""
+    s, _ = inplace_session
+    types = {op["name"]: op["type"] for op in ir_ops(s)}
+    want = {"relu": "ReluInplace", "add": "AddRhsInplace", "reshape": "ReshapeInplace",
+            "transpose": "TransposeInplace", "mul": "MulLhsInplace", "sig": "Sigmoid",
+            "tanh": "Tanh", "relu_u": "Relu", "concat": "ConcatInplace", "scale": "Scale"}
+    assert {k: types[k] for k in want} == want
+
+
+def test_inplace_variants_compute_the_same(inplace_session):
+    """The serialized variants change nothing in the numbers (NumPy reference)."""
+    s, (x, v, u, k) = inplace_session
+    rng = np.random.default_rng(0)
+    xs, vs, us = (rng.standard_normal(sh).astype(np.float32) for sh in ((2, 3), (3,), (2, 3)))
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({x: xs, v: vs, u: us}, anchors))
+    f = (vs + np.maximum(xs, 0)).reshape(3, 2).T * (1 / (1 + np.exp(-us)))
+    np.testing.assert_allclose(anchors[k], 2 * np.concatenate([np.tanh(f), np.maximum(us, 0)]),
+                               rtol=1e-5)

@@ -63,22 +63,38 @@ _FOLDED_LIKE = {"RandomNormalLike": ("RandomNormal", "RandomNormalLikeOpPattern"
                 "RandomUniformLike": ("RandomUniform", "RandomUniformLikeOpPattern")}
 
 
-# Ops shown as their inplace variant when PopART's Inplace pattern would make them so (a
-# conservative reading, for inference: see _inplaced).
-_INPLACE_VARIANTS = {"Expand": "ExpandInplace"}
+# PopART's Inplace pattern (patterns/inplace.cpp, ir.cpp applyInplacePattern): each op with an
+# inplace variant (its ``inplacePriorityDefault``) becomes it where the aliasing is safe (see
+# _inplaced). Binary elementwise ops have two: Lhs when the output has the first input's
+# size, else Rhs when it has the second's (ElementWiseBinaryOp::inplacePriorityDefault).
+# Tanh has none in PopART. Concat aliases all its inputs; the others their first.
+_INPLACE_VARIANTS = {
+    **{op: (f"{op}Inplace",) for op in ("Expand", "Relu", "Sigmoid", "Scale", "Reshape",
+                                        "Transpose", "Slice", "Concat", "Softmax", "Gelu",
+                                        "LeakyRelu", "HardSigmoid")},
+    **{op: (f"{op}LhsInplace", f"{op}RhsInplace") for op in ("Add", "Mul")}}
 
 
-def _inplaced(n: Any, graph: Graph, keep: Optional[set]) -> bool:
-    """Whether an inference op becomes its inplace variant: ``keep`` (the anchors; None when
+def _inplaced(n: Any, graph: Graph, keep: Optional[set], infos: dict) -> Optional[str]:
+    """The inplace variant an inference op becomes, or None: ``keep`` (the anchors; None when
     the InPlace pattern is off or in training, whose backward pass reads the activations)
-    names neither its input nor output, and no other op reads the input it would modify,
+    names neither the input it aliases nor its output, and no other op reads that input,
     which is no weight."""
-    if keep is None or n.op_type not in _INPLACE_VARIANTS or n.domain not in ("", "ai.onnx"):
-        return False
-    x = n.inputs[0]
-    readers = sum(t == x for m in graph.nodes for t in m.inputs)
-    return (readers == 1 and x not in graph.initializers and x not in keep
-            and not keep.intersection(n.outputs))
+    if keep is None or n.op_type not in _INPLACE_VARIANTS or keep.intersection(n.outputs) \
+            or n.domain not in ("", "ai.onnx", "ai.graphcore"):
+        return None
+
+    def free(x: str) -> bool:
+        readers = sum(t == x for m in graph.nodes for t in m.inputs)
+        return readers == 1 and x not in graph.initializers and x not in keep
+
+    variants = _INPLACE_VARIANTS[n.op_type]
+    if len(variants) == 1:
+        aliased = n.inputs if n.op_type == "Concat" else n.inputs[:1]
+        return variants[0] if all(free(x) for x in aliased) else None
+    size = {t: infos[t].nelms() if t in infos else None for t in (*n.inputs[:2], n.outputs[0])}
+    return next((v for v, x in zip(variants, n.inputs) if free(x)
+                 and size[x] is not None and size[x] == size[n.outputs[0]]), None)
 
 
 def _opt_to_identity(n: Any, infos: dict, patterns: Any) -> bool:
@@ -91,7 +107,7 @@ def _opt_to_identity(n: Any, infos: dict, patterns: Any) -> bool:
     return n.attrs.get("reduction", "Mean") == "None" or (info is not None and info.rank() == 0)
 
 
-def _node_op(n: Any, attrs: dict, infos: dict, inplace: bool = False,
+def _node_op(n: Any, attrs: dict, infos: dict, inplace: Optional[str] = None,
              inputs: Optional[list] = None, identity: bool = False) -> dict:
     """A graph node as its op, after PopART's LikeOpsPattern, (``inplace``) Inplace and
     (``identity``) OpToIdentity: ``Identity`` named ``<name>:OpToIdentity``
@@ -103,7 +119,7 @@ def _node_op(n: Any, attrs: dict, infos: dict, inplace: bool = False,
         return _op("Identity", f"{n.name}:OpToIdentity" if n.name else "", inputs, n.outputs,
                    kept, infos)
     if inplace:
-        return _op(_INPLACE_VARIANTS[n.op_type], name, inputs, n.outputs, attrs, infos)
+        return _op(inplace, name, inputs, n.outputs, attrs, infos)
     if n.op_type not in _FOLDED_LIKE or n.domain not in ("", "ai.onnx") or n.inputs[0] not in infos:
         return _op(n.op_type, name, inputs, n.outputs, attrs, infos)
     info = infos[n.inputs[0]]
@@ -183,7 +199,7 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
         attrs = {**n.attrs, **_placement(n, stages.get(id(n)))}
         if marks:   # autoRecomputation: Recompute ops say YES, unless made explicit (clones)
             attrs["recompute"] = YES_NO[marks.get(id(n)) == RECOMPUTE and not explicit]
-        ops.append(_node_op(n, attrs, infos, _inplaced(n, g, inplace_keep),
+        ops.append(_node_op(n, attrs, infos, _inplaced(n, g, inplace_keep, infos),
                             [read(t, ipu) for t in n.inputs], identity))
     return ops, read
 
