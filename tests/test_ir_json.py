@@ -56,7 +56,7 @@ def test_inference_identity_loss(reduction, shape, anchor_it, pattern_on):
     replaced = pattern_on and replaced_by_identity(reduction, len(shape))
     removed = replaced and not anchor_it
     assert [op["type"] for op in ops] == \
-        ["Relu"] + ([] if removed else ["Identity" if replaced else "IdentityLoss"]) + ["Neg"]
+        ["ReluInplace"] + ([] if removed else ["Identity" if replaced else "IdentityLoss"]) + ["Neg"]
     assert names(ops, "inputs")[-1] == [r if removed else loss]   # Neg reads Relu's output
     if replaced and not removed:
         ident = ops[1]
@@ -220,7 +220,7 @@ def test_main_graph_output_is_no_reason_to_keep_the_identity():
     y = b.aiOnnx.neg([loss])
     b.addOutputTensor(loss)
     s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), cpu())
-    assert [op["type"] for op in ir_ops(s)] == ["Relu", "Neg"]
+    assert [op["type"] for op in ir_ops(s)] == ["ReluInplace", "Neg"]
 
 
 # ------------------------------------------------------------------ Inplace pattern
@@ -269,3 +269,50 @@ def test_inplace_variants_compute_the_same(inplace_session):
     f = (vs + np.maximum(xs, 0)).reshape(3, 2).T * (1 / (1 + np.exp(-us)))
     np.testing.assert_allclose(anchors[k], 2 * np.concatenate([np.tanh(f), np.maximum(us, 0)]),
                                rtol=1e-5)
+
+
+# ------------------------------------------------------------------ sharding: InterIpuCopy
+def sharded_ops(training: bool) -> tuple:
+    """IPU 0: Relu(x); IPU 1: MatMul(relu, w), Add(x, mm), Mul(relu, add) (+ an L1 loss)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 2]), "x")
+    w = b.addInitializedInputTensor(np.eye(2, dtype=np.float32), "w")
+    with b.virtualGraph(0):
+        r = b.aiOnnx.relu([x], "relu")
+    with b.virtualGraph(1):
+        m = b.aiOnnx.matmul([r, w], "mm")
+        a = b.aiOnnx.add([x, m], "add")
+        y = b.aiOnnx.mul([r, a], "mul")
+        loss = b.aiGraphcore.l1loss([y], 0.1, reduction=popart.ReductionType.Sum) \
+            if training else None
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    device = popart.DeviceManager().createIpuModelDevice({"numIPUs": 2})
+    if training:
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                                   popart.ConstSGD(0.1), device, userOptions=o)
+    else:
+        s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]), device,
+                                    userOptions=o)
+    return ir_ops(s), (x, r)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_sharded_ipu_copies(training):
+    """transforms/interipucopy.cpp without pipelining: one IpuCopy per (tensor, IPU) read on
+    another IPU than its producer's (a stream read on several IPUs: from the lowest one),
+    named <t>_c<destIpu>, before the op that first needs it, with __sourceIpus / __destIpu
+    and no __pipeline_stage; the readers on IPU 1 read the copies."""
+    ops, (x, r) = sharded_ops(training)
+    copies = [op for op in ops if op["type"] == "IpuCopy"]
+    assert names(copies, "inputs") == [[r], [x]]
+    assert names(copies, "outputs") == [[f"{r}_c1"], [f"{x}_c1"]]
+    for op in copies:
+        assert op["attributes"]["__sourceIpus"] == "{0}" and op["attributes"]["__destIpu"] == "1"
+        assert "__pipeline_stage" not in op["attributes"]
+    order = [op["name"] or op["type"] for op in ops]
+    assert order[:5] == ["relu", "IpuCopy", "mm", "IpuCopy", "add"]
+    by_name = {op["name"]: op for op in ops}
+    assert names([by_name["mm"]], "inputs") == [[f"{r}_c1", "w"]]
+    m, a = (by_name[k]["outputs"][0]["name"] for k in ("mm", "add"))
+    assert names([by_name["add"], by_name["mul"]], "inputs") == [[f"{x}_c1", m], [f"{r}_c1", a]]

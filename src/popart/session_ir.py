@@ -20,6 +20,7 @@ from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
 from ._ir import recompute as _recompute
 from ._ir.recompute import RECOMPUTE, RECOMPUTE_OUTPUT
 from ._ir.transforms import gradient_flow
+from .engine.placed import ipu_copy_node
 from .options import IrSerializationFormat
 from .tensornames import PREFIXES
 from .tensorinfo import TensorInfo
@@ -157,7 +158,7 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
         ops, read = _forward(g, infos, stages if main else {}, plan if main else None,
                              marks if main else {}, inplace_keep if main else None,
                              patterns, set(anchors or ()) | (set() if main else set(g.outputs)),
-                             training)
+                             training, _shard_sources(g, training) if main and not stages else None)
         if main and training is not None:
             ops += _backward(g, infos, training, stages, read, marks, patterns)
         doc["maingraph" if main else g.name] = ops
@@ -168,13 +169,14 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
 
 def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
              inplace_keep: Optional[set], patterns: Any, keep: set,
-             training: Optional[dict]) -> tuple[list, Any]:
+             training: Optional[dict], shard: Optional[dict] = None) -> tuple[list, Any]:
     """Graph ``g``'s ops as PopART's patterns and transforms leave them, and ``read(t, ipu)``:
     the id an op on IPU ``ipu`` reads for tensor ``t``. OpToIdentity's Identity is removed
     by PostNRepl in an inference session when its output is not in ``keep`` (the anchors,
     a subgraph's outputs: its readers read its input); in a pipeline, each stage
     boundary's ``IpuCopy`` ops (``_ipu_copies``) come before the first op of the next
-    stage."""
+    stage; in a sharded program (``shard``: ``_shard_sources``), an op's copies come
+    before it."""
     ops: list = []
     alias: dict = {}                 # tensor -> what PostNRepl has its readers read
     moved: dict = {}                 # (tensor, IPU) -> its copy there (IpuCopy)
@@ -191,6 +193,12 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
         while s is not None and done < s:    # the copies of the boundaries before stage s
             ops += _ipu_copies(copies[done], done, infos, moved, read)
             done += 1
+        if shard is not None and n.annotations.get(VIRTUAL_GRAPH) is not None:
+            ipu = int(n.annotations[VIRTUAL_GRAPH])
+            sent = [t for t in dict.fromkeys(n.inputs)
+                    if shard.get(t, ipu) != ipu and (read(t), ipu) not in moved]
+            ops += _ipu_copies([ipu_copy_node(read(t), shard[t], ipu) for t in sent], None,
+                               infos, moved, read)
         identity = _opt_to_identity(n, infos, patterns)
         if (identity and training is None and patterns.isPatternEnabled("PostNRepl")
                 and not keep.intersection(n.outputs)):
@@ -204,11 +212,29 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
     return ops, read
 
 
-def _ipu_copies(nodes: list, stage: int, infos: dict, moved: dict, read: Any) -> list:
-    """The program's IpuCopy nodes of one stage boundary (``StagePlan.copies``) as PopART's
-    InterIpuCopy writes them: no name, the copy of ``t`` is ``<t>_c<destIpu>``
-    (``generateCopiedTensorId``), in the pipeline stage of its producer, with
-    ``__sourceIpus`` / ``__destIpu`` (``IpuCopyOp::appendOutlineAttributes``)."""
+def _shard_sources(g: Graph, training: Optional[dict]) -> Optional[dict]:
+    """A sharded (virtual graphs, no pipeline) main graph's IPU each tensor is copied from
+    (transforms/interipucopy.cpp): its producer's; for a graph input, weight or constant,
+    the lowest IPU reading it (the stream's "first ipu"). None when no op has a virtual
+    graph id (``InterIpuCopy::apply`` looks at the first) or the mode is Off (training)."""
+    ipus = [n.annotations.get(VIRTUAL_GRAPH) for n in g.nodes]
+    mode = getattr(getattr((training or {}).get("options"), "virtualGraphMode", None), "name", "")
+    if not ipus or ipus[0] is None or mode == "Off":
+        return None
+    made = {t: int(i) for n, i in zip(g.nodes, ipus) for t in n.outputs if i is not None}
+    out: dict = {}
+    for n, ipu in zip(g.nodes, ipus):
+        for t in n.inputs:
+            if t and ipu is not None and t not in made:
+                out[t] = min(out.get(t, int(ipu)), int(ipu))
+    return {**out, **made}
+
+
+def _ipu_copies(nodes: list, stage: Optional[int], infos: dict, moved: dict, read: Any) -> list:
+    """IpuCopy nodes (a pipeline boundary's ``StagePlan.copies``; ``stage`` None: a sharded
+    program's) as PopART's InterIpuCopy writes them: no name, the copy of ``t`` is
+    ``<t>_c<destIpu>`` (``generateCopiedTensorId``), in the pipeline stage of its producer,
+    with ``__sourceIpus`` / ``__destIpu`` (``IpuCopyOp::appendOutlineAttributes``)."""
     out = []
     for node in nodes:
         t, src, dst = node.inputs[0], node.attrs["sourceIpu"], node.attrs["destIpu"]
@@ -216,8 +242,8 @@ def _ipu_copies(nodes: list, stage: int, infos: dict, moved: dict, read: Any) ->
         copied = f"{source}_c{dst}"
         infos[copied], moved[(t, dst)] = infos.get(t), copied
         out.append(_op("IpuCopy", "", [source], [copied],
-                       {"recompute": "NO", PIPELINE_STAGE: stage, "__sourceIpus": f"{{{src}}}",
-                        "__destIpu": dst}, infos))
+                       {"recompute": "NO", **({} if stage is None else {PIPELINE_STAGE: stage}),
+                        "__sourceIpus": f"{{{src}}}", "__destIpu": dst}, infos))
     return out
 
 
