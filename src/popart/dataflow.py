@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from .errors import (ArgumentError, DataFlowError, StepIOError, WeightsIOError, noted,
+                     check_arguments, integral, sequence_of,
                      popart_exception)
 from .options import ExchangeStrategy, ReplicatedStreamMode, TileSet, _Enum, _enum
 from .tensorinfo import TensorInfo, shape_str
@@ -57,12 +58,28 @@ def noncontiguous_output(tensor_id: str) -> str:
             "performance and hence is not allowed)")
 
 
+# pybind11's signatures of popart_core's AnchorReturnType and DataFlow constructors
+# (popart.cpp); a default argument as pybind11 shows it, less the address.
+_ART_FORMS = [f"popart_core.AnchorReturnType(anchorReturnTypeString: str, {rp}tileSet: "
+              "popart_core.TileSet = <TileSet.Compute: 0>, exchangeStrategy: "
+              "popart_core.ExchangeStrategy = <ExchangeStrategy.JustInTime: 0>)"
+              for rp in ("", "returnPeriod: int, ")]
+_DF_MAP = "anchorTensors: Dict[str, popart_core.AnchorReturnType]"
+_DF_FORMS = [f"popart_core.DataFlow(batchesPerStep: int, {_DF_MAP})"] * 2 + [
+    "popart_core.DataFlow(batchesPerStep: int, anchorIds: List[str], anchorReturnType: "
+    "popart_core.AnchorReturnType = <popart_core.AnchorReturnType object>)"]
+
+
 class AnchorReturnType:
     """How an anchor is returned: ``AnchorReturnType("ALL")``, ``("FINAL")``, ``("SUM")`` or
     ``("EVERYN", N)`` (case-insensitive)."""
 
     def __init__(self, anchorReturnTypeString: str, returnPeriod: Any = None,
                  tileSet: Any = TileSet.Compute, exchangeStrategy: Any = ExchangeStrategy.JustInTime) -> None:
+        check_arguments(isinstance(anchorReturnTypeString, str) and (
+            returnPeriod is None or integral(returnPeriod) or isinstance(returnPeriod, _Enum)),
+            "__init__", _ART_FORMS, tuple(a for a in (anchorReturnTypeString, returnPeriod)
+                                          if a is not None), True)
         if isinstance(returnPeriod, _Enum):  # the (anchorReturnTypeString, tileSet, exchangeStrategy) form
             if isinstance(tileSet, ExchangeStrategy):
                 exchangeStrategy = tileSet
@@ -139,6 +156,13 @@ class DataFlow:
         anchors = anchorIds if anchorTensors is None else anchorTensors
         if anchors is None:
             anchors = {}
+        check_arguments(integral(batchesPerStep) and (
+            (isinstance(anchors, Mapping) and all(isinstance(k, str) and isinstance(
+                v, AnchorReturnType) for k, v in anchors.items()))
+            or (sequence_of(anchors, lambda t: isinstance(t, str))
+                and isinstance(anchorReturnType, (AnchorReturnType, type(None))))),
+            "__init__", _DF_FORMS, (batchesPerStep, anchors) + (
+                () if anchorReturnType is None else (anchorReturnType,)), True)
         if not isinstance(anchors, Mapping):
             ids = list(anchors)
             if len(set(ids)) != len(ids):

@@ -6,6 +6,9 @@ tensor, op, option or file, what was expected and what was given.
 from __future__ import annotations
 
 import enum
+import numbers
+from collections.abc import Mapping
+from typing import Any, Callable
 
 __all__ = [
     "popart_exception", "popart_internal_exception", "popart_runtime_error", "poplibs_exception",
@@ -157,3 +160,26 @@ def incompatible_arguments(fn: str, signatures: "list[str]", args: tuple,
     return ArgumentError(f"{fn}(): incompatible {kind} arguments. The following argument "
                          f"types are supported:\n{overloads}\n\nInvoked with: "
                          + ", ".join(repr(a) for a in args))
+
+
+# What pybind11's casters accept (for ``check_arguments``): an int (``__index__``, bools
+# too), a float (any real number), a sequence (not str / bytes / a dict) of such.
+def integral(v: Any) -> bool:
+    return isinstance(v, numbers.Integral)
+
+
+def real(v: Any) -> bool:
+    return isinstance(v, numbers.Real)
+
+
+def sequence_of(v: Any, ok: Callable[[Any], bool]) -> bool:
+    return (not isinstance(v, (str, bytes, Mapping)) and hasattr(v, "__len__")
+            and hasattr(v, "__getitem__") and all(ok(x) for x in v))
+
+
+def check_arguments(ok: bool, fn: str, signatures: "list[str]", args: tuple,
+                    constructor: bool = False) -> None:
+    """Raise pybind11's ``incompatible_arguments`` TypeError unless ``ok`` (the arguments
+    fit one of the binding's ``signatures``)."""
+    if not ok:
+        raise incompatible_arguments(fn, signatures, args, constructor)

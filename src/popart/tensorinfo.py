@@ -3,12 +3,12 @@ NumPy / ml_dtypes."""
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from onnx import TensorProto, helper
 
-from .errors import popart_exception
+from .errors import check_arguments, integral, popart_exception, sequence_of
 
 
 class DataType(enum.Enum):
@@ -128,6 +128,13 @@ def onnx_dtype(dtype: Any) -> int:
     return _ONNX[to_datatype(dtype)]
 
 
+# pybind11's signatures of popart._internal.ir.TensorInfo's constructors (bindings/tensorinfo.cpp).
+_TI = "popart._internal.ir.TensorInfo"
+_TI_FORMS = [f"{_TI}()", f"{_TI}(dataType: popart._internal.ir.DataType, shape: List[int])",
+             f"{_TI}(dataType: popart._internal.ir.DataType, shape: List[int], metaShape: List[int])",
+             f"{_TI}(dataType: str, shape: str)", f"{_TI}(dataType: str, shape: List[int])"]
+
+
 class TensorInfo:
     """The data type and shape of a tensor.
 
@@ -142,13 +149,13 @@ class TensorInfo:
         elif len(args) == 1 and isinstance(args[0], np.ndarray):
             self._dtype, self._shape = to_datatype(args[0].dtype), list(args[0].shape)
         elif len(args) == 2:
-            if not isinstance(args[1], Iterable) or isinstance(args[1], (str, bytes)):
-                raise TypeError(f"TensorInfo shape must be a list of ints, got {args[1]!r}")
+            dtype = args[0]
+            check_arguments(sequence_of(args[1], integral) and (
+                isinstance(dtype, (str, DataType, type, np.dtype))), "__init__", _TI_FORMS, args, True)
             self._dtype = to_datatype(args[0])
             self._shape = [int(d) for d in args[1]]
-        else:
-            raise TypeError("TensorInfo expects (dtype, shape) or (numpy.ndarray), "
-                            f"got {len(args)} argument(s): {args!r}")
+        else:   # PopART's TensorInfo wrapper (python_files/tensorinfo.py)
+            raise TypeError(f"Can not create TensorInfo with args {args}")
 
     # PopART's accessors
     def data_type(self) -> str:
