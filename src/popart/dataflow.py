@@ -289,6 +289,10 @@ class PyStepIO:
     PopART's, NumPy arrays must be C-contiguous (StepIOError otherwise: no hidden copy)."""
 
     def __init__(self, inputs: Mapping[str, Any], outputs: Mapping[str, np.ndarray]) -> None:
+        check_arguments(all(isinstance(d, Mapping) and all(isinstance(k, str) for k in d)
+                            for d in (inputs, outputs)), "__init__", [
+            "popart_core.PyStepIO(inputs: Dict[str, numpy.ndarray], outputs: "
+            "Dict[str, numpy.ndarray])"], (inputs, outputs), True)
         for tid, array in inputs.items():
             check_contiguous(array, noncontiguous_input(tid))
         for tid, array in outputs.items():

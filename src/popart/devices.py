@@ -48,7 +48,7 @@ import time  # noqa: E402
 import weakref  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
-from .errors import noted, popart_exception, poplar_exception  # noqa: E402
+from .errors import check_arguments, integral, noted, popart_exception, poplar_exception  # noqa: E402
 from .logging import getLogger  # noqa: E402
 from .options import _enum  # noqa: E402
 
@@ -256,6 +256,16 @@ class DeviceInfo:
                 f"jax_devices={self.jax_devices})")
 
 
+# pybind11's signatures of DeviceManager methods (popart.cpp), for check_arguments.
+_DM = "self: popart_core.DeviceManager"
+_LINK = ("pattern: popart_core.SyncPattern = <SyncPattern.Full: 0>, connectionType: "
+         "popart_core.DeviceConnectionType = <DeviceConnectionType.Always: 0>")
+_BY_ID = f"({_DM}, id: int, {_LINK}) -> popart_core.DeviceInfo"
+_AVAILABLE = (f"({_DM}, numIpus: int = 1, tilesPerIpu: int = 0, {_LINK}, selectionCriterion: "
+              "popart_core.DeviceSelectionCriterion = <DeviceSelectionCriterion.First: 0>) -> "
+              "popart_core.DeviceInfo")
+
+
 class DeviceManager:
     """Creates and acquires devices. Stateless apart from the on-demand attach timeout."""
 
@@ -269,6 +279,8 @@ class DeviceManager:
     def createIpuModelDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
         """An IPU model with ``opts["numIPUs"]`` IPUs (default 1) of ``opts["tilesPerIPU"]``
         tiles (default 4, PopART's defaultFewTiles); other options are kept."""
+        check_arguments(isinstance(opts, (dict, type(None))), "createIpuModelDevice",
+                        [f"({_DM}, arg0: dict) -> popart_core.DeviceInfo"], (self, opts))
         return self._simulated(DeviceType.IpuModel, opts)
 
     def createSimDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
@@ -277,6 +289,8 @@ class DeviceManager:
 
     def createOfflineIPUDevice(self, opts: Optional[dict] = None) -> DeviceInfo:
         """A device to compile for without running (sessions refuse to run on it)."""
+        check_arguments(isinstance(opts, (dict, type(None))), "createOfflineIPUDevice",
+                        [f"({_DM}, opts: dict) -> popart_core.DeviceInfo"], (self, opts))
         return self._simulated(DeviceType.OfflineIpu, opts, DeviceConnectionType.Never)
 
     def createOfflineIpuFromDeviceInfo(self, deviceInfo: DeviceInfo) -> DeviceInfo:
@@ -320,6 +334,8 @@ class DeviceManager:
                                   selectionCriterion: Any = DeviceSelectionCriterion.First
                                   ) -> Optional[DeviceInfo]:
         """A free device of ``numIpus`` IPUs, or None. Attaches if connectionType is Always."""
+        check_arguments(integral(numIpus) and integral(tilesPerIpu), "tryAcquireAvailableDevice",
+                        [_AVAILABLE], (self, numIpus, tilesPerIpu))
         self._check_connection(connectionType)
         free = [d for d in self.enumerateDevices(pattern, numIpus, DeviceType.Ipu,
                                                  connectionType, tilesPerIpu)
@@ -336,6 +352,8 @@ class DeviceManager:
                                selectionCriterion: Any = DeviceSelectionCriterion.First
                                ) -> DeviceInfo:
         """Like :meth:`tryAcquireAvailableDevice` but raises when no device is free."""
+        check_arguments(integral(numIpus) and integral(tilesPerIpu), "acquireAvailableDevice",
+                        [_AVAILABLE], (self, numIpus, tilesPerIpu))
         device = self.tryAcquireAvailableDevice(numIpus, tilesPerIpu, pattern,
                                                 connectionType, selectionCriterion)
         if device is None:
@@ -349,6 +367,7 @@ class DeviceManager:
                              ) -> Optional[DeviceInfo]:
         """Device ``id`` (see :meth:`enumerateDevices`), or None if it is attached; an id that
         does not exist raises ``poplar_exception``, as Poplar's device manager does."""
+        check_arguments(integral(id), "tryAcquireDeviceById", [_BY_ID], (self, id))
         self._check_connection(connectionType, " For offline compilation, use "
                                "createOfflineIPUDevice")
         groups = _device_groups()
@@ -363,6 +382,7 @@ class DeviceManager:
 
     def acquireDeviceById(self, id: int, pattern: Any = SyncPattern.Full,
                           connectionType: Any = DeviceConnectionType.Always) -> DeviceInfo:
+        check_arguments(integral(id), "acquireDeviceById", [_BY_ID], (self, id))
         device = self.tryAcquireDeviceById(id, pattern, connectionType)
         if device is None:
             raise noted(popart_exception(f"Failed to acquire device with id '{id}'. Ensure "
