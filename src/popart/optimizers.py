@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import OptimizerError
+from .errors import OptimizerError, check_arguments, real, sequence_of
 from .options import AdamMode, AdaptiveMode, SGDAccumulatorAndMomentum, WeightDecayMode
 from .tensorinfo import DataType, np_dtype, to_datatype
 
@@ -606,6 +606,13 @@ class ConstSGD(SGD):
     def __init__(self, learning_rate: float, weight_decay: float = 0.0,
                  loss_scaling: float = 1.0,
                  clip_norm_settings: Iterable[ClipNormSettings] = ()) -> None:
+        check_arguments(all(real(v) for v in (learning_rate, weight_decay, loss_scaling))
+                        and sequence_of(clip_norm_settings,
+                                        lambda c: isinstance(c, ClipNormSettings)),
+                        "__init__", [
+            "popart_core.ConstSGD(learning_rate: float, weight_decay: float = 0.0, "
+            "loss_scaling: float = 1.0, clip_norm_settings: List[popart_core.ClipNormSettings]"
+            " = [])"], (learning_rate, weight_decay, loss_scaling, clip_norm_settings), True)
         super().__init__({"defaultLearningRate": (learning_rate, True),
                           "defaultWeightDecay": (weight_decay, True),
                           "lossScaling": (loss_scaling, True)}, clip_norm_settings)
