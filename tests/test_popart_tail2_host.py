@@ -691,3 +691,103 @@ def test_random_seed_before_prepare_device_error_order(tmp_path):
     hit.prepareDevice()
     hit.setRandomSeed(5)
     assert hit.getRandomSeed() == 5
+
+
+# ---------------------------------------------------------- pybind11's incompatible arguments
+def _pybind_text(fn: str, constructor: bool, signatures: list, invoked: str) -> str:
+    """pybind11's message (pybind11.h, ``cpp_function::dispatcher``), written out here."""
+    kind = "constructor" if constructor else "function"
+    lines = "".join(f"    {i}. {sig}\n" for i, sig in enumerate(signatures, 1))
+    return (f"{fn}(): incompatible {kind} arguments. The following argument types are "
+            f"supported:\n{lines}\nInvoked with: {invoked}")
+
+
+_TI = "popart._internal.ir.TensorInfo"
+_TI_SIGS = [f"{_TI}()", f"{_TI}(dataType: popart._internal.ir.DataType, shape: List[int])",
+            f"{_TI}(dataType: popart._internal.ir.DataType, shape: List[int], metaShape: List[int])",
+            f"{_TI}(dataType: str, shape: str)", f"{_TI}(dataType: str, shape: List[int])"]
+
+
+@pytest.mark.parametrize("args,invoked", [(("FLOAT", 3), "'FLOAT', 3"),
+                                          (("FLOAT", [2.5]), "'FLOAT', [2.5]"),
+                                          ((3, [2]), "3, [2]")])
+def test_tensorinfo_incompatible_constructor_arguments(args, invoked):
+    """bindings/tensorinfo.cpp's five constructors; the accepted forms still work."""
+    with pytest.raises(TypeError) as e:
+        popart.TensorInfo(*args)
+    assert str(e.value) == _pybind_text("__init__", True, _TI_SIGS, invoked)
+    assert isinstance(e.value, popart.popart_exception)
+    assert popart.TensorInfo("FLOAT", (2, np.int64(3))).shape() == [2, 3]
+
+
+def test_tensorinfo_wrong_argument_count_is_the_wrappers_text():
+    """python_files/tensorinfo.py: neither (dtype, shape) nor an array."""
+    with pytest.raises(TypeError, match=r"^Can not create TensorInfo with args \(1, 2, 3\)$"):
+        popart.TensorInfo(1, 2, 3)
+
+
+_DF = ["popart_core.DataFlow(batchesPerStep: int, anchorTensors: "
+       "Dict[str, popart_core.AnchorReturnType])"] * 2 + [
+    "popart_core.DataFlow(batchesPerStep: int, anchorIds: List[str], anchorReturnType: "
+    "popart_core.AnchorReturnType = <popart_core.AnchorReturnType object>)"]
+
+
+@pytest.mark.parametrize("args,invoked", [((1.5, ["a"]), "1.5, ['a']"), ((1, "a"), "1, 'a'"),
+                                          ((1, {"a": "ALL"}), "1, {'a': 'ALL'}"),
+                                          ((1, ["a"], "ALL"), "1, ['a'], 'ALL'")])
+def test_dataflow_incompatible_constructor_arguments(args, invoked):
+    """popart.cpp's three DataFlow constructors (the first two are the same)."""
+    with pytest.raises(TypeError) as e:
+        popart.DataFlow(*args)
+    assert str(e.value) == _pybind_text("__init__", True, _DF, invoked)
+    assert popart.DataFlow(np.int32(2), ("a",)).batchesPerStep() == 2
+
+
+def test_anchor_return_type_incompatible_constructor_arguments():
+    sigs = [f"popart_core.AnchorReturnType(anchorReturnTypeString: str, {rp}tileSet: "
+            "popart_core.TileSet = <TileSet.Compute: 0>, exchangeStrategy: "
+            "popart_core.ExchangeStrategy = <ExchangeStrategy.JustInTime: 0>)"
+            for rp in ("", "returnPeriod: int, ")]
+    for args, invoked in [((3,), "3"), (("EveryN", "2"), "'EveryN', '2'")]:
+        with pytest.raises(TypeError) as e:
+            popart.AnchorReturnType(*args)
+        assert str(e.value) == _pybind_text("__init__", True, sigs, invoked)
+    assert popart.AnchorReturnType("EveryN", 2).rp() == 2
+
+
+def test_pystepio_incompatible_constructor_arguments():
+    with pytest.raises(TypeError) as e:
+        popart.PyStepIO([np.zeros(2)], {})
+    assert str(e.value) == _pybind_text("__init__", True, [
+        "popart_core.PyStepIO(inputs: Dict[str, numpy.ndarray], outputs: "
+        "Dict[str, numpy.ndarray])"], "[array([0., 0.])], {}")
+
+
+def test_device_manager_incompatible_function_arguments():
+    """popart.cpp's DeviceManager bindings: ``self`` leads "Invoked with"."""
+    dm = popart.DeviceManager()
+    link = ("pattern: popart_core.SyncPattern = <SyncPattern.Full: 0>, connectionType: "
+            "popart_core.DeviceConnectionType = <DeviceConnectionType.Always: 0>")
+    dm_self = "self: popart_core.DeviceManager"
+    cases = [(dm.acquireDeviceById, ("0",), "acquireDeviceById",
+              f"({dm_self}, id: int, {link}) -> popart_core.DeviceInfo", "'0'"),
+             (dm.createIpuModelDevice, ([2],), "createIpuModelDevice",
+              f"({dm_self}, arg0: dict) -> popart_core.DeviceInfo", "[2]"),
+             (dm.acquireAvailableDevice, (1.0,), "acquireAvailableDevice",
+              f"({dm_self}, numIpus: int = 1, tilesPerIpu: int = 0, {link}, selectionCriterion: "
+              "popart_core.DeviceSelectionCriterion = <DeviceSelectionCriterion.First: 0>) -> "
+              "popart_core.DeviceInfo", "1.0, 0")]
+    for method, args, fn, sig, invoked in cases:
+        with pytest.raises(TypeError) as e:
+            method(*args)
+        assert str(e.value) == _pybind_text(fn, False, [sig], f"{dm!r}, {invoked}")
+
+
+def test_const_sgd_incompatible_constructor_arguments():
+    with pytest.raises(TypeError) as e:
+        popart.ConstSGD("0.1")
+    assert str(e.value) == _pybind_text("__init__", True, [
+        "popart_core.ConstSGD(learning_rate: float, weight_decay: float = 0.0, loss_scaling: "
+        "float = 1.0, clip_norm_settings: List[popart_core.ClipNormSettings] = [])"],
+        "'0.1', 0.0, 1.0, ()")
+    assert popart.ConstSGD(np.float32(0.5), 0).learningRates().getDefault().val() == 0.5
