@@ -235,3 +235,29 @@ def test_mixed_consumers_and_subgraphs_match_onnxruntime():
         s.run(popart.PyStepIO(feeds, anchors))
         for name, want in zip(outs, ref.run(outs, feeds)):
             np.testing.assert_allclose(anchors[name], want, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_gelu_20_runs_on_the_channels_last_form():
+    """ai.onnx Gelu (opset 20, ConvNeXt's and transformers' exports) between two convolutions
+    keeps the NHWC form: only the input's and the output's transposes are left, and the values
+    are onnxruntime's (both approximations)."""
+    from onnx import TensorProto, helper, numpy_helper
+    w2 = RNG.standard_normal((4, C, 3, 3), dtype=np.float32) * 0.2
+    for approximate in ("none", "tanh"):
+        graph = helper.make_graph(
+            [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Gelu", ["c"], ["g"], approximate=approximate),
+             helper.make_node("Conv", ["g", "w2"], ["y"], pads=[1, 1, 1, 1])], "gelu",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(X.shape))],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            [numpy_helper.from_array(W1, "w"), numpy_helper.from_array(w2, "w2")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
+        s = popart.InferenceSession(model.SerializeToString(),
+                                    popart.DataFlow(1, {"y": popart.AnchorReturnType("ALL")}),
+                                    popart.DeviceManager().createCpuDevice())
+        s.prepareDevice()
+        anchors = s.initAnchorArrays()
+        s.run(popart.PyStepIO({"x": X}, anchors))
+        ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(anchors["y"], ref.run(None, {"x": X})[0], rtol=1e-4, atol=1e-4)
+        assert transposes_4d(s) == 2

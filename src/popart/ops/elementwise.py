@@ -316,7 +316,7 @@ def where(ctx: LowerCtx, cond, x, y, **_):
 _where = with_popart_grad(jnp.where, _where_grad)
 
 
-@register("Gelu", since=20)
+@register("Gelu", since=20, elementwise=True)   # runs on channels-last twins
 def gelu(ctx: LowerCtx, x, approximate="none", **_):
     if approximate not in ("none", "tanh"):
         raise ctx.error(f"approximate must be 'none' or 'tanh', got {approximate!r}")
