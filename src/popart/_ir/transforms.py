@@ -126,19 +126,19 @@ def overwrite_no_overlap_grads(graph: Graph) -> Graph:
     graph's start). A gate whose offsets are computed later than its consumer is left out
     (that gradient then accumulates). The input graph
     is unchanged."""
-    slices = lambda x, users: [u for u in users if u.op_type == "DynamicSlice"   # noqa: E731
-                               and u.domain == GRAPHCORE_DOMAIN and u.inputs[0] == x]
     gates: dict = {}   # (id(consumer), tensor) -> the noOverlap slices written after it
     for x, users in graph.consumers().items():
-        sl = slices(x, users)
+        sl = [u for u in users if u.op_type == "DynamicSlice" and u.domain == GRAPHCORE_DOMAIN
+              and u.inputs[0] == x]
         if not any(s.attrs.get("noOverlap", 0) for s in sl):
             continue
-        chain = [u for u in dict.fromkeys(map(id, users)) if u not in map(id, sl)] + \
+        sl_ids = {id(s) for s in sl}
+        chain = [u for u in dict.fromkeys(map(id, users)) if u not in sl_ids] + \
             [id(s) for s in reversed(sl)]
         by_id = {id(u): u for u in users}
         for k, u in enumerate(chain):
             later = [by_id[v] for v in chain[k + 1:]
-                     if v in map(id, sl) and by_id[v].attrs.get("noOverlap", 0)]
+                     if v in sl_ids and by_id[v].attrs.get("noOverlap", 0)]
             if later:
                 gates[(u, x)] = later
     if not gates:
