@@ -458,4 +458,5 @@ def remove_op_created_hook(handle: int) -> None:
 
 
 def op_created(graph: "Graph", node: Any) -> None:
-    _CTX._op_created(graph, node)
+    if _CTX._op_created_hooks:   # the op's handle is only built for hooks
+        _CTX._op_created(graph, node)
