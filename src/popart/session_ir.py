@@ -21,6 +21,7 @@ from ._ir import recompute as _recompute
 from ._ir.recompute import RECOMPUTE, RECOMPUTE_OUTPUT
 from ._ir.transforms import gradient_flow
 from .engine.placed import ipu_copy_node
+from .ops.registry import shape_text
 from .options import IrSerializationFormat
 from .tensornames import PREFIXES
 from .tensorinfo import TensorInfo
@@ -32,7 +33,7 @@ YES_NO = {True: "YES", False: "NO"}
 def _tensor(tid: str, infos: dict, index: int) -> dict:
     info: Optional[TensorInfo] = infos.get(tid) if tid in infos else \
         infos.get(tid[len(GRAD):] if tid.startswith(GRAD) else tid)
-    shape = "[" + " ".join(str(d) for d in info.shape()) + "]" if info is not None else "[]"
+    shape = shape_text(info.shape()) if info is not None else "[]"
     dtype = info.data_type() if info is not None else "UNDEFINED"
     return {"name": tid, "shape": shape, "type": dtype, "index": str(index)}
 
@@ -125,7 +126,7 @@ def _node_op(n: Any, attrs: dict, infos: dict, inplace: Optional[str] = None,
         return _op(n.op_type, name, inputs, n.outputs, attrs, infos)
     info = infos[n.inputs[0]]
     op_type, pattern = _FOLDED_LIKE[n.op_type]
-    shape = "[" + " ".join(str(d) for d in info.shape()) + "]"
+    shape = shape_text(info.shape())
     return _op(op_type, f"{name}_{pattern}", [], n.outputs,
                {**attrs, "shape": shape, "dtype": attrs.get("dtype", info.data_type())}, infos)
 
