@@ -105,6 +105,18 @@ def test_clip_names_weights_that_are_not_trainable():
         clip_by_norm([popart.ClipNormSettings(["a", "nope"], 1.0)], G, list(W))
 
 
+def _manual_two_ipu_session(b, loss, opt):
+    """A prepared TrainingSession of ``b``'s model on two IPUs (manual virtual graphs), its
+    weights written."""
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, opt,
+                               popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
+    s.prepareDevice()
+    s.weightsFromHost()
+    return s
+
+
 def test_placed_training_leaves_the_users_optimizer_unchanged():
     """Two virtual graphs (placed when the suite's host devices allow it), Lamb with clipping
     over weights on both IPUs: the optimizer object the user passed is not copied or patched."""
@@ -122,12 +134,7 @@ def test_placed_training_leaves_the_users_optimizer_unchanged():
     opt = popart.Adam({"defaultLearningRate": (0.05, False)}, mode=popart.AdamMode.Lamb,
                       clip_norm_settings=[popart.ClipNormSettings.clipAllWeights(0.1)])
     before = copy.deepcopy(opt.__dict__)
-    o = popart.SessionOptions()
-    o.virtualGraphMode = popart.VirtualGraphMode.Manual
-    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, opt,
-                               popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
-    s.prepareDevice()
-    s.weightsFromHost()
+    s = _manual_two_ipu_session(b, loss, opt)
     s.run(popart.PyStepIO({x: rs.randn(4, 8).astype(np.float32),
                            lab: rs.randint(0, 8, 4).astype(np.int32)}, s.initAnchorArrays()))
     assert type(opt).__dict__.get("norm_axis") is None and "norm_axis" not in opt.__dict__
@@ -166,12 +173,7 @@ def test_a_chained_user_optimizer_runs_placed_with_block_norms():
         loss = b.aiOnnx.reducesum([b.aiOnnx.mul([d, d])], keepdims=False)
     opt = _ClippedDescent({"defaultLearningRate": (0.01, True), "lossScaling": (16.0, True)},
                           clip_norm_settings=[popart.ClipNormSettings.clipAllWeights(1.0)])
-    o = popart.SessionOptions()
-    o.virtualGraphMode = popart.VirtualGraphMode.Manual
-    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss, opt,
-                               popart.DeviceManager().acquireAvailableDevice(2), userOptions=o)
-    s.prepareDevice()
-    s.weightsFromHost()
+    s = _manual_two_ipu_session(b, loss, opt)
     assert testing.is_placed(s)
     v0, v1 = w0.astype(np.float64), w1.astype(np.float64)
     for _ in range(2):
