@@ -363,7 +363,6 @@ def _maker(key: tuple):
         return lambda main: main._add_constant(np.array(0, np.int32), f"{stream.name}_counter")
 
     def make(main: Graph) -> Tensor:
-        import jax
         spec = jax.ShapeDtypeStruct((1,) + stream.shape, stream.dtype.as_device_numpy())
         t = main._add_tensor(main._new_id(stream.name), spec)
         main._stream_inputs.append((kind, stream, t))
