@@ -242,10 +242,17 @@ def _ipu_copies(nodes: list, stage: Optional[int], infos: dict, moved: dict, rea
         source = read(t, src)
         copied = f"{source}_c{dst}"
         infos[copied], moved[(t, dst)] = infos.get(t), copied
-        out.append(_op("IpuCopy", "", [source], [copied],
-                       {"recompute": "NO", **({} if stage is None else {PIPELINE_STAGE: stage}),
-                        "__sourceIpus": f"{{{src}}}", "__destIpu": dst}, infos))
+        out.append(_ipu_copy_op(source, copied, src, dst, stage, infos))
     return out
+
+
+def _ipu_copy_op(source: str, copied: str, src: int, dst: int, stage: Optional[int],
+                 infos: dict) -> dict:
+    """The IpuCopy of ``source`` from IPU ``src`` to ``dst`` as ``copied`` (unnamed, in
+    pipeline ``stage`` unless None, with ``IpuCopyOp::appendOutlineAttributes``'s IPUs)."""
+    return _op("IpuCopy", "", [source], [copied],
+               {"recompute": "NO", **({} if stage is None else {PIPELINE_STAGE: stage}),
+                "__sourceIpus": f"{{{src}}}", "__destIpu": dst}, infos)
 
 
 def _marks(g: Graph, infos: dict, training: dict) -> dict:
@@ -392,9 +399,7 @@ def _grad_copy(g: Graph, o: str, n: Any, stages: dict, last: int, copied: dict,
         return []
     copy = copied[(GRAD + o, ipu)] = f"{GRAD}{o}_c{ipu}"
     infos[copy] = infos.get(o)
-    return [_op("IpuCopy", "", [GRAD + o], [copy],
-                {"recompute": "NO", PIPELINE_STAGE: 2 * last - s, "__sourceIpus": f"{{{src}}}",
-                 "__destIpu": ipu}, infos)]
+    return [_ipu_copy_op(GRAD + o, copy, src, ipu, 2 * last - s, infos)]
 
 
 def _recompute_clones(g: Graph, grad_nodes: list, marks: dict, infos: dict, new_id: "_Ids",
