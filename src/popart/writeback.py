@@ -89,12 +89,12 @@ def model_weights(model: ModelLike, weights: Mapping[str, np.ndarray],
     for name, t, to_numpy in tensors:
         target = (new_weights if name in weights else new_state if name in state else None)
         if target is None:
-            if (name in constants or name.startswith(OPTIMIZER_STATE_PREFIXES)
-                    or ignore_unknown) and name not in infos:
-                continue
             if name in infos:   # a tensor of the session, not a weight: checked, not kept
-                _check_reset_info(name, to_numpy(t, base), np.empty(
-                    infos[name].shape(), infos[name].np_dtype()))
+                info = infos[name]
+                _check_reset_info(name, to_numpy(t, base), tuple(info.shape()),
+                                  np.dtype(info.np_dtype()))
+                continue
+            if name in constants or name.startswith(OPTIMIZER_STATE_PREFIXES) or ignore_unknown:
                 continue
             raise noted(popart_runtime_error(f"resetWeights, no tensor '{name}' in tensors"),
                         f"The given model's initializer '{name}' is no weight or optimizer "
@@ -102,18 +102,19 @@ def model_weights(model: ModelLike, weights: Mapping[str, np.ndarray],
                         f"ignoreWeightsInModelWithoutCorrespondingHostWeight=True to skip "
                         f"such)")
         val = to_numpy(t, base)
-        _check_reset_info(name, val, weights[name] if target is new_weights
-                          else np.asarray(state[name]))
+        cur = weights[name] if target is new_weights else np.asarray(state[name])
+        _check_reset_info(name, val, cur.shape, cur.dtype)
         target[name] = val.copy()
     return new_weights, new_state
 
 
-def _check_reset_info(name: str, val: np.ndarray, cur: Any) -> None:
-    if val.shape != cur.shape or val.dtype != cur.dtype:
+def _check_reset_info(name: str, val: np.ndarray, shape: tuple, dtype: np.dtype) -> None:
+    """executablex.cpp resetWeights' check: ``val`` has the session tensor's ``shape`` and ``dtype``."""
+    if val.shape != shape or val.dtype != dtype:
         raise noted(popart_runtime_error(f"Trying to reset weights using tensor with non "
                                          f"matching tensor info. Tensor ID: {name}"),
                     f"{val.dtype}{shape_str(val.shape)} in the given model, "
-                    f"{cur.dtype}{shape_str(cur.shape)} in the session")
+                    f"{dtype}{shape_str(shape)} in the session")
 
 
 def save_variables(path: str, weights: Mapping[str, Any], state: Mapping[str, Any]) -> None:
