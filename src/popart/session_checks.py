@@ -18,8 +18,8 @@ from .engine.pipeline import auto_virtual_graphs
 from .engine.program import GRAD_PREFIX, check_recompute_mixture, missing_anchor
 from .engine.shapes import infer_graph, input_specs
 from .devices import DeviceInfo
-from .errors import (IrError, OptimizerError, OptionError, incompatible_arguments, noted,
-                     popart_exception)
+from .errors import (IrError, OptimizerError, OptionError, check_arguments,
+                     incompatible_arguments, noted, popart_exception)
 from .logging import getLogger
 from .optimizers import Optimizer
 from .options import SessionOptions
@@ -191,12 +191,11 @@ def check_argument_types(training: bool, model: Any, dataFlow: Any, loss: Any, o
 
 def check_seed_type(session: Any, seedValue: Any, training: bool) -> None:
     """pybind11's TypeError for a seed ``setRandomSeed(uint64_t)`` cannot take."""
-    if isinstance(seedValue, bool) or not isinstance(seedValue, (int, np.integer)) \
-            or not 0 <= int(seedValue) < 2 ** 64:
-        kind = "Training" if training else "Inference"
-        raise incompatible_arguments("setRandomSeed", [
-            f"(self: popart_core._{kind}SessionCore, seedValue: int) -> None"],
-            (session, seedValue))
+    kind = "Training" if training else "Inference"
+    check_arguments(not isinstance(seedValue, bool) and isinstance(seedValue, (int, np.integer))
+                    and 0 <= int(seedValue) < 2 ** 64, "setRandomSeed",
+                    [f"(self: popart_core._{kind}SessionCore, seedValue: int) -> None"],
+                    (session, seedValue))
 
 
 def check_model(proto: onnx.ModelProto, dataFlow: _df.DataFlow, isi: Any, training: bool) -> None:
