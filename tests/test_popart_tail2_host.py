@@ -353,10 +353,13 @@ def test_a_string_that_is_no_model(model, shown):
 
 
 def test_device_id_that_does_not_exist():
-    """Poplar's text for an id no device has (PopART's acquireDeviceById passes it on)."""
-    cls, msg, notes = _error(lambda: popart.DeviceManager().acquireDeviceById(100000))
-    assert issubclass(cls, popart.poplar_exception)
-    assert msg == "No such device set id: '100000'" and notes
+    """Poplar's text for an id no device has: PopART's tryAcquireDeviceById
+    (devicemanager.cpp:259) asks Poplar's device manager, whose poplar_error PopART passes
+    on as ``poplar_exception`` (popart.cpp:3654), not a popart_exception."""
+    with pytest.raises(popart.poplar_exception) as e:
+        popart.DeviceManager().acquireDeviceById(100000)
+    assert not isinstance(e.value, popart.popart_exception)
+    assert e.value.args[0] == "No such device set id: '100000'" and e.value.__notes__
 
 
 def test_session_without_a_device():
@@ -507,8 +510,11 @@ def test_synthetic_data_over_every_input_type(mode):
 
 def test_exception_classes_as_popart_binds_them():
     """popart.cpp's py::exception hierarchy: each _throw_* raises its class, whose base is
-    the one PopART registers it with (unknown runtime errors are system runtime errors)."""
-    bases = {popart.popart_internal_exception: popart.popart_exception,
+    the one PopART registers it with (unknown runtime errors are system runtime errors);
+    Poplar's and PopLibs' errors are ``py::exception``s of the default base ``Exception``
+    (popart.cpp:3652-3654), apart from popart_exception."""
+    bases = {popart.poplar_exception: Exception, popart.poplibs_exception: Exception,
+             popart.popart_internal_exception: popart.popart_exception,
              popart.popart_runtime_error: popart.popart_exception,
              popart.poplar_runtime_error: popart.poplar_exception,
              popart.poplar_application_runtime_error: popart.poplar_runtime_error,

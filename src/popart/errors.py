@@ -1,7 +1,9 @@
 """PopART's error hierarchy (user guide 4.7).
 
 Every user mistake raises a subclass of :class:`popart_exception` whose message names the
-tensor, op, option or file, what was expected and what was given.
+tensor, op, option or file, what was expected and what was given; Poplar's errors
+(:class:`poplar_exception` and its runtime errors, :class:`poplibs_exception`) are apart, as
+PopART binds them.
 """
 from __future__ import annotations
 
@@ -40,12 +42,17 @@ class popart_runtime_error(popart_exception):
     """An error found while running a compiled program."""
 
 
-class poplibs_exception(popart_exception):
-    """Kept for API compatibility; raised for errors inside op lowerings."""
+# PopART registers Poplar's and PopLibs' errors apart from its own (popart.cpp:3646-3669,
+# ``py::exception`` with the default base ``Exception``): ``except popart_exception`` does
+# not catch them. The package raises them only where PopART passes Poplar's error on (a
+# device id that does not exist, an Abort op, a device the program was not built for).
+class poplibs_exception(Exception):
+    """PopLibs' errors (``poputil::poplibs_error``); not a popart_exception."""
 
 
-class poplar_exception(popart_exception):
-    """Kept for API compatibility; base of the backend's errors."""
+class poplar_exception(Exception):
+    """Poplar's errors (``poplar::poplar_error``), base of the runtime errors; not a
+    popart_exception."""
 
 
 class poplar_runtime_error(poplar_exception):
