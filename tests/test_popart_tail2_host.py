@@ -795,5 +795,5 @@ def test_const_sgd_incompatible_constructor_arguments():
     assert str(e.value) == _pybind_text("__init__", True, [
         "popart_core.ConstSGD(learning_rate: float, weight_decay: float = 0.0, loss_scaling: "
         "float = 1.0, clip_norm_settings: List[popart_core.ClipNormSettings] = [])"],
-        "'0.1', 0.0, 1.0, ()")
+        "'0.1'")   # pybind11 shows the arguments given, not the defaults
     assert popart.ConstSGD(np.float32(0.5), 0).learningRates().getDefault().val() == 0.5

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import numbers
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 __all__ = [
     "popart_exception", "popart_internal_exception", "popart_runtime_error", "poplibs_exception",
@@ -158,15 +158,20 @@ class ArgumentError(popart_exception, TypeError):
 
 
 def incompatible_arguments(fn: str, signatures: "list[str]", args: tuple,
-                           constructor: bool = False) -> ArgumentError:
+                           constructor: bool = False,
+                           kwargs: Optional[Mapping] = None) -> ArgumentError:
     """pybind11's TypeError for a call no overload of a PopART binding accepts: ``fn`` (the
     method name, ``__init__`` for a constructor), each overload's signature as pybind11
-    prints it, the arguments given (``self`` left out)."""
+    prints it, the arguments given (a constructor's ``self`` left out) and the keyword
+    arguments (``cpp_function::dispatcher``: "; kwargs: name=value, ...")."""
     kind = "constructor" if constructor else "function"
     overloads = "\n".join(f"    {i}. {sig}" for i, sig in enumerate(signatures, 1))
+    invoked = ", ".join(repr(a) for a in args)
+    if kwargs:
+        invoked += ("; " if args else "") + "kwargs: " + ", ".join(
+            f"{k}={v!r}" for k, v in kwargs.items())
     return ArgumentError(f"{fn}(): incompatible {kind} arguments. The following argument "
-                         f"types are supported:\n{overloads}\n\nInvoked with: "
-                         + ", ".join(repr(a) for a in args))
+                         f"types are supported:\n{overloads}\n\nInvoked with: {invoked}")
 
 
 # What pybind11's casters accept (for ``check_arguments``): an int (``__index__``, bools
