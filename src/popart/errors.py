@@ -20,6 +20,7 @@ __all__ = [
     "poplar_unrecoverable_error", "unknown_runtime_error", "OutOfMemoryException",
     "UnsupportedOperatorError", "StepIOError", "ModelError", "OptionError", "OptimizerError",
     "DataFlowError", "BuilderError", "IrError", "WeightsIOError", "ArgumentError",
+    "OptionTypeError",
 ]
 
 
@@ -157,9 +158,13 @@ class ArgumentError(popart_exception, TypeError):
     bindings raise TypeError); catchable as popart_exception or TypeError."""
 
 
+class OptionTypeError(OptionError, ArgumentError):
+    """A SessionOptions value of a type the option's pybind11 setter cannot take."""
+
+
 def incompatible_arguments(fn: str, signatures: "list[str]", args: tuple,
-                           constructor: bool = False,
-                           kwargs: Optional[Mapping] = None) -> ArgumentError:
+                           constructor: bool = False, kwargs: Optional[Mapping] = None,
+                           cls: type = ArgumentError) -> ArgumentError:
     """pybind11's TypeError for a call no overload of a PopART binding accepts: ``fn`` (the
     method name, ``__init__`` for a constructor), each overload's signature as pybind11
     prints it, the arguments given (a constructor's ``self`` left out) and the keyword
@@ -170,8 +175,8 @@ def incompatible_arguments(fn: str, signatures: "list[str]", args: tuple,
     if kwargs:
         invoked += ("; " if args else "") + "kwargs: " + ", ".join(
             f"{k}={v!r}" for k, v in kwargs.items())
-    return ArgumentError(f"{fn}(): incompatible {kind} arguments. The following argument "
-                         f"types are supported:\n{overloads}\n\nInvoked with: {invoked}")
+    return cls(f"{fn}(): incompatible {kind} arguments. The following argument "
+               f"types are supported:\n{overloads}\n\nInvoked with: {invoked}")
 
 
 # What pybind11's casters accept (for ``check_arguments``): an int (``__index__``, bools
