@@ -55,8 +55,9 @@ def test_inference_identity_loss(reduction, shape, anchor_it, pattern_on):
     ops = ir_ops(s)
     replaced = pattern_on and replaced_by_identity(reduction, len(shape))
     removed = replaced and not anchor_it
-    assert [op["type"] for op in ops] == \
-        ["ReluInplace"] + ([] if removed else ["Identity" if replaced else "IdentityLoss"]) + ["Neg"]
+    # a kept Identity is then inplaced too (op/identity.cpp:46 IdentityInplace, a view)
+    assert [op["type"] for op in ops] == ["ReluInplace"] + (
+        [] if removed else ["IdentityInplace" if replaced else "IdentityLoss"]) + ["Neg"]
     assert names(ops, "inputs")[-1] == [r if removed else loss]   # Neg reads Relu's output
     if replaced and not removed:
         ident = ops[1]
@@ -71,7 +72,9 @@ def test_training_identity_loss_becomes_identity_and_stays():
     grad op is the Identity's."""
     ops = ir_ops(recompute_session(explicit=False))
     ident = [op for op in ops if op["outputs"][0]["name"] == "IdentityLoss:0"]
-    assert [(op["type"], op["name"]) for op in ident] == [("Identity", "IdentityLoss:OpToIdentity")]
+    # then inplaced (a view: an anchored output does not stop it, inplace.cpp / ir.cpp:3786)
+    assert [(op["type"], op["name"]) for op in ident] == [("IdentityInplace",
+                                                          "IdentityLoss:OpToIdentity")]
     assert [op["type"] for op in ops if op["name"] == "IdentityLoss_Grad"] == ["IdentityGrad"]
     assert not any(op["type"].startswith("IdentityLoss") for op in ops)
 
@@ -126,8 +129,11 @@ def test_explicit_recompute_clones():
     assert all(op["attributes"]["recompute"] == "NO" for op in ops)
     by_name = {}
     for op in ops:
-        by_name.setdefault((op["type"], op["name"]), []).append(op)
+        by_name.setdefault((op["type"].removesuffix("Inplace"), op["name"]), []).append(op)
     (mm, mm_re), (relu, relu_re) = by_name[("MatMul", "MatMul")], by_name[("Relu", "Relu")]
+    # Inplace: each Relu's input is read by it alone (ReluGrad reads the output,
+    # relu.cpp:77-78): both are inplaced
+    assert (relu["type"], relu_re["type"]) == ("ReluInplace", "ReluInplace")
     assert names([mm, relu], "outputs") == [["MatMul:0"], ["Relu:0"]]
     # reverse schedule: Relu's clone takes the counter's first id, MatMul's the next
     assert names([relu_re, mm_re], "outputs") == [["Relu:0__re__t0"], ["MatMul:0__re__t1"]]
@@ -136,7 +142,7 @@ def test_explicit_recompute_clones():
     grads = {op["name"]: [t["name"] for t in op["inputs"]] for op in ops
              if op["type"].endswith("Grad")}
     assert "Relu:0__re__t0" in grads["MatMul/1_Grad"]
-    assert "MatMul:0__re__t1" in grads["Relu_Grad"]
+    assert "Relu:0__re__t0" in grads["Relu_Grad"]
     # the clones come after the forward pass, before the first grad op that reads them
     pos = {id(op): i for i, op in enumerate(ops)}
     first_reader = min(pos[id(op)] for op in ops if op["type"].endswith("Grad") and
@@ -200,14 +206,14 @@ def test_pipeline_grad_ops_read_restored_tensors(pipeline_ops):
               and op["attributes"]["__pipeline_stage"] == "2"]
     read = {t for _, op in stage2 for t in names([op], "inputs")[0]}
     stashed = {op["inputs"][0]["name"] for op in ops if op["type"] == "Stash"}
-    assert {"x", "MatMul:0"} <= stashed
+    assert {"x", "Relu:0"} <= stashed   # MatMulGrad reads x, ReluGrad Relu's output
     for t in stashed:   # no stage-2 grad op reads a stashed activation itself
         assert t not in read
     for i, op in stage2:
         for t in names([op], "inputs")[0]:
             if t.startswith("Restored___"):
                 assert restores[t] < i
-    assert {"Restored___x", "Restored___MatMul:0"} <= read
+    assert {"Restored___x", "Restored___Relu:0"} <= read
 
 
 def test_main_graph_output_is_no_reason_to_keep_the_identity():
@@ -227,7 +233,7 @@ def test_main_graph_output_is_no_reason_to_keep_the_identity():
 @pytest.fixture(scope="module")
 def inplace_session():
     """An inference graph whose ops PopART's Inplace pattern would turn into their inplace
-    variants, and a few it must leave: a tensor read twice, an anchor, Tanh (no variant)."""
+    variants, and a few it must leave: a tensor read twice, Tanh (no variant)."""
     b = popart.Builder()
     x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
     v = b.addInputTensor(popart.TensorInfo("FLOAT", [3]), "v")
@@ -238,23 +244,27 @@ def inplace_session():
     e = b.aiOnnx.transpose([d], [1, 0], "transpose")    # TransposeInplace
     f = b.aiOnnx.mul([e, b.aiOnnx.sigmoid([u], "sig")], "mul")   # MulLhsInplace
     g = b.aiOnnx.tanh([f], "tanh")                      # no TanhInplace in PopART
-    h = b.aiOnnx.relu([u], "relu_u")                    # u also read by sig: stays Relu
-    y = b.aiOnnx.concat([g, h], 0, "concat")            # g read once, h read once
-    k = b.aiGraphcore.scale([y], 2.0, "scale")          # output anchored: stays Scale
+    h = b.aiOnnx.relu([u], "relu_u")                    # u also read by sig (see below)
+    y = b.aiOnnx.concat([g, h], 0, "concat")            # a view of g and h
+    k = b.aiGraphcore.scale([y], 2.0, "scale")          # modifies y, whose output is anchored
     s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [k]), cpu())
     return s, (x, v, u, k)
 
 
 def test_inplace_variants(inplace_session):
-    """patterns/inplace.cpp with the ops' inplacePriorityDefault: each op with a variant
-    becomes it when the tensor it aliases is read by it alone, is no weight and neither it
-    nor the output is anchored; binary ops pick Lhs when the output has the first input's
-    size, else Rhs."""
+    """ir.cpp applyInplacePattern: candidates by decreasing inplacePriorityDefault
+    (transpose.cpp:181 100, the others 10), ties by the higher op id first, so relu_u (op 7)
+    is taken before sig (op 4): u's other reader sig can run first, so ReluInplace (with that
+    order); sig would then modify u before relu_u reads it: it stays Sigmoid. Scale modifies
+    y, which is not unmodifiable (only its output k is anchored, ir.cpp:3786-3806 checks the
+    input): ScaleInplace; Concat (a view, concat.cpp:130) after it. Binary ops: Lhs when the
+    output has the first input's size, else Rhs (elementwise.cpp:221-238)."""
     s, _ = inplace_session
     types = {op["name"]: op["type"] for op in ir_ops(s)}
     want = {"relu": "ReluInplace", "add": "AddRhsInplace", "reshape": "ReshapeInplace",
             "transpose": "TransposeInplace", "mul": "MulLhsInplace", "sig": "Sigmoid",
-            "tanh": "Tanh", "relu_u": "Relu", "concat": "ConcatInplace", "scale": "Scale"}
+            "tanh": "Tanh", "relu_u": "ReluInplace", "concat": "ConcatInplace",
+            "scale": "ScaleInplace"}
     assert {k: types[k] for k in want} == want
 
 
