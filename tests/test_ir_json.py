@@ -326,3 +326,58 @@ def test_sharded_ipu_copies(training):
     assert names([by_name["mm"]], "inputs") == [[f"{r}_c1", "w"]]
     m, a = (by_name[k]["outputs"][0]["name"] for k in ("mm", "add"))
     assert names([by_name["add"], by_name["mul"]], "inputs") == [[f"{x}_c1", m], [f"{r}_c1", a]]
+
+
+# ------------------------------------------------------------------ Inplace in training
+def inplace_training_ops(anchor_m: bool = False, inplace: bool = True) -> list:
+    """x -> MatMul(w1) = m -> Relu = h -> Scale = s -> MatMul(w2) = y -> Add(y, b) -> L1;
+    r = Relu(w1) -> Add into the loss's input too; b and w1, w2 trained weights."""
+    b = popart.Builder()
+    x, w1, w2 = mlp(b)
+    bias = b.addInitializedInputTensor(np.zeros(3, np.float32), "b")
+    m = b.aiOnnx.matmul([x, w1], "mm1")
+    h = b.aiOnnx.relu([m], "relu")
+    s = b.aiGraphcore.scale([h], 2.0, "scale")
+    y = b.aiOnnx.matmul([s, w2], "mm2")
+    a = b.aiOnnx.add([y, bias], "add")
+    r = b.aiOnnx.relu([w2], "relu_w")
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.add([a, b.aiOnnx.reducesum([r], [0], 1, "sum")],
+                                              "add2")], 0.5, reduction=popart.ReductionType.Sum)
+    patterns = popart.Patterns()
+    patterns.InPlace = inplace
+    sess = popart.TrainingSession(b.getModelProto(),
+                                  popart.DataFlow(1, [loss] + ([m] if anchor_m else [])), loss,
+                                  popart.ConstSGD(0.1), cpu(), patterns=patterns)
+    return ir_ops(sess)
+
+
+def test_training_inplace_forward_ops():
+    """Ir::applyInplacePattern in a TrainingSession (ir.cpp:3515-3830 with the grad ops'
+    gradInputInfo): relu's input m is read by it alone (MatMulGrad reads x and w1), so
+    ReluInplace; scale would modify h, which ReluGrad reads later (relu.cpp:77-78), so
+    Scale; add modifies y, which no grad op reads (matmul.cpp:342: MatMulGrad reads the
+    other operand; add.cpp:76: AddGrad the gradient only), so AddLhsInplace; add2 likewise;
+    relu_w would modify the weight w2 (a Variable, Tensor::isUnmodifiable), so Relu."""
+    types = {op["name"]: op["type"] for op in inplace_training_ops()
+             if not op["type"].endswith(("Grad", "VarUpdate"))}
+    assert {k: types[k] for k in ("mm1", "relu", "scale", "mm2", "add", "relu_w", "add2")} == {
+        "mm1": "MatMul", "relu": "ReluInplace", "scale": "Scale", "mm2": "MatMul",
+        "add": "AddLhsInplace", "relu_w": "Relu", "add2": "AddLhsInplace"}
+
+
+def test_training_inplace_respects_anchors_and_the_pattern_switch():
+    """An anchored tensor is unmodifiable (tensor.cpp:1014): relu may not overwrite m; with
+    the InPlace pattern off nothing is inplaced."""
+    types = {op["name"]: op["type"] for op in inplace_training_ops(anchor_m=True)}
+    assert types["relu"] == "Relu" and types["add"] == "AddLhsInplace"
+    assert not any(op["type"].endswith("Inplace")
+                   for op in inplace_training_ops(inplace=False))
+
+
+def test_training_grad_ops_read_what_popart_s_read():
+    """gradInputInfo: ReluGrad reads Relu's output, ScaleGrad / AddGrad no forward tensor,
+    MatMulGrad the operands, L1Grad its input."""
+    reads = {op["name"]: [t["name"] for t in op["inputs"] if not t["name"].startswith(GRAD)]
+             for op in inplace_training_ops() if op["type"].endswith("Grad")}
+    assert reads["relu_Grad"] == ["relu:0"] and reads["scale_Grad"] == []
+    assert reads["add_Grad"] == [] and reads["mm1_Grad"] == ["x", "w1"]
