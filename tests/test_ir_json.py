@@ -381,3 +381,99 @@ def test_training_grad_ops_read_what_popart_s_read():
              for op in inplace_training_ops() if op["type"].endswith("Grad")}
     assert reads["relu_Grad"] == ["relu:0"] and reads["scale_Grad"] == []
     assert reads["add_Grad"] == [] and reads["mm1_Grad"] == ["x", "w1"]
+
+
+# ------------------------------------------------------------------ sharded training, Auto
+def two_ipu_mlp(mode: str):
+    """x -> MatMul(w1) -> Relu on IPU 0, MatMul(w2) -> L1 on IPU 1 (Manual: the Builder's
+    ids; Auto: none given), trained on 2 IPUs without pipelining."""
+    b = popart.Builder()
+    x, w1, w2 = mlp(b)
+    with b.virtualGraph(0) if mode == "Manual" else _nothing():
+        h = b.aiOnnx.relu([b.aiOnnx.matmul([x, w1], "mm1")], "relu")
+    with b.virtualGraph(1) if mode == "Manual" else _nothing():
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([h, w2], "mm2")], 0.5,
+                                    popart.ReductionType.Sum, "l1")
+    o = popart.SessionOptions()
+    o.virtualGraphMode = getattr(popart.VirtualGraphMode, mode)
+    s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                               popart.ConstSGD(0.1),
+                               popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
+                               userOptions=o)
+    return s, h
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def check_copies(ops) -> list:
+    """Every op reading a tensor made on another IPU reads its IpuCopy ``<t>_c<ipu>``,
+    made earlier from the producer's IPU (interipucopy.cpp); the copies, in order."""
+    made, copies = {}, []
+    for op in ops:
+        ipu = op["attributes"].get("__ipu_number")
+        if op["type"] == "IpuCopy":
+            ((src,),), ((dst,),) = names([op], "inputs"), names([op], "outputs")
+            assert dst == f"{src}_c{op['attributes']['__destIpu']}"
+            assert op["attributes"]["__sourceIpus"] == "{%s}" % made[src]
+            copies.append((src, made[src], op["attributes"]["__destIpu"]))
+            made[dst] = op["attributes"]["__destIpu"]
+            continue
+        if ipu is None:     # var updates
+            continue
+        for t in names([op], "inputs")[0]:
+            assert made.get(t, ipu) == ipu, (op["name"], t)
+        for t in names([op], "outputs")[0]:
+            made.setdefault(t, ipu)
+    return copies
+
+
+@pytest.mark.parametrize("mode", ["Manual", "Auto"])
+def test_sharded_training_copies_gradients_back(mode):
+    """InterIpuCopy after autodiff (interipucopy.cpp): a grad op runs on its forward op's
+    IPU; the gradient of Relu's output, made by mm2's grad op on IPU 1, is copied to IPU 0
+    (from the later IPU to the earlier) as Gradient___<h>_c0 before ReluGrad reads it.
+    Auto: AutoVirtualGraph's ids are serialized as each op's __ipu_number, the ones the
+    engine placed the ops on."""
+    s, h = two_ipu_mlp(mode)
+    ops = ir_ops(s)
+    ipus = {op["name"]: op["attributes"].get("__ipu_number") for op in ops if op["name"]}
+    assert [ipus[k] for k in ("mm1", "relu", "mm2", "l1")] == ["0", "0", "1", "1"]
+    assert [ipus[k + "_Grad"] for k in ("l1", "mm2", "relu", "mm1")] == ["1", "1", "0", "0"]
+    assert check_copies(ops) == [(h, "0", "1"), (GRAD + h, "1", "0")]
+    relu_grad = next(op for op in ops if op["name"] == "relu_Grad")
+    assert GRAD + h + "_c0" in names([relu_grad], "inputs")[0]
+    if mode == "Auto":   # the engine's placement of the same ops
+        plan = s._plan().placed.stages
+        placed = {n.outputs[0]: plan.stage_ipu[k] for k, nodes in enumerate(plan.nodes)
+                  for n in nodes}
+        assert {op["name"]: int(op["attributes"]["__ipu_number"]) for op in ops
+                if op["name"] in ("mm1", "relu", "mm2", "l1")} == \
+            {op["name"]: placed[op["outputs"][0]["name"]] for op in ops
+             if op["name"] in ("mm1", "relu", "mm2", "l1")}
+
+
+def test_inference_auto_virtual_graphs_with_the_session_s_options():
+    """An InferenceSession with VirtualGraphMode.Auto: given its options and program (the
+    hook serialize_ir takes, see the module), each op carries AutoVirtualGraph's id and the
+    boundary's activation is copied to IPU 1."""
+    import sys
+    b = popart.Builder()
+    x, w1, w2 = mlp(b)
+    y = b.aiOnnx.matmul([b.aiOnnx.relu([b.aiOnnx.matmul([x, w1], "mm1")], "relu"), w2], "mm2")
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Auto
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
+                                popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
+                                userOptions=o)
+    serialize_ir = sys.modules[type(s.getIr()).__module__].serialize_ir
+    ops = json.loads(serialize_ir(s._graph, dict(s._infos), "maingraph", None, {y}, s.patterns,
+                                  {y}, options=s.options, program=s._plan()))["maingraph"]
+    copies = check_copies(ops)
+    assert len(copies) == 1 and copies[0][1:] == ("0", "1")
+    assert {op["attributes"]["__ipu_number"] for op in ops if op["type"] != "IpuCopy"} == {"0", "1"}

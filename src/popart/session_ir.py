@@ -12,6 +12,7 @@ the description of what the compiled program computes, not a second implementati
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -232,11 +233,13 @@ def _graphs(graph: Graph) -> list[Graph]:
 
 def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[dict] = None,
                  inplace_keep: Optional[set] = None, patterns: Any = None,
-                 anchors: Optional[set] = None) -> str:
+                 anchors: Optional[set] = None, options: Any = None,
+                 program: Any = None) -> str:
     """The IR as PopART's JSON. ``infos``: TensorInfo by id; ``training``: {"loss", "trainable",
     "optimizer"} for a TrainingSession; ``inplace_keep``: an inference session's anchors when
     its InPlace pattern is on (``_inplace_pattern``; a TrainingSession's come from
-    ``patterns``: the session's Patterns, ``anchors``);
+    ``patterns``: the session's Patterns, ``anchors``); ``options`` / ``program``: an
+    InferenceSession's SessionOptions and step program (its Auto virtual graphs);
     ``anchors``: its anchored tensors."""
     doc, infos = {}, dict(infos)
     inplace = inplace_keep   # the InPlace pattern's anchors (a TrainingSession: from patterns)
@@ -246,13 +249,16 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
     plan = _plan(training)
     stages = _stages(plan, training)
     marks = _marks(graph, infos, training) if training is not None and not stages else {}
+    vgs = None if stages else _virtual_graphs(graph, training or {"options": options,
+                                                                  "program": program})
     for g in _graphs(graph):
         main = g is graph
         ops, read = _forward(g, infos, stages if main else {}, plan if main else None,
-                             marks if main else {}, patterns, set(anchors or ()) | (set() if main else set(g.outputs)),
-                             training, _shard_sources(g, training) if main and not stages else None)
+                             marks if main else {}, patterns,
+                             set(anchors or ()) | (set() if main else set(g.outputs)),
+                             training, vgs if main else None)
         if main and training is not None:
-            ops += _backward(g, infos, training, stages, read, marks, patterns)
+            ops += _backward(g, infos, training, stages, read, marks, patterns, vgs)
         if main and inplace is not None:
             _inplace_pattern(ops, infos, _frozen(ops, g, inplace))
         doc["maingraph" if main else g.name] = ops
@@ -281,17 +287,19 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
     def read(t: str, ipu: Optional[int] = None) -> str:
         return moved.get((alias.get(t, t), ipu), alias.get(t, t)) if t else t
 
+    sources = _shard_sources(g, shard) if shard is not None else {}
+
     done = 0
     for n in g.nodes:
         s, ipu, _ = stages.get(id(n), (None, None, False))
         while s is not None and done < s:    # the copies of the boundaries before stage s
             ops += _ipu_copies(copies[done], done, infos, moved, read)
             done += 1
-        if shard is not None and n.annotations.get(VIRTUAL_GRAPH) is not None:
-            ipu = int(n.annotations[VIRTUAL_GRAPH])
+        if shard is not None:
+            ipu = shard[id(n)]
             sent = [t for t in dict.fromkeys(n.inputs)
-                    if shard.get(t, ipu) != ipu and (read(t), ipu) not in moved]
-            ops += _ipu_copies([ipu_copy_node(read(t), shard[t], ipu) for t in sent], None,
+                    if t in sources and sources[t] != ipu and (read(t), ipu) not in moved]
+            ops += _ipu_copies([ipu_copy_node(read(t), sources[t], ipu) for t in sent], None,
                                infos, moved, read)
         identity = _opt_to_identity(n, infos, patterns)
         if (identity and training is None and patterns.isPatternEnabled("PostNRepl")
@@ -299,27 +307,49 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
             alias[n.outputs[0]] = read(n.inputs[0])
             continue
         attrs = {**n.attrs, **_placement(n, stages.get(id(n)))}
+        if shard is not None:   # AutoVirtualGraph's ids, or the Builder's
+            attrs[VIRTUAL_GRAPH] = shard[id(n)]
         if marks:   # autoRecomputation: Recompute ops say YES, unless made explicit (clones)
             attrs["recompute"] = YES_NO[marks.get(id(n)) == RECOMPUTE and not explicit]
         ops.append(_node_op(n, attrs, infos, None, [read(t, ipu) for t in n.inputs], identity))
     return ops, read
 
 
-def _shard_sources(g: Graph, training: Optional[dict]) -> Optional[dict]:
-    """A sharded (virtual graphs, no pipeline) main graph's IPU each tensor is copied from
-    (transforms/interipucopy.cpp): its producer's; for a graph input, weight or constant,
-    the lowest IPU reading it (the stream's "first ipu"). None when no op has a virtual
-    graph id (``InterIpuCopy::apply`` looks at the first) or the mode is Off (training)."""
-    ipus = [n.annotations.get(VIRTUAL_GRAPH) for n in g.nodes]
-    mode = getattr(getattr((training or {}).get("options"), "virtualGraphMode", None), "name", "")
-    if not ipus or ipus[0] is None or mode == "Off":
+def _virtual_graphs(g: Graph, training: Optional[dict]) -> Optional[dict]:
+    """id(node) -> IPU of a sharded (virtual graphs, no pipeline) main graph: the Builder's
+    ids (Manual), or AutoVirtualGraph's (``engine.pipeline.auto_virtual_graphs`` on the
+    program's tensor sizes, as the engine places it). None when the mode is Off (training)
+    or no op has an id (``InterIpuCopy::apply`` looks at the first)."""
+    options, program = (training or {}).get("options"), (training or {}).get("program")
+    mode = getattr(getattr(options, "virtualGraphMode", None), "name", "")
+    if not g.nodes or mode == "Off":
         return None
-    made = {t: int(i) for n, i in zip(g.nodes, ipus) for t in n.outputs if i is not None}
+    if mode == "Auto" and program is not None:
+        from .engine.pipeline import auto_virtual_graphs, ipus_per_replica
+        n = ipus_per_replica(program.device_info, program.cfg.replication_factor)
+        if n < 2:
+            return None
+        sizes = {k: int(np.prod(v.shape)) for k, v in program.tensor_specs.items()}
+        stand_ins = [SimpleNamespace(inputs=nd.inputs, outputs=nd.outputs, annotations={})
+                     for nd in g.nodes]   # the session's own nodes keep their annotations
+        return {id(nd): v for nd, v in zip(g.nodes, auto_virtual_graphs(
+            SimpleNamespace(nodes=stand_ins), n, sizes))}
+    ids = [nd.annotations.get(VIRTUAL_GRAPH) for nd in g.nodes]
+    if ids[0] is None or any(i is None for i in ids):
+        return None
+    return {id(nd): int(i) for nd, i in zip(g.nodes, ids)}
+
+
+def _shard_sources(g: Graph, vgs: dict) -> dict:
+    """The IPU each tensor of a sharded main graph is copied from (transforms/
+    interipucopy.cpp): its producer's; for a graph input, weight or constant, the lowest
+    IPU reading it (the stream's "first ipu")."""
+    made = {t: vgs[id(n)] for n in g.nodes for t in n.outputs if t}
     out: dict = {}
-    for n, ipu in zip(g.nodes, ipus):
+    for n in g.nodes:
         for t in n.inputs:
-            if t and ipu is not None and t not in made:
-                out[t] = min(out.get(t, int(ipu)), int(ipu))
+            if t and t not in made:
+                out[t] = min(out.get(t, vgs[id(n)]), vgs[id(n)])
     return {**out, **made}
 
 
@@ -432,13 +462,15 @@ class _Ids:
 
 
 def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, marks: dict,
-              patterns: Any) -> list[dict]:
+              patterns: Any, vgs: Optional[dict] = None) -> list[dict]:
     """What PopART's backward pass and optimizer transforms add to the main graph: grad ops
     (reverse order, where ``ir.transforms.gradient_flow`` has a gradient flow, reading what
     ``read`` names), explicit recomputation's clones, pipeline stashes and restores, gradient
     clipping, automatic loss scaling's statistics and update, and the var updates (SGD1's
     accumulator ops with their PopART tensor names). Intermediate ids are numbered in
-    PopART's transform order: the optimizer's decomposition, the clones, the clipping."""
+    PopART's transform order: the optimizer's decomposition, the clones, the clipping. A
+    grad op runs on its forward op's IPU (``stages``, or ``vgs`` when sharded); a gradient
+    made on another IPU is copied to it first (InterIpuCopy after autodiff)."""
     def is_float(t: str) -> bool:
         info = infos.get(t)
         return info is not None and np.issubdtype(info.np_dtype(), np.floating)
@@ -459,23 +491,28 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     recomputed = {t: c["outputs"][i]["name"] for c in clones.values()
                   for i, t in enumerate(o for o in c["_node"].outputs if o)}
 
-    def place(n: Any) -> dict:   # a grad op's stage: maxPipelineStage - its forward stage
-        if id(n) not in stages:
+    # id(node) -> (its grad op's pipeline stage: maxPipelineStage - its forward stage, IPU)
+    where = {k: (2 * last - s, ipu) for k, (s, ipu, _) in stages.items()} or \
+        {k: (None, ipu) for k, ipu in (vgs or {}).items()}
+
+    def place(n: Any) -> dict:
+        if id(n) not in where:
             return {}
-        s, ipu, _ = stages[id(n)]
-        return {"recompute": "NO", VIRTUAL_GRAPH: ipu, PIPELINE_STAGE: 2 * last - s}
+        s, ipu = where[id(n)]
+        return {"recompute": "NO", VIRTUAL_GRAPH: ipu, **({} if s is None else {PIPELINE_STAGE: s})}
 
     stash = _stash_ops(g, edges, stages, training, infos)
     ops, copied = stash["stash"], {}
     for k, n in grad_nodes:
         ins = [t for i, t in enumerate(n.inputs) if (k, i) in edges]
-        s, ipu, _ = stages.get(id(n), (None, None, False))
+        s, _, _ = stages.get(id(n), (None, None, False))
+        ipu = where.get(id(n), (None, None))[1]
         restored = {t: op for t, (st, k, op) in stash["restore"].items()
                     if st == s and (t in _grad_reads(n) or k == id(n))}
         ops += [stash["restore"].pop(t)[2] for t in restored]
         ops += _take_clones(clones, n.inputs)
         outs = [o for o in n.outputs if o in has_grad]
-        ops += [c for o in outs for c in _grad_copy(g, o, n, stages, last, copied, infos)]
+        ops += [c for o in outs for c in _grad_copy(g, o, n, where, copied, infos)]
         kind = "Identity" if _opt_to_identity(n, infos, patterns) else n.op_type
         reads = [restored[i]["outputs"][0]["name"] if i in restored else
                  recomputed.get(i, read(i, ipu)) for i in _grad_reads(n)]
@@ -491,16 +528,16 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     return ops
 
 
-def _grad_copy(g: Graph, o: str, n: Any, stages: dict, last: int, copied: dict,
-               infos: dict) -> list:
+def _grad_copy(g: Graph, o: str, n: Any, where: dict, copied: dict, infos: dict) -> list:
     """The IpuCopy of gradient ``Gradient___<o>`` to the IPU of ``n``'s grad op, when the
     grad ops of ``o``'s readers (which make it) run on another IPU (InterIpuCopy after the
-    backward pass): ``Gradient___<o>_c<ipu>``, in the stage of the grad ops making it.
-    ``copied``: (gradient, IPU) -> its copy, updated."""
-    if id(n) not in stages:
+    backward pass: from the later IPU to the earlier): ``Gradient___<o>_c<ipu>``, in the
+    pipeline stage of the grad ops making it (``where``: id(node) -> (grad stage or None,
+    IPU)). ``copied``: (gradient, IPU) -> its copy, updated."""
+    if id(n) not in where:
         return []
-    ipu = stages[id(n)][1]
-    makers = {stages[id(m)][:2] for m in g.nodes if o in m.inputs and id(m) in stages}
+    ipu = where[id(n)][1]
+    makers = {where[id(m)] for m in g.nodes if o in m.inputs and id(m) in where}
     if len(makers) != 1 or (GRAD + o, ipu) in copied:
         return []
     (s, src), = makers
@@ -508,7 +545,7 @@ def _grad_copy(g: Graph, o: str, n: Any, stages: dict, last: int, copied: dict,
         return []
     copy = copied[(GRAD + o, ipu)] = f"{GRAD}{o}_c{ipu}"
     infos[copy] = infos.get(o)
-    return [_ipu_copy_op(GRAD + o, copy, src, ipu, 2 * last - s, infos)]
+    return [_ipu_copy_op(GRAD + o, copy, src, ipu, s, infos)]
 
 
 def _recompute_clones(g: Graph, grad_nodes: list, marks: dict, infos: dict, new_id: "_Ids",
