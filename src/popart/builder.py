@@ -191,12 +191,12 @@ def _make_attr(op: str, name: str, value: Any, attr_type: Optional[int] = None) 
                             f"(expected {kind}): {e}") from None
 
 
-def _bind(what: str, params: Sequence[str], required: set, str_params: set,
-          positional: Sequence[Any], keywords: dict, keyword_only: Sequence[str] = ()) -> dict:
+def _bind(what: str, params: Sequence[str], required: set, positional: Sequence[Any],
+          keywords: dict, keyword_only: Sequence[str] = ()) -> dict:
     """Bind an op method's arguments (after ``args``) to ``params``; ``debugContext`` is
     one of them. Accepts ``debugPrefix`` / ``name`` / ``debugName`` for the debug name
-    (positional arguments bind in order, as pybind11 binds them). ``keyword_only`` params take no
-    positional argument. Arguments the op cannot take raise TypeError (ArgumentError), as
+    (positional arguments bind in order, as pybind11 binds them). ``keyword_only`` params
+    take no positional argument. Arguments the op cannot take raise TypeError (ArgumentError), as
     PopART's bindings do."""
     positional = list(positional)
     values: dict[str, Any] = {}
@@ -463,8 +463,6 @@ class _SchemaOpset(Opset):
         params = (["num_outputs"] if variadic and "num_outputs" not in types else []) + \
             [a.name for a in attrs] + [debug]
         required = {a.name for a in attrs if a.required} | ({"num_outputs"} if variadic else set())
-        str_params = {n for n, t in types.items() if t in (S, STRINGS)
-                      or n in _DTYPE_ATTRIBUTES} | {debug}
         late = tuple(n for n in _LATE_ATTRIBUTES if n in types)
         builder = self._builder
         opset = self.version
@@ -473,7 +471,7 @@ class _SchemaOpset(Opset):
             n for n in params if n not in late], types, defaults, debug)
 
         def method(args: Sequence[str], *positional: Any, **keywords: Any) -> Any:
-            v = pybind.bind(self, lambda: _bind(op, params, required, str_params, positional,
+            v = pybind.bind(self, lambda: _bind(op, params, required, positional,
                                                 keywords, late), (args, *positional), keywords)
             args = list(args)
             if not schema.min_input <= len(args) <= schema.max_input:
@@ -501,7 +499,7 @@ class _SchemaOpset(Opset):
 
         if schema.max_input == 0:   # no inputs: no args parameter (RandomUniform, ...)
             def no_inputs(*positional: Any, **keywords: Any) -> Any:
-                pybind.bind(self, lambda: _bind(op, params, required, str_params, positional,
+                pybind.bind(self, lambda: _bind(op, params, required, positional,
                                                 keywords, late), positional, keywords)
                 return method([], *positional, **keywords)
             final = no_inputs
@@ -607,13 +605,11 @@ class AiGraphcore(_SchemaOpset):
         params = (["num_outputs"] if variadic else []) + names
         required = {a.name for a in schema.attrs if a.default is REQUIRED} | (
             {"num_outputs"} if variadic else set())
-        str_params = {a.name for a in schema.attrs if a.attr_type in (S, STRINGS)
-                      or a.kind == "char"} | {debug}
         builder = self._builder
         pybind = _graphcore_pybind(schema, params, debug)
 
         def method(args: Sequence[str] = (), *positional: Any, **keywords: Any) -> Any:
-            v = pybind.bind(self, lambda: _bind(op, params, required, str_params, positional,
+            v = pybind.bind(self, lambda: _bind(op, params, required, positional,
                                                 keywords), (args, *positional), keywords)
             attributes = []
             for a in schema.attrs:

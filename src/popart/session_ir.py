@@ -96,7 +96,6 @@ def _inplace_pattern(ops: list, infos: dict, frozen: set) -> None:
     depends on its output, directly or through the order earlier inplacings imposed; else
     the other readers are ordered before it. A view variant joins its output to its input's
     alias set; its readers then must also come before the set's modifiers."""
-    out_of = {t["name"]: k for k, op in enumerate(ops) for t in op["outputs"]}
     readers: dict = {}
     for k, op in enumerate(ops):
         for t in op["inputs"]:
