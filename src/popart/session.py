@@ -34,10 +34,10 @@ from .engine.progress import compile_progress
 from .errors import (ArgumentError, OptionError, OutOfMemoryException,  # noqa: F401
                      noted, popart_exception, popart_runtime_error)
 from .fileio import atomic_write
-from .options import (IrSerializationFormat, MeanReductionStrategy, ReductionType, SessionOptions,
-                      SyntheticDataMode)
+from .options import IrSerializationFormat, SessionOptions, SyntheticDataMode
 from .patterns import for_session
 from .run_plan import RunPlan
+from .session_config import anchor_returns, engine_config
 from .session_checks import (check_argument_types, check_ir, check_model, check_seed_type,
                              check_virtual_graph_range, resolve_inputs)
 from .session_io import HostIO, weights_from_io, weights_to_io
@@ -298,18 +298,16 @@ class _Session(_FileMethods):
 
     def _config(self) -> StepConfig:
         o = self.options
-        anchors = {a: self._dataFlow.art(a) for a in self._dataFlow.anchors()}
+        anchors = anchor_returns({a: self._dataFlow.art(a) for a in self._dataFlow.anchors()})
         bps = self._dataFlow.batchesPerStep()   # DataFlow checks EVERYN periods divide it
+        config = engine_config(o)
         return StepConfig(
             batches_per_step=bps, accumulation_factor=self.accumulationFactor,
             replication_factor=distributed.check_options(o, self.replicationFactor),
             anchors=anchors, training=self._training,
             loss=self._loss, optimizer=self._optimizer,
-            mean_reduction=o.accumulationAndReplicationReductionType == ReductionType.Mean,
-            running_mean=o.meanAccumulationAndReplicationReductionStrategy == MeanReductionStrategy.Running,
             # ALS in an inference session too: StepProgram raises PopART's error for it.
-            als=o.automaticLossScalingSettings if o.automaticLossScalingSettings.enabled else None,
-            options=o)
+            als=config.als if config.als.enabled else None, config=config)
 
     def _jax_device(self):
         devs = getattr(self._device, "jax_devices", None)

@@ -38,6 +38,7 @@ from popart.dataflow import validate_input
 from popart.engine import in_x64, serialised, x64
 from popart.engine.backends import backend
 from popart import report
+from popart.engine.config import EngineConfig
 from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.host_plan import HostInput, HostOutput, HostPlan
@@ -208,8 +209,11 @@ class Session:
         self._n = ir.num_host_transfers
         self._device = _device(device_desc, device_ipus(ir, device_desc, self._local_r))
         self._compiled_for = self._device   # the device the program is built for (its target)
-        self._placement = Placement(self._r, self._device,
-                                    across_processes=ir._options.enableDistributedReplicatedGraphs)
+        o = ir._options   # the engine's config, from the Ir's (PopXL's) session options
+        self._config = EngineConfig(
+            processes=distributed.process_count() if o.enableDistributedReplicatedGraphs else 1,
+            cache_path=o.cachePath if o.enableEngineCaching and o.cachePath else None)
+        self._placement = Placement(self._r, self._device, processes=self._config.processes)
         main = ir.main_graph
         self._main_ir = main._finalize(lowering=True)
         self._variables: list[Variable] = list(ir._variables)
@@ -409,8 +413,7 @@ class Session:
                 for s in self._slots}
 
     def _engine_cache(self) -> Optional[EngineCache]:
-        o = self._ir._options
-        if not (o.enableEngineCaching and o.cachePath):
+        if self._config.cache_path is None:
             return None
         main = self._ir.main_graph
         signature = {"session": "popxl.Session", "graph": fingerprint(self._main_ir),
@@ -426,7 +429,7 @@ class Session:
                      "h2d": {t.id: [list(s.shape), s.dtype.name] for s, t in self._h2d},
                      "d2h": {t.id: [list(s.shape), s.dtype.name] for s, t in self._d2h},
                      **runtime_signature()}
-        return EngineCache(o.cachePath, "popxl", signature)
+        return EngineCache(self._config.cache_path, "popxl", signature)
 
     def _feed_sharding(self) -> jax.sharding.Sharding:
         """[replicas, ...] arrays: one slice per replica's device(s)."""
@@ -508,8 +511,7 @@ class Session:
                 return
             old = (self._placement.device, list(self._placement.devices))
             self._device = device
-            self._placement = Placement(self._r, device,
-                                        across_processes=self._ir._options.enableDistributedReplicatedGraphs)
+            self._placement = Placement(self._r, device, processes=self._config.processes)
             self._placed = placed_program(self)
             if (self._placement.device, list(self._placement.devices)) != old or self._placed:
                 self._engine_cache_ = self._engine_cache()

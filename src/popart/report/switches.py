@@ -11,21 +11,21 @@
   compile start, 4..6 planning, 7..40 lowering, 41.. the backend compile, total at the end).
 - IPU-only instrumentation options log one warning each.
 
-With none of them on, :func:`current` returns None and the engine does nothing more."""
+With none of them on, :func:`compiling` registers no hooks (``engine.hooks.current`` is None) and
+the engine does nothing more."""
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import os
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ..errors import popart_exception
 from .._ir.graph import Graph
+from ..engine.hooks import compile_hooks
 from ..logging import getLogger
 
 _logger = getLogger("session")
-_hooks: contextvars.ContextVar = contextvars.ContextVar("popart_compile_hooks", default=None)
 CHECKS = ("Fwd0", "Fwd1", "Bwd0", "Final")   # PopART's check points that exist here
 _TRUE = ("true", "1", "yes", "on")
 _IPU_ONLY = {"instrumentWithHardwareCycleCounter": False}   # (hardwareInstrumentations only with it)
@@ -167,8 +167,8 @@ def dump_ir(serialize: Callable[[], str]) -> Optional[str]:
 
 # ---------------------------------------------------------------------------- compile hooks
 class CompileHooks:
-    """What a compile in a :func:`compiling` block reports to: the progress logger and the
-    report's recorder (either may be None)."""
+    """The engine's compile hooks (``engine.hooks.CompileHooks``) of a :func:`compiling`
+    block: the progress logger and the report's recorder (either may be None)."""
     _MILESTONES = {"start": 3, "plan": 4, "lower": 7, "compile": 41}
 
     def __init__(self, progress: Optional[Progress], recorder: Any) -> None:
@@ -192,10 +192,6 @@ class CompileHooks:
         return self.recorder
 
 
-def current() -> Optional[CompileHooks]:
-    return _hooks.get()
-
-
 @contextlib.contextmanager
 def compiling(options: Any, name: str, graph: Optional[Graph], samples_per_run: int = 1,
               kind: str = "") -> Iterator[Optional[CompileHooks]]:
@@ -212,11 +208,8 @@ def compiling(options: Any, name: str, graph: Optional[Graph], samples_per_run: 
                             samples_per_run=samples_per_run, kind=kind)
     hooks = CompileHooks(prog, recorder)
     hooks.at("start")
-    token = _hooks.set(hooks)
-    try:
+    with compile_hooks(hooks):   # registered with the engine for the block
         yield hooks
-    finally:
-        _hooks.reset(token)
     if prog is not None:
         prog.complete()
 
