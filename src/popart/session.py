@@ -282,7 +282,7 @@ class _Session(_FileMethods):
                                    self.patterns, self._graph.initializers)
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
-        report.session_built(self)   # progress 0, dotChecks, POPART_IR_DUMP
+        report.session_built(self.options, self._graph, self._serializeIr)   # dotChecks, ...
 
     @property
     def replicationFactor(self) -> int:
@@ -346,7 +346,9 @@ class _Session(_FileMethods):
         with jax.default_device(self._jax_device()):
             key = self._rng.host_key()
             exported = self._loaded.get("executable") if self._loaded else None
-            with compile_progress(f"'{self.name}'"), report.session_compiling(self):
+            with compile_progress(f"'{self.name}'"), report.session_compiling(
+                    self.options, self._graph, self._training, self.name, type(self).__name__,
+                    report.samples_per_run(self._input_infos, self._io.factors())):
                 source = program.compile(self._host_weights, opt_state, key, self._hyper(),
                                          exported=exported, cache=self._engine_cache())
         done = "Compiled" if source.startswith("compiled") else f"Loaded (from the {source})"
@@ -436,12 +438,6 @@ class _Session(_FileMethods):
         """One NumPy array per anchor, in the shape the AnchorReturnType docs give."""
         return self._io.anchor_arrays(self._plan())
 
-    def _anchor_tensor_info(self, a: str) -> tuple[list, np.dtype]:
-        return self._io.anchor_info(self._program, a)
-
-    def _synthetic_feeds(self) -> Optional[dict[str, np.ndarray]]:
-        return self._io.synthetic()
-
     def run(self, *args: Any, **kwargs: Any) -> None:
         """``run(stepio, debugName="")`` runs batchesPerStep batches: one call into the
         compiled program. ``run(programHandle, stepio, debugName="")`` runs a named program:
@@ -473,7 +469,7 @@ class _Session(_FileMethods):
             self._require_weights_written()
             if not self._prepared:
                 self.prepareDevice()
-            plan = self._run_plan = RunPlan(self)
+            plan = self._run_plan = RunPlan(self._program, self._io, self._hyper())
         else:   # a planned session: prepared, on a device that runs programs
             self._require_weights_written()
         hio, program = self._io, self._program

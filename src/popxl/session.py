@@ -46,6 +46,7 @@ from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
 from popart.engine.ir import fingerprint
 from popart.logging import getLogger
+from popart.session_ir import serialize_ir
 from popart.tensorinfo import TensorInfo, to_datatype
 
 from ._placement import device_ipus, main_step, placed_program
@@ -455,7 +456,9 @@ class Session:
             fn = _in_device_memory(fn, host)
         step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
                             donate_argnums=(0,))
-        with report.popxl_compiling(self):   # autoReport.*, dotChecks, progress logger
+        with report.popxl_compiling(   # autoReport.*, dotChecks, progress logger
+                self._ir._options, self._main_ir, f"popxl.Ir {self._ir.id}", self._r * self._n,
+                lambda: serialize_ir(self._main_ir, {}, "maingraph")):
             self.executable_source = compile_step(step, specs, self._engine_cache_)
         self._step = step
 

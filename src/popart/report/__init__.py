@@ -4,7 +4,7 @@ own options (see ``switches``); ``capture`` records, ``html`` renders, ``cli`` i
 :func:`popxl_compiling` and :func:`summary_lines`; :func:`compiling` registers the report's
 ``CompileHooks`` with the engine (``engine.hooks``) for the compile."""
 from .switches import (compiling, engine_options, popxl_compiling, report_settings,
-                       session_built, session_compiling, summary_lines)
+                       samples_per_run, session_built, session_compiling, summary_lines)
 
 __all__ = ["compiling", "engine_options", "popxl_compiling", "report_settings",
-           "session_built", "session_compiling", "summary_lines"]
+           "samples_per_run", "session_built", "session_compiling", "summary_lines"]
