@@ -44,7 +44,7 @@ from popart.engine.executable import EngineCache, compile_step, runtime_signatur
 from popart.engine.host_plan import HostInput, HostOutput, HostPlan
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
-from popart.engine.ir import fingerprint
+from popart.engine.graph_api import fingerprint
 from popart.logging import getLogger
 from popart.session_ir import serialize_ir
 from popart.tensorinfo import TensorInfo, to_datatype
