@@ -41,7 +41,7 @@ from .session_config import anchor_returns, engine_config
 from .session_checks import (check_argument_types, check_ir, check_model, check_seed_type,
                              check_virtual_graph_range, resolve_inputs)
 from .session_io import HostIO, weights_from_io, weights_to_io
-from .session_ir import SessionIr, serialize_ir
+from .ir_json import SessionIr, serialize_ir
 from .session_report import summary_report, xla_report
 from .session_rng import Rng, check_rng_state_enabled, requires_random_seed
 from .tensorinfo import TensorInfo
@@ -585,7 +585,7 @@ class _Session(_FileMethods):
 
     @serialised
     def _serializeIr(self, format: Any = IrSerializationFormat.JSON) -> str:
-        """The session's IR as PopART's JSON (see ``popart.session_ir``)."""
+        """The session's IR as PopART's JSON (see ``popart.ir_json``)."""
         if format != IrSerializationFormat.JSON:
             raise popart_exception(f"_serializeIr: format must be IrSerializationFormat.JSON, got {format!r}")
         program = self._plan()

@@ -46,7 +46,7 @@ from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.errors import OptionError
 from popart.engine.graph_api import fingerprint
 from popart.logging import getLogger
-from popart.session_ir import serialize_ir
+from popart.ir_json import serialize_ir
 from popart.tensorinfo import TensorInfo, to_datatype
 
 from ._placement import device_ipus, main_step, placed_program
