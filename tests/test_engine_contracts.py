@@ -319,3 +319,35 @@ def test_no_import_cycle_among_popart_modules():
                       if not (m == "popxl" or m.startswith("popxl.")) and m not in _POPXL_BRIDGE})
     assert outside == []
     assert len(cycles) <= 1
+
+
+def test_the_engine_config_is_frozen_and_read_from_the_options_in_one_place():
+    """popart's options reach the engine only as ``session_config.engine_config``'s frozen
+    ``EngineConfig``: the facts that shape the program are in it and in its cache key, where
+    the engine cache lives is not in the key."""
+    import dataclasses
+
+    import pytest
+
+    from popart.engine.config import WEIGHTS, EngineConfig
+    from popart.session_config import engine_config
+
+    o = popart.SessionOptions()
+    base = engine_config(o)
+    assert base == dataclasses.replace(EngineConfig(), locations=base.locations)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.pipelining = True
+    o.enablePipelining, o.groupNormStridedChannelGrouping = True, True
+    o.autoRecomputation = popart.RecomputationType.Standard
+    o.accumulationAndReplicationReductionType = popart.ReductionType.Mean
+    o.weightTensorLocationSettings.location.replicatedTensorSharding = \
+        popart.ReplicatedTensorSharding.On
+    o.automaticLossScalingSettings.toTrackTensors = ["a", "b"]
+    c = engine_config(o)
+    assert (c.pipelining, c.group_norm_strided, c.recompute, c.mean_reduction, c.running_mean) \
+        == (True, True, "Standard", True, False)
+    assert c.locations.rules[WEIGHTS].location.sharded and c.als.toTrackTensors == ("a", "b")
+    assert c.signature != base.signature and c.cache_path is None
+    o.enableEngineCaching, o.cachePath = True, "/somewhere"
+    cached = engine_config(o)
+    assert cached.cache_path == "/somewhere" and cached.signature == c.signature
