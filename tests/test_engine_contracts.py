@@ -191,8 +191,9 @@ def module_graph(src: Path) -> dict[str, set[str]]:
     that is a module, else to ``m`` (relative forms resolved against the file's package).
     Importing a submodule runs its parent packages' ``__init__`` first, but that is no edge:
     the submodule depends on none of the package's names, and a cycle would need the package
-    to import back (which its re-exports, edges from the package, show). Modules outside
-    ``src`` (the standard library, jax, ...) are left out."""
+    to import back (which its re-exports, edges from the package, show). Imports under ``if
+    TYPE_CHECKING:`` never run and are left out, as are modules outside ``src`` (the
+    standard library, jax, ...)."""
     files = {}
     for path in src.rglob("*.py"):
         parts = list(path.relative_to(src).with_suffix("").parts)
@@ -208,7 +209,13 @@ def module_graph(src: Path) -> dict[str, set[str]]:
     for mod, (path, package) in files.items():
         here = mod if package else mod.rpartition(".")[0]
         out = graph.setdefault(mod, set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 out.update(filter(None, (known(a.name) for a in node.names)))
             elif isinstance(node, ast.ImportFrom):
@@ -271,7 +278,8 @@ def test_the_module_graph_scan_sees_every_form(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("from .a import f\n")
     (pkg / "a.py").write_text("import pk.b\ndef f():\n    if True:\n        from .sub import c\n")
-    (pkg / "b.py").write_text("from pk.sub.c import g\nimport json\n")
+    (pkg / "b.py").write_text("from pk.sub.c import g\nimport json\nif TYPE_CHECKING:\n"
+                              "    import pk\n")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "c.py").write_text("from .. import a\nfrom . import missing\n")
     graph = module_graph(tmp_path)

@@ -207,8 +207,23 @@ class Tensor(_Binding):
 
     @property
     def info(self) -> TensorInfo:
+        """The data type, shape and meta shape (a replica shard's full shape, [] unless set)."""
         spec = self._graph._specs[self.id]
-        return TensorInfo(spec.dtype, list(spec.shape))
+        info = TensorInfo(spec.dtype, list(spec.shape))
+        own = self._graph._tensors.get(self._graph._versions.get(self.id, self.id))
+        info.set(spec.dtype, None, getattr(own, "_meta_shape", ()))
+        return info
+
+    @info.setter
+    def info(self, info: TensorInfo) -> None:
+        """PopART's ``def_readwrite``: an op's setup sets its outputs' info. The data type and
+        shape are the traced ones; only the meta shape may change."""
+        now = self.info
+        if (info.dataType(), info.shape()) != (now.dataType(), now.shape()):
+            raise popart_exception(
+                f"Tensor {self.id}: info {info.dataType().value} {info.shape()} differs from the "
+                f"traced {now.dataType().value} {now.shape()}; only the meta shape can be set")
+        popxl_tensor(self._graph, self.id)._meta_shape = tuple(info.metaShape())
 
     @property
     def consumers(self) -> Consumers:
