@@ -19,6 +19,7 @@ from popart.errors import popart_exception
 from popart.tensorinfo import TensorInfo
 
 from . import context
+from ._versions import inplace
 from .tensorlocation import ExecutionContext, TileSet
 
 if TYPE_CHECKING:
@@ -684,7 +685,6 @@ class Op(_Binding):
             if oi < len(n.outputs) and ii < len(n.inputs) and n.outputs[oi] and n.inputs[ii]:
                 owner = g._tensors[g._versions.get(n.inputs[ii], n.inputs[ii])]
                 if owner._ir_id == n.inputs[ii]:
-                    from .ops._base import inplace
                     inplace(owner, g._tensors[n.outputs[oi]])
 
 
@@ -847,7 +847,6 @@ class SubgraphOp(Op):
         src = None if p is None else self._node.inputs[p]
         owner = None if src is None else popxl_tensor(self._graph, src)
         if owner is not None and owner._ir_id == src:
-            from .ops._base import inplace
             inplace(owner, self._graph._tensors[self._ref_result(k)])
 
     def _add_ref_output(self, k: int, at: int) -> str:
@@ -916,7 +915,6 @@ class LoopOp(SubgraphOp):
         src = self._node.inputs[int(index)]
         owner = popxl_tensor(self._graph, src)
         if owner is not None and owner._ir_id == src:
-            from .ops._base import inplace
             inplace(owner, self._graph._tensors[self._node.outputs[int(index) - 2]])
 
     def addLoopInput(self, index: int, tid: str, sg_tid: str, overwrite: bool = False) -> None:
@@ -1002,6 +1000,14 @@ def op_handle(graph: "XGraph", node: Node) -> Op:
     if _is_ipu_copy(graph, node):
         return IpuCopyOp(graph, node)
     return op_class(OP_CLASS_NAMES.get(node.op_type, f"{node.op_type}Op"))(graph, node)
+
+
+def op_created(graph: "XGraph", node: Node) -> None:
+    """Run the op-created hooks for ``node``, just added to ``graph`` (its handle is only built
+    when there are hooks)."""
+    ctx = context.get_current_context()
+    if ctx._op_created_hooks:
+        ctx._op_created(op_handle(graph, node))
 
 
 def called_graphs(ir: "XIr", nodes: Iterable[Node]) -> list["XGraph"]:
@@ -1275,7 +1281,7 @@ class Graph(_Binding):
         for o, spec in zip(outs, specs):
             if o:
                 g._add_tensor(o, spec)
-        context.op_created(g, node)
+        op_created(g, node)
         return op_handle(g, node)
 
 
@@ -1332,10 +1338,10 @@ class Ir(_Binding):
 
     def createGraph(self, gid: Any) -> Graph:
         """A new empty subgraph with exactly the id ``gid``."""
-        from .graph import Graph as XGraph
         if self.hasGraph(gid):
             raise popart_exception(f"Graph({gid}) is already in Ir")
-        g = XGraph(self._ir, str(gid), parent=self._ir.main_graph)
+        main = self._ir.main_graph
+        g = type(main)(self._ir, str(gid), parent=main)
         self._ir._graphs.append(g)
         return Graph(g)
 
@@ -1439,3 +1445,7 @@ class ReplicaGroupingHandle(_Binding):
 
     def str(self) -> str:
         return repr(self._rg)
+
+
+context._UPPER.op = (Op,)
+context._UPPER.settings = lambda graph, name: Settings(Graph(graph), name)
