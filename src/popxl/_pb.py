@@ -211,8 +211,7 @@ class Tensor(_Binding):
         """The data type, shape and meta shape (a replica shard's full shape, [] unless set)."""
         spec = self._graph._specs[self.id]
         info = TensorInfo(spec.dtype, list(spec.shape))
-        own = self._graph._tensors.get(self._graph._versions.get(self.id, self.id))
-        info.set(spec.dtype, None, getattr(own, "_meta_shape", ()))
+        info.set(spec.dtype, None, popxl_tensor(self._graph, self.id)._meta_shape)
         return info
 
     @info.setter
@@ -1341,7 +1340,7 @@ class Ir(_Binding):
         if self.hasGraph(gid):
             raise popart_exception(f"Graph({gid}) is already in Ir")
         main = self._ir.main_graph
-        g = type(main)(self._ir, str(gid), parent=main)
+        g = type(main)(self._ir, str(gid), parent=main)   # a popxl Graph (graph.py is above)
         self._ir._graphs.append(g)
         return Graph(g)
 
@@ -1447,5 +1446,7 @@ class ReplicaGroupingHandle(_Binding):
         return repr(self._rg)
 
 
+# What context takes from here (it imports no module above it): the handles op-created hooks
+# receive, and ``Context._get_op_settings``' maker.
 context._UPPER.op = (Op,)
 context._UPPER.settings = lambda graph, name: Settings(Graph(graph), name)

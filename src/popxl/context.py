@@ -460,4 +460,3 @@ def register_op_created_hook(graph: "Graph", fn: Callable) -> int:
 
 def remove_op_created_hook(handle: int) -> None:
     _CTX.remove_op_created_hook(handle)
-

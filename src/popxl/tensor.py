@@ -16,13 +16,13 @@ if TYPE_CHECKING:
     from .graph import Graph
     from .replica_grouping import ReplicaGrouping
 
-# popxl.ops, which Tensor's methods and operators call: set by popxl.ops when it is imported
-# (_bind_ops), as the ops make Tensors and so import this module.
+# The ops Tensor's methods and operators call (``popxl.ops._core``): set by popxl.ops when it
+# is imported (_bind_ops), as the ops make Tensors and so import this module.
 _ops: Any = None
 
 
 def _bind_ops(ops: Any) -> None:
-    """Make Tensor's methods and operators call the ops of ``ops`` (the ``popxl.ops`` module)."""
+    """Make Tensor's methods and operators call the ops of module ``ops``."""
     global _ops
     _ops = ops
 
@@ -737,4 +737,4 @@ def graph_output(t: Tensor) -> None:
     g._outputs.append(t)
 
 
-context._UPPER.tensor = (Tensor,)
+context._UPPER.tensor = (Tensor,)   # (context imports no module above it)
