@@ -18,7 +18,7 @@ from popart.engine import in_x64
 
 from popart.engine.lower import trace_node
 from popart.engine.compiled import REPLICA_AXIS
-from popart.engine.ir import Graph as IRGraph, Node, reads
+from popart.engine.graph_api import Graph as IRGraph, Node, reads
 
 from . import _pb, context
 from .tensor import Constant, Tensor, Variable
@@ -302,7 +302,7 @@ class Graph:
         # PopXL's debug record of the op (layer "popxl"; see popxl.context.op_debug_context)
         node._debug_info = context._op_debug_info(base, inputs, context._user_location())
         context._set_outputs(node._debug_info, result)
-        context.op_created(self, node)
+        _pb.op_created(self, node)
         return result
 
 
