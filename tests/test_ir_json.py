@@ -459,10 +459,8 @@ def test_sharded_training_copies_gradients_back(mode):
 
 
 def test_inference_auto_virtual_graphs_with_the_session_s_options():
-    """An InferenceSession with VirtualGraphMode.Auto: given its options and program (the
-    hook serialize_ir takes, see the module), each op carries AutoVirtualGraph's id and the
-    boundary's activation is copied to IPU 1."""
-    import sys
+    """An InferenceSession with VirtualGraphMode.Auto: each op of its IR JSON carries
+    AutoVirtualGraph's id and the boundary's activation is copied to IPU 1."""
     b = popart.Builder()
     x, w1, w2 = mlp(b)
     y = b.aiOnnx.matmul([b.aiOnnx.relu([b.aiOnnx.matmul([x, w1], "mm1")], "relu"), w2], "mm2")
@@ -471,9 +469,7 @@ def test_inference_auto_virtual_graphs_with_the_session_s_options():
     s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, [y]),
                                 popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}),
                                 userOptions=o)
-    serialize_ir = sys.modules[type(s.getIr()).__module__].serialize_ir
-    ops = json.loads(serialize_ir(s._graph, dict(s._infos), "maingraph", None, {y}, s.patterns,
-                                  {y}, options=s.options, program=s._plan()))["maingraph"]
+    ops = json.loads(s._serializeIr(popart.IrSerializationFormat.JSON))["maingraph"]
     copies = check_copies(ops)
     assert len(copies) == 1 and copies[0][1:] == ("0", "1")
     assert {op["attributes"]["__ipu_number"] for op in ops if op["type"] != "IpuCopy"} == {"0", "1"}
