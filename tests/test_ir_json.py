@@ -3,7 +3,9 @@ source: OpToIdentity / PostNRepl on IdentityLoss (patterns/optoidentitypattern.c
 op/identity.cpp ``IdentityLossOp::canBeReplacedByIdentity``, patterns/postnrepl.cpp,
 ir.cpp ``applyPreAliasPattern``), ExplicitRecompute (transforms/explicitrecompute.cpp,
 tensornames.cpp ``createRecomputedTensorId``) and a pipeline's InterIpuCopy
-(transforms/interipucopy.cpp, op/ipucopy.cpp) with the stash / restore ops."""
+(transforms/interipucopy.cpp, op/ipucopy.cpp) with the stash / restore ops, and autodiff's
+sums of partial gradients (transforms/autodiff/gradgrowersumop.cpp, patterns/
+sumtoaddpattern.cpp)."""
 from __future__ import annotations
 
 import json
@@ -473,3 +475,121 @@ def test_inference_auto_virtual_graphs_with_the_session_s_options():
     copies = check_copies(ops)
     assert len(copies) == 1 and copies[0][1:] == ("0", "1")
     assert {op["attributes"]["__ipu_number"] for op in ops if op["type"] != "IpuCopy"} == {"0", "1"}
+
+
+# ------------------------------------------------------------------ gradient sums (autodiff)
+def edge_grad_id(op_id: int, index: int) -> str:
+    """getEdgeGradId (tensornames.cpp:57-62): a grad op's output for input ``index`` of op
+    ``op_id`` (gradgrowerop.cpp:199-204)."""
+    return f"{GRAD}{op_id}_{index}"
+
+
+def fwd_op_id(position: int) -> int:
+    """The op id of the forward graph's ``position``-th op: the Ir's op counter starts at 100
+    (ir.hpp:734) and Graph::constructFromOnnxGraph (graph.cpp:353-374) makes one op per node
+    in order."""
+    return 100 + position
+
+
+def grad_sum_name(t: str, sum_to_add: bool) -> str:
+    """GradGrowerSumOp (gradgrowersumop.cpp:82-93): "GradSum_" + the gradient's id; its
+    SumToAdd replacement (sumtoaddpattern.cpp:34) is named by Pattern::getReplacementOpName
+    (pattern.cpp:105-118): "<name>:SumToAdd"."""
+    return f"GradSum_{GRAD}{t}" + (":SumToAdd" if sum_to_add else "")
+
+
+def fan_out_ops(readers: int, inplace: bool = True, sum_to_add: bool = True) -> list:
+    """x -> MatMul(w) = h (op 0); h read by ``readers`` of Relu, Sigmoid, Scale (ops 1..),
+    their outputs added -> L1 (Sum reduction)."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]), "x")
+    w = b.addInitializedInputTensor(np.full((4, 3), 0.1, np.float32), "w")
+    h = b.aiOnnx.matmul([x, w], "mm")
+    outs = [b.aiOnnx.relu([h], "r"), b.aiOnnx.sigmoid([h], "s"),
+            b.aiGraphcore.scale([h], 3.0, "c")][:readers]
+    y = outs[0]
+    for k, o in enumerate(outs[1:]):
+        y = b.aiOnnx.add([y, o], f"add{k}")
+    loss = b.aiGraphcore.l1loss([y], 0.5, reduction=popart.ReductionType.Sum)
+    patterns = popart.Patterns().enablePattern("SumToAdd", sum_to_add)
+    patterns.InPlace = inplace
+    return ir_ops(popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                                         popart.ConstSGD(0.1), cpu(), patterns=patterns))
+
+
+def check_grad_sum(ops: list, t: str, partials: set) -> dict:
+    """The one op writing Gradient___<t> sums ``partials``, each made by one grad op before
+    it; the ops reading Gradient___<t> come after it; it has t's shape."""
+    makers = {o["name"]: k for k, op in enumerate(ops) for o in op["outputs"]}
+    (k,) = [k for k, op in enumerate(ops) if GRAD + t in names([op], "outputs")[0]]
+    total = ops[k]
+    assert set(names([total], "inputs")[0]) == partials   # order: PopART's registry's
+    assert all(makers[p] < k and ops[makers[p]]["type"].endswith("Grad") for p in partials)
+    readers = [j for j, op in enumerate(ops) if GRAD + t in names([op], "inputs")[0]]
+    assert readers and min(readers) > k
+    shapes = {i["name"]: i["shape"] for op in ops for i in op["inputs"]}
+    assert {shapes[p] for p in partials} == {shapes[GRAD + t]} == {shapes[t]}   # t's info
+    return total
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_tensor_read_by_two_ops_has_its_partial_gradients_summed(inplace):
+    """h is read by r (op 1) and s (op 2): their grad ops write the edge gradients, a GradSum
+    adds them into Gradient___h (gradgrower.cpp:124-137, gradgrowersumop.cpp:82-87), which
+    SumToAdd (on by default; it matches a Sum of two, sumtoaddpattern.cpp:18-20) makes an
+    Add, and the Inplace pattern AddLhsInplace (the partials are read by that Add alone;
+    elementwise.cpp:221-237: Lhs and Rhs tie, the Lhs first). MatMul's grad op reads the sum."""
+    ops = fan_out_ops(2, inplace=inplace)
+    parts = {edge_grad_id(fwd_op_id(1), 0), edge_grad_id(fwd_op_id(2), 0)}
+    total = check_grad_sum(ops, "mm:0", parts)
+    assert (total["type"], total["name"]) == ("AddLhsInplace" if inplace else "Add",
+                                              grad_sum_name("mm:0", True))
+    grads = {op["name"]: names([op], "outputs")[0] for op in ops if op["type"].endswith("Grad")}
+    assert grads["r_Grad"] == [edge_grad_id(fwd_op_id(1), 0)]
+    assert grads["s_Grad"] == [edge_grad_id(fwd_op_id(2), 0)]
+    # tensors with one consumer keep their gradient's id (PostNRepl removes the Sum of one)
+    assert grads["add0_Grad"] == [GRAD + "r:0", GRAD + "s:0"]
+
+
+def test_tensor_read_by_three_ops_has_a_sum():
+    """Three partials: the GradSum stays a Sum (SumToAdd wants two inputs), which has no
+    inplace variant (SumOp / VariadicOp define no inplacePriorityDefault)."""
+    ops = fan_out_ops(3)
+    parts = {edge_grad_id(fwd_op_id(k), 0) for k in (1, 2, 3)}
+    total = check_grad_sum(ops, "mm:0", parts)
+    assert (total["type"], total["name"]) == ("Sum", grad_sum_name("mm:0", False))
+    assert total["attributes"]["recompute"] == "NO"
+
+
+def test_two_partials_stay_a_sum_with_sum_to_add_off():
+    ops = fan_out_ops(2, sum_to_add=False)
+    total = check_grad_sum(ops, "mm:0", {edge_grad_id(fwd_op_id(k), 0) for k in (1, 2)})
+    assert (total["type"], total["name"]) == ("Sum", grad_sum_name("mm:0", False))
+
+
+def test_weight_read_by_two_ops_updates_with_the_summed_gradient():
+    """w2 is read by mm2 (op 3, input 1) and relu_w (op 5, input 0): the var update reads
+    the sum Gradient___w2 (the optimizer's update reads the weight's gradient)."""
+    ops = inplace_training_ops()
+    parts = {edge_grad_id(fwd_op_id(3), 1), edge_grad_id(fwd_op_id(5), 0)}
+    total = [op for op in ops if op["name"] == grad_sum_name("w2", True)]
+    assert [op["type"] for op in total] == ["AddLhsInplace"]
+    assert set(names(total, "inputs")[0]) == parts
+    (update,) = [op for op in ops if op["type"] == "SGD0VarUpdate" and
+                 names([op], "inputs")[0][0] == "w2"]
+    assert names([update], "inputs")[0] == ["w2", GRAD + "w2"]
+
+
+def test_one_op_reading_a_tensor_twice_makes_two_partials():
+    """Mul(h, h): one edge per input index, Gradient___<mul's id>_0 and _1 (getEdgeGradId
+    takes the forward op's id and input index), added by the GradSum."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 4]), "x")
+    w = b.addInitializedInputTensor(np.full((4, 4), 0.1, np.float32), "w")
+    h = b.aiOnnx.matmul([x, w], "mm")
+    loss = b.aiGraphcore.l1loss([b.aiOnnx.mul([h, h], "sq")], 0.5,
+                                reduction=popart.ReductionType.Sum)
+    ops = ir_ops(popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [loss]), loss,
+                                        popart.ConstSGD(0.1), cpu()))
+    total = check_grad_sum(ops, "mm:0", {edge_grad_id(fwd_op_id(1), i) for i in (0, 1)})
+    assert (total["type"], total["name"]) == ("AddLhsInplace", grad_sum_name("mm:0", True))

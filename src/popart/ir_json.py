@@ -5,7 +5,8 @@ model names its graph), each a list of ops ``{"type", "name", "inputs": [{"name"
 "type", "index"}], "outputs": [{"name", "index"}], "attributes": {name: "value"}}``, values
 as strings. A TrainingSession's IR also lists, as PopART's does after autodiff and the
 optimizer transform, each op's grad op (``<Type>Grad``, in reverse order, reading
-``Gradient___<output>`` and writing ``Gradient___<input>`` of the inputs that need one) and
+``Gradient___<output>`` and writing ``Gradient___<input>`` of the inputs that need one; where
+a tensor has several consumers, their partial gradients and the sum of them, ``_grad_sum``) and
 one var-update op per trained weight, named by the optimizer as PopART names them. On XLA
 the backward pass is JAX's autodiff with PopART's grad rules (docs/gradients.md); this is
 the description of what the compiled program computes, not a second implementation."""
@@ -502,8 +503,18 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
 
     stash = _stash_ops(g, edges, stages, training, infos)
     ops, copied = stash["stash"], {}
+    parts: dict = {}   # tensor -> its partial gradients, in the grad ops' order
+    for k, n in grad_nodes:
+        for i, t in enumerate(n.inputs):
+            if (k, i) in edges:
+                parts.setdefault(t, []).append(_edge_grad(k, i))
+    parts = {t: p for t, p in parts.items() if len(p) > 1}
+    infos.update({e: infos.get(t) for t, p in parts.items() for e in p})
+    left = {t: set(p) for t, p in parts.items()}   # the partials not yet made
     for k, n in grad_nodes:
         ins = [t for i, t in enumerate(n.inputs) if (k, i) in edges]
+        made = [_edge_grad(k, i) if t in parts else GRAD + t
+                for i, t in enumerate(n.inputs) if (k, i) in edges]
         s, _, _ = stages.get(id(n), (None, None, False))
         ipu = where.get(id(n), (None, None))[1]
         restored = {t: op for t, (st, k, op) in stash["restore"].items()
@@ -517,7 +528,12 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
                  recomputed.get(i, read(i, ipu)) for i in _grad_reads(n)]
         ops.append(_op(f"{kind}Grad", f"{n.name or n.outputs[0]}_Grad",
                        [copied.get((GRAD + o, ipu), GRAD + o) for o in outs] + reads,
-                       [GRAD + i for i in ins], {"recompute": "NO", **place(n)}, infos))
+                       made, {"recompute": "NO", **place(n)}, infos))
+        for t in dict.fromkeys(ins):   # a gradient whose last partial this op made: its sum
+            if t in left:
+                left[t] -= set(made)
+                if not left[t]:
+                    ops.append(_grad_sum(t, parts[t], infos, patterns, place(n)))
     grads = {w: GRAD + w for w in trained}
     ops += _clipping(training["optimizer"], trained, grads, infos, new_id)
     ops += _als_ops(training.get("program"), infos, training.get("options"))
@@ -525,6 +541,29 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     for w in trained:
         ops += _var_update(training["optimizer"], w, grads[w], infos, decomposed, accumulating)
     return ops
+
+
+def _edge_grad(k: int, i: int) -> str:
+    """The partial gradient a grad op makes for input ``i`` of the main graph's ``k``-th op,
+    when that input has several consumers (``getEdgeGradId``, tensornames.cpp:57-62:
+    ``Gradient___<opId>_<index>``, gradgrowerop.cpp:199-204). PopART's op id is its Ir's op
+    counter, which starts at 100 (ir.hpp:734) and gives the forward ops their ids in node
+    order (Graph::constructFromOnnxGraph); we write ``100 + k``, PopART's id unless a Constant
+    node took an id or a pattern replaced the op (a fresh id) before autodiff."""
+    return f"{GRAD}{100 + k}_{i}"
+
+
+def _grad_sum(t: str, parts: list, infos: dict, patterns: Any, attrs: dict) -> dict:
+    """The sum of tensor ``t``'s partial gradients into ``Gradient___<t>`` (autodiff's
+    ``GradGrowerSumOp::growGradSumOp``, gradgrowersumop.cpp:82-87: a Sum named
+    ``GradSum_Gradient___<t>``, placed as its inputs' producers). With two partials and
+    SumToAdd on (sumtoaddpattern.cpp:18-42) it is an Add, ``<name>:SumToAdd``
+    (``Pattern::getReplacementOpName``, pattern.cpp:105-118), which the Inplace pattern may
+    then make ``AddLhsInplace``. A single partial is no sum (PostNRepl removes it)."""
+    name, infos[GRAD + t] = f"GradSum_{GRAD}{t}", infos.get(t)
+    to_add = len(parts) == 2 and (patterns is None or patterns.isPatternEnabled("SumToAdd"))
+    return _op("Add" if to_add else "Sum", f"{name}:SumToAdd" if to_add else name, parts,
+               [GRAD + t], {"recompute": "NO", **attrs}, infos)
 
 
 def _grad_copy(g: Graph, o: str, n: Any, where: dict, copied: dict, infos: dict) -> list:
