@@ -593,3 +593,32 @@ def test_one_op_reading_a_tensor_twice_makes_two_partials():
                                         popart.ConstSGD(0.1), cpu()))
     total = check_grad_sum(ops, "mm:0", {edge_grad_id(fwd_op_id(1), i) for i in (0, 1)})
     assert (total["type"], total["name"]) == ("AddLhsInplace", grad_sum_name("mm:0", True))
+
+
+def test_sharded_grad_sum_runs_on_the_latest_partial_s_ipu():
+    """h (IPU 0) is read by relu on IPU 0 and mm2 on IPU 1. The GradSum inherits its
+    placement from its inputs' producers (inheritPlacementAttributes, opattributehelper.cpp:
+    producers at distance 0 sort first, by descending virtual graph id), so it runs on IPU 1;
+    InterIpuCopy then copies IPU 0's partial to it and the sum back to IPU 0 for mm1's grad
+    op (each as <t>_c<ipu>)."""
+    b = popart.Builder()
+    x, w1, w2 = mlp(b)
+    w3 = b.addInitializedInputTensor(np.full((4, 3), 0.3, np.float32), "w3")
+    with b.virtualGraph(0):
+        h = b.aiOnnx.matmul([x, w1], "mm1")
+        r = b.aiOnnx.relu([h], "relu")
+    with b.virtualGraph(1):
+        y = b.aiOnnx.add([b.aiOnnx.matmul([h, w2], "mm2"), b.aiOnnx.matmul([r, w3], "mm3")],
+                         "add")
+        loss = b.aiGraphcore.l1loss([y], 0.5, popart.ReductionType.Sum, "l1")
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    ops = ir_ops(popart.TrainingSession(
+        b.getModelProto(), popart.DataFlow(1, [loss]), loss, popart.ConstSGD(0.1),
+        popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}), userOptions=o))
+    relu_part, mm2_part = edge_grad_id(fwd_op_id(1), 0), edge_grad_id(fwd_op_id(2), 0)
+    (total,) = [op for op in ops if op["name"] == grad_sum_name(h, True)]
+    assert total["attributes"]["__ipu_number"] == "1"
+    assert set(names([total], "inputs")[0]) == {relu_part + "_c1", mm2_part}
+    copies = check_copies(ops)
+    assert (relu_part, "0", "1") in copies and (GRAD + h, "1", "0") in copies

@@ -495,10 +495,10 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     where = {k: (2 * last - s, ipu) for k, (s, ipu, _) in stages.items()} or \
         {k: (None, ipu) for k, ipu in (vgs or {}).items()}
 
-    def place(n: Any) -> dict:
-        if id(n) not in where:
+    def place(at: Optional[tuple]) -> dict:   # (grad stage or None, IPU) as attributes
+        if at is None:
             return {}
-        s, ipu = where[id(n)]
+        s, ipu = at
         return {"recompute": "NO", VIRTUAL_GRAPH: ipu, **({} if s is None else {PIPELINE_STAGE: s})}
 
     stash = _stash_ops(g, edges, stages, training, infos)
@@ -511,29 +511,34 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     parts = {t: p for t, p in parts.items() if len(p) > 1}
     infos.update({e: infos.get(t) for t, p in parts.items() for e in p})
     left = {t: set(p) for t, p in parts.items()}   # the partials not yet made
+    made_at: dict = {}   # gradient -> where it was made: (grad stage or None, IPU) or None
     for k, n in grad_nodes:
         ins = [t for i, t in enumerate(n.inputs) if (k, i) in edges]
         made = [_edge_grad(k, i) if t in parts else GRAD + t
                 for i, t in enumerate(n.inputs) if (k, i) in edges]
         s, _, _ = stages.get(id(n), (None, None, False))
-        ipu = where.get(id(n), (None, None))[1]
+        at = where.get(id(n))
+        ipu = at[1] if at else None
         restored = {t: op for t, (st, k, op) in stash["restore"].items()
                     if st == s and (t in _grad_reads(n) or k == id(n))}
         ops += [stash["restore"].pop(t)[2] for t in restored]
         ops += _take_clones(clones, n.inputs)
         outs = [o for o in n.outputs if o in has_grad]
-        ops += [c for o in outs for c in _grad_copy(g, o, n, where, copied, infos)]
+        ops += [c for o in outs
+                for c in _grad_copy(GRAD + o, at, made_at.get(GRAD + o), copied, infos,
+                                    infos.get(o))]
         kind = "Identity" if _opt_to_identity(n, infos, patterns) else n.op_type
         reads = [restored[i]["outputs"][0]["name"] if i in restored else
                  recomputed.get(i, read(i, ipu)) for i in _grad_reads(n)]
         ops.append(_op(f"{kind}Grad", f"{n.name or n.outputs[0]}_Grad",
                        [copied.get((GRAD + o, ipu), GRAD + o) for o in outs] + reads,
-                       made, {"recompute": "NO", **place(n)}, infos))
+                       made, {"recompute": "NO", **place(at)}, infos))
+        made_at.update(dict.fromkeys(made, at))
         for t in dict.fromkeys(ins):   # a gradient whose last partial this op made: its sum
             if t in left:
                 left[t] -= set(made)
                 if not left[t]:
-                    ops.append(_grad_sum(t, parts[t], infos, patterns, place(n)))
+                    ops += _grad_sum(t, parts[t], infos, patterns, made_at, copied, place)
     grads = {w: GRAD + w for w in trained}
     ops += _clipping(training["optimizer"], trained, grads, infos, new_id)
     ops += _als_ops(training.get("program"), infos, training.get("options"))
@@ -553,37 +558,41 @@ def _edge_grad(k: int, i: int) -> str:
     return f"{GRAD}{100 + k}_{i}"
 
 
-def _grad_sum(t: str, parts: list, infos: dict, patterns: Any, attrs: dict) -> dict:
+def _grad_sum(t: str, parts: list, infos: dict, patterns: Any, made_at: dict, copied: dict,
+              place: Any) -> list:
     """The sum of tensor ``t``'s partial gradients into ``Gradient___<t>`` (autodiff's
     ``GradGrowerSumOp::growGradSumOp``, gradgrowersumop.cpp:82-87: a Sum named
-    ``GradSum_Gradient___<t>``, placed as its inputs' producers). With two partials and
-    SumToAdd on (sumtoaddpattern.cpp:18-42) it is an Add, ``<name>:SumToAdd``
-    (``Pattern::getReplacementOpName``, pattern.cpp:105-118), which the Inplace pattern may
-    then make ``AddLhsInplace``. A single partial is no sum (PostNRepl removes it)."""
+    ``GradSum_Gradient___<t>``), preceded by the IpuCopy of each partial made on another IPU.
+    With two partials and SumToAdd on (sumtoaddpattern.cpp:18-42) it is an Add,
+    ``<name>:SumToAdd`` (``Pattern::getReplacementOpName``, pattern.cpp:105-118), which the
+    Inplace pattern may then make ``AddLhsInplace``. A single partial is no sum (PostNRepl
+    removes it). Placement (``inheritPlacementAttributes``, opattributehelper.cpp: the
+    nearest producers first, the highest pipeline stage, then the highest IPU among them):
+    the latest of the partials' grad ops; ``made_at`` (gradient -> where it was made) and
+    ``copied`` are updated, ``place`` writes a placement as attributes."""
     name, infos[GRAD + t] = f"GradSum_{GRAD}{t}", infos.get(t)
+    wheres = [made_at[p] for p in parts]
+    at = None if None in wheres else max(wheres, key=lambda w: (w[0] or 0, w[1]))
+    ops = [c for p in parts for c in _grad_copy(p, at, made_at[p], copied, infos, infos.get(t))]
+    ins = [copied.get((p, at[1]), p) if at else p for p in parts]
+    made_at[GRAD + t] = at
     to_add = len(parts) == 2 and (patterns is None or patterns.isPatternEnabled("SumToAdd"))
-    return _op("Add" if to_add else "Sum", f"{name}:SumToAdd" if to_add else name, parts,
-               [GRAD + t], {"recompute": "NO", **attrs}, infos)
+    return ops + [_op("Add" if to_add else "Sum", f"{name}:SumToAdd" if to_add else name, ins,
+                      [GRAD + t], {"recompute": "NO", **place(at)}, infos)]
 
 
-def _grad_copy(g: Graph, o: str, n: Any, where: dict, copied: dict, infos: dict) -> list:
-    """The IpuCopy of gradient ``Gradient___<o>`` to the IPU of ``n``'s grad op, when the
-    grad ops of ``o``'s readers (which make it) run on another IPU (InterIpuCopy after the
-    backward pass: from the later IPU to the earlier): ``Gradient___<o>_c<ipu>``, in the
-    pipeline stage of the grad ops making it (``where``: id(node) -> (grad stage or None,
-    IPU)). ``copied``: (gradient, IPU) -> its copy, updated."""
-    if id(n) not in where:
+def _grad_copy(grad: str, at: Optional[tuple], source: Optional[tuple], copied: dict,
+               infos: dict, info: Optional[TensorInfo]) -> list:
+    """The IpuCopy of gradient ``grad``, made at ``source``, to the IPU of ``at`` (each a
+    (grad stage or None, IPU), or None unplaced) when they differ (InterIpuCopy after the
+    backward pass): ``<grad>_c<ipu>``, in the pipeline stage where it was made. ``copied``:
+    (gradient, IPU) -> its copy, and ``infos`` (the copy's: ``info``) are updated."""
+    if at is None or source is None or source[1] == at[1] or (grad, at[1]) in copied:
         return []
-    ipu = where[id(n)][1]
-    makers = {where[id(m)] for m in g.nodes if o in m.inputs and id(m) in where}
-    if len(makers) != 1 or (GRAD + o, ipu) in copied:
-        return []
-    (s, src), = makers
-    if src == ipu:
-        return []
-    copy = copied[(GRAD + o, ipu)] = f"{GRAD}{o}_c{ipu}"
-    infos[copy] = infos.get(o)
-    return [_ipu_copy_op(GRAD + o, copy, src, ipu, s, infos)]
+    (s, src), ipu = source, at[1]
+    copy = copied[(grad, ipu)] = f"{grad}_c{ipu}"
+    infos[copy] = info
+    return [_ipu_copy_op(grad, copy, src, ipu, s, infos)]
 
 
 def _recompute_clones(g: Graph, grad_nodes: list, marks: dict, infos: dict, new_id: "_Ids",
