@@ -422,11 +422,14 @@ def check_copies(ops) -> list:
         if op["type"] == "IpuCopy":
             ((src,),), ((dst,),) = names([op], "inputs"), names([op], "outputs")
             assert dst == f"{src}_c{op['attributes']['__destIpu']}"
+            if src not in made:   # a weight or input: copied from the lowest IPU reading it
+                made[src] = min(r["attributes"]["__ipu_number"] for r in ops
+                                if r["type"] != "IpuCopy" and src in names([r], "inputs")[0])
             assert op["attributes"]["__sourceIpus"] == "{%s}" % made[src]
             copies.append((src, made[src], op["attributes"]["__destIpu"]))
             made[dst] = op["attributes"]["__destIpu"]
             continue
-        if ipu is None:     # var updates
+        if ipu is None:
             continue
         for t in names([op], "inputs")[0]:
             assert made.get(t, ipu) == ipu, (op["name"], t)
@@ -607,18 +610,28 @@ def test_sharded_grad_sum_runs_on_the_latest_partial_s_ipu():
     with b.virtualGraph(0):
         h = b.aiOnnx.matmul([x, w1], "mm1")
         r = b.aiOnnx.relu([h], "relu")
+        q = b.aiOnnx.matmul([x, w3], "mmq")
     with b.virtualGraph(1):
         y = b.aiOnnx.add([b.aiOnnx.matmul([h, w2], "mm2"), b.aiOnnx.matmul([r, w3], "mm3")],
                          "add")
-        loss = b.aiGraphcore.l1loss([y], 0.5, popart.ReductionType.Sum, "l1")
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.add([y, q], "add2")], 0.5,
+                                    popart.ReductionType.Sum, "l1")
     o = popart.SessionOptions()
     o.virtualGraphMode = popart.VirtualGraphMode.Manual
     ops = ir_ops(popart.TrainingSession(
         b.getModelProto(), popart.DataFlow(1, [loss]), loss, popart.ConstSGD(0.1),
         popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}), userOptions=o))
-    relu_part, mm2_part = edge_grad_id(fwd_op_id(1), 0), edge_grad_id(fwd_op_id(2), 0)
+    relu_part, mm2_part = edge_grad_id(fwd_op_id(1), 0), edge_grad_id(fwd_op_id(3), 0)
     (total,) = [op for op in ops if op["name"] == grad_sum_name(h, True)]
     assert total["attributes"]["__ipu_number"] == "1"
     assert set(names([total], "inputs")[0]) == {relu_part + "_c1", mm2_part}
     copies = check_copies(ops)
     assert (relu_part, "0", "1") in copies and (GRAD + h, "1", "0") in copies
+    # var updates (growVarUpdateOpInternal, inheritPlacementAttributes): on the lowest IPU
+    # reading the weight (getRequiredVirtualGraphId); w3's sum, made on IPU 1, is copied to 0
+    updates = {names([op], "inputs")[0][0]: (op["attributes"]["__ipu_number"],
+                                             names([op], "inputs")[0][1])
+               for op in ops if op["type"].endswith("VarUpdate")}
+    assert updates == {"w1": ("0", GRAD + "w1"), "w2": ("1", GRAD + "w2"),
+                       "w3": ("0", GRAD + "w3_c0")}
+    assert (GRAD + "w3", "1", "0") in copies

@@ -543,8 +543,17 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     ops += _clipping(training["optimizer"], trained, grads, infos, new_id)
     ops += _als_ops(training.get("program"), infos, training.get("options"))
     decomposed = _Ids()
+    # a sharded program's var updates (Ir::growVarUpdateOpInternal, inheritPlacementAttributes:
+    # an op modifying a Variable takes the lowest IPU of the Variable's other consumers,
+    # opattributehelper.cpp getRequiredVirtualGraphId), the gradient copied there if made
+    # elsewhere
+    home = _shard_sources(g, vgs) if vgs and not stages else {}
     for w in trained:
-        ops += _var_update(training["optimizer"], w, grads[w], infos, decomposed, accumulating)
+        at = (None, home[w]) if w in home else None
+        ops += _grad_copy(grads[w], at, made_at.get(grads[w]), copied, infos, infos.get(w))
+        ops += _var_update(training["optimizer"], w, copied.get((grads[w], home.get(w)),
+                                                                 grads[w]),
+                           infos, decomposed, accumulating, place(at))
     return ops
 
 
@@ -741,27 +750,30 @@ def _als_ops(program: Any, infos: dict, o: Any) -> list:
 
 
 def _var_update(optimizer: Any, w: str, grad: str, infos: dict, new_id: _Ids,
-                accumulating: bool) -> list:
+                accumulating: bool, attrs: Optional[dict] = None) -> list:
     """The var update of weight ``w``; SGD1 (``SGD1Decompose``) is Accumulate into
     ``Accl___<w>`` (giving ``AcclIntoUpdate___<w>``), SGD1VarUpdate, then SGD1AcclUpdate
     (giving ``AcclOutOfAcclUpdate___<w>``); SGD2 (``SGD2Decompose``) is
     SGD2PartialAcclUpdate and Accumulate of ``Accl1___<w>``, then SGD2VarUpdate (when
-    gradients accumulate: first Accumulate into ``Accum___<w>``, zeroed after)."""
+    gradients accumulate: first Accumulate into ``Accum___<w>``, zeroed after). ``attrs``:
+    their placement (OptimizerDecompose's ops take the combo op's, transferBaseProperties)."""
+    attrs = attrs or {}
     update = optimizer.var_update_type(w)
     if update == "SGD2VarUpdate":
-        return _sgd2_update(w, grad, infos, new_id, accumulating)
+        return _sgd2_update(w, grad, infos, new_id, accumulating, attrs)
     if update != "SGD1VarUpdate":
-        return [_op(update, f"{update}_{w}", [w, grad], ["UpdatedVar___" + w], {}, infos)]
+        return [_op(update, f"{update}_{w}", [w, grad], ["UpdatedVar___" + w], attrs, infos)]
     accl, to_update, final = (PREFIXES[p] + w for p in ("Accl", "AcclToUpdate", "AcclFinalOut"))
     infos.update({t: infos.get(w) for t in (accl, to_update, final)})
     return [_op("Accumulate", f"{w}_accumulate", [accl, grad], [to_update],
-                {"type": "DampenedAdd"}, infos),
+                {"type": "DampenedAdd", **attrs}, infos),
             _op("SGD1VarUpdate", f"{w}_var_update", [w, to_update], ["UpdatedVar___" + w],
-                {}, infos),
-            _op("SGD1AcclUpdate", f"{w}_accl_update", [to_update, w], [final], {}, infos)]
+                attrs, infos),
+            _op("SGD1AcclUpdate", f"{w}_accl_update", [to_update, w], [final], attrs, infos)]
 
 
-def _sgd2_update(w: str, grad: str, infos: dict, new_id: _Ids, accumulating: bool) -> list:
+def _sgd2_update(w: str, grad: str, infos: dict, new_id: _Ids, accumulating: bool,
+                 attrs: dict) -> list:
     """SGD2Decompose's ops for weight ``w`` (intermediate ids ``Ir::
     createIntermediateTensorId``'s)."""
     accl1, accum = PREFIXES["Accl1"] + w, PREFIXES["Accum"] + w
@@ -769,20 +781,20 @@ def _sgd2_update(w: str, grad: str, infos: dict, new_id: _Ids, accumulating: boo
     if accumulating:   # OptimizerDecompose::gradAccum
         into = new_id(accum)
         infos.update({accum: infos.get(w), into: infos.get(w)})
-        ops.append(_op("Accumulate", f"{w}_accumulate", [accum, grad], [into], {"type": "Add"},
-                       infos))
+        ops.append(_op("Accumulate", f"{w}_accumulate", [accum, grad], [into],
+                       {"type": "Add", **attrs}, infos))
     accl1_0 = new_id(accl1)
     accl1_1 = new_id(accl1_0)
     infos.update({t: infos.get(w) for t in (accl1, accl1_0, accl1_1)})
     ops += [_op("SGD2PartialAcclUpdate", f"{w}_accl_update_0_prev_v_w", [accl1, w], [accl1_0],
-                {}, infos),
+                attrs, infos),
             _op("Accumulate", f"{w}_accl_update_1_grads", [accl1_0, into], [accl1_1],
-                {"type": "DampenedAdd"}, infos)]
+                {"type": "DampenedAdd", **attrs}, infos)]
     if accumulating:   # OptimizerDecompose::zeroAccumulator
         ops.append(_op("AccumulatorZero", f"{w}_accumupdate", [accum],
-                       ["UpdatedVar___" + accum], {}, infos))
+                       ["UpdatedVar___" + accum], attrs, infos))
     return ops + [_op("SGD2VarUpdate", f"{w}_var_update", [w, accl1_1], ["UpdatedVar___" + w],
-                      {}, infos)]
+                      attrs, infos)]
 
 
 class SessionIr:
