@@ -550,7 +550,8 @@ def test_tensor_read_by_two_ops_has_its_partial_gradients_summed(inplace):
     grads = {op["name"]: names([op], "outputs")[0] for op in ops if op["type"].endswith("Grad")}
     assert grads["r_Grad"] == [edge_grad_id(fwd_op_id(1), 0)]
     assert grads["s_Grad"] == [edge_grad_id(fwd_op_id(2), 0)]
-    # tensors with one consumer keep their gradient's id (PostNRepl removes the Sum of one)
+    # a tensor with one consumer: its gradient keeps its name here (PopART: PostNRepl removes
+    # the Sum of one and its readers read the edge gradient; see ir_json._grad_sum)
     assert grads["add0_Grad"] == [GRAD + "r:0", GRAD + "s:0"]
 
 

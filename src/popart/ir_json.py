@@ -574,8 +574,11 @@ def _grad_sum(t: str, parts: list, infos: dict, patterns: Any, made_at: dict, co
     ``GradSum_Gradient___<t>``), preceded by the IpuCopy of each partial made on another IPU.
     With two partials and SumToAdd on (sumtoaddpattern.cpp:18-42) it is an Add,
     ``<name>:SumToAdd`` (``Pattern::getReplacementOpName``, pattern.cpp:105-118), which the
-    Inplace pattern may then make ``AddLhsInplace``. A single partial is no sum (PostNRepl
-    removes it). Placement (``inheritPlacementAttributes``, opattributehelper.cpp: the
+    Inplace pattern may then make ``AddLhsInplace``. A single partial gets no sum here: PopART
+    grows one and PostNRepl (postnrepl.cpp:21-50, 60-101) removes it with its output, so its
+    readers read the partial ``Gradient___<opId>_<index>`` unless ``Gradient___<t>`` is
+    anchored; we keep writing ``Gradient___<t>`` there (the name the rest of the package, ALS
+    and anchors use). Placement (``inheritPlacementAttributes``, opattributehelper.cpp: the
     nearest producers first, the highest pipeline stage, then the highest IPU among them):
     the latest of the partials' grad ops; ``made_at`` (gradient -> where it was made) and
     ``copied`` are updated, ``place`` writes a placement as attributes."""
