@@ -551,9 +551,9 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     for w in trained:
         at = (None, home[w]) if w in home else None
         ops += _grad_copy(grads[w], at, made_at.get(grads[w]), copied, infos, infos.get(w))
-        ops += _var_update(training["optimizer"], w, copied.get((grads[w], home.get(w)),
-                                                                 grads[w]),
-                           infos, decomposed, accumulating, place(at))
+        grad = copied.get((grads[w], home.get(w)), grads[w])
+        ops += _var_update(training["optimizer"], w, grad, infos, decomposed, accumulating,
+                           place(at))
     return ops
 
 
