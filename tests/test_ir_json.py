@@ -636,3 +636,26 @@ def test_sharded_grad_sum_runs_on_the_latest_partial_s_ipu():
     assert updates == {"w1": ("0", GRAD + "w1"), "w2": ("1", GRAD + "w2"),
                        "w3": ("0", GRAD + "w3_c0")}
     assert (GRAD + "w3", "1", "0") in copies
+
+
+def test_sharded_sgd1_decomposed_ops_take_the_weight_s_ipu():
+    """SGD1Decompose's ops take the SGD1Combo's placement (transferBaseProperties,
+    optimizerdecompose.cpp:126-128), the combo its weight's IPU (growVarUpdateOpInternal)."""
+    b = popart.Builder()
+    x, w1, w2 = mlp(b)
+    with b.virtualGraph(0):
+        h = b.aiOnnx.relu([b.aiOnnx.matmul([x, w1], "mm1")], "relu")
+    with b.virtualGraph(1):
+        loss = b.aiGraphcore.l1loss([b.aiOnnx.matmul([h, w2], "mm2")], 0.5,
+                                    popart.ReductionType.Sum, "l1")
+    o = popart.SessionOptions()
+    o.virtualGraphMode = popart.VirtualGraphMode.Manual
+    sgd = popart.SGD({"defaultLearningRate": (0.1, False), "defaultMomentum": (0.9, False)})
+    ops = ir_ops(popart.TrainingSession(
+        b.getModelProto(), popart.DataFlow(1, [loss]), loss, sgd,
+        popart.DeviceManager().createIpuModelDevice({"numIPUs": 2}), userOptions=o))
+    ipus = {op["name"]: op["attributes"].get("__ipu_number") for op in ops}
+    for w, ipu in (("w1", "0"), ("w2", "1")):
+        assert [ipus[f"{w}_{op}"] for op in ("accumulate", "var_update", "accl_update")] == \
+            [ipu] * 3
+    check_copies(ops)
