@@ -3,8 +3,8 @@
 The greedy selection runs as a fixed-size computation (a ``lax.scan`` over the boxes in score
 order, per batch and class), which works on device. Its result, though, is a list of selected
 [batch, class, box] triples whose length depends on the data: XLA programs have static shapes,
-so the inputs must be known when the program is compiled (constants, or graph inputs the ONNX
-backend specializes on); otherwise the node fails with an error that says so."""
+so on run-time inputs the node runs on the host between compiled segments
+(engine/segments.py); known when the program is compiled, it folds into the program."""
 from __future__ import annotations
 
 import jax
@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from .registry import LowerCtx, register
+from .shape import shape_deciding
 
 
 def _corners(boxes, center_point_box):
@@ -54,7 +55,7 @@ def select_padded(boxes, scores, max_out, iou_threshold, score_threshold, center
     return jax.vmap(one_class)(scores)
 
 
-@register("NonMaxSuppression", since=10, static_inputs=(0, 1, 2, 3, 4))
+@register("NonMaxSuppression", since=10, data_dependent=(0, 1, 2, 3, 4))
 def non_max_suppression(ctx: LowerCtx, boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
                         score_threshold=None, center_point_box=0, **_):
     if center_point_box not in (0, 1):
@@ -70,8 +71,7 @@ def non_max_suppression(ctx: LowerCtx, boxes, scores, max_output_boxes_per_class
     order, taken = jax.vmap(select_padded, (0, 0, None, None, None, None))(
         boxes, scores, jnp.reshape(m, ()), jnp.reshape(iou, ()),
         None if st is None else jnp.reshape(st, ()), center_point_box)
-    why = ("the boxes, scores and thresholds of NonMaxSuppression (its output shape "
-           "depends on their values)")
-    order, taken = ctx.static(order, why), ctx.static(taken, why)
+    why = "the boxes, scores and thresholds"
+    order, taken = shape_deciding(ctx, order, why), shape_deciding(ctx, taken, why)
     b, c, k = np.nonzero(taken)   # row-major: batch, class, then selection order
     return np.stack([b, c, order[b, c, k]], 1).astype(np.int64).reshape(-1, 3)
