@@ -168,10 +168,13 @@ class Segmented:
             if not undecided:
                 break
             for i in undecided:
-                vals = [known.get(t) for t in deciding[i]]
+                vals = [known.get(t, self.graph.initializers.get(t)) for t in deciding[i]]
                 if any(v is None for v in vals):
                     continue   # after another undecided node: the next round
                 (cuts if any(isinstance(v, jax.ShapeDtypeStruct) for v in vals) else folds).add(i)
+            if not cuts.union(folds).intersection(undecided):   # cannot happen (graph order)
+                raise popart_exception(f"Data-dependent shapes: cannot order "
+                                       f"{[nodes[i].describe() for i in undecided]}")
         cut_nodes = [nodes[i] for i in sorted(cuts)]
         if cut_nodes and self.training:
             n = cut_nodes[0]

@@ -64,6 +64,8 @@ def non_max_suppression(ctx: LowerCtx, boxes, scores, max_output_boxes_per_class
             scores.shape[0] != boxes.shape[0] or scores.shape[2] != boxes.shape[1]:
         raise ctx.error(f"boxes {list(boxes.shape)} and scores {list(scores.shape)} must be "
                         f"[B, N, 4] and [B, C, N]")
+    if boxes.shape[1] == 0 or scores.shape[1] == 0:   # no boxes or no classes: none selected
+        return np.zeros((0, 3), np.int64)
     m = 0 if max_output_boxes_per_class is None or np.size(max_output_boxes_per_class) == 0 \
         else max_output_boxes_per_class
     iou = 0.0 if iou_threshold is None or np.size(iou_threshold) == 0 else iou_threshold
