@@ -24,6 +24,7 @@ from .engine.segments import Segmented, has_data_dependent
 from .engine.shapes import input_specs
 from .errors import StepIOError, popart_exception
 from .logging import getLogger
+from .session_io import weights_to_io
 
 _logger = getLogger("session")
 
@@ -58,6 +59,27 @@ class SegmentedRuns:
                         f"'EVERYN' or 'FINAL'")
             _logger.info(f"'{self.name}': data-dependent shapes: segments compile on first "
                          f"use, one per shape signature (docs/data_dependent_shapes.md)")
+
+    # The weights are the model's, compiled into the segments (an inference session's
+    # constantWeights): nothing to copy, readWeights reads the model's; writeWeights refuses.
+    def weightsFromHost(self) -> None:
+        if self._segments() is None:
+            return super().weightsFromHost()
+
+    def weightsToHost(self) -> None:
+        if self._segments() is None:
+            return super().weightsToHost()
+
+    def readWeights(self, weightsIo: Any) -> None:
+        if self._segments() is None:
+            return super().readWeights(weightsIo)
+        weights_to_io(weightsIo, self._graph.initializers, {})
+
+    def writeWeights(self, weightsIo: Any) -> None:
+        if self._segments() is None:
+            return super().writeWeights(weightsIo)
+        raise popart_exception("writeWeights: a graph with data-dependent output shapes compiles "
+                               "its weights in (docs/data_dependent_shapes.md)")
 
     def initAnchorArrays(self) -> dict:
         """As the session's; an anchor whose shape depends on the data gets an empty array
