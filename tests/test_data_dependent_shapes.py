@@ -77,11 +77,7 @@ def test_run_model():
     _assert_outputs([got["y"], got["nz"]], _ort(MASKED, {"x": x}))
 
 
-def test_shape_cache():
-    """The head is compiled once; the tail once per count of selected elements; a bounded
-    cache, least recently used out."""
-    graph = onnx_backend.prepare(MASKED).graph
-    seg = Segmented(graph, ["y"], cache_size=3)
+def _count_runner(seg):
     from popart.engine import x64
 
     def run(count):
@@ -89,18 +85,38 @@ def test_shape_cache():
         x.reshape(-1)[:count] = 1
         with x64():
             y = seg({"x": x})[0]
-        assert np.asarray(y).shape == (count,)
+        assert np.asarray(y).shape == (count,) and np.all(np.asarray(y) == 2)
+    return run
 
+
+def test_shape_cache():
+    """The head is compiled once; the tail, for a count first seen, runs folded on the host,
+    and is compiled when the count comes again, then reused."""
+    seg = Segmented(onnx_backend.prepare(MASKED).graph, ["y"])
+    run = _count_runner(seg)
     run(3)
-    assert (seg.compiled, seg.reused) == (2, 0)        # head + tail for 3
+    assert (seg.compiled, seg.reused, seg.folded) == (1, 0, 1)   # head; tail folded
     run(3)
-    assert (seg.compiled, seg.reused) == (2, 2)        # both reused
+    assert (seg.compiled, seg.reused, seg.folded) == (2, 1, 1)   # tail for 3 compiled
+    run(3)
+    assert (seg.compiled, seg.reused, seg.folded) == (2, 3, 1)   # both reused
     run(5)
-    assert (seg.compiled, seg.reused) == (3, 3)        # head reused, a new tail only
+    assert (seg.compiled, seg.reused, seg.folded) == (2, 4, 2)   # head reused, new tail folded
+    run(5)
+    assert (seg.compiled, seg.reused, seg.folded) == (3, 5, 2)   # only the tail compiled
+
+
+def test_shape_cache_bound():
+    """A bounded cache, least recently used out (fold_first off: every tail compiled)."""
+    seg = Segmented(onnx_backend.prepare(MASKED).graph, ["y"], cache_size=3, fold_first=False)
+    run = _count_runner(seg)
+    for count in (3, 5, 7):
+        run(count)
+    assert (seg.compiled, len(seg._stages)) == (4, 3)   # tail 3 went out
     run(7)
-    assert (seg.compiled, len(seg._stages)) == (4, 3)  # the bound: tail 3 went out
+    assert seg.compiled == 4   # head and tail 7 kept
     run(3)
-    assert seg.compiled == 5
+    assert seg.compiled == 5   # tail 3 again
 
 
 def test_log_names_the_host_op(caplog):
@@ -149,9 +165,11 @@ def _detections(seed):
 def test_detection_tail_backend(seed):
     feeds = _detections(seed)
     rep = onnx_backend.prepare(DETECT)
-    _assert_outputs(rep.run(feeds), _ort(DETECT, feeds))
+    want = _ort(DETECT, feeds)
+    for _ in range(3):   # the head compiled, the rest folded on the host; seen again: compiled
+        _assert_outputs(rep.run(feeds), want)
     seg = next(iter(rep._cache.values()))
-    assert seg.compiled == 3   # head, the segment between NonZero and NMS, the tail
+    assert (seg.folded, seg.compiled) == (2, 3)   # head, between NonZero and NMS, the tail
 
 
 @pytest.fixture(scope="module")
@@ -324,12 +342,25 @@ def test_callback_stepio_refused():
         s.run(cb)
 
 
-def test_value_needed_at_compile_time_after_a_cut():
-    """A Reshape whose shape is NonZero's values (not its shape) cannot compile: the error
-    names the Reshape."""
-    m = _model([h.make_node("NonZero", ["x"], ["nz"]),
-                h.make_node("ReduceMax", ["nz"], ["mx"], keepdims=0),
-                h.make_node("Reshape", ["x", "mx"], ["y"])],
-               [("x", T.INT64, [4])], [("y", T.INT64, None)])
-    with pytest.raises(UnsupportedOperatorError, match="Reshape"):
-        run_model(m, {"x": np.array([0, 3, 0, 1], np.int64)})
+RESHAPED = _model([h.make_node("NonZero", ["x"], ["nz"]),
+                   h.make_node("Squeeze", ["nz", "ax0"], ["idx"]),
+                   h.make_node("Add", ["idx", "one"], ["shape"]),
+                   h.make_node("Reshape", ["d", "shape"], ["y"])],
+                  [("d", T.FLOAT, [6]), ("x", T.INT64, [3])], [("y", T.FLOAT, None)],
+                  [_const("ax0", np.array([0], np.int64)), _const("one", np.int64(1))])
+
+
+def test_values_needed_at_compile_time_after_a_cut():
+    """A Reshape whose shape is NonZero's values (not its shape) cannot compile: the nodes
+    after the cut stay folded on the host, run after run."""
+    rep = onnx_backend.prepare(RESHAPED)
+    feeds = {"d": np.arange(6, dtype=np.float32), "x": np.array([0, 1, 3], np.int64)}
+    for _ in range(3):
+        _assert_outputs(rep.run(feeds), _ort(RESHAPED, feeds))   # [2, 3]
+    seg = next(iter(rep._cache.values()))
+    assert seg.folded == 3 and seg.compiled == 1   # only the head
+
+
+def test_invalid_reshape_after_a_cut_names_the_node():
+    with pytest.raises(popart_exception, match="Reshape"):
+        run_model(RESHAPED, {"d": np.arange(6, dtype=np.float32), "x": np.array([1, 0, 0], np.int64)})   # shape [1]

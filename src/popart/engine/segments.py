@@ -31,7 +31,8 @@ from .lower import trace, trace_node
 
 _logger = getLogger("session")
 
-CACHE_SIZE = 16   # planned (and compiled) segments a Segmented keeps, least recently used out
+CACHE_SIZE = 16
+_STATIC = "must be known at compile time"   # NodeCtx.static's error   # planned (and compiled) segments a Segmented keeps, least recently used out
 
 
 def shape_deciding_inputs(graph: Graph, node: Node) -> tuple:
@@ -128,9 +129,14 @@ class Segmented:
     options: Any = None
     training: bool = False
     cache_size: int = CACHE_SIZE
+    fold_first: bool = True       # a new signature after a cut runs folded once, compiled when seen again
     compiled: int = 0             # segments planned and compiled so far (cache misses)
     reused: int = 0               # cache hits
+    folded: int = 0               # runs of the nodes after a cut folded on the host
     _stages: collections.OrderedDict = field(default_factory=collections.OrderedDict, repr=False)
+    _reads: dict = field(default_factory=dict, repr=False)   # what each node list reads
+    _seen: collections.OrderedDict = field(default_factory=collections.OrderedDict, repr=False)
+    _fold_only: dict = field(default_factory=dict, repr=False)   # signatures that cannot compile
 
     # ------------------------------------------------------------------ planning
     def _abstract(self, nodes: list, env: Mapping[str, Any]) -> dict:
@@ -192,10 +198,17 @@ class Segmented:
         return Stage(segment, [t for t in taken if isinstance(env.get(t), jax.ShapeDtypeStruct)],
                      gives, cut_nodes, rest, known)
 
-    def _stage(self, nodes: tuple, env: Mapping[str, Any], depth: int) -> Stage:
+    def _key(self, nodes: tuple, env: Mapping[str, Any]) -> tuple:
+        """What the plan of ``nodes`` depends on: which nodes, and ``env``'s signature."""
+        which = tuple(map(id, nodes))
+        if which not in self._reads:
+            self._reads[which] = list(dict.fromkeys(t for n in nodes for t in reads(n)))
+        return which, _signature(env, [t for t in self._reads[which] if t in env])
+
+    def _stage(self, nodes: tuple, env: Mapping[str, Any], depth: int,
+               key: Optional[tuple] = None) -> Stage:
         """The plan of ``nodes`` for ``env``'s shapes, from the cache or planned now."""
-        ids = [t for t in dict.fromkeys(t for n in nodes for t in reads(n)) if t in env]
-        key = (tuple(map(id, nodes)), _signature(env, ids))
+        key = key or self._key(nodes, env)
         stage = self._stages.get(key)
         if stage is not None:
             self._stages.move_to_end(key)
@@ -254,8 +267,21 @@ class Segmented:
         key = jax.random.key(0) if key is None else key
         nodes = tuple(self.graph.nodes)
         for depth in itertools.count():
-            stage = self._stage(nodes, {t: v if t in static else _spec(v)
-                                        for t, v in env.items()}, depth)
+            planning = {t: v if t in static else _spec(v) for t, v in env.items()}
+            which = self._key(nodes, planning)
+            if depth and (which in self._fold_only or self.fold_first and
+                          which not in self._stages and which not in self._seen):
+                env.update(self._fold(nodes, env, jax.random.fold_in(key, depth), which))
+                break
+            try:
+                stage = self._stage(nodes, planning, depth, which)
+            except UnsupportedOperatorError as e:   # a value it needs when compiling, which
+                if not depth or _STATIC not in " ".join((str(e), *getattr(e, "__notes__", ()))):
+                    raise                               # folding has: fold it from now on
+                _logger.info(f"Data-dependent shapes: the nodes after a cut stay folded on the "
+                             f"host ({e})")
+                self._fold_only[which] = None
+                continue
             if stage.fn is None:
                 fixed = {t: env[t] for n in stage.segment for t in reads(n)
                          if t in static}
@@ -272,6 +298,18 @@ class Segmented:
                 env.update((t, v) for t, v in zip(node.outputs, vals) if t and v is not None)
             nodes = stage.rest
         return [self._value(env, o) for o in self.outputs]
+
+    def _fold(self, nodes: tuple, env: Mapping[str, Any], key: Any, which: tuple) -> dict:
+        """Run ``nodes`` on the host, each lowering on the values (folded, as constants are:
+        no compile), for a shape signature seen for the first time; the values they make."""
+        self._seen[which] = None
+        if len(self._seen) > self.cache_size:
+            self._seen.popitem(last=False)
+        self.folded += 1
+        sub = dataclasses.replace(self.graph, nodes=list(nodes))
+        with jax.ensure_compile_time_eval():
+            return trace(sub, {t: np.asarray(v) for t, v in env.items()}, key=key,
+                         options=self.options, training=self.training).env
 
     def _value(self, env: Mapping[str, Any], tid: str) -> Any:
         return env[tid] if tid in env else self.graph.initializers[tid]
