@@ -265,6 +265,7 @@ def test_middle_session_batches():
     x = np.stack([_middle_x(seed) for seed in range(3)])
     s.run(popart.PyStepIO({"x": x}, out))
     assert isinstance(out["proj"], list) and len(out["proj"]) == 3
+    assert [s.getInfo(t).shape() for t in ("w", "picked", "total")] == [[5, 4], [-1, 4], [3]]
     assert out["total"].shape == (3, 3)
     for b in range(3):
         total, proj, count = _ort(MIDDLE, {"x": x[b]})

@@ -51,7 +51,8 @@ def infer_graph(graph: Graph, ids: Optional[Iterable[str]] = None,
         return {k: env[k] for k in wanted if k in env and env[k] is not None}
 
     if has_data_dependent(graph):   # -1 for dimensions that depend on run-time data
-        out = Segmented(graph, wanted, options=options, training=training).infer(specs)
+        out = {**graph.initializers,
+               **Segmented(graph, wanted, options=options, training=training).infer(specs)}
         out = {k: out[k] for k in wanted if k in out}
     else:
         out = jax.eval_shape(fn, specs)
