@@ -98,9 +98,10 @@ def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, w in a.items():
         sw, sv = np.shape(w), np.shape(b.get(k, w))
-        if sw != sv:
-            out[k] = Varying(tuple(x if len(sw) == len(sv) and x == y else -1
-                                   for x, y in zip(sw, sv + sw)), w.dtype)
+        if sw != sv:   # another rank: every dimension varies
+            same = len(sw) == len(sv)
+            out[k] = Varying(tuple(x if same and x == y else -1
+                                   for x, y in zip(sw, sv if same else sw)), w.dtype)
     return out
 
 
