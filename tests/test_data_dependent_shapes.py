@@ -365,3 +365,35 @@ def test_values_needed_at_compile_time_after_a_cut():
 def test_invalid_reshape_after_a_cut_names_the_node():
     with pytest.raises(popart_exception, match="Reshape"):
         run_model(RESHAPED, {"d": np.arange(6, dtype=np.float32), "x": np.array([1, 0, 0], np.int64)})   # shape [1]
+
+
+def test_torch_exported_masks():
+    """torch's x[mask], torch.nonzero and masked_select, exported by torch.onnx.export
+    (NonZero + GatherND), through the backend and an InferenceSession."""
+    torch = pytest.importorskip("torch")
+    import io
+    import warnings
+
+    class Masks(torch.nn.Module):
+        def forward(self, x):
+            return x[x > 0.5] * 2, torch.nonzero(x < 0.1), torch.masked_select(x, x > 0.9).sum()
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Masks(), (torch.rand(4, 5),), buf, dynamo=False, opset_version=17,
+                          input_names=["x"])
+    model = onnx.load_from_string(buf.getvalue())
+    assert [n.op_type for n in model.graph.node].count("NonZero") == 3
+    rep = onnx_backend.prepare(model)
+    outs = [o.name for o in model.graph.output]
+    session = popart.InferenceSession(buf.getvalue(), popart.DataFlow(
+        1, {o: popart.AnchorReturnType("ALL") for o in outs}), popart.DeviceManager().createCpuDevice())
+    session.prepareDevice()
+    for seed in range(2):
+        x = np.random.default_rng(seed).random((4, 5), dtype=np.float32)
+        want = _ort(model, {"x": x})
+        _assert_outputs(rep.run([x]), want)
+        anchors = session.initAnchorArrays()
+        session.run(popart.PyStepIO({"x": x}, anchors))
+        _assert_outputs([anchors[o] for o in outs], want)
