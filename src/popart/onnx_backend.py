@@ -15,7 +15,7 @@ import onnx
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
 from .engine import in_x64
-from .engine.compiled import graph_function
+from .engine.segments import graph_runner
 from .errors import UnsupportedOperatorError
 from ._ir.graph import Graph
 from ._ir.onnx_import import import_model
@@ -80,7 +80,7 @@ class PopartBackendRep(BackendRep):
     def _fn(self, static_feeds: dict):
         key = tuple(sorted((k, _key(v)) for k, v in static_feeds.items()))
         if key not in self._cache:
-            self._cache[key] = graph_function(self.graph, self.graph.outputs, static_feeds)
+            self._cache[key] = graph_runner(self.graph, self.graph.outputs, static_feeds)
         return self._cache[key]
 
     @in_x64

@@ -38,6 +38,7 @@ from .options import IrSerializationFormat, SessionOptions, SyntheticDataMode
 from .patterns import for_session
 from .run_plan import RunPlan
 from .session_config import anchor_returns, engine_config
+from .segmented_session import SegmentedRuns
 from .session_checks import (check_argument_types, check_ir, check_model, check_seed_type,
                              check_virtual_graph_range, resolve_inputs)
 from .session_io import HostIO, weights_from_io, weights_to_io
@@ -768,7 +769,7 @@ def makedirsAndCheckWritable(path: str) -> None:
         raise OSError(f"Unable to write to {path}")
 
 
-class InferenceSession(_Session):
+class InferenceSession(SegmentedRuns, _Session):   # SegmentedRuns: data-dependent shapes
     """Session for running inference (reference 13.1.2)."""
 
     def __init__(self, fnModel: ModelLike, dataFlow: _df.DataFlow, deviceInfo: Any,

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import OutOfMemoryException, popart_exception, popart_runtime_error
 from .._ir.graph import Graph
+from .config import EngineConfig
 from .lower import raise_failed_checks, trace
 from . import backends, hooks as _hooks
 
@@ -245,11 +246,13 @@ class CompiledStep:
 
 
 def graph_function(graph: Graph, outputs: Sequence[str], static_feeds: Optional[Mapping[str, Any]] = None,
-                   training: bool = False) -> Callable[[Mapping[str, Any], Any], list]:
+                   training: bool = False, config: Optional[EngineConfig] = None
+                   ) -> Callable[[Mapping[str, Any], Any], list]:
     """``graph`` as a jitted function ``(feeds, key) -> outputs`` (a list in the order of
     ``outputs``) for one-shot runs: inputs in ``static_feeds`` are compiled in; outputs known
     at trace time (strings, shapes) bypass XLA; a failed run-time check raises
-    popart_runtime_error. It compiles again for new input shapes, as ``jax.jit`` does."""
+    popart_runtime_error. It compiles again for new input shapes, as ``jax.jit`` does.
+    ``config``: a session's EngineConfig (PopART's op semantics), None for ONNX's."""
     outputs, static_feeds = list(outputs), dict(static_feeds or {})
     per_trace: dict[str, tuple] = {}   # input signature -> (folded outputs, checks) of its trace
 
@@ -258,7 +261,7 @@ def graph_function(graph: Graph, outputs: Sequence[str], static_feeds: Optional[
 
     @jax.jit
     def traced(feeds: Mapping[str, Any], key: Any) -> tuple:
-        t = trace(graph, {**feeds, **static_feeds}, key=key, training=training)
+        t = trace(graph, {**feeds, **static_feeds}, key=key, training=training, config=config)
         folded = {i: t.env[o] for i, o in enumerate(outputs) if isinstance(t.env[o], np.ndarray)}
         per_trace[signature(feeds)] = (folded, list(t.checks))
         return [None if i in folded else t.env[o] for i, o in enumerate(outputs)], t.check_flags()

@@ -15,6 +15,7 @@ from . import in_x64
 from .compiled import graph_function
 from .config import EngineConfig
 from .lower import trace
+from .segments import Segmented, graph_runner, has_data_dependent
 
 
 def input_specs(graph: Graph, overrides: Optional[Mapping[str, TensorInfo]] = None) -> dict:
@@ -51,7 +52,12 @@ def infer_graph(graph: Graph, ids: Optional[Iterable[str]] = None,
         env = trace(graph, feeds, training=training, config=config).env
         return {k: env[k] for k in wanted if k in env and env[k] is not None}
 
-    out = jax.eval_shape(fn, specs)
+    if has_data_dependent(graph):   # -1 for dimensions that depend on run-time data
+        out = {**graph.initializers,
+               **Segmented(graph, wanted, config=config, training=training).infer(specs)}
+        out = {k: out[k] for k in wanted if k in out}
+    else:
+        out = jax.eval_shape(fn, specs)
     return {k: TensorInfo(to_datatype(v.dtype), list(v.shape)) for k, v in out.items()
             if hasattr(v, "dtype")}   # sequences have no TensorInfo
 
@@ -70,6 +76,6 @@ def run_model(model: Any, feeds: Mapping[str, np.ndarray], outputs: Optional[lis
     graph = model if isinstance(model, Graph) else import_model(model)[0]
     outputs = list(outputs or graph.outputs)
 
-    run = graph_function(graph, outputs, training=training)
+    run = graph_runner(graph, outputs, training=training)
     res = run({k: jnp.asarray(v) for k, v in feeds.items()}, jax.random.key(seed))
     return {k: np.asarray(v) for k, v in zip(outputs, res)}

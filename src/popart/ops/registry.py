@@ -126,6 +126,10 @@ class OpDef:
     # True for elementwise ops with NumPy broadcasting: they run channels-last on inputs that
     # have a channels-last form (engine/layout.py).
     elementwise: bool = False
+    # Inputs whose values decide the output shape (NonZero's 0, Compress's condition 1, ...):
+    # where one is a run-time value the node runs on the host between compiled segments
+    # (engine/segments.py); known at compile time, it folds as any node.
+    data_dependent: tuple = ()
 
 
 # (domain, op type) -> generic lowerings; (platform, domain, op type) -> that platform's
@@ -136,20 +140,21 @@ _OVERRIDES: dict[tuple[str, str, str], list[OpDef]] = {}
 
 def register(op_type: str, *, domain: str = ONNX_DOMAIN, since: int = 1,
              static_inputs: tuple = (), random: bool = False,
-             elementwise: bool = False, platform: Optional[str] = None) -> Callable:
+             elementwise: bool = False, platform: Optional[str] = None,
+             data_dependent: tuple = ()) -> Callable:
     """Decorator registering ``fn`` as the lowering of ``op_type`` from opset ``since`` on
     (until the next registered version of the same op); with ``platform``, as that platform's
     override of the generic lowering."""
     def deco(fn: Callable) -> Callable:
         add(op_type, fn, domain=domain, since=since, static_inputs=static_inputs, random=random,
-            elementwise=elementwise, platform=platform)
+            elementwise=elementwise, platform=platform, data_dependent=data_dependent)
         return fn
     return deco
 
 
 def add(op_type: str, fn: Callable, *, domain: str = ONNX_DOMAIN, since: int = 1,
         static_inputs: tuple = (), random: bool = False, elementwise: bool = False,
-        platform: Optional[str] = None) -> None:
+        platform: Optional[str] = None, data_dependent: tuple = ()) -> None:
     """Register ``fn`` (non-decorator form, for tables). The registry keeps a copy of ``fn``
     named ``<op_type>_<since>`` (``Softmax_13``), so a traceback through a table row's lambda
     or a family's shared lowering names the op; ``platform`` as in :func:`register`."""
@@ -158,7 +163,9 @@ def add(op_type: str, fn: Callable, *, domain: str = ONNX_DOMAIN, since: int = 1
             else _OVERRIDES.setdefault((platform, domain, op_type), []))
     defs[:] = [d for d in defs if d.since != since]
     bisect.insort(defs, OpDef(op_type, domain, since, _named(fn, f"{op_type}_{since}"),
-                              tuple(static_inputs), random, elementwise), key=lambda d: d.since)
+                              tuple(static_inputs), random, elementwise,
+                              tuple(data_dependent)),
+                 key=lambda d: d.since)
 
 
 def _named(fn: Callable, name: str) -> Callable:

@@ -438,9 +438,18 @@ def tensor_scatter(ctx: LowerCtx, past, update, write_indices=None, mode="linear
     return jnp.asarray(past).at[tuple(grid)].set(update, mode="drop")
 
 
-@register("Compress", since=9, static_inputs=(1,))
+def shape_deciding(ctx: LowerCtx, x, what: str) -> np.ndarray:
+    """``x`` (an input whose values decide a data-dependent op's output shape) as NumPy; on
+    run-time data, the error says where such ops run (engine/segments.py)."""
+    return ctx.static(x, f"{what} of {ctx.op_type} (its values decide the output shape: "
+                         f"an InferenceSession and the ONNX backend run such a node on the host "
+                         f"between compiled segments, a TrainingSession and popxl cannot; "
+                         f"docs/data_dependent_shapes.md)")
+
+
+@register("Compress", since=9, data_dependent=(1,))
 def compress(ctx: LowerCtx, x, cond, axis=None, **_):
-    keep = np.nonzero(ctx.static(cond, "condition (Compress has a data-dependent output shape)"))[0]
+    keep = np.nonzero(shape_deciding(ctx, cond, "the condition"))[0]
     if axis is None:
         return jnp.take(jnp.reshape(x, -1), keep)
     return jnp.take(x, keep, axis=axis % x.ndim)
@@ -464,17 +473,15 @@ def one_hot(ctx: LowerCtx, idx, depth, values, axis=-1, **_):
     return jnp.moveaxis(y, -1, axis % y.ndim)
 
 
-@register("NonZero", since=9)
+@register("NonZero", since=9, data_dependent=(0,))
 def nonzero(ctx: LowerCtx, x, **_):
-    x = ctx.static(x, "the input of NonZero (its output shape depends on the data; "
-                      "data-dependent shapes are unsupported)")
+    x = shape_deciding(ctx, x, "the input")
     return np.array(np.nonzero(x), dtype=I64).reshape(x.ndim, -1)
 
 
-@register("Unique", since=11)
+@register("Unique", since=11, data_dependent=(0,))
 def unique(ctx: LowerCtx, x, sorted=1, axis=None, **_):
-    x = ctx.static(x, "the input of Unique (its output shape depends on the data; "
-                      "data-dependent shapes are unsupported)")
+    x = shape_deciding(ctx, x, "the input")
     y, first, inv, counts = np.unique(x, return_index=True, return_inverse=True,
                                       return_counts=True, axis=axis)
     if not sorted:
