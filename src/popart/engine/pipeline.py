@@ -209,19 +209,13 @@ class PlacedPlan(ExecutorPlan):
         stored sharded); host or traced (global) arrays."""
         out = dict(bufs)
         for k in (self.rts_slots if keys is None else keys) & set(bufs):
-            v, block = bufs[k], self.block(k)
-            n, padded = int(np.prod(block, dtype=np.int64)), self.rts.padded(block)
-            if to_shards:
-                flat = v.reshape(v.shape[0], -1)
-                out[k] = flat if padded == n else (np.pad if isinstance(v, np.ndarray) else jnp.pad)(
-                    flat, ((0, 0), (0, padded - n)))
-            else:
-                out[k] = v[:, :n].reshape((v.shape[0],) + block)
+            shards = self.rts.shards(self.block(k))
+            out[k] = shards.flat(bufs[k], 1) if to_shards else shards.whole(bufs[k], 1)
         return out
 
     def gather(self, blocks: Mapping[str, Any], keys: frozenset) -> dict:
         """This device's blocks, those of the slots in ``keys`` all-gathered from shards."""
-        return {k: self.rts.unshard_local(v, self.block(k)) if k in keys else v
+        return {k: self.rts.shards(self.block(k)).gather_local(v) if k in keys else v
                 for k, v in blocks.items()}
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
@@ -236,7 +230,8 @@ class PlacedPlan(ExecutorPlan):
         layout = self._layout(named)
         specs = layout.specs()
         for k in self.rts_slots & set(specs):   # replica-sharded: [ipus, padded]
-            specs[k] = jax.ShapeDtypeStruct((self.ipus, self.rts.padded(self.block(k))), specs[k].dtype)
+            specs[k] = jax.ShapeDtypeStruct((self.ipus, self.rts.shards(self.block(k)).padded),
+                                            specs[k].dtype)
         return specs
 
     def put(self, tree: Any) -> Any:
@@ -527,7 +522,7 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
         ipus, on, views = pp.ipus, pp.update_slots, pp.view_slots
 
         def per_weight(rule, w, g, s):   # the optimizer's rule on this device's blocks
-            w, s = ({k: pp.rts.shard_local(v) if k in on - pp.rts_slots else v
+            w, s = ({k: pp.rts.shards(v.shape).local(v) if k in on - pp.rts_slots else v
                      for k, v in x.items()} for x in (w, s))
             g = pp.gather(g, views - on)
             if pp.row_weights:

@@ -1,9 +1,11 @@
 """Replicated tensor sharding (RTS): PopART's ``TensorLocation.replicatedTensorSharding`` for
-the weights, optimizer state and gradient accumulators of a session's step, and off-chip
-(``pinned_host``) storage from the same settings.
+the weights, optimizer state and gradient accumulators of a session's step, popxl's
+replica-sharded variables (with replica groupings), and off-chip (``pinned_host``) storage from
+the same settings.
 
-A sharded tensor is stored flattened, zero-padded to a multiple of the replication factor, one
-slice per replica. See docs/replication.md (what the step does, which tensors are sharded)."""
+:class:`ReplicaShards` is the one rule of a sharded tensor, for both front-ends: flattened,
+zero-padded to a multiple of the shard count, one slice per replica. See docs/replication.md
+(what the step does, which tensors are sharded)."""
 from __future__ import annotations
 
 import numbers
@@ -32,6 +34,98 @@ SHARED_PREFIX = PREFIXES["Accl"]   # optimizer state and accumulator (SGD)
 ACCUM_PREFIX = PREFIXES["Accum"]
 
 
+def shard_size(nelms: int, shards: int) -> int:
+    """Elements in each of ``shards`` shards of ``nelms`` elements: ceil(nelms / shards)."""
+    return -(-int(nelms) // int(shards))
+
+
+class ReplicaShards:
+    """How one tensor of ``shape`` is split over the replicas (PopART's RTS; popxl's
+    ``replica_sharded_variable``): flattened and zero padded to ``shard_over`` shards of
+    :attr:`shard_size` elements. ``assignment`` gives each replica's group of the data (a
+    replica grouping: one value per group); ``const_assignment`` a refinement of it into
+    groups of constant stride (default ``assignment``). The members of each constant-stride
+    group are numbered 0, 1, ... in replica order; member m holds shard m mod ``shard_over``,
+    so each run of ``shard_over`` members holds one full copy. A group's value is read from
+    the first ``shard_over`` members of the first constant-stride group inside it.
+    :meth:`over_all` is PopART's ``CommGroupType.All``: replica r holds shard r."""
+
+    def __init__(self, shape: tuple, shard_over: int, assignment: Any,
+                 const_assignment: Any = None) -> None:
+        groups = list(assignment)
+        const = list(groups if const_assignment is None else const_assignment)
+        members: dict[int, list[int]] = {}
+        for r, c in enumerate(const):
+            members.setdefault(c, []).append(r)
+        size = len(next(iter(members.values())))
+        if shard_over < 1 or size % shard_over:
+            raise ValueError(f"The replica group size ({size}) must be divisible by the "
+                             f"sharding group size ({shard_over})")
+        self.shape = tuple(int(d) for d in shape)
+        self.nelms = int(np.prod(self.shape, dtype=np.int64))
+        self.shard_over = int(shard_over)
+        self.shard_size = shard_size(self.nelms, self.shard_over)
+        self.padded = self.shard_over * self.shard_size
+        self.replicas = len(groups)
+        self.num_groups = len(set(groups))
+        self.data_group = groups                                    # replica -> group of the data
+        index = {r: i % self.shard_over for m in members.values() for i, r in enumerate(m)}
+        self.shard_index = [index[r] for r in range(self.replicas)]  # replica -> its shard
+        first: dict[int, int] = {}   # data group -> the const group of its first replica
+        for c, a in zip(const, groups):
+            first.setdefault(a, c)
+        self.holders = [members[first[a]][:self.shard_over] for a in sorted(first)]
+
+    @classmethod
+    def over_all(cls, shape: tuple, replicas: int) -> "ReplicaShards":
+        """Sharded over all ``replicas``, one group (PopART's sessions)."""
+        return cls(shape, replicas, [0] * replicas)
+
+    # ------------------------------------------------------------------ host or traced
+    def flat(self, x: Any, batch: int = 0) -> Any:
+        """``x`` (``batch`` leading dimensions, then ``shape``) flattened and zero padded:
+        [*batch, padded], the shards in order; NumPy arrays stay NumPy."""
+        rows = x.reshape(tuple(x.shape[:batch]) + (-1,))
+        if self.padded == self.nelms:
+            return rows
+        pad = np.pad if isinstance(x, np.ndarray) else jnp.pad
+        return pad(rows, ((0, 0),) * batch + ((0, self.padded - self.nelms),))
+
+    def whole(self, x: Any, batch: int = 0) -> Any:
+        """The inverse of :meth:`flat`: [*batch, padded] -> [*batch, *shape], padding removed."""
+        return x[..., :self.nelms].reshape(tuple(x.shape[:batch]) + self.shape)
+
+    # ------------------------------------------------------------------ host
+    def to_replicas(self, data: Any) -> np.ndarray:
+        """[replicas, shard_size]: each replica's shard of the host value ``data`` (shape
+        ``shape``, or [num_groups, *shape] with more than one group)."""
+        data = np.asarray(data)
+        padded = self.flat(data.reshape((self.num_groups if self.num_groups > 1 else 1,) + self.shape), 1)
+        k = self.shard_size
+        return np.stack([padded[g, s * k:(s + 1) * k] for g, s in zip(self.data_group, self.shard_index)])
+
+    def group_values(self, shards: np.ndarray) -> np.ndarray:
+        """[num_groups, *shape]: each group's value put together from the replicas' shards
+        ([replicas, shard_size]), padding removed."""
+        return np.stack([self.whole(np.concatenate([shards[r] for r in h])) for h in self.holders])
+
+    # ------------------------------------------------------------------ inside shard_map
+    def local(self, x: Any) -> Any:
+        """Inside a shard_map over ``REPLICA_AXIS`` (:meth:`over_all`): this replica's shard of
+        the whole tensor ``x``."""
+        r = jax.lax.axis_index(REPLICA_AXIS)
+        return jax.lax.dynamic_slice(self.flat(x), (r * self.shard_size,), (self.shard_size,))
+
+    def gather_local(self, x: Any) -> Any:
+        """Inside a shard_map over ``REPLICA_AXIS`` (:meth:`over_all`): the whole tensor from
+        this replica's shard ``x`` (an all-gather; the inverse of :meth:`local`)."""
+        return self.whole(jax.lax.all_gather(x, REPLICA_AXIS, tiled=True))
+
+    def __repr__(self) -> str:
+        return (f"ReplicaShards(shape={self.shape}, shard_over={self.shard_over}, "
+                f"shard_size={self.shard_size}, assignment={self.data_group})")
+
+
 @dataclass
 class Layout:
     """Which tensors are sharded and how the step moves between whole and sharded forms.
@@ -48,8 +142,9 @@ class Layout:
     def R(self) -> int:
         return self.placement.replication_factor
 
-    def padded(self, shape: tuple) -> int:
-        return -(-int(np.prod(shape, dtype=np.int64)) // self.R) * self.R
+    def shards(self, shape: tuple) -> ReplicaShards:
+        """The shards of a tensor (or a placed slot's block) of ``shape`` over the replicas."""
+        return ReplicaShards.over_all(shape, self.R)
 
     # ------------------------------------------------------------------ in the step
     def _constrain(self, x: Any, sharded: bool) -> Any:
@@ -59,27 +154,11 @@ class Layout:
 
     def shard(self, x: Any) -> Any:
         """A whole tensor as its shards: flattened, zero-padded, split over the replicas."""
-        flat = jnp.ravel(x)
-        return self._constrain(jnp.pad(flat, (0, self.padded(jnp.shape(x)) - flat.size)), True)
+        return self._constrain(self.shards(jnp.shape(x)).flat(jnp.asarray(x)), True)
 
     def unshard(self, x: Any, shape: tuple) -> Any:
         """The inverse of :meth:`shard` (an all-gather)."""
-        n = int(np.prod(shape, dtype=np.int64))
-        return self._constrain(x, False)[:n].reshape(shape)
-
-    def shard_local(self, x: Any) -> Any:
-        """Inside a shard_map over ``REPLICA_AXIS``: this replica's shard of the whole tensor
-        ``x`` (its slice of :meth:`shard`'s result)."""
-        n = self.padded(jnp.shape(x))
-        flat = jnp.pad(jnp.ravel(x), (0, n - jnp.size(x)))
-        return jax.lax.dynamic_slice(flat, (jax.lax.axis_index(REPLICA_AXIS) * (n // self.R),),
-                                     (n // self.R,))
-
-    def unshard_local(self, x: Any, shape: tuple) -> Any:
-        """Inside a shard_map over ``REPLICA_AXIS``: the whole tensor of ``shape`` from this
-        replica's shard ``x`` (an all-gather; the inverse of :meth:`shard_local`)."""
-        n = int(np.prod(shape, dtype=np.int64))
-        return jax.lax.all_gather(x, REPLICA_AXIS, tiled=True)[:n].reshape(shape)
+        return self.shards(shape).whole(self._constrain(x, False))
 
     def gather(self, tree: Mapping[str, Any]) -> dict:
         """Every tensor of ``tree`` whole (sharded ones all-gathered)."""
@@ -111,8 +190,7 @@ class Layout:
 
     def _reduce_scatter(self, v: Any) -> Any:
         """Per-replica tensors [R, ...] (replica r's on its device) summed into shards."""
-        rows = v.reshape(v.shape[0], -1)
-        rows = jnp.pad(rows, ((0, 0), (0, self.padded(v.shape[1:]) - rows.shape[1])))
+        rows = self.shards(v.shape[1:]).flat(v, 1)
         if self.placement.mesh is None:
             return jnp.sum(rows, axis=0)
         P = jax.sharding.PartitionSpec
@@ -161,8 +239,7 @@ class Layout:
         whole = {k: v for k, v in named.items() if k not in self.stored}
         out = dict(self.placement.put(whole)) if whole else {}
         for k in self.stored & set(named):
-            flat = np.ravel(np.asarray(named[k]))
-            flat = np.pad(flat, (0, self.padded(np.shape(named[k])) - flat.size))
+            flat = self.shards(np.shape(named[k])).flat(np.asarray(named[k]))
             out[k] = jax.make_array_from_callback(flat.shape, self._sharding(True),
                                                   lambda idx, f=flat: f[idx])
         for k in self.off_chip & set(named):
@@ -176,13 +253,12 @@ class Layout:
             if k in self.stored and not getattr(v, "is_fully_addressable", True):
                 v = multihost_utils.process_allgather(v, tiled=True)   # other processes' shards
             host = Placement.to_host(v)
-            out[k] = host[:int(np.prod(self.shapes[k], dtype=np.int64))].reshape(
-                self.shapes[k]) if k in self.stored else host
+            out[k] = self.shards(self.shapes[k]).whole(host) if k in self.stored else host
         return out
 
     def specs(self, named: Mapping[str, Any]) -> dict:
         """ShapeDtypeStruct of each tensor's stored form."""
-        return {k: jax.ShapeDtypeStruct((self.padded(np.shape(v)),), jnp.result_type(v))
+        return {k: jax.ShapeDtypeStruct((self.shards(np.shape(v)).padded,), jnp.result_type(v))
                 if k in self.stored else arg_specs(v) for k, v in named.items()}
 
     def shardings(self, names: Any) -> Any:
