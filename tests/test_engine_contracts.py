@@ -173,7 +173,7 @@ def test_a_user_defined_optimizer_trains_a_session_with_numpys_numbers():
 
 
 # ---------------------------------------------------------------------------------------
-# One device state (issue 35, item 2): one replicated-tensor-sharding rule, engine/rts.py's
+# One device state (issue 35, item 2): one replicated-tensor-sharding rule, engine/state.py's
 # ReplicaShards, for popart's sessions (placed or not) and popxl's replica-sharded variables.
 
 def _shard_padding(path: Path) -> list:
@@ -194,16 +194,16 @@ def _shard_padding(path: Path) -> list:
 
 
 def test_one_rts_implementation(tmp_path):
-    """Only engine/rts.py pads or splits a tensor into replica shards: the engine's other
-    modules (the placed program's slots) and popxl (its replica-sharded variables) use its
-    ReplicaShards. The op lowerings of the collectives (src/popart/ops/collectives.py) are
+    """Only engine/state.py pads or splits a tensor into replica shards: the engine's other
+    modules (popart's RTS in rts.py, the placed program's slots) and popxl (its
+    replica-sharded variables) use its ReplicaShards. The op lowerings of the collectives (src/popart/ops/collectives.py) are
     the ops' own semantics, not stored state, and are not scanned."""
     import popxl
     src = Path(popart.__file__).parent
     files = sorted((src / "engine").glob("*.py")) + sorted(Path(popxl.__file__).parent.rglob("*.py"))
-    hits = [h for p in files if p.name != "rts.py" for h in _shard_padding(p)]
+    hits = [h for p in files if p.name != "state.py" for h in _shard_padding(p)]
     assert hits == []
-    assert _shard_padding(src / "engine" / "rts.py") != []   # the one place
+    assert _shard_padding(src / "engine" / "state.py") != []   # the one place
     probe = tmp_path / "probe.py"   # the scan finds what it forbids
     probe.write_text("import numpy as np\nn = -(-7 // 2)\nx = np.pad(np.ones(3), (0, 1))\n")
     assert _shard_padding(probe) == ["probe.py:2", "probe.py:3"]
@@ -226,11 +226,11 @@ def _reference_shards(data: np.ndarray, assignment: list, shard_over: int) -> np
 
 
 def test_replica_shards_follow_popart_rule_for_groupings():
-    """engine/rts.ReplicaShards, the one RTS rule: the shards popxl's replica groupings give
+    """engine/state.ReplicaShards, the one RTS rule: the shards popxl's replica groupings give
     (replicas, stride, group size, shards per group) are PopART's rule written out in NumPy;
     put together again they give each group's value; ``over_all`` is popart's sessions'
     form (replica r holds shard r of one group)."""
-    from popart.engine.rts import ReplicaShards
+    from popart.engine.state import ReplicaShards
     from popxl import ReplicaGrouping
     rs = np.random.RandomState(0)
     for R, stride, size, k in [(8, 1, 8, 8), (8, 1, 8, 4), (8, 2, 4, 2), (8, 4, 2, 2),

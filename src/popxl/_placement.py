@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from popart.engine.compiled import REPLICA_AXIS
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (Executor, ExecutorPlan, InOrder, Layout, Unplaceable,
+from popart.engine.placed import (Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable,
                                   device_grid, in_order_copies, per_ipu, placed_mesh,
                                   placed_or_none, plan_stages)
 from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
@@ -258,9 +258,11 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
     home = {v: home.get(v, created[v]) for v in variables}
     # remote buffers kept in host memory between runs: in slots of their own (tagged),
     # whose sharding carries the memory kind
-    kinds = {s.graph_in: s.memory_kind for s in session._slots if s.memory_kind}
-    layout = Layout("variables", variables, home.__getitem__, ipus, {t: "host" for t in kinds})
-    host_slots = {key: kinds[t] for t, (_, key, _) in layout.slots.items() if t in kinds}
+    # (a replica-sharded variable's slot holds each replica's own shard, packed per replica)
+    homes = {s.graph_in: dataclasses.replace(s.home, ipu=home[s.graph_in], shards=None)
+             for s in session._slots}
+    layout = IpuSlots("variables", variables, homes, ipus,
+                      {t: "host" for t, h in homes.items() if h.memory_kind}, session._r)
     # A variable's block holds one version of it (at first its value before the run): a
     # stage on its IPU reads that version from the block and writes its last new version
     # there. The other tensors that later stages (or the end of the run) use, the stage
@@ -301,7 +303,7 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
     exports = [{t for n in nodes for t in n.outputs if t in used} | (set(from_block[s]) & used)
                for s, nodes in enumerate(stage_nodes)]
     executor = Executor(st, placed_mesh(session._device.jax_devices, session._r, ipus),
-                        in_order_copies(st, exports), layout, host_slots)
+                        in_order_copies(st, exports), layout)
     return MainPlan(executor, main, graphs, stage_nodes, loops, home, var_of, from_block,
                     to_block, exports, finals, d2h)
 
@@ -325,7 +327,7 @@ class MainPlan(ExecutorPlan):
     d2h: dict                     # device-to-host stream -> the tensor it gives
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> IpuSlots:
         return self.executor.layout
 
 
@@ -344,7 +346,7 @@ def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list) -> Callable
     r = session._r
 
     def run(blocks: dict, received: dict, feeds: dict) -> tuple:
-        mine = layout.unpack(blocks, ipu)
+        mine = layout.read(blocks, ipu)
         weights = {t: mine[v] for t, v in p.from_block[s].items()}
         tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
                    platform=session._placement.platform, replication_factor=r,

@@ -42,6 +42,7 @@ from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch,
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.host_plan import HostInput, HostOutput, HostPlan
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
+from popart.engine.state import Home
 from popart.errors import OptionError
 from popart.engine.ir import fingerprint
 from popart.logging import getLogger
@@ -66,20 +67,28 @@ StreamBufferMaps = Union[h2dStreamBufferMaps, d2hStreamBufferMaps]
 
 
 @dataclass
-class _Slot:
+class _StateArray:
     """One array of the session's device state, [replicas, *shape] split over the replicas'
     devices: the value of ``graph_in`` in the main graph before a run; ``graph_out`` (a
-    tensor: its latest version; None: ``graph_in``) after it."""
+    tensor: its latest version; None: ``graph_in``) after it. Where it is kept is its
+    ``home`` (``popart.engine.state.Home``, the record popart's sessions keep too): the
+    replica sharding of a ``replica_sharded_variable`` (its shards), the memory kind of a
+    remote buffer; the placed program gives it an IPU. A variable, the shards of a
+    replica-sharded one, or a remote buffer (``buffer``)."""
     key: str                        # its key in Session._dev
     shape: tuple                    # per replica
     dtype: np.dtype
     graph_in: str
     graph_out: Any
-    kind: str                       # "variable", "rts" (replica_sharded_variable) or "remote"
     var: Optional[Variable] = None
     buffer: Any = None
     entries: list = field(default_factory=list)   # remote: the remote variables in the buffer
-    memory_kind: Optional[str] = None              # remote: where it lives between runs
+    home: Home = Home()
+
+    @property
+    def memory_kind(self) -> Optional[str]:
+        """Where it lives between runs (None: device memory)."""
+        return self.home.memory_kind
 
 
 def _to_device_memory(x: Any) -> Any:
@@ -245,7 +254,7 @@ class Session:
             self.weights_from_host()
 
     # ------------------------------------------------------------------ device state
-    def _make_slots(self) -> list[_Slot]:
+    def _make_slots(self) -> list[_StateArray]:
         """The device state: each on-chip variable ([replicas, *shape]); each replica-sharded
         variable of ``replica_sharded_variable`` (its shards, [replicas, shard size]); each
         remote buffer that ops use or remote variables live in ([replicas, entries, *shape],
@@ -255,10 +264,11 @@ class Session:
         buffers: dict = {}
         for v in self._variables:
             if v._remote is None:
-                slots.append(_Slot(v.id, v.shape, v.dtype.as_device_numpy(), v.id, v, "variable", var=v))
+                slots.append(_StateArray(v.id, v.shape, v.dtype.as_device_numpy(), v.id, v, var=v))
             elif v._shard is not None:
                 sh = v._shard
-                slots.append(_Slot(v.id, sh.shape, sh.dtype.as_device_numpy(), sh.id, sh, "rts", var=v))
+                slots.append(_StateArray(v.id, sh.shape, sh.dtype.as_device_numpy(), sh.id, sh, var=v,
+                                         home=Home(shards=v._sharding)))
             else:
                 buffers.setdefault(v._remote[0], [])
         for key in main._hidden:
@@ -279,8 +289,9 @@ class Session:
             for v in buffers[buf]:
                 buf._check_offset(v._remote[1], f"offset of remote variable '{v.id}'")
             key = f"remote_buffer:{buf.remote_buffer_id}"
-            slots.append(_Slot(key, shape, buf.tensor_dtype.as_device_numpy(), t.id if t is not None else key,
-                               t, "remote", buffer=buf, entries=buffers[buf], memory_kind=kind))
+            slots.append(_StateArray(key, shape, buf.tensor_dtype.as_device_numpy(),
+                                     t.id if t is not None else key, t, buffer=buf,
+                                     entries=buffers[buf], home=Home(memory_kind=kind)))
         return slots
 
     def _remote_memory_kind(self) -> Optional[str]:
@@ -313,10 +324,10 @@ class Session:
         """Each slot's value for the device, [replicas, ...], from the host values."""
         out = {}
         for s in self._slots:
-            if s.kind == "variable":
+            if s.home.shards is not None:
+                out[s.key] = s.home.shards.to_replicas(self._host[s.var])
+            elif s.buffer is None:
                 out[s.key] = self._per_replica(s.var, self._host[s.var])
-            elif s.kind == "rts":
-                out[s.key] = s.var._sharding.to_replicas(self._host[s.var])
             else:
                 base = self._buffer_host.get(s.key)
                 arr = np.array(base) if base is not None else np.zeros((self._r,) + s.shape, s.dtype)
@@ -446,7 +457,7 @@ class Session:
         self._facts = plan_trace(self._step_fn, *specs)[1]   # run-time checks, ...
         self._checks = self._facts["checks"]
         fn = self._step_fn()
-        host = list(self._placed.executor.memory_kinds) if self._placed else \
+        host = list(self._placed.layout.memory_kinds) if self._placed else \
             [s.key for s in self._slots if s.memory_kind]
         if host:
             fn = _in_device_memory(fn, host)
@@ -633,10 +644,10 @@ class Session:
             arr = values.get(s.key)
             if arr is None:
                 continue
-            if s.kind == "variable":
-                self._set_host(s.var, arr)
-            elif s.kind == "rts":
+            if s.home.shards is not None:
                 self._set_host_sharded(s.var, arr)
+            elif s.buffer is None:
+                self._set_host(s.var, arr)
             else:
                 self._buffer_host[s.key] = arr
                 for v in s.entries:
@@ -690,7 +701,7 @@ class Session:
         keys = {self._slot_of[v] for v in tensors if v in self._slot_of}
         if self.is_attached:   # the device's newer values of what is written only in part
             self._pull(None if self._placed else {s.key for s in self._slots
-                                                  if s.key in keys and s.kind == "remote"})
+                                                  if s.key in keys and s.buffer is not None})
         for v, data in tensors.items():
             if not isinstance(v, Variable):
                 raise TypeError(f"Tensor {v.id} is not of type Variable. write_variable_data is not "

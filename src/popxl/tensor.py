@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import numpy as np
 
-from popart.engine.rts import ReplicaShards, shard_size
+from popart.engine.state import ReplicaShards, shard_size
 
 from . import context
 from .dtypes import dtype as _dtype
@@ -375,7 +375,7 @@ class Variable(Tensor):
         self.replica_grouping = replica_grouping
         self.retrieval_mode = retrieval_mode
         self._remote: Optional[tuple] = None   # (RemoteBuffer, offset) of a remote variable
-        self._sharding: Any = None             # rts.ReplicaShards of a replica-sharded variable
+        self._sharding: Any = None             # engine.state.ReplicaShards of a replica-sharded variable
         self._shard: Optional[Tensor] = None   # replica_sharded_variable: the shard tensor
         self._memmap_arr: Optional[np.memmap] = None   # the np.memmap holding its host value
 

@@ -195,7 +195,7 @@ class StepProgram:
         self.float32_loss: Optional[str] = None   # ALS: a float16 loss differentiated in float32
         self.float32_region: frozenset = frozenset()   # ... with these tensors' nodes (als.py)
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
-        self.rts = _rts.Layout(self.placement)    # replicated tensor sharding (plan() chooses)
+        self.rts = _rts.StateSharding(self.placement)    # replicated tensor sharding (plan() chooses)
         # its IPUs on devices of their own: a pipeline.PlacedPlan (pipeline.plan_program makes
         # it), which then holds the state's layout and builds the step
         self.placed: Any = None

@@ -1,11 +1,9 @@
-"""Replicated tensor sharding (RTS): PopART's ``TensorLocation.replicatedTensorSharding`` for
-the weights, optimizer state and gradient accumulators of a session's step, popxl's
-replica-sharded variables (with replica groupings), and off-chip (``pinned_host``) storage from
-the same settings.
-
-:class:`ReplicaShards` is the one rule of a sharded tensor, for both front-ends: flattened,
-zero-padded to a multiple of the shard count, one slice per replica. See docs/replication.md
-(what the step does, which tensors are sharded)."""
+"""Replicated tensor sharding (RTS) of a popart session's step: PopART's
+``TensorLocation.replicatedTensorSharding`` for the weights, optimizer state and gradient
+accumulators, and off-chip (``pinned_host``) storage from the same settings (:func:`choose`),
+and how the step moves between whole and sharded forms (:class:`StateSharding`). A sharded
+tensor follows the one rule of ``engine/state.py`` (``ReplicaShards``). See
+docs/replication.md (what the step does, which tensors are sharded)."""
 from __future__ import annotations
 
 import numbers
@@ -24,9 +22,9 @@ from ..options import (CommGroupType, ReplicatedTensorSharding, TensorLocation,
 from ..tensornames import PREFIXES
 from .compiled import REPLICA_AXIS, Placement, arg_specs
 from .placed import run_on_mesh
+from .state import HOST_MEMORY, Home, ReplicaShards
 
 _logger = getLogger("session")
-HOST_MEMORY = "pinned_host"   # where off-chip tensors live (a memory kind of the devices)
 WEIGHTS, STATE, ACCUM = ("weightTensorLocationSettings", "optimizerStateTensorLocationSettings",
                          "accumulatorTensorLocationSettings")
 STATE_PREFIXES = tuple(PREFIXES[k] for k in ("Accl", "Accl1", "Accl2", "Accl3"))
@@ -34,109 +32,27 @@ SHARED_PREFIX = PREFIXES["Accl"]   # optimizer state and accumulator (SGD)
 ACCUM_PREFIX = PREFIXES["Accum"]
 
 
-def shard_size(nelms: int, shards: int) -> int:
-    """Elements in each of ``shards`` shards of ``nelms`` elements: ceil(nelms / shards)."""
-    return -(-int(nelms) // int(shards))
-
-
-class ReplicaShards:
-    """How one tensor of ``shape`` is split over the replicas (PopART's RTS; popxl's
-    ``replica_sharded_variable``): flattened and zero padded to ``shard_over`` shards of
-    :attr:`shard_size` elements. ``assignment`` gives each replica's group of the data (a
-    replica grouping: one value per group); ``const_assignment`` a refinement of it into
-    groups of constant stride (default ``assignment``). The members of each constant-stride
-    group are numbered 0, 1, ... in replica order; member m holds shard m mod ``shard_over``,
-    so each run of ``shard_over`` members holds one full copy. A group's value is read from
-    the first ``shard_over`` members of the first constant-stride group inside it.
-    :meth:`over_all` is PopART's ``CommGroupType.All``: replica r holds shard r."""
-
-    def __init__(self, shape: tuple, shard_over: int, assignment: Any,
-                 const_assignment: Any = None) -> None:
-        groups = list(assignment)
-        const = list(groups if const_assignment is None else const_assignment)
-        members: dict[int, list[int]] = {}
-        for r, c in enumerate(const):
-            members.setdefault(c, []).append(r)
-        size = len(next(iter(members.values())))
-        if shard_over < 1 or size % shard_over:
-            raise ValueError(f"The replica group size ({size}) must be divisible by the "
-                             f"sharding group size ({shard_over})")
-        self.shape = tuple(int(d) for d in shape)
-        self.nelms = int(np.prod(self.shape, dtype=np.int64))
-        self.shard_over = int(shard_over)
-        self.shard_size = shard_size(self.nelms, self.shard_over)
-        self.padded = self.shard_over * self.shard_size
-        self.replicas = len(groups)
-        self.num_groups = len(set(groups))
-        self.data_group = groups                                    # replica -> group of the data
-        index = {r: i % self.shard_over for m in members.values() for i, r in enumerate(m)}
-        self.shard_index = [index[r] for r in range(self.replicas)]  # replica -> its shard
-        first: dict[int, int] = {}   # data group -> the const group of its first replica
-        for c, a in zip(const, groups):
-            first.setdefault(a, c)
-        self.holders = [members[first[a]][:self.shard_over] for a in sorted(first)]
-
-    @classmethod
-    def over_all(cls, shape: tuple, replicas: int) -> "ReplicaShards":
-        """Sharded over all ``replicas``, one group (PopART's sessions)."""
-        return cls(shape, replicas, [0] * replicas)
-
-    # ------------------------------------------------------------------ host or traced
-    def flat(self, x: Any, batch: int = 0) -> Any:
-        """``x`` (``batch`` leading dimensions, then ``shape``) flattened and zero padded:
-        [*batch, padded], the shards in order; NumPy arrays stay NumPy."""
-        rows = x.reshape(tuple(x.shape[:batch]) + (-1,))
-        if self.padded == self.nelms:
-            return rows
-        pad = np.pad if isinstance(x, np.ndarray) else jnp.pad
-        return pad(rows, ((0, 0),) * batch + ((0, self.padded - self.nelms),))
-
-    def whole(self, x: Any, batch: int = 0) -> Any:
-        """The inverse of :meth:`flat`: [*batch, padded] -> [*batch, *shape], padding removed."""
-        return x[..., :self.nelms].reshape(tuple(x.shape[:batch]) + self.shape)
-
-    # ------------------------------------------------------------------ host
-    def to_replicas(self, data: Any) -> np.ndarray:
-        """[replicas, shard_size]: each replica's shard of the host value ``data`` (shape
-        ``shape``, or [num_groups, *shape] with more than one group)."""
-        data = np.asarray(data)
-        padded = self.flat(data.reshape((self.num_groups if self.num_groups > 1 else 1,) + self.shape), 1)
-        k = self.shard_size
-        return np.stack([padded[g, s * k:(s + 1) * k] for g, s in zip(self.data_group, self.shard_index)])
-
-    def group_values(self, shards: np.ndarray) -> np.ndarray:
-        """[num_groups, *shape]: each group's value put together from the replicas' shards
-        ([replicas, shard_size]), padding removed."""
-        return np.stack([self.whole(np.concatenate([shards[r] for r in h])) for h in self.holders])
-
-    # ------------------------------------------------------------------ inside shard_map
-    def local(self, x: Any) -> Any:
-        """Inside a shard_map over ``REPLICA_AXIS`` (:meth:`over_all`): this replica's shard of
-        the whole tensor ``x``."""
-        r = jax.lax.axis_index(REPLICA_AXIS)
-        return jax.lax.dynamic_slice(self.flat(x), (r * self.shard_size,), (self.shard_size,))
-
-    def gather_local(self, x: Any) -> Any:
-        """Inside a shard_map over ``REPLICA_AXIS`` (:meth:`over_all`): the whole tensor from
-        this replica's shard ``x`` (an all-gather; the inverse of :meth:`local`)."""
-        return self.whole(jax.lax.all_gather(x, REPLICA_AXIS, tiled=True))
-
-    def __repr__(self) -> str:
-        return (f"ReplicaShards(shape={self.shape}, shard_over={self.shard_over}, "
-                f"shard_size={self.shard_size}, assignment={self.data_group})")
-
-
 @dataclass
-class Layout:
-    """Which tensors are sharded and how the step moves between whole and sharded forms.
-    The empty layout (nothing sharded) leaves every tensor and the step as they are."""
+class StateSharding:
+    """A popart step's weights and optimizer state over the replicas: where each is kept
+    (``homes``: sharded, off chip) and how the step moves between whole and sharded forms.
+    Nothing sharded (the default) leaves every tensor and the step as they are."""
     placement: Placement
     shapes: dict[str, tuple] = field(default_factory=dict)   # full shape of each tensor below
-    stored: frozenset = frozenset()      # weights and optimizer state kept sharded
+    homes: dict[str, Home] = field(default_factory=dict)     # weights and owned state: where kept
     owner: dict[str, str] = field(default_factory=dict)      # optimizer state id -> its weight
     sharded_update: frozenset = frozenset()   # trained weights updated on their shards
     scattered: frozenset = frozenset()   # trained weights with sharded gradient accumulators
-    off_chip: frozenset = frozenset()    # weights and optimizer state kept in host memory
+
+    @property
+    def stored(self) -> frozenset:
+        """The weights and optimizer state kept sharded."""
+        return frozenset(k for k, h in self.homes.items() if h.shards is not None)
+
+    @property
+    def off_chip(self) -> frozenset:
+        """The weights and optimizer state kept in host memory."""
+        return frozenset(k for k, h in self.homes.items() if h.memory_kind == HOST_MEMORY)
 
     @property
     def R(self) -> int:
@@ -296,10 +212,11 @@ def _check_location(loc: Any, where: str) -> bool:
 
 
 def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
-           opt_state: Mapping[str, Any], trainable: list[str], accumulation_factor: int) -> Layout:
-    """The layout PopART's tensor location settings ask for (docs/replication.md)."""
+           opt_state: Mapping[str, Any], trainable: list[str], accumulation_factor: int) -> StateSharding:
+    """Where PopART's tensor location settings keep each weight and optimizer state tensor
+    (docs/replication.md)."""
     if options is None:
-        return Layout(placement)
+        return StateSharding(placement)
     settings = {n: _settings(options, n) for n in (WEIGHTS, STATE, ACCUM)}
     overrides = dict(options.tensorLocationSettingsOverride or {})
     accumulating = accumulation_factor > 1
@@ -341,12 +258,17 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
     elif host:
         _logger.info(f"OffChip: {sorted(host)} kept in {HOST_MEMORY} memory, moved to the "
                      f"device for each step and back")
+    def homes(sharded: set) -> dict[str, Home]:
+        return {k: Home(shards=ReplicaShards.over_all(s, placement.replication_factor)
+                        if k in sharded else None, memory_kind=HOST_MEMORY if k in host else None)
+                for k, s in shapes.items()}
+
     if not (stored or accum):
-        return Layout(placement, shapes=shapes, off_chip=host)
+        return StateSharding(placement, shapes=shapes, homes=homes(set()))
     if placement.replication_factor <= 1:
         _logger.warn(f"Unable to shard tensors {sorted(stored | accum)} due to lack of "
                      f"replication (replicated tensor sharding needs replicatedGraphCount > 1)")
-        return Layout(placement, shapes=shapes, off_chip=host)
+        return StateSharding(placement, shapes=shapes, homes=homes(set()))
     for s, w in owner.items():
         if w in stored and s not in stored:
             raise OptionError(
@@ -359,8 +281,8 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
     update = (stored & set(trainable)) | {owner[s] for s in stored if s in owner}
     _logger.info(f"Replicated tensor sharding over {placement.replication_factor} replicas: "
                  f"{sorted(stored)} stored sharded, accumulators of {sorted(accum)} sharded")
-    return Layout(placement, shapes=shapes, stored=frozenset(stored), owner=owner,
-                  sharded_update=frozenset(update), scattered=frozenset(accum), off_chip=host)
+    return StateSharding(placement, shapes=shapes, homes=homes(stored), owner=owner,
+                         sharded_update=frozenset(update), scattered=frozenset(accum))
 
 
 def _has_host_memory(placement: Placement) -> bool:
