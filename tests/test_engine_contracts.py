@@ -245,3 +245,32 @@ def test_replica_shards_follow_popart_rule_for_groupings():
     x = np.arange(7, dtype=np.float32)
     np.testing.assert_array_equal(whole.flat(x).reshape(4, 2), whole.to_replicas(x))
     np.testing.assert_array_equal(whole.whole(whole.flat(x)), x)
+
+
+# ---------------------------------------------------------------------------------------
+# Facts as values (issue 35, item 1): an abstract trace returns what it learns (checks,
+# types, where outputs are) as a value, compiled.Facts, not by writing into closures.
+
+def test_facts_come_back_as_values_through_vmap_and_shard_map():
+    """A step's facts are its last output, a ``compiled.Facts``: ``plan_trace`` gets them
+    from one ``jax.eval_shape`` through ``vmap`` over the replicas and through the placed
+    programs' ``shard_map`` (``placed.run_on_mesh``), the other outputs as their types."""
+    import jax
+    import jax.numpy as jnp
+    from popart.engine.compiled import REPLICA_AXIS, Facts, plan_trace
+    from popart.engine.placed import run_on_mesh
+
+    def replica(x):
+        return x * 2, Facts(shape=x.shape, replica_axis=REPLICA_AXIS)
+
+    spec = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+    outs, facts = plan_trace(jax.vmap(replica, axis_name=REPLICA_AXIS, axis_size=4), spec)
+    assert outs == (jax.ShapeDtypeStruct((4, 3), jnp.float32),)
+    assert facts == {"shape": (3,), "replica_axis": REPLICA_AXIS}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (REPLICA_AXIS,))
+    P = jax.sharding.PartitionSpec
+    sharded = jax.ShapeDtypeStruct((4, 3), jnp.float32,
+                                   sharding=jax.sharding.NamedSharding(mesh, P(REPLICA_AXIS)))
+    step = run_on_mesh(replica, mesh, P(REPLICA_AXIS), (P(REPLICA_AXIS), P()))
+    outs, facts = plan_trace(step, sharded)
+    assert outs[0].shape == (4, 3) and facts["shape"] == (2, 3)   # each device's block

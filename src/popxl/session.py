@@ -38,7 +38,7 @@ from popart.dataflow import validate_input
 from popart.engine import in_x64, serialised, x64
 from popart.engine.backends import backend
 from popart import report
-from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace
+from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, fetch, plan_trace
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.host_plan import HostInput, HostOutput, HostPlan
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
@@ -377,10 +377,11 @@ class Session:
         return jax.device_put(values, {k: shardings[k] for k in values})
 
     # ------------------------------------------------------------------ compile
-    def _replica_fn(self, facts: Optional[dict] = None):
+    def _replica_fn(self, planning: bool = False):
         """One replica's main graph: (its state: variables and remote buffers, its streams'
         [N, ...] inputs) -> (the new state, device-to-host values, run-time checks). Its
-        checks keep the plan's ids (``_checks``); ``facts`` (planning) gets them."""
+        checks keep the plan's ids (``_checks``); ``planning``: its run-time checks follow,
+        as ``Facts``."""
         n, r = self._n, self._r
         slots = [(s.key, s.graph_in, s.graph_out._ir_id if s.graph_out is not None else s.graph_in)
                  for s in self._slots]
@@ -397,10 +398,10 @@ class Session:
                       checks=checks)
             new = {key: jnp.asarray(t.env[out]).astype(state[key].dtype) for key, _, out in slots}
             outs = {tid: jnp.asarray(t.env[fid]) for _, tid, fid in d2h}
-            if facts is not None:
-                facts["checks"] = list(t.checks)   # run-time checks (indices in range, ...)
             if t.check_flags() is not None:
                 outs[CHECKS] = t.check_flags()
+            if planning:   # run-time checks (indices in range, ...)
+                return new, outs, Facts(checks=list(t.checks))
             return new, outs
         return replica
 
@@ -443,18 +444,19 @@ class Session:
         """[replicas, ...] arrays: one slice per replica's device(s)."""
         return self._placed.executor.feed_sharding if self._placed else self._placement.sharding(0)
 
-    def _step_fn(self, facts: Optional[dict] = None) -> Callable:
-        """The program (see ``_replica_fn``), placed or replicated; ``facts``: planning."""
+    def _step_fn(self, planning: bool = False) -> Callable:
+        """The program (see ``_replica_fn``), placed or replicated; ``planning``: its facts
+        follow its outputs (``compiled.plan_trace``)."""
         if self._placed:
-            return main_step(self._placed, self, self._facts, facts)
-        return self._placement.replicate(self._replica_fn(facts), in_axes=(0, 0))
+            return main_step(self._placed, self, self._facts, planning)
+        return self._placement.replicate(self._replica_fn(planning), in_axes=(0, 0))
 
     def _compile(self) -> None:
         split = self._feed_sharding()
         state = self._state_shardings()
         specs = self._specs()
         self._checks, self._facts = [], {}   # the plan's abstract trace finds them
-        self._facts = plan_trace(self._step_fn, *specs)[1]   # run-time checks, ...
+        self._facts = plan_trace(self._step_fn(planning=True), *specs)[1]   # run-time checks, ...
         self._checks = self._facts["checks"]
         fn = self._step_fn()
         host = list(self._placed.layout.memory_kinds) if self._placed else \

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import IrError
 from .._ir.graph import VIRTUAL_GRAPH, Node, reads
 from ..logging import getLogger
-from .compiled import REPLICA_AXIS
+from .compiled import REPLICA_AXIS, Facts
 from .state import ReplicaShards
 
 IPU_AXIS = "ipu"
@@ -230,10 +230,10 @@ class InOrder:
         if missed:
             raise RuntimeError(f"Internal error: no IpuCopy of {missed} to IPU {ipu} before stage {s}")
         received = {t: self.read(t, [ipu]) for t in self.plan.reads(s) if t in self.env}
-        if shapes is None:
+        if shapes is None:   # planning: facts (a trailing compiled.Facts) are not outputs
             state, out, *rest = fn(state, received, *args)
             shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                            (out, *rest))
+                                            (out, *(r for r in rest if not isinstance(r, Facts))))
         else:
             state, out, *rest = on_ipu(ipu, fn, lambda st, *_: (st, *zeros_like_specs(shapes)),
                                        state, received, *args)
@@ -434,28 +434,29 @@ class Executor:
         """Each replica's tensors from the slots [replicas, ipus, *block] (host arrays)."""
         return [self.layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.replicas)]
 
-    def in_order_program(self, schedule: Callable, outputs: Sequence[str]) -> Callable:
+    def in_order_program(self, schedule: Callable, outputs: Sequence[str],
+                         planning: bool = False) -> Callable:
         """The program (slots [replicas, ipus, *block], feeds [replicas, ...]) -> (new slots,
         outputs [replicas, ...]): on every device, ``schedule(blocks, feeds) -> (blocks,
-        {output: value}, {output: an IPU holding it})`` on its own blocks and feeds (the
-        stages in order: :meth:`in_order`). Each output comes from the devices of that IPU;
-        those not in ``outputs`` (run-time check records) from every device, as they are."""
-        where: dict = {}   # this trace's: the IPU of each output (the body finds it)
-
+        {output: value}, facts)`` on its own blocks and feeds (the stages in order:
+        :meth:`in_order`), ``facts`` a ``compiled.Facts`` whose ``out_ipu`` gives an IPU
+        holding each output. Each output comes from the devices of that IPU; those not in
+        ``outputs`` (run-time check records) from every device, as they are. ``planning``:
+        the schedule's facts follow the outputs."""
         def body(blocks: dict, feeds: dict) -> tuple:   # this device's [1, 1, *block], [1, ...]
             blocks = {k: v[0, 0] for k, v in blocks.items()}
             feeds = {k: v[0] for k, v in feeds.items()}
-            blocks, outs, at = schedule(blocks, feeds)
-            where.update(at)
+            blocks, outs, facts = schedule(blocks, feeds)
             return ({k: v[None, None] for k, v in blocks.items()},
-                    {k: v[None, None] for k, v in outs.items()})
+                    {k: v[None, None] for k, v in outs.items()}, facts)
 
         def program(state: dict, feeds: dict) -> tuple:
             spec = P(REPLICA_AXIS, IPU_AXIS)
-            state, outs = self.run(body, (spec, P(REPLICA_AXIS)), (spec, spec))(state, feeds)
-            return state, {t: v[:, where[t]] if t in outputs else v for t, v in outs.items()}
+            state, outs, facts = self.run(body, (spec, P(REPLICA_AXIS)), (spec, spec, P()))(state, feeds)
+            where = facts["out_ipu"]
+            outs = {t: v[:, where[t]] if t in outputs else v for t, v in outs.items()}
+            return (state, outs, facts) if planning else (state, outs)
         return program
-
 
 
 @dataclass
