@@ -274,3 +274,184 @@ def test_facts_come_back_as_values_through_vmap_and_shard_map():
     step = run_on_mesh(replica, mesh, P(REPLICA_AXIS), (P(REPLICA_AXIS), P()))
     outs, facts = plan_trace(step, sharded)
     assert outs[0].shape == (4, 3) and facts["shape"] == (2, 3)   # each device's block
+
+
+# ---------------------------------------------------------------------------------------
+# A shared engine (issue 35, items 3 and 7): the module graph of src/, scanned from the
+# sources, counting imports at any depth of a file (function-local ones too).
+
+SRC = Path(popart.__file__).parent.parent
+# Front-end modules the engine may not import: each name covers its submodules and, for
+# ``session`` and ``cli``, its ``session_*`` / ``cli_*`` siblings; the ``popart`` package
+# itself (which imports every front-end) is matched alone.
+FRONT_ENDS = ("popart.session", "popart.options", "popart.optimizers",
+              "popart.dataflow", "popart.builder", "popart.report", "popart.distributed",
+              "popart.writeback", "popart.run_plan", "popart.cli", "popart.horovod", "popxl")
+
+
+def module_graph(src: Path) -> dict[str, set[str]]:
+    """Module -> the modules of ``src`` it imports, anywhere in its file. A package is its
+    ``__init__``. ``import a.b.c`` is an edge to ``a.b.c``; ``from m import y`` to ``m.y`` when
+    that is a module, else to ``m`` (relative forms resolved against the file's package).
+    Importing a submodule runs its parent packages' ``__init__`` first, but that is no edge:
+    the submodule depends on none of the package's names, and a cycle would need the package
+    to import back (which its re-exports, edges from the package, show). Modules outside
+    ``src`` (the standard library, jax, ...) are left out."""
+    files = {}
+    for path in src.rglob("*.py"):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        files[".".join(parts[:-1] if package else parts)] = (path, package)
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, (path, package) in files.items():
+        here = mod if package else mod.rpartition(".")[0]
+        out = graph.setdefault(mod, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out.update(filter(None, (known(a.name) for a in node.names)))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    target = sub if sub in files else known(base)
+                    if target:
+                        out.add(target)
+        out.discard(mod)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm,
+    iterative), each sorted."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return sorted(found)
+
+
+def test_the_module_graph_scan_sees_every_form(tmp_path):
+    """The scan itself: absolute, relative, submodule-by-name and function-local imports, a
+    package's re-exports, and a cycle they make."""
+    pkg = tmp_path / "pk"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("import pk.b\ndef f():\n    if True:\n        from .sub import c\n")
+    (pkg / "b.py").write_text("from pk.sub.c import g\nimport json\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import a\nfrom . import missing\n")
+    graph = module_graph(tmp_path)
+    assert graph == {"pk": {"pk.a"}, "pk.a": {"pk.b", "pk.sub.c"}, "pk.b": {"pk.sub.c"},
+                     "pk.sub": set(), "pk.sub.c": {"pk.a", "pk.sub"}}
+    assert import_cycles(graph) == [["pk.a", "pk.b", "pk.sub.c"]]
+
+
+def _under(module: str, names: tuple) -> bool:
+    return module == "popart" or any(module == n or module.startswith(n + ".") or
+               (n in ("popart.session", "popart.cli") and module.startswith(n + "_"))
+               for n in names)
+
+
+def test_the_engine_imports_no_front_end_module():
+    """src/popart/engine/ (and its subpackages) imports none of the front-ends' modules, at
+    any depth of a file: option facts come as ``engine.config.EngineConfig``, the gradient
+    norms protocol is ``engine.norms``, reports plug in through ``engine.hooks``."""
+    graph = module_graph(SRC)
+    engine = {m: sorted(t for t in ts if _under(t, FRONT_ENDS))
+              for m, ts in graph.items() if m == "popart.engine" or m.startswith("popart.engine.")}
+    assert len(engine) > 10 and {m: ts for m, ts in engine.items() if ts} == {}
+    assert _under("popart.session_checks", FRONT_ENDS) and _under("popart.cli_inputs", FRONT_ENDS)
+    assert not _under("popart.errors", FRONT_ENDS) and not _under("popart._ir.graph", FRONT_ENDS)
+
+
+# The modules of the one import cycle left (see the test below): popxl's package, and the
+# popart modules through which popart reaches it.
+_POPXL_BRIDGE = {"popart", "popart.custom_ops", "popart.custom_ops.addons_bindings",
+                 "popdist.popart"}
+
+
+def test_no_import_cycle_among_popart_modules():
+    """No import cycle among src/'s modules, counting function-local imports, except the one
+    through popxl, which is pinned here so that it cannot grow: popxl's modules import the
+    ``popart`` package (its public API: SessionOptions, CommGroup, the optimizers' values) and
+    PopXL's API makes popxl's package mutually dependent (``Tensor.__add__`` calls
+    ``popxl.ops``, whose ops make Tensors; the ops' submodules call their siblings through
+    ``popxl.ops``), while the ``popart`` package reaches popxl only through popxl-addons'
+    binding stand-ins (``custom_ops.addons_bindings``' ``created`` hook sets a popxl Tensor's
+    meta-shape). Everything else, the engine, reports, sessions and the CLI among them, is in
+    no cycle."""
+    cycles = import_cycles(module_graph(SRC))
+    outside = sorted({m for comp in cycles for m in comp
+                      if not (m == "popxl" or m.startswith("popxl.")) and m not in _POPXL_BRIDGE})
+    assert outside == []
+    assert len(cycles) <= 1
+
+
+def test_the_engine_config_is_frozen_and_read_from_the_options_in_one_place():
+    """popart's options reach the engine only as ``session_config.engine_config``'s frozen
+    ``EngineConfig``: the facts that shape the program are in it and in its cache key, where
+    the engine cache lives is not in the key."""
+    import dataclasses
+
+    import pytest
+
+    from popart.engine.config import WEIGHTS, EngineConfig
+    from popart.session_config import engine_config
+
+    o = popart.SessionOptions()
+    base = engine_config(o)
+    assert base == dataclasses.replace(EngineConfig(), locations=base.locations)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.pipelining = True
+    o.enablePipelining, o.groupNormStridedChannelGrouping = True, True
+    o.autoRecomputation = popart.RecomputationType.Standard
+    o.accumulationAndReplicationReductionType = popart.ReductionType.Mean
+    o.weightTensorLocationSettings.location.replicatedTensorSharding = \
+        popart.ReplicatedTensorSharding.On
+    o.automaticLossScalingSettings.toTrackTensors = ["a", "b"]
+    c = engine_config(o)
+    assert (c.pipelining, c.group_norm_strided, c.recompute, c.mean_reduction, c.running_mean) \
+        == (True, True, "Standard", True, False)
+    assert c.locations.rules[WEIGHTS].location.sharded and c.als.toTrackTensors == ("a", "b")
+    assert c.signature != base.signature and c.cache_path is None
+    o.enableEngineCaching, o.cachePath = True, "/somewhere"
+    cached = engine_config(o)
+    assert cached.cache_path == "/somewhere" and cached.signature == c.signature

@@ -126,7 +126,7 @@ def test_settings_and_hooks():
     ctx._op_created(op)
     assert seen == [op, op]
     op.setVirtualGraphId(0)
-    assert op.annotations[popart.engine.ir.VIRTUAL_GRAPH] == 0 and op.settings.vgraphId == 0
+    assert op.annotations[popart.engine.graph_api.VIRTUAL_GRAPH] == 0 and op.settings.vgraphId == 0
 
 
 # ---------------------------------------------------------------------------------- custom ops

@@ -1,5 +1,5 @@
 """The layers keep to their own names (issue 26): popxl imports no private popart name and
-shares the IR through ``popart.engine.ir``; ``popart.ir`` is only popxl's alias;
+shares the IR through ``popart.engine.graph_api``; ``popart.ir`` is only popxl's alias;
 ``popart._internal.ir`` (PopART's C++ binding) names popxl's handles on its IR."""
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_scan_finds_private_names(tmp_path):
     """The scan itself: each form of reaching a private popart name is reported."""
     src = tmp_path / "m.py"
     src.write_text("import popart as _p\nimport popart._ir.graph\nfrom popart.options import _enum\n"
-                   "from popart import engine\nfrom popart.engine.ir import Node\n"
+                   "from popart import engine\nfrom popart.engine.graph_api import Node\n"
                    "x = _p.session._serialised\ny = engine._x\nz = _p.__file__\n")
     assert private_popart_uses(src) == [
         "2: import popart._ir.graph", "3: from popart.options import _enum",
@@ -80,9 +80,9 @@ def test_popxl_imports_no_private_popart_name(path):
     assert private_popart_uses(path) == []
 
 
-def test_engine_ir_is_the_internal_ir():
-    """popxl's graphs are the engine's IR graphs, reached through ``popart.engine.ir``."""
-    from popart.engine import ir
+def test_engine_graph_api_is_the_internal_ir():
+    """popxl's graphs are the engine's IR graphs, reached through ``popart.engine.graph_api``."""
+    from popart.engine import graph_api as ir
     assert set(ir.__all__) <= set(dir(ir))
     ir_ = popxl.Ir()
     with ir_.main_graph:
@@ -93,8 +93,9 @@ def test_engine_ir_is_the_internal_ir():
 
 
 def test_fresh_imports_have_no_cycle():
-    """``popart.engine.ir`` first, then popxl, in a fresh interpreter."""
-    code = "import popart.engine.ir as e, popxl, popart; assert e.Graph is popxl.graph.IRGraph"
+    """``popart.engine.graph_api`` first, then popxl, in a fresh interpreter."""
+    code = ("import popart.engine.graph_api as e, popxl, popart; "
+            "assert e.Graph is popxl.graph.IRGraph")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
 

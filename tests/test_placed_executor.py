@@ -87,7 +87,7 @@ def test_in_order_copies_go_straight_to_the_ipus_reading_once():
     """popxl's copies (no pipelining): a tensor goes from the IPU computing it straight to
     each IPU that reads it, once, before the first stage there that reads it; the pipeline's
     copies relay it stage to stage."""
-    from popart.engine.ir import Node
+    from popart.engine.graph_api import Node
     from popart.engine.placed import in_order_copies, plan_stages
     nodes = [Node("Relu", ["x"], ["a"]), Node("Relu", ["a"], ["b"]),
              Node("Add", ["a", "b"], ["c"]), Node("Add", ["a", "c"], ["d"])]
@@ -119,7 +119,7 @@ def test_in_order_run_refuses_a_stage_tensor_no_ipu_copy_brought():
     """The in-order run moves stage tensors only by the plan's copies: a stage reading a
     tensor of an earlier stage on another IPU that no IpuCopy brought is an internal error
     (planning: the stages run directly, so no mesh is needed to reach the check)."""
-    from popart.engine.ir import Node
+    from popart.engine.graph_api import Node
     from popart.engine.placed import InOrder, in_order_copies, plan_stages
     plan = plan_stages([Node("Relu", ["x"], ["a"]), Node("Neg", ["a"], ["b"])],
                        lambda n: 0 if n.outputs == ["a"] else 1)

@@ -13,6 +13,7 @@ import pytest
 
 import popart
 from popart import testing
+from popart.engine import hooks
 from popart.engine.compiled import xla_errors
 from popart.report import capture, switches
 
@@ -203,7 +204,7 @@ def test_switches_off_write_nothing(tmp_path, monkeypatch):
     anchors = sess.initAnchorArrays()
     sess.run(popart.PyStepIO({x: np.ones((512, 512), np.float32), s: np.ones((4, 4), np.float32)}, anchors))
     assert os.listdir(tmp_path) == []
-    assert testing.compiled_step(sess).recorder is None and switches.current() is None
+    assert testing.compiled_step(sess).recorder is None and hooks.current() is None
     assert "Execution profiling not enabled" in sess.getSummaryReport()
     assert "peak=" in sess.getSummaryReport()   # XLA's memory figures are there anyway
 

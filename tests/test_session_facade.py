@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 import popart
 from popart._ir.onnx_import import import_model
 from popart.engine.executable import SessionFiles
+from popart.session_config import engine_config
 from popart.session_rng import Rng, key_data
 from popart.writeback import WriteBack, store_like, store_sparse_like
 
@@ -94,7 +95,7 @@ def test_executable_signature_has_the_options_that_shape_the_program():
             setattr(o, k, v)
         return types.SimpleNamespace(batches_per_step=1, accumulation_factor=1,
                                      replication_factor=1, anchors={}, loss=None,
-                                     optimizer=None, options=o)
+                                     optimizer=None, config=engine_config(o))
     base = files.signature(cfg())
     assert files.signature(cfg(cachePath="/somewhere", enableEngineCaching=True)) == base
     assert files.signature(cfg(enableStochasticRounding=True))["options"] != base["options"]

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from .engine.norms import GradientNorms, local_sum_squares
 from .errors import OptimizerError, check_arguments, real, sequence_of
 from .options import AdamMode, AdaptiveMode, SGDAccumulatorAndMomentum, WeightDecayMode
 from .tensorinfo import DataType, np_dtype, to_datatype
@@ -146,26 +147,9 @@ def _getter(name: str):
     return get
 
 
-def local_sum_squares(x: Array) -> Array:
-    """The sum of the squares of a tensor's elements (on this device)."""
-    return jnp.sum(jnp.square(x))
-
-
 def unscale(grads: Mapping[str, Array], ls: Any) -> dict[str, Array]:
     """The gradients of the loss (at least float32) from those of ``loss * ls``."""
     return {k: jnp.asarray(v, jnp.result_type(v, jnp.float32)) / ls for k, v in grads.items()}
-
-
-class GradientNorms:
-    """How clipping sees gradients: ``sum_squares(ids, g)`` of a group of weights and
-    ``scale(ids, g, factor)``. This one holds whole tensors on one device; engines whose
-    gradients span devices (IPUs, replica shards) supply their own."""
-
-    def sum_squares(self, ids: list[str], g: Mapping[str, Array]) -> Array:
-        return sum(jnp.sum(jnp.square(g[i])) for i in ids)
-
-    def scale(self, ids: list[str], g: Mapping[str, Array], factor: Array) -> dict[str, Array]:
-        return {**g, **{i: g[i] * factor for i in ids}}
 
 
 def clip_by_norm(settings: Iterable["ClipNormSettings"], g: Mapping[str, Array],

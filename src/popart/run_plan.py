@@ -13,7 +13,7 @@ which raises PopART's errors.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -21,21 +21,23 @@ from . import dataflow as _df
 from .engine.compiled import fetch
 from .engine.host_plan import HostInput, HostOutput, HostPlan
 from .engine.lower import CHECKS, raise_failed_checks
+from .session_io import HostIO
 
 
 class RunPlan:
-    """The common path of ``session.run(stepio)`` for ``session``'s current program and
-    optimizer (the session makes a new plan when either changes)."""
+    """The common path of ``session.run(stepio)`` for a session's current ``program`` (a
+    prepared ``StepProgram``) and optimizer (its runtime hyper-parameters ``hyper``), with the
+    session's ``HostIO`` (data flow, factors, inputs, anchors); the session makes a new plan
+    when the program or the optimizer changes."""
 
-    def __init__(self, session: Any) -> None:
-        program = session._program
-        df = session._dataFlow
-        bps, A, R = df.batchesPerStep(), session.accumulationFactor, session.replicationFactor
+    def __init__(self, program: Any, hio: HostIO, hyper: Mapping[str, Any]) -> None:
+        df = hio.dataFlow
+        bps, A, R = hio.factors()
         self.program = program
-        self.hyper = program.put_hyper(session._hyper())   # placed once
-        self.synthetic = session._synthetic_feeds()   # syntheticDataMode's inputs, or None
+        self.hyper = program.put_hyper(dict(hyper))   # placed once
+        self.synthetic = hio.synthetic()   # syntheticDataMode's inputs, or None
         inputs = []   # the host shape or the full one, as the step takes it: [B, A, R, ...]
-        for tid, info in session._input_infos.items():
+        for tid, info in hio.input_infos.items():
             shape = tuple(info.shape())
             full = (bps, A, R) + shape
             inputs.append(HostInput(tid, tid, np.dtype(info.np_dtype()),
@@ -47,7 +49,7 @@ class RunPlan:
             # the optimizer's scalars are written from the host by the general path)
             self.anchors = []
             for a in df.anchors():
-                shape, dtype = session._anchor_tensor_info(a)
+                shape, dtype = hio.anchor_info(program, a)
                 host = _df.anchor_host_shape(shape, df.art(a), bps, A, R)
                 self.anchors.append((a, np.dtype(dtype), int(np.prod(host, dtype=np.int64))))
         self.names = [a for a, _, _ in self.anchors or ()]

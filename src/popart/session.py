@@ -34,14 +34,14 @@ from .engine.progress import compile_progress
 from .errors import (ArgumentError, OptionError, OutOfMemoryException,  # noqa: F401
                      noted, popart_exception, popart_runtime_error)
 from .fileio import atomic_write
-from .options import (IrSerializationFormat, MeanReductionStrategy, ReductionType, SessionOptions,
-                      SyntheticDataMode)
+from .options import IrSerializationFormat, SessionOptions, SyntheticDataMode
 from .patterns import for_session
 from .run_plan import RunPlan
+from .session_config import anchor_returns, engine_config
 from .session_checks import (check_argument_types, check_ir, check_model, check_seed_type,
                              check_virtual_graph_range, resolve_inputs)
 from .session_io import HostIO, weights_from_io, weights_to_io
-from .session_ir import SessionIr, serialize_ir
+from .ir_json import SessionIr, serialize_ir
 from .session_report import summary_report, xla_report
 from .session_rng import Rng, check_rng_state_enabled, requires_random_seed
 from .tensorinfo import TensorInfo
@@ -282,7 +282,7 @@ class _Session(_FileMethods):
                                    self.patterns, self._graph.initializers)
         _logger.info(f"{type(self).__name__} '{name}': {len(self._graph.nodes)} ops, inputs "
                      f"{list(self._input_infos)}, anchors {dataFlow.anchors()}")
-        report.session_built(self)   # progress 0, dotChecks, POPART_IR_DUMP
+        report.session_built(self.options, self._graph, self._serializeIr)   # dotChecks, ...
 
     @property
     def replicationFactor(self) -> int:
@@ -298,18 +298,16 @@ class _Session(_FileMethods):
 
     def _config(self) -> StepConfig:
         o = self.options
-        anchors = {a: self._dataFlow.art(a) for a in self._dataFlow.anchors()}
+        anchors = anchor_returns({a: self._dataFlow.art(a) for a in self._dataFlow.anchors()})
         bps = self._dataFlow.batchesPerStep()   # DataFlow checks EVERYN periods divide it
+        config = engine_config(o)
         return StepConfig(
             batches_per_step=bps, accumulation_factor=self.accumulationFactor,
             replication_factor=distributed.check_options(o, self.replicationFactor),
             anchors=anchors, training=self._training,
             loss=self._loss, optimizer=self._optimizer,
-            mean_reduction=o.accumulationAndReplicationReductionType == ReductionType.Mean,
-            running_mean=o.meanAccumulationAndReplicationReductionStrategy == MeanReductionStrategy.Running,
             # ALS in an inference session too: StepProgram raises PopART's error for it.
-            als=o.automaticLossScalingSettings if o.automaticLossScalingSettings.enabled else None,
-            options=o)
+            als=config.als if config.als.enabled else None, config=config)
 
     def _jax_device(self):
         devs = getattr(self._device, "jax_devices", None)
@@ -348,7 +346,9 @@ class _Session(_FileMethods):
         with jax.default_device(self._jax_device()):
             key = self._rng.host_key()
             exported = self._loaded.get("executable") if self._loaded else None
-            with compile_progress(f"'{self.name}'"), report.session_compiling(self):
+            with compile_progress(f"'{self.name}'"), report.session_compiling(
+                    self.options, self._graph, self._training, self.name, type(self).__name__,
+                    report.samples_per_run(self._input_infos, self._io.factors())):
                 source = program.compile(self._host_weights, opt_state, key, self._hyper(),
                                          exported=exported, cache=self._engine_cache())
         done = "Compiled" if source.startswith("compiled") else f"Loaded (from the {source})"
@@ -438,12 +438,6 @@ class _Session(_FileMethods):
         """One NumPy array per anchor, in the shape the AnchorReturnType docs give."""
         return self._io.anchor_arrays(self._plan())
 
-    def _anchor_tensor_info(self, a: str) -> tuple[list, np.dtype]:
-        return self._io.anchor_info(self._program, a)
-
-    def _synthetic_feeds(self) -> Optional[dict[str, np.ndarray]]:
-        return self._io.synthetic()
-
     def run(self, *args: Any, **kwargs: Any) -> None:
         """``run(stepio, debugName="")`` runs batchesPerStep batches: one call into the
         compiled program. ``run(programHandle, stepio, debugName="")`` runs a named program:
@@ -475,7 +469,7 @@ class _Session(_FileMethods):
             self._require_weights_written()
             if not self._prepared:
                 self.prepareDevice()
-            plan = self._run_plan = RunPlan(self)
+            plan = self._run_plan = RunPlan(self._program, self._io, self._hyper())
         else:   # a planned session: prepared, on a device that runs programs
             self._require_weights_written()
         hio, program = self._io, self._program
@@ -591,7 +585,7 @@ class _Session(_FileMethods):
 
     @serialised
     def _serializeIr(self, format: Any = IrSerializationFormat.JSON) -> str:
-        """The session's IR as PopART's JSON (see ``popart.session_ir``)."""
+        """The session's IR as PopART's JSON (see ``popart.ir_json``)."""
         if format != IrSerializationFormat.JSON:
             raise popart_exception(f"_serializeIr: format must be IrSerializationFormat.JSON, got {format!r}")
         program = self._plan()

@@ -12,9 +12,10 @@ import onnx
 from . import dataflow as _df
 from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
 from ._ir.transforms import gradient_flow
-from .engine.als import check_settings as check_als_settings, snapshot as als_snapshot
+from .engine.als import check_settings as check_als_settings
 from .engine.als import check_tracked as check_als_tracked
 from .engine.pipeline import auto_virtual_graphs
+from .engine.config import EngineConfig
 from .engine.program import GRAD_PREFIX, check_recompute_mixture, missing_anchor
 from .engine.shapes import infer_graph, input_specs
 from .devices import DeviceInfo
@@ -22,6 +23,7 @@ from .errors import (IrError, OptimizerError, OptionError, check_arguments,
                      incompatible_arguments, noted, popart_exception)
 from .logging import getLogger
 from .optimizers import Optimizer
+from .session_config import engine_config
 from .options import SessionOptions
 from .ops import registry as _registry
 from .tensorinfo import TensorInfo, to_datatype
@@ -39,11 +41,12 @@ def check_ir(graph: Graph, options: Any, training: bool, loss: Optional[str], op
     Returns every tensor's TensorInfo."""
     if training:
         check_training_args(loss, optimizer)
-    als = options.automaticLossScalingSettings
+    config = engine_config(options)
+    als = config.als
     if als.enabled:   # PopART checks these when it builds the IR, at construction
-        check_als_settings(als_snapshot(als), training, optimizer, options, graph)
-    verify_ir(graph, options, training, loss, device, replicas, dataFlow)
-    infos = infer_shapes(graph, input_infos, training, options, loss)
+        check_als_settings(als, training, optimizer, config, graph)
+    verify_ir(graph, options, training, loss, device, replicas, dataFlow, config)
+    infos = infer_shapes(graph, input_infos, training, config, loss)
     if options.virtualGraphMode.name == "Auto":   # AutoVirtualGraph (Ir::prepare)
         sizes = {**{k: int(np.size(v)) for k, v in graph.initializers.items()},
                  **{k: i.nelms() for k, i in infos.items()}}
@@ -74,7 +77,7 @@ def check_training_args(loss: Any, optimizer: Any) -> None:
 
 
 def verify_ir(graph: Graph, o: Any, training: bool, loss: Optional[str], device: Any,
-              replicas: int, dataFlow: _df.DataFlow) -> None:
+              replicas: int, dataFlow: _df.DataFlow, config: EngineConfig) -> None:
     """PopART's checks when it builds the IR (``Ir::prepare``), made at construction,
     before anything is traced or compiled: options, the loss, virtual graph and pipeline
     annotations, and (inference) a graph that pruning would leave empty."""
@@ -103,21 +106,21 @@ def verify_ir(graph: Graph, o: Any, training: bool, loss: Optional[str], device:
     phases = getattr(getattr(o, "executionPhaseSettings", None), "phases", 0)
     if phases > 1 and o.virtualGraphMode.name != "ExecutionPhases":
         raise OptionError("> 1 execution phases requires VirtualGraphMode::ExecutionPhases")
-    check_recompute_mixture(graph, o)
+    check_recompute_mixture(graph, config)
     if not training:
         _check_not_pruned_empty(graph, dataFlow.anchors())
     _check_no_seed_attributes(graph)
 
 
 def infer_shapes(graph: Graph, input_infos: Mapping[str, TensorInfo], training: bool,
-                 options: Any, loss: Optional[str]) -> dict[str, TensorInfo]:
+                 config: EngineConfig, loss: Optional[str]) -> dict[str, TensorInfo]:
     """Every tensor's TensorInfo, inferred at construction as PopART's Ir::prepare does
     (each op's setup): invalid axes, shapes that do not broadcast, Nll labels that do not
     match and the rest of shape inference raise here, not in prepareDevice. A training
     session's loss may have one element (shape [], [1], [1, 1], ...), not more
     (Ir::setFinalLoss)."""
     infos = {**input_infos,
-             **infer_graph(graph, overrides=input_infos, training=training, options=options)}
+             **infer_graph(graph, overrides=input_infos, training=training, config=config)}
     info = infos.get(loss) if training else None
     if info is not None and info.nelms() > 1:
         raise noted(IrError(f"Loss tensor, '{loss}', must be a scalar tensor"),

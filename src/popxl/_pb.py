@@ -2,7 +2,7 @@
 
 PopXL keeps its graphs in PopART's C++ IR and hands out binding objects (``Ir._pb_ir``,
 ``Graph._pb_graph``, ``Tensor._pb_tensor``, op-created hooks); popxl-addons works on them.
-Here the IR is ``popart.engine.ir`` (a ``Node`` list per graph) with popxl's bookkeeping
+Here the IR is ``popart.engine.graph_api`` (a ``Node`` list per graph) with popxl's bookkeeping
 (``Graph._tensors`` / ``_specs`` / ``_outputs``, versions of in-place tensors) around it. A handle
 holds the popxl object and reads or changes both on each call: there is no second copy, so what
 popxl compiles afterwards follows every change. ``popart._internal.ir`` gives these classes
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
-from popart.engine.ir import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph as IRGraph, Node
+from popart.engine.graph_api import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph as IRGraph, Node
 from popart.errors import popart_exception
 from popart.tensorinfo import TensorInfo
 

@@ -17,7 +17,7 @@ from popart.engine.lower import CHECKS, RECORD, first_failure, trace
 from popart.engine.placed import (Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable,
                                   device_grid, in_order_copies, per_ipu, placed_mesh,
                                   placed_or_none, plan_stages)
-from popart.engine.ir import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
+from popart.engine.graph_api import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
 

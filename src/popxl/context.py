@@ -13,7 +13,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, 
 
 import popart as _popart
 from popart.debug_info import DebugContext, DebugInfo, ProfileValue, SourceLocation
-from popart.engine.ir import PIPELINE_STAGE, VIRTUAL_GRAPH  # noqa: F401  (placement names)
+from popart.engine.graph_api import PIPELINE_STAGE, VIRTUAL_GRAPH  # noqa: F401  (placement names)
 
 from .tensorlocation import ExecutionContext
 

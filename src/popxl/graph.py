@@ -18,7 +18,7 @@ from popart.engine import in_x64
 
 from popart.engine.lower import trace_node
 from popart.engine.compiled import REPLICA_AXIS
-from popart.engine.ir import Graph as IRGraph, Node, reads
+from popart.engine.graph_api import Graph as IRGraph, Node, reads
 
 from . import _pb, context
 from .tensor import Constant, Tensor, Variable

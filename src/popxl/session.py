@@ -38,14 +38,16 @@ from popart.dataflow import validate_input
 from popart.engine import in_x64, serialised, x64
 from popart.engine.backends import backend
 from popart import report
+from popart.engine.config import EngineConfig
 from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, fetch, plan_trace
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.host_plan import HostInput, HostOutput, HostPlan
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
 from popart.engine.state import Home
 from popart.errors import OptionError
-from popart.engine.ir import fingerprint
+from popart.engine.graph_api import fingerprint
 from popart.logging import getLogger
+from popart.ir_json import serialize_ir
 from popart.tensorinfo import TensorInfo, to_datatype
 
 from ._placement import device_ipus, main_step, placed_program
@@ -217,8 +219,11 @@ class Session:
         self._n = ir.num_host_transfers
         self._device = _device(device_desc, device_ipus(ir, device_desc, self._local_r))
         self._compiled_for = self._device   # the device the program is built for (its target)
-        self._placement = Placement(self._r, self._device,
-                                    across_processes=ir._options.enableDistributedReplicatedGraphs)
+        o = ir._options   # the engine's config, from the Ir's (PopXL's) session options
+        self._config = EngineConfig(
+            processes=distributed.process_count() if o.enableDistributedReplicatedGraphs else 1,
+            cache_path=o.cachePath if o.enableEngineCaching and o.cachePath else None)
+        self._placement = Placement(self._r, self._device, processes=self._config.processes)
         main = ir.main_graph
         self._main_ir = main._finalize(lowering=True)
         self._variables: list[Variable] = list(ir._variables)
@@ -421,8 +426,7 @@ class Session:
                 for s in self._slots}
 
     def _engine_cache(self) -> Optional[EngineCache]:
-        o = self._ir._options
-        if not (o.enableEngineCaching and o.cachePath):
+        if self._config.cache_path is None:
             return None
         main = self._ir.main_graph
         signature = {"session": "popxl.Session", "graph": fingerprint(self._main_ir),
@@ -438,7 +442,7 @@ class Session:
                      "h2d": {t.id: [list(s.shape), s.dtype.name] for s, t in self._h2d},
                      "d2h": {t.id: [list(s.shape), s.dtype.name] for s, t in self._d2h},
                      **runtime_signature()}
-        return EngineCache(o.cachePath, "popxl", signature)
+        return EngineCache(self._config.cache_path, "popxl", signature)
 
     def _feed_sharding(self) -> jax.sharding.Sharding:
         """[replicas, ...] arrays: one slice per replica's device(s)."""
@@ -465,7 +469,9 @@ class Session:
             fn = _in_device_memory(fn, host)
         step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
                             donate_argnums=(0,))
-        with report.popxl_compiling(self):   # autoReport.*, dotChecks, progress logger
+        with report.popxl_compiling(   # autoReport.*, dotChecks, progress logger
+                self._ir._options, self._main_ir, f"popxl.Ir {self._ir.id}", self._r * self._n,
+                lambda: serialize_ir(self._main_ir, {}, "maingraph")):
             self.executable_source = compile_step(step, specs, self._engine_cache_)
         self._step = step
 
@@ -521,8 +527,7 @@ class Session:
                 return
             old = (self._placement.device, list(self._placement.devices))
             self._device = device
-            self._placement = Placement(self._r, device,
-                                        across_processes=self._ir._options.enableDistributedReplicatedGraphs)
+            self._placement = Placement(self._r, device, processes=self._config.processes)
             self._placed = placed_program(self)
             if (self._placement.device, list(self._placement.devices)) != old or self._placed:
                 self._engine_cache_ = self._engine_cache()

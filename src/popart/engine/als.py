@@ -5,7 +5,6 @@ See docs/loss_scaling.md (what a step does, the anchors) and docs/gradients.md (
 gradients are tracked)."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -18,6 +17,7 @@ from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
 from .._ir.transforms import gradient_flow
 from ..logging import getLogger
 from ..tensorinfo import TensorInfo, to_datatype
+from .config import AlsSettings, EngineConfig
 
 _logger = getLogger("transform")
 
@@ -78,21 +78,11 @@ PASS_THROUGH_GRAD_OPS = frozenset({
     "Mean", "Concat"})
 
 
-def _method(settings: Any) -> str:
-    return getattr(settings.gradientTensorTrackingMethod, "name",
-                   str(settings.gradientTensorTrackingMethod))
-
-
 def _dtype_name(dtype: Any) -> str:
     return TensorInfo(to_datatype(np.dtype(dtype)), []).data_type()
 
 
-def snapshot(settings: Any) -> Any:
-    """The settings a session compiles with (later changes to the options do not leak in)."""
-    return copy.deepcopy(settings)
-
-
-def check_settings(settings: Any, training: bool, optimizer: Any, options: Any,
+def check_settings(settings: AlsSettings, training: bool, optimizer: Any, config: EngineConfig,
                    graph: Graph) -> None:
     """The checks PopART makes before it looks at gradients, in its order:
     ``PreAutomaticLossScale`` (``toTrackTensors`` given: not empty, every name a tensor of the
@@ -131,13 +121,12 @@ def check_settings(settings: Any, training: bool, optimizer: Any, options: Any,
         raise popart_exception(_T + "Only compatible when doing training")
     if optimizer.loss_scaling().isConst():
         raise OptimizerError(_T + "The optimizer must have non-const loss scaling")
-    if getattr(options, "enablePipelining", False) and \
-            not getattr(options, "enableGradientAccumulation", False):
+    if config.pipelining and not config.gradient_accumulation:
         raise OptionError(
             _T + "Automatic loss scaling is not currently supported when the "
             "'enablePipelining' SessionOption is set to 'true', but the "
             "'enableGradientAccumulation' SessionOption is set to 'false'")
-    method = _method(settings)
+    method = settings.gradientTensorTrackingMethod
     if user is not None and method != "GradientsOfUserSpecifiedTensors":
         raise OptionError(
             _T + "toTrackTensors has been set, but gradientTensorTrackingMethod has not been "
@@ -225,7 +214,7 @@ def tracked_tensors(settings: Any, graph: Graph, loss: str, variables: Sequence[
     has_grad, edges = gradient_flow(graph, loss, trainable, lambda t: t in specs and jnp.issubdtype(
         specs[t].dtype, jnp.floating))
     is_fp16 = lambda t: t in has_grad and np.dtype(specs[t].dtype) == np.float16   # noqa: E731
-    method = _method(settings)
+    method = settings.gradientTensorTrackingMethod
     if method == "GradientsOfUserSpecifiedTensors":
         out = []
         for t in dict.fromkeys(settings.toTrackTensors):
@@ -356,7 +345,7 @@ def _check_tracked(settings: Any, tracked: Sequence[str]) -> np.float32:
     """``getToTrackTensorsAuto``'s "none found" and ``getLevels``' ``binEdgeLocation`` range,
     in PopART's order; returns the bin edge location."""
     if not tracked:
-        if _method(settings) == "GradientsOfUserSpecifiedTensors":
+        if settings.gradientTensorTrackingMethod == "GradientsOfUserSpecifiedTensors":
             raise OptionError(_T + "None of the tensors in 'toTrackTensors' "
                               f"({', '.join(repr(t) for t in settings.toTrackTensors)}) has a "
                               "gradient in this model, so there are no tracked gradient tensors.")

@@ -22,12 +22,10 @@ import jax.export  # noqa: F401  (jax < 0.7 does not import it with jax)
 import jax.numpy as jnp
 import numpy as np
 
-from .. import distributed
 from ..errors import OutOfMemoryException, popart_exception, popart_runtime_error
-from .. import report
 from .._ir.graph import Graph
 from .lower import raise_failed_checks, trace
-from . import backends
+from . import backends, hooks as _hooks
 
 REPLICA_AXIS = "replica"
 
@@ -96,14 +94,14 @@ class Placement:
 
     Replicas get distinct devices (a mesh with axis ``REPLICA_AXIS``) when the device has
     enough of them, or, for replicas spread over the processes of a distributed job
-    (``across_processes``: global replication), each process's first local devices; otherwise
+    (``processes`` > 1: global replication), each process's first local devices; otherwise
     they run side by side on one device."""
 
     def __init__(self, replication_factor: int, device_info: Any = None,
-                 across_processes: bool = False) -> None:
+                 processes: int = 1) -> None:
         self.replication_factor = R = int(replication_factor)
         own = list(getattr(device_info, "jax_devices", None) or [])
-        n = distributed.process_count() if across_processes else 1
+        n = int(processes)
         self.across_processes = n > 1
         if n > 1:
             local = R // n
@@ -211,7 +209,7 @@ class CompiledStep:
         self.compiled: Any = None
         self.compile_seconds = 0.0
         self.compile_phases: dict[str, float] = {}
-        self.recorder: Any = None   # popart.report's, when a report is switched on
+        self.recorder: Any = None   # the compile hooks' recorder (popart.report's), if any
         self._specs: Optional[tuple] = None
         self._jitted: Any = None
 
@@ -222,7 +220,7 @@ class CompiledStep:
         """Compile for arguments shaped like ``specs`` (ShapeDtypeStruct trees), from the
         step function or from a serialized executable (``exported``, see :meth:`export`)."""
         self._specs = tuple(specs)
-        hooks = report.current()   # None unless a report or progress logger is on
+        hooks = _hooks.current()   # None unless a front-end registered some (engine/hooks.py)
         t0 = time.perf_counter()
         if exported is not None:
             backends.load_custom_calls(exported)   # register the custom calls it holds

@@ -109,19 +109,6 @@ def state_arrays(weights: Mapping[str, Any], state: Mapping[str, Any]) -> dict:
             **{"opt/" + k: v for k, v in state.items()}}
 
 
-# Options that do not shape the compiled program (where it is cached, how compilation is
-# reported, debugging output): left out of the executable's signature.
-_NOT_IN_SIGNATURE = {"cachePath", "enableEngineCaching", "compilationProgressLogger",
-                     "compilationProgressTotal", "compileEngine", "logDir", "dotChecks",
-                     "dotOpNames", "firstDotOp", "finalDotOp", "reportOptions"}
-
-
-def options_signature(options: Any) -> dict:
-    """The options that shape the compiled program and differ from the defaults."""
-    summary = options.summary() if callable(getattr(options, "summary", None)) else {}
-    return canonical({k: v for k, v in summary.items() if k not in _NOT_IN_SIGNATURE})
-
-
 def optimizer_signature(opt: Any) -> Any:
     """The optimizer's type, settings and const hyper-parameters (compiled into the
     program); non-const ones are fed at run time and left out."""
@@ -322,7 +309,7 @@ class SessionFiles:
                 "anchors": {k: repr(v) for k, v in cfg.anchors.items()},
                 "inputs": {k: [v.data_type(), v.shape()] for k, v in self.inputs.items()},
                 "loss": cfg.loss, "optimizer": optimizer_signature(cfg.optimizer),
-                "options": options_signature(cfg.options),
+                "options": dict(cfg.config.signature),
                 "patterns": None if self.patterns is None else canonical(self.patterns.getSettings()),
                 **runtime_signature()}
 
@@ -333,12 +320,12 @@ class SessionFiles:
         return EXECUTABLE_SLACK + 2 * tensors
 
     def cache(self, cfg: Any, like: Callable[[], Mapping[str, Any]]) -> Optional[EngineCache]:
-        """The session's engine-cache entry (SessionOptions.enableEngineCaching + cachePath,
-        or POPART_CACHE_DIR), None when caching is off (``like`` is called only when on)."""
-        o = cfg.options
-        if not (o.enableEngineCaching and o.cachePath):
+        """The session's engine-cache entry (its config's ``cache_path``:
+        SessionOptions.enableEngineCaching + cachePath, or POPART_CACHE_DIR), None when caching
+        is off (``like`` is called only when on)."""
+        if cfg.config.cache_path is None:
             return None
-        return EngineCache(o.cachePath, self.kind, self.signature(cfg), max_bytes=self.bound(like()))
+        return EngineCache(cfg.config.cache_path, self.kind, self.signature(cfg), max_bytes=self.bound(like()))
 
     def file_bytes(self, executable: bytes, cfg: Any, arrays: Mapping[str, Any]) -> bytes:
         """The .popef file: the compiled step, its signature and ``arrays`` (variables and

@@ -30,6 +30,7 @@ from ..ops import registry
 from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, is_static
 from ..tensorinfo import to_datatype
 from .backends import Backend, backend
+from .config import EngineConfig
 from .layout import ChannelsLast
 
 _logger = getLogger("op")
@@ -88,7 +89,7 @@ class TraceState:
     rng_key: Any = None                 # base PRNG key of this (micro-)batch
     replica_axis: Optional[str] = None
     replication_factor: int = 1
-    options: Any = None
+    config: Optional[EngineConfig] = None   # the session's option facts (None: ONNX's rules)
     platform: str = field(default_factory=jax.default_backend)  # where the program runs
     probes: Mapping[str, Any] = field(default_factory=dict)  # id -> zero probe (intermediate grads)
     taps: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)  # id -> identity fn
@@ -143,7 +144,7 @@ class NodeCtx:
         self.training = state.training
         self.replica_axis = state.replica_axis
         self.replication_factor = state.replication_factor
-        self.options = state.options
+        self.config = state.config
         self.platform = state.platform
         self._loop_key = None
 
@@ -188,7 +189,7 @@ class NodeCtx:
                              f"{len(graph.inputs)} input(s), but the node passes {len(inputs)}")
         # declared types must hold, as in ONNX Runtime; a PopART session's If / Loop / Scan /
         # Call bodies take the caller's tensor infos instead (loop.cpp, call.cpp, scan.cpp)
-        for tid, x in zip(graph.inputs if self._state.options is None else (), inputs):
+        for tid, x in zip(graph.inputs if self._state.config is None else (), inputs):
             info, shape = graph.tensor_info.get(tid), getattr(x, "shape", None)
             if info is not None and shape is not None and info._shape is not None and (
                     len(info._shape) != len(shape) or any(d not in (-1, s) for d, s in zip(info._shape, shape))):
@@ -720,7 +721,7 @@ class Trace:
 
 def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: bool = False,
           weights: Optional[Mapping[str, Any]] = None, replica_axis: Optional[str] = None,
-          replication_factor: int = 1, options: Any = None, platform: Optional[str] = None,
+          replication_factor: int = 1, config: Optional[EngineConfig] = None, platform: Optional[str] = None,
           probes: Optional[Mapping[str, Any]] = None, remat: Optional[Remat] = None,
           effects: Optional[set] = None,
           taps: Optional[Mapping[str, Callable[[Any], Any]]] = None,
@@ -740,7 +741,7 @@ def trace(graph: Graph, feeds: Mapping[str, Any], *, key: Any = None, training: 
     there, so records of this trace index the plan's registry (a step's facts come from its
     plan, never from tracing the step)."""
     state = TraceState(training=training, rng_key=key, replica_axis=replica_axis,
-                       replication_factor=replication_factor, options=options,
+                       replication_factor=replication_factor, config=config,
                        probes=probes or {}, taps=taps or {},
                        platform=platform or jax.default_backend(), remat=remat, effects=effects,
                        float32_loss=float32_loss, float32_region=float32_region,

@@ -17,10 +17,11 @@ import numpy as np
 from ..errors import IrError, noted
 from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
 from ..logging import getLogger
-from ..optimizers import GradientNorms, local_sum_squares
 from .compiled import CompiledStep, Placement, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
+from .config import EngineConfig
+from .norms import GradientNorms, local_sum_squares
 from .placed import (IPU_AXIS, Executor, ExecutorPlan, IpuSlots, StagePlan, Unplaceable, per_ipu,
                      placed_mesh, placed_or_none, plan_stages, this_ipu)
 from .state import Home
@@ -58,13 +59,13 @@ def auto_virtual_graphs(graph: Graph, n: int, sizes: Mapping[str, int]) -> list[
     return out
 
 
-def popart_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: Any,
+def popart_stages(graph: Graph, variables: Mapping[str, np.ndarray], config: EngineConfig,
                   num_ipus: int, sizes: Mapping[str, int]) -> StagePlan:
     """A popart session's stages (``placed.plan_stages``): each op's IPU as the session's
     ``virtualGraphMode`` says (execution phase p on IPU p mod ``num_ipus``, the phases in
     order); with pipelining the pipeline stages (an op without one: its virtual graph's)."""
     nodes = graph.nodes
-    mode = options.virtualGraphMode.name
+    mode = config.virtual_graph_mode
     if mode == "Auto":
         vgs = auto_virtual_graphs(graph, num_ipus, sizes)
     elif mode == "ExecutionPhases":   # phase p on IPU p mod n, the phases in order
@@ -74,7 +75,7 @@ def popart_stages(graph: Graph, variables: Mapping[str, np.ndarray], options: An
         vgs = [int(nd.annotations.get(VIRTUAL_GRAPH, 0)) for nd in nodes]
     ipu = {id(nd): v for nd, v in zip(nodes, vgs)}
     stage_of = None
-    if getattr(options, "enablePipelining", False):
+    if config.pipelining:
         stage_of = (lambda nd: nd.annotations[PIPELINE_STAGE]) \
             if all(PIPELINE_STAGE in nd.annotations for nd in nodes) else (lambda nd: ipu[id(nd)])
     return plan_stages(nodes, lambda nd: ipu[id(nd)], variables, stage_of)
@@ -243,9 +244,9 @@ def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
     cfg = program.cfg
     R = cfg.replication_factor
     n = ipus_per_replica(program.device_info, R)
-    if cfg.options.enablePipelining and program.accum_anchors():
+    if cfg.config.pipelining and program.accum_anchors():
         raise Unplaceable("anchoring a gradient accumulator (Accum___) of a pipelined model")
-    stages = popart_stages(program.graph_consts, program.variables, cfg.options, n, sizes)
+    stages = popart_stages(program.graph_consts, program.variables, cfg.config, n, sizes)
     ipus = max(stages.stage_ipu) + 1
     if stages.num_stages < 2 or ipus < 2:
         return None
@@ -674,7 +675,7 @@ def plan_program(graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
     """The session's step program, planned, then placed (``StepProgram.placed``, a
     :class:`PlacedPlan`) when its virtual graphs (or execution phases) span several IPUs and
     the placed program can run it (``placed.placed_or_none`` logs why not)."""
-    mode = getattr(getattr(cfg.options, "virtualGraphMode", None), "name", "Off")
+    mode = cfg.config.virtual_graph_mode
     spans = mode in ("Manual", "Auto", "ExecutionPhases") and ipus_per_replica(device, 1) > 1
     program = StepProgram(graph, cfg, input_infos, device, stash_anchors=spans)
     program.plan()

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..dataflow import AnchorReturnTypeId
 from ..errors import IrError, ModelError, noted, popart_exception
 from ..logging import getLogger
 from .._ir import recompute
@@ -30,6 +29,7 @@ from ..tensornames import PREFIXES
 from . import als as _als
 from . import rts as _rts
 from .backends import backend
+from .config import AlsSettings, AnchorReturn, EngineConfig
 from .compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, arg_specs, plan_trace
 from .executable import EngineCache, compile_step
 from .lower import CHECKS, Remat, Trace, first_failure, raise_failed_checks, trace
@@ -52,15 +52,23 @@ class StepConfig:
     batches_per_step: int
     accumulation_factor: int = 1
     replication_factor: int = 1
-    anchors: dict = field(default_factory=dict)     # id -> popart.AnchorReturnType
+    anchors: dict[str, AnchorReturn] = field(default_factory=dict)
     training: bool = False
     loss: Optional[str] = None
     optimizer: Any = None
-    mean_reduction: bool = False                    # accumulation/replication reduction is Mean
-    running_mean: bool = False                      # MeanReductionStrategy.Running
-    als: Any = None                                 # AutomaticLossScalingSettings when enabled
+    als: Optional[AlsSettings] = None               # automatic loss scaling when enabled
                                                     # (also in inference, which PopART rejects)
-    options: Any = None
+    config: EngineConfig = EngineConfig()           # the options' facts
+
+    @property
+    def mean_reduction(self) -> bool:
+        """Accumulation / replication reduction is Mean."""
+        return self.config.mean_reduction
+
+    @property
+    def running_mean(self) -> bool:
+        """... with MeanReductionStrategy.Running."""
+        return self.config.running_mean
 
 
 def split_variables(graph: Graph) -> tuple[dict, dict]:
@@ -105,21 +113,18 @@ def unstash(tid: str) -> str:
 
 
 def optimizer_scalars(optimizer: Any, variables: Mapping[str, Any], trainable: list,
-                      options: Any, accumulation: int, replication: int) -> dict[str, float]:
+                      config: EngineConfig, accumulation: int, replication: int) -> dict[str, float]:
     """PopART's optimizer scalar tensors, by their tensor ids (the optimizer's
     ``scalar_rows``):
     ``<prefix>___default___<FLOAT|FLOAT16>``, or ``<prefix>___specific___<w>`` for a weight
     with its own values, and the loss's ``lossScaling_<dtype>``; each exists, as in PopART,
     only when one of its terms is non-const. Sessions with automatic loss scaling: none here
     (it owns the loss scale tensors)."""
-    als = getattr(getattr(options, "automaticLossScalingSettings", None), "enabled", False)
-    if optimizer is None or als:
+    if optimizer is None or config.als.enabled:
         return {}
-    ga = bool(getattr(options, "enableGradientAccumulation", False)) and accumulation > 1
-    mean = getattr(getattr(options, "accumulationAndReplicationReductionType", None),
-                   "name", "") == "Mean"
-    post = mean and getattr(getattr(options, "meanAccumulationAndReplicationReductionStrategy",
-                                    None), "name", "Post") == "Post"
+    ga = config.gradient_accumulation and accumulation > 1
+    mean = config.mean_reduction
+    post = mean and not config.running_mean
     f = {"ga": ga, "mean": mean, "A": float(accumulation), "R": float(replication),
          "paf": float(accumulation) if post and ga else 1.0,
          "prf": float(replication) if post else 1.0}
@@ -138,12 +143,10 @@ def optimizer_scalars(optimizer: Any, variables: Mapping[str, Any], trainable: l
     return out
 
 
-def check_recompute_mixture(graph: Graph, options: Any) -> None:
+def check_recompute_mixture(graph: Graph, config: EngineConfig) -> None:
     """Ir::prepare's check: automatic recomputation (autoRecomputation other than
     NoRecompute) with ops the user marked Recompute, unless there are execution phases."""
-    auto = recompute.method_name(getattr(options, "autoRecomputation", None)) != "NoRecompute"
-    phases = getattr(getattr(options, "executionPhaseSettings", None), "phases", 0)
-    if auto and phases < 2 and any(
+    if config.recompute != "NoRecompute" and config.execution_phases < 2 and any(
             int(n.annotations.get(recompute.RECOMPUTE_OUTPUT, 0) or 0) == recompute.RECOMPUTE
             for n in graph.nodes):
         raise popart_exception("A mixture of auto and manual recomputation is not supported")
@@ -176,8 +179,7 @@ class StepProgram:
         self.device_info = device
         self.stash_anchors = stash_anchors
         self.planned = False
-        self.placement = Placement(cfg.replication_factor, device, across_processes=bool(
-            getattr(cfg.options, "enableDistributedReplicatedGraphs", False)))
+        self.placement = Placement(cfg.replication_factor, device, processes=cfg.config.processes)
         self.variables, self.constants = split_variables(graph)
         self.graph_consts = Graph(**{**graph.__dict__, "initializers": self.constants})
         self.trainable: list[str] = []
@@ -208,7 +210,7 @@ class StepProgram:
         axis = REPLICA_AXIS if self.cfg.replication_factor > 1 else None
         return trace(self.graph_consts if graph is None else graph, feeds, key=key, training=training, weights=weights,
                      replica_axis=axis, replication_factor=self.cfg.replication_factor,
-                     options=self.cfg.options, probes=probes, platform=self.placement.platform,
+                     config=self.cfg.config, probes=probes, platform=self.placement.platform,
                      remat=remat, effects=effects, taps=taps,
                      float32_loss=self.float32_loss if training else None,
                      float32_region=self.float32_region if training else frozenset(),
@@ -234,7 +236,7 @@ class StepProgram:
         step, which PopART stashes from its forward stage until its backward stage."""
         if not stash:
             return
-        if not (self.cfg.training and getattr(self.cfg.options, "enablePipelining", False)):
+        if not (self.cfg.training and self.cfg.config.pipelining):
             raise IrError(f"Anchor '{stash[0]}': stashed and restored tensors exist only in a "
                           f"pipelined TrainingSession")
         specs = self.tensor_specs
@@ -248,8 +250,7 @@ class StepProgram:
     def _plan(self) -> None:
         cfg = self.cfg
         if cfg.als is not None:   # PopART's checks before it looks at gradients
-            cfg.als = _als.snapshot(cfg.als)   # the settings this program compiles with
-            _als.check_settings(cfg.als, cfg.training, cfg.optimizer, cfg.options, self.graph)
+            _als.check_settings(cfg.als, cfg.training, cfg.optimizer, cfg.config, self.graph)
         specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype()) for k, i in self.input_infos.items()}
         wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
         def probe(weights, feeds):   # -> (anchor specs, the trace's Facts)
@@ -314,7 +315,7 @@ class StepProgram:
                                                                    keep, effects)
             self._plan_recompute(out["specs"], out["traced"], out["known"], effects)
         opt_ids = set(self.opt_state_ids())
-        self.rts = _rts.choose(cfg.options, self.placement, self.variables, self.init_opt_state(),
+        self.rts = _rts.choose(cfg.config.locations, self.placement, self.variables, self.init_opt_state(),
                                self.trainable, cfg.accumulation_factor)
         if cfg.training:   # the optimizer's scalars: the session writes them from the host
             self.host_anchors = {a for a in self.scalar_values() if a in self.anchor_ids}
@@ -345,7 +346,7 @@ class StepProgram:
         ``optimizer`` (default: the one the program was planned with)."""
         cfg = self.cfg
         return optimizer_scalars(optimizer or cfg.optimizer, self.variables, self.trainable,
-                                 cfg.options, cfg.accumulation_factor, cfg.replication_factor)
+                                 cfg.config, cfg.accumulation_factor, cfg.replication_factor)
 
     def updated_var_anchors(self) -> dict[str, str]:
         """Anchor -> weight, for the anchors naming a trainable weight's VarUpdate output
@@ -378,7 +379,7 @@ class StepProgram:
         time); nodes that read and make only known values run in place."""
         cfg = self.cfg
         nbytes = {k: int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for k, v in specs.items()}
-        method = recompute.method_name(getattr(cfg.options, "autoRecomputation", None))
+        method = cfg.config.recompute
         marks = recompute.annotate(self.graph, cfg.loss, method, nbytes)
         if recompute.RECOMPUTE not in marks.values():
             return
@@ -666,14 +667,14 @@ class StepProgram:
                 out[a] = first_failure(v)
                 continue
             art = self.cfg.anchors[a]
-            kind = art.id()
-            if kind == AnchorReturnTypeId.All:
+            kind = art.kind
+            if kind == "All":
                 out[a] = v
-            elif kind == AnchorReturnTypeId.EveryN:   # PopART's batch counter counts
-                B, A, n = v.shape[0], v.shape[1], art.rp()   # micro-batches: every Nth one
+            elif kind == "EveryN":   # PopART's batch counter counts
+                B, A, n = v.shape[0], v.shape[1], art.period   # micro-batches: every Nth one
                 out[a] = v.reshape((B * A,) + v.shape[2:])[n - 1::n].reshape(
                     (B // n, A) + v.shape[2:])
-            elif kind == AnchorReturnTypeId.Final:
+            elif kind == "Final":
                 out[a] = v[-1, -1]
             else:
                 out[a] = jnp.sum(v, axis=(0, 1))

@@ -6,9 +6,8 @@ tensor follows the one rule of ``engine/state.py`` (``ReplicaShards``). See
 docs/replication.md (what the step does, which tensors are sharded)."""
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +16,13 @@ from jax.experimental import multihost_utils
 
 from ..errors import OptionError
 from ..logging import getLogger
-from ..options import (CommGroupType, ReplicatedTensorSharding, TensorLocation,
-                       TensorLocationSettings)
 from ..tensornames import PREFIXES
+from .config import ACCUM, STATE, WEIGHTS, Location, Locations
 from .compiled import REPLICA_AXIS, Placement, arg_specs
 from .placed import run_on_mesh
 from .state import HOST_MEMORY, Home, ReplicaShards
 
 _logger = getLogger("session")
-WEIGHTS, STATE, ACCUM = ("weightTensorLocationSettings", "optimizerStateTensorLocationSettings",
-                         "accumulatorTensorLocationSettings")
 STATE_PREFIXES = tuple(PREFIXES[k] for k in ("Accl", "Accl1", "Accl2", "Accl3"))
 SHARED_PREFIX = PREFIXES["Accl"]   # optimizer state and accumulator (SGD)
 ACCUM_PREFIX = PREFIXES["Accum"]
@@ -186,39 +182,13 @@ class StateSharding:
 
 
 # ---------------------------------------------------------------------- choosing tensors
-def _settings(options: Any, name: str) -> TensorLocationSettings:
-    tls = getattr(options, name)
-    where = f"SessionOptions.{name}"
-    if not isinstance(tls, TensorLocationSettings):
-        raise OptionError(f"{where}: expected a TensorLocationSettings, got {tls!r}")
-    _check_location(tls.location, f"{where}.location")
-    for name in ("minElementsForReplicatedTensorSharding", "minElementsForOffChip"):
-        m = getattr(tls, name)
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
-            raise OptionError(f"{where}.{name}: expected an int >= 0, got {m!r}")
-    return tls
-
-
-def _check_location(loc: Any, where: str) -> bool:
-    """Whether ``loc`` asks for sharding; OptionError for what cannot be honoured."""
-    if not isinstance(loc, TensorLocation):
-        raise OptionError(f"{where}: expected a TensorLocation, got {loc!r}")
-    on = loc.replicatedTensorSharding == ReplicatedTensorSharding.On
-    if on and loc.shardingDomain.type != CommGroupType.All:
-        raise OptionError(f"{where}.shardingDomain: replicated tensor sharding over replica "
-                          f"sub-groups is not supported; expected CommGroup(CommGroupType.All), "
-                          f"got {loc.shardingDomain}")
-    return on
-
-
-def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
+def choose(locations: Optional[Locations], placement: Placement, variables: Mapping[str, Any],
            opt_state: Mapping[str, Any], trainable: list[str], accumulation_factor: int) -> StateSharding:
-    """Where PopART's tensor location settings keep each weight and optimizer state tensor
+    """Where the tensor location settings keep each weight and optimizer state tensor
     (docs/replication.md)."""
-    if options is None:
+    if locations is None:
         return StateSharding(placement)
-    settings = {n: _settings(options, n) for n in (WEIGHTS, STATE, ACCUM)}
-    overrides = dict(options.tensorLocationSettingsOverride or {})
+    settings, overrides = locations.rules, locations.overrides
     accumulating = accumulation_factor > 1
     owner = {p + w: w for w in trainable for p in STATE_PREFIXES
              if p + w in opt_state and np.shape(opt_state[p + w]) == np.shape(variables[w])}
@@ -228,23 +198,22 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
             return ACCUM
         return STATE if tid in owner else WEIGHTS
 
-    def location(tid: str) -> tuple[TensorLocation, bool, str]:
-        """(tid's location, checked; whether it asks for sharding; the kind whose settings'
-        minimums apply: the shared Accl___'s are the optimizer state's)."""
+    def location(tid: str) -> tuple[Location, str]:
+        """(tid's location, checked; the kind whose settings' minimums apply: the shared
+        Accl___'s are the optimizer state's)."""
         k = kind(tid)
-        where = (f"SessionOptions.tensorLocationSettingsOverride['{tid}']" if tid in overrides
-                 else f"SessionOptions.{k}.location")
         loc = overrides.get(tid, settings[k].location)
-        return loc, _check_location(loc, where), STATE if tid in owner else k
+        if loc.error:
+            raise OptionError(loc.error)
+        return loc, STATE if tid in owner else k
 
     def sharded(tid: str, shape: tuple) -> bool:
-        _, on, k = location(tid)
-        return on and (k == ACCUM or int(np.prod(shape)) >= settings[k].minElementsForReplicatedTensorSharding)
+        loc, k = location(tid)
+        return loc.sharded and (k == ACCUM or int(np.prod(shape)) >= settings[k].min_sharded)
 
     def off_chip(tid: str, shape: tuple) -> bool:
-        loc, _, k = location(tid)
-        return getattr(loc.storage, "name", "") == "OffChip" and \
-            int(np.prod(shape)) >= settings[k].minElementsForOffChip
+        loc, k = location(tid)
+        return loc.off_chip and int(np.prod(shape)) >= settings[k].min_off_chip
 
     shapes = {**{k: np.shape(v) for k, v in variables.items()},
               **{k: np.shape(opt_state[k]) for k in owner}}
@@ -277,7 +246,7 @@ def choose(options: Any, placement: Placement, variables: Mapping[str, Any],
                 f"be connected. Adjust the replicated tensor sharding settings: expected "
                 f"SessionOptions.{kind(s)} to shard '{s}' too (replicatedTensorSharding On, "
                 f"minElementsForReplicatedTensorSharding <= {int(np.prod(shapes[s]))}), got "
-                f"{settings[kind(s)]}")
+                f"{settings[kind(s)].text}")
     update = (stored & set(trainable)) | {owner[s] for s in stored if s in owner}
     _logger.info(f"Replicated tensor sharding over {placement.replication_factor} replicas: "
                  f"{sorted(stored)} stored sharded, accumulators of {sorted(accum)} sharded")

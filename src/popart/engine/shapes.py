@@ -13,6 +13,7 @@ from .._ir.onnx_import import ModelLike, import_model
 from ..tensorinfo import TensorInfo, to_datatype
 from . import in_x64
 from .compiled import graph_function
+from .config import EngineConfig
 from .lower import trace
 
 
@@ -38,16 +39,16 @@ def input_specs(graph: Graph, overrides: Optional[Mapping[str, TensorInfo]] = No
 @in_x64
 def infer_graph(graph: Graph, ids: Optional[Iterable[str]] = None,
                 overrides: Optional[Mapping[str, TensorInfo]] = None,
-                training: bool = False, options: Any = None) -> dict[str, TensorInfo]:
+                training: bool = False, config: Optional[EngineConfig] = None) -> dict[str, TensorInfo]:
     """TensorInfo of ``ids`` (default: every tensor) by tracing the graph abstractly; with
     ``training``, as a training session's forward pass (BatchNormalization's statistics
-    outputs, active dropout); with a session's ``options``, by PopART's rules where they
+    outputs, active dropout); with a session's ``config``, by PopART's rules where they
     differ from ONNX's (ArgMax's INT32, Scan's concatenated outputs)."""
     specs = input_specs(graph, overrides)
     wanted = list(ids) if ids is not None else graph.all_tensor_ids()
 
     def fn(feeds):
-        env = trace(graph, feeds, training=training, options=options).env
+        env = trace(graph, feeds, training=training, config=config).env
         return {k: env[k] for k in wanted if k in env and env[k] is not None}
 
     out = jax.eval_shape(fn, specs)

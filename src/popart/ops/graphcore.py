@@ -282,7 +282,7 @@ def group_normalization(ctx: LowerCtx, x, scale, bias, *, num_groups, epsilon, *
     autodiff gives): mean and inverse standard deviation pass no gradient back. With the
     session option ``groupNormStridedChannelGrouping`` (poplibs' strided grouping) group g
     holds the channels c with c % num_groups == g instead of a block of neighbours."""
-    strided = bool(getattr(ctx.options, "groupNormStridedChannelGrouping", False))
+    strided = ctx.config is not None and ctx.config.group_norm_strided
     c = x.shape[1]
     perm = np.arange(c).reshape(c // num_groups, num_groups).T.reshape(-1) if strided else None
     y, m, inv = nn._group_norm(x if perm is None else x[:, perm], num_groups, epsilon)

@@ -53,8 +53,9 @@ FP16_MAX_POW2 = 32768.0   # the largest power of two float16 holds (2^15)
 def _threshold(ctx: LowerCtx, override):
     if override is not None:
         return float(override)
-    als = getattr(ctx.options, "automaticLossScalingSettings", None)
-    return float(getattr(als, "thresholdUpperCountProportion", 1e-7))
+    if ctx.config is None:   # outside a session: PopART's default
+        return 1e-7
+    return float(ctx.config.als.thresholdUpperCountProportion)
 
 
 @_g("LossScaleUpdate")

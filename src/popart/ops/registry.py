@@ -44,7 +44,7 @@ class LowerCtx(Protocol):
     consumed: bool        # a node of the graph (or of a graph it calls) reads an output
     replica_axis: Optional[str]   # vmap / shard_map axis name of replicas, or None
     replication_factor: int
-    options: Any          # the session's SessionOptions (or None)
+    config: Any           # the session's engine.config.EngineConfig (None: ONNX's rules)
     platform: str         # where the program runs: "cpu", "gpu", ... (never compared in a
                           # lowering: register a platform override, engine/backends.py)
 
@@ -273,10 +273,10 @@ def opid(ctx: LowerCtx) -> str:
 
 
 def onnx_semantics(ctx: LowerCtx) -> bool:
-    """True outside PopART's sessions (the ONNX backend, one-shot runs: no SessionOptions),
+    """True outside PopART's sessions (the ONNX backend, one-shot runs: no engine config),
     where ONNX's own rules apply where PopART's differ (ArgMax's INT64, Scan's stacked
     outputs)."""
-    return getattr(ctx, "options", None) is None
+    return getattr(ctx, "config", None) is None
 
 
 def debug_name(ctx: LowerCtx) -> str:

@@ -1,9 +1,10 @@
 """Reports: where a compiled step's time and memory go, per ONNX node, switched on by PopART's
 own options (see ``switches``); ``capture`` records, ``html`` renders, ``cli`` is
 ``popart profile``. Sessions call :func:`session_built`, :func:`session_compiling`,
-:func:`popxl_compiling` and :func:`summary_lines`; the engine calls :func:`current`."""
-from .switches import (compiling, current, engine_options, popxl_compiling, report_settings,
-                       session_built, session_compiling, summary_lines)
+:func:`popxl_compiling` and :func:`summary_lines`; :func:`compiling` registers the report's
+``CompileHooks`` with the engine (``engine.hooks``) for the compile."""
+from .switches import (compiling, engine_options, popxl_compiling, report_settings,
+                       samples_per_run, session_built, session_compiling, summary_lines)
 
-__all__ = ["compiling", "current", "engine_options", "popxl_compiling", "report_settings",
-           "session_built", "session_compiling", "summary_lines"]
+__all__ = ["compiling", "engine_options", "popxl_compiling", "report_settings",
+           "samples_per_run", "session_built", "session_compiling", "summary_lines"]

@@ -30,23 +30,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import onnx
 
     import popart
-    from popart.cli import CliError, _device, _feed, _model_inputs, _parse_inputs
+    from popart.cli_inputs import CliError, device, feed, model_inputs, parse_inputs
 
     if args.runs < 1:
         raise CliError(f"--runs must be at least 1, got {args.runs}")
     if not os.path.exists(args.model):
         raise CliError(f"model file '{args.model}' does not exist")
     model = onnx.load(args.model, load_external_data=False)
-    given = _parse_inputs(args.input or [])
+    given = parse_inputs(args.input or [])
     rng = np.random.default_rng(0)
-    feeds = {n: _feed(n, dt, shape, given.get(n), 1, rng) for n, (dt, shape) in _model_inputs(model).items()}
+    feeds = {n: feed(n, dt, shape, given.get(n), 1, rng) for n, (dt, shape) in model_inputs(model).items()}
     outputs = [o.name for o in model.graph.output]
     if not outputs:
         raise CliError(f"'{args.model}' has no graph outputs to anchor")
     opts = popart.SessionOptions()
     opts.engineOptions = {"autoReport.all": "true", "autoReport.directory": args.out,
                           "autoReport.executionProfileProgramRunCount": str(args.runs)}
-    session = popart.InferenceSession(args.model, popart.DataFlow(1, outputs), _device(args.device),
+    session = popart.InferenceSession(args.model, popart.DataFlow(1, outputs), device(args.device),
                                       userOptions=opts)
     session.prepareDevice()
     anchors = session.initAnchorArrays()

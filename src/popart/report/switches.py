@@ -11,21 +11,21 @@
   compile start, 4..6 planning, 7..40 lowering, 41.. the backend compile, total at the end).
 - IPU-only instrumentation options log one warning each.
 
-With none of them on, :func:`current` returns None and the engine does nothing more."""
+With none of them on, :func:`compiling` registers no hooks (``engine.hooks.current`` is None) and
+the engine does nothing more."""
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import os
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ..errors import popart_exception
 from .._ir.graph import Graph
+from ..engine.hooks import compile_hooks
 from ..logging import getLogger
 
 _logger = getLogger("session")
-_hooks: contextvars.ContextVar = contextvars.ContextVar("popart_compile_hooks", default=None)
 CHECKS = ("Fwd0", "Fwd1", "Bwd0", "Final")   # PopART's check points that exist here
 _TRUE = ("true", "1", "yes", "on")
 _IPU_ONLY = {"instrumentWithHardwareCycleCounter": False}   # (hardwareInstrumentations only with it)
@@ -167,8 +167,8 @@ def dump_ir(serialize: Callable[[], str]) -> Optional[str]:
 
 # ---------------------------------------------------------------------------- compile hooks
 class CompileHooks:
-    """What a compile in a :func:`compiling` block reports to: the progress logger and the
-    report's recorder (either may be None)."""
+    """The engine's compile hooks (``engine.hooks.CompileHooks``) of a :func:`compiling`
+    block: the progress logger and the report's recorder (either may be None)."""
     _MILESTONES = {"start": 3, "plan": 4, "lower": 7, "compile": 41}
 
     def __init__(self, progress: Optional[Progress], recorder: Any) -> None:
@@ -192,10 +192,6 @@ class CompileHooks:
         return self.recorder
 
 
-def current() -> Optional[CompileHooks]:
-    return _hooks.get()
-
-
 @contextlib.contextmanager
 def compiling(options: Any, name: str, graph: Optional[Graph], samples_per_run: int = 1,
               kind: str = "") -> Iterator[Optional[CompileHooks]]:
@@ -212,11 +208,8 @@ def compiling(options: Any, name: str, graph: Optional[Graph], samples_per_run: 
                             samples_per_run=samples_per_run, kind=kind)
     hooks = CompileHooks(prog, recorder)
     hooks.at("start")
-    token = _hooks.set(hooks)
-    try:
+    with compile_hooks(hooks):   # registered with the engine for the block
         yield hooks
-    finally:
-        _hooks.reset(token)
     if prog is not None:
         prog.complete()
 
@@ -226,46 +219,50 @@ def recorder_of(step: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- session hooks
-def _samples(session: Any) -> int:
-    infos = list(getattr(session, "_input_infos", {}).values())
+def samples_per_run(input_infos: Mapping[str, Any], factors: tuple[int, ...]) -> int:
+    """The samples a run of a popart session takes: its first input's batch dimension times
+    its (batchesPerStep, accumulationFactor, replicationFactor)."""
+    infos = list(input_infos.values())
     micro = infos[0].shape()[0] if infos and infos[0].shape() else 1
-    df = session.dataFlow
-    return int(df.batchesPerStep() * session.accumulationFactor * session.replicationFactor * max(micro, 1))
+    n = max(micro, 1)
+    for f in factors:
+        n *= int(f)
+    return int(n)
 
 
-def session_built(session: Any) -> None:
-    """A popart session is constructed: progress 0, the IR's DOT files and dump, warnings."""
-    o = session.options
-    prog = progress(o)
+def built(options: Any, graph: Graph, checks: tuple,
+          serialize: Callable[[], str]) -> Optional[Progress]:
+    """A session is built: progress 0, warnings, the IR's DOT files at ``checks`` and
+    POPART_IR_DUMP's JSON (``serialize``)."""
+    prog = progress(options)
     if prog is not None:
         prog.at(0)
-    warn_ipu_only(o)
-    write_dots(o, session._graph, ("Fwd0", "Fwd1"))
+    warn_ipu_only(options)
+    write_dots(options, graph, checks)
     if os.environ.get("POPART_IR_DUMP"):
-        dump_ir(session._serializeIr)
+        dump_ir(serialize)
+    return prog
 
 
-def session_compiling(session: Any) -> contextlib.AbstractContextManager:
-    """popart InferenceSession / TrainingSession.prepareDevice's compile block."""
-    o, training = session.options, bool(session._training)
-    write_dots(o, session._graph, ("Bwd0", "Final"), training=training)
-    return compiling(o, session.name, session._graph, _samples(session), type(session).__name__)
+def session_built(options: Any, graph: Graph, serialize: Callable[[], str]) -> None:
+    """A popart session is constructed with ``options`` and IR ``graph``."""
+    built(options, graph, ("Fwd0", "Fwd1"), serialize)
 
 
-def popxl_compiling(session: Any) -> contextlib.AbstractContextManager:
-    """popxl.Session's compile block (its Ir's options, main graph and host transfers)."""
-    ir = session._ir
-    o = ir._options
-    prog = progress(o)
-    if prog is not None:   # PopART's first call; compiling() goes on from 3
-        prog.at(0)
-    warn_ipu_only(o)
-    write_dots(o, session._main_ir, CHECKS)
-    if os.environ.get("POPART_IR_DUMP"):
-        from ..session_ir import serialize_ir
-        dump_ir(lambda: serialize_ir(session._main_ir, {}, "maingraph"))
-    return compiling(o, f"popxl.Ir {getattr(ir, 'id', '')}".strip(), session._main_ir,
-                     int(getattr(session, "_r", 1)) * int(getattr(session, "_n", 1)), "popxl.Session")
+def session_compiling(options: Any, graph: Graph, training: bool, name: str, kind: str,
+                      samples: int) -> contextlib.AbstractContextManager:
+    """popart InferenceSession / TrainingSession.prepareDevice's compile block (session
+    ``name`` of class ``kind``, ``samples`` per run)."""
+    write_dots(options, graph, ("Bwd0", "Final"), training=bool(training))
+    return compiling(options, name, graph, samples, kind)
+
+
+def popxl_compiling(options: Any, graph: Graph, name: str, samples: int,
+                    serialize: Callable[[], str]) -> contextlib.AbstractContextManager:
+    """popxl.Session's compile block: its Ir's ``options``, main ``graph``, ``samples`` per
+    run (replicas x host transfers); PopART's first progress call, then compiling()'s from 3."""
+    built(options, graph, CHECKS, serialize)
+    return compiling(options, name, graph, samples, "popxl.Session")
 
 
 def summary_lines(step: Any) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import jax
 import numpy as np
 
-from popart.engine.ir import Graph as IRGraph, Node
+from popart.engine.graph_api import Graph as IRGraph, Node
 from popart.engine.lower import info_text
 from popart.errors import IrError
 from popart.tensorinfo import to_datatype

@@ -23,7 +23,7 @@ import numpy as np
 
 from popart import custom_ops
 from popart.errors import popart_exception
-from popart.engine.ir import NO_GRAD_OPS, RECOMPUTE_OUTPUT, Graph as IRGraph, Node
+from popart.engine.graph_api import NO_GRAD_OPS, RECOMPUTE_OUTPUT, Graph as IRGraph, Node
 from popart.ops.collectives import op_name
 from popart.ops.popxl_grad import FROM_ARG_AND_OUTPUT, FROM_OUTPUT
 

@@ -1,7 +1,7 @@
 """decompose_sum: Sum ops with more than two inputs as a chain of Adds."""
 from __future__ import annotations
 
-from popart.engine.ir import Node
+from popart.engine.graph_api import Node
 
 from ..graph import Graph
 

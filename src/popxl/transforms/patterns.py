@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from popart.custom_ops import ADDONS_DOMAIN
 from popart.errors import popart_exception
-from popart.engine.ir import Node
+from popart.engine.graph_api import Node
 
 _COLLECTIVES = ("ReplicatedAllReduceTP", "ReplicatedAllReduceStrided")
 

@@ -1,6 +1,6 @@
 """``popart._internal.ir``: PopART's C++ IR binding, as live handles on popxl's IR.
 
-Every object is a view of the one IR popxl builds (``popart.engine.ir`` graphs and popxl's
+Every object is a view of the one IR popxl builds (``popart.engine.graph_api`` graphs and popxl's
 bookkeeping around them): ``popxl.Ir._pb_ir``, ``Graph._pb_graph``, ``Tensor._pb_tensor`` and
 the ops the op-created hooks receive are instances of the classes named here, and what their
 methods change (erase an op, remove an output, clone an op into another graph, add a custom
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from popart.engine.ir import COLLECTIVE_OPS
+from popart.engine.graph_api import COLLECTIVE_OPS
 from popxl._pb import (BwdGraphInfo, ExpectedConnection, Graph, GraphId, Ir, Op,
                        OperatorIdentifier, ReplicaGroupingHandle as ReplicaGrouping, Session,
                        Settings, Tensor, TopoCons)

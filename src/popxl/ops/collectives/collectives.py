@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal, Optional
 
 from popart import CommGroup, CommGroupType  # noqa: F401  (popxl.ops.collectives.CommGroup)
-from popart.engine.ir import COLLECTIVE_OPS
+from popart.engine.graph_api import COLLECTIVE_OPS
 
 from ...replica_grouping import ReplicaGrouping
 from ...tensor import Tensor

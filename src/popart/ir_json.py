@@ -294,7 +294,7 @@ def _plan(training: Optional[dict]) -> Any:
         from .engine.pipeline import popart_stages
         ipus = int(getattr(getattr(program, "device_info", None), "numIpus", 1) or 1)
         sizes = {k: int(np.prod(v.shape)) for k, v in program.tensor_specs.items()}
-        plan = popart_stages(program.graph_consts, program.variables, options,
+        plan = popart_stages(program.graph_consts, program.variables, program.cfg.config,
                              max(ipus // program.cfg.replication_factor, 1), sizes)
     return plan if plan.pipelined and plan.num_stages >= 2 else None
 
@@ -375,7 +375,7 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
                        [GRAD + i for i in ins], {"recompute": "NO", **place(n)}, infos))
     grads = {w: GRAD + w for w in trained}
     ops += _clipping(training["optimizer"], trained, grads, infos, new_id)
-    ops += _als_ops(training.get("program"), infos)
+    ops += _als_ops(training.get("program"), infos, training.get("options"))
     decomposed = _Ids()
     for w in trained:
         ops += _var_update(training["optimizer"], w, grads[w], infos, decomposed, accumulating)
@@ -516,7 +516,7 @@ def _clipping(optimizer: Any, trained: list, grads: dict, infos: dict, new_id: _
     return ops
 
 
-def _als_ops(program: Any, infos: dict) -> list:
+def _als_ops(program: Any, infos: dict, o: Any) -> list:
     """Automatic loss scaling (``AutomaticLossScale``): a Histogram per tracked gradient
     (``Gradient___<t>_statistics``), their Sum (``summedHistograms``), the Cast to float
     (``summedCastedHistograms``), the LossScaleUpdate and ``finalLossScale``'s Mul."""
@@ -528,7 +528,7 @@ def _als_ops(program: Any, infos: dict) -> list:
     infos.update({h: TensorInfo("UINT32", [2]) for h in stats + ["summedHistograms"]})
     infos.update({"summedCastedHistograms": f32(2), "lossScaleUpdateFactor": f32(),
                   "finalLossScale": f32(), als.loss_scaling_id: f32()})
-    o = program.cfg.options   # SessionOptions::shouldDelayVarUpdates, consumers early
+    # SessionOptions::shouldDelayVarUpdates, consumers early
     early = (o.delayVarUpdates and o.executionPhaseSettings.phases < 2 and
              o.batchSerializationSettings.factor < 2 and not o.explicitRecomputation and
              not o.enableExplicitMainLoops and o.scheduleNonWeightUpdateGradientConsumersEarly)
