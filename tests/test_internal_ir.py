@@ -83,6 +83,25 @@ def test_tensors_producers_consumers(built):
     assert a._pb_tensor.modifiedRegionsByOps([matmul])[0].isEmpty()
 
 
+def test_tensor_info_sets_the_meta_shape():
+    """``Tensor.info`` is read-write, as PopART's field is: an op's setup sets an output's meta
+    shape through it (popxl-addons' strided reduce-scatter, configured for replicated tensor
+    sharding), which the popxl tensor then has; the type and shape stay the traced ones."""
+    ir = popxl.Ir()
+    with ir.main_graph:
+        y = ops.flatten(popxl.variable(np.ones((2, 3), np.float32), name="x"))
+    pb = y._pb_tensor
+    assert pb.info.metaShape() == [] and y.meta_shape == ()
+    info = pb.info
+    info.set(info.dataType(), info.shape(), [2, 3])
+    pb.info = info
+    assert y.meta_shape == (2, 3) and pb.info.metaShape() == [2, 3] and pb.info.shape() == [6]
+    info.set(info.dataType(), [3, 2])
+    with pytest.raises(popart_exception, match=r"info FLOAT \[3, 2\] differs from the traced "
+                                               r"FLOAT \[6\]; only the meta shape can be set"):
+        pb.info = info
+
+
 def test_subgraph_ops_and_io(built):
     sg, info, rep = built.sg, built.info, built.rep
     pg = sg._pb_graph

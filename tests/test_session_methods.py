@@ -50,7 +50,7 @@ def test_serialize_ir_has_popart_layout_with_grad_and_var_update_ops(training):
     doc = json.loads(s._serializeIr(popart.IrSerializationFormat.JSON))
     ops = doc["maingraph"]
     types = [op["type"] for op in ops]
-    assert types[:4] == ["MatMul", "Relu", "MatMul", "L1"]
+    assert types[:4] == ["MatMul", "ReluInplace", "MatMul", "L1"]   # Inplace (ir.cpp)
     assert types[4:8] == ["L1Grad", "MatMulGrad", "ReluGrad", "MatMulGrad"]   # reverse order
     assert types[8:] == ["Accumulate", "SGD1VarUpdate", "SGD1AcclUpdate"] * 2  # SGD1Decompose
     first = ops[0]

@@ -1,14 +1,16 @@
 """PopART's error hierarchy (user guide 4.7).
 
 Every user mistake raises a subclass of :class:`popart_exception` whose message names the
-tensor, op, option or file, what was expected and what was given.
+tensor, op, option or file, what was expected and what was given; Poplar's errors
+(:class:`poplar_exception` and its runtime errors, :class:`poplibs_exception`) are apart, as
+PopART binds them.
 """
 from __future__ import annotations
 
 import enum
 import numbers
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 __all__ = [
     "popart_exception", "popart_internal_exception", "popart_runtime_error", "poplibs_exception",
@@ -18,6 +20,7 @@ __all__ = [
     "poplar_unrecoverable_error", "unknown_runtime_error", "OutOfMemoryException",
     "UnsupportedOperatorError", "StepIOError", "ModelError", "OptionError", "OptimizerError",
     "DataFlowError", "BuilderError", "IrError", "WeightsIOError", "ArgumentError",
+    "OptionTypeError",
 ]
 
 
@@ -40,12 +43,17 @@ class popart_runtime_error(popart_exception):
     """An error found while running a compiled program."""
 
 
-class poplibs_exception(popart_exception):
-    """Kept for API compatibility; raised for errors inside op lowerings."""
+# PopART registers Poplar's and PopLibs' errors apart from its own (popart.cpp:3646-3669,
+# ``py::exception`` with the default base ``Exception``): ``except popart_exception`` does
+# not catch them. The package raises them only where PopART passes Poplar's error on (a
+# device id that does not exist, an Abort op, a device the program was not built for).
+class poplibs_exception(Exception):
+    """PopLibs' errors (``poputil::poplibs_error``); not a popart_exception."""
 
 
-class poplar_exception(popart_exception):
-    """Kept for API compatibility; base of the backend's errors."""
+class poplar_exception(Exception):
+    """Poplar's errors (``poplar::poplar_error``), base of the runtime errors; not a
+    popart_exception."""
 
 
 class poplar_runtime_error(poplar_exception):
@@ -150,16 +158,25 @@ class ArgumentError(popart_exception, TypeError):
     bindings raise TypeError); catchable as popart_exception or TypeError."""
 
 
+class OptionTypeError(OptionError, ArgumentError):
+    """A SessionOptions value of a type the option's pybind11 setter cannot take."""
+
+
 def incompatible_arguments(fn: str, signatures: "list[str]", args: tuple,
-                           constructor: bool = False) -> ArgumentError:
+                           constructor: bool = False, kwargs: Optional[Mapping] = None,
+                           cls: type = ArgumentError) -> ArgumentError:
     """pybind11's TypeError for a call no overload of a PopART binding accepts: ``fn`` (the
     method name, ``__init__`` for a constructor), each overload's signature as pybind11
-    prints it, the arguments given (``self`` left out)."""
+    prints it, the arguments given (a constructor's ``self`` left out) and the keyword
+    arguments (``cpp_function::dispatcher``: "; kwargs: name=value, ...")."""
     kind = "constructor" if constructor else "function"
     overloads = "\n".join(f"    {i}. {sig}" for i, sig in enumerate(signatures, 1))
-    return ArgumentError(f"{fn}(): incompatible {kind} arguments. The following argument "
-                         f"types are supported:\n{overloads}\n\nInvoked with: "
-                         + ", ".join(repr(a) for a in args))
+    invoked = ", ".join(repr(a) for a in args)
+    if kwargs:
+        invoked += ("; " if args else "") + "kwargs: " + ", ".join(
+            f"{k}={v!r}" for k, v in kwargs.items())
+    return cls(f"{fn}(): incompatible {kind} arguments. The following argument "
+               f"types are supported:\n{overloads}\n\nInvoked with: {invoked}")
 
 
 # What pybind11's casters accept (for ``check_arguments``): an int (``__index__``, bools

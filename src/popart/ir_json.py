@@ -12,6 +12,7 @@ the description of what the compiled program computes, not a second implementati
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -65,38 +66,124 @@ _FOLDED_LIKE = {"RandomNormalLike": ("RandomNormal", "RandomNormalLikeOpPattern"
                 "RandomUniformLike": ("RandomUniform", "RandomUniformLikeOpPattern")}
 
 
-# PopART's Inplace pattern (patterns/inplace.cpp, ir.cpp applyInplacePattern): each op with an
-# inplace variant (its ``inplacePriorityDefault``) becomes it where the aliasing is safe (see
-# _inplaced). Binary elementwise ops have two: Lhs when the output has the first input's
-# size, else Rhs when it has the second's (ElementWiseBinaryOp::inplacePriorityDefault).
-# Tanh has none in PopART. Concat aliases all its inputs; the others their first.
+# PopART's Inplace pattern (ir.cpp applyInplacePattern, patterns/inplace.cpp): the ops'
+# inplace variants with their ``inplacePriorityDefault`` (10 unless said; Transpose 100, Pad
+# 1). View variants (``_VIEWS``) only alias their input; the others also modify it. Binary
+# elementwise ops have two: Lhs when the output has the first input's size, Rhs when it has
+# the second's (ElementWiseBinaryOp::inplacePriorityDefault). Tanh has none in PopART.
+# Concat aliases all its inputs; the others their first (Rhs: the second).
+_UNARY_INPLACE = ("Relu", "Sigmoid", "Scale", "Softmax", "Gelu", "LeakyRelu", "HardSigmoid",
+                  "Exp", "Floor", "Ceil", "Round", "Sign", "Atan", "Asin", "Sinh", "Elu",
+                  "Selu", "Swish", "SoftPlus", "Softsign", "Shrink", "ThresholdedRelu",
+                  "Expm1", "Log1p", "LogSoftmax", "Clip")
+_VIEWS = ("Reshape", "Transpose", "Slice", "Concat", "Expand", "Subsample", "Identity",
+          "Detach")
 _INPLACE_VARIANTS = {
-    **{op: (f"{op}Inplace",) for op in ("Expand", "Relu", "Sigmoid", "Scale", "Reshape",
-                                        "Transpose", "Slice", "Concat", "Softmax", "Gelu",
-                                        "LeakyRelu", "HardSigmoid")},
-    **{op: (f"{op}LhsInplace", f"{op}RhsInplace") for op in ("Add", "Mul")}}
+    **{op: ((f"{op}Inplace", 100.0 if op == "Transpose" else 10.0),)
+       for op in _UNARY_INPLACE + _VIEWS},
+    "Pad": (("PadInplace", 1.0),),
+    **{op: ((f"{op}LhsInplace", 10.0), (f"{op}RhsInplace", 10.0)) for op in ("Add", "Mul")}}
 
 
-def _inplaced(n: Any, graph: Graph, keep: Optional[set], infos: dict) -> Optional[str]:
-    """The inplace variant an inference op becomes, or None: ``keep`` (the anchors; None when
-    the InPlace pattern is off or in training, whose backward pass reads the activations)
-    names neither the input it aliases nor its output, and no other op reads that input,
-    which is no weight."""
-    if keep is None or n.op_type not in _INPLACE_VARIANTS or keep.intersection(n.outputs) \
-            or n.domain not in ("", "ai.onnx", "ai.graphcore"):
-        return None
+def _inplace_pattern(ops: list, infos: dict, frozen: set) -> None:
+    """Apply PopART's Inplace pattern to a graph's ``ops`` (serialized, in PopART's op id
+    order: forward, then backward), in place. Candidates are taken in decreasing priority,
+    ties by the higher op id (applyInplacePattern's sort). A candidate is refused when
+    (Op::inputUnmodifiableFor, Tensor::isUnmodifiable) it would modify a tensor whose alias
+    set holds a ``frozen`` one (a weight, constant or optimizer tensor: one no op here
+    produces and no graph input; an anchor; a graph output; a restored-inplace tensor), or
+    when (poprithms' alias model) another reader of that alias set runs after it: one that
+    depends on its output, directly or through the order earlier inplacings imposed; else
+    the other readers are ordered before it. A view variant joins its output to its input's
+    alias set; its readers then must also come before the set's modifiers."""
+    readers: dict = {}
+    for k, op in enumerate(ops):
+        for t in op["inputs"]:
+            readers.setdefault(t["name"], set()).add(k)
+    after: dict = {k: set() for k in range(len(ops))}   # k -> ops ordered after it (data, topo)
+    for k, op in enumerate(ops):
+        for t in op["outputs"]:
+            after[k] |= readers.get(t["name"], set())
+    group: dict = {}                                    # tensor -> its alias set (shared)
+    modifiers: dict = {}                                # id(alias set) -> modifying op ids
 
-    def free(x: str) -> bool:
-        readers = sum(t == x for m in graph.nodes for t in m.inputs)
-        return readers == 1 and x not in graph.initializers and x not in keep
+    def aliases(t: str) -> set:
+        return group.setdefault(t, {t})
 
-    variants = _INPLACE_VARIANTS[n.op_type]
-    if len(variants) == 1:
-        aliased = n.inputs if n.op_type == "Concat" else n.inputs[:1]
-        return variants[0] if all(free(x) for x in aliased) else None
-    size = {t: infos[t].nelms() if t in infos else None for t in (*n.inputs[:2], n.outputs[0])}
-    return next((v for v, x in zip(variants, n.inputs) if free(x)
-                 and size[x] is not None and size[x] == size[n.outputs[0]]), None)
+    def reach(k: int) -> set:
+        seen, todo = set(), [k]
+        while todo:
+            for j in after[todo.pop()] - seen:
+                seen.add(j)
+                todo.append(j)
+        return seen
+
+    def size(t: str) -> Optional[int]:
+        info = infos.get(t)
+        return None if info is None else info.nelms()
+
+    candidates = []
+    for k, op in enumerate(ops):
+        for i, (variant, priority) in enumerate(_INPLACE_VARIANTS.get(op["type"], ())):
+            ins = [t["name"] for t in op["inputs"]]
+            if len(_INPLACE_VARIANTS[op["type"]]) == 2:   # Lhs / Rhs by size
+                if len(ins) < 2 or size(ins[i]) is None or size(ins[i]) != size(op["outputs"][0]["name"]):
+                    continue
+                aliased = [ins[i]]
+            else:
+                aliased = ins if op["type"] == "Concat" else ins[:1]
+            candidates.append((-priority, -k, i, k, variant, aliased))
+    done: set = set()
+    for _, _, _, k, variant, aliased in sorted(candidates):
+        if k in done or not aliased or not ops[k]["outputs"]:
+            continue
+        out = ops[k]["outputs"][0]["name"]
+        view = ops[k]["type"] in _VIEWS
+        sets, viewed = [aliases(t) for t in aliased], aliases(out)
+        members = set().union(*sets)
+        mods_in = {m for a in sets for m in modifiers.get(id(a), ()) if k not in reach(m)}
+        mods_out = modifiers.get(id(viewed), set())
+        in_readers = {j for t in members for j in readers.get(t, ()) if j != k}
+        out_readers = {j for t in viewed for j in readers.get(t, ())}
+        if view:   # then readers of each side must come before the other side's modifiers
+            if members & frozen and mods_out:   # an unmodifiable input modified through it
+                continue
+            order = [(j, m) for m in mods_in for j in out_readers] + \
+                    [(j, m) for m in mods_out for j in in_readers]
+        else:      # it modifies its input: every other reader of it must come first
+            if members & frozen:
+                continue
+            order = [(j, k) for j in in_readers]
+        if any(j in reach(m) for j, m in order):
+            continue
+        for j, m in order:
+            after[j].add(m)
+        merged = members | viewed
+        mods = set().union(*(modifiers.pop(id(a), set()) for a in sets + [viewed]))
+        for t in merged:
+            group[t] = merged
+        modifiers[id(merged)] = mods | (set() if view else {k})
+        ops[k]["type"] = variant
+        done.add(k)
+
+
+def _frozen(ops: list, g: Graph, anchors: set) -> set:
+    """The tensors no inplace op may modify (Tensor::isUnmodifiable, and Ir::
+    applyInplacePattern's recomputation check): the anchors, a subgraph's outputs, tensors a
+    RestoreInplace reads, implicit recomputation's tensors and checkpoints, and those no op
+    produces that are not streamed in (weights and constants: Variable / Const; optimizer
+    and loss-scaling tensors)."""
+    made = {t["name"]: op for op in ops for t in op["outputs"]}
+    read = {t["name"] for op in ops for t in op["inputs"]}
+    restored = {t["name"] for op in ops if op["type"] == "RestoreInplace" for t in op["inputs"]}
+    # implicit recomputation: what Recompute ops make (isImplicitRecomputeTensor) and what
+    # they read from elsewhere (isCheckpointTensor)
+    again = [op for op in ops if op["attributes"].get("recompute") == "YES"]
+    recomputed = {t["name"] for op in again for t in op["outputs"]} | {
+        t["name"] for op in again for t in op["inputs"]
+        if made.get(t["name"], {"attributes": {}})["attributes"].get("recompute") != "YES"}
+    return set(anchors) | set(g.outputs if g.parent is not None else ()) | restored | \
+        recomputed | (read - set(made) - (set(g.inputs) - set(g.initializers)))
 
 
 def _opt_to_identity(n: Any, infos: dict, patterns: Any) -> bool:
@@ -145,23 +232,34 @@ def _graphs(graph: Graph) -> list[Graph]:
 
 def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[dict] = None,
                  inplace_keep: Optional[set] = None, patterns: Any = None,
-                 anchors: Optional[set] = None) -> str:
+                 anchors: Optional[set] = None, options: Any = None,
+                 program: Any = None) -> str:
     """The IR as PopART's JSON. ``infos``: TensorInfo by id; ``training``: {"loss", "trainable",
     "optimizer"} for a TrainingSession; ``inplace_keep``: an inference session's anchors when
-    its InPlace pattern is on (see ``_inplaced``); ``patterns``: the session's Patterns;
+    its InPlace pattern is on (``_inplace_pattern``; a TrainingSession's come from
+    ``patterns``: the session's Patterns, ``anchors``); ``options`` / ``program``: an
+    InferenceSession's SessionOptions and step program (its Auto virtual graphs);
     ``anchors``: its anchored tensors."""
     doc, infos = {}, dict(infos)
+    inplace = inplace_keep   # the InPlace pattern's anchors (a TrainingSession: from patterns)
+    if inplace is None and training is not None and patterns is not None and \
+            patterns.isInPlaceEnabled():
+        inplace = set(anchors or ())
     plan = _plan(training)
     stages = _stages(plan, training)
     marks = _marks(graph, infos, training) if training is not None and not stages else {}
+    vgs = None if stages else _virtual_graphs(graph, training or {"options": options,
+                                                                  "program": program})
     for g in _graphs(graph):
         main = g is graph
         ops, read = _forward(g, infos, stages if main else {}, plan if main else None,
-                             marks if main else {}, inplace_keep if main else None,
-                             patterns, set(anchors or ()) | (set() if main else set(g.outputs)),
-                             training, _shard_sources(g, training) if main and not stages else None)
+                             marks if main else {}, patterns,
+                             set(anchors or ()) | (set() if main else set(g.outputs)),
+                             training, vgs if main else None)
         if main and training is not None:
-            ops += _backward(g, infos, training, stages, read, marks, patterns)
+            ops += _backward(g, infos, training, stages, read, marks, patterns, vgs)
+        if main and inplace is not None:
+            _inplace_pattern(ops, infos, _frozen(ops, g, inplace))
         doc["maingraph" if main else g.name] = ops
     if main_name != "maingraph":
         doc = {(main_name if k == "maingraph" else k): v for k, v in doc.items()}
@@ -169,7 +267,7 @@ def serialize_ir(graph: Graph, infos: dict, main_name: str, training: Optional[d
 
 
 def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
-             inplace_keep: Optional[set], patterns: Any, keep: set,
+             patterns: Any, keep: set,
              training: Optional[dict], shard: Optional[dict] = None) -> tuple[list, Any]:
     """Graph ``g``'s ops as PopART's patterns and transforms leave them, and ``read(t, ipu)``:
     the id an op on IPU ``ipu`` reads for tensor ``t``. OpToIdentity's Identity is removed
@@ -188,17 +286,19 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
     def read(t: str, ipu: Optional[int] = None) -> str:
         return moved.get((alias.get(t, t), ipu), alias.get(t, t)) if t else t
 
+    sources = _shard_sources(g, shard) if shard is not None else {}
+
     done = 0
     for n in g.nodes:
         s, ipu, _ = stages.get(id(n), (None, None, False))
         while s is not None and done < s:    # the copies of the boundaries before stage s
             ops += _ipu_copies(copies[done], done, infos, moved, read)
             done += 1
-        if shard is not None and n.annotations.get(VIRTUAL_GRAPH) is not None:
-            ipu = int(n.annotations[VIRTUAL_GRAPH])
+        if shard is not None:
+            ipu = shard[id(n)]
             sent = [t for t in dict.fromkeys(n.inputs)
-                    if shard.get(t, ipu) != ipu and (read(t), ipu) not in moved]
-            ops += _ipu_copies([ipu_copy_node(read(t), shard[t], ipu) for t in sent], None,
+                    if t in sources and sources[t] != ipu and (read(t), ipu) not in moved]
+            ops += _ipu_copies([ipu_copy_node(read(t), sources[t], ipu) for t in sent], None,
                                infos, moved, read)
         identity = _opt_to_identity(n, infos, patterns)
         if (identity and training is None and patterns.isPatternEnabled("PostNRepl")
@@ -206,28 +306,49 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
             alias[n.outputs[0]] = read(n.inputs[0])
             continue
         attrs = {**n.attrs, **_placement(n, stages.get(id(n)))}
+        if shard is not None:   # AutoVirtualGraph's ids, or the Builder's
+            attrs[VIRTUAL_GRAPH] = shard[id(n)]
         if marks:   # autoRecomputation: Recompute ops say YES, unless made explicit (clones)
             attrs["recompute"] = YES_NO[marks.get(id(n)) == RECOMPUTE and not explicit]
-        ops.append(_node_op(n, attrs, infos, _inplaced(n, g, inplace_keep, infos),
-                            [read(t, ipu) for t in n.inputs], identity))
+        ops.append(_node_op(n, attrs, infos, None, [read(t, ipu) for t in n.inputs], identity))
     return ops, read
 
 
-def _shard_sources(g: Graph, training: Optional[dict]) -> Optional[dict]:
-    """A sharded (virtual graphs, no pipeline) main graph's IPU each tensor is copied from
-    (transforms/interipucopy.cpp): its producer's; for a graph input, weight or constant,
-    the lowest IPU reading it (the stream's "first ipu"). None when no op has a virtual
-    graph id (``InterIpuCopy::apply`` looks at the first) or the mode is Off (training)."""
-    ipus = [n.annotations.get(VIRTUAL_GRAPH) for n in g.nodes]
-    mode = getattr(getattr((training or {}).get("options"), "virtualGraphMode", None), "name", "")
-    if not ipus or ipus[0] is None or mode == "Off":
+def _virtual_graphs(g: Graph, training: Optional[dict]) -> Optional[dict]:
+    """id(node) -> IPU of a sharded (virtual graphs, no pipeline) main graph: the Builder's
+    ids (Manual), or AutoVirtualGraph's (``engine.pipeline.auto_virtual_graphs`` on the
+    program's tensor sizes, as the engine places it). None when the mode is Off (training)
+    or no op has an id (``InterIpuCopy::apply`` looks at the first)."""
+    options, program = (training or {}).get("options"), (training or {}).get("program")
+    mode = getattr(getattr(options, "virtualGraphMode", None), "name", "")
+    if not g.nodes or mode == "Off":
         return None
-    made = {t: int(i) for n, i in zip(g.nodes, ipus) for t in n.outputs if i is not None}
+    if mode == "Auto" and program is not None:
+        from .engine.pipeline import auto_virtual_graphs, ipus_per_replica
+        n = ipus_per_replica(program.device_info, program.cfg.replication_factor)
+        if n < 2:
+            return None
+        sizes = {k: int(np.prod(v.shape)) for k, v in program.tensor_specs.items()}
+        stand_ins = [SimpleNamespace(inputs=nd.inputs, outputs=nd.outputs, annotations={})
+                     for nd in g.nodes]   # the session's own nodes keep their annotations
+        return {id(nd): v for nd, v in zip(g.nodes, auto_virtual_graphs(
+            SimpleNamespace(nodes=stand_ins), n, sizes))}
+    ids = [nd.annotations.get(VIRTUAL_GRAPH) for nd in g.nodes]
+    if ids[0] is None or any(i is None for i in ids):
+        return None
+    return {id(nd): int(i) for nd, i in zip(g.nodes, ids)}
+
+
+def _shard_sources(g: Graph, vgs: dict) -> dict:
+    """The IPU each tensor of a sharded main graph is copied from (transforms/
+    interipucopy.cpp): its producer's; for a graph input, weight or constant, the lowest
+    IPU reading it (the stream's "first ipu")."""
+    made = {t: vgs[id(n)] for n in g.nodes for t in n.outputs if t}
     out: dict = {}
-    for n, ipu in zip(g.nodes, ipus):
+    for n in g.nodes:
         for t in n.inputs:
-            if t and ipu is not None and t not in made:
-                out[t] = min(out.get(t, int(ipu)), int(ipu))
+            if t and t not in made:
+                out[t] = min(out.get(t, vgs[id(n)]), vgs[id(n)])
     return {**out, **made}
 
 
@@ -311,6 +432,23 @@ def _stages(plan: Any, training: Optional[dict]) -> dict:
             for s, nodes in enumerate(plan.nodes) for n in nodes}
 
 
+# The forward tensors a grad op reads (its ``gradInputInfo``, GradOpInType In / Out): the
+# forward op's outputs (relu.cpp:77-78, sigmoid.cpp, tanh.cpp, exp.cpp, softmax.cpp,
+# sqrt.cpp, leakyrelu.cpp), none (add.cpp:76, scale.cpp:94, reshape.cpp:237,
+# transpose.cpp:195, concat.cpp:304, slice.cpp:492, expand.cpp:204, identity.cpp:72,146: the
+# gradient only), else its inputs.
+_GRAD_READS_OUTPUTS = {"Relu", "Sigmoid", "Tanh", "Exp", "Softmax", "Sqrt", "LeakyRelu"}
+_GRAD_READS_NOTHING = {"Add", "Sub", "Neg", "Scale", "Reshape", "Transpose", "Concat", "Slice",
+                       "Expand", "Identity", "IdentityLoss", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def _grad_reads(n: Any) -> list[str]:
+    """What forward tensors the grad op of node ``n`` reads (besides gradients)."""
+    if n.op_type in _GRAD_READS_NOTHING:
+        return []
+    return [t for t in (n.outputs if n.op_type in _GRAD_READS_OUTPUTS else n.inputs) if t]
+
+
 class _Ids:
     """PopART's ``Ir::createIntermediateTensorId``: ``<base>__t<counter>``."""
 
@@ -323,13 +461,15 @@ class _Ids:
 
 
 def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, marks: dict,
-              patterns: Any) -> list[dict]:
+              patterns: Any, vgs: Optional[dict] = None) -> list[dict]:
     """What PopART's backward pass and optimizer transforms add to the main graph: grad ops
     (reverse order, where ``ir.transforms.gradient_flow`` has a gradient flow, reading what
     ``read`` names), explicit recomputation's clones, pipeline stashes and restores, gradient
     clipping, automatic loss scaling's statistics and update, and the var updates (SGD1's
     accumulator ops with their PopART tensor names). Intermediate ids are numbered in
-    PopART's transform order: the optimizer's decomposition, the clones, the clipping."""
+    PopART's transform order: the optimizer's decomposition, the clones, the clipping. A
+    grad op runs on its forward op's IPU (``stages``, or ``vgs`` when sharded); a gradient
+    made on another IPU is copied to it first (InterIpuCopy after autodiff)."""
     def is_float(t: str) -> bool:
         info = infos.get(t)
         return info is not None and np.issubdtype(info.np_dtype(), np.floating)
@@ -350,26 +490,31 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     recomputed = {t: c["outputs"][i]["name"] for c in clones.values()
                   for i, t in enumerate(o for o in c["_node"].outputs if o)}
 
-    def place(n: Any) -> dict:   # a grad op's stage: maxPipelineStage - its forward stage
-        if id(n) not in stages:
+    # id(node) -> (its grad op's pipeline stage: maxPipelineStage - its forward stage, IPU)
+    where = {k: (2 * last - s, ipu) for k, (s, ipu, _) in stages.items()} or \
+        {k: (None, ipu) for k, ipu in (vgs or {}).items()}
+
+    def place(n: Any) -> dict:
+        if id(n) not in where:
             return {}
-        s, ipu, _ = stages[id(n)]
-        return {"recompute": "NO", VIRTUAL_GRAPH: ipu, PIPELINE_STAGE: 2 * last - s}
+        s, ipu = where[id(n)]
+        return {"recompute": "NO", VIRTUAL_GRAPH: ipu, **({} if s is None else {PIPELINE_STAGE: s})}
 
     stash = _stash_ops(g, edges, stages, training, infos)
     ops, copied = stash["stash"], {}
     for k, n in grad_nodes:
         ins = [t for i, t in enumerate(n.inputs) if (k, i) in edges]
-        s, ipu, _ = stages.get(id(n), (None, None, False))
+        s, _, _ = stages.get(id(n), (None, None, False))
+        ipu = where.get(id(n), (None, None))[1]
         restored = {t: op for t, (st, k, op) in stash["restore"].items()
-                    if st == s and (t in n.inputs or k == id(n))}
+                    if st == s and (t in _grad_reads(n) or k == id(n))}
         ops += [stash["restore"].pop(t)[2] for t in restored]
         ops += _take_clones(clones, n.inputs)
         outs = [o for o in n.outputs if o in has_grad]
-        ops += [c for o in outs for c in _grad_copy(g, o, n, stages, last, copied, infos)]
+        ops += [c for o in outs for c in _grad_copy(g, o, n, where, copied, infos)]
         kind = "Identity" if _opt_to_identity(n, infos, patterns) else n.op_type
         reads = [restored[i]["outputs"][0]["name"] if i in restored else
-                 recomputed.get(i, read(i, ipu)) for i in n.inputs if i]
+                 recomputed.get(i, read(i, ipu)) for i in _grad_reads(n)]
         ops.append(_op(f"{kind}Grad", f"{n.name or n.outputs[0]}_Grad",
                        [copied.get((GRAD + o, ipu), GRAD + o) for o in outs] + reads,
                        [GRAD + i for i in ins], {"recompute": "NO", **place(n)}, infos))
@@ -382,16 +527,16 @@ def _backward(g: Graph, infos: dict, training: dict, stages: dict, read: Any, ma
     return ops
 
 
-def _grad_copy(g: Graph, o: str, n: Any, stages: dict, last: int, copied: dict,
-               infos: dict) -> list:
+def _grad_copy(g: Graph, o: str, n: Any, where: dict, copied: dict, infos: dict) -> list:
     """The IpuCopy of gradient ``Gradient___<o>`` to the IPU of ``n``'s grad op, when the
     grad ops of ``o``'s readers (which make it) run on another IPU (InterIpuCopy after the
-    backward pass): ``Gradient___<o>_c<ipu>``, in the stage of the grad ops making it.
-    ``copied``: (gradient, IPU) -> its copy, updated."""
-    if id(n) not in stages:
+    backward pass: from the later IPU to the earlier): ``Gradient___<o>_c<ipu>``, in the
+    pipeline stage of the grad ops making it (``where``: id(node) -> (grad stage or None,
+    IPU)). ``copied``: (gradient, IPU) -> its copy, updated."""
+    if id(n) not in where:
         return []
-    ipu = stages[id(n)][1]
-    makers = {stages[id(m)][:2] for m in g.nodes if o in m.inputs and id(m) in stages}
+    ipu = where[id(n)][1]
+    makers = {where[id(m)] for m in g.nodes if o in m.inputs and id(m) in where}
     if len(makers) != 1 or (GRAD + o, ipu) in copied:
         return []
     (s, src), = makers
@@ -399,7 +544,7 @@ def _grad_copy(g: Graph, o: str, n: Any, stages: dict, last: int, copied: dict,
         return []
     copy = copied[(GRAD + o, ipu)] = f"{GRAD}{o}_c{ipu}"
     infos[copy] = infos.get(o)
-    return [_ipu_copy_op(GRAD + o, copy, src, ipu, 2 * last - s, infos)]
+    return [_ipu_copy_op(GRAD + o, copy, src, ipu, s, infos)]
 
 
 def _recompute_clones(g: Graph, grad_nodes: list, marks: dict, infos: dict, new_id: "_Ids",
@@ -411,7 +556,7 @@ def _recompute_clones(g: Graph, grad_nodes: list, marks: dict, infos: dict, new_
     recomputed tensors where there are; the original and the clone both serialise
     ``recompute`` NO (Checkpoint / Recomputed). id(node) -> the clone op (``_node``: its
     node), in forward order."""
-    wanted = {t for n in grad_nodes for t in n.inputs if t}
+    wanted = {t for n in grad_nodes for t in _grad_reads(n)}
     picked = []
     for n in reversed(g.nodes):
         if marks.get(id(n)) == RECOMPUTE and wanted.intersection(n.outputs):
@@ -467,7 +612,7 @@ def _stash_ops(g: Graph, edges: set, stages: dict, training: dict, infos: dict) 
         if s == last or not any((k, i) in edges for i in range(len(n.inputs))):
             continue
         acts = [t for t in n.inputs if t and made.get(t, -1) < s] if recompute else \
-            [t for t in list(n.inputs) + list(n.outputs) if t]
+            _grad_reads(n)
         for t in acts:
             if t in weights or t in seen or t not in infos:
                 continue

@@ -5,6 +5,9 @@ The update formulas and the composition: docs/optimizers.md.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -13,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .engine.norms import GradientNorms, local_sum_squares
-from .errors import OptimizerError, check_arguments, real, sequence_of
+from .errors import OptimizerError, incompatible_arguments, noted, real, sequence_of
 from .options import AdamMode, AdaptiveMode, SGDAccumulatorAndMomentum, WeightDecayMode
 from .tensorinfo import DataType, np_dtype, to_datatype
 
@@ -277,6 +280,68 @@ def run_rule(optimizer: "Optimizer", fn: Rule, spec: Callable[[str, Array], dict
     return new_w, new_s
 
 
+# pybind11's view of the optimizers' constructors (popart.cpp): each parameter's printed
+# type and what its caster loads. The package also takes a number or None for the values
+# (a changeable learning rate / PopART's defaults), hyper-parameters as keywords and
+# DataType names.
+def _enum(cls: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, cls)
+
+
+def _data_type(default: str) -> tuple:
+    index = {"FLOAT": 11, "UNDEFINED": 18}[default]   # datatype.hpp's enumerators
+    return (f"popart_core.DataType = <DataType.{default}: {index}>",
+            lambda v: isinstance(v, (DataType, str)))
+
+
+_VALUES = ("dict", lambda v: v is None or isinstance(v, Mapping) or real(v))
+_CLIP = ("List[popart_core.ClipNormSettings] = []",
+         lambda v: sequence_of(v, lambda c: isinstance(c, ClipNormSettings)))
+_BOOL = ("bool = False", lambda v: isinstance(v, (numbers.Number, np.bool_)))  # nb_bool
+_WD_MODE = ("popart_core.WeightDecayMode = <WeightDecayMode.Decay: 0>", _enum(WeightDecayMode))
+
+
+def _debug(name: str) -> tuple:
+    return (f"popart_core.DebugContext = '{name}'",
+            lambda v: isinstance(v, str) or type(v).__name__ == "DebugContext")
+
+
+def _pybind_init(cls_name: str, params: dict) -> Callable:
+    """Check a constructor's arguments as pybind11 does for the binding whose parameters
+    are ``params`` (name -> (printed type and default, caster test)): an argument the
+    caster cannot load raises pybind11's "incompatible constructor arguments" TypeError."""
+    sig = f"popart_core.{cls_name}(" + ", ".join(f"{n}: {t}" for n, (t, _) in params.items()) + ")"
+
+    def wrap(init: Callable) -> Callable:
+        # the package's parameter names -> the binding's (SGD's ``values`` is ``pyd`` there)
+        rename = dict(zip(list(inspect.signature(init).parameters)[1:], params))
+
+        @functools.wraps(init)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+            given = {**dict(zip(params, args)), **{rename.get(k, k): v for k, v in kwargs.items()}}
+            bad = [n for n, (_, ok) in params.items() if n in given and not ok(given[n])]
+            if bad or len(args) > len(params):
+                raise noted(incompatible_arguments("__init__", [sig], args, True, kwargs),
+                            f"{cls_name}: " + (f"'{bad[0]}' cannot be {given[bad[0]]!r}" if bad
+                                               else f"{len(args)} positional arguments"))
+            init(self, *args, **kwargs)
+        return checked
+    return wrap
+
+
+def _check_value_dictionary(values: Mapping) -> None:
+    """popart.cpp getOptimizerValueDictionary's checks (PopART's errors); the package also
+    takes a value as a number (constant), a list pair or an OptimizerValue."""
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise OptimizerError("A key in the optimizer map input must be a py::str (in "
+                                 "getOptimizerValueDictionary)")
+        if not isinstance(value, (tuple, list, OptimizerValue, numbers.Real)):
+            raise noted(OptimizerError("A value in the optimizer map must be a py::tuple (in "
+                                       "getOptimizerValueDictionary)"),
+                        f"'{key}' is {value!r}; give (value, isConst)")
+
+
 class Optimizer:
     """Base of PopART's optimizers: hyper-parameter maps, loss scaling, clip norms and the
     engine-facing interface (``transform``, ``apply``, ``init_state``, ``non_const_feed``,
@@ -298,6 +363,7 @@ class Optimizer:
             values = {}
         elif not isinstance(values, Mapping):  # popart.SGD(stepLr): a changeable learning rate
             values = {"defaultLearningRate": (values, False)}
+        _check_value_dictionary(values)
         keys = {"default" + n[0].upper() + n[1:]: n for n in self._UNSET}
         keys.update(self._KEY_ALIASES, lossScaling="lossScaling")
         snake = {_snake(n): k for k, n in keys.items()}
@@ -508,6 +574,13 @@ class SGD(Optimizer):
     velocityScalings = _getter("velocityScaling")
     nesterov = _getter("nesterov")
 
+    @_pybind_init("SGD", {
+        "pyd": _VALUES, "clip_norm_settings": _CLIP,
+        "accumulatorAndMomentum": ("popart_core.SGDAccumulatorAndMomentum = "
+                                   "<SGDAccumulatorAndMomentum.Combined: 0>",
+                                   _enum(SGDAccumulatorAndMomentum)),
+        "accumType": _data_type("UNDEFINED"), "accl1Type": _data_type("UNDEFINED"),
+        "debugContext": _debug("sgd")})
     def __init__(self, values: Mapping[str, Any] | float | None = None,
                  clip_norm_settings: Iterable[ClipNormSettings] = (),
                  accumulatorAndMomentum: SGDAccumulatorAndMomentum =
@@ -587,16 +660,13 @@ class SGD(Optimizer):
 class ConstSGD(SGD):
     """SGD with a constant learning rate, weight decay and loss scaling."""
 
+    @_pybind_init("ConstSGD", {"learning_rate": ("float", real),
+                               "weight_decay": ("float = 0.0", real),
+                               "loss_scaling": ("float = 1.0", real),
+                               "clip_norm_settings": _CLIP})
     def __init__(self, learning_rate: float, weight_decay: float = 0.0,
                  loss_scaling: float = 1.0,
                  clip_norm_settings: Iterable[ClipNormSettings] = ()) -> None:
-        check_arguments(all(real(v) for v in (learning_rate, weight_decay, loss_scaling))
-                        and sequence_of(clip_norm_settings,
-                                        lambda c: isinstance(c, ClipNormSettings)),
-                        "__init__", [
-            "popart_core.ConstSGD(learning_rate: float, weight_decay: float = 0.0, "
-            "loss_scaling: float = 1.0, clip_norm_settings: List[popart_core.ClipNormSettings]"
-            " = [])"], (learning_rate, weight_decay, loss_scaling, clip_norm_settings), True)
         super().__init__({"defaultLearningRate": (learning_rate, True),
                           "defaultWeightDecay": (weight_decay, True),
                           "lossScaling": (loss_scaling, True)}, clip_norm_settings)
@@ -619,6 +689,12 @@ class Adam(Optimizer):
     epss = _getter("eps")
     maxWeightNorms = _getter("maxWeightNorm")
 
+    @_pybind_init("Adam", {
+        "values": _VALUES, "mode": ("popart_core.AdamMode = <AdamMode.Adam: 0>", _enum(AdamMode)),
+        "weight_decay_mode": _WD_MODE, "accum_type": _data_type("UNDEFINED"),
+        "accl1_type": _data_type("FLOAT"), "accl2_type": _data_type("FLOAT"),
+        "clip_norm_settings": _CLIP, "scaled_optimizer_state": _BOOL,
+        "debugContext": _debug("adam")})
     def __init__(self, values: Mapping[str, Any] | float | None = None,
                  mode: AdamMode = AdamMode.Adam,
                  weight_decay_mode: WeightDecayMode = WeightDecayMode.Decay,
@@ -699,6 +775,13 @@ class Adaptive(Optimizer):
     momentums = _getter("momentum")
     epss = _getter("eps")
 
+    @_pybind_init("Adaptive", {
+        "values": _VALUES,
+        "mode": ("popart_core.AdaptiveMode = <AdaptiveMode.RMSProp: 1>", _enum(AdaptiveMode)),
+        "weight_decay_mode": _WD_MODE, "accum_type": _data_type("UNDEFINED"),
+        "accl1_type": _data_type("FLOAT"), "accl2_type": _data_type("FLOAT"),
+        "accl3_type": _data_type("UNDEFINED"), "rmsprop_tf_variant": _BOOL,
+        "debugContext": _debug("adaptive")})
     def __init__(self, values: Mapping[str, Any] | float | None = None,
                  mode: AdaptiveMode = AdaptiveMode.RMSProp,
                  weight_decay_mode: WeightDecayMode = WeightDecayMode.Decay,

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .errors import OptionError, noted
+from .errors import OptionError, OptionTypeError, incompatible_arguments, noted
 
 
 __all__ = [
@@ -685,22 +685,57 @@ _MINIMUM = {"accumulationFactor": 1, "replicatedGraphCount": 1, "globalReplicati
             "defaultPrefetchBufferingDepth": 1}
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """``value`` converted to the type of option ``name``'s default, or OptionError."""
+# The C++ types pybind11 prints for the options whose default does not tell (popart.cpp,
+# sessionoptions.hpp); the others: bool, int, float, str, popart_core.<enum / structure>,
+# Dict[str, str], List[str].
+_PYBIND_TYPES = {"bufferingDepthMap": "Dict[str, int]", "prefetchBufferingDepthMap": "Dict[str, int]",
+                 "tensorLocationSettingsOverride": "Dict[str, popart_core.TensorLocationSettings]",
+                 "virtualGraphSplitRatios": "List[float]", "dotChecks": "Set[str]",
+                 "hardwareInstrumentations": "Set[popart_core.Instrumentation]"}
+
+
+def _pybind_type(name: str) -> str:
+    default = _DEFAULTS[name]
+    if name in _PYBIND_TYPES:
+        return _PYBIND_TYPES[name]
+    if isinstance(default, _Enum):
+        return f"popart_core.{type(default).__name__}"
+    for kind, text in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"),
+                       (dict, "Dict[str, str]"), (list, "List[str]")):
+        if isinstance(default, kind):
+            return text
+    return f"popart_core.{type(default).__name__}"
+
+
+def _setter_error(options: Any, name: str, value: Any, expected: str) -> OptionTypeError:
+    """pybind11's TypeError for a value option ``name``'s setter (``def_readwrite``: an
+    unnamed function of ``arg0``) cannot take; the option in a note."""
+    return noted(incompatible_arguments(
+        "", [f"(self: popart_core.SessionOptions, arg0: {_pybind_type(name)}) -> None"],
+        (options, value), cls=OptionTypeError),
+        f"SessionOptions.{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _coerce(name: str, value: Any, options: Any = None) -> Any:
+    """``value`` converted to the type of option ``name``'s default; pybind11's TypeError
+    (an OptionError too) for a value of another type, OptionError below a minimum."""
     default = _DEFAULTS[name]
     if name == "numIOTiles" and isinstance(value, NumIOTiles):
         value = int(value)
 
-    def bad(expected: str) -> OptionError:
-        return OptionError(f"SessionOptions.{name}: expected {expected}, got {value!r} "
-                           f"({type(value).__name__})")
+    def bad(expected: str) -> OptionTypeError:
+        return _setter_error(options, name, value, expected)
 
     if default is None:
         out = value
-    elif isinstance(default, _Enum):
-        out = _as_enum(type(default), value, f"SessionOptions.{name}")
-    elif isinstance(default, bool):
-        if not isinstance(value, (bool, np.bool_, numbers.Integral)) or value not in (0, 1):
+    elif isinstance(default, _Enum):   # the package also takes a member's name or value
+        try:
+            out = _as_enum(type(default), value, f"SessionOptions.{name}")
+        except OptionError:
+            raise bad(f"a {type(default).__name__} (one of "
+                      f"{', '.join(type(default).__members__)})") from None
+    elif isinstance(default, bool):    # pybind11's bool caster: anything with nb_bool, None
+        if not (value is None or isinstance(value, (bool, np.bool_, numbers.Number))):
             raise bad("a bool")
         out = bool(value)
     elif isinstance(default, int):
@@ -749,7 +784,7 @@ class SessionOptions:
             raise _unknown("SessionOptions", name, f"SessionOptions has no option '{name}' "
                            f"(assigned {value!r}); see the PopART API reference, section "
                            "13.1.3, for the options")
-        self._values[name] = _coerce(name, value)
+        self._values[name] = _coerce(name, value, self)
 
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(_DEFAULTS))

@@ -598,7 +598,7 @@ class _Session(_FileMethods):
         inplace = not self._training and self.patterns.isInPlaceEnabled()
         anchors = set(self._dataFlow.anchors())
         return serialize_ir(self._graph, dict(self._infos), main, training, anchors if inplace else None,
-                            self.patterns, anchors)
+                            self.patterns, anchors, options=self.options, program=program)
 
     @serialised
     def getReport(self) -> str:

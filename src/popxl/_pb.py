@@ -19,6 +19,7 @@ from popart.errors import popart_exception
 from popart.tensorinfo import TensorInfo
 
 from . import context
+from ._versions import inplace
 from .tensorlocation import ExecutionContext, TileSet
 
 if TYPE_CHECKING:
@@ -207,8 +208,22 @@ class Tensor(_Binding):
 
     @property
     def info(self) -> TensorInfo:
+        """The data type, shape and meta shape (a replica shard's full shape, [] unless set)."""
         spec = self._graph._specs[self.id]
-        return TensorInfo(spec.dtype, list(spec.shape))
+        info = TensorInfo(spec.dtype, list(spec.shape))
+        info.set(spec.dtype, None, popxl_tensor(self._graph, self.id)._meta_shape)
+        return info
+
+    @info.setter
+    def info(self, info: TensorInfo) -> None:
+        """PopART's ``def_readwrite``: an op's setup sets its outputs' info. The data type and
+        shape are the traced ones; only the meta shape may change."""
+        now = self.info
+        if (info.dataType(), info.shape()) != (now.dataType(), now.shape()):
+            raise popart_exception(
+                f"Tensor {self.id}: info {info.dataType().value} {info.shape()} differs from the "
+                f"traced {now.dataType().value} {now.shape()}; only the meta shape can be set")
+        popxl_tensor(self._graph, self.id)._meta_shape = tuple(info.metaShape())
 
     @property
     def consumers(self) -> Consumers:
@@ -669,7 +684,6 @@ class Op(_Binding):
             if oi < len(n.outputs) and ii < len(n.inputs) and n.outputs[oi] and n.inputs[ii]:
                 owner = g._tensors[g._versions.get(n.inputs[ii], n.inputs[ii])]
                 if owner._ir_id == n.inputs[ii]:
-                    from .ops._base import inplace
                     inplace(owner, g._tensors[n.outputs[oi]])
 
 
@@ -832,7 +846,6 @@ class SubgraphOp(Op):
         src = None if p is None else self._node.inputs[p]
         owner = None if src is None else popxl_tensor(self._graph, src)
         if owner is not None and owner._ir_id == src:
-            from .ops._base import inplace
             inplace(owner, self._graph._tensors[self._ref_result(k)])
 
     def _add_ref_output(self, k: int, at: int) -> str:
@@ -901,7 +914,6 @@ class LoopOp(SubgraphOp):
         src = self._node.inputs[int(index)]
         owner = popxl_tensor(self._graph, src)
         if owner is not None and owner._ir_id == src:
-            from .ops._base import inplace
             inplace(owner, self._graph._tensors[self._node.outputs[int(index) - 2]])
 
     def addLoopInput(self, index: int, tid: str, sg_tid: str, overwrite: bool = False) -> None:
@@ -987,6 +999,14 @@ def op_handle(graph: "XGraph", node: Node) -> Op:
     if _is_ipu_copy(graph, node):
         return IpuCopyOp(graph, node)
     return op_class(OP_CLASS_NAMES.get(node.op_type, f"{node.op_type}Op"))(graph, node)
+
+
+def op_created(graph: "XGraph", node: Node) -> None:
+    """Run the op-created hooks for ``node``, just added to ``graph`` (its handle is only built
+    when there are hooks)."""
+    ctx = context.get_current_context()
+    if ctx._op_created_hooks:
+        ctx._op_created(op_handle(graph, node))
 
 
 def called_graphs(ir: "XIr", nodes: Iterable[Node]) -> list["XGraph"]:
@@ -1260,7 +1280,7 @@ class Graph(_Binding):
         for o, spec in zip(outs, specs):
             if o:
                 g._add_tensor(o, spec)
-        context.op_created(g, node)
+        op_created(g, node)
         return op_handle(g, node)
 
 
@@ -1317,10 +1337,10 @@ class Ir(_Binding):
 
     def createGraph(self, gid: Any) -> Graph:
         """A new empty subgraph with exactly the id ``gid``."""
-        from .graph import Graph as XGraph
         if self.hasGraph(gid):
             raise popart_exception(f"Graph({gid}) is already in Ir")
-        g = XGraph(self._ir, str(gid), parent=self._ir.main_graph)
+        main = self._ir.main_graph
+        g = type(main)(self._ir, str(gid), parent=main)   # a popxl Graph (graph.py is above)
         self._ir._graphs.append(g)
         return Graph(g)
 
@@ -1424,3 +1444,9 @@ class ReplicaGroupingHandle(_Binding):
 
     def str(self) -> str:
         return repr(self._rg)
+
+
+# What context takes from here (it imports no module above it): the handles op-created hooks
+# receive, and ``Context._get_op_settings``' maker.
+context._UPPER.op = (Op,)
+context._UPPER.settings = lambda graph, name: Settings(Graph(graph), name)

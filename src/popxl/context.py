@@ -159,13 +159,10 @@ class Context:
         op.annotations["__in_sequence"] = mode
 
     # ------------------------------------------------------------------ package internals
-    def _op_created(self, op_or_graph: Any, node: Any = None) -> None:
-        """Run the op-created hooks for an op: ``_op_created(op)`` with a
-        ``popart._internal.ir.Op`` (PopXL's signature, which popxl-addons calls) or
-        ``_op_created(graph, node)`` with a popxl graph and its IR node."""
-        from . import _pb
-        op = op_or_graph if node is None else _pb.op_handle(op_or_graph, node)
-        if not isinstance(op, _pb.Op):
+    def _op_created(self, op: Any) -> None:
+        """Run the op-created hooks for ``op``, a ``popart._internal.ir.Op`` (PopXL's
+        signature, which popxl-addons calls; popxl's own ops: ``_pb.op_created``)."""
+        if not isinstance(op, _UPPER.op):
             raise TypeError(f"_op_created expects a popart._internal.ir.Op, got {type(op).__name__}")
         prev, self._op_graph = self._op_graph, op._graph
         try:
@@ -178,8 +175,7 @@ class Context:
         """The settings (``popart._internal.ir.Settings``) of an op named ``name`` created now
         in the current graph: its name after the name scopes, and the placement annotations of
         the enclosing blocks (IPU, IO tiles, pipeline stage, execution context, ...)."""
-        from . import _pb
-        return _pb.Settings(_pb.Graph(self.graph), "/".join((*self._name_scope, name)))
+        return _UPPER.settings(self.graph, "/".join((*self._name_scope, name)))
 
     def _annotations_now(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -198,6 +194,17 @@ class Context:
         return out
 
 
+class _Upper:
+    """What this module uses of the modules above it, set by them when they are imported (so
+    that it imports none of them): popxl's ``Tensor`` class (tensor.py), whose instances among
+    an op's arguments and results the debug records list; the binding's op handle class, which
+    op-created hooks receive, and its op-settings maker ``settings(graph, name)`` (_pb.py)."""
+    tensor: tuple = ()
+    op: tuple = ()
+    settings: Callable[[Any, str], Any]
+
+
+_UPPER = _Upper()
 _CURRENT_CONTEXT = Context()
 _CTX = _CURRENT_CONTEXT   # (the package's short name for it)
 
@@ -365,8 +372,7 @@ def _user_location() -> SourceLocation:
 
 
 def _tensor_ids(values: Iterable[Any]) -> ProfileValue:
-    from .tensor import Tensor
-    return ProfileValue([t.id for t in values if isinstance(t, Tensor)])
+    return ProfileValue([t.id for t in values if isinstance(t, _UPPER.tensor)])
 
 
 def _op_debug_info(api: str, inputs: Iterable[Any], location: SourceLocation) -> DebugInfo:
@@ -380,8 +386,7 @@ def _op_debug_info(api: str, inputs: Iterable[Any], location: SourceLocation) ->
 
 
 def _set_outputs(di: DebugInfo, result: Any) -> None:
-    from .tensor import Tensor
-    if isinstance(result, Tensor):
+    if isinstance(result, _UPPER.tensor):
         result = [result]
     try:
         di.setValue("outputs", _tensor_ids(result))
@@ -455,8 +460,3 @@ def register_op_created_hook(graph: "Graph", fn: Callable) -> int:
 
 def remove_op_created_hook(handle: int) -> None:
     _CTX.remove_op_created_hook(handle)
-
-
-def op_created(graph: "Graph", node: Any) -> None:
-    if _CTX._op_created_hooks:   # the op's handle is only built for hooks
-        _CTX._op_created(graph, node)

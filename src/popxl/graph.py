@@ -302,7 +302,7 @@ class Graph:
         # PopXL's debug record of the op (layer "popxl"; see popxl.context.op_debug_context)
         node._debug_info = context._op_debug_info(base, inputs, context._user_location())
         context._set_outputs(node._debug_info, result)
-        context.op_created(self, node)
+        _pb.op_created(self, node)
         return result
 
 

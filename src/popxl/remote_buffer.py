@@ -8,11 +8,13 @@ in host memory where the backend offers it (a ``pinned_host`` memory kind, see
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from .context import gcg
 from .dtypes import dtype as _dtype
-from .tensor import Tensor
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
 
 
 def _shape(shape: Iterable[int]) -> tuple[int, ...]:

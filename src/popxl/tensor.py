@@ -18,6 +18,17 @@ if TYPE_CHECKING:
     from .graph import Graph
     from .replica_grouping import ReplicaGrouping
 
+# The ops Tensor's methods and operators call (``popxl.ops._core``): set by popxl.ops when it
+# is imported (_bind_ops), as the ops make Tensors and so import this module.
+_ops: Any = None
+
+
+def _bind_ops(ops: Any) -> None:
+    """Make Tensor's methods and operators call the ops of module ``ops``."""
+    global _ops
+    _ops = ops
+
+
 #: Scalar types that can be coerced into a Tensor.
 ScalarType = Union[int, float, bool]
 #: Container types that can be coerced into a Tensor.
@@ -256,40 +267,31 @@ class Tensor:
 
     # ------------------------------------------------------------------ methods
     def transpose(self, permutation: Optional[Iterable[int]] = None) -> "Tensor":
-        from . import ops
-        return ops.transpose(self, permutation)
+        return _ops.transpose(self, permutation)
 
     def transpose_(self, permutation: Optional[Iterable[int]] = None) -> "Tensor":
-        from . import ops
-        return ops.transpose_(self, permutation)
+        return _ops.transpose_(self, permutation)
 
     def reshape(self, shape: Iterable[int]) -> "Tensor":
-        from . import ops
-        return ops.reshape(self, shape)
+        return _ops.reshape(self, shape)
 
     def reshape_(self, shape: Iterable[int]) -> "Tensor":
-        from . import ops
-        return ops.reshape_(self, shape)
+        return _ops.reshape_(self, shape)
 
     def flatten(self) -> "Tensor":
-        from . import ops
-        return ops.flatten(self)
+        return _ops.flatten(self)
 
     def flatten_(self) -> "Tensor":
-        from . import ops
-        return ops.flatten_(self)
+        return _ops.flatten_(self)
 
     def detach(self) -> "Tensor":
-        from . import ops
-        return ops.detach(self)
+        return _ops.detach(self)
 
     def detach_(self) -> "Tensor":
-        from . import ops
-        return ops.detach_(self)
+        return _ops.detach_(self)
 
     def copy_to_ipu(self, destination: int, source: Optional[int] = None) -> "Tensor":
-        from . import ops
-        return ops.ipu_copy(self, destination, source)
+        return _ops.ipu_copy(self, destination, source)
 
     def diag(self) -> "Tensor":
         """The diagonal of a 2-d tensor (``min(rows, cols)`` elements, as ``numpy.diag``).
@@ -306,15 +308,13 @@ class Tensor:
         return self.flatten()[:(n - 1) * (cols + 1) + 1:cols + 1]
 
     def __getitem__(self, key: Any) -> "Tensor":
-        from . import ops
-        return ops._getitem(self, key)
+        return _ops._getitem(self, key)
 
     # ------------------------------------------------------------------ operators
     def _bin(self, op: str, other: TensorLike, reverse: bool = False) -> "Tensor":
-        from . import ops
         o = self._ensure_tensor(other)
         a, b = (o, self) if reverse else (self, o)
-        return getattr(ops, op)(a, b)
+        return getattr(_ops, op)(a, b)
 
     def __add__(self, o): return self._bin("add", o)
     def __radd__(self, o): return self._bin("add", o, True)
@@ -339,20 +339,16 @@ class Tensor:
     def __or__(self, o): return self._bin("logical_or", o)
     def __ror__(self, o): return self._bin("logical_or", o, True)
     def __iadd__(self, o):
-        from . import ops
-        return ops.add_(self, self._ensure_tensor(o))
+        return _ops.add_(self, self._ensure_tensor(o))
 
     def __neg__(self) -> "Tensor":
-        from . import ops
-        return ops.negate(self)
+        return _ops.negate(self)
 
     def __abs__(self) -> "Tensor":
-        from . import ops
-        return ops.abs(self)
+        return _ops.abs(self)
 
     def __invert__(self) -> "Tensor":
-        from . import ops
-        return ops.logical_not(self)
+        return _ops.logical_not(self)
 
     # No iteration or ``in`` through __getitem__ (PopXL's choice: its errors would mislead).
     __iter__ = None
@@ -402,8 +398,7 @@ class Variable(Tensor):
 
     def copy_to_ipu(self, dst: int, src: int) -> Tensor:  # type: ignore[override]
         """``ops.ipu_copy(self, dst, src)``: a variable has no producer, so ``src`` is needed."""
-        from . import ops
-        return ops.ipu_copy(self, dst, src)
+        return _ops.ipu_copy(self, dst, src)
 
 
 class Constant(Tensor):
@@ -411,8 +406,7 @@ class Constant(Tensor):
 
     def copy_to_ipu(self, dst: int, src: int) -> Tensor:  # type: ignore[override]
         """``ops.ipu_copy(self, dst, src)``: a constant has no producer, so ``src`` is needed."""
-        from . import ops
-        return ops.ipu_copy(self, dst, src)
+        return _ops.ipu_copy(self, dst, src)
 
 
 class TensorByRef(Tensor):
@@ -740,3 +734,6 @@ def graph_output(t: Tensor) -> None:
     if not isinstance(t, Tensor) or t._graph is not g:
         raise ValueError(f"graph_output: {t!r} is not a tensor of graph '{g.name}'")
     g._outputs.append(t)
+
+
+context._UPPER.tensor = (Tensor,)   # (context imports no module above it)

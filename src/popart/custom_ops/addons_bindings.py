@@ -11,11 +11,13 @@ _GROUP_FLAGS = ("op", "group", "identicalInputs", "identicalGradInputs")
 
 def _rts_output(op: Any, attrs: dict) -> None:
     """ReplicatedReduceScatterStridedOp::setup: configured for replicated tensor sharding, the
-    output's meta-shape is the input's shape."""
+    output's meta-shape is the input's shape (set through the handle's ``info``, as the C++
+    op sets its ``outInfo``)."""
     if attrs.get("configureOutputForReplicatedTensorSharding"):
-        from popxl import Tensor
-        out, x = (Tensor._from_pb_tensor(t) for t in (op.outTensor(0), op.inTensor(0)))
-        out._meta_shape = tuple(x.shape)
+        out = op.outTensor(0)
+        info = out.info
+        info.set(info.dataType(), info.shape(), op.inTensor(0).info.shape())
+        out.info = info
 
 _STRIDED = ("stride", "groupSize")
 

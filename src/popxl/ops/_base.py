@@ -9,6 +9,7 @@ from popart.tensorinfo import onnx_dtype
 
 from ..context import get_current_graph
 from ..dtypes import dtype as _dtype
+from .._versions import inplace  # noqa: F401  (every in-place op's, and the binding's)
 from ..tensor import Tensor, constant
 
 ONNX = "ai.onnx"
@@ -93,23 +94,6 @@ def as_tensor(x: Any, like: Optional[Tensor] = None, dtype: Any = None) -> Tenso
 def ints(values: Union[int, Iterable[int]]) -> Tensor:
     """An int64 constant (axes, sizes and other compile-time operands)."""
     return constant(np.asarray(values, np.int64).reshape(-1), "int64", name="const_i64")
-
-
-def inplace(t: Tensor, new: Tensor, _from: Optional[Tensor] = None) -> Tensor:
-    """Make ``t`` name the value ``new`` (the result of an in-place op on ``t``); the tensors
-    that alias ``t`` (see :func:`view`) follow."""
-    if new.shape != t.shape:
-        raise ValueError(f"In-place op on '{t.id}' would change its shape from {t.shape} to {new.shape}")
-    versions = t._graph._versions
-    versions[new._ir_id] = versions.get(t._ir_id, t._ir_id)
-    t._ir_id = new._ir_id
-    for base, back in getattr(t, "_alias_of", ()):   # t is a view: write it into its base
-        if base is not _from and base._graph is t._graph:
-            inplace(base, back(base, t), t)
-    for v, fwd in getattr(t, "_aliases", ()):        # t has views: they read its new value
-        if v is not _from and v._graph is t._graph:
-            inplace(v, fwd(t), t)
-    return t
 
 
 def view(base: Tensor, out: Tensor, fwd: Any, back: Any) -> Tensor:

@@ -318,6 +318,97 @@ def _branch(parent: Graph, graph: Graph, ins: list[Tensor], tag: str) -> IRGraph
     return br
 
 
+class ConditionalSiteInfo(CallSiteInfo):
+    """A conditional's call site. The op's inputs are ``cond`` (index 0), the then-branch's
+    inputs, then the else-branch's; both branches' outputs map to the op's outputs."""
+
+    def __init__(self, then_branch: Graph, else_branch: Graph, cond: Tensor, then_inputs: list[Tensor],
+                 else_inputs: list[Tensor], outputs: list[Tensor]) -> None:
+        self._branches = (then_branch, else_branch)
+        self._branch_inputs = (list(then_inputs), list(else_inputs))
+        self._all_inputs = [cond] + list(then_inputs) + list(else_inputs)
+        self._outs = list(outputs)
+
+    @property
+    def called_graph(self) -> tuple[Graph, Graph]:  # type: ignore[override]
+        """The then and else graphs."""
+        return self._branches
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return tuple(self._all_inputs)
+
+    @property
+    def outputs(self) -> tuple[Tensor, ...]:
+        return tuple(self._outs)
+
+    def parent_input(self, idx: int) -> Tensor:
+        return self._all_inputs[idx]
+
+    def parent_output(self, idx: int) -> Tensor:
+        return self._outs[idx]
+
+    def _first(self, then_branch: bool) -> int:
+        return 1 if then_branch else 1 + len(self._branch_inputs[0])
+
+    def graph_to_parent_input_index(self, idx: int, then_branch: bool = True) -> int:
+        if not 0 <= idx < len(self._branch_inputs[0 if then_branch else 1]):
+            raise IndexError("Invalid graph input index")
+        return self._first(then_branch) + idx
+
+    def is_parent_index_in_then_branch(self, idx: int) -> bool:
+        """True when op input ``idx`` feeds the then-branch, False for the else-branch.
+
+        Raises:
+            IndexError: ``idx`` feeds neither (0 is the condition)."""
+        n_then, n_else = (len(b) for b in self._branch_inputs)
+        if 1 <= idx <= n_then:
+            return True
+        if n_then < idx <= n_then + n_else:
+            return False
+        raise IndexError("Invalid parent graph input index")
+
+    def parent_to_graph_input_index(self, idx: int) -> int:
+        return idx - self._first(self.is_parent_index_in_then_branch(idx))
+
+    def graph_to_parent_output_index(self, idx: int, then_branch: bool = True) -> int:
+        if not 0 <= idx < len(self._outs):
+            raise IndexError("Invalid graph input index")
+        return idx
+
+    parent_to_graph_output_index = graph_to_parent_output_index
+
+    def graph_to_parent(self, graph_tensor: Tensor) -> Tensor:
+        """The op's input or output connected to an input or output of either branch.
+
+        Raises:
+            ValueError: ``graph_tensor`` is neither."""
+        for g, then in zip(self._branches, (True, False)):
+            if graph_tensor in g._inputs:
+                return self._all_inputs[self.graph_to_parent_input_index(g._inputs.index(graph_tensor), then)]
+            if graph_tensor in g._outputs:
+                return self._outs[g._outputs.index(graph_tensor)]
+        raise ValueError(f"Tensor {graph_tensor.name} is not an input or output of the called graph(s).")
+
+    def parent_to_graph(self, parent_tensor: Tensor) -> Tensor:
+        """The branch input that the first use of ``parent_tensor`` as an op input feeds.
+
+        Raises:
+            ValueError: ``parent_tensor`` is not a branch input of this op."""
+        for idx in range(1, len(self._all_inputs)):
+            if self._all_inputs[idx] is parent_tensor:
+                then = self.is_parent_index_in_then_branch(idx)
+                return self._branches[0 if then else 1]._inputs[self.parent_to_graph_input_index(idx)]
+        raise ValueError(f"Tensor {parent_tensor.name} is not a parent graph input of the call site.")
+
+    def set_parent_input_modified(self, parent_tensor: Tensor, infer_modified_regions: bool = True) -> None:
+        """Not implemented for the conditional op, as in PopXL.
+
+        Raises:
+            NotImplementedError: always."""
+        raise NotImplementedError("Parent input modification is not yet implemented for the conditional op.")
+
+
 def conditional_with_info(cond: Tensor, then_branch: Graph, else_branch: Graph,
                           then_inputs: Optional[Iterable[Any]] = None,
                           else_inputs: Optional[Iterable[Any]] = None,
@@ -337,7 +428,6 @@ def conditional_with_info(cond: Tensor, then_branch: Graph, else_branch: Graph,
     attrs = {"then_branch": _branch(parent, then_branch, t_in, "then"),
              "else_branch": _branch(parent, else_branch, e_in, "else")}
     outs = node("If", [cond], attrs, ONNX, len(then_branch._outputs), name="conditional")
-    from ._op_modules import ConditionalSiteInfo   # (popxl.ops.conditional's, as in PopXL)
     return ConditionalSiteInfo(then_branch, else_branch, cond, t_in, e_in, outs)
 
 

@@ -9,6 +9,7 @@ from ..dtypes import dtype
 from ..errors import UndefinedValue
 from ..graph import Graph
 from ..tensor import Tensor
+from ._core import cast
 
 __all__ = ["cast_if_needed", "check_in_graph", "check_tensor_ipu_and_tile_set", "handle_negative_axis",
            "convert_optional_float", "convert_optional_int", "convert_optional_dtype",
@@ -17,7 +18,6 @@ __all__ = ["cast_if_needed", "check_in_graph", "check_tensor_ipu_and_tile_set", 
 
 def cast_if_needed(t: Tensor, data_type: dtype) -> Tensor:
     """``t`` cast to ``data_type``, or ``t`` itself when it already has that type."""
-    from . import cast
     return t if t.dtype == data_type else cast(t, data_type)
 
 

@@ -85,13 +85,12 @@ def check_lowerable(main: Any) -> None:
     """Raise PopART's Opx error for an op of popxl graph ``main`` or a graph it calls (PopXL's
     session removes the others first) that only lowers once OpToIdentityPattern has replaced
     it."""
-    from .._pb import called_graphs
     graphs, todo = [], [main]
     while todo:
         g = todo.pop()
         if all(g is not h for h in graphs):
             graphs.append(g)
-            todo += called_graphs(g.ir, g._g.nodes)
+            todo += g.called_graphs
     for g in graphs:
         for n in g._g.nodes:
             if n.op_type in MUST_REPLACE and replaceable(g, n):

@@ -15,6 +15,7 @@ from popart.engine.graph_api import COLLECTIVE_OPS
 from ...replica_grouping import ReplicaGrouping
 from ...tensor import Tensor
 from .._base import GC, one
+from .._core import reshape, transpose
 
 # PopXL's op names -> PopART's CollectiveOperator (by name; PopXL's table maps "mul" to Mean,
 # a slip: here it is Mul)
@@ -72,7 +73,6 @@ def _grouping_attr(g: ReplicaGrouping) -> dict:
 
 def _rearrange_input(t: Tensor, axis: int) -> tuple[Tensor, list[int]]:
     """``t`` with ``axis`` moved to the front, and that shape."""
-    from .. import transpose
     axis = axis % t.rank if t.rank else 0
     if axis > 0:
         perm = list(range(t.rank))
@@ -82,7 +82,6 @@ def _rearrange_input(t: Tensor, axis: int) -> tuple[Tensor, list[int]]:
 
 
 def _rearrange_output(y: Tensor, shape: list[int], axis: int) -> Tensor:
-    from .. import reshape, transpose
     y = reshape(y, shape)
     axis = axis % y.rank if y.rank else 0
     if axis > 0:

@@ -8,6 +8,7 @@ import numpy as np
 from ...replica_grouping import ReplicaGrouping
 from ...tensor import Tensor
 from .._base import GC, one
+from .._core import reshape
 from .collectives import _group, _grouping_attr, _rearrange_input, _rearrange_output
 
 
@@ -32,7 +33,6 @@ def replicated_all_gather(t: Tensor, axis: int = 0, group: Optional[ReplicaGroup
                          f"'auto'. Value: {output_shape}")
     k = g.group_size
     if output_shape == "meta_shape":
-        from .. import reshape
         meta = tuple(t.meta_shape)
         n = int(np.prod(meta, dtype=np.int64))
         if t.nelms * k < n:
@@ -49,6 +49,5 @@ def replicated_all_gather(t: Tensor, axis: int = 0, group: Optional[ReplicaGroup
         shape[0] *= k
     out = one("ReplicatedAllGather", x, domain=GC, name=t.name + "_all_gathered", **_grouping_attr(g))
     if output_shape == "new_axis":
-        from .. import reshape
         return reshape(out, (k,) + t.shape)
     return _rearrange_output(out, shape, axis if t.rank else 0)

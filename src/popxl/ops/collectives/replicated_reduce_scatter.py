@@ -5,6 +5,7 @@ from typing import Any, Optional
 
 from ...replica_grouping import ReplicaGrouping
 from ...tensor import Tensor
+from .._core import squeeze
 from .collectives import _collective_op, _group, _rearrange_input, _rearrange_output, _reduce_scatter
 
 
@@ -40,6 +41,5 @@ def replicated_slice(t: Tensor, axis: int = 0, group: Optional[ReplicaGrouping] 
     shape[0] //= g.group_size
     y = _rearrange_output(_reduce_scatter(x, "Local", g, "_replicated_slice"), shape, axis)
     if shape[0] == 1:
-        from .. import squeeze
         y = squeeze(y, [axis % t.rank])
     return y

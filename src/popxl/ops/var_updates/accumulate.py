@@ -6,18 +6,17 @@ from typing import Optional
 
 from ...tensor import Tensor
 from .._base import GC, inplace, one
+from .._core import scaled_add, scatter_reduce
 from .utils import Scalar, _cast, _f
 
 
 def accumulate_(t: Tensor, X: Tensor, f: Optional[Scalar] = None) -> Tensor:
     """t = t + f * X (f defaults to 1)."""
-    from .. import scaled_add
     return inplace(t, scaled_add(t, _cast(X, t), 1.0, 1.0 if f is None else f))
 
 
 def accumulate_square_(t: Tensor, X: Tensor, f: Scalar = 1.0) -> Tensor:
     """t = t + f * X^2."""
-    from .. import scaled_add
     x = _cast(X, t)
     return inplace(t, scaled_add(t, x * x, 1.0, f))
 
@@ -31,7 +30,6 @@ def accumulate_mean_(t: Tensor, X: Tensor, step: Scalar) -> Tensor:
 
 def accumulate_moving_average_(t: Tensor, X: Tensor, f: Scalar) -> Tensor:
     """t = f * t + (1 - f) * X."""
-    from .. import scaled_add
     if isinstance(f, Tensor):
         return inplace(t, f * t + (1.0 - f) * _cast(X, t))
     return inplace(t, scaled_add(t, _cast(X, t), float(f), 1.0 - float(f)))
@@ -57,6 +55,5 @@ def accumulator_zero_(t: Tensor) -> Tensor:
 def sparse_accumulate_(t: Tensor, X: Tensor, indices: Tensor, axis: int = 0,
                        f: Optional[Scalar] = None, W: Optional[Tensor] = None) -> Tensor:
     """t[indices[i]] += f * X[i] along ``axis``."""
-    from .. import scaled_add, scatter_reduce
     upd = scatter_reduce(_cast(X, t), indices, "sum", axis=axis, axis_size=t.shape[axis])
     return inplace(t, scaled_add(t, upd, 1.0, 1.0 if f is None else f))

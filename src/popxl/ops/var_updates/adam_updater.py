@@ -8,6 +8,7 @@ from popart import AdamMode
 
 from ...tensor import Tensor, constant
 from .._base import inplace
+from .._core import cast, sqrt
 from .utils import Scalar, _cast, _f, handle_optimizer_value
 
 _BIAS_CORRECTED = ("Adam", "Lamb", "AdaMax")
@@ -59,10 +60,8 @@ def _adam_updater(m: Tensor, v: Tensor, weight: Optional[Tensor], time_step: Opt
                   epsilon: Scalar, bias_correction: bool, sqrt_v: bool) -> Tensor:
     """The updater term of AdamUpdater (see :func:`adam_updater`) in ``m``'s dtype, then the
     weight's (with weight decay)."""
-    from .. import sqrt
     with_wd = weight_decay_is_required(weight_decay)
     if bias_correction:
-        from .. import cast
         step = inplace(time_step, time_step + 1)
         t = cast(step, "float32")       # corrections in float32, as PopART, then m's / v's type
 

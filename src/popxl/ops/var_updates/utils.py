@@ -7,6 +7,7 @@ from popart import OptimizerValue
 
 from ...tensor import Tensor
 from .._base import as_tensor
+from .._core import cast
 
 Scalar = Union[float, Tensor]
 
@@ -16,7 +17,6 @@ def _f(x: Scalar, like: Tensor) -> Tensor:
 
 
 def _cast(x: Tensor, like: Tensor) -> Tensor:
-    from .. import cast
     return x if x.dtype == like.dtype else cast(x, like.dtype)
 
 
