@@ -173,6 +173,110 @@ def test_a_user_defined_optimizer_trains_a_session_with_numpys_numbers():
 
 
 # ---------------------------------------------------------------------------------------
+# One device state (issue 35, item 2): one replicated-tensor-sharding rule, engine/state.py's
+# ReplicaShards, for popart's sessions (placed or not) and popxl's replica-sharded variables.
+
+def _shard_padding(path: Path) -> list:
+    """``file:line`` of each padding call (``np.pad``, ``jnp.pad``, ``numpy.pad``) and each
+    ceiling division written as ``-(-a // b)`` in ``path``: how a shard size or a padded
+    stored form is computed."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        pad = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr == "pad" and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id in ("np", "jnp", "numpy")
+        ceil = isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) \
+            and isinstance(node.operand, ast.BinOp) and isinstance(node.operand.op, ast.FloorDiv) \
+            and isinstance(node.operand.left, ast.UnaryOp) and isinstance(node.operand.left.op, ast.USub)
+        if pad or ceil:
+            hits.append(f"{path.name}:{node.lineno}")
+    return hits
+
+
+def test_one_rts_implementation(tmp_path):
+    """Only engine/state.py pads or splits a tensor into replica shards: the engine's other
+    modules (popart's RTS in rts.py, the placed program's slots) and popxl (its
+    replica-sharded variables) use its ReplicaShards. The op lowerings of the collectives (src/popart/ops/collectives.py) are
+    the ops' own semantics, not stored state, and are not scanned."""
+    import popxl
+    src = Path(popart.__file__).parent
+    files = sorted((src / "engine").glob("*.py")) + sorted(Path(popxl.__file__).parent.rglob("*.py"))
+    hits = [h for p in files if p.name != "state.py" for h in _shard_padding(p)]
+    assert hits == []
+    assert _shard_padding(src / "engine" / "state.py") != []   # the one place
+    probe = tmp_path / "probe.py"   # the scan finds what it forbids
+    probe.write_text("import numpy as np\nn = -(-7 // 2)\nx = np.pad(np.ones(3), (0, 1))\n")
+    assert _shard_padding(probe) == ["probe.py:2", "probe.py:3"]
+
+
+def _reference_shards(data: np.ndarray, assignment: list, shard_over: int) -> np.ndarray:
+    """PopART's rule for a constant-stride replica grouping, written out: each group's value
+    flattened and zero padded to a multiple of ``shard_over``; the k-th replica of a group
+    (in replica order) holds shard k mod ``shard_over``."""
+    groups = sorted(set(assignment))
+    rows = data.reshape(len(groups), -1)
+    size = -(-rows.shape[1] // shard_over)
+    padded = np.zeros((len(groups), size * shard_over), data.dtype)
+    padded[:, :rows.shape[1]] = rows
+    out = []
+    for r, g in enumerate(assignment):
+        k = [q for q, h in enumerate(assignment) if h == g].index(r) % shard_over
+        out.append(padded[groups.index(g), k * size:(k + 1) * size])
+    return np.stack(out)
+
+
+def test_replica_shards_follow_popart_rule_for_groupings():
+    """engine/state.ReplicaShards, the one RTS rule: the shards popxl's replica groupings give
+    (replicas, stride, group size, shards per group) are PopART's rule written out in NumPy;
+    put together again they give each group's value; ``over_all`` is popart's sessions'
+    form (replica r holds shard r of one group)."""
+    from popart.engine.state import ReplicaShards
+    from popxl import ReplicaGrouping
+    rs = np.random.RandomState(0)
+    for R, stride, size, k in [(8, 1, 8, 8), (8, 1, 8, 4), (8, 2, 4, 2), (8, 4, 2, 2),
+                               (4, 1, 2, 1), (4, 2, 2, 2)]:
+        g = ReplicaGrouping(R, stride, size)
+        shards = ReplicaShards((3, 5), k, g.assignment)
+        data = rs.randn(*((g.num_groups,) if g.num_groups > 1 else ()), 3, 5).astype(np.float32)
+        got = shards.to_replicas(data)
+        np.testing.assert_array_equal(got, _reference_shards(data, g.assignment, k))
+        np.testing.assert_array_equal(shards.group_values(got), data.reshape(-1, 3, 5))
+    whole = ReplicaShards.over_all((7,), 4)
+    x = np.arange(7, dtype=np.float32)
+    np.testing.assert_array_equal(whole.flat(x).reshape(4, 2), whole.to_replicas(x))
+    np.testing.assert_array_equal(whole.whole(whole.flat(x)), x)
+
+
+# ---------------------------------------------------------------------------------------
+# Facts as values (issue 35, item 1): an abstract trace returns what it learns (checks,
+# types, where outputs are) as a value, compiled.Facts, not by writing into closures.
+
+def test_facts_come_back_as_values_through_vmap_and_shard_map():
+    """A step's facts are its last output, a ``compiled.Facts``: ``plan_trace`` gets them
+    from one ``jax.eval_shape`` through ``vmap`` over the replicas and through the placed
+    programs' ``shard_map`` (``placed.run_on_mesh``), the other outputs as their types."""
+    import jax
+    import jax.numpy as jnp
+    from popart.engine.compiled import REPLICA_AXIS, Facts, plan_trace
+    from popart.engine.placed import run_on_mesh
+
+    def replica(x):
+        return x * 2, Facts(shape=x.shape, replica_axis=REPLICA_AXIS)
+
+    spec = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+    outs, facts = plan_trace(jax.vmap(replica, axis_name=REPLICA_AXIS, axis_size=4), spec)
+    assert outs == (jax.ShapeDtypeStruct((4, 3), jnp.float32),)
+    assert facts == {"shape": (3,), "replica_axis": REPLICA_AXIS}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (REPLICA_AXIS,))
+    P = jax.sharding.PartitionSpec
+    sharded = jax.ShapeDtypeStruct((4, 3), jnp.float32,
+                                   sharding=jax.sharding.NamedSharding(mesh, P(REPLICA_AXIS)))
+    step = run_on_mesh(replica, mesh, P(REPLICA_AXIS), (P(REPLICA_AXIS), P()))
+    outs, facts = plan_trace(step, sharded)
+    assert outs[0].shape == (4, 3) and facts["shape"] == (2, 3)   # each device's block
+
+
+# ---------------------------------------------------------------------------------------
 # A shared engine (issue 35, items 3 and 7): the module graph of src/, scanned from the
 # sources, counting imports at any depth of a file (function-local ones too).
 

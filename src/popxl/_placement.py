@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from popart.engine.compiled import REPLICA_AXIS
+from popart.engine.compiled import REPLICA_AXIS, Facts
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (Executor, ExecutorPlan, InOrder, Layout, Unplaceable,
+from popart.engine.placed import (Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable,
                                   device_grid, in_order_copies, per_ipu, placed_mesh,
                                   placed_or_none, plan_stages)
 from popart.engine.graph_api import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
@@ -258,9 +258,11 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
     home = {v: home.get(v, created[v]) for v in variables}
     # remote buffers kept in host memory between runs: in slots of their own (tagged),
     # whose sharding carries the memory kind
-    kinds = {s.graph_in: s.memory_kind for s in session._slots if s.memory_kind}
-    layout = Layout("variables", variables, home.__getitem__, ipus, {t: "host" for t in kinds})
-    host_slots = {key: kinds[t] for t, (_, key, _) in layout.slots.items() if t in kinds}
+    # (a replica-sharded variable's slot holds each replica's own shard, packed per replica)
+    homes = {s.graph_in: dataclasses.replace(s.home, ipu=home[s.graph_in], shards=None)
+             for s in session._slots}
+    layout = IpuSlots("variables", variables, homes, ipus,
+                      {t: "host" for t, h in homes.items() if h.memory_kind}, session._r)
     # A variable's block holds one version of it (at first its value before the run): a
     # stage on its IPU reads that version from the block and writes its last new version
     # there. The other tensors that later stages (or the end of the run) use, the stage
@@ -301,7 +303,7 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
     exports = [{t for n in nodes for t in n.outputs if t in used} | (set(from_block[s]) & used)
                for s, nodes in enumerate(stage_nodes)]
     executor = Executor(st, placed_mesh(session._device.jax_devices, session._r, ipus),
-                        in_order_copies(st, exports), layout, host_slots)
+                        in_order_copies(st, exports), layout)
     return MainPlan(executor, main, graphs, stage_nodes, loops, home, var_of, from_block,
                     to_block, exports, finals, d2h)
 
@@ -325,15 +327,16 @@ class MainPlan(ExecutorPlan):
     d2h: dict                     # device-to-host stream -> the tensor it gives
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> IpuSlots:
         return self.executor.layout
 
 
-def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list) -> Callable:
+def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list, planning: bool) -> Callable:
     """Stage s on its IPU's devices: (the device's blocks, received tensors, feeds) -> (the
     blocks with its variables' new versions, the tensors it sends on, the record of its
     first failed check). ``checks``: the program's registry so far (the plan's, when it is
-    the step that is compiled), which a check it does not know yet extends."""
+    the step that is compiled); ``planning``: the registry with the checks it adds follows,
+    as ``Facts``."""
     main, gs, layout = p.main, p.graphs, p.layout
     ipu, exports = p.stages.stage_ipu[s], sorted(p.exports[s])
     sub = IRGraph(name=f"{main.name}/stage{s}", nodes=p.nodes[s],
@@ -344,25 +347,25 @@ def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list) -> Callable
     r = session._r
 
     def run(blocks: dict, received: dict, feeds: dict) -> tuple:
-        mine = layout.unpack(blocks, ipu)
+        mine = layout.read(blocks, ipu)
         weights = {t: mine[v] for t, v in p.from_block[s].items()}
         tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
                    platform=session._placement.platform, replication_factor=r,
                    replica_axis=REPLICA_AXIS if r > 1 else None, checks=checks)
         record = tr.check_flags()
         record = jnp.zeros(RECORD, jnp.int64) if record is None else record
-        checks[len(checks):] = tr.checks[len(checks):]
         blocks = layout.repack(blocks, ipu, {v: tr.env[t] for v, t in p.to_block[s].items()})
-        return blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, record
+        out = (blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, record)
+        return (*out, Facts(checks=list(tr.checks))) if planning else out
     return run
 
 
-def main_step(p: MainPlan, session: "Session", planned: dict, facts: Optional[dict] = None) -> Callable:
+def main_step(p: MainPlan, session: "Session", planned: dict, planning: bool = False) -> Callable:
     """The program (``Executor.in_order_program``): (slots [replicas, ipus, *block], stream
     inputs [replicas, N, ...]) -> (new slots, device-to-host values [replicas, N, ...] and
     run-time checks), from the facts of its plan (``planned``: its run-time checks,
-    numbered; each stage's output shapes); ``facts`` (planning) gets them, and each
-    output's IPU. The schedule: the stages in program order, a repeat's in a fori_loop."""
+    numbered; each stage's output shapes); ``planning``: those facts follow, as ``Facts``.
+    The schedule: the stages in program order, a repeat's in a fori_loop."""
     known = planned.get("shapes", {})
     st, ex, n = p.stages, p.executor, session._n
     d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_device_numpy()) for s, t in session._d2h}
@@ -374,10 +377,13 @@ def main_step(p: MainPlan, session: "Session", planned: dict, facts: Optional[di
         shapes: dict = {}   # per stage, its outputs' shapes (the others' zeros)
 
         def stage(s: int, blocks: dict, run: InOrder, records: list) -> dict:
+            nonlocal checks   # planning: each stage's trace gives the registry with its checks
             # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
-            planned_shapes = None if facts is not None else known[s]   # None: planning
-            blocks, record, shapes[s] = run.run(s, _stage_fn(p, session, s, checks),
-                                                planned_shapes, blocks, feeds)
+            planned_shapes = None if planning else known[s]   # None: planning
+            blocks, record, *found, shapes[s] = run.run(s, _stage_fn(p, session, s, checks, planning),
+                                                        planned_shapes, blocks, feeds)
+            if found:
+                checks = found[0]["checks"]
             records.append(record)
             return blocks
 
@@ -424,9 +430,7 @@ def main_step(p: MainPlan, session: "Session", planned: dict, facts: Optional[di
             blocks = per_ipu([write(d) for d in range(ex.ipus)], blocks, new)
         outs = {t: run.env.get(out, feeds.get(out)) for t, out in p.d2h.items()}
         out_ipu = {t: min(run.where(out, {0})) for t, out in p.d2h.items()}
-        if facts is not None:
-            facts.update(checks=list(checks), out_ipu=out_ipu, shapes=shapes)
         if checks:
             outs[CHECKS] = first_failure(jnp.stack(records))
-        return blocks, outs, out_ipu
-    return ex.in_order_program(schedule, list(p.d2h))
+        return blocks, outs, Facts(checks=list(checks), out_ipu=out_ipu, shapes=shapes)
+    return ex.in_order_program(schedule, list(p.d2h), planning)

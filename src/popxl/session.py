@@ -39,10 +39,11 @@ from popart.engine import in_x64, serialised, x64
 from popart.engine.backends import backend
 from popart import report
 from popart.engine.config import EngineConfig
-from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Placement, fetch, plan_trace
+from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, fetch, plan_trace
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.host_plan import HostInput, HostOutput, HostPlan
 from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
+from popart.engine.state import Home
 from popart.errors import OptionError
 from popart.engine.graph_api import fingerprint
 from popart.logging import getLogger
@@ -68,20 +69,28 @@ StreamBufferMaps = Union[h2dStreamBufferMaps, d2hStreamBufferMaps]
 
 
 @dataclass
-class _Slot:
+class _StateArray:
     """One array of the session's device state, [replicas, *shape] split over the replicas'
     devices: the value of ``graph_in`` in the main graph before a run; ``graph_out`` (a
-    tensor: its latest version; None: ``graph_in``) after it."""
+    tensor: its latest version; None: ``graph_in``) after it. Where it is kept is its
+    ``home`` (``popart.engine.state.Home``, the record popart's sessions keep too): the
+    replica sharding of a ``replica_sharded_variable`` (its shards), the memory kind of a
+    remote buffer; the placed program gives it an IPU. A variable, the shards of a
+    replica-sharded one, or a remote buffer (``buffer``)."""
     key: str                        # its key in Session._dev
     shape: tuple                    # per replica
     dtype: np.dtype
     graph_in: str
     graph_out: Any
-    kind: str                       # "variable", "rts" (replica_sharded_variable) or "remote"
     var: Optional[Variable] = None
     buffer: Any = None
     entries: list = field(default_factory=list)   # remote: the remote variables in the buffer
-    memory_kind: Optional[str] = None              # remote: where it lives between runs
+    home: Home = Home()
+
+    @property
+    def memory_kind(self) -> Optional[str]:
+        """Where it lives between runs (None: device memory)."""
+        return self.home.memory_kind
 
 
 def _to_device_memory(x: Any) -> Any:
@@ -250,7 +259,7 @@ class Session:
             self.weights_from_host()
 
     # ------------------------------------------------------------------ device state
-    def _make_slots(self) -> list[_Slot]:
+    def _make_slots(self) -> list[_StateArray]:
         """The device state: each on-chip variable ([replicas, *shape]); each replica-sharded
         variable of ``replica_sharded_variable`` (its shards, [replicas, shard size]); each
         remote buffer that ops use or remote variables live in ([replicas, entries, *shape],
@@ -260,10 +269,11 @@ class Session:
         buffers: dict = {}
         for v in self._variables:
             if v._remote is None:
-                slots.append(_Slot(v.id, v.shape, v.dtype.as_device_numpy(), v.id, v, "variable", var=v))
+                slots.append(_StateArray(v.id, v.shape, v.dtype.as_device_numpy(), v.id, v, var=v))
             elif v._shard is not None:
                 sh = v._shard
-                slots.append(_Slot(v.id, sh.shape, sh.dtype.as_device_numpy(), sh.id, sh, "rts", var=v))
+                slots.append(_StateArray(v.id, sh.shape, sh.dtype.as_device_numpy(), sh.id, sh, var=v,
+                                         home=Home(shards=v._sharding)))
             else:
                 buffers.setdefault(v._remote[0], [])
         for key in main._hidden:
@@ -284,8 +294,9 @@ class Session:
             for v in buffers[buf]:
                 buf._check_offset(v._remote[1], f"offset of remote variable '{v.id}'")
             key = f"remote_buffer:{buf.remote_buffer_id}"
-            slots.append(_Slot(key, shape, buf.tensor_dtype.as_device_numpy(), t.id if t is not None else key,
-                               t, "remote", buffer=buf, entries=buffers[buf], memory_kind=kind))
+            slots.append(_StateArray(key, shape, buf.tensor_dtype.as_device_numpy(),
+                                     t.id if t is not None else key, t, buffer=buf,
+                                     entries=buffers[buf], home=Home(memory_kind=kind)))
         return slots
 
     def _remote_memory_kind(self) -> Optional[str]:
@@ -318,10 +329,10 @@ class Session:
         """Each slot's value for the device, [replicas, ...], from the host values."""
         out = {}
         for s in self._slots:
-            if s.kind == "variable":
+            if s.home.shards is not None:
+                out[s.key] = s.home.shards.to_replicas(self._host[s.var])
+            elif s.buffer is None:
                 out[s.key] = self._per_replica(s.var, self._host[s.var])
-            elif s.kind == "rts":
-                out[s.key] = s.var._sharding.to_replicas(self._host[s.var])
             else:
                 base = self._buffer_host.get(s.key)
                 arr = np.array(base) if base is not None else np.zeros((self._r,) + s.shape, s.dtype)
@@ -371,10 +382,11 @@ class Session:
         return jax.device_put(values, {k: shardings[k] for k in values})
 
     # ------------------------------------------------------------------ compile
-    def _replica_fn(self, facts: Optional[dict] = None):
+    def _replica_fn(self, planning: bool = False):
         """One replica's main graph: (its state: variables and remote buffers, its streams'
         [N, ...] inputs) -> (the new state, device-to-host values, run-time checks). Its
-        checks keep the plan's ids (``_checks``); ``facts`` (planning) gets them."""
+        checks keep the plan's ids (``_checks``); ``planning``: its run-time checks follow,
+        as ``Facts``."""
         n, r = self._n, self._r
         slots = [(s.key, s.graph_in, s.graph_out._ir_id if s.graph_out is not None else s.graph_in)
                  for s in self._slots]
@@ -391,10 +403,10 @@ class Session:
                       checks=checks)
             new = {key: jnp.asarray(t.env[out]).astype(state[key].dtype) for key, _, out in slots}
             outs = {tid: jnp.asarray(t.env[fid]) for _, tid, fid in d2h}
-            if facts is not None:
-                facts["checks"] = list(t.checks)   # run-time checks (indices in range, ...)
             if t.check_flags() is not None:
                 outs[CHECKS] = t.check_flags()
+            if planning:   # run-time checks (indices in range, ...)
+                return new, outs, Facts(checks=list(t.checks))
             return new, outs
         return replica
 
@@ -436,21 +448,22 @@ class Session:
         """[replicas, ...] arrays: one slice per replica's device(s)."""
         return self._placed.executor.feed_sharding if self._placed else self._placement.sharding(0)
 
-    def _step_fn(self, facts: Optional[dict] = None) -> Callable:
-        """The program (see ``_replica_fn``), placed or replicated; ``facts``: planning."""
+    def _step_fn(self, planning: bool = False) -> Callable:
+        """The program (see ``_replica_fn``), placed or replicated; ``planning``: its facts
+        follow its outputs (``compiled.plan_trace``)."""
         if self._placed:
-            return main_step(self._placed, self, self._facts, facts)
-        return self._placement.replicate(self._replica_fn(facts), in_axes=(0, 0))
+            return main_step(self._placed, self, self._facts, planning)
+        return self._placement.replicate(self._replica_fn(planning), in_axes=(0, 0))
 
     def _compile(self) -> None:
         split = self._feed_sharding()
         state = self._state_shardings()
         specs = self._specs()
         self._checks, self._facts = [], {}   # the plan's abstract trace finds them
-        self._facts = plan_trace(self._step_fn, *specs)[1]   # run-time checks, ...
+        self._facts = plan_trace(self._step_fn(planning=True), *specs)[1]   # run-time checks, ...
         self._checks = self._facts["checks"]
         fn = self._step_fn()
-        host = list(self._placed.executor.memory_kinds) if self._placed else \
+        host = list(self._placed.layout.memory_kinds) if self._placed else \
             [s.key for s in self._slots if s.memory_kind]
         if host:
             fn = _in_device_memory(fn, host)
@@ -638,10 +651,10 @@ class Session:
             arr = values.get(s.key)
             if arr is None:
                 continue
-            if s.kind == "variable":
-                self._set_host(s.var, arr)
-            elif s.kind == "rts":
+            if s.home.shards is not None:
                 self._set_host_sharded(s.var, arr)
+            elif s.buffer is None:
+                self._set_host(s.var, arr)
             else:
                 self._buffer_host[s.key] = arr
                 for v in s.entries:
@@ -695,7 +708,7 @@ class Session:
         keys = {self._slot_of[v] for v in tensors if v in self._slot_of}
         if self.is_attached:   # the device's newer values of what is written only in part
             self._pull(None if self._placed else {s.key for s in self._slots
-                                                  if s.key in keys and s.kind == "remote"})
+                                                  if s.key in keys and s.buffer is not None})
         for v, data in tensors.items():
             if not isinstance(v, Variable):
                 raise TypeError(f"Tensor {v.id} is not of type Variable. write_variable_data is not "

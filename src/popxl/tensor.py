@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import numpy as np
 
+from popart.engine.state import ReplicaShards, shard_size
+
 from . import context
 from .dtypes import dtype as _dtype
 from .errors import UndefinedValue
@@ -369,7 +371,7 @@ class Variable(Tensor):
         self.replica_grouping = replica_grouping
         self.retrieval_mode = retrieval_mode
         self._remote: Optional[tuple] = None   # (RemoteBuffer, offset) of a remote variable
-        self._sharding: Any = None             # ShardLayout of a replica-sharded variable
+        self._sharding: Any = None             # engine.state.ReplicaShards of a replica-sharded variable
         self._shard: Optional[Tensor] = None   # replica_sharded_variable: the shard tensor
         self._memmap_arr: Optional[np.memmap] = None   # the np.memmap holding its host value
 
@@ -580,17 +582,16 @@ def _shard_over_for(remote_buffer: Any, grouping: "ReplicaGrouping", nelms: int)
     """The number of shards of the variables of ``remote_buffer``: the buffer's own (a
     replica_sharded_buffer, or set by its first sharded variable), else the largest divisor
     of the replica group size whose shard fits the buffer's tensor shape."""
-    from ._sharding import ceil_div
     if remote_buffer._shard_over is not None:
         return remote_buffer._shard_over
     size = grouping.const_rg.group_size
     want = remote_buffer.tensor_shape
     for k in sorted((d for d in range(1, size + 1) if size % d == 0), reverse=True):
-        if want == (ceil_div(nelms, k),):
+        if want == (shard_size(nelms, k),):
             return k
     raise ValueError(f"RemoteBuffer[id={remote_buffer.remote_buffer_id}] holds tensors of shape "
                      f"{want}, which is not the shard of a variable of {nelms} elements sharded "
-                     f"over {size} replicas: that is ({ceil_div(nelms, size)},) (flattened, padded "
+                     f"over {size} replicas: that is ({shard_size(nelms, size)},) (flattened, padded "
                      f"to a multiple of the shard count; see popxl.replica_sharded_buffer)")
 
 
@@ -613,7 +614,6 @@ def remote_replica_sharded_variable(data: Any, remote_buffer: Any, offset: int =
             shape; if its tensor shape or dtype does not fit a shard of the variable; if
             ``offset`` is out of range or the entry already holds a variable.
     """
-    from ._sharding import ShardLayout
     g = _main_graph("Remote variables")
     _replication("replica sharded variable")
     _check_retrieval_mode(retrieval_mode)
@@ -626,7 +626,7 @@ def remote_replica_sharded_variable(data: Any, remote_buffer: Any, offset: int =
                          f"sharded variable of shape {per.shape}. The buffer's meta_shape has "
                          f"already been set to: {remote_buffer.meta_shape}.")
     k = _shard_over_for(remote_buffer, grouping, per.size)
-    layout = ShardLayout(grouping, k, per.shape)
+    layout = ReplicaShards(per.shape, k, grouping.assignment, grouping.const_rg.assignment)
     if remote_buffer.tensor_dtype != _dtype.as_dtype(per.dtype):
         remote_buffer.validate_tensor_matches_buffer(
             _Described(name or "v", remote_buffer.tensor_shape, per.dtype))
@@ -648,7 +648,6 @@ def replica_sharded_buffer(shape: Iterable[int], dtype: Any, replica_grouping: O
     Raises:
         ValueError: If ``shard_over`` exceeds the replica group size or does not divide it.
     """
-    from ._sharding import ceil_div
     from .remote_buffer import remote_buffer
     g = context.get_current_graph()
     grouping = (replica_grouping or g.ir.replica_grouping()).const_rg
@@ -670,7 +669,7 @@ def replica_sharded_buffer(shape: Iterable[int], dtype: Any, replica_grouping: O
     outer = 1 if replica_grouping is not None and replica_grouping.num_groups > 1 else 0
     tensor_shape = shape[outer:]
     nelms = int(np.prod(tensor_shape, dtype=np.int64))
-    buffer = remote_buffer((ceil_div(nelms, shard_over),), dtype, entries)
+    buffer = remote_buffer((shard_size(nelms, shard_over),), dtype, entries)
     buffer.meta_shape = tensor_shape
     buffer._shard_over = shard_over
     return buffer

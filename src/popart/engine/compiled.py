@@ -167,14 +167,29 @@ class Placement:
         return fetch((x,))[0]
 
 
-def plan_trace(build: Callable[[dict], Callable], *specs: Any) -> tuple[Any, dict]:
-    """A step's facts from one abstract trace (``jax.eval_shape``): ``build(facts)`` returns
-    the step function, which writes what only tracing learns (its run-time checks, where its
-    outputs are) into ``facts``. Returns (the outputs' ShapeDtypeStructs, facts). The step
-    that is compiled is built with facts None and is given the facts instead, so a program
-    loaded from the engine cache or an executable file has them without being traced."""
-    facts: dict = {}
-    return jax.eval_shape(build(facts), *specs), facts
+class Facts:
+    """What only tracing a step learns (its run-time checks, every tensor's type, where its
+    outputs are), returned by the traced function as a value: a static pytree (no leaves), so
+    it comes back unchanged through ``jax.eval_shape``, ``vmap`` and ``shard_map``."""
+
+    def __init__(self, **values: Any) -> None:
+        self.values = values
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+
+jax.tree_util.register_static(Facts)
+
+
+def plan_trace(step: Callable, *specs: Any) -> tuple[Any, dict]:
+    """A step's facts from one abstract trace (``jax.eval_shape``) of ``step``, the step
+    function built for planning: its last output is a :class:`Facts`. Returns (the other
+    outputs' ShapeDtypeStructs, the facts). The step that is compiled is built without them
+    and is given the facts instead, so a program loaded from the engine cache or an
+    executable file has them without being traced."""
+    *outs, facts = jax.eval_shape(step, *specs)
+    return tuple(outs), dict(facts.values)
 
 
 def arg_specs(tree: Any) -> Any:

@@ -5,6 +5,7 @@ specification (stages, slots, the schedule, RTS, ALS, what falls back) is
 docs/model_parallelism.md."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -21,9 +22,9 @@ from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
 from .config import EngineConfig
 from .norms import GradientNorms, local_sum_squares
-from .placed import (IPU_AXIS, Executor, ExecutorPlan, Layout, StagePlan, Unplaceable, per_ipu,
+from .placed import (IPU_AXIS, Executor, ExecutorPlan, IpuSlots, StagePlan, Unplaceable, per_ipu,
                      placed_mesh, placed_or_none, plan_stages, this_ipu)
-from .rts import HOST_MEMORY
+from .state import Home
 from . import als as _als
 from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan, unstash
 
@@ -86,7 +87,7 @@ class _BlockNorms(GradientNorms):
     replica's shards of those in ``sharded``): a group's squares summed over the IPUs (and
     the shards over the replicas), its factor applied to its elements."""
 
-    def __init__(self, layout: "Layout", ipus: int, sharded: frozenset) -> None:
+    def __init__(self, layout: IpuSlots, ipus: int, sharded: frozenset) -> None:
         self.layout, self.ipus, self.sharded = layout, ipus, sharded
 
     def _mine(self, ids: list[str]) -> dict:
@@ -116,24 +117,29 @@ class _BlockNorms(GradientNorms):
 class PlacedPlan(ExecutorPlan):
     """A popart step's stages on the devices of their IPUs (docs/model_parallelism.md), data:
     the executor (stage plan and mesh), the slots of the weights and of the optimizer state,
-    and which slots live off chip, sharded over the replicas, updated on shards or with
-    sharded accumulators. ``StepProgram.placed`` holds it; :func:`placed_step` builds the
-    step from it and the program; its methods put the state in its layout and take it back."""
-    weight_layout: Layout
-    state_layout: Layout
+    and which slots are updated on shards or with sharded accumulators (the slots say which
+    live off chip or sharded over the replicas, from their tensors' homes).
+    ``StepProgram.placed`` holds it; :func:`placed_step` builds the step from it and the
+    program; its methods put the state in its slots and take it back."""
+    weight_layout: IpuSlots
+    state_layout: IpuSlots
     variables: frozenset          # the program's weights (the ids of weight_layout's tensors)
-    rts: Any                      # the program's rts.Layout (shard padding)
+    rts: Any                      # the program's rts.StateSharding (shards in the step)
     accumulation: int             # micro-batches per batch (the schedule)
     has_checks: bool              # the whole graph's trace has run-time checks
-    rts_slots: frozenset = frozenset()     # slots stored sharded over the replicas
     update_slots: frozenset = frozenset()  # slots the update takes as shards
     tick_slots: frozenset = frozenset()    # weight slots with sharded accumulators
     row_weights: dict = field(default_factory=dict)   # weight slot -> representative (_row_weights)
 
     @property
+    def rts_slots(self) -> frozenset:
+        """The slots stored sharded over the replicas."""
+        return self.weight_layout.sharded | self.state_layout.sharded
+
+    @property
     def off_chip(self) -> frozenset:
-        """The slots kept in host memory (the executor's memory kinds)."""
-        return frozenset(self.executor.memory_kinds)
+        """The slots kept in host memory."""
+        return frozenset(self.weight_layout.memory_kinds) | frozenset(self.state_layout.memory_kinds)
 
     @property
     def schedule(self) -> list[list[tuple[int, int]]]:
@@ -163,13 +169,10 @@ class PlacedPlan(ExecutorPlan):
                           "the training program does: they cannot share the weights")
         program.uses_rng = True   # keys per micro-batch and replica, folded per stage
         plan.weight_layout = self.weight_layout
-        plan.rts_slots = self.rts_slots & set(self.weight_layout.blocks)
-        plan.executor.memory_kinds = {k: HOST_MEMORY for k in
-                                      sorted(self.off_chip & set(self.weight_layout.blocks))}
         return plan
 
     # -------------------------------------------------------------- state layout
-    def _layout(self, names: Any) -> Layout:
+    def _layout(self, names: Any) -> IpuSlots:
         """The layout of the weights or the optimizer state, told apart by their ids."""
         ids = set(names)
         if ids == set(self.variables):
@@ -179,11 +182,11 @@ class PlacedPlan(ExecutorPlan):
         raise IrError(f"Internal error: {sorted(ids)[:5]} are neither the weights nor the "
                       f"optimizer state of the placed program")
 
-    def _buffers_layout(self, bufs: Mapping[str, Any]) -> Layout:
+    def _buffers_layout(self, bufs: Mapping[str, Any]) -> IpuSlots:
         kinds = {k.split("/")[0] for k in bufs}
         return self.weight_layout if kinds == {"weights"} else self.state_layout
 
-    def state_sharding(self, layout: Optional[Layout] = None) -> Any:
+    def state_sharding(self, layout: Optional[IpuSlots] = None) -> Any:
         """Slots split over the IPU axis; with a layout, per slot, off-chip ones in host
         memory (the step's arguments and results there: the compiled program moves them to
         the device and back)."""
@@ -203,42 +206,21 @@ class PlacedPlan(ExecutorPlan):
         """The block shape of a weight or state slot."""
         return (self.weight_layout if key.startswith("weights/") else self.state_layout).blocks[key][0]
 
-    def sharded_slots(self, bufs: Mapping[str, Any], to_shards: bool,
-                      keys: Optional[frozenset] = None) -> dict:
-        """Slots ``[ipus, *block]`` as replica-sharded ``[ipus, padded]`` (each block as
-        ``rts.Layout.shard`` stores a tensor) or back: the slots in ``keys`` (default: those
-        stored sharded); host or traced (global) arrays."""
-        out = dict(bufs)
-        for k in (self.rts_slots if keys is None else keys) & set(bufs):
-            v, block = bufs[k], self.block(k)
-            n, padded = int(np.prod(block, dtype=np.int64)), self.rts.padded(block)
-            if to_shards:
-                flat = v.reshape(v.shape[0], -1)
-                out[k] = flat if padded == n else (np.pad if isinstance(v, np.ndarray) else jnp.pad)(
-                    flat, ((0, 0), (0, padded - n)))
-            else:
-                out[k] = v[:, :n].reshape((v.shape[0],) + block)
-        return out
-
     def gather(self, blocks: Mapping[str, Any], keys: frozenset) -> dict:
         """This device's blocks, those of the slots in ``keys`` all-gathered from shards."""
-        return {k: self.rts.unshard_local(v, self.block(k)) if k in keys else v
+        return {k: self.rts.shards(self.block(k)).gather_local(v) if k in keys else v
                 for k, v in blocks.items()}
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
         layout = self._layout(named)
-        return jax.device_put(self.sharded_slots(layout.pack(named), True), self.state_sharding(layout))
+        return jax.device_put(layout.pack(named), self.state_sharding(layout))
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
-        bufs = self.sharded_slots({k: Placement.to_host(v) for k, v in state.items()}, False)
+        bufs = {k: Placement.to_host(v) for k, v in state.items()}
         return {k: np.array(v) for k, v in self._buffers_layout(state).unpack(bufs).items()}
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
-        layout = self._layout(named)
-        specs = layout.specs()
-        for k in self.rts_slots & set(specs):   # replica-sharded: [ipus, padded]
-            specs[k] = jax.ShapeDtypeStruct((self.ipus, self.rts.padded(self.block(k))), specs[k].dtype)
-        return specs
+        return self._layout(named).specs()
 
     def put(self, tree: Any) -> Any:
         return jax.device_put(tree, self.executor.sharding())
@@ -270,8 +252,7 @@ def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
         return None
     mesh = placed_mesh(program.device_info.jax_devices, R, ipus)
     layouts = _plan_layouts(program, stages, ipus)
-    host = {k: HOST_MEMORY for k in sorted(layouts.pop("off_chip"))}   # off-chip slots
-    executor = Executor(stages, mesh, memory_kinds=host)
+    executor = Executor(stages, mesh)
     plan = PlacedPlan(executor=executor, variables=frozenset(program.variables), rts=program.rts,
                       accumulation=cfg.accumulation_factor, has_checks=bool(program.run_checks),
                       **layouts)
@@ -286,51 +267,45 @@ def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
 
 def _plan_layouts(program: StepProgram, stages: StagePlan, ipus: int) -> dict:
     """The slots of the weights and of the optimizer state (each state tensor beside its
-    weight's slot), which slots live off chip or sharded over the replicas, and how the
-    optimizer updates them (``PlacedPlan``'s fields; the off-chip slots: the executor's
-    memory kinds)."""
+    weight's slot; each tensor's home: the program's ``rts.homes`` on its stage's IPU, the
+    state on its weight's), and how the optimizer updates them (``PlacedPlan``'s fields)."""
     cfg, trainable, variables = program.cfg, program.trainable, program.variables
     owner = {k: w for w in trainable
              for k in (cfg.optimizer.init_state(w, variables[w]) if cfg.training else {})}
-    ipu_of = lambda t: stages.ipu_of(owner.get(t, t))   # noqa: E731  (state: its weight's IPU)
     rts = program.rts   # weights stored or updated on replica shards in slots of their own
+    homes = {t: dataclasses.replace(rts.homes.get(t, Home()), ipu=stages.ipu_of(owner.get(t, t)))
+             for t in [*variables, *owner]}
     tags = {w: ("" if w in trainable else "f") +
             ("s" if w in rts.stored | rts.sharded_update else "") for w in variables}
-    weight_layout = Layout("weights", variables, ipu_of, ipus, tags)
+    R = cfg.replication_factor
+    weight_layout = IpuSlots("weights", variables, homes, ipus, tags, R)
     row_weights = _row_weights(program, weight_layout)
     state = program.init_opt_state()
-    state_layout = Layout("state", {}, ipu_of, ipus)
+    state_layout = IpuSlots("state", {}, homes, ipus, replicas=R)
     beside = {weight_layout.slots[w][1]: set() for w in trainable}
     for k, w in owner.items():
         weight = weight_layout.slots[w]
         dt = np.dtype(state[k].dtype).name
-        state_layout.align(k, weight, weight_layout.blocks[weight[1]][0],
+        state_layout.align(k, homes[k], weight, weight_layout.blocks[weight[1]][0],
                            f"state/{k[:-len(w)]}/{dt}/{weight[1]}", np.shape(state[k]), dt)
         if np.shape(state[k]) == weight[2]:   # elementwise state: updated as the weight is
             beside[weight[1]].add(state_layout.slots[k][1])
     for k in [k for k in state if k not in owner]:   # no weight's: automatic loss scaling's
         state_layout.add_global(k, state[k])
 
-    def slots_of(ids: frozenset) -> frozenset:
-        """The slots all of whose tensors are in ``ids`` (as ``rts.choose`` picked them).
-        Off-chip slots are kept in host memory between steps and moved to the device for
-        each step (not per phase: JAX's shard_map does not carry memory spaces into its
-        body)."""
-        slots: dict[str, bool] = {}
-        for lay in (weight_layout, state_layout):
-            for tid, (_, key, _) in lay.slots.items():
-                slots[key] = slots.get(key, True) and tid in ids
-        return frozenset(k for k, v in slots.items() if v)
-
-    rts_slots = slots_of(rts.stored)
+    # Off-chip slots are kept in host memory between steps and moved to the device for each
+    # step (not per phase: JAX's shard_map does not carry memory spaces into its body).
+    rts_slots = weight_layout.sharded | state_layout.sharded
+    scattered = {}   # weight slot -> all its weights have sharded accumulators
+    for tid, (_, key, _) in weight_layout.slots.items():
+        scattered[key] = scattered.get(key, True) and tid in rts.scattered
     return dict(weight_layout=weight_layout, state_layout=state_layout, row_weights=row_weights,
-                off_chip=slots_of(rts.off_chip), rts_slots=rts_slots,
-                tick_slots=slots_of(rts.scattered) & set(beside),
+                tick_slots=frozenset(k for k, v in scattered.items() if v) & set(beside),
                 update_slots=frozenset(k for w, ss in beside.items()
                                        if ({w} | ss) & rts_slots for k in {w} | ss))
 
 
-def _row_weights(program: StepProgram, weight_layout: Layout) -> dict[str, str]:
+def _row_weights(program: StepProgram, weight_layout: IpuSlots) -> dict[str, str]:
     """Elementwise updates of whole blocks (or their shards): per weight slot, a weight
     whose optimizer values every weight of the slot shares (empty when the update needs
     each weight apart: Lamb's norms, per-weight values)."""
@@ -443,7 +418,7 @@ def _zeros(prog: StepProgram, ids) -> dict:
     return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
 
-def _pipeline(pp: PlacedPlan, prog: StepProgram, wlayout: Layout):
+def _pipeline(pp: PlacedPlan, prog: StepProgram, wlayout: IpuSlots):
     """(weight blocks of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
     anchors {id: [1, 1, T, ...]}) for M micro-batches of one replica through the stages,
     inside shard_map. Sharded weights are all-gathered once, those with sharded
@@ -475,7 +450,7 @@ def _pipeline(pp: PlacedPlan, prog: StepProgram, wlayout: Layout):
             return _zeros(prog, sends), _zeros(prog, anc_ids), jnp.zeros((), jnp.float32)
 
         loss, anchors = pp.executor.pipeline(
-            M, stage, zeros, lambda d, bufs: wlayout.unpack(bufs, d),
+            M, stage, zeros, lambda d, bufs: wlayout.read(bufs, d),
             lambda: pp.gather(blocks, pp.tick_slots))
         return loss[None, None], {a: v[None, None] for a, v in anchors.items()}
     return body
@@ -528,7 +503,7 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
         ipus, on, views = pp.ipus, pp.update_slots, pp.view_slots
 
         def per_weight(rule, w, g, s):   # the optimizer's rule on this device's blocks
-            w, s = ({k: pp.rts.shard_local(v) if k in on - pp.rts_slots else v
+            w, s = ({k: pp.rts.shards(v.shape).local(v) if k in on - pp.rts_slots else v
                      for k, v in x.items()} for x in (w, s))
             g = pp.gather(g, views - on)
             if pp.row_weights:
@@ -537,8 +512,8 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
             def branch(d):
                 def f(w, g, s):
                     mine = [k for k in trainable if wlayout.slots[k][0] == d]
-                    ws, gs = wlayout.unpack(w, d, on), wlayout.unpack(g, d, on)
-                    ss, new_w, new_s = slayout.unpack(s, d, on), {}, {}
+                    ws, gs = wlayout.read(w, d, on), wlayout.read(g, d, on)
+                    ss, new_w, new_s = slayout.read(s, d, on), {}, {}
                     for sharded in (False, True):
                         ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
                         if ids:
@@ -593,21 +568,21 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
                         [pgrads[f"{TAP}/{t}"] for t in _tracked(prog)], axis=2)
                 gacc = jax.tree_util.tree_map(jnp.add, gacc, grads)
                 if accum:   # one micro-batch per group (pipelined: the plain program)
-                    acc = wlayout.unpack(pp.sharded_slots(gacc, False, pp.view_slots))
+                    acc = wlayout.read(wlayout.whole_blocks(gacc, pp.view_slots))
                     anchors.update({a: jnp.broadcast_to(
                         acc[w].astype(prog.anchor_specs[a].dtype)[None, None],
                         (M, R) + prog.anchor_specs[a].shape) for a, w in accum.items()})
                 return gacc, anchors
             # the stages' weights: shards where view_slots says; their gradients, and so
             # the accumulators, are shards too
-            wview = pp.sharded_slots(wbufs, True, pp.view_slots - pp.rts_slots)
+            wview = wlayout.shard_blocks(wbufs, pp.view_slots - pp.rts_slots)
             zeros = jax.tree_util.tree_map(jnp.zeros_like, wview)
             gbufs, anchors = _scan(group, zeros, (bfeeds, keys))
             vals = _per_micro(anchors)
             if cfg.mean_reduction:
                 gbufs = jax.tree_util.tree_map(lambda g: g / (A * R), gbufs)
             if grad_anchors:   # the accumulated gradient, as the plain program gives
-                grads = wlayout.unpack(pp.sharded_slots(gbufs, False, pp.view_slots))
+                grads = wlayout.read(wlayout.whole_blocks(gbufs, pp.view_slots))
                 for a in grad_anchors:
                     vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
                                                (A, R) + prog.anchor_specs[a].shape)
@@ -620,12 +595,12 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
             # variables ops write: the last micro-batch's value, averaged over the replicas
             written = {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
                        for a in list(vals) if a.startswith(ASSIGN + "/")}
-            slots = frozenset(wlayout.slots[v][1] for v in written)
-            wbufs = pp.sharded_slots(wlayout.write(pp.sharded_slots(
-                wbufs, False, slots), written), True, slots)
-            state = slayout.unpack(pp.sharded_slots(sbufs, False))
+            slots = frozenset(wlayout.slots[v][1] for v in written) & wlayout.sharded
+            wbufs = wlayout.shard_blocks(wlayout.write(wlayout.whole_blocks(
+                wbufs, slots), written), slots)
+            state = slayout.unpack(sbufs)
             if updated_var:   # the weights after the batch's update
-                new = wlayout.unpack(pp.sharded_slots(wbufs, False))
+                new = wlayout.unpack(wbufs)
                 for a, w in updated_var.items():
                     vals[a] = jnp.broadcast_to(new[w], (A, R) + jnp.shape(new[w]))
             for a in anchor_opt:

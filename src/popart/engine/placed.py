@@ -5,7 +5,7 @@ Both front-ends run placed programs with it (docs/model_parallelism.md): popart 
 data). Here: the cut of a graph's ops into stages (:func:`plan_stages`, a :class:`StagePlan`),
 PopART's IpuCopy nodes (:func:`inter_ipu_copies`, chained for the pipeline;
 :func:`in_order_copies`, straight for an in-order run), where each IPU's variables live
-(:class:`Layout`), the mesh (:func:`placed_mesh`), the one decision "placed or not" with its
+(:class:`IpuSlots`), the mesh (:func:`placed_mesh`), the one decision "placed or not" with its
 log line (:func:`placed_or_none`), and :class:`Executor`: the one ``shard_map``
 (:func:`run_on_mesh`), the schedules, PopART's (:func:`pipeline_ticks`) and popxl's
 (:class:`InOrder`), the state slots' shardings and memory kinds (both front-ends), and an
@@ -23,7 +23,8 @@ import numpy as np
 from ..errors import IrError
 from .._ir.graph import VIRTUAL_GRAPH, Node, reads
 from ..logging import getLogger
-from .compiled import REPLICA_AXIS
+from .compiled import REPLICA_AXIS, Facts
+from .state import ReplicaShards
 
 IPU_AXIS = "ipu"
 IPU_COPY = "IpuCopy"   # PopART's op moving tensors between IPUs (inter_ipu_copies)
@@ -229,10 +230,10 @@ class InOrder:
         if missed:
             raise RuntimeError(f"Internal error: no IpuCopy of {missed} to IPU {ipu} before stage {s}")
         received = {t: self.read(t, [ipu]) for t in self.plan.reads(s) if t in self.env}
-        if shapes is None:
+        if shapes is None:   # planning: facts (a trailing compiled.Facts) are not outputs
             state, out, *rest = fn(state, received, *args)
             shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                            (out, *rest))
+                                            (out, *(r for r in rest if not isinstance(r, Facts))))
         else:
             state, out, *rest = on_ipu(ipu, fn, lambda st, *_: (st, *zeros_like_specs(shapes)),
                                        state, received, *args)
@@ -373,8 +374,7 @@ class Executor:
     plan: StagePlan
     mesh: jax.sharding.Mesh
     copies: list = field(default_factory=list)   # in-order runs: per stage, its IpuCopies
-    layout: Optional["Layout"] = None   # in-order runs: the state, [replicas, ipus, *block]
-    memory_kinds: dict = field(default_factory=dict)   # layout key -> memory kind (host)
+    layout: Optional["IpuSlots"] = None   # in-order runs: the state, [replicas, ipus, *block]
 
     @property
     def ipus(self) -> int:
@@ -388,13 +388,13 @@ class Executor:
         """``fn`` on every device of the mesh (:func:`run_on_mesh`)."""
         return run_on_mesh(fn, self.mesh, in_specs, out_specs)
 
-    def slot_shardings(self, layout: "Layout", spec: Callable[[str], Any]) -> dict:
-        """Per slot of ``layout`` (popart's two layouts, or an in-order program's), its
-        sharding: partitioned as ``spec(key)``, in the memory ``memory_kinds`` gives (host for
-        off-chip slots); the layout's global tensors replicated."""
+    def slot_shardings(self, layout: "IpuSlots", spec: Callable[[str], Any]) -> dict:
+        """Per slot of ``layout`` (popart's weights or optimizer state, or an in-order
+        program's variables), its sharding: partitioned as ``spec(key)``, in the slot's
+        memory kind (host for off-chip slots); the layout's global tensors replicated."""
+        kinds = layout.memory_kinds
         return {k: self.sharding() if k in layout.global_specs else
-                self.sharding(*spec(k), memory_kind=self.memory_kinds.get(k))
-                for k in layout.specs()}
+                self.sharding(*spec(k), memory_kind=kinds.get(k)) for k in layout.specs()}
 
     def pipeline(self, M: int, stage: Callable, zeros: Callable, own: Callable,
                  per_tick: Callable) -> tuple[Any, dict]:
@@ -434,28 +434,29 @@ class Executor:
         """Each replica's tensors from the slots [replicas, ipus, *block] (host arrays)."""
         return [self.layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.replicas)]
 
-    def in_order_program(self, schedule: Callable, outputs: Sequence[str]) -> Callable:
+    def in_order_program(self, schedule: Callable, outputs: Sequence[str],
+                         planning: bool = False) -> Callable:
         """The program (slots [replicas, ipus, *block], feeds [replicas, ...]) -> (new slots,
         outputs [replicas, ...]): on every device, ``schedule(blocks, feeds) -> (blocks,
-        {output: value}, {output: an IPU holding it})`` on its own blocks and feeds (the
-        stages in order: :meth:`in_order`). Each output comes from the devices of that IPU;
-        those not in ``outputs`` (run-time check records) from every device, as they are."""
-        where: dict = {}   # this trace's: the IPU of each output (the body finds it)
-
+        {output: value}, facts)`` on its own blocks and feeds (the stages in order:
+        :meth:`in_order`), ``facts`` a ``compiled.Facts`` whose ``out_ipu`` gives an IPU
+        holding each output. Each output comes from the devices of that IPU; those not in
+        ``outputs`` (run-time check records) from every device, as they are. ``planning``:
+        the schedule's facts follow the outputs."""
         def body(blocks: dict, feeds: dict) -> tuple:   # this device's [1, 1, *block], [1, ...]
             blocks = {k: v[0, 0] for k, v in blocks.items()}
             feeds = {k: v[0] for k, v in feeds.items()}
-            blocks, outs, at = schedule(blocks, feeds)
-            where.update(at)
+            blocks, outs, facts = schedule(blocks, feeds)
             return ({k: v[None, None] for k, v in blocks.items()},
-                    {k: v[None, None] for k, v in outs.items()})
+                    {k: v[None, None] for k, v in outs.items()}, facts)
 
         def program(state: dict, feeds: dict) -> tuple:
             spec = P(REPLICA_AXIS, IPU_AXIS)
-            state, outs = self.run(body, (spec, P(REPLICA_AXIS)), (spec, spec))(state, feeds)
-            return state, {t: v[:, where[t]] if t in outputs else v for t, v in outs.items()}
+            state, outs, facts = self.run(body, (spec, P(REPLICA_AXIS)), (spec, spec, P()))(state, feeds)
+            where = facts["out_ipu"]
+            outs = {t: v[:, where[t]] if t in outputs else v for t, v in outs.items()}
+            return (state, outs, facts) if planning else (state, outs)
         return program
-
 
 
 @dataclass
@@ -477,42 +478,49 @@ class ExecutorPlan:
         return self.executor.ipus
 
 
-# ---------------------------------------------------------------------------- state layout
-class Layout:
-    """Where each tensor of a named set (the weights, or the optimizer state) lives. The
-    tensors of one dtype, rank and tag are numbered per IPU; slot j holds every IPU's j-th
-    such tensor in one array ``[ipus, *block]`` sharded over the IPU axis (key
+# ---------------------------------------------------------------------------- state slots
+class IpuSlots:
+    """A named set of tensors (the weights, the optimizer state, popxl's variables) packed in
+    slots by IPU, from each tensor's :class:`~.rts.Home` (its IPU, replica sharding and memory
+    kind). The tensors of one dtype, rank and tag are numbered per IPU; slot j holds every
+    IPU's j-th such tensor in one array ``[ipus, *block]`` sharded over the IPU axis (key
     ``"<kind>/<dtype>/r<rank><tag>/<j>"``), ``block`` the largest extent of each dimension,
     the rest zero. Uniform stages (a transformer's layers) need no padding: each device's
-    block is its tensor, and an elementwise update runs on whole blocks. A slot sharded over
-    the replicas is stored ``[ipus, padded]``: each block flattened, zero-padded and split
-    (``pipeline.PlacedPlan.rts_slots``)."""
+    block is its tensor, and an elementwise update runs on whole blocks. A slot all of whose
+    tensors are replica-sharded (:attr:`sharded`) is stored ``[ipus, padded]``: each block
+    as ``rts.ReplicaShards`` stores a tensor over the ``replicas``; one all of whose tensors
+    are kept in one memory kind stays there (:attr:`memory_kinds`).
 
-    def __init__(self, kind: str, specs: Mapping[str, Any], ipu_of: Any, num_ipus: int,
-                 tags: Mapping[str, str] = {}) -> None:
-        self.num_ipus, self.kind = num_ipus, kind
+    :meth:`pack` / :meth:`unpack`: host tensors <-> stored slots; :meth:`read`,
+    :meth:`write`, :meth:`repack`: inside the step, on whole blocks."""
+
+    def __init__(self, kind: str, specs: Mapping[str, Any], homes: Mapping[str, Any], num_ipus: int,
+                 tags: Mapping[str, str] = {}, replicas: int = 1) -> None:
+        self.num_ipus, self.kind, self.replicas = num_ipus, kind, replicas
         self.slots: dict[str, tuple] = {}    # id -> (ipu, key, shape)
         self.blocks: dict[str, tuple] = {}   # key -> (block shape, dtype name)
+        self.homes: dict[str, Any] = {}      # id -> its rts.Home
         self.globals: dict[str, str] = {}    # id -> key of a replicated tensor (add_global)
         self.global_specs: dict[str, Any] = {}   # key -> ShapeDtypeStruct
         count: dict[tuple, int] = {}
         for tid, spec in specs.items():   # tagged tensors (frozen, sharded) in slots of their own
-            dt, shape, ipu = np.dtype(spec.dtype).name, tuple(np.shape(spec)), ipu_of(tid)
+            dt, shape, ipu = np.dtype(spec.dtype).name, tuple(np.shape(spec)), homes[tid].ipu
             group = (dt, len(shape), tags.get(tid, ""))
             j = count[group + (ipu,)] = count.get(group + (ipu,), -1) + 1
-            self._place(tid, ipu, f"{kind}/{dt}/r{len(shape)}{group[2]}/{j}", shape, shape, dt)
+            self._place(tid, homes[tid], f"{kind}/{dt}/r{len(shape)}{group[2]}/{j}", shape, shape, dt)
 
-    def _place(self, tid: str, ipu: int, key: str, shape: tuple, block: tuple, dt: str) -> None:
-        self.slots[tid] = (ipu, key, shape)
+    def _place(self, tid: str, home: Any, key: str, shape: tuple, block: tuple, dt: str) -> None:
+        self.slots[tid], self.homes[tid] = (home.ipu, key, shape), home
         old = self.blocks.get(key, (block, dt))[0]
         self.blocks[key] = (tuple(max(a, b) for a, b in zip(old, block)), dt)
 
-    def align(self, tid: str, weight: tuple, weight_block: tuple, key: str, shape: tuple,
-              dt: str) -> None:
-        """Place optimizer state ``tid`` in slot ``key`` beside its weight's slot (``weight``:
-        (ipu, key, shape)): the weight's block when it has the weight's shape (an
-        elementwise update then runs on both blocks at once), else its own shape."""
-        self._place(tid, weight[0], key, shape, weight_block if shape == weight[2] else shape, dt)
+    def align(self, tid: str, home: Any, weight: tuple, weight_block: tuple, key: str,
+              shape: tuple, dt: str) -> None:
+        """Place optimizer state ``tid`` (kept as ``home`` says, on its weight's IPU) in slot
+        ``key`` beside its weight's slot (``weight``: (ipu, key, shape)): the weight's block
+        when it has the weight's shape (an elementwise update then runs on both blocks at
+        once), else its own shape."""
+        self._place(tid, home, key, shape, weight_block if shape == weight[2] else shape, dt)
 
     def add_global(self, tid: str, value: Any) -> None:
         """A tensor no IPU owns (automatic loss scaling's factor and counter): stored whole,
@@ -524,27 +532,73 @@ class Layout:
     def ids(self) -> set:
         return set(self.slots) | set(self.globals)
 
+    def _all(self, has: Callable[[Any], Any]) -> dict:
+        """Per slot, ``has(home)`` when all its tensors' homes give one value, else None."""
+        out: dict = {}
+        for tid, (_, key, _) in self.slots.items():
+            v = has(self.homes[tid])
+            out[key] = v if out.get(key, v) == v else None
+        return {k: v for k, v in out.items() if v is not None}
+
+    @property
+    def sharded(self) -> frozenset:
+        """The slots stored sharded over the replicas (all their tensors are)."""
+        return frozenset(k for k, v in self._all(lambda h: h.shards is not None).items() if v)
+
+    @property
+    def memory_kinds(self) -> dict:
+        """Slot -> the memory kind all its tensors are kept in (the off-chip slots)."""
+        return self._all(lambda h: h.memory_kind)
+
+    def block_shards(self, key: str) -> ReplicaShards:
+        """The replica shards of a block of slot ``key``."""
+        return ReplicaShards.over_all(self.blocks[key][0], self.replicas)
+
     def specs(self) -> dict:
-        return {**{key: jax.ShapeDtypeStruct((self.num_ipus,) + block, np.dtype(dt))
+        """ShapeDtypeStruct of each stored slot."""
+        sharded = self.sharded
+        return {**{key: jax.ShapeDtypeStruct(
+                    (self.num_ipus, self.block_shards(key).padded) if key in sharded else
+                    (self.num_ipus,) + block, np.dtype(dt))
                    for key, (block, dt) in self.blocks.items()}, **self.global_specs}
 
-    @staticmethod
-    def _part(shape: tuple) -> tuple:
-        return tuple(slice(0, n) for n in shape)
-
+    # ------------------------------------------------------------------ host <-> stored
     def pack(self, named: Mapping[str, Any]) -> dict:
-        bufs = {key: np.zeros(s.shape, s.dtype) for key, s in self.specs().items()}
+        """The stored slots of host tensors (every tensor of the set)."""
+        bufs = {key: np.zeros((self.num_ipus,) + block, np.dtype(dt))
+                for key, (block, dt) in self.blocks.items()}
+        bufs.update({key: np.zeros(s.shape, s.dtype) for key, s in self.global_specs.items()})
         for tid, (ipu, key, shape) in self.slots.items():
             bufs[key][(ipu,) + self._part(shape)] = named[tid]
         for tid, key in self.globals.items():
             bufs[key][...] = named[tid]
-        return bufs
+        return self.shard_blocks(bufs)
 
-    def unpack(self, bufs: Mapping[str, Any], ipu: Optional[int] = None,
-               shards: frozenset = frozenset()) -> dict:
-        """Tensors from the slots: all of them from global ``[ipus, *block]`` arrays (host or
-        device), or (``ipu`` given) that IPU's tensors from its own blocks (the blocks of the
-        slots in ``shards``, a replica's shards of whole blocks, as they are); the global
+    def unpack(self, bufs: Mapping[str, Any]) -> dict:
+        """Tensors from the stored slots (host or device arrays; the inverse of :meth:`pack`)."""
+        return self.read(self.whole_blocks(bufs))
+
+    def shard_blocks(self, bufs: Mapping[str, Any], keys: Optional[frozenset] = None) -> dict:
+        """Slots ``[ipus, *block]`` with those in ``keys`` (default: :attr:`sharded`) as
+        replica-sharded ``[ipus, padded]``; host or traced (global) arrays."""
+        keys = self.sharded if keys is None else keys
+        return {k: self.block_shards(k).flat(v, 1) if k in keys else v for k, v in bufs.items()}
+
+    def whole_blocks(self, bufs: Mapping[str, Any], keys: Optional[frozenset] = None) -> dict:
+        """The inverse of :meth:`shard_blocks`."""
+        keys = self.sharded if keys is None else keys
+        return {k: self.block_shards(k).whole(v, 1) if k in keys else v for k, v in bufs.items()}
+
+    # ------------------------------------------------------------------ in the step
+    @staticmethod
+    def _part(shape: tuple) -> tuple:
+        return tuple(slice(0, n) for n in shape)
+
+    def read(self, bufs: Mapping[str, Any], ipu: Optional[int] = None,
+             shards: frozenset = frozenset()) -> dict:
+        """Tensors from whole blocks: all of them from global ``[ipus, *block]`` arrays (host
+        or device), or (``ipu`` given) that IPU's tensors from its own blocks (the blocks of
+        the slots in ``shards``, a replica's shards of whole blocks, as they are); the global
         tensors with all of them."""
         out = {} if ipu is not None else {tid: bufs[key] for tid, key in self.globals.items()}
         for tid, (i, key, shape) in self.slots.items():
@@ -571,7 +625,7 @@ class Layout:
     def repack(self, blocks: Mapping[str, Any], ipu: int, named: Mapping[str, Any],
                shards: frozenset = frozenset()) -> dict:
         """An IPU's blocks with its tensors in ``named`` written in (the inverse of
-        :meth:`unpack`)."""
+        :meth:`read` with ``ipu``)."""
         blocks = dict(blocks)
         for tid, v in named.items():
             i, key, shape = self.slots[tid]

@@ -30,7 +30,7 @@ from . import als as _als
 from . import rts as _rts
 from .backends import backend
 from .config import AlsSettings, AnchorReturn, EngineConfig
-from .compiled import REPLICA_AXIS, CompiledStep, Placement, arg_specs
+from .compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, arg_specs, plan_trace
 from .executable import EngineCache, compile_step
 from .lower import CHECKS, Remat, Trace, first_failure, raise_failed_checks, trace
 
@@ -197,7 +197,7 @@ class StepProgram:
         self.float32_loss: Optional[str] = None   # ALS: a float16 loss differentiated in float32
         self.float32_region: frozenset = frozenset()   # ... with these tensors' nodes (als.py)
         self.run_checks: list = []   # RunCheck of every ctx.check by id (the trace's registry)
-        self.rts = _rts.Layout(self.placement)    # replicated tensor sharding (plan() chooses)
+        self.rts = _rts.StateSharding(self.placement)    # replicated tensor sharding (plan() chooses)
         # its IPUs on devices of their own: a pipeline.PlacedPlan (pipeline.plan_program makes
         # it), which then holds the state's layout and builds the step
         self.placed: Any = None
@@ -253,45 +253,40 @@ class StepProgram:
             _als.check_settings(cfg.als, cfg.training, cfg.optimizer, cfg.config, self.graph)
         specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype()) for k, i in self.input_infos.items()}
         wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
-        out = {}
-
-        effects: set = set()   # id(node) of the nodes with side effects
-
-        def probe(weights, feeds):
+        def probe(weights, feeds):   # -> (anchor specs, the trace's Facts)
+            effects: set = set()   # id(node) of the nodes with side effects
             t = self.trace_graph(weights, feeds, jax.random.key(0), training=cfg.training, effects=effects)
             env = t.env
-            out["traced"] = {k for k, v in env.items() if isinstance(v, jax.core.Tracer)}
-            out["known"] = {k for k, v in env.items() if isinstance(v, (np.ndarray, np.generic))}
-            out["ids"] = set(env)
-            out["assigned"] = list(t.assignments)
-            out["checks"] = list(t.checks)
-            out["dtypes"] = {o: getattr(env.get(o), "dtype", None) for o in self.graph.outputs}
-            out["rng"] = t.used_rng()
-            out["act"] = sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
-                             for v in env.values() if isinstance(v, jax.core.Tracer))
-            # every tensor's type (one replica's): tracked gradients (ALS), recomputation, stages
-            out["specs"] = {k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
-                            for k, v in env.items()
-                            if isinstance(v, (jax.Array, np.ndarray, jax.core.Tracer))}
-            if cfg.training:
-                if cfg.loss not in env:
-                    raise popart_exception(f"The loss tensor '{cfg.loss}' is not a tensor of the model")
-                out["loss_shape"] = jnp.shape(env[cfg.loss])
+            if cfg.training and cfg.loss not in env:
+                raise popart_exception(f"The loss tensor '{cfg.loss}' is not a tensor of the model")
             shapes = {}
             for a in self.anchor_ids:
                 base = a[len(GRAD_PREFIX):] if a.startswith(GRAD_PREFIX) else a
                 if base in env and env[base] is not None:
                     shapes[a] = jax.ShapeDtypeStruct(jnp.shape(env[base]), jnp.result_type(env[base]))
-            return shapes
+            return shapes, Facts(
+                effects=effects,
+                traced={k for k, v in env.items() if isinstance(v, jax.core.Tracer)},
+                known={k for k, v in env.items() if isinstance(v, (np.ndarray, np.generic))},
+                ids=set(env), assigned=list(t.assignments), checks=list(t.checks),
+                dtypes={o: getattr(env.get(o), "dtype", None) for o in self.graph.outputs},
+                rng=t.used_rng(),
+                act=sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
+                        for v in env.values() if isinstance(v, jax.core.Tracer)),
+                # every tensor's type (one replica's): tracked gradients (ALS), recomputation, stages
+                specs={k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
+                       for k, v in env.items() if isinstance(v, (jax.Array, np.ndarray, jax.core.Tracer))},
+                loss_shape=jnp.shape(env[cfg.loss]) if cfg.training else None)
 
         R = cfg.replication_factor
         if R > 1:   # under the replica axis, which collectives name
             rspecs = {k: jax.ShapeDtypeStruct((R,) + s.shape, s.dtype) for k, s in specs.items()}
-            per_replica = jax.eval_shape(jax.vmap(probe, in_axes=(None, 0), axis_name=REPLICA_AXIS,
-                                                  axis_size=R), wspecs, rspecs)
-            self.anchor_specs = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in per_replica.items()}
+            per_replica, out = plan_trace(jax.vmap(probe, in_axes=(None, 0), axis_name=REPLICA_AXIS,
+                                                   axis_size=R), wspecs, rspecs)
+            self.anchor_specs = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in per_replica[0].items()}
         else:
-            self.anchor_specs = jax.eval_shape(probe, wspecs, specs)
+            (self.anchor_specs,), out = plan_trace(probe, wspecs, specs)
+        effects = out["effects"]
         self.assigned = out["assigned"]
         self.tensor_specs: dict = out["specs"]
         self.run_checks = out["checks"]

@@ -1,9 +1,9 @@
-"""Replicated tensor sharding (RTS): PopART's ``TensorLocation.replicatedTensorSharding`` for
-the weights, optimizer state and gradient accumulators of a session's step, and off-chip
-(``pinned_host``) storage from the same settings.
-
-A sharded tensor is stored flattened, zero-padded to a multiple of the replication factor, one
-slice per replica. See docs/replication.md (what the step does, which tensors are sharded)."""
+"""Replicated tensor sharding (RTS) of a popart session's step: PopART's
+``TensorLocation.replicatedTensorSharding`` for the weights, optimizer state and gradient
+accumulators, and off-chip (``pinned_host``) storage from the same settings (:func:`choose`),
+and how the step moves between whole and sharded forms (:class:`StateSharding`). A sharded
+tensor follows the one rule of ``engine/state.py`` (``ReplicaShards``). See
+docs/replication.md (what the step does, which tensors are sharded)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,32 +20,43 @@ from ..tensornames import PREFIXES
 from .config import ACCUM, STATE, WEIGHTS, Location, Locations
 from .compiled import REPLICA_AXIS, Placement, arg_specs
 from .placed import run_on_mesh
+from .state import HOST_MEMORY, Home, ReplicaShards
 
 _logger = getLogger("session")
-HOST_MEMORY = "pinned_host"   # where off-chip tensors live (a memory kind of the devices)
 STATE_PREFIXES = tuple(PREFIXES[k] for k in ("Accl", "Accl1", "Accl2", "Accl3"))
 SHARED_PREFIX = PREFIXES["Accl"]   # optimizer state and accumulator (SGD)
 ACCUM_PREFIX = PREFIXES["Accum"]
 
 
 @dataclass
-class Layout:
-    """Which tensors are sharded and how the step moves between whole and sharded forms.
-    The empty layout (nothing sharded) leaves every tensor and the step as they are."""
+class StateSharding:
+    """A popart step's weights and optimizer state over the replicas: where each is kept
+    (``homes``: sharded, off chip) and how the step moves between whole and sharded forms.
+    Nothing sharded (the default) leaves every tensor and the step as they are."""
     placement: Placement
     shapes: dict[str, tuple] = field(default_factory=dict)   # full shape of each tensor below
-    stored: frozenset = frozenset()      # weights and optimizer state kept sharded
+    homes: dict[str, Home] = field(default_factory=dict)     # weights and owned state: where kept
     owner: dict[str, str] = field(default_factory=dict)      # optimizer state id -> its weight
     sharded_update: frozenset = frozenset()   # trained weights updated on their shards
     scattered: frozenset = frozenset()   # trained weights with sharded gradient accumulators
-    off_chip: frozenset = frozenset()    # weights and optimizer state kept in host memory
+
+    @property
+    def stored(self) -> frozenset:
+        """The weights and optimizer state kept sharded."""
+        return frozenset(k for k, h in self.homes.items() if h.shards is not None)
+
+    @property
+    def off_chip(self) -> frozenset:
+        """The weights and optimizer state kept in host memory."""
+        return frozenset(k for k, h in self.homes.items() if h.memory_kind == HOST_MEMORY)
 
     @property
     def R(self) -> int:
         return self.placement.replication_factor
 
-    def padded(self, shape: tuple) -> int:
-        return -(-int(np.prod(shape, dtype=np.int64)) // self.R) * self.R
+    def shards(self, shape: tuple) -> ReplicaShards:
+        """The shards of a tensor (or a placed slot's block) of ``shape`` over the replicas."""
+        return ReplicaShards.over_all(shape, self.R)
 
     # ------------------------------------------------------------------ in the step
     def _constrain(self, x: Any, sharded: bool) -> Any:
@@ -55,27 +66,11 @@ class Layout:
 
     def shard(self, x: Any) -> Any:
         """A whole tensor as its shards: flattened, zero-padded, split over the replicas."""
-        flat = jnp.ravel(x)
-        return self._constrain(jnp.pad(flat, (0, self.padded(jnp.shape(x)) - flat.size)), True)
+        return self._constrain(self.shards(jnp.shape(x)).flat(jnp.asarray(x)), True)
 
     def unshard(self, x: Any, shape: tuple) -> Any:
         """The inverse of :meth:`shard` (an all-gather)."""
-        n = int(np.prod(shape, dtype=np.int64))
-        return self._constrain(x, False)[:n].reshape(shape)
-
-    def shard_local(self, x: Any) -> Any:
-        """Inside a shard_map over ``REPLICA_AXIS``: this replica's shard of the whole tensor
-        ``x`` (its slice of :meth:`shard`'s result)."""
-        n = self.padded(jnp.shape(x))
-        flat = jnp.pad(jnp.ravel(x), (0, n - jnp.size(x)))
-        return jax.lax.dynamic_slice(flat, (jax.lax.axis_index(REPLICA_AXIS) * (n // self.R),),
-                                     (n // self.R,))
-
-    def unshard_local(self, x: Any, shape: tuple) -> Any:
-        """Inside a shard_map over ``REPLICA_AXIS``: the whole tensor of ``shape`` from this
-        replica's shard ``x`` (an all-gather; the inverse of :meth:`shard_local`)."""
-        n = int(np.prod(shape, dtype=np.int64))
-        return jax.lax.all_gather(x, REPLICA_AXIS, tiled=True)[:n].reshape(shape)
+        return self.shards(shape).whole(self._constrain(x, False))
 
     def gather(self, tree: Mapping[str, Any]) -> dict:
         """Every tensor of ``tree`` whole (sharded ones all-gathered)."""
@@ -107,8 +102,7 @@ class Layout:
 
     def _reduce_scatter(self, v: Any) -> Any:
         """Per-replica tensors [R, ...] (replica r's on its device) summed into shards."""
-        rows = v.reshape(v.shape[0], -1)
-        rows = jnp.pad(rows, ((0, 0), (0, self.padded(v.shape[1:]) - rows.shape[1])))
+        rows = self.shards(v.shape[1:]).flat(v, 1)
         if self.placement.mesh is None:
             return jnp.sum(rows, axis=0)
         P = jax.sharding.PartitionSpec
@@ -157,8 +151,7 @@ class Layout:
         whole = {k: v for k, v in named.items() if k not in self.stored}
         out = dict(self.placement.put(whole)) if whole else {}
         for k in self.stored & set(named):
-            flat = np.ravel(np.asarray(named[k]))
-            flat = np.pad(flat, (0, self.padded(np.shape(named[k])) - flat.size))
+            flat = self.shards(np.shape(named[k])).flat(np.asarray(named[k]))
             out[k] = jax.make_array_from_callback(flat.shape, self._sharding(True),
                                                   lambda idx, f=flat: f[idx])
         for k in self.off_chip & set(named):
@@ -172,13 +165,12 @@ class Layout:
             if k in self.stored and not getattr(v, "is_fully_addressable", True):
                 v = multihost_utils.process_allgather(v, tiled=True)   # other processes' shards
             host = Placement.to_host(v)
-            out[k] = host[:int(np.prod(self.shapes[k], dtype=np.int64))].reshape(
-                self.shapes[k]) if k in self.stored else host
+            out[k] = self.shards(self.shapes[k]).whole(host) if k in self.stored else host
         return out
 
     def specs(self, named: Mapping[str, Any]) -> dict:
         """ShapeDtypeStruct of each tensor's stored form."""
-        return {k: jax.ShapeDtypeStruct((self.padded(np.shape(v)),), jnp.result_type(v))
+        return {k: jax.ShapeDtypeStruct((self.shards(np.shape(v)).padded,), jnp.result_type(v))
                 if k in self.stored else arg_specs(v) for k, v in named.items()}
 
     def shardings(self, names: Any) -> Any:
@@ -191,10 +183,11 @@ class Layout:
 
 # ---------------------------------------------------------------------- choosing tensors
 def choose(locations: Optional[Locations], placement: Placement, variables: Mapping[str, Any],
-           opt_state: Mapping[str, Any], trainable: list[str], accumulation_factor: int) -> Layout:
-    """The layout the tensor location settings ask for (docs/replication.md)."""
+           opt_state: Mapping[str, Any], trainable: list[str], accumulation_factor: int) -> StateSharding:
+    """Where the tensor location settings keep each weight and optimizer state tensor
+    (docs/replication.md)."""
     if locations is None:
-        return Layout(placement)
+        return StateSharding(placement)
     settings, overrides = locations.rules, locations.overrides
     accumulating = accumulation_factor > 1
     owner = {p + w: w for w in trainable for p in STATE_PREFIXES
@@ -234,12 +227,17 @@ def choose(locations: Optional[Locations], placement: Placement, variables: Mapp
     elif host:
         _logger.info(f"OffChip: {sorted(host)} kept in {HOST_MEMORY} memory, moved to the "
                      f"device for each step and back")
+    def homes(sharded: set) -> dict[str, Home]:
+        return {k: Home(shards=ReplicaShards.over_all(s, placement.replication_factor)
+                        if k in sharded else None, memory_kind=HOST_MEMORY if k in host else None)
+                for k, s in shapes.items()}
+
     if not (stored or accum):
-        return Layout(placement, shapes=shapes, off_chip=host)
+        return StateSharding(placement, shapes=shapes, homes=homes(set()))
     if placement.replication_factor <= 1:
         _logger.warn(f"Unable to shard tensors {sorted(stored | accum)} due to lack of "
                      f"replication (replicated tensor sharding needs replicatedGraphCount > 1)")
-        return Layout(placement, shapes=shapes, off_chip=host)
+        return StateSharding(placement, shapes=shapes, homes=homes(set()))
     for s, w in owner.items():
         if w in stored and s not in stored:
             raise OptionError(
@@ -252,8 +250,8 @@ def choose(locations: Optional[Locations], placement: Placement, variables: Mapp
     update = (stored & set(trainable)) | {owner[s] for s in stored if s in owner}
     _logger.info(f"Replicated tensor sharding over {placement.replication_factor} replicas: "
                  f"{sorted(stored)} stored sharded, accumulators of {sorted(accum)} sharded")
-    return Layout(placement, shapes=shapes, stored=frozenset(stored), owner=owner,
-                  sharded_update=frozenset(update), scattered=frozenset(accum), off_chip=host)
+    return StateSharding(placement, shapes=shapes, homes=homes(stored), owner=owner,
+                         sharded_update=frozenset(update), scattered=frozenset(accum))
 
 
 def _has_host_memory(placement: Placement) -> bool:
