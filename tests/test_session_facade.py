@@ -38,6 +38,12 @@ def test_popxl_session_is_a_facade_under_500_lines():
     sizes = _class_sizes(popxl)
     assert sizes["Session"] <= 500, sizes
     assert popxl.Session.__module__ == "popxl.session"
+    for name in ("_state.py", "_step.py", "_streams.py", "_placement.py"):   # no session in
+        tree = ast.parse(open(os.path.join(os.path.dirname(popxl.__file__), name)).read())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        params = {a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+                  for a in n.args.args + n.args.kwonlyargs}
+        assert "session" not in imported and "session" not in params, name
 
 
 def test_store_like_keeps_the_storage_form_and_unchanged_bytes():
