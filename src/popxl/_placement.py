@@ -22,8 +22,10 @@ from popart.logging import getLogger
 
 
 if TYPE_CHECKING:
+    from popart.engine.compiled import Placement
+
+    from ._step import Program
     from .ir import Ir
-    from .session import Session
 
 _logger = getLogger("session")
 
@@ -95,12 +97,12 @@ def _renamed(g: IRGraph, new_id: Callable[[str], str], ipu: Optional[int] = None
         tensor_info={ren(k): v for k, v in g.tensor_info.items()}, constants={ren(t) for t in g.constants})
 
 
-def _inline_calls(session: "Session") -> tuple[IRGraph, dict]:
-    """The session's main graph with each call of a graph whose ops span IPUs, in it or in a
+def _inline_calls(ir: "Ir", main_ir: IRGraph) -> tuple[IRGraph, dict]:
+    """``ir``'s main graph (``main_ir``, lowered) with each call of a graph whose ops span IPUs, in it or in a
     graph it repeats, replaced by that graph's ops (recursively; ids prefixed ``call<k>/``,
     its inputs and outputs the call's); and per id of that graph and of the graphs it
     repeats, each in-place result's first id (popxl's tensor versions) in it."""
-    known = {id(g._g): g._versions for g in session._ir._graphs}
+    known = {id(g._g): g._versions for g in ir._graphs}
     out: dict[int, dict] = {}
     count = itertools.count()
 
@@ -142,8 +144,8 @@ def _inline_calls(session: "Session") -> tuple[IRGraph, dict]:
             tensor_info={k: v for h in gs for k, v in h.tensor_info.items()},
             constants=set().union(*(h.constants for h in gs)))
 
-    versions = dict(session._ir.main_graph._versions)
-    main = inline(session._main_ir, versions)
+    versions = dict(ir.main_graph._versions)
+    main = inline(main_ir, versions)
     out[id(main)] = versions
     return main, out
 
@@ -164,12 +166,12 @@ def _created_ipu(slot: Any) -> int:
     return int(made[0]._placement[0] or 0) if made else 0
 
 
-def _check_placeable(session: "Session", ipus: int, main: IRGraph) -> None:
-    """Unplaceable: why the session's main graph (``main``: with its calls inlined) cannot
-    run placed on ``ipus`` IPUs per replica."""
-    if session._placement.across_processes:
+def _check_placeable(placement: "Placement", devices: list, ipus: int, main: IRGraph) -> None:
+    """Unplaceable: why a main graph (``main``: with its calls inlined) cannot run placed on
+    ``ipus`` IPUs per replica of ``placement``, on the session device's ``devices``."""
+    if placement.across_processes:
         raise Unplaceable("several instances")
-    device_grid(session._device.jax_devices, session._r, ipus)
+    device_grid(devices, placement.replication_factor, ipus)
     for top in main.nodes:
         inner = list(_nested(top))
         if _ipus_of(inner) - {_node_ipu(top)} and _spanning_loop(top) is None:
@@ -177,17 +179,19 @@ def _check_placeable(session: "Session", ipus: int, main: IRGraph) -> None:
                               f"on IPU {_node_ipu(top)} calls")
 
 
-def placed_program(session: "Session") -> Optional["MainPlan"]:
-    """The placed program of ``session``'s main graph, or None (``placed_or_none`` logs why
-    when the graph has ops on several IPUs)."""
-    ipus = ipus_per_replica(session._ir)
-    return placed_or_none("popxl.Session", lambda: _placed(session, ipus)) if ipus > 1 else None
+def placed_program(p: "Program", placement: "Placement", devices: list) -> Optional["MainPlan"]:
+    """The placed program of ``p``'s main graph on ``placement`` (the session device's
+    ``devices``), or None (``placed_or_none`` logs why when the graph has ops on several
+    IPUs)."""
+    ipus = ipus_per_replica(p.ir)
+    return placed_or_none("popxl.Session", lambda: _placed(p, placement, devices, ipus)) \
+        if ipus > 1 else None
 
 
-def _placed(session: "Session", ipus: int) -> Optional["MainPlan"]:
-    main, versions = _inline_calls(session)
-    _check_placeable(session, ipus, main)
-    placed = plan_main(session, ipus, main, versions)
+def _placed(p: "Program", placement: "Placement", devices: list, ipus: int) -> Optional["MainPlan"]:
+    main, versions = _inline_calls(p.ir, p.main_ir)
+    _check_placeable(placement, devices, ipus, main)
+    placed = plan_main(p, devices, ipus, main, versions)
     if len(set(placed.stages.stage_ipu)) < 2:   # all ops on one IPU
         return None
     counts = [list(placed.home.values()).count(i) for i in range(ipus)]
@@ -196,11 +200,12 @@ def _placed(session: "Session", ipus: int) -> Optional["MainPlan"]:
     return placed
 
 
-def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict) -> "MainPlan":
-    """The plan of the session's main graph (``main``: with its calls inlined;
-    ``graph_versions``: the tensor versions of it and of the graphs it repeats,
-    ``_inline_calls``) on ``ipus`` IPUs per replica: stages, variables' IPUs, repeats."""
-    variables = {s.graph_in: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in session._slots}
+def plan_main(p: "Program", devices: list, ipus: int, main: IRGraph, graph_versions: dict
+              ) -> "MainPlan":
+    """The plan of ``p``'s main graph (``main``: with its calls inlined; ``graph_versions``:
+    the tensor versions of it and of the graphs it repeats, ``_inline_calls``) on ``ipus``
+    IPUs per replica of the session device's ``devices``: stages, variables' IPUs, repeats."""
+    variables = {s.graph_in: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in p.slots}
     # The ops in program order, a spanning repeat's graph's ops in its place.
     flat: list = []
     repeats: list = []
@@ -250,7 +255,7 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
     var_of = {t: alias.get(versions.get(t, t)) for nodes in stage_nodes for n in nodes
               for t in [*n.inputs, *n.outputs]} | {v: v for v in variables}
     var_of = {t: v for t, v in var_of.items() if v is not None}
-    created = {s.graph_in: _created_ipu(s) for s in session._slots}
+    created = {s.graph_in: _created_ipu(s) for s in p.slots}
     home = {}
     for s, r in enumerate(stage_reads):   # a variable's IPU: that of its first reader
         for v in sorted({var_of[t] for t in r if t in var_of}):
@@ -260,9 +265,9 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
     # whose sharding carries the memory kind
     # (a replica-sharded variable's slot holds each replica's own shard, packed per replica)
     homes = {s.graph_in: dataclasses.replace(s.home, ipu=home[s.graph_in], shards=None)
-             for s in session._slots}
+             for s in p.slots}
     layout = IpuSlots("variables", variables, homes, ipus,
-                      {t: "host" for t, h in homes.items() if h.memory_kind}, session._r)
+                      {t: "host" for t, h in homes.items() if h.memory_kind}, p.r)
     # A variable's block holds one version of it (at first its value before the run): a
     # stage on its IPU reads that version from the block and writes its last new version
     # there. The other tensors that later stages (or the end of the run) use, the stage
@@ -290,9 +295,9 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
                         raise Unplaceable(f"a repeated graph updating '{x}' off its IPU")
                     in_block[var_of[c]] = y
     # new values not in their blocks yet: written there at the end of the run
-    finals = {s.graph_in: s.graph_out._ir_id for s in session._slots if s.graph_out is not None
+    finals = {s.graph_in: s.graph_out._ir_id for s in p.slots if s.graph_out is not None
               and s.graph_out._ir_id != in_block[s.graph_in]}
-    d2h = {t.id: session._d2h_final[s]._ir_id for s, t in session._d2h}
+    d2h = {t.id: p.d2h_final[s]._ir_id for s, t in p.d2h}
     used = {*finals.values(), *d2h.values()}
     for s, nodes in enumerate(stage_nodes):
         used |= stage_reads[s] - set(from_block[s]) - {t for n in nodes for t in n.outputs}
@@ -302,7 +307,7 @@ def plan_main(session: "Session", ipus: int, main: IRGraph, graph_versions: dict
             raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
     exports = [{t for n in nodes for t in n.outputs if t in used} | (set(from_block[s]) & used)
                for s, nodes in enumerate(stage_nodes)]
-    executor = Executor(st, placed_mesh(session._device.jax_devices, session._r, ipus),
+    executor = Executor(st, placed_mesh(devices, p.r, ipus),
                         in_order_copies(st, exports), layout)
     return MainPlan(executor, main, graphs, stage_nodes, loops, home, var_of, from_block,
                     to_block, exports, finals, d2h)
@@ -331,8 +336,8 @@ class MainPlan(ExecutorPlan):
         return self.executor.layout
 
 
-def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list, planning: bool) -> Callable:
-    """Stage s on its IPU's devices: (the device's blocks, received tensors, feeds) -> (the
+def _stage_fn(p: MainPlan, r: int, platform: str, s: int, checks: list, planning: bool) -> Callable:
+    """Stage s on its IPU's devices (``r`` replicas on ``platform``): (the device's blocks, received tensors, feeds) -> (the
     blocks with its variables' new versions, the tensors it sends on, the record of its
     first failed check). ``checks``: the program's registry so far (the plan's, when it is
     the step that is compiled); ``planning``: the registry with the checks it adds follows,
@@ -344,13 +349,12 @@ def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list, planning: b
                   initializers={k: v for g in gs for k, v in g.initializers.items()
                                 if k not in p.home},
                   opsets=main.opsets, constants=set().union(*(g.constants for g in gs)))
-    r = session._r
 
     def run(blocks: dict, received: dict, feeds: dict) -> tuple:
         mine = layout.read(blocks, ipu)
         weights = {t: mine[v] for t, v in p.from_block[s].items()}
         tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
-                   platform=session._placement.platform, replication_factor=r,
+                   platform=platform, replication_factor=r,
                    replica_axis=REPLICA_AXIS if r > 1 else None, checks=checks)
         record = tr.check_flags()
         record = jnp.zeros(RECORD, jnp.int64) if record is None else record
@@ -360,15 +364,16 @@ def _stage_fn(p: MainPlan, session: "Session", s: int, checks: list, planning: b
     return run
 
 
-def main_step(p: MainPlan, session: "Session", planned: dict, planning: bool = False) -> Callable:
+def main_step(p: MainPlan, program: "Program", planned: dict, platform: str,
+              planning: bool = False) -> Callable:
     """The program (``Executor.in_order_program``): (slots [replicas, ipus, *block], stream
     inputs [replicas, N, ...]) -> (new slots, device-to-host values [replicas, N, ...] and
     run-time checks), from the facts of its plan (``planned``: its run-time checks,
     numbered; each stage's output shapes); ``planning``: those facts follow, as ``Facts``.
     The schedule: the stages in program order, a repeat's in a fori_loop."""
     known = planned.get("shapes", {})
-    st, ex, n = p.stages, p.executor, session._n
-    d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_device_numpy()) for s, t in session._d2h}
+    st, ex, n = p.stages, p.executor, program.n
+    d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_device_numpy()) for s, t in program.d2h}
 
     def schedule(blocks: dict, feeds: dict) -> tuple:   # this device's blocks, [N, ...] feeds
         feeds = {**feeds, **{k: jnp.zeros(s.shape, s.dtype) for k, s in d2h_specs.items()}}
@@ -380,7 +385,7 @@ def main_step(p: MainPlan, session: "Session", planned: dict, planning: bool = F
             nonlocal checks   # planning: each stage's trace gives the registry with its checks
             # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
             planned_shapes = None if planning else known[s]   # None: planning
-            blocks, record, *found, shapes[s] = run.run(s, _stage_fn(p, session, s, checks, planning),
+            blocks, record, *found, shapes[s] = run.run(s, _stage_fn(p, program.r, platform, s, checks, planning),
                                                         planned_shapes, blocks, feeds)
             if found:
                 checks = found[0]["checks"]

@@ -25,34 +25,26 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import popart
 from popart import distributed
-from popart.dataflow import validate_input
 from popart.engine import in_x64, serialised, x64
-from popart.engine.backends import backend
-from popart import report
 from popart.engine.config import EngineConfig
-from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, fetch, plan_trace
-from popart.engine.executable import EngineCache, compile_step, runtime_signature
-from popart.engine.host_plan import HostInput, HostOutput, HostPlan
-from popart.engine.lower import CHECKS, RECORD, raise_failed_checks, trace
-from popart.engine.state import Home
+from popart.engine.compiled import Placement, fetch
+from popart.engine.lower import CHECKS, RECORD, raise_failed_checks
 from popart.errors import OptionError
-from popart.engine.graph_api import fingerprint
 from popart.logging import getLogger
-from popart.ir_json import serialize_ir
-from popart.tensorinfo import TensorInfo, to_datatype
 
-from ._placement import device_ipus, main_step, placed_program
-from .dtypes import _DOWNCAST, to_numpy
-from .fp8_utils import from_host_fp8, host_np_dtype, to_host_fp8
+from . import _step
+from ._placement import device_ipus, placed_program
+from ._state import State, checked_array, make_slots, put, remote_memory_kind
+from ._streams import RunPlan, feed, host_shape, validate_streams
+from .dtypes import to_numpy
+from .fp8_utils import from_host_fp8, host_np_dtype
 from .ir import Ir
 from .streams import DeviceToHostStream, HostToDeviceStream
 from .tensor import Constant, Variable
@@ -66,48 +58,6 @@ _logger = getLogger("session")
 d2hStreamBufferMaps = Mapping[DeviceToHostStream, np.ndarray]
 h2dStreamBufferMaps = Mapping[HostToDeviceStream, Any]
 StreamBufferMaps = Union[h2dStreamBufferMaps, d2hStreamBufferMaps]
-
-
-@dataclass
-class _StateArray:
-    """One array of the session's device state, [replicas, *shape] split over the replicas'
-    devices: the value of ``graph_in`` in the main graph before a run; ``graph_out`` (a
-    tensor: its latest version; None: ``graph_in``) after it. Where it is kept is its
-    ``home`` (``popart.engine.state.Home``, the record popart's sessions keep too): the
-    replica sharding of a ``replica_sharded_variable`` (its shards), the memory kind of a
-    remote buffer; the placed program gives it an IPU. A variable, the shards of a
-    replica-sharded one, or a remote buffer (``buffer``)."""
-    key: str                        # its key in Session._dev
-    shape: tuple                    # per replica
-    dtype: np.dtype
-    graph_in: str
-    graph_out: Any
-    var: Optional[Variable] = None
-    buffer: Any = None
-    entries: list = field(default_factory=list)   # remote: the remote variables in the buffer
-    home: Home = Home()
-
-    @property
-    def memory_kind(self) -> Optional[str]:
-        """Where it lives between runs (None: device memory)."""
-        return self.home.memory_kind
-
-
-def _to_device_memory(x: Any) -> Any:
-    """``x`` moved to device memory inside a jitted function."""
-    space = getattr(getattr(jax, "memory", None), "Space", None)
-    if space is not None:
-        return jax.device_put(x, space.Device)
-    return jax.device_put(x, jax.sharding.TransferToMemoryKind("device"))  # type: ignore[attr-defined]
-
-
-def _in_device_memory(fn: Any, keys: list) -> Any:
-    """``fn(state, feeds)`` with the state arrays ``keys`` (kept in host memory between
-    runs) moved to device memory for the step; the step's out_shardings put their new values
-    back in host memory."""
-    def step(state: dict, feeds: dict) -> tuple:
-        return fn({k: _to_device_memory(v) if k in keys else v for k, v in state.items()}, feeds)
-    return step
 
 
 def _device(desc: Any, replicas: int) -> Any:
@@ -158,37 +108,6 @@ def _acquire_hw_device_with_timeout(num_ipus: int = 1, timeout: float = HW_DEVIC
         time.sleep(0.1)
 
 
-class _RunPlan:
-    """A session's run, worked out once (``engine.host_plan``): its streams' dtypes and host
-    shapes, and whether [n, local replicas] and [local replicas, n] differ in memory (both
-    greater than 1)."""
-
-    def __init__(self, session: "Session") -> None:
-        n, r = session._n, session._local_r
-        self.swap = n > 1 and r > 1
-        inputs = []   # [n, r, ...] host arrays as the step's [r, n, ...]
-        for s, t in session._h2d:
-            dtype, shape = np.dtype(s.dtype.as_device_numpy()), tuple(s.shape)
-            inputs.append(HostInput(s, t.id, dtype, (session._host_shape(shape),),
-                                    ((n, r) if self.swap else (r, n)) + shape, self.swap,
-                                    downcast=dtype in _DOWNCAST))
-        self.d2h = [(s, s.dtype.as_device_numpy(), session._host_shape(s.shape)) for s, _ in session._d2h]
-        self.d2h_ids = [t.id for _, t in session._d2h]
-        self.host = HostPlan(inputs, [HostOutput(s, shape=host) for s, _, host in self.d2h],
-                             exact_outputs=True)
-        self.x64 = self.host.x64   # 64-bit host data
-
-    def feeds(self, inputs: Mapping, downcast: bool) -> Optional[dict]:
-        """The step's feeds ([local replicas, n, ...]) when every stream has a NumPy array of
-        its dtype (one that ``downcast`` leaves alone) and host shape; else None (the general
-        path decides)."""
-        return self.host.feeds(inputs, downcast)
-
-    def outputs_fit(self, outputs: Mapping) -> bool:
-        """Every output stream has a NumPy array of its host shape, and no other is given."""
-        return self.host.outputs_fit(outputs)
-
-
 class Session:
     """A runtime session for a popxl Ir on device ``device_desc`` ("ipu_hw", "ipu_model",
     "cpu" or a popart.DeviceInfo). Use it as a context manager: entering a context while
@@ -197,6 +116,9 @@ class Session:
     False or the block raised) and detaches. Contexts nest: an inner context entered while
     attached does neither. A session made with an attached DeviceInfo is attached from the
     start (and copies the weights to the device then).
+
+    A facade: the state and its copies are ``_state.State``'s, the step ``_step``'s (placed:
+    ``_placement``'s), the streams' checks and feeds ``_streams``'.
 
     Thread safety: running and moving weights (run, run_with_outputs, weights_from_host,
     weights_to_host, get_tensors_data, write_variables_data) hold the session's lock, so
@@ -225,255 +147,59 @@ class Session:
             cache_path=o.cachePath if o.enableEngineCaching and o.cachePath else None)
         self._placement = Placement(self._r, self._device, processes=self._config.processes)
         main = ir.main_graph
-        self._main_ir = main._finalize(lowering=True)
-        self._variables: list[Variable] = list(ir._variables)
+        main_ir = main._finalize(lowering=True)
         self._h2d = [(s, t) for k, s, t in main._stream_inputs if k == "h2d"]
         self._d2h = [(s, t) for k, s, t in main._stream_inputs if k == "d2h"]
-        self._d2h_final = {s: main._hidden[("d2h", s)] for s, _ in self._d2h}
         self._fp8_streams = any(host_np_dtype(s.dtype) != s.dtype.as_device_numpy()
                                 for s, _ in self._h2d + self._d2h)
-        self._main_ir.inputs = [t.id for _, t in self._h2d + self._d2h]
-        self._host: dict[Variable, np.ndarray] = {   # a variable's np.memmap is kept, not copied
-            v: d if isinstance(d, np.memmap) else np.array(d)
-            for v, d in ((v, ir._variable_data[v]) for v in self._variables)}
-        self._host_all: dict[Variable, np.ndarray] = {}   # all_replicas variables: [replicas, ...]
-        self._buffer_host: dict[str, np.ndarray] = {}     # remote buffers' last contents on the host
-        self._slots = self._make_slots()
-        self._written = {s.key for s in self._slots   # the slots a run writes (a newer version)
-                         if s.graph_out is not None and s.graph_out._ir_id != s.graph_in}
-        self._slot_of = {v: s.key for s in self._slots   # variable -> the slot that holds it
-                         for v in ([s.var] if s.var is not None else s.entries)}
-        self._stale: set[str] = set()   # slots whose device value is newer than the host's
-        self._placed = placed_program(self)   # the main graph's IPUs on their own devices
-        self._engine_cache_ = self._engine_cache()
-        self._dev: Optional[dict] = None
-        self._in_sync = True
+        main_ir.inputs = [t.id for _, t in self._h2d + self._d2h]
+        slots, self.remote_memory_kind = make_slots(   # where remote buffers live between runs
+            ir, lambda: remote_memory_kind(self._placement))
+        self._program = _step.Program(ir, main_ir, tuple(slots), tuple(self._h2d), tuple(self._d2h),
+                                      {s: main._hidden[("d2h", s)] for s, _ in self._d2h},
+                                      self._n, self._r, self._local_r)
+        self._state = State(slots, ir._variables, ir._variable_data, self._r)
         self._lock = threading.RLock()
-        self._checks: list = []   # the program's run-time checks (its plan's facts)
-        self._facts: dict = {}
-        self._plan: Optional[_RunPlan] = None   # _run_plan's
-        self.executable_source = ""
+        self._plan: Optional[RunPlan] = None   # _run_plan's
+        self._placed = placed_program(self._program, self._placement, self._device.jax_devices)
         self._compile()
         ir._session = self      # Variable.in_sync_with_ipu
         if self.is_attached:
             self.weights_from_host()
 
-    # ------------------------------------------------------------------ device state
-    def _make_slots(self) -> list[_StateArray]:
-        """The device state: each on-chip variable ([replicas, *shape]); each replica-sharded
-        variable of ``replica_sharded_variable`` (its shards, [replicas, shard size]); each
-        remote buffer that ops use or remote variables live in ([replicas, entries, *shape],
-        in host memory where the backend has it)."""
-        main = self._ir.main_graph
-        slots = []
-        buffers: dict = {}
-        for v in self._variables:
-            if v._remote is None:
-                slots.append(_StateArray(v.id, v.shape, v.dtype.as_device_numpy(), v.id, v, var=v))
-            elif v._shard is not None:
-                sh = v._shard
-                slots.append(_StateArray(v.id, sh.shape, sh.dtype.as_device_numpy(), sh.id, sh, var=v,
-                                         home=Home(shards=v._sharding)))
-            else:
-                buffers.setdefault(v._remote[0], [])
-        for key in main._hidden:
-            if isinstance(key, tuple) and key[0] == "remote":
-                buffers.setdefault(key[1], [])
-        for (buf, off), v in self._ir._remote_entries.items():
-            if buf in buffers and v._shard is None:
-                buffers[buf].append(v)
-        kind = self._remote_memory_kind() if buffers else None
-        self.remote_memory_kind = kind or "device"   # where remote buffers live between runs
-        for buf in sorted(buffers, key=lambda b: b.remote_buffer_id):
-            shape = (buf.entries,) + tuple(buf.tensor_shape)
-            t = main._hidden.get(buf._state_key)
-            if t is not None and t.shape != shape:
-                raise ValueError(f"RemoteBuffer[id={buf.remote_buffer_id}] holds {shape[0]} entries "
-                                 f"of {list(shape[1:])}, but ops use it as {t.shape[0]} entries of "
-                                 f"{list(t.shape[1:])}")
-            for v in buffers[buf]:
-                buf._check_offset(v._remote[1], f"offset of remote variable '{v.id}'")
-            key = f"remote_buffer:{buf.remote_buffer_id}"
-            slots.append(_StateArray(key, shape, buf.tensor_dtype.as_device_numpy(),
-                                     t.id if t is not None else key, t, buffer=buf,
-                                     entries=buffers[buf], home=Home(memory_kind=kind)))
-        return slots
+    # ------------------------------------------------------------------ the step
+    def _compile(self) -> None:
+        """Compile the step for the session's placement (``_placed``: the main graph's IPUs
+        on their own devices, or None), through the engine cache when there is one."""
+        self._engine_cache_ = _step.engine_cache(self._program, self._config, self._placement,
+                                                 self._placed, self.remote_memory_kind)
+        built = _step.compile_program(self._program, self._placement, self._placed,
+                                      self._engine_cache_)
+        self._step, self._checks, self._facts, self.executable_source = built
 
-    def _remote_memory_kind(self) -> Optional[str]:
-        """The memory kind remote buffers live in between runs: ``POPXL_REMOTE_MEMORY_KIND``
-        ("auto" default, "device", or a memory kind such as "pinned_host"). "auto" is
-        "pinned_host" where the devices have it, except on CPU, whose device memory is host
-        memory. None: the devices' default (device) memory."""
-        want = os.environ.get("POPXL_REMOTE_MEMORY_KIND", "auto").strip().lower() or "auto"
-        devices = [d for d in self._placement.devices or [self._placement.device]
-                   if d.process_index == jax.process_index()]
-        try:
-            kinds = set.intersection(*({m.kind for m in d.addressable_memories()} for d in devices))
-            default = devices[0].default_memory().kind
-        except Exception:   # noqa: BLE001  (a backend without memory kinds)
-            kinds, default = set(), None
-        platform = self._placement.platform
-        if want == "auto":
-            want = backend(platform).remote_buffer_memory
-        if want in ("device", default):
-            _logger.info(f"Remote buffers are in device memory ({platform})")
-            return None
-        if want not in kinds:
-            _logger.warn(f"Remote buffers: memory kind {want!r} is not available on {platform} "
-                         f"(it has {sorted(kinds)}); they are in device memory")
-            return None
-        _logger.info(f"Remote buffers are in {want} memory ({platform})")
-        return want
+    @property
+    def _slots(self) -> tuple:
+        """The state arrays (``_state.StateArray``)."""
+        return self._program.slots
 
-    def _device_values(self) -> dict:
-        """Each slot's value for the device, [replicas, ...], from the host values."""
-        out = {}
-        for s in self._slots:
-            if s.home.shards is not None:
-                out[s.key] = s.home.shards.to_replicas(self._host[s.var])
-            elif s.buffer is None:
-                out[s.key] = self._per_replica(s.var, self._host[s.var])
-            else:
-                base = self._buffer_host.get(s.key)
-                arr = np.array(base) if base is not None else np.zeros((self._r,) + s.shape, s.dtype)
-                for v in s.entries:
-                    off = v._remote[1]
-                    if v._sharding is not None:
-                        arr[:, off] = v._sharding.to_replicas(self._host[v])
-                    else:
-                        arr[:, off] = self._per_replica(v, self._host[v]).reshape(arr[:, off].shape)
-                out[s.key] = arr
-            out[s.key] = np.ascontiguousarray(out[s.key], dtype=s.dtype)
-        if self._placed:   # each replica's variables in the slots of their IPUs
-            return self._placed.executor.pack([{s.graph_in: out[s.key][r] for s in self._slots}
-                                               for r in range(self._r)])
-        return out
+    @property
+    def _dev(self) -> Optional[dict]:
+        """The state on the device (key -> [replicas, ...]), None before it is copied there."""
+        return self._state.dev
 
-    def _set_host(self, v: Variable, arr: np.ndarray) -> None:
-        """The host value of ``v`` from each replica's value ([replicas, *shape])."""
-        g = v.replica_grouping
-        self._store_host(v, arr[g.first_replicas()] if g is not None and g.num_groups > 1 else arr[0])
-        if v.retrieval_mode == "all_replicas" and self._r > 1:
-            self._host_all[v] = arr
+    @property
+    def _buffer_host(self) -> dict:
+        """Remote buffers' last contents on the host (key -> [replicas, entries, ...])."""
+        return self._state.buffer_host
 
-    def _store_host(self, v: Variable, value: np.ndarray) -> None:
-        """Set the host value of ``v``: written into its np.memmap when it has one."""
-        if isinstance(self._host.get(v), np.memmap):
-            self._host[v][...] = value
-        else:
-            self._host[v] = value
-
-    def _set_host_sharded(self, v: Variable, shards: np.ndarray) -> None:
-        """The host value of a replica-sharded ``v`` from each replica's shard
-        ([replicas, shard size]): each group's shards put together, padding removed."""
-        layout = v._sharding
-        values = layout.group_values(shards)
-        self._store_host(v, values if layout.num_groups > 1 else values[0])
-        if v.retrieval_mode == "all_replicas" and self._r > 1:
-            self._host_all[v] = values[layout.data_group]
+    def _executor(self) -> Any:
+        """The placed program's executor (it packs the state), or None."""
+        return self._placed.executor if self._placed else None
 
     def _put(self, values: dict) -> dict:
-        """The state on the replicas' devices from its global host values ([replicas, ...]):
-        across processes, each puts only its own replicas' rows."""
-        shardings = self._state_shardings()
-        if self._placement.across_processes:
-            return {k: jax.make_array_from_callback(x.shape, shardings[k], lambda i, x=x: x[i])
-                    for k, x in values.items()}
-        return jax.device_put(values, {k: shardings[k] for k in values})
-
-    # ------------------------------------------------------------------ compile
-    def _replica_fn(self, planning: bool = False):
-        """One replica's main graph: (its state: variables and remote buffers, its streams'
-        [N, ...] inputs) -> (the new state, device-to-host values, run-time checks). Its
-        checks keep the plan's ids (``_checks``); ``planning``: its run-time checks follow,
-        as ``Facts``."""
-        n, r = self._n, self._r
-        slots = [(s.key, s.graph_in, s.graph_out._ir_id if s.graph_out is not None else s.graph_in)
-                 for s in self._slots]
-        d2h = [(s, t.id, self._d2h_final[s]._ir_id) for s, t in self._d2h]
-        main_ir, platform, checks = self._main_ir, self._placement.platform, list(self._checks)
-
-        def replica(state: dict, feeds: dict) -> tuple:
-            feeds = dict(feeds)
-            for s, tid, _ in d2h:
-                feeds[tid] = jnp.zeros((n,) + s.shape, s.dtype.as_device_numpy())
-            weights = {gin: state[key] for key, gin, _ in slots}
-            t = trace(main_ir, feeds, key=jax.random.key(0), weights=weights, platform=platform,
-                      replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r,
-                      checks=checks)
-            new = {key: jnp.asarray(t.env[out]).astype(state[key].dtype) for key, _, out in slots}
-            outs = {tid: jnp.asarray(t.env[fid]) for _, tid, fid in d2h}
-            if t.check_flags() is not None:
-                outs[CHECKS] = t.check_flags()
-            if planning:   # run-time checks (indices in range, ...)
-                return new, outs, Facts(checks=list(t.checks))
-            return new, outs
-        return replica
-
-    def _specs(self) -> tuple:
-        r, n = self._r, self._n
-        wspecs = {s.key: jax.ShapeDtypeStruct((r,) + tuple(s.shape), s.dtype) for s in self._slots}
-        if self._placed:
-            wspecs = self._placed.executor.state_specs()
-        fspecs = {t.id: jax.ShapeDtypeStruct((r, n) + s.shape, s.dtype.as_device_numpy()) for s, t in self._h2d}
-        return wspecs, fspecs
-
-    def _state_shardings(self) -> dict:
-        if self._placed:
-            return self._placed.executor.state_shardings()
-        split = self._placement.sharding(0)   # [replicas, ...]: one slice per replica's device
-        return {s.key: split.with_memory_kind(s.memory_kind) if s.memory_kind else split
-                for s in self._slots}
-
-    def _engine_cache(self) -> Optional[EngineCache]:
-        if self._config.cache_path is None:
-            return None
-        main = self._ir.main_graph
-        signature = {"session": "popxl.Session", "graph": fingerprint(self._main_ir),
-                     "replication": self._r, "instance_replication": self._local_r,
-                     "num_host_transfers": self._n,
-                     "devices": len(self._placement.devices),
-                     "ipus": self._placed.ipus if self._placed else 1,
-                     "variables": {v.id: [list(v.shape), v.dtype.name] for v in self._variables},
-                     "remote": {str(b.remote_buffer_id): [b.entries, list(b.tensor_shape), b.tensor_dtype.name]
-                                for b in self._ir._remote_buffers.values()
-                                if b._state_key in main._hidden},
-                     "remote_memory_kind": self.remote_memory_kind,
-                     "h2d": {t.id: [list(s.shape), s.dtype.name] for s, t in self._h2d},
-                     "d2h": {t.id: [list(s.shape), s.dtype.name] for s, t in self._d2h},
-                     **runtime_signature()}
-        return EngineCache(self._config.cache_path, "popxl", signature)
-
-    def _feed_sharding(self) -> jax.sharding.Sharding:
-        """[replicas, ...] arrays: one slice per replica's device(s)."""
-        return self._placed.executor.feed_sharding if self._placed else self._placement.sharding(0)
-
-    def _step_fn(self, planning: bool = False) -> Callable:
-        """The program (see ``_replica_fn``), placed or replicated; ``planning``: its facts
-        follow its outputs (``compiled.plan_trace``)."""
-        if self._placed:
-            return main_step(self._placed, self, self._facts, planning)
-        return self._placement.replicate(self._replica_fn(planning), in_axes=(0, 0))
-
-    def _compile(self) -> None:
-        split = self._feed_sharding()
-        state = self._state_shardings()
-        specs = self._specs()
-        self._checks, self._facts = [], {}   # the plan's abstract trace finds them
-        self._facts = plan_trace(self._step_fn(planning=True), *specs)[1]   # run-time checks, ...
-        self._checks = self._facts["checks"]
-        fn = self._step_fn()
-        host = list(self._placed.layout.memory_kinds) if self._placed else \
-            [s.key for s in self._slots if s.memory_kind]
-        if host:
-            fn = _in_device_memory(fn, host)
-        step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
-                            donate_argnums=(0,))
-        with report.popxl_compiling(   # autoReport.*, dotChecks, progress logger
-                self._ir._options, self._main_ir, f"popxl.Ir {self._ir.id}", self._r * self._n,
-                lambda: serialize_ir(self._main_ir, {}, "maingraph")):
-            self.executable_source = compile_step(step, specs, self._engine_cache_)
-        self._step = step
+        """The state on the replicas' devices from its global host values ([replicas, ...])."""
+        shardings = _step.state_shardings(self._program, self._placement, self._placed)
+        return put(values, shardings, self._placement.across_processes)
 
     # ------------------------------------------------------------------ context / device
     @property
@@ -519,21 +245,20 @@ class Session:
         with self._lock:
             if device is self._device:
                 return
-            if self._dev is not None:   # the device's newer values, before the device changes
-                self._pull()
-                self._in_sync = True
+            if self._state.dev is not None:   # the device's newer values, before it changes
+                self._state.pull(executor=self._executor())
+                self._state.in_sync = True
             if not _runs_on(self._compiled_for, device):
                 self._device = device
                 return
             old = (self._placement.device, list(self._placement.devices))
             self._device = device
             self._placement = Placement(self._r, device, processes=self._config.processes)
-            self._placed = placed_program(self)
+            self._placed = placed_program(self._program, self._placement, device.jax_devices)
             if (self._placement.device, list(self._placement.devices)) != old or self._placed:
-                self._engine_cache_ = self._engine_cache()
                 self._compile()
-            if self._dev is not None:
-                self._dev = self._put(self._device_values())
+            if self._state.dev is not None:
+                self._state.dev = self._put(self._state.device_values(self._executor()))
 
     @property
     def is_attached(self) -> bool:
@@ -576,7 +301,7 @@ class Session:
             self._set_device(was_attached)
 
     def _host_in_sync(self, v: Variable) -> bool:
-        return self._in_sync or v not in self._host
+        return self._state.in_sync or v not in self._state.host
 
     def _check_target(self) -> None:
         """Raises popart.poplar_runtime_error where the session's device is not one the
@@ -596,12 +321,6 @@ class Session:
                              "call inside a `Session` context, for example `with session: session.run()`.")
 
     # ------------------------------------------------------------------ weights
-    def _per_replica(self, v: Variable, data: np.ndarray) -> np.ndarray:
-        g = v.replica_grouping
-        if g is not None and g.num_groups > 1:
-            return np.stack([data[a] for a in g.assignment])
-        return np.broadcast_to(data, (self._r,) + v.shape)
-
     @serialised
     @in_x64
     def weights_from_host(self) -> None:
@@ -609,8 +328,8 @@ class Session:
         of replica-sharded variables, and the entries of remote variables in their buffers
         (other entries keep the buffer's contents)."""
         self._require_attached()
-        self._dev = self._put(self._device_values())
-        self._in_sync, self._stale = True, set()
+        self._state.dev = self._put(self._state.device_values(self._executor()))
+        self._state.in_sync, self._state.stale = True, set()
 
     @serialised
     @in_x64
@@ -625,47 +344,14 @@ class Session:
         self._weights_to_host()
 
     def _weights_to_host(self, keys: Optional[set] = None) -> None:
-        """:meth:`weights_to_host` for the slots ``keys`` (None: all)."""
+        """:meth:`weights_to_host` for the state arrays ``keys`` (None: all): only those a
+        run wrote since cross."""
         if self._ir._has_read_only_memmap:
             raise Exception("Writing data from device to host is not possible as the `ir` "
                             "contains a read-only memmap.")
         self._require_attached()
-        self._pull(keys)
-        self._in_sync = True
-
-    def _pull(self, keys: Optional[set] = None) -> None:
-        """The host values of the slots ``keys`` (None: all) from the device, of those whose
-        device value is newer (a run wrote them since): only those cross. Placed programs
-        pack the slots together: all of them."""
-        keys = self._stale if keys is None else self._stale & keys
-        if not keys or self._dev is None:
-            return
-        get = dict(get=distributed.global_value, what="Copying the weights to the host")
-        if self._placed:   # every instance's replicas
-            per = self._placed.executor.unpack(dict(zip(self._dev, fetch(list(self._dev.values()), **get))))
-            values = {s.key: np.stack([p[s.graph_in] for p in per]) for s in self._slots}
-        else:
-            order = [s.key for s in self._slots if s.key in keys]   # the same on every instance
-            values = dict(zip(order, fetch([self._dev[k] for k in order], **get)))
-        for s in self._slots:
-            arr = values.get(s.key)
-            if arr is None:
-                continue
-            if s.home.shards is not None:
-                self._set_host_sharded(s.var, arr)
-            elif s.buffer is None:
-                self._set_host(s.var, arr)
-            else:
-                self._buffer_host[s.key] = arr
-                for v in s.entries:
-                    entry = arr[:, v._remote[1]]
-                    if v._sharding is not None:
-                        self._set_host_sharded(v, entry)
-                    else:   # the entry's data in the variable's shape (PopXL: any of its size)
-                        self._set_host(v, entry.reshape((len(entry),) + v.shape))
-        for v in self._variables:
-            v._flush_data_if_memmap()
-        self._stale -= set(values)
+        self._state.pull(keys, self._executor())
+        self._state.in_sync = True
 
     def get_tensor_data(self, tensor: Union[Variable, Constant]) -> np.ndarray:
         """The value of a variable or constant (see :meth:`get_tensors_data`)."""
@@ -675,159 +361,71 @@ class Session:
     def get_tensors_data(self, tensors: Iterable[Union[Variable, Constant]]) -> dict:
         """Values of variables (fetched from the device when it holds newer ones) and constants,
         as PopXL gives them: a variable made from an ``np.memmap`` gives that very memmap;
-        float8 data are PopXL's uint8 records (``popxl.dtypes.np_dtype_float8_143``)."""
-        tensors = list(tensors)
-        out = {}
-        for t in tensors:
-            if not isinstance(t, (Variable, Constant)):
-                raise TypeError(f"{t} is not of type Constant or Variable. get_tensor_data is not "
-                                f"supported for this type.")
-        keys = {self._slot_of[t] for t in tensors if isinstance(t, Variable) and t in self._slot_of}
-        if self.is_attached and keys and (not self._in_sync or keys & self._stale):
+        float8 data are PopXL's uint8 records (``popxl.dtypes.np_dtype_float8_143``).
+
+        Raises:
+            TypeError: a tensor that is neither a Variable nor a Constant."""
+        tensors, state = list(tensors), self._state
+        keys = state.keys(tensors)
+        if self.is_attached and keys and (not state.in_sync or keys & state.stale):
             self._weights_to_host(keys)   # only the variables asked for
-        for t in tensors:
-            if isinstance(t, Variable):
-                if t.retrieval_mode == "all_replicas" and self._r > 1:   # one value per replica
-                    out[t] = np.array(self._host_all[t] if t in self._host_all
-                                      else self._per_replica(t, self._host[t]))
-                elif t._memmap_arr is not None:   # PopXL: the very np.memmap it was made from
-                    out[t] = t._memmap_arr
-                else:
-                    out[t] = np.array(self._host[t])
-            else:
-                out[t] = np.array(t._graph._g.initializers[t.id])
-            out[t] = to_host_fp8(out[t])   # float8: PopXL's uint8 records
-        return out
+        return state.values(tensors)
 
     def write_variable_data(self, tensor: Variable, data: np.ndarray) -> None:
         self.write_variables_data({tensor: data})
 
     @serialised
     def write_variables_data(self, tensors: Mapping[Variable, Any]) -> None:
-        """Set variables' values on the host (and on the device when attached: only theirs)."""
-        keys = {self._slot_of[v] for v in tensors if v in self._slot_of}
-        if self.is_attached:   # the device's newer values of what is written only in part
-            self._pull(None if self._placed else {s.key for s in self._slots
-                                                  if s.key in keys and s.buffer is not None})
-        for v, data in tensors.items():
-            if not isinstance(v, Variable):
-                raise TypeError(f"Tensor {v.id} is not of type Variable. write_variable_data is not "
-                                f"supported for this type.")
-            arr = np.asarray(data)
-            want = v.shape_on_host
-            if np.ndim(data) == 0 and not isinstance(data, np.ndarray):   # a Python number
-                if v.dtype.name in ("float8_143", "float8_152"):
-                    raise TypeError(f"Data for variable {v.id} must be passed in as an np.array with "
-                                    f"dtype {host_np_dtype(v.dtype)} (see "
-                                    f"popxl.fp8_utils.host_pow2scale_cast_to_fp8)")
-                arr = arr.astype(v.dtype.as_device_numpy())
-            arr = from_host_fp8(arr)
-            if arr.dtype != v.dtype.as_device_numpy():
-                raise TypeError(f"The dtype of the input array {np.asarray(data).dtype} must match "
-                                f"the equivalent type of the tensor {v.id} : {v.dtype}")
-            if arr.shape != tuple(want):
-                if arr.size == 1 and not want:
-                    arr = arr.reshape(())
-                else:
-                    raise ValueError(f"The shape of the input array {arr.shape} must match the shape "
-                                     f"of the tensor {v.id} : {v.shape}")
-            if v.retrieval_mode == "all_replicas" and v.replica_grouping.group_size > 1:
-                raise NotImplementedError(f'Copying to tensor {v.id} with "all_replicas" retreval '
-                                          f'mode is not yet supported.')
-            self._store_host(v, np.array(arr))
-            self._host_all.pop(v, None)
-        if self.is_attached:
-            self._write_slots(keys)
+        """Set variables' values on the host (and on the device when attached: only theirs).
 
-    def _write_slots(self, keys: set) -> None:
-        """Copy the host values of the slots ``keys`` to the device: only those cross
-        (placed programs pack the slots together: all of them)."""
-        if self._placed or self._dev is None:
+        Raises:
+            TypeError, ValueError: not a Variable, data of another dtype or shape
+                (``_state.checked_array``)."""
+        state = self._state
+        keys = state.keys(tensors)
+        if self.is_attached:   # the device's newer values of what is written only in part
+            state.pull(None if self._placed else {s.key for s in state.slots
+                                                  if s.key in keys and s.buffer is not None},
+                       self._executor())
+        for v, data in tensors.items():
+            state.store(v, checked_array(v, data))
+        if not self.is_attached:
+            return
+        if self._placed or state.dev is None:   # placed programs pack the arrays together
             self.weights_from_host()
             return
-        values = self._device_values()
-        self._dev = {**self._dev, **self._put({k: values[k] for k in keys})}
-        self._stale -= keys
-        self._in_sync = True
+        values = state.device_values()   # only the arrays written cross
+        state.dev = {**state.dev, **self._put({k: values[k] for k in keys})}
+        state.stale -= keys
+        state.in_sync = True
 
     # ------------------------------------------------------------------ run
     def expected_inputs(self) -> list[HostToDeviceStream]:
         return [s for s, _ in self._h2d]
 
-    def _host_shape(self, shape: tuple) -> tuple:
-        return tuple(d for d in (self._n, self._local_r) if d != 1) + tuple(shape)
-
     def create_host_outputs(self) -> dict[DeviceToHostStream, np.ndarray]:
         """Zeroed output arrays, one per device-to-host stream (float8: PopXL's uint8 records)."""
-        return {s: np.zeros(self._host_shape(s.shape), host_np_dtype(s.dtype)) for s, _ in self._d2h}
-
-    def _expected_outputs(self) -> list[DeviceToHostStream]:
-        return [s for s, _ in self._d2h]
+        return {s: np.zeros(host_shape(self._n, self._local_r, s.shape), host_np_dtype(s.dtype))
+                for s, _ in self._d2h}
 
     def _validate_run_inputs(self, inputs: h2dStreamBufferMaps) -> None:
         """Check ``inputs`` as :meth:`run` does: every expected input stream and no other,
-        each with an array of the right shape.
+        each with an array of the right shape (``_streams.validate_streams``).
 
         Raises:
             ValueError: a stream missing or unexpected, or an array of the wrong shape."""
-        self._validate_streams(inputs, self.expected_inputs(), "input")
+        validate_streams(inputs, self.expected_inputs(), "input", self._n, self._local_r)
 
     def _validate_run_outputs(self, outputs: d2hStreamBufferMaps) -> None:
         """:meth:`_validate_run_inputs` for the output arrays of :meth:`run_with_outputs`."""
-        self._validate_streams(outputs, self._expected_outputs(), "output")
+        validate_streams(outputs, [s for s, _ in self._d2h], "output", self._n, self._local_r)
 
-    def _validate_streams(self, given: Mapping, expected: list, kind: str) -> None:
-        """The streams given are exactly those expected, each with an array of the right
-        shape (popxl's rules: [num_host_transfers, instance_replication_factor, *shape],
-        size-1 dimensions of the first two dropped)."""
-        got, want = set(given), set(expected)
-        if got != want:
-            unexpected = {str(x) for x in got - want}
-            missing = {str(x) for x in want - got}
-            raise ValueError(f"Unexpected/Missing {kind}.\n  Unexpected: {unexpected}\n  "
-                             f"Missing: {missing}")
-        for st, arr in given.items():
-            self._verify_io_shape(st, np.shape(arr), kind)
-
-    def _verify_io_shape(self, st: Any, shape: tuple, kind: str) -> None:
-        full = self._host_shape(st.shape)
-        repl_index = data_index = 0
-        if self._n > 1:
-            repl_index = data_index = 1
-            if len(shape) < 1 or shape[0] < self._n:
-                raise ValueError(f"Dimension 0 ({shape[0] if shape else None}) of the array of "
-                                 f"shape {tuple(shape)} provided for {kind} stream {st.tensor_id} "
-                                 f"is not large enough.\nIt should be at least of size "
-                                 f"num_host_transfers = {self._n}")
-        if self._local_r > 1:
-            data_index += 1
-            if len(shape) <= repl_index or shape[repl_index] != self._local_r:
-                size = shape[repl_index] if len(shape) > repl_index else None
-                raise ValueError(f"Dimension {repl_index} ({size}) of the array of shape "
-                                 f"{tuple(shape)} provided for {kind} stream {st.tensor_id} is the "
-                                 f"wrong size.\nIt should be of size replication_factor = {self._local_r}")
-        if tuple(d for d in shape if d != 1)[data_index:] == () and \
-                all(d == 1 for d in shape[data_index:]) and all(d == 1 for d in st.shape):
-            return   # all-ones shapes (a scalar for a [1] stream) are not compared
-        if tuple(shape[data_index:]) != tuple(st.shape):
-            raise ValueError(f"Shape mismatch for {kind} stream {st.tensor_id}:\nStream shape = "
-                             f"{st.shape}, therefore expected full global batch shape {full}. Got "
-                             f"array shape = {tuple(shape)}")
-
-    def _run_plan(self) -> Optional["_RunPlan"]:
+    def _run_plan(self) -> Optional[RunPlan]:
         """What a run's common path needs, worked out once (None where streams cross
         processes: the general path)."""
         if self._plan is None and not self._placement.across_processes:
-            self._plan = _RunPlan(self)
+            self._plan = RunPlan(self._h2d, self._d2h, self._n, self._local_r)
         return self._plan
-
-    def _feed(self, s: HostToDeviceStream, a: np.ndarray) -> np.ndarray:
-        """A stream's (validated) input as [instance replicas, num_host_transfers, *shape],
-        after popart's StepIO rule (dtype, element count)."""
-        full = (self._n, self._local_r) + s.shape
-        info = TensorInfo(to_datatype(s.dtype.as_device_numpy()), list(s.shape))
-        a = validate_input(s.name, a, info, self._n, 1, self._local_r).reshape(full)
-        return np.ascontiguousarray(np.swapaxes(a, 0, 1))
 
     def run_with_outputs(self, inputs: Optional[Mapping[HostToDeviceStream, Any]] = None,
                          outputs: Optional[Mapping[DeviceToHostStream, np.ndarray]] = None,
@@ -844,7 +442,7 @@ class Session:
         """
         with self._lock:
             plan = self._run_plan()
-            if plan is not None and not plan.x64 and self._dev is not None:
+            if plan is not None and not plan.x64 and self._state.dev is not None:
                 return self._run_with_outputs(inputs, outputs, downcast_inputs)
             with x64():
                 return self._run_with_outputs(inputs, outputs, downcast_inputs)
@@ -852,7 +450,8 @@ class Session:
     def _run_with_outputs(self, inputs: Optional[Mapping], outputs: Optional[Mapping],
                           downcast_inputs: bool) -> None:
         self._require_attached()
-        if self._dev is None:   # attached by _set_device to a device that came attached
+        state = self._state
+        if state.dev is None:   # attached by _set_device to a device that came attached
             self.weights_from_host()
         inputs, outputs = inputs or {}, outputs if outputs is not None else {}
         if self._fp8_streams:   # PopXL's float8 host arrays (uint8 records) as ml_dtypes views
@@ -863,17 +462,17 @@ class Session:
         if feeds is None:   # the general path: conversions, popxl's and popart's checks
             inputs = {s: to_numpy(a, downcast=downcast_inputs) for s, a in inputs.items()}
             self._validate_run_inputs(inputs)
-            feeds = {t.id: self._feed(s, inputs[s]) for s, t in self._h2d}
+            feeds = {t.id: feed(s, inputs[s], self._n, self._local_r) for s, t in self._h2d}
         fit = plan is not None and plan.outputs_fit(outputs)
         if not fit:
             outputs = dict(outputs)
             self._validate_run_outputs(outputs)
         if plan is None:   # across processes: each process puts its own replicas' rows
-            feeds = jax.device_put(feeds, self._feed_sharding()) if self._placed else \
-                self._placement.put(feeds, 0)
-        self._dev, outs = self._step(self._dev, feeds)   # host feeds are moved by the call
-        self._in_sync = not self._slots   # PopXL: every variable (in_sync_with_ipu)
-        self._stale |= self._written       # what crosses back (only when the host asks)
+            feeds = jax.device_put(feeds, self._placed.executor.feed_sharding) if self._placed \
+                else self._placement.put(feeds, 0)
+        state.dev, outs = self._step(state.dev, feeds)   # host feeds are moved by the call
+        state.in_sync = not state.slots   # PopXL: every variable (in_sync_with_ipu)
+        state.stale |= state.written       # what crosses back (only when the host asks)
         flags = outs.pop(CHECKS, None)
         ids = plan.d2h_ids if plan is not None else [t.id for _, t in self._d2h]
         values = [outs[i] for i in ids] + ([] if flags is None else [flags])
@@ -887,7 +486,7 @@ class Session:
                 np.copyto(outputs[s], val.reshape(host), casting="unsafe")
             return
         for (s, t), val in zip(self._d2h, values):   # [local replicas, n, ...] -> [n, local replicas, ...]
-            val = np.swapaxes(val, 0, 1).reshape(self._host_shape(s.shape))
+            val = np.swapaxes(val, 0, 1).reshape(host_shape(self._n, self._local_r, s.shape))
             dst = outputs[s]
             if dst.size != val.size:
                 raise ValueError(f"Output array for stream '{s.name}' has shape {list(dst.shape)}; "

@@ -1,0 +1,172 @@
+"""popxl.Session's step: the Ir's main graph as one compiled program, (state, feeds) ->
+(new state, device-to-host values and run-time checks), replicated (``Placement``) or
+placed on the devices of its IPUs (``_placement.main_step``), its facts from one abstract
+trace (``compiled.plan_trace``), compiled through the engine cache when there is one."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from popart import report
+from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, plan_trace
+from popart.engine.config import EngineConfig
+from popart.engine.executable import EngineCache, compile_step, runtime_signature
+from popart.engine.graph_api import Graph as IRGraph, fingerprint
+from popart.engine.lower import CHECKS, trace
+from popart.ir_json import serialize_ir
+
+from ._placement import MainPlan, main_step
+
+if TYPE_CHECKING:
+    from .ir import Ir
+
+
+@dataclass(frozen=True)
+class Program:
+    """What a session's step is made of, fixed when the session is made: the Ir, its main
+    graph lowered (``main_ir``), the state arrays (``_state.StateArray``), the host-to-device
+    and device-to-host streams with their tensors ((stream, tensor) pairs), each
+    device-to-host stream's last stored tensor, ``n`` host transfers per run, ``r`` replicas
+    in all and ``local_r`` of this instance."""
+    ir: "Ir"
+    main_ir: IRGraph
+    slots: tuple
+    h2d: tuple
+    d2h: tuple
+    d2h_final: dict
+    n: int
+    r: int
+    local_r: int
+
+
+class Built(NamedTuple):
+    """A compiled step: the program, its run-time checks (their ids), its plan's facts and
+    where the executable came from (``compile_step``)."""
+    step: CompiledStep
+    checks: list
+    facts: dict
+    source: str
+
+
+def _to_device_memory(x: Any) -> Any:
+    """``x`` moved to device memory inside a jitted function."""
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    if space is not None:
+        return jax.device_put(x, space.Device)
+    return jax.device_put(x, jax.sharding.TransferToMemoryKind("device"))  # type: ignore[attr-defined]
+
+
+def _in_device_memory(fn: Any, keys: list) -> Any:
+    """``fn(state, feeds)`` with the state arrays ``keys`` (kept in host memory between
+    runs) moved to device memory for the step; the step's out_shardings put their new values
+    back in host memory."""
+    def step(state: dict, feeds: dict) -> tuple:
+        return fn({k: _to_device_memory(v) if k in keys else v for k, v in state.items()}, feeds)
+    return step
+
+
+def replica_fn(p: Program, platform: str, checks: list, planning: bool = False) -> Callable:
+    """One replica's main graph: (its state: variables and remote buffers, its streams'
+    [N, ...] inputs) -> (the new state, device-to-host values, run-time checks). Its checks
+    keep the plan's ids (``checks``); ``planning``: its run-time checks follow, as ``Facts``."""
+    n, r = p.n, p.r
+    slots = [(s.key, s.graph_in, s.graph_out._ir_id if s.graph_out is not None else s.graph_in)
+             for s in p.slots]
+    d2h = [(s, t.id, p.d2h_final[s]._ir_id) for s, t in p.d2h]
+    main_ir, checks = p.main_ir, list(checks)
+
+    def replica(state: dict, feeds: dict) -> tuple:
+        feeds = dict(feeds)
+        for s, tid, _ in d2h:
+            feeds[tid] = jnp.zeros((n,) + s.shape, s.dtype.as_device_numpy())
+        weights = {gin: state[key] for key, gin, _ in slots}
+        t = trace(main_ir, feeds, key=jax.random.key(0), weights=weights, platform=platform,
+                  replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r,
+                  checks=checks)
+        new = {key: jnp.asarray(t.env[out]).astype(state[key].dtype) for key, _, out in slots}
+        outs = {tid: jnp.asarray(t.env[fid]) for _, tid, fid in d2h}
+        if t.check_flags() is not None:
+            outs[CHECKS] = t.check_flags()
+        if planning:   # run-time checks (indices in range, ...)
+            return new, outs, Facts(checks=list(t.checks))
+        return new, outs
+    return replica
+
+
+def specs(p: Program, placed: Optional[MainPlan]) -> tuple:
+    """The step's abstract arguments: the state ([replicas, *shape]; placed: the executor's
+    slots) and the feeds ([replicas, N, *shape])."""
+    wspecs = placed.executor.state_specs() if placed else \
+        {s.key: jax.ShapeDtypeStruct((p.r,) + tuple(s.shape), s.dtype) for s in p.slots}
+    fspecs = {t.id: jax.ShapeDtypeStruct((p.r, p.n) + s.shape, s.dtype.as_device_numpy())
+              for s, t in p.h2d}
+    return wspecs, fspecs
+
+
+def state_shardings(p: Program, placement: Placement, placed: Optional[MainPlan]) -> dict:
+    """Where the state arrays live: one slice per replica's device, in their memory kind."""
+    if placed:
+        return placed.executor.state_shardings()
+    split = placement.sharding(0)   # [replicas, ...]: one slice per replica's device
+    return {s.key: split.with_memory_kind(s.memory_kind) if s.memory_kind else split
+            for s in p.slots}
+
+
+def feed_sharding(placement: Placement, placed: Optional[MainPlan]) -> jax.sharding.Sharding:
+    """[replicas, ...] arrays: one slice per replica's device(s)."""
+    return placed.executor.feed_sharding if placed else placement.sharding(0)
+
+
+def engine_cache(p: Program, config: EngineConfig, placement: Placement,
+                 placed: Optional[MainPlan], memory_kind: str) -> Optional[EngineCache]:
+    """The engine cache of the step (None without a cache folder), its key everything that
+    shapes the program."""
+    if config.cache_path is None:
+        return None
+    ir, hidden = p.ir, p.ir.main_graph._hidden
+    signature = {"session": "popxl.Session", "graph": fingerprint(p.main_ir),
+                 "replication": p.r, "instance_replication": p.local_r,
+                 "num_host_transfers": p.n, "devices": len(placement.devices),
+                 "ipus": placed.ipus if placed else 1,
+                 "variables": {v.id: [list(v.shape), v.dtype.name] for v in ir._variables},
+                 "remote": {str(b.remote_buffer_id): [b.entries, list(b.tensor_shape), b.tensor_dtype.name]
+                            for b in ir._remote_buffers.values() if b._state_key in hidden},
+                 "remote_memory_kind": memory_kind,
+                 "h2d": {t.id: [list(s.shape), s.dtype.name] for s, t in p.h2d},
+                 "d2h": {t.id: [list(s.shape), s.dtype.name] for s, t in p.d2h},
+                 **runtime_signature()}
+    return EngineCache(config.cache_path, "popxl", signature)
+
+
+def _step_fn(p: Program, placement: Placement, placed: Optional[MainPlan], facts: dict,
+             planning: bool = False) -> Callable:
+    """The program (see :func:`replica_fn`), placed or replicated, from its plan's ``facts``;
+    ``planning``: its facts follow its outputs (``compiled.plan_trace``)."""
+    if placed:
+        return main_step(placed, p, facts, placement.platform, planning)
+    fn = replica_fn(p, placement.platform, facts.get("checks", ()), planning)
+    return placement.replicate(fn, in_axes=(0, 0))
+
+
+def compile_program(p: Program, placement: Placement, placed: Optional[MainPlan],
+                    cache: Optional[EngineCache]) -> Built:
+    """The step planned (one abstract trace: its run-time checks, ...) and compiled (or
+    loaded from ``cache``), reporting as the Ir's options ask (``report.popxl_compiling``)."""
+    split, state = feed_sharding(placement, placed), state_shardings(p, placement, placed)
+    args = specs(p, placed)
+    facts = plan_trace(_step_fn(p, placement, placed, {}, planning=True), *args)[1]
+    fn = _step_fn(p, placement, placed, facts)
+    host = list(placed.layout.memory_kinds) if placed else [s.key for s in p.slots if s.memory_kind]
+    if host:
+        fn = _in_device_memory(fn, host)
+    step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
+                        donate_argnums=(0,))
+    ir = p.ir
+    with report.popxl_compiling(   # autoReport.*, dotChecks, progress logger
+            ir._options, p.main_ir, f"popxl.Ir {ir.id}", p.r * p.n,
+            lambda: serialize_ir(p.main_ir, {}, "maingraph")):
+        source = compile_step(step, args, cache)
+    return Built(step, facts["checks"], facts, source)
