@@ -18,11 +18,8 @@ os.environ["OMP_NUM_THREADS"] = str(THREADS)
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true"
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import glob  # noqa: E402
-import re  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,44 +59,18 @@ def main() -> None:
         ort, _ = bench.ort_inference(path, x, cfg)
     print(f"compile {compile_s:.1f} s")
     runner.loop()
-    t = {}
-    for _ in range(3):
-        for name, r in (("popart", runner),) + ((("ort", ort),) if not args.train else ()):
-            t0 = time.perf_counter()
-            r.loop()
-            t.setdefault(name, []).append((time.perf_counter() - t0) / args.steps * 1e3)
-    print("ms per step (min of 3):", {k: round(min(v), 2) for k, v in t.items()})
+    peers = {"popart": runner} if args.train else {"popart": runner, "onnxruntime": ort}
+    rates = bench.interleaved(peers, 3)   # samples/s (bench.CLOCK: BENCH_CPU_TIME=1)
+    print("ms per step:", {k: round(x.shape[0] / v * 1e3, 1) for k, v in rates.items()})
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             runner.loop()
         prof = _profile_data.ProfileData.from_file(
             glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
-    per_kernel: collections.Counter = collections.Counter()
-    for plane in prof.planes:
-        for line in plane.lines:
-            if line.name.startswith(("tf_XLAEigen", "tf_XLAPjRtCpuClient")):
-                for ev in line.events:
-                    per_kernel[ev.name] += ev.duration_ns / args.steps / 1e3
-    kinds: collections.Counter = collections.Counter()
-    for name, us in per_kernel.items():
-        if not name.startswith(profile_step._NOT_KERNELS):
-            kinds[re.sub(r"\.\d+$", "", name)] += us
-    print(f"\nthread time per step by kernel kind (us), total {sum(kinds.values()):.0f}:")
-    for kind, us in kinds.most_common(25):
-        print(f"{us:10.0f}  {kind}")
     hlo = popart.testing.compiled(runner.session).as_text()
     if args.hlo:
         Path(args.hlo).write_text(hlo)
-    dots = profile_step._matmuls(hlo)
-    print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
-    rows_ = sorted(((per_kernel[n], n, *d) for n, d in dots.items() if n in per_kernel),
-                   reverse=True)
-    for us, name, lhs, rhs, flops in rows_[:40]:
-        print(f"{us:10.0f} {flops / max(us, 1e-9) / 1e3:7.1f}  {name:16s} {lhs} x {rhs}")
-    total_us = sum(r[0] for r in rows_)
-    total_flops = sum(r[4] for r in rows_)
-    print(f"{total_us:10.0f} {total_flops / max(total_us, 1e-9) / 1e3:7.1f}  all matmuls "
-          f"({total_flops / 1e9:.3f} GFLOP)")
+    profile_step.report(prof, args.steps, hlo, top=25)
 
 
 if __name__ == "__main__":
