@@ -89,8 +89,13 @@ def main() -> None:
                 glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
     # A step is a micro-batch; the inference program runs a call's batchesPerStep batches as
     # one (vectorised), so its matmuls' shapes, and FLOPs, are per call: per step, 1 / bps.
-    steps = runner.samples / spec.batch
-    flops_per_step = 1 / args.bps if args.inference else 1.0
+    report(prof, runner.samples / spec.batch, popart.testing.compiled(session).as_text(),
+           1 / args.bps if args.inference else 1.0)
+
+
+def report(prof, steps: float, hlo: str, flops_per_step: float = 1.0, top: int = 12) -> None:
+    """Print the thread time per step of each kind of kernel in ``prof`` (a ProfileData of
+    ``steps`` steps of the program whose compiled HLO is ``hlo``), then each matmul's."""
     per_kernel: collections.Counter = collections.Counter()
     for plane in prof.planes:
         for line in plane.lines:
@@ -101,11 +106,10 @@ def main() -> None:
     for name, us in per_kernel.items():
         if not name.startswith(_NOT_KERNELS):
             kinds[re.sub(r"\.\d+$", "", name)] += us
-    print("\nthread time per step by kernel kind (us):")
-    for kind, us in kinds.most_common(12):
+    print(f"\nthread time per step by kernel kind (us), total {sum(kinds.values()):.0f}:")
+    for kind, us in kinds.most_common(top):
         print(f"{us:10.0f}  {kind}")
-    dots = {n: (lhs, rhs, f * flops_per_step) for n, (lhs, rhs, f)
-            in _matmuls(popart.testing.compiled(session).as_text()).items()}
+    dots = {n: (lhs, rhs, f * flops_per_step) for n, (lhs, rhs, f) in _matmuls(hlo).items()}
     print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
     rows = sorted(((per_kernel[n], n, *d) for n, d in dots.items() if n in per_kernel),
                   reverse=True)
@@ -115,7 +119,6 @@ def main() -> None:
     total_flops = sum(r[4] for r in rows)
     print(f"{total_us:10.0f} {total_flops / max(total_us, 1e-9) / 1e3:7.1f}  all matmuls "
           f"({total_flops / 1e9:.3f} GFLOP)")
-
 
 if __name__ == "__main__":
     main()

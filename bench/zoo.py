@@ -95,7 +95,7 @@ def popart_training(path: str, x: np.ndarray, y: np.ndarray, batches: int):
     def loop() -> None:
         for _ in range(batches):
             s.run(stepio)
-    return bench.Runner(loop, batches * x.shape[0]), compile_s, first
+    return bench.Runner(loop, batches * x.shape[0], s), compile_s, first
 
 
 def torch_training(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batches: int):

@@ -162,6 +162,28 @@ def test_pow_zero_and_negative_bases(dt):
     assert d0[0, 1] == 0 and d0[1, 1] == 0 and d1[0] == -INF   # 0^0 and 0^-1
 
 
+@DTYPES
+@pytest.mark.parametrize("e", [2.0, 3.0, 2.5, 0.0])
+@pytest.mark.parametrize("eshape", [(), (1, 1, 1)])
+def test_pow_scalar_exponent(dt, e, eshape):
+    """An exponent of one element (an exporter's initializer: GELU's 3, RMSNorm's 2), known
+    only at run time: 2 and 3 multiply (a lax.switch), others go to power; PopART's rules."""
+    x0 = a([[-3, -1.5, -0.25, 0, 0.5, 2, INF, -INF], [1, -2, 4, -0.0, 1e-3, 7, NAN, 3]], dt)
+    x1 = np.full(eshape, e, dt)
+    g = np.broadcast_to(np.linspace(-2, 2, 16).reshape(2, 8),
+                        np.broadcast_shapes(x0.shape, eshape)).astype(dt)
+    out, (d0, d1) = vjp("Pow", [x0, x1], g)
+    ref_out = np.power(x0, x1)
+    assert out.shape == ref_out.shape
+    np.testing.assert_allclose(out, ref_out, rtol=1e-3 if dt == F16 else 1e-6)
+    ref0 = np.where(x1 == 0, dt(0), g * (x1 * np.power(x0, x1 - dt(1))))
+    guard = (x0 == 0) & ~((x1 < 0) | np.isnan(x1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ref1 = g * np.where(guard, dt(0), ref_out * np.log(x0))
+    check(d0, unbroadcast(ref0, x0.shape), dt, 1e-3 if dt == F16 else 1e-6)
+    check(d1, unbroadcast(ref1, x1.shape), dt, 2e-3 if dt == F16 else 1e-5)
+
+
 # ---------------------------------------------------------------------------------------
 # Div: DivArg0GradOpPattern g / b, DivArg1GradOpPattern -((g * a) / (b * b))
 

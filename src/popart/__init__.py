@@ -5,6 +5,10 @@ from .devices import configure_host_devices as _configure_host_devices
 
 _configure_host_devices()  # before JAX creates its CPU backend: several virtual host devices
 
+from .host_memory import keep_large_buffers as _keep_large_buffers  # noqa: E402
+
+_keep_large_buffers()  # before JAX's threads allocate: big buffers reused, not page-faulted anew
+
 from . import distributed  # noqa: E402
 
 distributed.initialize_from_env()  # a process started by `popart launch` joins its job
