@@ -3,7 +3,7 @@ options it reads), raised before anything is traced or compiled; ``check_virtual
 is IrLowering's, once the device is known (prepareDevice)."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import jax
 import numpy as np
@@ -16,7 +16,8 @@ from .engine.als import check_settings as check_als_settings
 from .engine.als import check_tracked as check_als_tracked
 from .engine.pipeline import auto_virtual_graphs
 from .engine.config import EngineConfig
-from .engine.program import GRAD_PREFIX, check_recompute_mixture, missing_anchor
+from .engine.program import (GRAD_PREFIX, check_loss_shape, check_recompute_mixture,
+                             missing_anchor)
 from .engine.shapes import infer_graph, input_specs
 from .devices import DeviceInfo
 from .errors import (IrError, OptimizerError, OptionError, check_arguments,
@@ -34,11 +35,15 @@ _logger = getLogger("session")
 
 def check_ir(graph: Graph, options: Any, training: bool, loss: Optional[str], optimizer: Any,
              device: Any, replicas: int, dataFlow: _df.DataFlow,
-             input_infos: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
+             input_infos: Mapping[str, TensorInfo],
+             trace: Optional[Callable[[], Optional[Mapping[str, Any]]]] = None
+             ) -> dict[str, TensorInfo]:
     """A session's checks at construction, in PopART's order (Ir::prepare): the training
     arguments, automatic loss scaling's settings, ``verify_ir``, shape inference,
     AutoVirtualGraph (which annotates ``graph``), ALS's tracked tensors and the anchors.
-    Returns every tensor's TensorInfo."""
+    ``trace``: the step's one abstract trace, made in shape inference's place, returning
+    every tensor's type (or None: ``infer_shapes`` traces). Returns every tensor's
+    TensorInfo."""
     if training:
         check_training_args(loss, optimizer)
     config = engine_config(options)
@@ -46,7 +51,8 @@ def check_ir(graph: Graph, options: Any, training: bool, loss: Optional[str], op
     if als.enabled:   # PopART checks these when it builds the IR, at construction
         check_als_settings(als, training, optimizer, config, graph)
     verify_ir(graph, options, training, loss, device, replicas, dataFlow, config)
-    infos = infer_shapes(graph, input_infos, training, config, loss)
+    infos = infer_shapes(graph, input_infos, training, config, loss,
+                         trace() if trace is not None else None)
     if options.virtualGraphMode.name == "Auto":   # AutoVirtualGraph (Ir::prepare)
         sizes = {**{k: int(np.size(v)) for k, v in graph.initializers.items()},
                  **{k: i.nelms() for k, i in infos.items()}}
@@ -113,19 +119,24 @@ def verify_ir(graph: Graph, o: Any, training: bool, loss: Optional[str], device:
 
 
 def infer_shapes(graph: Graph, input_infos: Mapping[str, TensorInfo], training: bool,
-                 config: EngineConfig, loss: Optional[str]) -> dict[str, TensorInfo]:
+                 config: EngineConfig, loss: Optional[str],
+                 specs: Optional[Mapping[str, Any]] = None) -> dict[str, TensorInfo]:
     """Every tensor's TensorInfo, inferred at construction as PopART's Ir::prepare does
     (each op's setup): invalid axes, shapes that do not broadcast, Nll labels that do not
-    match and the rest of shape inference raise here, not in prepareDevice. A training
-    session's loss may have one element (shape [], [1], [1, 1], ...), not more
-    (Ir::setFinalLoss)."""
+    match and the rest of shape inference raise here, not in prepareDevice. ``specs``:
+    every tensor's type from the step's abstract trace (``program.trace_step``, which also
+    checks a training loss's shape); without them (a graph whose shapes depend on data) the
+    graph is traced here and a training session's loss must have one element
+    (``check_loss_shape``)."""
+    if specs is not None:
+        ids = set(graph.all_tensor_ids())
+        return {**input_infos, **{k: TensorInfo(to_datatype(v.dtype), list(v.shape))
+                                  for k, v in specs.items() if k in ids}}
     infos = {**input_infos,
              **infer_graph(graph, overrides=input_infos, training=training, config=config)}
     info = infos.get(loss) if training else None
-    if info is not None and info.nelms() > 1:
-        raise noted(IrError(f"Loss tensor, '{loss}', must be a scalar tensor"),
-                    f"Its shape is {info.shape()}: reduce it with a loss op of reduction "
-                    f"Sum or Mean (popart.ReductionType)")
+    if info is not None and -1 not in info.shape():   # -1: known when the step runs
+        check_loss_shape(loss, info.shape())
     return infos
 
 
