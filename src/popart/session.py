@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import os
 import threading
 import time
@@ -26,12 +25,10 @@ from . import distributed
 from . import logging as _log
 from . import report
 from ._ir.onnx_import import ModelLike, import_model
-from ._ir.transforms import fuse_softmax_nll, overwrite_no_overlap_grads
 from .engine import in_x64, serialised, x64
 from .engine.executable import SessionFiles, state_arrays
 from .engine.pipeline import plan_program
-from .engine.program import GRAD_PREFIX, StepConfig, StepProgram, trace_step
-from .engine.segments import has_data_dependent
+from .engine.program import GRAD_PREFIX, StepConfig, StepProgram
 from .engine.progress import compile_progress
 from .errors import (ArgumentError, OptionError, OutOfMemoryException,  # noqa: F401
                      noted, popart_exception, popart_runtime_error)
@@ -41,8 +38,8 @@ from .patterns import for_session
 from .run_plan import RunPlan
 from .session_config import anchor_returns, engine_config
 from .segmented_session import SegmentedRuns
-from .session_checks import (check_argument_types, check_ir, check_model, check_seed_type,
-                             check_virtual_graph_range, resolve_inputs)
+from .session_checks import (StepTrace, check_argument_types, check_ir, check_model,
+                             check_seed_type, check_virtual_graph_range, resolve_inputs)
 from .session_io import HostIO, weights_from_io, weights_to_io
 from .ir_json import SessionIr, serialize_ir
 from .session_report import summary_report, xla_report
@@ -275,10 +272,11 @@ class _Session(_FileMethods):
         self._fwd_program: Optional[StepProgram] = None   # "implicitPipeliningFwdOnly"
         self._lock = threading.RLock()       # see the class docstring
         self._run_plan: Optional[RunPlan] = None   # run()'s per-call work (run_plan.py)
-        self._traced: Optional[tuple] = None   # (its settings, program.trace_step's result)
+        self._step = StepTrace(self._graph, self._input_infos, dataFlow.anchors(), self._training,
+                               loss, self.patterns, self._jax_device().platform)
         self._infos = check_ir(self._graph, self.options, self._training, loss, optimizer,
                                deviceInfo, self.replicationFactor, dataFlow, self._input_infos,
-                               self._trace_step)
+                               self._step)
         # the collaborators (see the module docstring)
         self._io = HostIO(dataFlow, self.options, self._input_infos, self._infos,
                           {v.name for v in self._proto.graph.input})
@@ -390,36 +388,12 @@ class _Session(_FileMethods):
             self._load_engine()
         return self._dev
 
-    @functools.cached_property
-    def _step_graph(self) -> Any:
-        """The graph the step runs: a training session's with PopART's patterns applied."""
-        if not self._training:
-            return self._graph
-        return overwrite_no_overlap_grads(fuse_softmax_nll(
-            self._graph, self._loss, self.patterns.isPatternEnabled, self._dataFlow.anchors()))
-
-    def _trace_step(self) -> Optional[dict]:
-        """The step's one abstract trace (``program.trace_step``), made at construction in
-        shape inference's place (``check_ir``): returns every tensor's type; ``_plan``
-        plans from it while the settings it was made with hold. None (shape inference
-        traces) for a graph whose shapes may depend on data."""
-        if has_data_dependent(self._graph):
-            return None
-        settings = (self.replicationFactor, engine_config(self.options),
-                    self._jax_device().platform)
-        self._traced = settings, trace_step(self._step_graph, self._input_infos,
-                                            self._dataFlow.anchors(), self._training,
-                                            self._loss, *settings)
-        return self._traced[1][1]["specs"]
-
     def _plan(self) -> StepProgram:
         """The session's step program, planned (anchors, trainable weights), maybe not compiled."""
         if self._program is None:
             cfg = self._config()
-            settings = (cfg.replication_factor, cfg.config, self._jax_device().platform)
-            traced = self._traced[1] if self._traced and self._traced[0] == settings else None
-            self._program = plan_program(self._step_graph, cfg, self._input_infos, self._device,
-                                         traced)   # placed or not
+            self._program = plan_program(self._step.graph, cfg, self._input_infos, self._device,
+                                         self._step.result(cfg.replication_factor, cfg.config))
         return self._program
 
     @property

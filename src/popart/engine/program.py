@@ -186,10 +186,11 @@ def trace_step(graph: Graph, input_infos: Mapping[str, TensorInfo], anchors: Any
     the trace's facts as values: ``specs``, every tensor's type as one replica sees it,
     which also gives a session's TensorInfos; effects, checks, assignments, RNG use, ...).
     A training step's loss must be a tensor with one element (:func:`check_loss_shape`)."""
-    consts = Graph(**{**graph.__dict__, "initializers": split_variables(graph)[1]})
+    variables, constants = split_variables(graph)
+    consts = Graph(**{**graph.__dict__, "initializers": constants})   # StepProgram.graph_consts
     R = replication_factor
     specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype()) for k, i in input_infos.items()}
-    wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in split_variables(graph)[0].items()}
+    wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in variables.items()}
 
     def probe(weights, feeds):   # -> (anchor specs, the trace's Facts)
         effects: set = set()   # id(node) of the nodes with side effects
