@@ -452,3 +452,87 @@ def test_the_engine_config_is_frozen_and_read_from_the_options_in_one_place():
     o.enableEngineCaching, o.cachePath = True, "/somewhere"
     cached = engine_config(o)
     assert cached.cache_path == "/somewhere" and cached.signature == c.signature
+
+
+# ---------------------------------------------------------------------------------------
+# One abstract trace (issue 35, item 1): a popart session traces its graph once, at
+# construction, for both the TensorInfos (getInfo, the construction checks) and the step's
+# facts (the plan); the compile traces the step it compiles.
+
+def _count_graph_traces(monkeypatch) -> list:
+    """Patch ``engine.lower.trace`` in every popart module that calls it; returns the list
+    each call of it appends its graph to."""
+    import sys
+
+    from popart.engine import lower
+
+    calls, real = [], lower.trace
+
+    def counting(graph, *args, **kwargs):
+        calls.append(graph)
+        return real(graph, *args, **kwargs)
+    for module in list(sys.modules.values()):
+        if (getattr(module, "__name__", "") or "").startswith("popart") \
+                and getattr(module, "trace", None) is real:
+            monkeypatch.setattr(module, "trace", counting)
+    return calls
+
+
+def _one_layer(training: bool) -> tuple:
+    """x [2, 3] @ w [3, 4] -> softmax -> (training) an Nll loss with labels [2]."""
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    w = b.addInitializedInputTensor(np.arange(12, dtype=np.float32).reshape(3, 4) / 10, "w")
+    probs = b.aiOnnx.softmax([b.aiOnnx.matmul([x, w])], axis=1)
+    if not training:
+        return b.getModelProto(), probs, None
+    label = b.addInputTensor(popart.TensorInfo("INT32", [2]), "label")
+    loss = b.aiGraphcore.nllloss([probs, label], popart.ReductionType.Mean)
+    return b.getModelProto(), probs, loss
+
+
+def test_a_popart_session_traces_its_graph_once_before_compiling(monkeypatch):
+    """Constructing a session and planning its step (``_plan``: anchors, trainable weights,
+    checks) trace the model's graph once, abstractly (``program.trace_step``, at
+    construction); ``prepareDevice``'s compile then traces the step it compiles, once more.
+    Before issue 35 item 1: twice before the compile (shape inference, then the plan)."""
+    calls = _count_graph_traces(monkeypatch)
+    for training in (False, True):
+        proto, probs, loss = _one_layer(training)
+        dataflow = popart.DataFlow(1, {probs: popart.AnchorReturnType("All")})
+        device = popart.DeviceManager().createCpuDevice()
+        whole = lambda: sum(any(probs in n.outputs for n in g.nodes) for g in calls)
+        del calls[:]
+        if training:
+            s = popart.TrainingSession(proto, dataflow, loss, popart.ConstSGD(0.1), device)
+        else:
+            s = popart.InferenceSession(proto, dataflow, device)
+        assert whole() == 1 and s.getInfo(probs).shape() == [2, 4]
+        s._plan()
+        assert whole() == 1, f"training={training}: the plan traced the graph again"
+        s.prepareDevice()
+        assert whole() == 2   # the compile's trace of the step
+        s.weightsFromHost()
+        anchors = s.initAnchorArrays()
+        feeds = {"x": np.ones((2, 3), np.float32)}
+        if training:
+            feeds["label"] = np.array([0, 3], np.int32)
+        s.run(popart.PyStepIO(feeds, anchors))
+        e = np.exp(np.ones((2, 3)) @ (np.arange(12).reshape(3, 4) / 10))
+        assert np.allclose(anchors[probs], e / e.sum(1, keepdims=True), atol=1e-6)
+
+
+def test_the_loss_shape_error_comes_at_construction_from_the_one_trace(monkeypatch):
+    """A loss of more than one element: PopART's error (Ir::setFinalLoss) at construction,
+    raised by the step's trace, which ran once."""
+    import pytest
+
+    calls = _count_graph_traces(monkeypatch)
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+    w = b.addInitializedInputTensor(np.ones((3, 4), np.float32), "w")
+    y = b.aiOnnx.matmul([x, w])
+    with pytest.raises(popart.popart_exception, match=f"Loss tensor, '{y}', must be a scalar"):
+        popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [y]), y,
+                               popart.ConstSGD(0.1), popart.DeviceManager().createCpuDevice())
+    assert sum(any(y in n.outputs for n in g.nodes) for g in calls) == 1

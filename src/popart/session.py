@@ -25,7 +25,6 @@ from . import distributed
 from . import logging as _log
 from . import report
 from ._ir.onnx_import import ModelLike, import_model
-from ._ir.transforms import fuse_softmax_nll, overwrite_no_overlap_grads
 from .engine import in_x64, serialised, x64
 from .engine.executable import SessionFiles, state_arrays
 from .engine.pipeline import plan_program
@@ -39,8 +38,8 @@ from .patterns import for_session
 from .run_plan import RunPlan
 from .session_config import anchor_returns, engine_config
 from .segmented_session import SegmentedRuns
-from .session_checks import (check_argument_types, check_ir, check_model, check_seed_type,
-                             check_virtual_graph_range, resolve_inputs)
+from .session_checks import (StepTrace, check_argument_types, check_ir, check_model,
+                             check_seed_type, check_virtual_graph_range, resolve_inputs)
 from .session_io import HostIO, weights_from_io, weights_to_io
 from .ir_json import SessionIr, serialize_ir
 from .session_report import summary_report, xla_report
@@ -273,8 +272,11 @@ class _Session(_FileMethods):
         self._fwd_program: Optional[StepProgram] = None   # "implicitPipeliningFwdOnly"
         self._lock = threading.RLock()       # see the class docstring
         self._run_plan: Optional[RunPlan] = None   # run()'s per-call work (run_plan.py)
+        self._step = StepTrace(self._graph, self._input_infos, dataFlow.anchors(), self._training,
+                               loss, self.patterns, self._jax_device().platform)
         self._infos = check_ir(self._graph, self.options, self._training, loss, optimizer,
-                               deviceInfo, self.replicationFactor, dataFlow, self._input_infos)
+                               deviceInfo, self.replicationFactor, dataFlow, self._input_infos,
+                               self._step)
         # the collaborators (see the module docstring)
         self._io = HostIO(dataFlow, self.options, self._input_infos, self._infos,
                           {v.name for v in self._proto.graph.input})
@@ -389,11 +391,9 @@ class _Session(_FileMethods):
     def _plan(self) -> StepProgram:
         """The session's step program, planned (anchors, trainable weights), maybe not compiled."""
         if self._program is None:
-            graph = self._graph
-            if self._training:
-                graph = overwrite_no_overlap_grads(fuse_softmax_nll(
-                    graph, self._loss, self.patterns.isPatternEnabled, self._dataFlow.anchors()))
-            self._program = plan_program(graph, self._config(), self._input_infos, self._device)   # placed or not
+            cfg = self._config()
+            self._program = plan_program(self._step.graph, cfg, self._input_infos, self._device,
+                                         self._step.result(cfg.replication_factor, cfg.config))
         return self._program
 
     @property

@@ -3,6 +3,7 @@ options it reads), raised before anything is traced or compiled; ``check_virtual
 is IrLowering's, once the device is known (prepareDevice)."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Mapping, Optional
 
 import jax
@@ -11,12 +12,14 @@ import onnx
 
 from . import dataflow as _df
 from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
-from ._ir.transforms import gradient_flow
+from ._ir.transforms import fuse_softmax_nll, gradient_flow, overwrite_no_overlap_grads
 from .engine.als import check_settings as check_als_settings
 from .engine.als import check_tracked as check_als_tracked
 from .engine.pipeline import auto_virtual_graphs
 from .engine.config import EngineConfig
-from .engine.program import GRAD_PREFIX, check_recompute_mixture, missing_anchor
+from .engine.program import (GRAD_PREFIX, check_loss_shape, check_recompute_mixture,
+                             missing_anchor, trace_step)
+from .engine.segments import has_data_dependent
 from .engine.shapes import infer_graph, input_specs
 from .devices import DeviceInfo
 from .errors import (IrError, OptimizerError, OptionError, check_arguments,
@@ -34,11 +37,13 @@ _logger = getLogger("session")
 
 def check_ir(graph: Graph, options: Any, training: bool, loss: Optional[str], optimizer: Any,
              device: Any, replicas: int, dataFlow: _df.DataFlow,
-             input_infos: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
+             input_infos: Mapping[str, TensorInfo],
+             step: Optional["StepTrace"] = None) -> dict[str, TensorInfo]:
     """A session's checks at construction, in PopART's order (Ir::prepare): the training
     arguments, automatic loss scaling's settings, ``verify_ir``, shape inference,
     AutoVirtualGraph (which annotates ``graph``), ALS's tracked tensors and the anchors.
-    Returns every tensor's TensorInfo."""
+    ``step``: the session's :class:`StepTrace`, traced in shape inference's place (without
+    one, ``infer_shapes`` traces). Returns every tensor's TensorInfo."""
     if training:
         check_training_args(loss, optimizer)
     config = engine_config(options)
@@ -46,7 +51,8 @@ def check_ir(graph: Graph, options: Any, training: bool, loss: Optional[str], op
     if als.enabled:   # PopART checks these when it builds the IR, at construction
         check_als_settings(als, training, optimizer, config, graph)
     verify_ir(graph, options, training, loss, device, replicas, dataFlow, config)
-    infos = infer_shapes(graph, input_infos, training, config, loss)
+    infos = infer_shapes(graph, input_infos, training, config, loss,
+                         step.specs(replicas, config) if step is not None else None)
     if options.virtualGraphMode.name == "Auto":   # AutoVirtualGraph (Ir::prepare)
         sizes = {**{k: int(np.size(v)) for k, v in graph.initializers.items()},
                  **{k: i.nelms() for k, i in infos.items()}}
@@ -112,20 +118,59 @@ def verify_ir(graph: Graph, o: Any, training: bool, loss: Optional[str], device:
     _check_no_seed_attributes(graph)
 
 
+class StepTrace:
+    """A session's step and its ONE abstract trace (``program.trace_step``): made at
+    construction in shape inference's place (``check_ir`` calls :meth:`specs`), then
+    planned from (``plan_program``) while the settings it was made with hold."""
+
+    def __init__(self, graph: Graph, input_infos: Mapping[str, TensorInfo], anchors: list,
+                 training: bool, loss: Optional[str], patterns: Any, platform: str) -> None:
+        self._graph, self.input_infos, self.anchors = graph, input_infos, list(anchors)
+        self.training, self.loss, self.patterns, self.platform = training, loss, patterns, platform
+        self._traced: Optional[tuple] = None   # (replicas, config), trace_step's result
+
+    @functools.cached_property
+    def graph(self) -> Graph:
+        """The graph the step runs: a training session's with PopART's patterns applied."""
+        if not self.training:
+            return self._graph
+        return overwrite_no_overlap_grads(fuse_softmax_nll(
+            self._graph, self.loss, self.patterns.isPatternEnabled, self.anchors))
+
+    def specs(self, replicas: int, config: EngineConfig) -> Optional[dict]:
+        """Trace the step: every tensor's type (one replica's), or None (not traced) for a
+        graph whose shapes may depend on data."""
+        if has_data_dependent(self._graph):
+            return None
+        traced = trace_step(self.graph, self.input_infos, self.anchors, self.training,
+                            self.loss, replicas, config, self.platform)
+        self._traced = (replicas, config), traced
+        return traced[1]["specs"]
+
+    def result(self, replicas: int, config: EngineConfig) -> Optional[tuple]:
+        """``trace_step``'s result when it was made with these settings, else None."""
+        return self._traced[1] if self._traced and self._traced[0] == (replicas, config) else None
+
+
 def infer_shapes(graph: Graph, input_infos: Mapping[str, TensorInfo], training: bool,
-                 config: EngineConfig, loss: Optional[str]) -> dict[str, TensorInfo]:
+                 config: EngineConfig, loss: Optional[str],
+                 specs: Optional[Mapping[str, Any]] = None) -> dict[str, TensorInfo]:
     """Every tensor's TensorInfo, inferred at construction as PopART's Ir::prepare does
     (each op's setup): invalid axes, shapes that do not broadcast, Nll labels that do not
-    match and the rest of shape inference raise here, not in prepareDevice. A training
-    session's loss may have one element (shape [], [1], [1, 1], ...), not more
-    (Ir::setFinalLoss)."""
+    match and the rest of shape inference raise here, not in prepareDevice. ``specs``:
+    every tensor's type from the step's abstract trace (``program.trace_step``, which also
+    checks a training loss's shape); without them (a graph whose shapes depend on data) the
+    graph is traced here and a training session's loss must have one element
+    (``check_loss_shape``)."""
+    if specs is not None:
+        ids = set(graph.all_tensor_ids())
+        return {**input_infos, **{k: TensorInfo(to_datatype(v.dtype), list(v.shape))
+                                  for k, v in specs.items() if k in ids}}
     infos = {**input_infos,
              **infer_graph(graph, overrides=input_infos, training=training, config=config)}
     info = infos.get(loss) if training else None
-    if info is not None and info.nelms() > 1:
-        raise noted(IrError(f"Loss tensor, '{loss}', must be a scalar tensor"),
-                    f"Its shape is {info.shape()}: reduce it with a loss op of reduction "
-                    f"Sum or Mean (popart.ReductionType)")
+    if info is not None and -1 not in info.shape():   # -1: known when the step runs
+        check_loss_shape(loss, info.shape())
     return infos
 
 

@@ -671,14 +671,15 @@ def ipus_per_replica(device: Any, replicas: int) -> int:
 
 
 def plan_program(graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
-                 device: Any = None) -> StepProgram:
-    """The session's step program, planned, then placed (``StepProgram.placed``, a
+                 device: Any = None, traced: Optional[tuple] = None) -> StepProgram:
+    """The session's step program, planned (from ``traced``, the step's abstract trace,
+    when the session made it: ``program.trace_step``), then placed (``StepProgram.placed``, a
     :class:`PlacedPlan`) when its virtual graphs (or execution phases) span several IPUs and
     the placed program can run it (``placed.placed_or_none`` logs why not)."""
     mode = cfg.config.virtual_graph_mode
     spans = mode in ("Manual", "Auto", "ExecutionPhases") and ipus_per_replica(device, 1) > 1
     program = StepProgram(graph, cfg, input_infos, device, stash_anchors=spans)
-    program.plan()
+    program.plan(traced)
     if not spans:
         return program
     if mode == "Auto":   # placed or not, as PopART

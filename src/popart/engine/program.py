@@ -168,6 +168,69 @@ def missing_anchor(anchor: str, tensor_ids: set) -> popart_exception:
     return popart_exception(msg)
 
 
+def check_loss_shape(loss: str, shape: Any) -> None:
+    """Ir::setFinalLoss: a training session's loss has one element (shape [], [1], [1, 1],
+    ...), not more."""
+    if int(np.prod(shape)) != 1:
+        raise noted(IrError(f"Loss tensor, '{loss}', must be a scalar tensor"),
+                    f"Its shape is {list(shape)}: reduce it with a loss op of reduction Sum or "
+                    f"Mean (popart.ReductionType)")
+
+
+def trace_step(graph: Graph, input_infos: Mapping[str, TensorInfo], anchors: Any, training: bool,
+               loss: Optional[str], replication_factor: int, config: EngineConfig,
+               platform: str) -> tuple[dict, dict]:
+    """The step's ONE abstract trace (``plan_trace``: ``jax.eval_shape``, vmapped over the
+    replicas' axis when there are several): the graph's forward pass as the step runs it
+    (weights as arguments, training's ops), no compile. Returns (the ``anchors``' specs,
+    the trace's facts as values: ``specs``, every tensor's type as one replica sees it,
+    which also gives a session's TensorInfos; effects, checks, assignments, RNG use, ...).
+    A training step's loss must be a tensor with one element (:func:`check_loss_shape`)."""
+    variables, constants = split_variables(graph)
+    consts = Graph(**{**graph.__dict__, "initializers": constants})   # StepProgram.graph_consts
+    R = replication_factor
+    specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype()) for k, i in input_infos.items()}
+    wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in variables.items()}
+
+    def probe(weights, feeds):   # -> (anchor specs, the trace's Facts)
+        effects: set = set()   # id(node) of the nodes with side effects
+        t = trace(consts, feeds, key=jax.random.key(0), training=training, weights=weights,
+                  replica_axis=REPLICA_AXIS if R > 1 else None, replication_factor=R,
+                  config=config, platform=platform, effects=effects, checks=[])
+        env = t.env
+        if training and loss not in env:
+            raise popart_exception(f"The loss tensor '{loss}' is not a tensor of the model")
+        shapes = {}
+        for a in anchors:
+            base = a[len(GRAD_PREFIX):] if a.startswith(GRAD_PREFIX) else a
+            if base in env and env[base] is not None:
+                shapes[a] = jax.ShapeDtypeStruct(jnp.shape(env[base]), jnp.result_type(env[base]))
+        return shapes, Facts(
+            effects=effects,
+            traced={k for k, v in env.items() if isinstance(v, jax.core.Tracer)},
+            known={k for k, v in env.items() if isinstance(v, (np.ndarray, np.generic))},
+            ids=set(env), assigned=list(t.assignments), checks=list(t.checks),
+            dtypes={o: getattr(env.get(o), "dtype", None) for o in graph.outputs},
+            rng=t.used_rng(),
+            act=sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
+                    for v in env.values() if isinstance(v, jax.core.Tracer)),
+            # every tensor's type (one replica's): TensorInfos, tracked gradients (ALS),
+            # recomputation, stages
+            specs={k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for k, v in env.items()
+                   if isinstance(v, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))})
+
+    if R > 1:   # under the replica axis, which collectives name
+        rspecs = {k: jax.ShapeDtypeStruct((R,) + s.shape, s.dtype) for k, s in specs.items()}
+        (per_replica,), out = plan_trace(jax.vmap(probe, in_axes=(None, 0), axis_name=REPLICA_AXIS,
+                                                  axis_size=R), wspecs, rspecs)
+        shapes = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in per_replica.items()}
+    else:
+        (shapes,), out = plan_trace(probe, wspecs, specs)
+    if training:
+        check_loss_shape(loss, out["specs"][loss].shape)
+    return shapes, out
+
+
 class StepProgram:
     """Builds, compiles and runs the step of one session."""
 
@@ -220,14 +283,16 @@ class StepProgram:
     def anchor_value(env, tid):
         return jnp.asarray(env[unstash(tid)])   # plan() has checked every anchor names a tensor
 
-    def plan(self) -> None:
-        """Decide trainable variables and gradient anchors (abstract trace, no compile), once
-        (``pipeline.plan_program`` plans a session's program)."""
+    def plan(self, traced: Optional[tuple] = None) -> None:
+        """Decide trainable variables and gradient anchors, once (``pipeline.plan_program``
+        plans a session's program), from the step's one abstract trace: ``traced``, what
+        :func:`trace_step` returned for this program's graph and settings (a session traces
+        at construction), or traced here."""
         if self.planned:
             return
         stash = [a for a in self.anchor_ids if a.startswith(STASH_PREFIXES)] if self.stash_anchors else []
         self.anchor_ids = [a for a in self.anchor_ids if a not in stash]
-        self._plan()
+        self._plan(traced)
         self._plan_stash_anchors(stash)
         self.planned = True
 
@@ -247,45 +312,15 @@ class StepProgram:
             self.anchor_specs[a] = specs[unstash(a)]
         self.anchor_ids += stash
 
-    def _plan(self) -> None:
+    def _plan(self, traced: Optional[tuple] = None) -> None:
         cfg = self.cfg
         if cfg.als is not None:   # PopART's checks before it looks at gradients
             _als.check_settings(cfg.als, cfg.training, cfg.optimizer, cfg.config, self.graph)
-        specs = {k: jax.ShapeDtypeStruct(tuple(i.shape()), i.np_dtype()) for k, i in self.input_infos.items()}
-        wspecs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.variables.items()}
-        def probe(weights, feeds):   # -> (anchor specs, the trace's Facts)
-            effects: set = set()   # id(node) of the nodes with side effects
-            t = self.trace_graph(weights, feeds, jax.random.key(0), training=cfg.training, effects=effects)
-            env = t.env
-            if cfg.training and cfg.loss not in env:
-                raise popart_exception(f"The loss tensor '{cfg.loss}' is not a tensor of the model")
-            shapes = {}
-            for a in self.anchor_ids:
-                base = a[len(GRAD_PREFIX):] if a.startswith(GRAD_PREFIX) else a
-                if base in env and env[base] is not None:
-                    shapes[a] = jax.ShapeDtypeStruct(jnp.shape(env[base]), jnp.result_type(env[base]))
-            return shapes, Facts(
-                effects=effects,
-                traced={k for k, v in env.items() if isinstance(v, jax.core.Tracer)},
-                known={k for k, v in env.items() if isinstance(v, (np.ndarray, np.generic))},
-                ids=set(env), assigned=list(t.assignments), checks=list(t.checks),
-                dtypes={o: getattr(env.get(o), "dtype", None) for o in self.graph.outputs},
-                rng=t.used_rng(),
-                act=sum(int(np.prod(jnp.shape(v))) * jnp.result_type(v).itemsize
-                        for v in env.values() if isinstance(v, jax.core.Tracer)),
-                # every tensor's type (one replica's): tracked gradients (ALS), recomputation, stages
-                specs={k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
-                       for k, v in env.items() if isinstance(v, (jax.Array, np.ndarray, jax.core.Tracer))},
-                loss_shape=jnp.shape(env[cfg.loss]) if cfg.training else None)
-
-        R = cfg.replication_factor
-        if R > 1:   # under the replica axis, which collectives name
-            rspecs = {k: jax.ShapeDtypeStruct((R,) + s.shape, s.dtype) for k, s in specs.items()}
-            per_replica, out = plan_trace(jax.vmap(probe, in_axes=(None, 0), axis_name=REPLICA_AXIS,
-                                                   axis_size=R), wspecs, rspecs)
-            self.anchor_specs = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in per_replica[0].items()}
-        else:
-            (self.anchor_specs,), out = plan_trace(probe, wspecs, specs)
+        if traced is None:
+            traced = trace_step(self.graph, self.input_infos, self.anchor_ids, cfg.training, cfg.loss,
+                                cfg.replication_factor, cfg.config, self.placement.platform)
+        shapes, out = traced
+        self.anchor_specs = {a: s for a, s in shapes.items() if a in self.anchor_ids}
         effects = out["effects"]
         self.assigned = out["assigned"]
         self.tensor_specs: dict = out["specs"]
@@ -300,10 +335,6 @@ class StepProgram:
         self.uses_rng = out["rng"]
         self.activation_bytes = out["act"]   # every traced tensor of one micro-batch
         if cfg.training:
-            if int(np.prod(out["loss_shape"])) != 1:   # PopART: one element ([1], [1, 1] too)
-                raise noted(IrError(f"Loss tensor, '{cfg.loss}', must be a scalar tensor"),
-                            f"Its shape is {list(out['loss_shape'])}: use a loss op with "
-                            f"reduction Sum or Mean")
             self.trainable = [k for k in self.variables if k not in self.assigned]
             if cfg.als is not None:
                 self._plan_als(out["specs"])
