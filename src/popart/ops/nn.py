@@ -12,6 +12,7 @@ from jax import lax
 
 from ..engine import onednn
 from ..engine.backends import backend
+from . import conv_fusion
 from .registry import LowerCtx, fmt_float, onnx_semantics, opid, popart_error, register
 
 HIGHEST = lax.Precision.HIGHEST
@@ -51,12 +52,12 @@ def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilati
                                                                  lhs_dilation, rhs_dilation)
     if _use_onednn(ctx, x, w, strides, lhs_dilation, rhs_dilation, groups):
         x_last = ctx.channels_last(x)
-        if x_last is None:
-            if not onednn.channels_last(x.shape, w.shape):
-                return onednn.conv2d(x, w, strides, padding, rhs_dilation, False, groups)
+        nhwc = x_last is not None or onednn.channels_last(x.shape, w.shape)
+        if nhwc and x_last is None:
             x_last = ctx.channels_last(x, transpose=True)
-        return ctx.keep_channels_last(onednn.conv2d(x_last, w, strides, padding, rhs_dilation, True,
-                                                    groups))
+        x_in, static = (x_last if nhwc else x), (strides, padding, rhs_dilation, nhwc, groups)
+        y = conv_fusion.start(x_in, w, onednn.conv2d(x_in, w, *static), static)
+        return ctx.keep_channels_last(y) if nhwc else y
     if _use_patches(x, w, strides, lhs_dilation, groups):
         return conv_patches(x, w, strides, padding, rhs_dilation)
     return xla_conv(ctx, x, w, strides, padding, lhs_dilation, rhs_dilation, groups)
@@ -269,7 +270,10 @@ def conv(ctx: LowerCtx, x, w, b=None, auto_pad="NOTSET", dilations=None, group=1
     if b is None:
         return y
     y_last = ctx.channels_last(y)
-    return y + b.reshape((1, -1) + (1,) * n) if y_last is None else ctx.keep_channels_last(y_last + b)
+    fused = conv_fusion.with_bias(ctx, y if y_last is None else y_last, b)
+    if y_last is None:
+        return y + b.reshape((1, -1) + (1,) * n) if fused is None else fused
+    return ctx.keep_channels_last(y_last + b if fused is None else fused)
 
 
 @register("ConvTranspose")

@@ -189,12 +189,15 @@ _XLA_SHAPES: list = []
 
 
 # ---- Post-ops (conv.cc ``Post``): what a forward call applies to its result in the same pass:
-# the bias, a binary add / multiply by an operand (each dim the result's or 1), and oneDNN's
+# the bias, a binary add / multiply / max / min with an operand (each dim the result's or 1),
+# and oneDNN's
 # eltwise algorithms. name -> (code, reference in jax.numpy of (y, alpha, beta[, operand])).
 POST_OPS = {
     "bias": (1, None),
     "add": (2, lambda y, a, b, v: y + v),
     "mul": (3, lambda y, a, b, v: y * v),
+    "max": (4, lambda y, a, b, v: jnp.maximum(y, v)),
+    "min": (5, lambda y, a, b, v: jnp.minimum(y, v)),
     "relu": (10, lambda y, a, b: jnp.where(y > 0, y, y * a)),
     "clip": (11, lambda y, a, b: jnp.clip(y, a, b)),
     "hardswish": (12, lambda y, a, b: y * jnp.clip(y * a + b, 0, 1)),
@@ -207,7 +210,7 @@ POST_OPS = {
     "elu": (19, lambda y, a, b: jnp.where(y > 0, y, a * jnp.expm1(y))),
     "linear": (20, lambda y, a, b: y * a + b),
 }
-BINARY_POSTS = ("add", "mul")
+BINARY_POSTS = ("add", "mul", "max", "min")
 Post = tuple   # (name, alpha, beta)
 
 

@@ -32,9 +32,12 @@ using alg = dnnl::algorithm;
 
 namespace {
 
-// Post-op codes (onednn/__init__.py POST_OPS): the bias, binary add / multiply by an operand,
+// Post-op codes (onednn/__init__.py POST_OPS): the bias, binary add / multiply / max / min
+// with an operand,
 // and oneDNN's eltwise algorithms (alpha, beta as oneDNN defines them).
-enum Post : int64_t { kBias = 1, kAdd = 2, kMul = 3, kEltwise = 10 };
+enum Post : int64_t { kBias = 1, kAdd = 2, kMul = 3, kMax = 4, kMin = 5, kEltwise = 10 };
+const alg kBinaryAlgs[] = {alg::binary_add, alg::binary_mul, alg::binary_max, alg::binary_min};
+bool binary(int64_t code) { return code >= kAdd && code <= kMin; }
 const alg kEltwiseAlgs[] = {
     alg::eltwise_relu,      alg::eltwise_clip,     alg::eltwise_hardswish, alg::eltwise_hardsigmoid,
     alg::eltwise_logistic,  alg::eltwise_swish,    alg::eltwise_gelu_erf,  alg::eltwise_gelu_tanh,
@@ -94,12 +97,12 @@ std::shared_ptr<Plan> make_plan(const Key& k) {
     const int64_t code = k[p];
     if (code == kBias) {
       plan->bias = memory::desc({k[6]}, f32, tag::a);
-    } else if (code == kAdd || code == kMul) {
+    } else if (binary(code)) {
       memory::desc b({k[dims], k[dims + 1], k[dims + 2], k[dims + 3]}, f32, act);
       dims += 4;
       plan->binary_post.push_back(ops.len());
       plan->binary.push_back(b);
-      ops.append_binary(code == kAdd ? alg::binary_add : alg::binary_mul, b);
+      ops.append_binary(kBinaryAlgs[code - kAdd], b);
     } else {
       ops.append_eltwise(kEltwiseAlgs[code - kEltwise], bits(k[p + 1]), bits(k[p + 2]));
     }
@@ -196,8 +199,9 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
   for (size_t i = 11, j = 0; i < geom.size(); i += 3) {
     const int64_t code = geom[i];
     if (code >= kEltwise && code < kEltwise + kNumEltwise) continue;
-    if (code != kBias && code != kAdd && code != kMul)
+    if (code != kBias && !binary(code))
       return ffi::Error::InvalidArgument("unknown post-op code " + std::to_string(code));
+    if (code == kBias && i != 11) return ffi::Error::InvalidArgument("the bias comes first");
     auto e = rest.get<ffi::Buffer<ffi::F32>>(j++);
     if (!e.has_value()) return ffi::Error::InvalidArgument("a post-op operand is missing");
     auto d = e->dimensions();
@@ -231,7 +235,7 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
   for (size_t i = 11, j = 0; i < geom.size(); i += 3) {
     if (geom[i] == kBias) {
       fold = fold && extras[j++].lead == 1;
-    } else if (geom[i] == kAdd || geom[i] == kMul) {
+    } else if (binary(geom[i])) {
       const Extra& e = extras[j++];
       int64_t n, c, h, w;
       sp(e.dims, n, c, h, w);
