@@ -190,3 +190,21 @@ def test_session_conv_runs_on_onednn_and_through_the_engine_cache(tmp_path):
     assert sources == ["compiled (cached)", "engine cache"]
     entry = next(tmp_path.glob("[0-9]*.popef"))
     assert onednn.TARGET.encode() in entry.read_bytes()
+
+
+@pytest.mark.parametrize("setting, calls", [("1", [(-4, 0), (-1, 1 << 30)]), ("0", [])],
+                         ids=["default", "off"])
+def test_malloc_keeps_freed_blocks_unless_switched_off(monkeypatch, setting, calls):
+    """Where oneDNN is registered, glibc's malloc is told to keep large freed blocks
+    (M_MMAP_MAX 0, M_TRIM_THRESHOLD 1 GiB: XLA's per-run temporary buffer is then not mapped
+    afresh each run); POPART_CPU_MALLOC=0 leaves it alone."""
+    made = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            made.append((param, value))
+            return 1
+    monkeypatch.setattr(onednn.ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.setenv("POPART_CPU_MALLOC", setting)
+    onednn._keep_freed_memory()
+    assert made == calls

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
+from jax._src import core as _core
 
 from ..engine import onednn
 from .registry import LowerCtx, is_static, lookup, register
@@ -48,6 +48,12 @@ class Pending:
 _PENDING: dict[int, tuple[weakref.ref, Pending]] = {}   # id(result) -> (result, how it was made)
 
 
+def _trace() -> Any:
+    """JAX's current trace (a fresh object, so nothing fuses, where JAX has no such state)."""
+    ctx = getattr(_core, "trace_ctx", None)
+    return ctx.trace if ctx is not None else object()
+
+
 def remember(y: Any, p: Pending) -> Any:
     """``y``, remembered as the result of ``p`` (for as long as ``y`` lives)."""
     key = id(y)
@@ -57,7 +63,7 @@ def remember(y: Any, p: Pending) -> Any:
 
 def start(x: Any, w: Any, y: Any, static: tuple) -> Any:
     """``y``, the result of the oneDNN call conv2d(x, w, *static), remembered."""
-    return remember(y, Pending(x, w, tuple(static), trace=core.trace_ctx.trace))
+    return remember(y, Pending(x, w, tuple(static), trace=_trace()))
 
 
 def pending(ctx: LowerCtx, y: Any) -> Optional[Pending]:
@@ -67,7 +73,7 @@ def pending(ctx: LowerCtx, y: Any) -> Optional[Pending]:
     entry = _PENDING.get(id(y))
     if ctx.training or entry is None or entry[0]() is not y:
         return None
-    return entry[1] if entry[1].trace is core.trace_ctx.trace else None
+    return entry[1] if entry[1].trace is _trace() else None
 
 
 # ---- Which nodes read a tensor (the fusion must be the only use of what it replaces) ----

@@ -112,7 +112,27 @@ def available() -> bool:
         _logger.warn(f"oneDNN convolutions unavailable, using XLA's: {why}")
         return False
     _logger.info(f"oneDNN convolutions: {TARGET} registered")
+    _keep_freed_memory()
     return True
+
+
+def _keep_freed_memory() -> None:
+    """Have glibc's malloc keep large freed blocks for the next allocation instead of giving
+    them back to the system (``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD`` 1 GiB): XLA's CPU client
+    allocates a program's temporary buffer afresh on every run, and a convolution model's
+    (48 MB for EfficientNet-B0 at batch 8) was mapped and unmapped each time, so each run
+    page-faulted every activation it wrote (12,000 faults, 16-28 ms of system time of an
+    85 ms batch; docs/performance.md). Process-wide; ``POPART_CPU_MALLOC=0`` leaves malloc
+    as it is."""
+    if os.environ.get("POPART_CPU_MALLOC", "1") in ("0", "false", "off", ""):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):   # not glibc
+        return
+    m_trim_threshold, m_mmap_max = -1, -4
+    if mallopt(m_mmap_max, 0) and mallopt(m_trim_threshold, 1 << 30):
+        _logger.info("malloc keeps freed blocks (POPART_CPU_MALLOC=0: as it was)")
 
 
 def _call(kind: int, a, b, out_shape: Sequence[int], geom: Sequence[int], nhwc: bool,
