@@ -53,7 +53,7 @@ def conv_nc(ctx: LowerCtx, x, w, strides, padding, lhs_dilation=None, rhs_dilati
                                                                  lhs_dilation, rhs_dilation)
     if _use_onednn(ctx, x, w, strides, lhs_dilation, rhs_dilation, groups):
         x_last = ctx.channels_last(x)
-        nhwc = x_last is not None or onednn.channels_last(x.shape, w.shape)
+        nhwc = x_last is not None or onednn.channels_last(x.shape, w.shape, ctx.training)
         if nhwc and x_last is None:
             x_last = ctx.channels_last(x, transpose=True)
         x_in, static = (x_last if nhwc else x), (strides, padding, rhs_dilation, nhwc, groups)

@@ -181,13 +181,16 @@ def _bwd(strides, padding, dilation, nhwc, groups, res, dy):
 
 conv2d.defvjp(_fwd, _bwd)
 
-def channels_last(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
+def channels_last(x_shape: Sequence[int], w_shape: Sequence[int], training: bool = True) -> bool:
     """Whether oneDNN runs a convolution of NCHW x (no channels-last form) by OIHW w on NHWC
     activations, x transposed in and y kept NHWC for what follows (engine/layout.py), rather
     than on NCHW as they are: NHWC is oneDNN's fast layout, the 3-channel stems included
-    (forward 1.4-1.8x NCHW with the input's transpose), except for 1x1 kernels, 0.83-0.94x
-    (docs/performance.md). An input already channels-last always runs NHWC."""
-    return tuple(w_shape[2:]) != (1, 1)
+    (forward 1.4-1.8x NCHW with the input's transpose). In training 1x1 kernels stay NCHW
+    (forward and gradients in isolation, transposes on both sides: 0.83-0.94x); in inference
+    they run NHWC too, their result feeding NHWC consumers (ShuffleNetV2, whose channel shuffle
+    drops the channels-last form before each 1x1: 27.3 -> 18.4 ms of CPU per batch;
+    docs/performance.md). An input already channels-last always runs NHWC."""
+    return not training or tuple(w_shape[2:]) != (1, 1)
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
