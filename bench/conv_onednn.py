@@ -82,6 +82,7 @@ def runners(cin: int, cout: int, hw: int, s: int, k: int, g: int, batch: int,
 
     class Ctx:   # the LowerCtx services conv_nc reads (no layout pass: NCHW in and out)
         platform = "cpu"
+        training = grad   # the layout a training step's convolution takes (1x1: NCHW)
 
         def channels_last(self, x, transpose=False):
             return x.transpose(0, 2, 3, 1) if transpose else None

@@ -1,11 +1,16 @@
 """Where a training step's time goes: XLA's CPU profile of one bench model's TrainingSession
-(or, with ``--inference``, its InferenceSession).
+(or, with ``--inference``, its InferenceSession); or of one zoo model's InferenceSession
+(``bench/zoo_models.py``, ``--zoo``; each kernel's fastest of 10 runs, which a busy
+machine's preemptions leave out).
 
     python bench/profile_step.py transformer [--threads 2] [--inference]
+    python bench/profile_step.py --zoo efficientnet_b0 [--threads 1] [--convs 20]
 
 Prints the step time, the thread time of each kind of XLA kernel per step, and each matmul
-(YNNPACK fusion) with its shape and GFLOP/s. Thread time counts every thread: when two
-kernels run side by side each gets one core, and their GFLOP/s halve.
+(YNNPACK fusion) with its shape and GFLOP/s; for a zoo model each oneDNN convolution call
+(``ffi_call``) with its shape, post-ops and GFLOP/s, and their time by kind (1x1, depthwise,
+grouped, k x k). Thread time counts every thread: when two kernels run side by side each gets
+one core, and their GFLOP/s halve.
 """
 from __future__ import annotations
 
@@ -52,16 +57,116 @@ def _matmuls(hlo: str) -> dict[str, tuple[list[int], list[int], float]]:
 _NOT_KERNELS = ("ThunkExecutor", "end:", "while", "SlinkyThreadPool", "H2D", "D2H")
 
 
+_CONV = re.compile(r"%(ffi_call[\w.]*) = f32\[([\d,]*)\]\S* custom-call\(.*?"
+                   r"custom_call_target=\"popart_onednn_conv\", operand_layout_constraints="
+                   r"\{f32\[([\d,]*)\]\S*, f32\[([\d,]*)\]\S*(?:, f32\[([\d,]*)\]\S*)*\}.*?"
+                   r"geom = dense<\[([\d, -]*)\]>")
+
+
+def _convs(hlo: str) -> dict[str, tuple[str, str, float]]:
+    """Kernel name -> (kind, description, FLOPs) of each oneDNN convolution call in the
+    compiled HLO text (forward calls: activations first, OIHW weights second)."""
+    out = {}
+    for m in _CONV.finditer(hlo):
+        name, y, x, w = m.group(1), *(
+            [int(v) for v in g.split(",") if v] for g in m.group(2, 3, 4))
+        geom = [int(v) for v in m.group(6).split(",")]
+        groups = geom[10]
+        o, cg, kh, kw = w[-4:]
+        kind = ("depthwise" if groups > 1 and cg == 1 else "grouped" if groups > 1
+                else "1x1" if (kh, kw) == (1, 1) else f"{kh}x{kw}")
+        post = f" post {geom[11:]}" if len(geom) > 11 else ""
+        desc = (f"{x[-4:]} -> {y[-4:]} k{kh}x{kw} s{geom[2]} g{groups}"
+                f"{' nhwc' if geom[1] else ' nchw'}{post}")
+        out[name] = (kind, desc, 2.0 * math.prod(y) * cg * kh * kw)
+    return out
+
+
+def _kernel_times(prof, steps: float, fastest: bool = False) -> collections.Counter:
+    """Kernel name -> us per step: its mean, or with ``fastest`` its fastest run times its
+    runs per step (on a machine shared with other jobs a kernel's slow runs are the ones
+    another process preempted)."""
+    runs: dict[str, list[float]] = collections.defaultdict(list)
+    for plane in prof.planes:
+        for line in plane.lines:
+            if line.name.startswith(("tf_XLAEigen", "tf_XLAPjRtCpuClient")):  # pool, caller
+                for ev in line.events:
+                    runs[ev.name].append(ev.duration_ns / 1e3)
+    return collections.Counter({
+        name: (min(us) * len(us) if fastest else sum(us)) / steps for name, us in runs.items()})
+
+
+def _print_kinds(per_kernel: collections.Counter, top: int = 12) -> None:
+    kinds: collections.Counter = collections.Counter()
+    for name, us in per_kernel.items():
+        if not name.startswith(_NOT_KERNELS):
+            kinds[re.sub(r"\.\d+$", "", name)] += us
+    print(f"\nthread time per step by kernel kind (us; {sum(kinds.values()):,.0f} in all):")
+    for kind, us in kinds.most_common(top):
+        print(f"{us:10.0f}  {kind}")
+
+
+def profile_zoo(name: str, threads: int, show: int) -> None:
+    """The per-kernel profile of one zoo model's InferenceSession (batchesPerStep 1)."""
+    import zoo  # noqa: E402  (bench/zoo.py: the exporter and data, shared)
+    import bench  # noqa: E402
+    import jax  # noqa: E402
+    import popart.testing  # noqa: E402
+    from jax._src.lib import _profile_data  # noqa: E402
+
+    z = zoo.zoo_models.MODELS[name]
+    x, _ = zoo.data(z, 1, 1)
+    runs = 10
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, f"{name}.onnx")
+        zoo.export(z, z.make(), path)
+        runner, *_ = bench.popart_inference(path, x, 1, bench.Config(runs, 1, 1, bps=1))
+        ort_runner, _ = bench.ort_inference(path, x, bench.Config(runs, 1, 1, bps=1))
+        times = bench.interleaved({"popart": runner, "ort": ort_runner}, 3)
+        print(f"{name}, batch {z.batch}, {threads} thread(s): popart {z.batch / times['popart'] * 1e3:.1f} "
+              f"ms per batch, onnxruntime {z.batch / times['ort'] * 1e3:.1f} ms "
+              f"(ratio {times['popart'] / times['ort']:.2f})")
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                runner.loop()
+            prof = _profile_data.ProfileData.from_file(
+                glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+        per_kernel = _kernel_times(prof, runs, fastest=True)
+        convs = _convs(popart.testing.compiled(runner.session).as_text())
+    _print_kinds(per_kernel)
+    by_kind: collections.Counter = collections.Counter()
+    flops_kind: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    for n, (kind, _, flops) in convs.items():
+        by_kind[kind] += per_kernel[n]
+        flops_kind[kind] += flops
+        calls[kind] += 1
+    total = sum(by_kind.values())
+    print(f"\noneDNN convolutions by kind (us per batch, GFLOP/s, calls; {total:,.0f} us in all):")
+    for kind, us in by_kind.most_common():
+        print(f"{us:10.0f} {flops_kind[kind] / max(us, 1e-9) / 1e3:7.1f}  {kind} x{calls[kind]}")
+    print(f"\nthe {show} slowest oneDNN convolution calls (us, GFLOP/s):")
+    rows = sorted(((per_kernel[n], n, d, f) for n, (_, d, f) in convs.items()), reverse=True)
+    for us, n, desc, flops in rows[:show]:
+        print(f"{us:10.0f} {flops / max(us, 1e-9) / 1e3:7.1f}  {n:14s} {desc}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", choices=["mlp", "resnet18", "bert", "cnn", "transformer"])
+    ap.add_argument("model", nargs="?", choices=["mlp", "resnet18", "bert", "cnn", "transformer"])
+    ap.add_argument("--zoo", help="a bench/zoo_models.py model: its InferenceSession")
+    ap.add_argument("--convs", type=int, default=15, help="oneDNN calls listed (--zoo)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--bps", type=int, default=10)
     ap.add_argument("--inference", action="store_true", help="the InferenceSession's step")
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if args.zoo:
+        profile_zoo(args.zoo, args.threads, args.convs)
+        return
     import bench  # noqa: E402  (the bench's TrainingSession set-up, shared)
     import bench_models  # noqa: E402
     import jax  # noqa: E402
@@ -96,19 +201,8 @@ def main() -> None:
 def report(prof, steps: float, hlo: str, flops_per_step: float = 1.0, top: int = 12) -> None:
     """Print the thread time per step of each kind of kernel in ``prof`` (a ProfileData of
     ``steps`` steps of the program whose compiled HLO is ``hlo``), then each matmul's."""
-    per_kernel: collections.Counter = collections.Counter()
-    for plane in prof.planes:
-        for line in plane.lines:
-            if line.name.startswith(("tf_XLAEigen", "tf_XLAPjRtCpuClient")):  # pool, caller
-                for ev in line.events:
-                    per_kernel[ev.name] += ev.duration_ns / steps / 1e3
-    kinds: collections.Counter = collections.Counter()
-    for name, us in per_kernel.items():
-        if not name.startswith(_NOT_KERNELS):
-            kinds[re.sub(r"\.\d+$", "", name)] += us
-    print(f"\nthread time per step by kernel kind (us), total {sum(kinds.values()):.0f}:")
-    for kind, us in kinds.most_common(top):
-        print(f"{us:10.0f}  {kind}")
+    per_kernel = _kernel_times(prof, steps)
+    _print_kinds(per_kernel, top)
     dots = {n: (lhs, rhs, f * flops_per_step) for n, (lhs, rhs, f) in _matmuls(hlo).items()}
     print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
     rows = sorted(((per_kernel[n], n, *d) for n, d in dots.items() if n in per_kernel),
@@ -119,6 +213,7 @@ def report(prof, steps: float, hlo: str, flops_per_step: float = 1.0, top: int =
     total_flops = sum(r[4] for r in rows)
     print(f"{total_us:10.0f} {total_flops / max(total_us, 1e-9) / 1e3:7.1f}  all matmuls "
           f"({total_flops / 1e9:.3f} GFLOP)")
+
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@ TrainingSession against PyTorch eager, on public architectures with random weigh
 
     python bench/zoo.py [--threads N] [--models mobilenetv3,efficientnet_b0] [--reps 3]
                         [--infer-batches 10] [--train-batches 4] [--no-train] [--grouped-on-xla]
+                        [--cpu-time]
 
 The models (``bench/zoo_models.py``): ResNet-50, MobileNetV3-Small, EfficientNet-B0, ConvNeXt-T,
 RegNetY-400MF, ShuffleNetV2 x1.0, SegFormer-B0 (segmentation; its map's mean over pixels as
@@ -20,7 +21,9 @@ over ``torch.optim.SGD(lr=0.01)`` on log_softmax + nll_loss, the first losses pr
 side (they differ where a random-weight model gives a label a probability under 1e-7: PopART's
 nllloss takes -log(max(p, 1e-7)), at most 16.1 per sample). Compile seconds are popart's
 ``prepareDevice()`` (the engine cache off). The runtimes take turns within each repeat; the
-median of ``--reps`` repeats. ``--threads N`` pins the process to N cores and gives every
+median of ``--reps`` repeats (``--cpu-time``: of the process's CPU time, every thread's,
+instead of the wall clock: on a machine shared with other jobs it counts the work, not the
+waits for a core). ``--threads N`` pins the process to N cores and gives every
 runtime N threads (oneDNN's OpenMP ones too). ``--grouped-on-xla`` keeps grouped and depthwise
 convolutions on XLA (``onednn._XLA_SHAPES``), as before issue 36.
 """
@@ -128,6 +131,20 @@ def torch_training(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batches
     return bench.Runner(loop, batches * x.shape[0]), first
 
 
+def timed(runners: dict[str, bench.Runner], args) -> dict[str, float]:
+    """Samples/s of each runner, taking turns (``bench.interleaved``); with ``--cpu-time`` by
+    the process's CPU time (every thread's) instead of the wall clock."""
+    if not args.cpu_time:
+        return bench.interleaved(runners, args.reps)
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for _ in range(args.reps):
+        for k, r in runners.items():
+            t0 = time.process_time()
+            r.loop()
+            times[k].append(time.process_time() - t0)
+    return {k: runners[k].samples / float(np.median(v)) for k, v in times.items()}
+
+
 def run_model(name: str, args, tmp: str) -> str:
     z = zoo_models.MODELS[name]
     model = z.make()
@@ -140,14 +157,14 @@ def run_model(name: str, args, tmp: str) -> str:
     pop_i, compile_i, out = bench.popart_inference(path, x, 1, cfg)
     ort_i, ort_out = bench.ort_inference(path, x, cfg)
     err = float(np.max(np.abs(out - ort_out[: len(out)])) / (np.max(np.abs(ort_out)) + 1e-12))
-    inf = bench.interleaved({"popart": pop_i, "ort": ort_i}, args.reps)
+    inf = timed({"popart": pop_i, "ort": ort_i}, args)
     row = (f"| {name}{note} | {z.batch} | {inf['popart']:.1f} | {inf['ort']:.1f} | "
            f"**{inf['popart'] / inf['ort']:.2f}** | {compile_i:.1f} | {err:.0e} |")
     if args.no_train:
         return row + " | | | | | |"
     pop_t, compile_t, loss = popart_training(path, x, y, args.train_batches)
     torch_t, tloss = torch_training(model, x, y, args.train_batches)
-    tr = bench.interleaved({"popart": pop_t, "torch": torch_t}, args.reps)
+    tr = timed({"popart": pop_t, "torch": torch_t}, args)
     return row + (f" {tr['popart']:.2f} | {tr['torch']:.2f} | **{tr['popart'] / tr['torch']:.2f}** |"
                   f" {compile_t:.1f} | {loss:.4f} / {tloss:.4f} |")
 
@@ -161,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infer-batches", type=int, default=10)
     ap.add_argument("--train-batches", type=int, default=4)
     ap.add_argument("--no-train", action="store_true", help="inference only")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by the process's CPU time, not the wall clock (a busy machine)")
     ap.add_argument("--grouped-on-xla", action="store_true",
                     help="grouped / depthwise convolutions on XLA, as before issue 36")
     args = ap.parse_args(argv)

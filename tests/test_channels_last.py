@@ -105,6 +105,9 @@ def test_inference_matches_onnxruntime_with_transposes_only_at_the_edges(inferen
     # The input into the first convolution, the anchor "block" out: the rest runs NHWC. (Before
     # the layout pass: a transpose on each side of the 3x3 convolutions, 4 here.)
     assert transposes_4d(s) == 2
+    # The 3x3 max pool is inference's max over strided slices (nn._window_slices); only the
+    # average pool is a reduce_window.
+    assert popart.testing.lowered_text(s).count("stablehlo.reduce_window") == 1
 
 
 def transposes_4d(session) -> int:

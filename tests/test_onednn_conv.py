@@ -19,6 +19,7 @@ needs_onednn = pytest.mark.skipif(not onednn.available(),
 
 class Ctx:   # the LowerCtx services conv_nc reads
     platform = "cpu"
+    training = False
 
     def channels_last(self, x, transpose=False):
         return x.transpose(0, 2, 3, 1) if transpose else None

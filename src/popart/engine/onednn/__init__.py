@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ...logging import getLogger
@@ -114,12 +115,13 @@ def available() -> bool:
     return True
 
 
-def _call(kind: int, a, b, out_shape: Sequence[int], geom: Sequence[int], nhwc: bool):
+def _call(kind: int, a, b, out_shape: Sequence[int], geom: Sequence[int], nhwc: bool,
+          operands: Sequence = (), posts: Sequence[int] = ()):
     if not available():
         raise RuntimeError("the oneDNN convolution is unavailable (see popart's devicex log)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(tuple(out_shape), np.float32),
                             vmap_method="expand_dims")
-    return call(a, b, geom=np.array([kind, int(nhwc), *geom], np.int64))
+    return call(a, b, *operands, geom=np.array([kind, int(nhwc), *geom, *posts], np.int64))
 
 
 def _geom(strides, padding, dilation, groups) -> tuple:
@@ -159,13 +161,16 @@ def _bwd(strides, padding, dilation, nhwc, groups, res, dy):
 
 conv2d.defvjp(_fwd, _bwd)
 
-def channels_last(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
+def channels_last(x_shape: Sequence[int], w_shape: Sequence[int], training: bool = True) -> bool:
     """Whether oneDNN runs a convolution of NCHW x (no channels-last form) by OIHW w on NHWC
     activations, x transposed in and y kept NHWC for what follows (engine/layout.py), rather
     than on NCHW as they are: NHWC is oneDNN's fast layout, the 3-channel stems included
-    (forward 1.4-1.8x NCHW with the input's transpose), except for 1x1 kernels, 0.83-0.94x
-    (docs/performance.md). An input already channels-last always runs NHWC."""
-    return tuple(w_shape[2:]) != (1, 1)
+    (forward 1.4-1.8x NCHW with the input's transpose). In training 1x1 kernels stay NCHW
+    (forward and gradients in isolation, transposes on both sides: 0.83-0.94x); in inference
+    they run NHWC too, their result feeding NHWC consumers (ShuffleNetV2, whose channel shuffle
+    drops the channels-last form before each 1x1: 27.3 -> 18.4 ms of CPU per batch;
+    docs/performance.md). An input already channels-last always runs NHWC."""
+    return not training or tuple(w_shape[2:]) != (1, 1)
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
@@ -184,3 +189,79 @@ def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[in
 # convolution; add one where a measurement shows XLA ahead.
 _XLA_SHAPES: list = []
 
+
+
+# ---- Post-ops (conv.cc ``Post``): what a forward call applies to its result in the same pass:
+# the bias, a binary add / multiply / max / min with an operand (each dim the result's or 1),
+# and oneDNN's
+# eltwise algorithms. name -> (code, reference in jax.numpy of (y, alpha, beta[, operand])).
+POST_OPS = {
+    "bias": (1, None),
+    "add": (2, lambda y, a, b, v: y + v),
+    "mul": (3, lambda y, a, b, v: y * v),
+    "max": (4, lambda y, a, b, v: jnp.maximum(y, v)),
+    "min": (5, lambda y, a, b, v: jnp.minimum(y, v)),
+    "relu": (10, lambda y, a, b: jnp.where(y > 0, y, y * a)),
+    "clip": (11, lambda y, a, b: jnp.clip(y, a, b)),
+    "hardswish": (12, lambda y, a, b: y * jnp.clip(y * a + b, 0, 1)),
+    "hardsigmoid": (13, lambda y, a, b: jnp.clip(y * a + b, 0, 1)),
+    "sigmoid": (14, lambda y, a, b: jax.nn.sigmoid(y)),
+    "swish": (15, lambda y, a, b: y * jax.nn.sigmoid(y * a)),
+    "gelu": (16, lambda y, a, b: jax.nn.gelu(y, approximate=False)),
+    "gelu_tanh": (17, lambda y, a, b: jax.nn.gelu(y, approximate=True)),
+    "tanh": (18, lambda y, a, b: jnp.tanh(y)),
+    "elu": (19, lambda y, a, b: jnp.where(y > 0, y, a * jnp.expm1(y))),
+    "linear": (20, lambda y, a, b: y * a + b),
+}
+BINARY_POSTS = ("add", "mul", "max", "min")
+Post = tuple   # (name, alpha, beta)
+
+
+def _post_geom(posts: Sequence[Post]) -> list[int]:
+    """The geom values of a post-op chain: code, alpha's and beta's float32 bits, each."""
+    bits = lambda v: int(np.float32(v).view(np.int32))  # noqa: E731
+    return [v for name, a, b in posts for v in (POST_OPS[name][0], bits(a), bits(b))]
+
+
+def apply_posts(y, operands: Sequence, posts: Sequence[Post], nhwc: bool):
+    """``posts`` applied to the convolution result ``y`` in jax.numpy (the reference the
+    gradients of ``conv2d_fused`` differentiate); ``operands``: the bias, then each binary
+    post-op's input, in order."""
+    rest = iter(operands)
+    for name, a, b in posts:
+        if name == "bias":
+            bias = next(rest)
+            y = y + (bias if nhwc else bias.reshape(-1, 1, 1))
+        elif name in BINARY_POSTS:
+            y = POST_OPS[name][1](y, a, b, next(rest))
+        else:
+            y = POST_OPS[name][1](y, np.float32(a), np.float32(b))
+    return y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def conv2d_fused(x, w, operands: tuple, strides: tuple, padding: tuple, dilation: tuple,
+                 nhwc: bool, groups: int, posts: tuple):
+    """``apply_posts(conv2d(x, w, ...), operands, posts, nhwc)`` as one oneDNN forward call,
+    the post-ops applied as the convolution writes its result (``posts``: (name, alpha, beta)
+    of ``POST_OPS``, the bias first if any). Its gradients are those of the reference."""
+    out = _out_shape(x, w, strides, padding, dilation, nhwc)
+    return _call(FORWARD, x, w, out, _geom(strides, padding, dilation, groups), nhwc,
+                 operands, _post_geom(posts))
+
+
+def _reference(x, w, operands, strides, padding, dilation, nhwc, groups, posts):
+    return apply_posts(conv2d(x, w, strides, padding, dilation, nhwc, groups), operands, posts,
+                       nhwc)
+
+
+def _fused_fwd(x, w, operands, *static):
+    return conv2d_fused(x, w, operands, *static), (x, w, operands)
+
+
+def _fused_bwd(*args):
+    *static, (x, w, operands), dy = args
+    return jax.vjp(lambda x, w, o: _reference(x, w, o, *static), x, w, operands)[1](dy)
+
+
+conv2d_fused.defvjp(_fused_fwd, _fused_bwd)

@@ -4,10 +4,14 @@
 // dx from (dy, w); 2 backward weights dw from (x, dy). Activations (x, y, dx, dy) are NHWC when
 // geom[1] is 1, NCHW when 0; weights are always ONNX's OIHW, O x C/G x KH x KW for G groups
 // (the same bytes as oneDNN's goihw). geom[2..9]: stride h, w; pad top, left, bottom, right;
-// dilation h, w (1 = none); geom[10]: groups G (depthwise: G = C). Operands may carry extra
-// leading (vmap) dims: each has either the result's leading dims or all of them 1 (shared).
-// Primitives are made once per shape and cached; weights are reordered to the primitive's
-// blocked format on each call.
+// dilation h, w (1 = none); geom[10]: groups G (depthwise: G = C).
+// The forward may carry post-ops after geom[10], three values each: a code (Post below) and
+// the float32 bits of its alpha and beta. The bias (code kBias, first) and the second input
+// of each binary post-op follow x and w as operands, in order: the bias [O], a binary input
+// in the activations' layout with each of its 4 dims the result's or 1 (broadcast).
+// Operands may carry extra leading (vmap) dims: each has either the result's leading dims or
+// all of them 1 (shared). Primitives are made once per shape and post-op chain and cached;
+// weights are reordered to the primitive's blocked format on each call.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "dnnl.hpp"
@@ -23,8 +28,28 @@
 namespace ffi = xla::ffi;
 using dnnl::memory;
 using tag = memory::format_tag;
+using alg = dnnl::algorithm;
 
 namespace {
+
+// Post-op codes (onednn/__init__.py POST_OPS): the bias, binary add / multiply / max / min
+// with an operand,
+// and oneDNN's eltwise algorithms (alpha, beta as oneDNN defines them).
+enum Post : int64_t { kBias = 1, kAdd = 2, kMul = 3, kMax = 4, kMin = 5, kEltwise = 10 };
+const alg kBinaryAlgs[] = {alg::binary_add, alg::binary_mul, alg::binary_max, alg::binary_min};
+bool binary(int64_t code) { return code >= kAdd && code <= kMin; }
+const alg kEltwiseAlgs[] = {
+    alg::eltwise_relu,      alg::eltwise_clip,     alg::eltwise_hardswish, alg::eltwise_hardsigmoid,
+    alg::eltwise_logistic,  alg::eltwise_swish,    alg::eltwise_gelu_erf,  alg::eltwise_gelu_tanh,
+    alg::eltwise_tanh,      alg::eltwise_elu,      alg::eltwise_linear};
+constexpr int64_t kNumEltwise = sizeof(kEltwiseAlgs) / sizeof(kEltwiseAlgs[0]);
+
+float bits(int64_t v) {  // a float32 from the int32 bits geom carries
+  int32_t i = static_cast<int32_t>(v);
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
 
 dnnl::engine& cpu() {
   static dnnl::engine e(dnnl::engine::kind::cpu, 0);
@@ -33,7 +58,9 @@ dnnl::engine& cpu() {
 
 struct Plan {  // one cached primitive and what running it needs
   dnnl::primitive prim;
-  memory::desc act_in, act_out, w_prim, w_user;
+  memory::desc act_in, act_out, w_prim, w_user, bias;
+  std::vector<memory::desc> binary;  // the binary post-ops' second inputs, in order
+  std::vector<int> binary_post;      // their post-op indices
   bool reorder = false;
   dnnl::reorder w_reorder;  // user -> primitive (kinds 0, 1) or primitive -> user (kind 2)
   size_t scratch = 0;
@@ -43,8 +70,11 @@ using Key = std::vector<int64_t>;
 std::mutex plans_mu;
 std::map<Key, std::shared_ptr<Plan>> plans;
 
+// k: kind, nhwc, N, C, H, W, O, KH, KW, OH, OW, sh, sw, pt, pl, pb, pr, dh, dw, G, the number
+// of post-ops, the post-ops (code, alpha, beta each), then each binary input's N, C, H, W.
+constexpr size_t kBase = 20;
+
 std::shared_ptr<Plan> make_plan(const Key& k) {
-  // k: kind, nhwc, N, C, H, W, O, KH, KW, OH, OW, sh, sw, pt, pl, pb, pr, dh, dw, G
   const int kind = k[0];
   const int64_t g = k[19];
   const tag act = k[1] ? tag::nhwc : tag::nchw;
@@ -57,30 +87,57 @@ std::shared_ptr<Plan> make_plan(const Key& k) {
   memory::desc w_any(wdims, f32, tag::any);
   memory::dims strides{k[11], k[12]}, pl{k[13], k[14]}, pr{k[15], k[16]};
   memory::dims dil{k[17] - 1, k[18] - 1};
+  auto plan = std::make_shared<Plan>();
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  const auto algo = dnnl::algorithm::convolution_direct;
-  auto plan = std::make_shared<Plan>();
+  dnnl::post_ops ops;
+  const size_t posts_end = kBase + 1 + 3 * k[kBase];
+  size_t dims = posts_end;  // the next binary input's dims
+  for (size_t p = kBase + 1; p < posts_end; p += 3) {
+    const int64_t code = k[p];
+    if (code == kBias) {
+      plan->bias = memory::desc({k[6]}, f32, tag::a);
+    } else if (binary(code)) {
+      memory::desc b({k[dims], k[dims + 1], k[dims + 2], k[dims + 3]}, f32, act);
+      dims += 4;
+      plan->binary_post.push_back(ops.len());
+      plan->binary.push_back(b);
+      ops.append_binary(kBinaryAlgs[code - kAdd], b);
+    } else {
+      ops.append_eltwise(kEltwiseAlgs[code - kEltwise], bits(k[p + 1]), bits(k[p + 2]));
+    }
+  }
+  if (ops.len() > 0) attr.set_post_ops(ops);
   plan->w_user = memory::desc(wdims, f32, g == 1 ? tag::oihw : tag::goihw);
-  auto fwd = dnnl::convolution_forward::primitive_desc(
-      cpu(), dnnl::prop_kind::forward_training, algo, src, w_any, dst, strides, dil, pl, pr, attr);
+  const auto algo = alg::convolution_direct;
   memory::desc scratch;
   if (kind == 0) {
+    auto fwd = plan->bias.is_zero()
+        ? dnnl::convolution_forward::primitive_desc(cpu(), dnnl::prop_kind::forward_inference,
+                                                    algo, src, w_any, dst, strides, dil, pl, pr,
+                                                    attr)
+        : dnnl::convolution_forward::primitive_desc(cpu(), dnnl::prop_kind::forward_inference,
+                                                    algo, src, w_any, plan->bias, dst, strides,
+                                                    dil, pl, pr, attr);
     plan->prim = dnnl::convolution_forward(fwd);
     plan->act_in = src, plan->act_out = dst, plan->w_prim = fwd.weights_desc();
     scratch = fwd.scratchpad_desc();
-  } else if (kind == 1) {
-    auto bwd = dnnl::convolution_backward_data::primitive_desc(
-        cpu(), algo, src, w_any, dst, strides, dil, pl, pr, fwd, attr);
-    plan->prim = dnnl::convolution_backward_data(bwd);
-    plan->act_in = dst, plan->act_out = src, plan->w_prim = bwd.weights_desc();
-    scratch = bwd.scratchpad_desc();
   } else {
-    auto bwd = dnnl::convolution_backward_weights::primitive_desc(
-        cpu(), algo, src, w_any, dst, strides, dil, pl, pr, fwd, attr);
-    plan->prim = dnnl::convolution_backward_weights(bwd);
-    plan->act_in = src, plan->act_out = dst, plan->w_prim = bwd.diff_weights_desc();
-    scratch = bwd.scratchpad_desc();
+    auto fwd = dnnl::convolution_forward::primitive_desc(
+        cpu(), dnnl::prop_kind::forward_training, algo, src, w_any, dst, strides, dil, pl, pr, attr);
+    if (kind == 1) {
+      auto bwd = dnnl::convolution_backward_data::primitive_desc(
+          cpu(), algo, src, w_any, dst, strides, dil, pl, pr, fwd, attr);
+      plan->prim = dnnl::convolution_backward_data(bwd);
+      plan->act_in = dst, plan->act_out = src, plan->w_prim = bwd.weights_desc();
+      scratch = bwd.scratchpad_desc();
+    } else {
+      auto bwd = dnnl::convolution_backward_weights::primitive_desc(
+          cpu(), algo, src, w_any, dst, strides, dil, pl, pr, fwd, attr);
+      plan->prim = dnnl::convolution_backward_weights(bwd);
+      plan->act_in = src, plan->act_out = dst, plan->w_prim = bwd.diff_weights_desc();
+      scratch = bwd.scratchpad_desc();
+    }
   }
   plan->scratch = scratch.get_size();
   plan->reorder = plan->w_prim != plan->w_user;
@@ -113,21 +170,45 @@ struct Scratch {  // a per-thread, 64-byte aligned buffer that only grows
   ~Scratch() { std::free(p); }
 };
 
-int64_t lead(ffi::Span<const int64_t> d) {  // product of the dims before the last four
+int64_t lead(ffi::Span<const int64_t> d, size_t inner = 4) {  // product of the outer dims
   int64_t b = 1;
-  for (size_t i = 0; i + 4 < d.size(); ++i) b *= d[i];
+  for (size_t i = 0; i + inner < d.size(); ++i) b *= d[i];
   return b;
 }
 
-ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> out,
-                ffi::Span<const int64_t> geom) {
-  if (geom.size() != 11) return ffi::Error::InvalidArgument("geom needs 11 values");
+struct Extra {  // a post-op operand: its data, dims and outer (vmap) size
+  float* data;
+  ffi::Span<const int64_t> dims;
+  int64_t lead;
+};
+
+ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::RemainingArgs rest,
+                ffi::ResultBuffer<ffi::F32> out, ffi::Span<const int64_t> geom) {
+  if (geom.size() < 11 || (geom.size() - 11) % 3 != 0)
+    return ffi::Error::InvalidArgument("geom needs 11 values and 3 per post-op");
   const int64_t kind = geom[0], nhwc = geom[1], G = geom[10];
   // The operands' roles: activations x / dy, weights w (OIHW), by direction.
   auto da = a.dimensions(), db = b.dimensions(), dr = out->dimensions();
   if (da.size() < 4 || db.size() < 4 || dr.size() < 4)
     return ffi::Error::InvalidArgument("operands need 4 dims at least");
   const int64_t batches = lead(dr);
+  // The post-ops' operands: the bias (1 inner dim) and binary inputs (4), in order.
+  std::vector<Extra> extras;
+  if (kind != 0 && geom.size() > 11)
+    return ffi::Error::InvalidArgument("post-ops are for the forward only");
+  for (size_t i = 11, j = 0; i < geom.size(); i += 3) {
+    const int64_t code = geom[i];
+    if (code >= kEltwise && code < kEltwise + kNumEltwise) continue;
+    if (code != kBias && !binary(code))
+      return ffi::Error::InvalidArgument("unknown post-op code " + std::to_string(code));
+    if (code == kBias && i != 11) return ffi::Error::InvalidArgument("the bias comes first");
+    auto e = rest.get<ffi::Buffer<ffi::F32>>(j++);
+    if (!e.has_value()) return ffi::Error::InvalidArgument("a post-op operand is missing");
+    auto d = e->dimensions();
+    const size_t inner = geom[i] == kBias ? 1 : 4;
+    if (d.size() < inner) return ffi::Error::InvalidArgument("a post-op operand has too few dims");
+    extras.push_back({e->typed_data(), d, lead(d, inner)});
+  }
   auto sp = [&](ffi::Span<const int64_t> d, int64_t& n, int64_t& c, int64_t& h, int64_t& w) {
     size_t r = d.size() - 4;
     n = d[r];
@@ -147,12 +228,32 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuf
     std::memset(out->typed_data(), 0, out->size_bytes());
     return ffi::Error::Success();
   }
-  // Folding shared weights' vmap dims into the batch: one call over B*N images.
-  const bool w_shared = kind != 2 && lead(db) == 1 && lead(da) == batches;
+  // Folding shared weights' vmap dims into the batch: one call over B*N images, where every
+  // post-op operand folds too (a bias shared; a binary input per image or the same for all).
+  bool fold = kind != 2 && lead(db) == 1 && lead(da) == batches;
+  std::vector<int64_t> bin_dims;  // each binary input's N, C, H, W
+  for (size_t i = 11, j = 0; i < geom.size(); i += 3) {
+    if (geom[i] == kBias) {
+      fold = fold && extras[j++].lead == 1;
+    } else if (binary(geom[i])) {
+      const Extra& e = extras[j++];
+      int64_t n, c, h, w;
+      sp(e.dims, n, c, h, w);
+      fold = fold && ((e.lead == batches && n == N) || (e.lead == 1 && n == 1));
+      bin_dims.insert(bin_dims.end(), {n, c, h, w});
+    }
+  }
   int64_t loops = batches;
-  if (w_shared) N *= batches, loops = 1;
+  if (fold) {
+    for (size_t i = 0; i < bin_dims.size(); i += 4)
+      if (bin_dims[i] == N) bin_dims[i] *= batches;
+    N *= batches, loops = 1;
+  }
   Key key{kind, nhwc, N, C, H, W, O, KH, KW, OH, OW};
-  key.insert(key.end(), geom.begin() + 2, geom.end());
+  key.insert(key.end(), geom.begin() + 2, geom.begin() + 11);
+  key.push_back((geom.size() - 11) / 3);
+  key.insert(key.end(), geom.begin() + 11, geom.end());
+  key.insert(key.end(), bin_dims.begin(), bin_dims.end());
   try {
     auto plan = get_plan(key);
     // One convolution at a time: each uses every OpenMP thread, and XLA may run independent
@@ -172,6 +273,10 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuf
     float* pb = b.typed_data();
     float* po = out->typed_data();
     void* wp = plan->reorder ? wbuf.get(plan->w_prim.get_size()) : nullptr;
+    // Each post-op operand's memory descriptor and step per loop.
+    std::vector<memory::desc> ext_desc;
+    if (!plan->bias.is_zero()) ext_desc.push_back(plan->bias);
+    ext_desc.insert(ext_desc.end(), plan->binary.begin(), plan->binary.end());
     for (int64_t i = 0; i < loops; ++i, pa += step_a, pb += step_b, po += so) {
       if (kind == 2) {
         memory x(plan->act_in, cpu(), pa), dy(plan->act_out, cpu(), pb);
@@ -180,18 +285,29 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuf
         plan->prim.execute(s, {{DNNL_ARG_SRC, x}, {DNNL_ARG_DIFF_DST, dy},
                                {DNNL_ARG_DIFF_WEIGHTS, dw}, {DNNL_ARG_SCRATCHPAD, pad}});
         if (plan->reorder) plan->w_reorder.execute(s, dw, dw_user);
-      } else {
-        memory in(plan->act_in, cpu(), pa), res(plan->act_out, cpu(), po);
-        memory w_user(plan->w_user, cpu(), pb);
-        memory w = plan->reorder ? memory(plan->w_prim, cpu(), wp) : w_user;
-        if (plan->reorder && (i == 0 || step_b)) plan->w_reorder.execute(s, w_user, w);
-        if (kind == 0)
-          plan->prim.execute(s, {{DNNL_ARG_SRC, in}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DST, res},
-                                 {DNNL_ARG_SCRATCHPAD, pad}});
-        else
-          plan->prim.execute(s, {{DNNL_ARG_DIFF_DST, in}, {DNNL_ARG_WEIGHTS, w},
-                                 {DNNL_ARG_DIFF_SRC, res}, {DNNL_ARG_SCRATCHPAD, pad}});
+        continue;
       }
+      memory in(plan->act_in, cpu(), pa), res(plan->act_out, cpu(), po);
+      memory w_user(plan->w_user, cpu(), pb);
+      memory w = plan->reorder ? memory(plan->w_prim, cpu(), wp) : w_user;
+      if (plan->reorder && (i == 0 || step_b)) plan->w_reorder.execute(s, w_user, w);
+      if (kind == 1) {
+        plan->prim.execute(s, {{DNNL_ARG_DIFF_DST, in}, {DNNL_ARG_WEIGHTS, w},
+                               {DNNL_ARG_DIFF_SRC, res}, {DNNL_ARG_SCRATCHPAD, pad}});
+        continue;
+      }
+      std::unordered_map<int, memory> args{{DNNL_ARG_SRC, in}, {DNNL_ARG_WEIGHTS, w},
+                                           {DNNL_ARG_DST, res}, {DNNL_ARG_SCRATCHPAD, pad}};
+      for (size_t j = 0; j < extras.size(); ++j) {
+        const size_t size = ext_desc[j].get_size() / 4;
+        float* p = extras[j].data + (extras[j].lead == 1 || loops == 1 ? 0 : i * size);
+        const bool is_bias = j == 0 && !plan->bias.is_zero();
+        const int arg = is_bias ? DNNL_ARG_BIAS
+            : DNNL_ARG_ATTR_MULTIPLE_POST_OP(plan->binary_post[j - !plan->bias.is_zero()]) |
+                DNNL_ARG_SRC_1;
+        args.emplace(arg, memory(ext_desc[j], cpu(), p));
+      }
+      plan->prim.execute(s, args);
     }
     s.wait();
   } catch (const std::exception& e) {
@@ -206,5 +322,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PopartOnednnConv, Conv,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<ffi::Span<const int64_t>>("geom"));
