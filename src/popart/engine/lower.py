@@ -107,6 +107,7 @@ class TraceState:
     scope_names: dict = field(default_factory=dict)  # id(node) -> its name in the program
     layout: ChannelsLast = field(default_factory=ChannelsLast)  # NHWC twins of NCHW values
     graph_reads: dict = field(default_factory=dict)  # id(graph) -> what its nodes read
+    graph_readers: dict = field(default_factory=dict)  # id(graph) -> tensor -> reading nodes
 
     @property
     def backend(self) -> Backend:
@@ -160,6 +161,19 @@ class NodeCtx:
             read = self._state.graph_reads[id(self._graph)] = {
                 t for n in self._graph.nodes for t in reads(n)}
         return any(o in read for o in self.output_ids if o)
+
+    def readers(self, tensor_id: str) -> Optional[list]:
+        if self._graph is None:
+            return None
+        table = self._state.graph_readers.get(id(self._graph))
+        if table is None:
+            table = self._state.graph_readers[id(self._graph)] = {}
+            for n in self._graph.nodes:
+                for t in reads(n):
+                    table.setdefault(t, []).append(n)
+            for t in self._graph.outputs:
+                table.setdefault(t, []).append("output")
+        return table.get(tensor_id, [])
 
     def static(self, x: Any, what: str) -> np.ndarray:
         if x is None:

@@ -77,48 +77,28 @@ def pending(ctx: LowerCtx, y: Any) -> Optional[Pending]:
 
 
 # ---- Which nodes read a tensor (the fusion must be the only use of what it replaces) ----
-_READERS: dict[tuple[int, int], tuple[Any, dict]] = {}
-
-
-def _readers(ctx: LowerCtx) -> Optional[dict[str, list]]:
-    """Tensor id -> the nodes of ctx's graph reading it ("output" for a graph output)."""
-    from .._ir.graph import reads
-    graph = getattr(ctx, "_graph", None)   # the node's graph (engine/lower.py NodeCtx)
-    if graph is None:
-        return None
-    key = (id(graph), len(graph.nodes))
-    entry = _READERS.get(key)
-    if entry is None or entry[0]() is not graph:
-        out: dict[str, list] = {}
-        for n in graph.nodes:
-            for t in reads(n):
-                out.setdefault(t, []).append(n)
-        for t in graph.outputs:
-            out.setdefault(t, []).append("output")
-        if len(_READERS) > 64:
-            _READERS.clear()
-        entry = _READERS[key] = (weakref.ref(graph), out)
-    return entry[1]
+def _readers(ctx: LowerCtx, tensor_id: str) -> Optional[list]:
+    """The nodes reading ``tensor_id`` (``ctx.readers``; None where the context has none)."""
+    readers = getattr(ctx, "readers", None)
+    return readers(tensor_id) if readers is not None else None
 
 
 def _only_reader(ctx: LowerCtx, i: int) -> bool:
     """Whether this node alone reads its input ``i`` (once)."""
-    readers = _readers(ctx)
+    readers = _readers(ctx, ctx.input_ids[i])
     node = getattr(ctx, "node", None)
-    return readers is not None and [id(n) for n in readers.get(ctx.input_ids[i], [])] == [id(node)]
+    return readers is not None and [id(n) for n in readers] == [id(node)]
 
 
 def _silu_sigmoid(ctx: LowerCtx) -> bool:
     """Whether this Sigmoid's input is read by it and by one Mul of input and output (SiLU)."""
-    readers = _readers(ctx)
-    if readers is None:
-        return False
     x_id, y_id = ctx.input_ids[0], ctx.output_ids[0]
-    mul = readers.get(y_id, [])
+    mul, of_x = _readers(ctx, y_id), _readers(ctx, x_id)
+    if mul is None or of_x is None:
+        return False
     return (len(mul) == 1 and mul[0] != "output" and mul[0].op_type == "Mul"
             and sorted(mul[0].inputs) == sorted([x_id, y_id])
-            and {id(n) for n in readers.get(x_id, [])} == {id(ctx.node), id(mul[0])}
-            and len(readers[x_id]) == 2)
+            and {id(n) for n in of_x} == {id(ctx.node), id(mul[0])} and len(of_x) == 2)
 
 
 # ---- The CPU overrides of the elementwise ops that become post-ops ----

@@ -51,6 +51,11 @@ class LowerCtx(Protocol):
     def rng(self) -> Any:
         """A fresh jax PRNG key derived from the session seed (for random ops)."""
 
+    def readers(self, tensor_id: str) -> Optional[list]:
+        """The nodes of this node's graph that read ``tensor_id``, with ``"output"`` for a
+        graph output; None where the graph is not known (a lowering that matches a pattern
+        over its neighbours then keeps to the plain form)."""
+
     def static(self, x: Any, what: str) -> np.ndarray:
         """``x`` as a NumPy array; raises a popart error naming ``what`` if ``x`` is only
         known at run time (for inputs such as Reshape's shape that must be constant)."""
