@@ -33,7 +33,7 @@ class Ctx:
         self.output_ids = [f"y{i}" for i in range(num_outputs)]
         self.input_ids, self.assigned = list(input_ids), {}
         self.op_type, self.domain, self.name = "", "", "test"
-        self.options = None   # no session options: their defaults
+        self.config = None   # no session: ONNX's rules and the defaults
 
     def error(self, msg):
         return ValueError(msg)

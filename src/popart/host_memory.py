@@ -20,7 +20,6 @@ import ctypes
 import os
 import platform
 
-from .logging import getLogger
 
 ENV = "POPART_HOST_MALLOC"
 # glibc's malloc.h: M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX
@@ -38,5 +37,4 @@ def keep_large_buffers() -> bool:
     except (OSError, AttributeError):
         return False
     done = [mallopt(opt, value) == 1 for opt, value, env in _SETTINGS if env not in os.environ]
-    getLogger("devicex").debug(f"glibc malloc: large buffers kept in the heap ({sum(done)} settings)")
     return all(done)
