@@ -133,16 +133,11 @@ def torch_training(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, batches
 
 def timed(runners: dict[str, bench.Runner], args) -> dict[str, float]:
     """Samples/s of each runner, taking turns (``bench.interleaved``); with ``--cpu-time`` by
-    the process's CPU time (every thread's) instead of the wall clock."""
-    if not args.cpu_time:
-        return bench.interleaved(runners, args.reps)
-    times: dict[str, list[float]] = {k: [] for k in runners}
-    for _ in range(args.reps):
-        for k, r in runners.items():
-            t0 = time.process_time()
-            r.loop()
-            times[k].append(time.process_time() - t0)
-    return {k: runners[k].samples / float(np.median(v)) for k, v in times.items()}
+    the process's CPU time (every thread's) instead of the wall clock (``bench.CLOCK``, as
+    ``BENCH_CPU_TIME=1`` sets it)."""
+    if args.cpu_time:
+        bench.CLOCK = time.process_time
+    return bench.interleaved(runners, args.reps)
 
 
 def run_model(name: str, args, tmp: str) -> str:
