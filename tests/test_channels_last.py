@@ -1,4 +1,4 @@
-"""The channels-last layout of a trace (popart.engine.layout): a convolution graph runs NHWC
+"""The channels-last layout of a trace (popart.engine.channels_last): a convolution graph runs NHWC
 from one oneDNN convolution to the next (BatchNormalization, pools, elementwise ops on the
 NHWC form), with transposes only at its edges, and gives ONNX Runtime's and PyTorch's numbers,
 intermediate tensors and their gradients included."""

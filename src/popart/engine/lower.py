@@ -31,7 +31,7 @@ from ..ops.registry import GRAPHCORE_DOMAIN, ONNX_DOMAIN, is_static
 from ..tensorinfo import to_datatype
 from .backends import Backend, backend
 from .config import EngineConfig
-from .layout import ChannelsLast
+from .channels_last import ChannelsLast
 
 _logger = getLogger("op")
 

@@ -90,7 +90,7 @@ class LowerCtx(Protocol):
     def channels_last(self, x: Any, transpose: bool = False) -> Optional[Any]:
         """The NHWC form of the 4-D NCHW input ``x`` where a lowering computed one (the CPU's
         oneDNN convolutions and what follows them), else None; with ``transpose``, else a
-        transpose of ``x`` that other consumers share (engine/layout.py)."""
+        transpose of ``x`` that other consumers share (engine/channels_last.py)."""
 
     def keep_channels_last(self, y_nhwc: Any) -> Any:
         """The NCHW output of a lowering that computed ``y_nhwc`` channels-last: a transpose
@@ -129,7 +129,7 @@ class OpDef:
     # True for ops that draw random numbers (never constant-folded).
     random: bool = False
     # True for elementwise ops with NumPy broadcasting: they run channels-last on inputs that
-    # have a channels-last form (engine/layout.py).
+    # have a channels-last form (engine/channels_last.py).
     elementwise: bool = False
     # Inputs whose values decide the output shape (NonZero's 0, Compress's condition 1, ...):
     # where one is a run-time value the node runs on the host between compiled segments

@@ -163,7 +163,7 @@ conv2d.defvjp(_fwd, _bwd)
 
 def channels_last(x_shape: Sequence[int], w_shape: Sequence[int], training: bool = True) -> bool:
     """Whether oneDNN runs a convolution of NCHW x (no channels-last form) by OIHW w on NHWC
-    activations, x transposed in and y kept NHWC for what follows (engine/layout.py), rather
+    activations, x transposed in and y kept NHWC for what follows (engine/channels_last.py), rather
     than on NCHW as they are: NHWC is oneDNN's fast layout, the 3-channel stems included
     (forward 1.4-1.8x NCHW with the input's transpose). In training 1x1 kernels stay NCHW
     (forward and gradients in isolation, transposes on both sides: 0.83-0.94x); in inference
