@@ -12,7 +12,6 @@ from .._ir.graph import Graph
 from .._ir.onnx_import import ModelLike, import_model
 from ..tensorinfo import TensorInfo, to_datatype
 from . import in_x64
-from .compiled import graph_function
 from .config import EngineConfig
 from .lower import trace
 from .segments import Segmented, graph_runner, has_data_dependent

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 
