@@ -15,14 +15,12 @@ import onnx
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
 from .engine import in_x64
+from .engine.lower import NOT_STATIC
 from .engine.segments import graph_runner
 from .errors import UnsupportedOperatorError
 from ._ir.graph import Graph
 from ._ir.onnx_import import import_model
 from .ops import registry
-
-_STATIC_MSG = "must be known at compile time"
-
 
 def _jax_devices(device: str) -> list:
     kind = Device(device).type
@@ -110,7 +108,7 @@ class PopartBackendRep(BackendRep):
                     v.ndim == 0 or (v.ndim == 1 and v.size <= 16)
                     or (v.dtype.kind in "iub" and v.size <= 4096))} - static
                 said = " ".join((str(e), *getattr(e, "__notes__", ())))
-                if _STATIC_MSG not in said or not more:
+                if NOT_STATIC not in said or not more:
                     raise
                 static |= more
         return tuple(_to_numpy(o) for o in out)

@@ -131,6 +131,11 @@ class TraceState:
         return jax.random.fold_in(self.rng_key, next(self._counter))
 
 
+# What NodeCtx.static's error says of a value only known at run time: callers that retry with
+# more inputs compiled in (the ONNX backend, engine/segments.py) recognise the error by it.
+NOT_STATIC = "must be known at compile time"
+
+
 class NodeCtx:
     """The :class:`popart.ops.registry.LowerCtx` of one node."""
 
@@ -183,7 +188,7 @@ class NodeCtx:
         try:
             return np.asarray(x)
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-            raise self.error(f"{what} must be known at compile time (a constant, initializer "
+            raise self.error(f"{what} {NOT_STATIC} (a constant, initializer "
                              f"folded from constants, or computed from shapes), but it is "
                              f"computed from run-time data") from None
 

@@ -28,12 +28,11 @@ from ..ops import registry
 from ..ops.registry import is_static
 from .compiled import graph_function
 from .config import EngineConfig
-from .lower import trace, trace_node
+from .lower import NOT_STATIC, trace, trace_node
 
 _logger = getLogger("session")
 
-CACHE_SIZE = 16
-_STATIC = "must be known at compile time"   # NodeCtx.static's error   # planned (and compiled) segments a Segmented keeps, least recently used out
+CACHE_SIZE = 16   # planned (and compiled) segments a Segmented keeps, least recently used out
 
 
 def shape_deciding_inputs(graph: Graph, node: Node) -> tuple:
@@ -278,7 +277,7 @@ class Segmented:
             try:
                 stage = self._stage(nodes, planning, depth, which)
             except UnsupportedOperatorError as e:   # a value it needs when compiling, which
-                if not depth or _STATIC not in " ".join((str(e), *getattr(e, "__notes__", ()))):
+                if not depth or NOT_STATIC not in " ".join((str(e), *getattr(e, "__notes__", ()))):
                     raise                               # folding has: fold it from now on
                 _logger.info(f"Data-dependent shapes: the nodes after a cut stay folded on the "
                              f"host ({e})")
