@@ -20,11 +20,12 @@ import numpy as np
 
 from . import dataflow as _df
 from .engine import x64
+from .engine.program import reduce_anchor
 from .engine.segments import Segmented, has_data_dependent
 from .engine.shapes import input_specs
 from .errors import StepIOError, popart_exception
 from .logging import getLogger
-from .session_config import engine_config
+from .session_config import anchor_returns, engine_config
 from .session_io import weights_to_io
 
 _logger = getLogger("session")
@@ -125,17 +126,15 @@ class SegmentedRuns:
     def _write_anchor(self, stepio: Any, a: str, vals: dict, bps: int, R: int) -> None:
         """Anchor ``a``'s values per (batch, replica), as its AnchorReturnType returns them."""
         art = self._dataFlow.art(a)
-        kind = art.id()
-        n = art.rp() if kind == _df.AnchorReturnTypeId.EveryN else 1
-        batches = [bps - 1] if kind == _df.AnchorReturnTypeId.Final else range(n - 1, bps, n)
+        ret = anchor_returns({a: art})[a]
         outs = stepio.outputs
-        if self._varying(a):   # size-1 batch / replica levels dropped, as in host shapes
+        if self._varying(a):   # the batches it returns (SUM is refused); size-1 batch /
+            batches = np.ravel(reduce_anchor(ret, np.arange(bps).reshape(bps, 1, 1)))
             per = [[vals[b, r] for r in range(R)] if R > 1 else vals[b, 0] for b in batches]
-            outs[a] = per if len(per) > 1 else per[0]
+            outs[a] = per if len(per) > 1 else per[0]   # replica levels dropped, as in host shapes
             return
-        v = np.stack([np.stack([vals[b, r] for r in range(R)]) for b in batches])
-        if kind == _df.AnchorReturnTypeId.Sum:
-            v = v.sum(axis=0)
+        v = np.stack([np.stack([vals[b, r] for r in range(R)]) for b in range(bps)])[:, None]
+        v = reduce_anchor(ret, v)   # [B, 1, R, ...] as the compiled program reduces it
         if a not in outs:
             raise StepIOError(f"Anchor '{a}' has no output array in the StepIO; use "
                               f"session.initAnchorArrays() to create them")

@@ -231,6 +231,20 @@ def trace_step(graph: Graph, input_infos: Mapping[str, TensorInfo], anchors: Any
     return shapes, out
 
 
+def reduce_anchor(ret: AnchorReturn, v: Any) -> Any:
+    """One anchor's values [B, A, R, *shape] (batches, accumulation micro-batches, replicas)
+    as its AnchorReturnType returns them: all, every Nth micro-batch (PopART's batch counter
+    counts micro-batches), the last one, or their sum."""
+    if ret.kind == "All":
+        return v
+    if ret.kind == "EveryN":
+        B, A, n = v.shape[0], v.shape[1], ret.period
+        return v.reshape((B * A,) + v.shape[2:])[n - 1::n].reshape((B // n, A) + v.shape[2:])
+    if ret.kind == "Final":
+        return v[-1, -1]
+    return v.sum(axis=(0, 1))
+
+
 class StepProgram:
     """Builds, compiles and runs the step of one session."""
 
@@ -692,24 +706,8 @@ class StepProgram:
     def reduce_anchors(self, vals: dict) -> dict:
         """Each anchor's values [B, A, R, *shape] as its AnchorReturnType returns them
         (``dataflow.device_lead_dims`` gives the leading dims each kind keeps)."""
-        out = {}
-        for a, v in vals.items():
-            if a == CHECKS:   # the run-time checks' record: the first failure of the step
-                out[a] = first_failure(v)
-                continue
-            art = self.cfg.anchors[a]
-            kind = art.kind
-            if kind == "All":
-                out[a] = v
-            elif kind == "EveryN":   # PopART's batch counter counts
-                B, A, n = v.shape[0], v.shape[1], art.period   # micro-batches: every Nth one
-                out[a] = v.reshape((B * A,) + v.shape[2:])[n - 1::n].reshape(
-                    (B // n, A) + v.shape[2:])
-            elif kind == "Final":
-                out[a] = v[-1, -1]
-            else:
-                out[a] = jnp.sum(v, axis=(0, 1))
-        return out
+        return {a: first_failure(v) if a == CHECKS   # the run-time checks' record
+                else reduce_anchor(self.cfg.anchors[a], v) for a, v in vals.items()}
 
     # ------------------------------------------------------------------ placement, compile, run
     def put(self, tree: Any) -> Any:
