@@ -1,16 +1,13 @@
 """Where a training step's time goes: XLA's CPU profile of one bench model's TrainingSession
-(or, with ``--inference``, its InferenceSession); or of one zoo model's InferenceSession
-(``bench/zoo_models.py``, ``--zoo``; each kernel's fastest of 10 runs, which a busy
-machine's preemptions leave out).
+(or, with ``--inference``, its InferenceSession). A zoo model's: ``bench/profile_zoo.py``.
 
     python bench/profile_step.py transformer [--threads 2] [--inference]
-    python bench/profile_step.py --zoo efficientnet_b0 [--threads 1] [--convs 20]
 
 Prints the step time, the thread time of each kind of XLA kernel per step, and each matmul
-(YNNPACK fusion) with its shape and GFLOP/s; for a zoo model each oneDNN convolution call
-(``ffi_call``) with its shape, post-ops and GFLOP/s, and their time by kind (1x1, depthwise,
-grouped, k x k). Thread time counts every thread: when two kernels run side by side each gets
-one core, and their GFLOP/s halve.
+(YNNPACK fusion) with its shape and GFLOP/s; where the program calls oneDNN, each convolution
+call (``ffi_call``) with its shape, post-ops and GFLOP/s, and their time by kind (1x1,
+depthwise, grouped, k x k). Thread time counts every thread: when two kernels run side by side
+each gets one core, and their GFLOP/s halve.
 """
 from __future__ import annotations
 
@@ -106,34 +103,12 @@ def _print_kinds(per_kernel: collections.Counter, top: int = 12) -> None:
         print(f"{us:10.0f}  {kind}")
 
 
-def profile_zoo(name: str, threads: int, show: int) -> None:
-    """The per-kernel profile of one zoo model's InferenceSession (batchesPerStep 1)."""
-    import zoo  # noqa: E402  (bench/zoo.py: the exporter and data, shared)
-    import bench  # noqa: E402
-    import jax  # noqa: E402
-    import popart.testing  # noqa: E402
-    from jax._src.lib import _profile_data  # noqa: E402
-
-    z = zoo.zoo_models.MODELS[name]
-    x, _ = zoo.data(z, 1, 1)
-    runs = 10
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, f"{name}.onnx")
-        zoo.export(z, z.make(), path)
-        runner, *_ = bench.popart_inference(path, x, 1, bench.Config(runs, 1, 1, bps=1))
-        ort_runner, _ = bench.ort_inference(path, x, bench.Config(runs, 1, 1, bps=1))
-        times = bench.interleaved({"popart": runner, "ort": ort_runner}, 3)
-        print(f"{name}, batch {z.batch}, {threads} thread(s): popart {z.batch / times['popart'] * 1e3:.1f} "
-              f"ms per batch, onnxruntime {z.batch / times['ort'] * 1e3:.1f} ms "
-              f"(ratio {times['popart'] / times['ort']:.2f})")
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                runner.loop()
-            prof = _profile_data.ProfileData.from_file(
-                glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
-        per_kernel = _kernel_times(prof, runs, fastest=True)
-        convs = _convs(popart.testing.compiled(runner.session).as_text())
-    _print_kinds(per_kernel)
+def convolutions(per_kernel: collections.Counter, hlo: str, show: int = 15) -> None:
+    """Print the oneDNN convolution calls of the program whose compiled HLO is ``hlo``: their
+    time by kind, then the ``show`` slowest calls, each with its GFLOP/s (nothing without any)."""
+    convs = _convs(hlo)
+    if not convs:
+        return
     by_kind: collections.Counter = collections.Counter()
     flops_kind: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
@@ -142,7 +117,7 @@ def profile_zoo(name: str, threads: int, show: int) -> None:
         flops_kind[kind] += flops
         calls[kind] += 1
     total = sum(by_kind.values())
-    print(f"\noneDNN convolutions by kind (us per batch, GFLOP/s, calls; {total:,.0f} us in all):")
+    print(f"\noneDNN convolutions by kind (us per step, GFLOP/s, calls; {total:,.0f} us in all):")
     for kind, us in by_kind.most_common():
         print(f"{us:10.0f} {flops_kind[kind] / max(us, 1e-9) / 1e3:7.1f}  {kind} x{calls[kind]}")
     print(f"\nthe {show} slowest oneDNN convolution calls (us, GFLOP/s):")
@@ -153,9 +128,7 @@ def profile_zoo(name: str, threads: int, show: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", choices=["mlp", "resnet18", "bert", "cnn", "transformer"])
-    ap.add_argument("--zoo", help="a bench/zoo_models.py model: its InferenceSession")
-    ap.add_argument("--convs", type=int, default=15, help="oneDNN calls listed (--zoo)")
+    ap.add_argument("model", choices=["mlp", "resnet18", "bert", "cnn", "transformer"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--bps", type=int, default=10)
     ap.add_argument("--inference", action="store_true", help="the InferenceSession's step")
@@ -164,9 +137,6 @@ def main() -> None:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    if args.zoo:
-        profile_zoo(args.zoo, args.threads, args.convs)
-        return
     import bench  # noqa: E402  (the bench's TrainingSession set-up, shared)
     import bench_models  # noqa: E402
     import jax  # noqa: E402
@@ -198,10 +168,12 @@ def main() -> None:
            1 / args.bps if args.inference else 1.0)
 
 
-def report(prof, steps: float, hlo: str, flops_per_step: float = 1.0, top: int = 12) -> None:
+def report(prof, steps: float, hlo: str, flops_per_step: float = 1.0, top: int = 12,
+           fastest: bool = False, convs: int = 15) -> None:
     """Print the thread time per step of each kind of kernel in ``prof`` (a ProfileData of
-    ``steps`` steps of the program whose compiled HLO is ``hlo``), then each matmul's."""
-    per_kernel = _kernel_times(prof, steps)
+    ``steps`` steps of the program whose compiled HLO is ``hlo``; ``fastest``: see
+    ``_kernel_times``), then each matmul's, then the ``convs`` slowest oneDNN convolutions."""
+    per_kernel = _kernel_times(prof, steps, fastest)
     _print_kinds(per_kernel, top)
     dots = {n: (lhs, rhs, f * flops_per_step) for n, (lhs, rhs, f) in _matmuls(hlo).items()}
     print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
@@ -213,6 +185,7 @@ def report(prof, steps: float, hlo: str, flops_per_step: float = 1.0, top: int =
     total_flops = sum(r[4] for r in rows)
     print(f"{total_us:10.0f} {total_flops / max(total_us, 1e-9) / 1e3:7.1f}  all matmuls "
           f"({total_flops / 1e9:.3f} GFLOP)")
+    convolutions(per_kernel, hlo, convs)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 (or, with ``--train``, its TrainingSession) on one exported model.
 
     python bench/profile_zoo.py gpt2 [--threads 1] [--train] [--onnx saved.onnx] [--hlo out.txt]
+    python bench/profile_zoo.py efficientnet_b0 --fastest [--convs 20]
 
 Prints the step time beside onnxruntime's (inference), the thread time of each kind of XLA
-kernel per step, and each matmul with its shapes and GFLOP/s (``profile_step.py``'s tables);
-``--hlo`` writes the compiled (optimized) HLO, ``--onnx`` reuses an export (or saves one).
+kernel per step, each matmul with its shapes and GFLOP/s, and each oneDNN convolution call
+with its shape, post-ops and GFLOP/s (``profile_step.py``'s tables); ``--fastest`` takes each
+kernel's fastest run (a busy machine's preemptions left out), ``--hlo`` writes the compiled
+(optimized) HLO, ``--onnx`` reuses an export (or saves one).
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ def main() -> None:
     ap.add_argument("--onnx", default="", help="an exported model to reuse (saved there if absent)")
     ap.add_argument("--hlo", default="", help="write the compiled HLO text here")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--fastest", action="store_true", help="each kernel's fastest run")
+    ap.add_argument("--convs", type=int, default=15, help="oneDNN convolution calls listed")
     args = ap.parse_args()
     import jax
     import popart.testing
@@ -70,7 +75,7 @@ def main() -> None:
     hlo = popart.testing.compiled(runner.session).as_text()
     if args.hlo:
         Path(args.hlo).write_text(hlo)
-    profile_step.report(prof, args.steps, hlo, top=25)
+    profile_step.report(prof, args.steps, hlo, top=25, fastest=args.fastest, convs=args.convs)
 
 
 if __name__ == "__main__":
