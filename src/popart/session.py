@@ -756,8 +756,7 @@ def _forward_only(train: StepProgram, graph: Any, input_infos: Mapping[str, Tens
     cfg = dataclasses.replace(train.cfg, training=False, loss=None, optimizer=None,
                               als=None, anchors=anchors)
     program = StepProgram(graph, cfg, input_infos, device, stash_anchors=train.placed is not None)
-    program.plan()
-    program.share_state_layout(train)   # it runs on the training program's weights
+    program.plan(like=train)   # it runs on the training program's weights
     return program
 
 

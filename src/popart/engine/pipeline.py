@@ -26,7 +26,9 @@ from .placed import (IPU_AXIS, Executor, ExecutorPlan, IpuSlots, StagePlan, Unpl
                      placed_mesh, placed_or_none, plan_stages, this_ipu)
 from .state import Home
 from . import als as _als
-from .program import GRAD_PREFIX, StepConfig, StepProgram, _scan, unstash
+from .program import StepConfig, StepProgram
+from .step import Schedule, StepParts, infer_step, scan, train_step
+from .step_plan import GRAD_PREFIX, unstash
 
 EXECUTION_PHASE = "__execution_phase"
 ASSIGN = "__assign__"  # a stage's new value of a variable an op writes, passed like an anchor
@@ -157,19 +159,17 @@ class PlacedPlan(ExecutorPlan):
         with sharded accumulators."""
         return (self.rts_slots | self.update_slots | self.tick_slots) & set(self.weight_layout.blocks)
 
-    def place_forward(self, program: StepProgram) -> "PlacedPlan":
-        """The placed plan of ``program``, the forward-only program of this plan's training
-        program (planned), on its weights' slots (sharded or off chip too)."""
+    def place_forward(self, parts: StepParts, device: Any) -> "PlacedPlan":
+        """The placed plan of ``parts``, the forward-only program of this plan's training
+        program, on its weights' slots (sharded or off chip too)."""
         try:
-            plan = plan_placed(program)
+            plan = plan_placed(parts, device)
         except Unplaceable:
             plan = None
         if plan is None:
             raise IrError("The forward-only program cannot run placed on the IPUs' devices as "
                           "the training program does: they cannot share the weights")
-        program.uses_rng = True   # keys per micro-batch and replica, folded per stage
-        plan.weight_layout = self.weight_layout
-        return plan
+        return dataclasses.replace(plan, weight_layout=self.weight_layout)
 
     # -------------------------------------------------------------- state layout
     def _layout(self, names: Any) -> IpuSlots:
@@ -228,35 +228,36 @@ class PlacedPlan(ExecutorPlan):
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
         return jax.device_put(dict(feeds), self.executor.sharding(None, None, REPLICA_AXIS))
 
-    def compiled_step(self, program: StepProgram) -> CompiledStep:
-        """``program``'s step (:func:`placed_step`), jitted with this plan's shardings."""
+    def compiled_step(self, parts: StepParts) -> CompiledStep:
+        """The step of ``parts`` (:func:`placed_step`), jitted with this plan's shardings."""
         w, s = self.state_sharding(self.weight_layout), self.state_sharding(self.state_layout)
         rep, feeds = self.executor.sharding(), self.executor.sharding(None, None, REPLICA_AXIS)
-        return CompiledStep(placed_step(self, program), donate_argnums=(0, 1, 2),
+        return CompiledStep(placed_step(self, parts), donate_argnums=(0, 1, 2),
                             in_shardings=(w, s, rep, feeds, rep), out_shardings=(w, s, rep, rep))
 
 
 # ---------------------------------------------------------------------------- planning
-def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
-    """``program`` (planned) cut into stages on the mesh, with its state laid out; None when
-    its ops are all on one IPU; Unplaceable for what the placed program does not do."""
-    sizes = {k: int(np.prod(s.shape)) for k, s in program.tensor_specs.items()}
-    cfg = program.cfg
+def plan_placed(parts: StepParts, device: Any) -> Optional[PlacedPlan]:
+    """The planned step ``parts`` cut into stages on the mesh of ``device``, with its state
+    laid out; None when its ops are all on one IPU; Unplaceable for what the placed program
+    does not do."""
+    plan, cfg = parts.plan, parts.cfg
+    sizes = {k: int(np.prod(s.shape)) for k, s in plan.tensor_specs.items()}
     R = cfg.replication_factor
-    n = ipus_per_replica(program.device_info, R)
-    if cfg.config.pipelining and program.accum_anchors():
+    n = ipus_per_replica(device, R)
+    if cfg.config.pipelining and plan.accum:
         raise Unplaceable("anchoring a gradient accumulator (Accum___) of a pipelined model")
-    stages = popart_stages(program.graph_consts, program.variables, cfg.config, n, sizes)
+    stages = popart_stages(parts.graph, parts.variables, cfg.config, n, sizes)
     ipus = max(stages.stage_ipu) + 1
     if stages.num_stages < 2 or ipus < 2:
         return None
-    mesh = placed_mesh(program.device_info.jax_devices, R, ipus)
-    layouts = _plan_layouts(program, stages, ipus)
+    mesh = placed_mesh(device.jax_devices, R, ipus)
+    layouts = _plan_layouts(parts, stages, ipus)
     executor = Executor(stages, mesh)
-    plan = PlacedPlan(executor=executor, variables=frozenset(program.variables), rts=program.rts,
-                      accumulation=cfg.accumulation_factor, has_checks=bool(program.run_checks),
+    plan = PlacedPlan(executor=executor, variables=frozenset(parts.variables), rts=plan.rts,
+                      accumulation=cfg.accumulation_factor, has_checks=bool(plan.run_checks),
                       **layouts)
-    per_ipu_weights = [[w for w in program.variables if stages.ipu_of(w) == i] for i in range(ipus)]
+    per_ipu_weights = [[w for w in parts.variables if stages.ipu_of(w) == i] for i in range(ipus)]
     _logger.info(f"Virtual graphs: {stages.num_stages} stage(s) on {ipus} device(s) "
                  f"({'pipelined' if stages.pipelined else 'sharded'}); weights per IPU "
                  f"{[len(w) for w in per_ipu_weights]}; slots sharded over the "
@@ -265,22 +266,22 @@ def plan_placed(program: StepProgram) -> Optional[PlacedPlan]:
     return plan
 
 
-def _plan_layouts(program: StepProgram, stages: StagePlan, ipus: int) -> dict:
+def _plan_layouts(parts: StepParts, stages: StagePlan, ipus: int) -> dict:
     """The slots of the weights and of the optimizer state (each state tensor beside its
     weight's slot; each tensor's home: the program's ``rts.homes`` on its stage's IPU, the
     state on its weight's), and how the optimizer updates them (``PlacedPlan``'s fields)."""
-    cfg, trainable, variables = program.cfg, program.trainable, program.variables
+    cfg, trainable, variables = parts.cfg, parts.plan.trainable, parts.variables
     owner = {k: w for w in trainable
              for k in (cfg.optimizer.init_state(w, variables[w]) if cfg.training else {})}
-    rts = program.rts   # weights stored or updated on replica shards in slots of their own
+    rts = parts.plan.rts   # weights stored or updated on replica shards in slots of their own
     homes = {t: dataclasses.replace(rts.homes.get(t, Home()), ipu=stages.ipu_of(owner.get(t, t)))
              for t in [*variables, *owner]}
     tags = {w: ("" if w in trainable else "f") +
             ("s" if w in rts.stored | rts.sharded_update else "") for w in variables}
     R = cfg.replication_factor
     weight_layout = IpuSlots("weights", variables, homes, ipus, tags, R)
-    row_weights = _row_weights(program, weight_layout)
-    state = program.init_opt_state()
+    row_weights = _row_weights(parts, weight_layout)
+    state = parts.plan.opt_state
     state_layout = IpuSlots("state", {}, homes, ipus, replicas=R)
     beside = {weight_layout.slots[w][1]: set() for w in trainable}
     for k, w in owner.items():
@@ -305,15 +306,15 @@ def _plan_layouts(program: StepProgram, stages: StagePlan, ipus: int) -> dict:
                                        if ({w} | ss) & rts_slots for k in {w} | ss))
 
 
-def _row_weights(program: StepProgram, weight_layout: IpuSlots) -> dict[str, str]:
+def _row_weights(parts: StepParts, weight_layout: IpuSlots) -> dict[str, str]:
     """Elementwise updates of whole blocks (or their shards): per weight slot, a weight
     whose optimizer values every weight of the slot shares (empty when the update needs
     each weight apart: Lamb's norms, per-weight values)."""
-    opt = program.cfg.optimizer   # clipping runs before, over all blocks (_BlockNorms)
-    if not program.cfg.training or not opt.elementwise_rule:
+    opt = parts.cfg.optimizer   # clipping runs before, over all blocks (_BlockNorms)
+    if not parts.cfg.training or not opt.elementwise_rule:
         return {}
     reps: dict[str, str] = {}
-    for w in program.trainable:
+    for w in parts.plan.trainable:
         key = weight_layout.slots[w][1]
         r = reps.setdefault(key, w)
         if any(opt.hyper_value(w, n) != opt.hyper_value(r, n) for n in opt.hyper_names()):
@@ -322,19 +323,19 @@ def _row_weights(program: StepProgram, weight_layout: IpuSlots) -> dict[str, str
 
 
 # ---------------------------------------------------------------------------- the step
-def _stage_fn(pp: PlacedPlan, prog: StepProgram, s: int):
+def _stage_fn(pp: PlacedPlan, prog: StepParts, s: int):
     """Stage s on one micro-batch: (weights, feeds, received tensors, key) -> (the
     tensors it sends on, its anchor values, its loss or 0)."""
     st, cfg = pp.stages, prog.cfg
     sub = Graph(name=f"{prog.graph.name}/stage{s}", nodes=st.nodes[s],
-                initializers=prog.constants, tensor_info=prog.graph.tensor_info,
+                initializers=prog.graph.initializers, tensor_info=prog.graph.tensor_info,
                 opsets=prog.graph.opsets, constants=prog.graph.constants)
     sends = st.boundary[s] if s < st.num_stages - 1 else []
-    anchors = [a for a in _fwd_anchor_ids(prog) if _anchor_stage(pp, a) == s]
+    anchors = [a for a in prog.plan.fwd_anchor_ids if _anchor_stage(pp, a) == s]
     check = f"{CHECKS}/{s}"   # the stage's run-time checks: a record, like an anchor
     if pp.has_checks:
         anchors.append(check)
-    assigns = [f"{ASSIGN}/{v}" for v in prog.assigned
+    assigns = [f"{ASSIGN}/{v}" for v in prog.plan.assigned
                if v in prog.variables and st.produced_at.get(v) == s] \
         if cfg.training else []
     anchors += assigns
@@ -342,7 +343,7 @@ def _stage_fn(pp: PlacedPlan, prog: StepProgram, s: int):
 
     def run(weights, feeds, received, key, hyper):
         probes = {k[len(PROBE) + 1:]: v for k, v in feeds.items() if k.startswith(PROBE + "/")}
-        taps = {k[len(TAP) + 1:]: functools.partial(prog.als.tap, stat=v)
+        taps = {k[len(TAP) + 1:]: functools.partial(prog.plan.als.tap, stat=v)
                 for k, v in feeds.items() if k.startswith(TAP + "/")}
         feeds = {k: v for k, v in feeds.items() if not k.startswith((PROBE + "/", TAP + "/"))}
         t = prog.trace_graph(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
@@ -358,9 +359,7 @@ def _stage_fn(pp: PlacedPlan, prog: StepProgram, s: int):
             anc[check] = _zeros(prog, [check])[check] if flags is None else flags
         loss = jnp.zeros((), jnp.float32)
         if has_loss:
-            loss = t.scalable_loss(cfg.loss)
-            scaled = loss * jnp.asarray(prog.hyper_value(hyper, "lossScaling"), loss.dtype)
-            loss = scaled.astype(jnp.float32).reshape(())   # a loss of shape [1] too
+            loss = prog.scaled_loss(t, hyper).astype(jnp.float32)
         return out, anc, loss
     return run, sends, anchors
 
@@ -378,18 +377,9 @@ def _anchor_stage(pp: PlacedPlan, a: str) -> int:
     return next((s for s in range(st.num_stages) for nd in st.nodes[s] if a in reads(nd)), 0)
 
 
-def _probes(prog: StepProgram) -> list[str]:
+def _probes(prog: StepParts) -> list[str]:
     """The tensors (not weights) whose gradients are anchored."""
-    return [a[len(GRAD_PREFIX):] for a in prog.anchor_ids if a.startswith(GRAD_PREFIX)
-            and a[len(GRAD_PREFIX):] not in prog.variables
-            and a not in prog.als_anchors] if prog.cfg.training else []
-
-
-def _tracked(prog: StepProgram) -> list[str]:
-    """The tensors whose gradients automatic loss scaling tracks: each is tapped
-    (``als.AlsPlan.tap``) in the stage that computes (or owns) it, where its cotangent is
-    its total gradient."""
-    return list(prog.als.tracked) if prog.als is not None else []
+    return [g for g in prog.plan.grad_ids if g not in prog.variables] if prog.cfg.training else []
 
 
 def _probe_stages(pp: PlacedPlan, x: str) -> list[int]:
@@ -401,36 +391,31 @@ def _probe_stages(pp: PlacedPlan, x: str) -> list[int]:
     return [s for s in range(st.num_stages) if any(x in reads(nd) for nd in st.nodes[s])]
 
 
-def _fwd_anchor_ids(prog: StepProgram) -> list[str]:
-    opt = set(prog.opt_state_ids()) | prog.als_anchors | prog.host_anchors   # host: session
-    if prog.cfg.training:   # after the update / the accumulator: the batch's step writes
-        opt |= set(prog.updated_var_anchors()) | set(prog.accum_anchors())
-    return [a for a in prog.anchor_ids if not a.startswith(GRAD_PREFIX) and a not in opt]
-
-
-def _zeros(prog: StepProgram, ids) -> dict:
+def _zeros(prog: StepParts, ids) -> dict:
     def spec(k: str) -> Any:
         if k.startswith(CHECKS + "/"):
             return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
         if k.startswith(ASSIGN + "/"):
             return arg_specs(prog.variables[k.split("/", 1)[1]])
-        return prog.tensor_specs[unstash(k)]
+        return prog.plan.tensor_specs[unstash(k)]
     return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
 
-def _pipeline(pp: PlacedPlan, prog: StepProgram, wlayout: IpuSlots):
+def _pipeline(pp: PlacedPlan, prog: StepParts, wlayout: IpuSlots):
     """(weight blocks of this device, feeds [M, 1, ...], keys [M, 1], hyper) -> (loss sum,
     anchors {id: [1, 1, T, ...]}) for M micro-batches of one replica through the stages,
     inside shard_map. Sharded weights are all-gathered once, those with sharded
     accumulators in every tick (the backward pass reduce-scatters each tick's gradient
-    into their shards)."""
+    into their shards). The tensors whose gradients automatic loss scaling tracks are
+    tapped (``als.AlsPlan.tap``) in the stage that computes (or owns) them, where the
+    cotangent is the total gradient."""
     st = pp.stages
     S = st.num_stages
     stage_fns = [_stage_fn(pp, prog, s) for s in range(S)]
     feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in prog.input_infos} |
                           {a for a in stage_fns[s][2] if a in prog.input_infos} |
                           {f"{PROBE}/{x}" for x in _probes(prog) if s in _probe_stages(pp, x)} |
-                          {f"{TAP}/{x}" for x in _tracked(prog) if st.produced_at[x] == s})
+                          {f"{TAP}/{x}" for x in prog.plan.tracked if st.produced_at[x] == s})
                 for s in range(S)}
 
     def body(blocks, feeds, keys, hyper):   # feeds [M, 1, ...], keys [M, 1]: one replica's
@@ -456,7 +441,7 @@ def _pipeline(pp: PlacedPlan, prog: StepProgram, wlayout: IpuSlots):
     return body
 
 
-def _micro_groups(pp: PlacedPlan, prog: StepProgram) -> tuple[int, int]:
+def _micro_groups(pp: PlacedPlan, prog: StepParts) -> tuple[int, int]:
     """(groups, micro-batches per group): pipelining sends a batch's A micro-batches
     (inference: all the step's) through the pipeline together, sharding one at a time."""
     n = prog.cfg.accumulation_factor
@@ -465,24 +450,96 @@ def _micro_groups(pp: PlacedPlan, prog: StepProgram) -> tuple[int, int]:
     return (1, n) if pp.stages.pipelined else (n, 1)
 
 
-def placed_step(pp: PlacedPlan, prog: StepProgram):
-    """``prog``'s step run by ``pp``'s executor: ``(weights, opt_state, key, feeds, hyper) ->
-    (weights, opt_state, key, anchors)``, the state in ``pp``'s slots (docs/model_parallelism.md)."""
-    cfg, st = prog.cfg, pp.stages
-    A, B, R = cfg.accumulation_factor, cfg.batches_per_step, cfg.replication_factor
-    G, M = _micro_groups(pp, prog)
-    anchor_stage = {a: _anchor_stage(pp, a) for a in _fwd_anchor_ids(prog) +
+class PipelineSchedule(Schedule):
+    """The placed schedule for ``step.train_step``: each group of micro-batches through
+    PopART's pipeline ticks over the IPUs' devices (``Executor.pipeline``), the state in
+    the plan's slots (``IpuSlots``: the weights' and the optimizer state's blocks; ALS's
+    state, which no IPU owns, replicated beside them); the accumulation sums (the mean
+    reduction divides once)."""
+    running = False
+
+    def __init__(self, pp: PlacedPlan, parts: StepParts) -> None:
+        self.pp, self.parts = pp, parts
+        self.G, self.M = _micro_groups(pp, parts)
+        self.wlayout, self.slayout = pp.weight_layout, pp.state_layout
+        self.run_group = _group_runner(pp, parts)
+        self.grad_anchors = [a for a in parts.plan.anchor_ids if a.startswith(GRAD_PREFIX)
+                             and a[len(GRAD_PREFIX):] in parts.variables]
+
+    def split_state(self, sbufs):
+        glob = {t: sbufs[k] for t, k in self.slayout.globals.items()}
+        return glob, {k: v for k, v in sbufs.items() if k not in self.slayout.global_specs}
+
+    def join_state(self, local, glob):
+        return {**local, **{self.slayout.globals[t]: v for t, v in glob.items()}}
+
+    def micro_batches(self, wbufs, bfeeds, bkey, h):
+        pp, parts, wlayout, G, M = self.pp, self.parts, self.wlayout, self.G, self.M
+        plan, R = parts.plan, parts.cfg.replication_factor
+        bfeeds = {k: v.reshape((G, M) + v.shape[1:]) for k, v in bfeeds.items()}
+        keys = parts.split_key(bkey, parts.cfg.accumulation_factor * R).reshape((G, M, R))
+
+        def group(gacc, x):
+            probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + plan.tensor_specs[p].shape,
+                                                plan.tensor_specs[p].dtype)
+                      for p in _probes(parts)}   # gradients of activations: per micro-batch
+            probes.update({f"{TAP}/{t}": jnp.zeros((M, R) + _als.STAT_SHAPE, jnp.float32)
+                           for t in plan.tracked})   # ALS: histograms per micro-batch
+            (_, anchors), (grads, pgrads) = jax.value_and_grad(
+                lambda w, pr: self.run_group(w, wlayout, {**x[0], **pr}, x[1], h),
+                argnums=(0, 1), has_aux=True)(wview, probes)
+            anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()
+                            if k.startswith(PROBE + "/")})
+            if plan.tracked:   # [M, R, tracked, *STAT_SHAPE]
+                anchors[_als.STATS] = jnp.stack([pgrads[f"{TAP}/{t}"] for t in plan.tracked],
+                                                axis=2)
+            gacc = parts.accumulate(gacc, None, grads, running=False)
+            if plan.accum:   # one micro-batch per group (pipelined: the plain program)
+                anchors.update(parts.accum_values(
+                    wlayout.read(wlayout.whole_blocks(gacc, pp.view_slots)), (M, R)))
+            return gacc, anchors
+        # the stages' weights: shards where view_slots says; their gradients, and so the
+        # accumulators, are shards too
+        wview = wlayout.shard_blocks(wbufs, pp.view_slots - pp.rts_slots)
+        gbufs, anchors = scan(group, jax.tree_util.tree_map(jnp.zeros_like, wview), (bfeeds, keys))
+        vals = _per_micro(anchors)
+        # variables ops write: the last micro-batch's value, averaged over the replicas
+        written = {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
+                   for a in list(vals) if a.startswith(ASSIGN + "/")}
+        return gbufs, vals, written
+
+    def batch_anchors(self, vals, gbufs):
+        """Gradient___<w>: the accumulated gradient, as the plain program gives it."""
+        if self.grad_anchors:
+            A, R = self.parts.cfg.accumulation_factor, self.parts.cfg.replication_factor
+            grads = self.wlayout.read(self.wlayout.whole_blocks(gbufs, self.pp.view_slots))
+            for a in self.grad_anchors:
+                vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
+                                           (A, R) + self.parts.plan.anchor_specs[a].shape)
+
+    def update(self, wbufs, sbufs, gbufs, written, h):
+        wlayout = self.wlayout
+        trained = {wlayout.slots[k][1] for k in self.parts.plan.trainable}
+        wbufs, sbufs = _update(self.pp, self.parts, wbufs, {k: gbufs[k] for k in trained},
+                               sbufs, h)
+        slots = frozenset(wlayout.slots[v][1] for v in written) & wlayout.sharded
+        wbufs = wlayout.shard_blocks(wlayout.write(wlayout.whole_blocks(
+            wbufs, slots), written), slots)
+        return wbufs, sbufs
+
+    def whole(self, wbufs, sbufs, weight_ids, state_ids):
+        return (self.wlayout.unpack(wbufs) if weight_ids else {}), self.slayout.unpack(sbufs)
+
+
+def _group_runner(pp: PlacedPlan, prog: StepParts):
+    """(weight blocks, their layout, feeds [M, R, ...], keys [M, R], hyper) -> (loss sum,
+    anchors {id: [M, R, ...]}): M micro-batches of every replica through the stages."""
+    st, M = pp.stages, _micro_groups(pp, prog)[1]
+    anchor_stage = {a: _anchor_stage(pp, a) for a in prog.plan.fwd_anchor_ids +
                     [f"{CHECKS}/{s}" for s in range(st.num_stages)] +
-                    [f"{ASSIGN}/{v}" for v in prog.assigned if v in prog.variables]}
-    trainable = prog.trainable
-    anchor_opt = [a for a in prog.anchor_ids if a in prog.opt_state_ids()]
-    updated_var, accum = prog.updated_var_anchors(), prog.accum_anchors()
-    grad_anchors = [a for a in prog.anchor_ids if a.startswith(GRAD_PREFIX)
-                    and a[len(GRAD_PREFIX):] in prog.variables]
+                    [f"{ASSIGN}/{v}" for v in prog.plan.assigned if v in prog.variables]}
 
     def run_group(wbufs, wlayout, feeds, keys, hyper):
-        """M micro-batches of every replica (feeds [M, R, ...]): (loss sum, anchors
-        {id: [M, R, ...]})."""
         wspec = {k: pp.slot_spec(k, pp.view_slots) for k in wbufs}
         body = pp.executor.run(_pipeline(pp, prog, wlayout),
                                (wspec, P(None, REPLICA_AXIS), P(None, REPLICA_AXIS), P()),
@@ -495,130 +552,70 @@ def placed_step(pp: PlacedPlan, prog: StepProgram):
         if checks:   # every stage's records of each micro-batch: [M, R, stages, RECORD]
             out[CHECKS] = jnp.stack(checks, axis=2)
         return jnp.sum(losses), out
+    return run_group
 
-    def update(wlayout, slayout, wbufs, gbufs, sbufs, hyper):
-        """The optimizer on each device's own weights and state: on this replica's shards
-        for the slots in ``update_slots`` (gradients reduce-scattered, the rest sliced),
-        else on whole blocks (sharded accumulators all-gathered)."""
-        ipus, on, views = pp.ipus, pp.update_slots, pp.view_slots
 
-        def per_weight(rule, w, g, s):   # the optimizer's rule on this device's blocks
-            w, s = ({k: pp.rts.shards(v.shape).local(v) if k in on - pp.rts_slots else v
-                     for k, v in x.items()} for x in (w, s))
-            g = pp.gather(g, views - on)
-            if pp.row_weights:
-                return _row_update(pp, prog, rule, w, g, s)
+def _update(pp: PlacedPlan, prog: StepParts, wbufs, gbufs, sbufs, hyper):
+    """The optimizer on each device's own weights and state: on this replica's shards for
+    the slots in ``update_slots`` (gradients reduce-scattered, the rest sliced), else on
+    whole blocks (sharded accumulators all-gathered)."""
+    ipus, on, views = pp.ipus, pp.update_slots, pp.view_slots
+    wlayout, slayout, trainable = pp.weight_layout, pp.state_layout, prog.plan.trainable
 
-            def branch(d):
-                def f(w, g, s):
-                    mine = [k for k in trainable if wlayout.slots[k][0] == d]
-                    ws, gs = wlayout.read(w, d, on), wlayout.read(g, d, on)
-                    ss, new_w, new_s = slayout.read(s, d, on), {}, {}
-                    for sharded in (False, True):
-                        ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
-                        if ids:
-                            nw, ns = rule({k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss,
-                                          _sum_squares(sharded))
-                            new_w.update(nw)
-                            new_s.update(ns)
-                    return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
-                return f
-            return per_ipu([branch(d) for d in range(ipus)], w, g, s)
+    def per_weight(rule, w, g, s):   # the optimizer's rule on this device's blocks
+        w, s = ({k: pp.rts.shards(v.shape).local(v) if k in on - pp.rts_slots else v
+                 for k, v in x.items()} for x in (w, s))
+        g = pp.gather(g, views - on)
+        if pp.row_weights:
+            return _row_update(pp, prog, rule, w, g, s)
 
-        def body(w, g, s, h):
-            w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own blocks
-            w, s = cfg.optimizer.apply(w, g, s, h, _BlockNorms(pp.weight_layout, ipus, views),
-                                       per_weight, list(trainable))
-            w, s = (pp.gather(x, on - pp.rts_slots) for x in (w, s))
-            return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
-        wspec, sspec = ({k: pp.slot_spec(k) for k in x} for x in (wbufs, sbufs))
-        gspec = {k: pp.slot_spec(k, views) for k in gbufs}
-        return pp.executor.run(body, (wspec, gspec, sspec, P()), (wspec, sspec))(
-            wbufs, gbufs, sbufs, hyper)
+        def branch(d):
+            def f(w, g, s):
+                mine = [k for k in trainable if wlayout.slots[k][0] == d]
+                ws, gs = wlayout.read(w, d, on), wlayout.read(g, d, on)
+                ss, new_w, new_s = slayout.read(s, d, on), {}, {}
+                for sharded in (False, True):
+                    ids = [k for k in mine if (wlayout.slots[k][1] in on) == sharded]
+                    if ids:
+                        nw, ns = rule({k: ws[k] for k in ids}, {k: gs[k] for k in ids}, ss,
+                                      _sum_squares(sharded))
+                        new_w.update(nw)
+                        new_s.update(ns)
+                return wlayout.repack(w, d, new_w, on), slayout.repack(s, d, new_s, on)
+            return f
+        return per_ipu([branch(d) for d in range(ipus)], w, g, s)
 
-    def step(weights, opt_state, key_data, feeds, hyper):
-        wlayout, slayout = pp.weight_layout, pp.state_layout
-        key = jax.random.wrap_key_data(key_data)
+    def body(w, g, s, h):
+        w, g, s = ({k: v[0] for k, v in x.items()} for x in (w, g, s))   # own blocks
+        w, s = prog.cfg.optimizer.apply(w, g, s, h, _BlockNorms(pp.weight_layout, ipus, views),
+                                        per_weight, list(trainable))
+        w, s = (pp.gather(x, on - pp.rts_slots) for x in (w, s))
+        return {k: v[None] for k, v in w.items()}, {k: v[None] for k, v in s.items()}
+    wspec, sspec = ({k: pp.slot_spec(k) for k in x} for x in (wbufs, sbufs))
+    gspec = {k: pp.slot_spec(k, views) for k in gbufs}
+    return pp.executor.run(body, (wspec, gspec, sspec, P()), (wspec, sspec))(
+        wbufs, gbufs, sbufs, hyper)
 
-        def batch(carry, xs):
-            wbufs, sbufs = carry
-            bfeeds, bkey = xs                                   # bfeeds: [A, R, ...]
-            bfeeds = {k: v.reshape((G, M) + v.shape[1:]) for k, v in bfeeds.items()}
-            keys = prog.split_key(bkey, A * R).reshape((G, M, R))
-            # the state no IPU owns (ALS): replicated, updated outside the IPUs' update
-            glob = {t: sbufs[k] for t, k in slayout.globals.items()}
-            sbufs = {k: v for k, v in sbufs.items() if k not in slayout.global_specs}
-            h = hyper
-            if prog.als is not None:   # this batch's counter and finalLossScale
-                glob, h, final, static = prog.als.begin(glob, hyper)
 
-            def group(gacc, x):
-                probes = {f"{PROBE}/{p}": jnp.zeros((M, R) + prog.tensor_specs[p].shape,
-                                                    prog.tensor_specs[p].dtype)
-                          for p in _probes(prog)}   # gradients of activations: per micro-batch
-                probes.update({f"{TAP}/{t}": jnp.zeros((M, R) + _als.STAT_SHAPE, jnp.float32)
-                               for t in _tracked(prog)})   # ALS: histograms per micro-batch
-                (_, anchors), (grads, pgrads) = jax.value_and_grad(
-                    lambda w, pr: run_group(w, wlayout, {**x[0], **pr}, x[1], h),
-                    argnums=(0, 1), has_aux=True)(wview, probes)
-                anchors.update({GRAD_PREFIX + k[len(PROBE) + 1:]: v for k, v in pgrads.items()
-                                if k.startswith(PROBE + "/")})
-                if _tracked(prog):   # [M, R, tracked, *STAT_SHAPE]
-                    anchors[_als.STATS] = jnp.stack(
-                        [pgrads[f"{TAP}/{t}"] for t in _tracked(prog)], axis=2)
-                gacc = jax.tree_util.tree_map(jnp.add, gacc, grads)
-                if accum:   # one micro-batch per group (pipelined: the plain program)
-                    acc = wlayout.read(wlayout.whole_blocks(gacc, pp.view_slots))
-                    anchors.update({a: jnp.broadcast_to(
-                        acc[w].astype(prog.anchor_specs[a].dtype)[None, None],
-                        (M, R) + prog.anchor_specs[a].shape) for a, w in accum.items()})
-                return gacc, anchors
-            # the stages' weights: shards where view_slots says; their gradients, and so
-            # the accumulators, are shards too
-            wview = wlayout.shard_blocks(wbufs, pp.view_slots - pp.rts_slots)
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, wview)
-            gbufs, anchors = _scan(group, zeros, (bfeeds, keys))
-            vals = _per_micro(anchors)
-            if cfg.mean_reduction:
-                gbufs = jax.tree_util.tree_map(lambda g: g / (A * R), gbufs)
-            if grad_anchors:   # the accumulated gradient, as the plain program gives
-                grads = wlayout.read(wlayout.whole_blocks(gbufs, pp.view_slots))
-                for a in grad_anchors:
-                    vals[a] = jnp.broadcast_to(grads[a[len(GRAD_PREFIX):]],
-                                               (A, R) + prog.anchor_specs[a].shape)
-            if prog.als is not None:   # the update uses the batch's finalLossScale
-                glob = _als_batch(prog, vals, glob, final, static, h[_als.UPDATE])
-            trained = {wlayout.slots[k][1] for k in trainable}
-            wbufs, sbufs = update(wlayout, slayout, wbufs, {k: gbufs[k] for k in trained},
-                                  sbufs, h)
-            sbufs = {**sbufs, **{slayout.globals[t]: v for t, v in glob.items()}}
-            # variables ops write: the last micro-batch's value, averaged over the replicas
-            written = {a.split("/", 1)[1]: jnp.mean(vals.pop(a)[-1], axis=0)
-                       for a in list(vals) if a.startswith(ASSIGN + "/")}
-            slots = frozenset(wlayout.slots[v][1] for v in written) & wlayout.sharded
-            wbufs = wlayout.shard_blocks(wlayout.write(wlayout.whole_blocks(
-                wbufs, slots), written), slots)
-            state = slayout.unpack(sbufs)
-            if updated_var:   # the weights after the batch's update
-                new = wlayout.unpack(wbufs)
-                for a, w in updated_var.items():
-                    vals[a] = jnp.broadcast_to(new[w], (A, R) + jnp.shape(new[w]))
-            for a in anchor_opt:
-                vals[a] = jnp.broadcast_to(state[a], (A, R) + jnp.shape(state[a]))
-            return (wbufs, sbufs), vals
+def placed_step(pp: PlacedPlan, parts: StepParts):
+    """The step of ``parts`` run by ``pp``'s executor: ``(weights, opt_state, key, feeds,
+    hyper) -> (weights, opt_state, key, anchors)``, the state in ``pp``'s slots
+    (docs/model_parallelism.md): ``step.train_step`` with the :class:`PipelineSchedule`,
+    or inference's micro-batches group by group."""
+    if parts.cfg.training:
+        return train_step(parts, PipelineSchedule(pp, parts))
+    cfg = parts.cfg
+    G, M = _micro_groups(pp, parts)
+    B, A, R = cfg.batches_per_step, cfg.accumulation_factor, cfg.replication_factor
+    run_group = _group_runner(pp, parts)
 
-        key, sub = prog.split_key(key, 2)
-        if not cfg.training:   # no updates: the step's B x A micro-batches in one go
-            flat = {k: v.reshape((G, M) + v.shape[2:]) for k, v in feeds.items()}
-            keys = prog.split_key(sub, B * A * R).reshape((G, M, R))
-            _, anchors = jax.lax.map(lambda x: run_group(weights, wlayout, x[0], x[1], hyper),
-                                     (flat, keys))
-            vals = {a: v.reshape((B, A) + v.shape[2:]) for a, v in anchors.items()}
-            return weights, opt_state, jax.random.key_data(key), prog.reduce_anchors(vals)
-        (weights, opt_state), vals = jax.lax.scan(
-            batch, (weights, opt_state), (feeds, prog.split_key(sub, B)))
-        return weights, opt_state, jax.random.key_data(key), prog.reduce_anchors(vals)
-    return step
+    def run(weights, feeds, key, hyper):   # no updates: the step's B x A micro-batches in one go
+        flat = {k: v.reshape((G, M) + v.shape[2:]) for k, v in feeds.items()}
+        keys = parts.split_key(key, B * A * R).reshape((G, M, R))
+        _, anchors = jax.lax.map(lambda x: run_group(weights, pp.weight_layout, x[0], x[1], hyper),
+                                 (flat, keys))
+        return {a: v.reshape((B, A) + v.shape[2:]) for a, v in anchors.items()}
+    return infer_step(parts, run)
 
 
 def _sum_squares(on_shards: bool):
@@ -629,7 +626,7 @@ def _sum_squares(on_shards: bool):
     return lambda x: jax.lax.psum(local_sum_squares(x), REPLICA_AXIS)
 
 
-def _row_update(pp: PlacedPlan, prog: StepProgram, rule: Any, w: dict, g: dict, s: dict
+def _row_update(pp: PlacedPlan, prog: StepParts, rule: Any, w: dict, g: dict, s: dict
                 ) -> tuple[dict, dict]:
     """The optimizer's per-weight ``rule`` on whole blocks (or their shards,
     ``update_slots``), in place: each weight slot updated as one weight (its
@@ -645,22 +642,6 @@ def _row_update(pp: PlacedPlan, prog: StepProgram, rule: Any, w: dict, g: dict, 
     return w, s
 
 
-def _als_batch(prog: StepProgram, vals: dict, glob: dict, final: Any, static: Any,
-               on: Any) -> dict:
-    """Automatic loss scaling after a batch's micro-batches, as the plain step does it:
-    the histograms [A, R, tracked, 2] of the taps (``vals``' ``als.STATS``, in
-    :meth:`als.AlsPlan.counts`' digits) accumulated
-    micro-batch by micro-batch, the ALS anchors added to ``vals``, and the global state
-    ``glob`` with the updated factor."""
-    R = prog.cfg.replication_factor
-    stats = prog.als.gate(prog.als.counts(vals.pop(_als.STATS)), on)
-    stats_acc, per_micro = _scan(lambda acc, st: prog.als_micro(st, acc),
-                                 jnp.zeros((R, 2), jnp.float32), stats)
-    vals.update(per_micro)
-    prog.als_batch_anchors(vals, stats_acc, final, static)
-    return prog.auto_loss_scale(stats_acc, glob, on)
-
-
 def _per_micro(anchors: dict) -> dict:
     """Anchors [G, M, R, ...] of a batch as [A, R, ...]."""
     return {a: v.reshape((-1,) + v.shape[2:]) for a, v in anchors.items()}
@@ -673,19 +654,18 @@ def ipus_per_replica(device: Any, replicas: int) -> int:
 def plan_program(graph: Graph, cfg: StepConfig, input_infos: Mapping[str, Any],
                  device: Any = None, traced: Optional[tuple] = None) -> StepProgram:
     """The session's step program, planned (from ``traced``, the step's abstract trace,
-    when the session made it: ``program.trace_step``), then placed (``StepProgram.placed``, a
+    when the session made it: ``program.trace_step``) and placed (``StepProgram.placed``, a
     :class:`PlacedPlan`) when its virtual graphs (or execution phases) span several IPUs and
     the placed program can run it (``placed.placed_or_none`` logs why not)."""
     mode = cfg.config.virtual_graph_mode
     spans = mode in ("Manual", "Auto", "ExecutionPhases") and ipus_per_replica(device, 1) > 1
+
+    def place(parts: StepParts) -> Optional[PlacedPlan]:
+        if mode == "Auto":   # placed or not, as PopART
+            auto_virtual_graphs(parts.graph, ipus_per_replica(device, cfg.replication_factor),
+                                {k: int(np.prod(s.shape)) for k, s in parts.plan.tensor_specs.items()})
+        return placed_or_none("Virtual graphs", lambda: plan_placed(parts, device))
+
     program = StepProgram(graph, cfg, input_infos, device, stash_anchors=spans)
-    program.plan(traced)
-    if not spans:
-        return program
-    if mode == "Auto":   # placed or not, as PopART
-        auto_virtual_graphs(program.graph_consts, ipus_per_replica(device, cfg.replication_factor),
-                            {k: int(np.prod(s.shape)) for k, s in program.tensor_specs.items()})
-    program.placed = placed_or_none("Virtual graphs", lambda: plan_placed(program))
-    if program.placed is not None:
-        program.uses_rng = True   # keys per micro-batch and replica, folded per stage
+    program.plan(traced, place=place if spans else None)
     return program
