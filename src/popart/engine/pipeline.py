@@ -228,8 +228,15 @@ class PlacedPlan(ExecutorPlan):
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
         return jax.device_put(dict(feeds), self.executor.sharding(None, None, REPLICA_AXIS))
 
-    def compiled_step(self, parts: StepParts) -> CompiledStep:
-        """The step of ``parts`` (:func:`placed_step`), jitted with this plan's shardings."""
+    by_id = False   # slots pack several tensors each (engine/packing.py)
+
+    def holds(self, part: Any, like: Mapping[str, Any]) -> bool:
+        """Another program's state is never in this plan's slots as it is."""
+        return False
+
+    def compiled_step(self, parts: StepParts, key_spec: Any = None) -> CompiledStep:
+        """The step of ``parts`` (:func:`placed_step`), jitted with this plan's shardings
+        (always with the key)."""
         w, s = self.state_sharding(self.weight_layout), self.state_sharding(self.state_layout)
         rep, feeds = self.executor.sharding(), self.executor.sharding(None, None, REPLICA_AXIS)
         return CompiledStep(placed_step(self, parts), donate_argnums=(0, 1, 2),

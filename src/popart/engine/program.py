@@ -31,8 +31,8 @@ from .config import EngineConfig
 from .compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, arg_specs, plan_trace
 from .executable import EngineCache, compile_step
 from .lower import CHECKS, raise_failed_checks, trace
-from .step import (RECOMPUTE_ONE, ScanSchedule, StepParts, infer_step, train_step,
-                   vectorised_inference)
+from .packing import GlobalArrays, Packing
+from .step import RECOMPUTE_ONE, StepParts
 from .step import reduce_anchor, vector_chunk  # noqa: F401  (the sessions' and tests' names)
 from .step_plan import (StepConfig, StepPlan, make_plan, optimizer_scalars,  # noqa: F401
                         split_variables)
@@ -42,7 +42,6 @@ from .step_plan import GRAD_PREFIX, missing_anchor  # noqa: F401  (session_check
 ALS_FACTOR = _als.FACTOR                 # lossScaleUpdateFactor (optimizer state, anchorable)
 ALS_COUNTER = _als.COUNTER               # the updatePeriod counter (state, updatePeriod > 1)
 ALS_FINAL = _als.FINAL                   # finalLossScale: the loss scale each batch runs with
-FEED_REPLICA_DIM = 2   # a step's inputs are [batches_per_step, accumulation, replicas, ...]
 
 
 def check_recompute_mixture(graph: Graph, config: EngineConfig) -> None:
@@ -137,6 +136,9 @@ class StepProgram:
         # its IPUs on devices of their own: a pipeline.PlacedPlan (plan()'s ``place`` makes
         # it), which then holds the state's layout and the schedule
         self.placed: Any = None
+        # the device state's packing (engine/packing.py): the placed plan's slots, or global
+        # arrays by tensor id (plan() chooses it with the placement)
+        self.packing: Optional[Packing] = None
         self.step: Optional[CompiledStep] = None   # compile() makes it
 
     # ------------------------------------------------------------------ the plan's facts
@@ -167,7 +169,7 @@ class StepProgram:
 
     @property
     def keyless(self) -> bool:
-        """The compiled step takes no key (see :meth:`_compiled_step`)."""
+        """The compiled step takes no key (``packing.GlobalArrays.compiled_step``)."""
         return not self.parts.keyed
 
     def plan(self, traced: Optional[tuple] = None,
@@ -197,6 +199,7 @@ class StepProgram:
         if placed is not None:   # keys per micro-batch and replica, folded per stage
             parts = dataclasses.replace(parts, keyed=True)
         self.facts, self.parts, self.placed = facts, parts, placed
+        self.packing = placed if placed is not None else GlobalArrays(self.placement, facts.rts)
 
     def scalar_values(self, optimizer: Any = None) -> dict[str, float]:
         """The optimizer's scalar tensors and their values (``optimizer_scalars``) for
@@ -228,48 +231,33 @@ class StepProgram:
         if flags is not None:
             raise_failed_checks(self.to_host(flags), self.run_checks)
 
-    def _step_fn(self):
-        """The unplaced step (``step.py``): a scan over the micro-batches, or inference's
-        vectorised chunks."""
-        if not self.cfg.training:
-            return infer_step(self.parts, vectorised_inference(self.parts, self.placement))
-        return train_step(self.parts, ScanSchedule(self.parts, self.placement))
 
-
-    # ------------------------------------------------------------------ placement, compile, run
+    # ------------------------------------------------------------------ state, compile, run
     def put(self, tree: Any) -> Any:
         """Place the RNG key or hyper-parameters on the replicas' device(s)."""
-        if self.placed is not None:
-            return self.placed.put(tree)
-        return self.placement.put(tree)
+        return self.packing.put(tree)
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
-        """Weights or optimizer state (host arrays by tensor id) in the step's device layout.
-        Here: one array per tensor on every replica's device, or its shards with replicated
-        tensor sharding (``engine/rts.py``); placed, in the slots of the placed plan (virtual
-        graphs: ``pipeline.PlacedPlan``)."""
-        if self.placed is not None:
-            return self.placed.put_state(named)
-        return self.rts.put(named)
+        """Weights or optimizer state (host arrays by tensor id) in the step's device layout
+        (:attr:`packing`)."""
+        return self.packing.put_state(named)
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
         """The inverse of :meth:`put_state`: whole host arrays by tensor id."""
-        if self.placed is not None:
-            return self.placed.state_to_host(state)
-        return self.rts.to_host(state)
+        return self.packing.state_to_host(state)
 
     def write_state(self, state: tuple, written: Mapping[str, np.ndarray]) -> tuple:
         """The device (weights, optimizer state) with the ``written`` host arrays (by tensor
         id) put in place of theirs: only those cross to the device, the rest stays there. A
-        placed program's slots pack several tensors each: a part with a written tensor goes
-        through the host."""
-        out = []
+        packing that is not by tensor id (placed slots pack several tensors each): a part
+        with a written tensor goes through the host."""
+        out, packing = [], self.packing
         for part, ids in zip(state, (self.variables, self.init_opt_state())):
             mine = {k: v for k, v in written.items() if k in ids}
-            if mine and self.placed is not None:
-                part = self.put_state({**self.state_to_host(part), **mine})
+            if mine and not packing.by_id:
+                part = packing.put_state({**packing.state_to_host(part), **mine})
             elif mine:
-                part = {**part, **self.put_state(mine)}
+                part = {**part, **packing.put_state(mine)}
             out.append(part)
         return tuple(out)
 
@@ -277,35 +265,18 @@ class StepProgram:
         """True when another program's device ``state`` (weights, optimizer state) is in this
         program's layout as it is (the same tensors, shapes, dtypes and shardings), so that a
         recompile keeps it on the device. Placed programs: never."""
-        if state is None or self.placed is not None:
-            return False
-        for part, like in zip(state, (self.variables, self.init_opt_state())):
-            specs, shardings = self.state_specs(like), self.state_shardings(like)
-            if set(part) != set(specs):
-                return False
-            for k, x in part.items():
-                where = shardings[k] if isinstance(shardings, dict) else shardings
-                if not (isinstance(x, jax.Array) and (x.shape, x.dtype) == (specs[k].shape, specs[k].dtype)
-                        and x.sharding.is_equivalent_to(where, x.ndim)):
-                    return False
-        return True
+        return state is not None and all(
+            self.packing.holds(part, like)
+            for part, like in zip(state, (self.variables, self.init_opt_state())))
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
         """The ShapeDtypeStruct tree of :meth:`put_state` for these host arrays."""
-        if self.placed is not None:
-            return self.placed.state_specs(named)
-        return self.rts.specs(named)
-
-    def state_shardings(self, names: Any) -> Any:
-        """The step's sharding of the weights or optimizer state with these ids."""
-        return self.rts.shardings(names)
+        return self.packing.state_specs(named)
 
     def put_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict:
         """Move a step's inputs to the device(s): one transfer per input. In a distributed
         job each process gives its local replicas' data ([B, A, R_local, ...])."""
-        if self.placed is not None:
-            return self.placed.put_feeds(feeds)
-        return self.placement.put(dict(feeds), FEED_REPLICA_DIM)
+        return self.packing.put_feeds(feeds)
 
     to_host = staticmethod(Placement.to_host)
 
@@ -317,29 +288,6 @@ class StepProgram:
     @property
     def compile_seconds(self) -> float:
         return 0.0 if self.step is None else self.step.compile_seconds
-
-    def _compiled_step(self, spec: Any) -> CompiledStep:
-        """The step, jitted: ``(weights, opt_state, key, feeds, hyper) -> (weights,
-        opt_state, key, anchors)``; for a graph that draws no random numbers (``uses_rng``)
-        the key stays outside (``keyless``: ``(weights, opt_state, feeds, hyper) ->
-        (weights, opt_state, anchors)``), one buffer fewer in and out of every run. Placed:
-        the placed plan's step (``pipeline.placed_step``), always with the key. ``spec``:
-        the key's ShapeDtypeStruct."""
-        if self.placed is not None:
-            return self.placed.compiled_step(self.parts)
-        state, feeds = self.placement.sharding(), self.placement.sharding(FEED_REPLICA_DIM)
-        w, s = self.state_shardings(self.variables), self.state_shardings(self.init_opt_state())
-        step = self._step_fn()
-        if not self.keyless:
-            return CompiledStep(step, donate_argnums=(0, 1, 2), in_shardings=(w, s, state, feeds, state),
-                                out_shardings=(w, s, state, state))
-
-        def keyless(weights, opt_state, feeds, hyper):   # any key: the graph never reads it
-            weights, opt_state, _, anchors = step(weights, opt_state, jnp.zeros(spec.shape, spec.dtype),
-                                                  feeds, hyper)
-            return weights, opt_state, anchors
-        return CompiledStep(keyless, donate_argnums=(0, 1), in_shardings=(w, s, feeds, state),
-                            out_shardings=(w, s, state))
 
     def _arg_specs(self, weights, opt_state, key, hyper) -> tuple:
         cfg = self.cfg
@@ -361,7 +309,7 @@ class StepProgram:
         """Ahead-of-time compile the step for these argument shapes, from a serialized
         executable (``exported``, see :meth:`export`), through the engine ``cache``, or from
         the IR; returns where the program came from (``executable.compile_step``)."""
-        step = self._compiled_step(arg_specs(key))
+        step = self.packing.compiled_step(self.parts, arg_specs(key))
         source = compile_step(step, self._arg_specs(weights, opt_state, key, hyper), cache, exported)
         self.step = step
         return source
