@@ -536,3 +536,174 @@ def test_the_loss_shape_error_comes_at_construction_from_the_one_trace(monkeypat
         popart.TrainingSession(b.getModelProto(), popart.DataFlow(1, [y]), y,
                                popart.ConstSGD(0.1), popart.DeviceManager().createCpuDevice())
     assert sum(any(y in n.outputs for n in g.nodes) for g in calls) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Stages (issue 35, items 1-3): a frozen StepPlan made once by StepProgram.plan, one step
+# builder (engine/step.py) for the unplaced and the placed schedules, one state packing.
+
+def _self_assignments(path: Path, cls: str) -> dict[str, set]:
+    """Per method of class ``cls`` in ``path``, the attributes of ``self`` it assigns."""
+    tree = ast.parse(path.read_text())
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    out: dict[str, set] = {}
+    for fn in [n for n in klass.body if isinstance(n, ast.FunctionDef)]:
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) \
+                            and e.value.id == "self":
+                        out.setdefault(fn.name, set()).add(e.attr)
+    return out
+
+
+def _program_attribute_writes(path: Path) -> list:
+    """``file:line`` of each assignment to an attribute of a step program held in a name
+    (``program.uses_rng = True``, ``prog.placed = ...``)."""
+    names = {"program", "prog", "train", "_program"}
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(e, ast.Attribute) and (
+                        (isinstance(e.value, ast.Name) and e.value.id in names) or
+                        (isinstance(e.value, ast.Attribute) and e.value.attr in names)):
+                    hits.append(f"{path.name}:{node.lineno}")
+    return hits
+
+
+def test_no_step_program_attribute_is_assigned_after_planning(tmp_path):
+    """StepProgram assigns its attributes in ``__init__`` and ``plan`` only (``compile``: the
+    compiled step, nothing else), and no module assigns a program's attribute from outside
+    (what changed after planning before, ``keyless``, ``uses_rng``, ``_key_spec``, ``placed``,
+    are facts of the plan, its parts or the packing)."""
+    engine = Path(popart.__file__).parent / "engine"
+    writes = _self_assignments(engine / "program.py", "StepProgram")
+    assert set(writes) == {"__init__", "plan", "compile"}, writes
+    assert writes["compile"] == {"step"}
+    assert writes["plan"] == {"facts", "parts", "placed", "packing"}
+    src = Path(popart.__file__).parent.parent
+    assert [hit for p in sorted(src.rglob("*.py")) for hit in _program_attribute_writes(p)] == []
+    probe = tmp_path / "probe.py"   # the scans find what they forbid
+    probe.write_text("class StepProgram:\n    def __init__(self):\n        self.a = 1\n"
+                     "    def run(self):\n        self.b, self.c = 1, 2\n"
+                     "def f(program, s):\n    program.uses_rng = True\n    s._program.placed = 1\n")
+    assert _self_assignments(probe, "StepProgram") == {"__init__": {"a"}, "run": {"b", "c"}}
+    assert _program_attribute_writes(probe) == ["probe.py:7", "probe.py:8"]
+
+
+def test_the_plan_is_frozen_and_a_run_changes_no_program_attribute():
+    """A training session's program, planned: its StepPlan cannot be assigned to, and
+    compiling and running the step leave every attribute of the program the same object
+    but the compiled step; the numbers are NumPy's SGD step on the model."""
+    import dataclasses
+
+    import pytest
+
+    proto, probs, loss = _one_layer(True)
+    s = popart.TrainingSession(proto, popart.DataFlow(1, {probs: popart.AnchorReturnType("All")}),
+                               loss, popart.ConstSGD(0.5), popart.DeviceManager().createCpuDevice())
+    s._plan()
+    program = s._program
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        program.facts.trainable = []
+    before = dict(vars(program))
+    s.prepareDevice()
+    s.weightsFromHost()
+    x, label = np.ones((2, 3), np.float32), np.array([0, 3], np.int32)
+    s.run(popart.PyStepIO({"x": x, "label": label}, s.initAnchorArrays()))
+    after = dict(vars(program))
+    assert set(after) == set(before)
+    assert [k for k in before if after[k] is not before[k]] == ["step"]
+    w = np.arange(12, dtype=np.float64).reshape(3, 4) / 10   # NumPy: one SGD step
+    e = np.exp(x @ w)
+    p = e / e.sum(1, keepdims=True)
+    onehot = np.eye(4)[label]
+    w_new = w - 0.5 * x.T @ ((p - onehot) / 2)
+    out = {"w": np.empty((3, 4), np.float32)}
+    s.weightsToHost()
+    s.readWeights(popart.PyWeightsIO(out))
+    np.testing.assert_allclose(out["w"], w_new, atol=1e-6)
+
+
+def test_placed_step_is_built_from_the_step_builder_without_the_program():
+    """engine/pipeline.py names StepProgram only where it makes one (``plan_program``): the
+    placed step, its schedule and stages read the plan through ``step.StepParts``; the
+    accumulation, its mean reduction and the update's anchors are defined once
+    (``step.StepParts``), the running mean's formula and the Mean division nowhere else in
+    the engine."""
+    engine = Path(popart.__file__).parent / "engine"
+    tree = ast.parse((engine / "pipeline.py").read_text())
+    users = {fn.name for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.ClassDef))
+             for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == "StepProgram"}
+    assert users <= {"plan_program"}, users
+    private = [f"pipeline.py:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and isinstance(n.value, ast.Name) and n.value.id in ("prog", "parts", "program")
+               and n.attr.startswith("_")]
+    assert private == []
+    for path in sorted(engine.glob("*.py")):
+        text = path.read_text()
+        if path.name != "step.py":
+            assert "running_mean" not in text or path.name in ("config.py", "step_plan.py"), path
+            assert "(count / n)" not in text and "/ (A * R)" not in text, path
+
+
+def test_both_schedules_build_from_the_same_parts(monkeypatch):
+    """Compiling an unplaced and a placed (pipelined, two IPUs) training step: each calls the
+    step builder's accumulation, mean reduction and anchor reduction; the two give the same
+    losses (the unplaced step's NumPy references: tests/test_training.py,
+    tests/test_model_parallel.py)."""
+    from popart.engine import step as _step
+
+    calls: dict = {}
+    for name in ("accumulate", "mean_reduce", "after_update", "reduce_anchors"):
+        real = getattr(_step.StepParts, name)
+
+        def counting(self, *a, _real=real, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(self, *a, **k)
+        monkeypatch.setattr(_step.StepParts, name, counting)
+
+    def train(placed: bool) -> np.ndarray:
+        b = popart.Builder()
+        x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]), "x")
+        lab = b.addInputTensor(popart.TensorInfo("INT32", [2]), "label")
+        rs = np.random.RandomState(0)
+        h = x
+        for i in range(2):
+            with b.virtualGraph(i), b.pipelineStage(i):
+                w = b.addInitializedInputTensor(rs.randn(3, 3).astype(np.float32), f"w{i}")
+                h = b.aiOnnx.matmul([h, w])
+        with b.virtualGraph(1), b.pipelineStage(1):
+            loss = b.aiGraphcore.nllloss([b.aiOnnx.softmax([h], axis=1), lab],
+                                         popart.ReductionType.Mean)
+        o = popart.SessionOptions()
+        o.enableGradientAccumulation, o.accumulationFactor = True, 2
+        if placed:
+            o.virtualGraphMode, o.enablePipelining = popart.VirtualGraphMode.Manual, True
+        dev = popart.DeviceManager().acquireAvailableDevice(2 if placed else 1)
+        s = popart.TrainingSession(b.getModelProto(), popart.DataFlow(2, {loss: popart.AnchorReturnType("All")}),
+                                   loss, popart.SGD({"defaultLearningRate": (0.1, False),
+                                                     "defaultMomentum": (0.9, False)}), dev,
+                                   userOptions=o)
+        s.prepareDevice()
+        assert (s._program.placed is not None) == placed
+        s.weightsFromHost()
+        anchors = s.initAnchorArrays()
+        feeds = {"x": np.random.RandomState(1).randn(2, 2, 2, 3).astype(np.float32),
+                 "label": np.array([0, 1, 2, 0, 1, 2, 0, 1], np.int32).reshape(2, 2, 2)}
+        s.run(popart.PyStepIO(feeds, anchors))
+        return anchors[loss]
+
+    plain = train(False)
+    assert {k: v > 0 for k, v in calls.items()} == dict.fromkeys(
+        ("accumulate", "mean_reduce", "reduce_anchors"), True)
+    calls.clear()
+    placed = train(True)
+    assert {k: v > 0 for k, v in calls.items()} == dict.fromkeys(
+        ("accumulate", "mean_reduce", "reduce_anchors"), True)
+    np.testing.assert_allclose(placed, plain, rtol=1e-5, atol=1e-6)
