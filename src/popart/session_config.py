@@ -71,6 +71,17 @@ def _location(loc: Any, where: str) -> Location:
     return Location(sharded=on, off_chip=getattr(loc.storage, "name", "") == "OffChip")
 
 
+# SessionOptions' tensor location settings of each kind, and PopART's names in the engine's
+# errors (engine/config.py LOCATION_NAMES)
+_LOCATION_OPTIONS = {WEIGHTS: "weightTensorLocationSettings",
+                     STATE: "optimizerStateTensorLocationSettings",
+                     ACCUM: "accumulatorTensorLocationSettings"}
+LOCATION_NAMES = {**{k: f"SessionOptions.{n}" for k, n in _LOCATION_OPTIONS.items()},
+                  "sharded": "replicatedTensorSharding On",
+                  "min_sharded": "minElementsForReplicatedTensorSharding",
+                  "replicas": "replicatedGraphCount"}
+
+
 def _rule(options: SessionOptions, name: str) -> LocationRule:
     tls = getattr(options, name)
     where = f"SessionOptions.{name}"
@@ -90,6 +101,6 @@ def _rule(options: SessionOptions, name: str) -> LocationRule:
 def locations(options: SessionOptions) -> Locations:
     """The three kinds' tensor location settings and the per-tensor overrides."""
     overrides = dict(options.tensorLocationSettingsOverride or {})
-    return Locations({k: _rule(options, k) for k in (WEIGHTS, STATE, ACCUM)}, {
+    return Locations({k: _rule(options, n) for k, n in _LOCATION_OPTIONS.items()}, {
         t: _location(loc, f"SessionOptions.tensorLocationSettingsOverride['{t}']")
-        for t, loc in overrides.items()})
+        for t, loc in overrides.items()}, names=LOCATION_NAMES)

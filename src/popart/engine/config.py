@@ -9,9 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-# The three kinds of tensor whose location the options set (PopART's option names).
-WEIGHTS, STATE, ACCUM = ("weightTensorLocationSettings", "optimizerStateTensorLocationSettings",
-                         "accumulatorTensorLocationSettings")
+# The three kinds of tensor whose location the options set.
+WEIGHTS, STATE, ACCUM = "weights", "optimizer state", "accumulators"
+# What the engine's errors call the location settings, unless a front-end names them
+# (``Locations.names``: popart gives PopART's option names).
+LOCATION_NAMES = {WEIGHTS: "the weights' location settings",
+                  STATE: "the optimizer state's location settings",
+                  ACCUM: "the accumulators' location settings",
+                  "sharded": "replica sharding on",
+                  "min_sharded": "the minimum elements for replica sharding",
+                  "replicas": "the number of replicas"}
 
 
 @dataclass(frozen=True)
@@ -56,10 +63,16 @@ class LocationRule:
 
 @dataclass(frozen=True)
 class Locations:
-    """The location rule of each kind (:data:`WEIGHTS`, :data:`STATE`, :data:`ACCUM`) and the
-    per-tensor overrides."""
+    """The location rule of each kind (:data:`WEIGHTS`, :data:`STATE`, :data:`ACCUM`), the
+    per-tensor overrides, and what the front-end calls the settings (for errors)."""
     rules: Mapping[str, LocationRule]
     overrides: Mapping[str, Location] = field(default_factory=dict)
+    names: Mapping[str, str] = field(default_factory=dict)   # the front-end's option names
+
+    def name(self, key: str) -> str:
+        """What errors call a kind's settings or a setting (:data:`LOCATION_NAMES`' keys):
+        the front-end's name, else the engine's."""
+        return self.names.get(key, LOCATION_NAMES[key])
 
 
 @dataclass(frozen=True)

@@ -236,7 +236,7 @@ def choose(locations: Optional[Locations], placement: Placement, variables: Mapp
         return StateSharding(placement, shapes=shapes, homes=homes(set()))
     if placement.replication_factor <= 1:
         _logger.warn(f"Unable to shard tensors {sorted(stored | accum)} due to lack of "
-                     f"replication (replicated tensor sharding needs replicatedGraphCount > 1)")
+                     f"replication (replicated tensor sharding needs {locations.name('replicas')} > 1)")
         return StateSharding(placement, shapes=shapes, homes=homes(set()))
     for s, w in owner.items():
         if w in stored and s not in stored:
@@ -244,8 +244,8 @@ def choose(locations: Optional[Locations], placement: Placement, variables: Mapp
                 f"Weight '{w}' is replica-sharded but its optimizer state '{s}' is not: the "
                 f"update modifies a sharded tensor, but not all required sharded inputs could "
                 f"be connected. Adjust the replicated tensor sharding settings: expected "
-                f"SessionOptions.{kind(s)} to shard '{s}' too (replicatedTensorSharding On, "
-                f"minElementsForReplicatedTensorSharding <= {int(np.prod(shapes[s]))}), got "
+                f"{locations.name(kind(s))} to shard '{s}' too ({locations.name('sharded')}, "
+                f"{locations.name('min_sharded')} <= {int(np.prod(shapes[s]))}), got "
                 f"{settings[kind(s)].text}")
     update = (stored & set(trainable)) | {owner[s] for s in stored if s in owner}
     _logger.info(f"Replicated tensor sharding over {placement.replication_factor} replicas: "
