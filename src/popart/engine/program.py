@@ -116,6 +116,11 @@ def trace_step(graph: Graph, input_infos: Mapping[str, TensorInfo], anchors: Any
     return shapes, out
 
 
+def _fact(name: str) -> property:
+    """A field of the program's plan (:class:`StepPlan`), read-only."""
+    return property(lambda self: getattr(self.facts, name), doc=f"The plan's ``{name}``.")
+
+
 class StepProgram:
     """Builds, compiles and runs the step of one session. Its facts are its plan's
     (:class:`StepPlan`, :meth:`plan`); nothing is assigned after :meth:`plan` but the
@@ -146,20 +151,20 @@ class StepProgram:
     def planned(self) -> bool:
         return self.facts is not None
 
-    trainable = property(lambda self: self.facts.trainable)
-    assigned = property(lambda self: self.facts.assigned)
-    anchor_ids = property(lambda self: self.facts.anchor_ids)
-    anchor_specs = property(lambda self: self.facts.anchor_specs)
-    tensor_specs = property(lambda self: self.facts.tensor_specs)
-    run_checks = property(lambda self: self.facts.run_checks)
-    activation_bytes = property(lambda self: self.facts.activation_bytes)
-    als = property(lambda self: self.facts.als)
-    als_anchors = property(lambda self: self.facts.als_anchors)
-    host_anchors = property(lambda self: self.facts.host_anchors)
-    segments = property(lambda self: self.facts.segments)
-    float32_loss = property(lambda self: self.facts.float32_loss)
-    float32_region = property(lambda self: self.facts.float32_region)
-    rts = property(lambda self: self.facts.rts)
+    trainable = _fact("trainable")
+    assigned = _fact("assigned")
+    anchor_ids = _fact("anchor_ids")
+    anchor_specs = _fact("anchor_specs")
+    tensor_specs = _fact("tensor_specs")
+    run_checks = _fact("run_checks")
+    activation_bytes = _fact("activation_bytes")
+    als = _fact("als")
+    als_anchors = _fact("als_anchors")
+    host_anchors = _fact("host_anchors")
+    segments = _fact("segments")
+    float32_loss = _fact("float32_loss")
+    float32_region = _fact("float32_region")
+    rts = _fact("rts")
 
     @property
     def uses_rng(self) -> bool:
