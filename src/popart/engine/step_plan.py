@@ -5,6 +5,7 @@ changes it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
 import jax
@@ -58,17 +59,19 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The facts of one session's step, from its one abstract trace (:func:`make_plan`)."""
-    anchor_ids: list                 # the anchors, stash anchors last
+    """The facts of one session's step, from its one abstract trace (:func:`make_plan`):
+    frozen, its sequences tuples and its mappings read-only (the optimizer state aside)."""
+    anchor_ids: tuple                # the anchors, stash anchors last
     anchor_specs: Mapping[str, Any]  # anchor -> ShapeDtypeStruct of one micro-batch's value
     tensor_specs: Mapping[str, Any]  # every tensor's type as one replica sees it
-    trainable: list                  # the weights the optimizer updates
-    assigned: list                   # the variables ops write
-    run_checks: list                 # the run-time checks (RunCheck), by id
+    trainable: tuple                 # the weights the optimizer updates
+    assigned: tuple                  # the variables ops write
+    run_checks: tuple                # the run-time checks (RunCheck), by id
     uses_rng: bool                   # the graph draws random numbers
     activation_bytes: int            # every traced tensor of one micro-batch
     rts: Any                         # rts.StateSharding: replicated tensor sharding
-    opt_state: Mapping[str, np.ndarray]   # the initial optimizer state, PopART's names
+    opt_state: Mapping[str, np.ndarray]   # the initial optimizer state, PopART's names (a
+                                          # dict: the state's pytree; callers copy it)
     updated_var: Mapping[str, str] = field(default_factory=dict)   # UpdatedVar anchor -> weight
     accum: Mapping[str, str] = field(default_factory=dict)         # Accum anchor -> weight
     als: Optional[_als.AlsPlan] = None   # automatic loss scaling
@@ -281,11 +284,12 @@ def make_plan(graph: Graph, cfg: StepConfig, placement: Placement, traced: tuple
         raise missing_anchor(a, set(out["ids"]) | set(opt_state) | {GRAD_PREFIX + t for t in flows})
     _check_stash_anchors(stash, cfg, specs)
     anchor_specs.update({a: specs[unstash(a)] for a in stash})
-    return StepPlan(anchor_ids=anchor_ids + stash, anchor_specs=anchor_specs, tensor_specs=specs,
-                    trainable=trainable, assigned=list(out["assigned"]),
-                    run_checks=list(out["checks"]), uses_rng=bool(out["rng"]),
-                    activation_bytes=out["act"], rts=rts, opt_state=opt_state,
-                    updated_var=updated, accum=accum, als=als, als_anchors=als_anchors,
+    return StepPlan(anchor_ids=tuple(anchor_ids + stash), anchor_specs=MappingProxyType(anchor_specs),
+                    tensor_specs=MappingProxyType(specs), trainable=tuple(trainable),
+                    assigned=tuple(out["assigned"]), run_checks=tuple(out["checks"]),
+                    uses_rng=bool(out["rng"]), activation_bytes=out["act"], rts=rts,
+                    opt_state=opt_state, updated_var=MappingProxyType(updated),
+                    accum=MappingProxyType(accum), als=als, als_anchors=als_anchors,
                     host_anchors=host_anchors, segments=tuple(segments),
                     float32_loss=float32_loss, float32_region=float32_region)
 
