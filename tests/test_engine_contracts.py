@@ -707,3 +707,31 @@ def test_both_schedules_build_from_the_same_parts(monkeypatch):
     assert {k: v > 0 for k, v in calls.items()} == dict.fromkeys(
         ("accumulate", "mean_reduce", "reduce_anchors"), True)
     np.testing.assert_allclose(placed, plain, rtol=1e-5, atol=1e-6)
+
+
+def _placement_switches(path: Path, names: set) -> list:
+    """``function:line`` of each ``if`` (statement or expression) on one of ``names``
+    (``if self.placed is not None``, ``x if placed else y``) in ``path``."""
+    hits = []
+    for fn in [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)]:
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.If, ast.IfExp)) and any(
+                    (isinstance(e, ast.Name) and e.id in names) or
+                    (isinstance(e, ast.Attribute) and e.attr in names) for e in ast.walk(node.test)):
+                hits.append(f"{fn.name}:{node.lineno}")
+    return hits
+
+
+def test_the_state_packing_is_chosen_once_with_the_placement(tmp_path):
+    """StepProgram (popart) and popxl's step ask their packing (``engine/packing.py``,
+    ``popxl/_step.py packing``) instead of switching on the placement: the only test of
+    ``placed`` is where the packing is chosen."""
+    src = Path(popart.__file__).parent.parent
+    assert [h for h in _placement_switches(src / "popart/engine/program.py", {"placed"})
+            if not h.startswith("plan:")] == []
+    assert [h for h in _placement_switches(src / "popxl/_step.py", {"placed"})
+            if not h.startswith("packing:")] == []
+    probe = tmp_path / "probe.py"
+    probe.write_text("def put(self, x):\n    if self.placed is not None:\n        return 1\n"
+                     "    return 2 if placed else 3\n")
+    assert _placement_switches(probe, {"placed"}) == ["put:2", "put:4"]

@@ -335,6 +335,26 @@ class MainPlan(ExecutorPlan):
     def layout(self) -> IpuSlots:
         return self.executor.layout
 
+    # the step's state packing (as popxl._step.ReplicaSlots): the executor's slots
+    def state_specs(self) -> dict:
+        return self.executor.state_specs()
+
+    def state_shardings(self) -> dict:
+        return self.executor.state_shardings()
+
+    @property
+    def feed_sharding(self) -> Any:
+        return self.executor.feed_sharding
+
+    @property
+    def host_keys(self) -> list:
+        """The slots kept in host memory between runs."""
+        return list(self.layout.memory_kinds)
+
+    def step_fn(self, program: "Program", facts: dict, platform: str, planning: bool = False) -> Callable:
+        """The step: :func:`main_step`."""
+        return main_step(self, program, facts, platform, planning)
+
 
 def _stage_fn(p: MainPlan, r: int, platform: str, s: int, checks: list, planning: bool) -> Callable:
     """Stage s on its IPU's devices (``r`` replicas on ``platform``): (the device's blocks, received tensors, feeds) -> (the

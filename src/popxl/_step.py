@@ -1,7 +1,9 @@
 """popxl.Session's step: the Ir's main graph as one compiled program, (state, feeds) ->
 (new state, device-to-host values and run-time checks), replicated (``Placement``) or
-placed on the devices of its IPUs (``_placement.main_step``), its facts from one abstract
-trace (``compiled.plan_trace``), compiled through the engine cache when there is one."""
+placed on the devices of its IPUs (``_placement.main_step``): the state packing, chosen
+with the placement (:func:`packing`: :class:`ReplicaSlots` or ``_placement.MainPlan``), gives
+the step, its arguments and their shardings; its facts from one abstract trace
+(``compiled.plan_trace``), compiled through the engine cache when there is one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from popart.engine.graph_api import Graph as IRGraph, fingerprint
 from popart.engine.lower import CHECKS, trace
 from popart.ir_json import serialize_ir
 
-from ._placement import MainPlan, main_step
+from ._placement import MainPlan
 
 if TYPE_CHECKING:
     from .ir import Ir
@@ -96,28 +98,57 @@ def replica_fn(p: Program, platform: str, checks: list, planning: bool = False) 
     return replica
 
 
-def specs(p: Program, placed: Optional[MainPlan]) -> tuple:
-    """The step's abstract arguments: the state ([replicas, *shape]; placed: the executor's
-    slots) and the feeds ([replicas, N, *shape])."""
-    wspecs = placed.executor.state_specs() if placed else \
-        {s.key: jax.ShapeDtypeStruct((p.r,) + tuple(s.shape), s.dtype) for s in p.slots}
+class ReplicaSlots:
+    """The unplaced packing of a popxl step's state (the placed one is ``_placement.MainPlan``,
+    its executor's ``[replicas, ipus, *block]`` slots; both answer the same questions, as
+    popart's ``engine/packing.py``): one array per state slot, ``[replicas, *shape]``, a
+    slice on each replica's device, in the slot's memory kind; the step is one replica's
+    :func:`replica_fn`, replicated (``Placement.replicate``)."""
+
+    ipus = 1   # IPUs per replica
+
+    def __init__(self, p: Program, placement: Placement) -> None:
+        self.p, self.placement = p, placement
+
+    def state_specs(self) -> dict:
+        return {s.key: jax.ShapeDtypeStruct((self.p.r,) + tuple(s.shape), s.dtype) for s in self.p.slots}
+
+    def state_shardings(self) -> dict:
+        split = self.placement.sharding(0)   # [replicas, ...]: one slice per replica's device
+        return {s.key: split.with_memory_kind(s.memory_kind) if s.memory_kind else split
+                for s in self.p.slots}
+
+    @property
+    def feed_sharding(self) -> jax.sharding.Sharding:
+        """[replicas, ...] arrays: one slice per replica's device."""
+        return self.placement.sharding(0)
+
+    @property
+    def host_keys(self) -> list:
+        """The state arrays kept in host memory between runs."""
+        return [s.key for s in self.p.slots if s.memory_kind]
+
+    def step_fn(self, p: Program, facts: dict, platform: str, planning: bool = False) -> Callable:
+        fn = replica_fn(p, platform, facts.get("checks", ()), planning)
+        return self.placement.replicate(fn, in_axes=(0, 0))
+
+
+def packing(p: Program, placement: Placement, placed: Optional[MainPlan]) -> Any:
+    """The state packing of the step: the placed plan's, or :class:`ReplicaSlots`."""
+    return placed if placed else ReplicaSlots(p, placement)
+
+
+def specs(p: Program, packed: Any) -> tuple:
+    """The step's abstract arguments: the state (the packing's) and the feeds
+    ([replicas, N, *shape])."""
     fspecs = {t.id: jax.ShapeDtypeStruct((p.r, p.n) + s.shape, s.dtype.as_device_numpy())
               for s, t in p.h2d}
-    return wspecs, fspecs
+    return packed.state_specs(), fspecs
 
 
 def state_shardings(p: Program, placement: Placement, placed: Optional[MainPlan]) -> dict:
-    """Where the state arrays live: one slice per replica's device, in their memory kind."""
-    if placed:
-        return placed.executor.state_shardings()
-    split = placement.sharding(0)   # [replicas, ...]: one slice per replica's device
-    return {s.key: split.with_memory_kind(s.memory_kind) if s.memory_kind else split
-            for s in p.slots}
-
-
-def feed_sharding(placement: Placement, placed: Optional[MainPlan]) -> jax.sharding.Sharding:
-    """[replicas, ...] arrays: one slice per replica's device(s)."""
-    return placed.executor.feed_sharding if placed else placement.sharding(0)
+    """Where the state arrays live (the packing's)."""
+    return packing(p, placement, placed).state_shardings()
 
 
 def engine_cache(p: Program, config: EngineConfig, placement: Placement,
@@ -130,7 +161,7 @@ def engine_cache(p: Program, config: EngineConfig, placement: Placement,
     signature = {"session": "popxl.Session", "graph": fingerprint(p.main_ir),
                  "replication": p.r, "instance_replication": p.local_r,
                  "num_host_transfers": p.n, "devices": len(placement.devices),
-                 "ipus": placed.ipus if placed else 1,
+                 "ipus": packing(p, placement, placed).ipus,
                  "variables": {v.id: [list(v.shape), v.dtype.name] for v in ir._variables},
                  "remote": {str(b.remote_buffer_id): [b.entries, list(b.tensor_shape), b.tensor_dtype.name]
                             for b in ir._remote_buffers.values() if b._state_key in hidden},
@@ -141,25 +172,16 @@ def engine_cache(p: Program, config: EngineConfig, placement: Placement,
     return EngineCache(config.cache_path, "popxl", signature)
 
 
-def _step_fn(p: Program, placement: Placement, placed: Optional[MainPlan], facts: dict,
-             planning: bool = False) -> Callable:
-    """The program (see :func:`replica_fn`), placed or replicated, from its plan's ``facts``;
-    ``planning``: its facts follow its outputs (``compiled.plan_trace``)."""
-    if placed:
-        return main_step(placed, p, facts, placement.platform, planning)
-    fn = replica_fn(p, placement.platform, facts.get("checks", ()), planning)
-    return placement.replicate(fn, in_axes=(0, 0))
-
-
 def compile_program(p: Program, placement: Placement, placed: Optional[MainPlan],
                     cache: Optional[EngineCache]) -> Built:
     """The step planned (one abstract trace: its run-time checks, ...) and compiled (or
     loaded from ``cache``), reporting as the Ir's options ask (``report.popxl_compiling``)."""
-    split, state = feed_sharding(placement, placed), state_shardings(p, placement, placed)
-    args = specs(p, placed)
-    facts = plan_trace(_step_fn(p, placement, placed, {}, planning=True), *args)[1]
-    fn = _step_fn(p, placement, placed, facts)
-    host = list(placed.layout.memory_kinds) if placed else [s.key for s in p.slots if s.memory_kind]
+    packed = packing(p, placement, placed)
+    split, state = packed.feed_sharding, packed.state_shardings()
+    args = specs(p, packed)
+    facts = plan_trace(packed.step_fn(p, {}, placement.platform, planning=True), *args)[1]
+    fn = packed.step_fn(p, facts, placement.platform)
+    host = packed.host_keys
     if host:
         fn = _in_device_memory(fn, host)
     step = CompiledStep(fn, in_shardings=(state, split), out_shardings=(state, split),
