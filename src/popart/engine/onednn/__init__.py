@@ -34,8 +34,10 @@ import numpy as np
 from ...logging import getLogger
 
 TARGET = "popart_onednn_conv"
-TARGETS = (TARGET,)   # the custom calls an exported program may hold (engine/compiled.py)
-SOURCES = [Path(__file__).with_name("conv.cc")]
+MATMUL, PACK = "popart_onednn_matmul", "popart_onednn_pack"
+TARGETS = (TARGET, MATMUL, PACK)   # the custom calls an exported program may hold (engine/compiled.py)
+SOURCES = [Path(__file__).with_name("conv.cc"), Path(__file__).with_name("matmul.cc")]
+_LIB: list = []   # the loaded library (ctypes), once available() has loaded it
 _logger = getLogger("devicex")
 FORWARD, BACKWARD_DATA, BACKWARD_WEIGHTS = 0, 1, 2
 
@@ -104,14 +106,16 @@ def available() -> bool:
     if why is None:
         try:
             lib = ctypes.CDLL(str(_build(prefix, cxx)))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PopartOnednnConv),
-                                        platform="cpu")
+            for target, symbol in ((TARGET, lib.PopartOnednnConv), (MATMUL, lib.PopartOnednnMatmul),
+                                   (PACK, lib.PopartOnednnPack)):
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+            _LIB.append(lib)
         except Exception as e:  # noqa: BLE001 - any failure means XLA's convolution
             why = f"could not be built or loaded: {e}"
     if why is not None:
         _logger.warn(f"oneDNN convolutions unavailable, using XLA's: {why}")
         return False
-    _logger.info(f"oneDNN convolutions: {TARGET} registered")
+    _logger.info(f"oneDNN convolutions and matmuls: {', '.join(TARGETS)} registered")
     return True
 
 
@@ -265,3 +269,63 @@ def _fused_bwd(*args):
 
 
 conv2d_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ---- Matrix products (matmul.cc): y = a @ W, float32, W [K, N] (or W^T [N, K], ``trans``), on
+# oneDNN's matmul; ``pack`` reorders W once into the blocked layout the primitive reads, so a
+# step whose packs are hoisted out of it (engine/hoist.py) reads packed weights on every run.
+PACK_M = 256   # the rows the packed layout is chosen for (a product of any M reads it)
+
+
+def _lib() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError("oneDNN is unavailable (see popart's devicex log)")
+    return _LIB[0]
+
+
+def packed_bytes(k: int, n: int, trans: bool = False) -> int:
+    """Bytes of W [K, N] in oneDNN's packed layout (a multiple of 4)."""
+    f = _lib().popart_onednn_packed_bytes
+    f.restype = ctypes.c_int64
+    size = f(ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(int(trans)), ctypes.c_int64(PACK_M))
+    if size < 0:
+        raise RuntimeError(f"oneDNN has no packed layout for a {k} x {n} weight")
+    return int(size)
+
+
+def packs_run() -> int:
+    """How many packs the library has run in this process (tests count them)."""
+    f = _lib().popart_onednn_packs
+    f.restype = ctypes.c_int64
+    return int(f())
+
+
+def matmul_impl(m: int, k: int, n: int, packed: bool) -> str:
+    """oneDNN's implementation name for an (m, k) x (k, n) product (benches print it)."""
+    f = _lib().popart_onednn_matmul_impl
+    f.restype = ctypes.c_char_p
+    return f(*(ctypes.c_int64(v) for v in (m, k, n, int(packed)))).decode()
+
+
+def _mm_geom(kind: int, k: int, n: int, trans: bool) -> np.ndarray:
+    return np.array([kind, k, n, int(trans), PACK_M], np.int64)
+
+
+def pack(w, trans: bool = False):
+    """W (``[K, N]``, or ``[N, K]`` with ``trans``) in oneDNN's packed layout: a flat float32
+    array that only :func:`matmul` reads."""
+    k, n = (w.shape[1], w.shape[0]) if trans else w.shape
+    out = jax.ShapeDtypeStruct((packed_bytes(k, n, trans) // 4,), np.float32)
+    _lib()
+    return jax.ffi.ffi_call(PACK, out, vmap_method="sequential")(w, geom=_mm_geom(2, k, n, trans))
+
+
+def matmul(a, w, n: int, trans: bool = False, packed: bool = False):
+    """``a @ W`` (a ``[..., K]``) by oneDNN: ``w`` is W ``[K, N]`` (``[N, K]`` with ``trans``),
+    or with ``packed`` what :func:`pack` made of it (``n``: W's columns)."""
+    _lib()
+    k = a.shape[-1]
+    out = jax.ShapeDtypeStruct((*a.shape[:-1], n), np.float32)
+    # vmap folds into the rows (a's leading dims); a batched weight runs one call per item.
+    return jax.ffi.ffi_call(MATMUL, out, vmap_method="expand_dims")(
+        a, w, geom=_mm_geom(int(packed), k, n, trans))
