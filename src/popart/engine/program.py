@@ -32,6 +32,7 @@ from .backends import backend
 from .config import AlsSettings, AnchorReturn, EngineConfig
 from .compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, arg_specs, plan_trace
 from .executable import EngineCache, compile_step
+from .hoist import HoistedStep, wanted as hoist_wanted
 from .lower import CHECKS, Remat, Trace, first_failure, raise_failed_checks, trace
 
 GRAD_PREFIX = "Gradient___"
@@ -810,15 +811,16 @@ class StepProgram:
         step = self._step_fn()
         spec = self._key_spec
         self.keyless = not self.uses_rng and spec is not None
+        Step = HoistedStep if hoist_wanted(self.cfg.training, self.cfg.replication_factor) else CompiledStep
         if not self.keyless:
-            return CompiledStep(step, donate_argnums=(0, 1, 2), in_shardings=(w, s, state, feeds, state),
+            return Step(step, donate_argnums=(0, 1, 2), in_shardings=(w, s, state, feeds, state),
                                 out_shardings=(w, s, state, state))
 
         def keyless(weights, opt_state, feeds, hyper):   # any key: the graph never reads it
             weights, opt_state, _, anchors = step(weights, opt_state, jnp.zeros(spec.shape, spec.dtype),
                                                   feeds, hyper)
             return weights, opt_state, anchors
-        return CompiledStep(keyless, donate_argnums=(0, 1), in_shardings=(w, s, feeds, state),
+        return Step(keyless, donate_argnums=(0, 1), in_shardings=(w, s, feeds, state),
                             out_shardings=(w, s, state))
 
     def _arg_specs(self, weights, opt_state, key, hyper) -> tuple:

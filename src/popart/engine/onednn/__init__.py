@@ -14,6 +14,8 @@ XLA's. oneDNN runs on GNU OpenMP's threads (``OMP_NUM_THREADS``), not XLA's pool
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import fcntl
 import functools
@@ -329,3 +331,25 @@ def matmul(a, w, n: int, trans: bool = False, packed: bool = False):
     # vmap folds into the rows (a's leading dims); a batched weight runs one call per item.
     return jax.ffi.ffi_call(MATMUL, out, vmap_method="expand_dims")(
         a, w, geom=_mm_geom(int(packed), k, n, trans))
+
+
+_PACKING = contextvars.ContextVar("popart_onednn_packing", default=False)
+
+
+@contextlib.contextmanager
+def packing():
+    """While a step whose weight-only work is hoisted (engine/hoist.py) is traced: matmul
+    lowerings read their weights packed (:func:`packs_weights`), the packs hoisted with the rest."""
+    token = _PACKING.set(True)
+    try:
+        yield
+    finally:
+        _PACKING.reset(token)
+
+
+def packs_weights(w) -> bool:
+    """Whether a matmul by the 2-D float32 operand ``w`` runs on oneDNN with ``w`` packed:
+    inside :func:`packing` only (elsewhere the pack would run on every call), where oneDNN is
+    built, for weights of 4096 elements or more (smaller products stay XLA's dots)."""
+    return (_PACKING.get() and jnp.ndim(w) == 2 and jnp.result_type(w) == jnp.float32
+            and int(np.prod(jnp.shape(w))) >= 4096 and available())
