@@ -24,6 +24,7 @@ executable or the engine cache (its module is the plain step, what ``export`` wr
 effectful steps, ``POPART_HOIST=0``."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -54,14 +55,17 @@ def _nbytes(aval: Any) -> int:
     return int(np.prod(shape)) * (getattr(dtype, "itemsize", None) or 8)   # keys: extended dtypes
 
 
-def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
-    """The memory guard: whether a weight-only value may be a residual (else recomputed)."""
+def _saveable(forbidden: set, prim: Any, *avals: Any, **params: Any) -> bool:
+    """The memory guard: whether a weight-only value may be a residual (else recomputed): not
+    larger than its largest input, nor of a shape in ``forbidden``."""
     try:
         out = prim.abstract_eval(*avals, **params)
     except Exception:  # noqa: BLE001 - a primitive we cannot size stays in the step
         return False
     out = out[0] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (set, frozenset)) else out
     outs = out if isinstance(out, (list, tuple)) else [out]
+    if any((getattr(a, "shape", None), getattr(a, "dtype", None)) in forbidden for a in outs):
+        return False
     largest = max((_nbytes(a) for a in avals), default=0)
     return largest > 0 and sum(map(_nbytes, outs)) <= GROWTH * largest + SLACK
 
@@ -83,29 +87,43 @@ def split(fn: Callable, specs: Sequence[Any], cap: Optional[int] = None) -> Opti
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*specs)
     if closed.effects:
         return None
-    n_w = len(jax.tree_util.tree_leaves(specs[0]))
-    n_in = len(closed.jaxpr.invars)
-    known, staged, _, _, n_res = pe.partial_eval_jaxpr_custom(
-        closed.jaxpr, [False] * n_w + [True] * (n_in - n_w), True, False, True, _saveable)
+    consts = list(closed.consts)
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)   # the constants (constantWeights) first
+    n_k = len(consts) + len(jax.tree_util.tree_leaves(specs[0]))
+    unknowns = [False] * n_k + [True] * (len(jaxpr.invars) - n_k)
+    source = [_nbytes(v.aval) for v in jaxpr.invars[:n_k]]
+    # A residual may not outgrow the weights it derives from; one that does (grown by a step
+    # recomputed in the step, then reshaped) has its shape forbidden and the split is redone.
+    forbidden: set = set()
+    for _ in range(4):
+        known, staged, _, _, n_res = pe.partial_eval_jaxpr_custom(
+            jaxpr, unknowns, True, False, True, functools.partial(_saveable, frozenset(forbidden)))
+        res = known.outvars[len(known.outvars) - n_res:]
+        big = {(v.aval.shape, v.aval.dtype) for v in res if _nbytes(v.aval) > GROWTH * sum(
+            b for b, used in zip(source, pe.dce_jaxpr(known.replace(outvars=[v]), [True])[1]) if used) + SLACK}
+        if not big:
+            break
+        forbidden |= big
+    else:
+        return None
     if n_res == 0:
         return None
-    res_avals = [v.aval for v in known.outvars[-n_res:]]
-    w_bytes = sum(_nbytes(v.aval) for v in closed.jaxpr.invars[:n_w])
+    res_avals = [v.aval for v in res]
+    w_bytes = sum(source)
     cap = cap if cap is not None else int(os.environ.get("POPART_HOIST_BYTES", GROWTH * w_bytes + (64 << 20)))
     res_bytes = sum(map(_nbytes, res_avals))
     if res_bytes > cap:
         _logger.info(f"weight hoisting: {res_bytes} bytes of residuals over the cap {cap}; not hoisted")
         return None
-    known = pe.dce_jaxpr(known.replace(outvars=known.outvars[-n_res:]), [True] * n_res,
-                         instantiate=True)[0]
-    consts, out_tree = closed.consts, jax.tree_util.tree_structure(out_shape)
+    known = pe.dce_jaxpr(known.replace(outvars=res), [True] * n_res, instantiate=True)[0]
+    out_tree = jax.tree_util.tree_structure(out_shape)
 
     def derive(*weights):
-        return tuple(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(known, consts))(*weights))
+        return tuple(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(known, []))(*consts, *weights))
 
     def step(*args):
         *args, res = args
-        outs = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(staged, consts))(*res, *jax.tree_util.tree_leaves(args))
+        outs = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(staged, []))(*res, *consts, *jax.tree_util.tree_leaves(args))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     _logger.info(f"weight hoisting: {n_res} residuals, {res_bytes} bytes")

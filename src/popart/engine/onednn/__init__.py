@@ -350,6 +350,10 @@ def packing():
 def packs_weights(w) -> bool:
     """Whether a matmul by the 2-D float32 operand ``w`` runs on oneDNN with ``w`` packed:
     inside :func:`packing` only (elsewhere the pack would run on every call), where oneDNN is
-    built, for weights of 4096 elements or more (smaller products stay XLA's dots)."""
-    return (_PACKING.get() and jnp.ndim(w) == 2 and jnp.result_type(w) == jnp.float32
-            and int(np.prod(jnp.shape(w))) >= 4096 and available())
+    built, for weights of 4096 elements or more (smaller products stay XLA's dots) whose packed
+    layout is at most a quarter larger (padding; hoist.py's guard would keep a larger one's pack
+    in the step, run on every call)."""
+    if not (_PACKING.get() and jnp.ndim(w) == 2 and jnp.result_type(w) == jnp.float32
+            and int(np.prod(jnp.shape(w))) >= 4096 and available()):
+        return False
+    return packed_bytes(*w.shape) <= 1.25 * 4 * int(np.prod(w.shape))
