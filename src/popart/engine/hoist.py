@@ -140,7 +140,7 @@ class HoistedStep(CompiledStep):
         self.plain = CompiledStep(fn, in_shardings, out_shardings, donate_argnums)
         self.derive: Optional[Callable] = None
         self.res_specs: tuple = ()
-        self._cache: tuple = ((), ())   # (weight leaves the residuals are of, residuals)
+        self._cache: Optional[tuple] = None   # (weight leaves the residuals are of, residuals)
 
     def compile(self, specs: Sequence[Any], exported: Optional[bytes] = None) -> None:
         """As :meth:`CompiledStep.compile`, hoisted when compiled from the step function."""
@@ -162,8 +162,8 @@ class HoistedStep(CompiledStep):
     def residuals(self, weights: Any) -> tuple:
         """The residuals of ``weights``: cached while they are the arrays last seen."""
         leaves = jax.tree_util.tree_leaves(weights)
-        seen, res = self._cache
-        if len(seen) != len(leaves) or any(a is not b for a, b in zip(seen, leaves)):
+        seen, res = self._cache or (None, None)
+        if seen is None or len(seen) != len(leaves) or any(a is not b for a, b in zip(seen, leaves)):
             res = self.derive(*leaves)
             self._cache = (leaves, res)
         return res
