@@ -164,3 +164,47 @@ def test_onednn_matmul_matches_numpy(trans, packed):
     np.testing.assert_allclose(jax.jit(f)(a, wop), a @ w, rtol=1e-4, atol=1e-4)
     batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(np.stack([a, 2 * a]), wop)
     np.testing.assert_allclose(batched, np.stack([a @ w, 2 * a @ w]), rtol=1e-4, atol=1e-4)
+
+
+def conv_model(w: np.ndarray, b: np.ndarray, dw: np.ndarray) -> bytes:
+    """A depthwise Conv by ``dw`` after Relu(Conv(x, w, b))."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], strides=[2, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Conv", ["r", "dw"], ["y"], pads=[1, 1, 1, 1], group=w.shape[0])]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"),
+             numpy_helper.from_array(dw, "dw")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 12, 10])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+
+
+@needs_onednn
+def test_convolution_on_packed_weights_matches_onnxruntime():
+    """Conv's weights are packed once (hoisted) and read packed by the oneDNN forward; after
+    writeWeights every weight is packed again, once."""
+    w, w2 = (RNG.standard_normal((16, 8, 3, 3), dtype=np.float32) for _ in range(2))
+    b = RNG.standard_normal((16,), dtype=np.float32)
+    dw = RNG.standard_normal((16, 1, 3, 3), dtype=np.float32)
+    x = RNG.standard_normal((2, 8, 12, 10), dtype=np.float32)
+    opts = popart.SessionOptions()
+    opts.constantWeights = False
+    s = popart.InferenceSession(conv_model(w, b, dw), popart.DataFlow(1, {"y": popart.AnchorReturnType("All")}),
+                                popart.DeviceManager().createCpuDevice(), userOptions=opts)
+    s.prepareDevice()
+    s.weightsFromHost()
+    anchors = s.initAnchorArrays()
+    stepio = popart.PyStepIO({"x": x}, anchors)
+
+    def expected(w):
+        ref = ort.InferenceSession(conv_model(w, b, dw), providers=["CPUExecutionProvider"])
+        return ref.run(None, {"x": x})[0]
+    s.run(stepio)
+    np.testing.assert_allclose(anchors["y"], expected(w), rtol=1e-4, atol=1e-4)
+    before = onednn.packs_run()
+    s.run(stepio)
+    s.run(stepio)
+    assert onednn.packs_run() == before
+    s.writeWeights(popart.PyWeightsIO({"w": w2}))
+    s.run(stepio)
+    assert onednn.packs_run() == before + 2   # both convolutions' weights
+    np.testing.assert_allclose(anchors["y"], expected(w2), rtol=1e-4, atol=1e-4)

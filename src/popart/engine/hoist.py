@@ -88,7 +88,10 @@ def split(fn: Callable, specs: Sequence[Any], cap: Optional[int] = None) -> Opti
     if closed.effects:
         return None
     consts = list(closed.consts)
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)   # the constants (constantWeights) first
+    # the constants (constantWeights) first; dead code dropped (a value a later lowering
+    # replaced, such as a convolution before its fusion, would otherwise leave a residual)
+    jaxpr = pe.dce_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), [True] * len(closed.jaxpr.outvars),
+                         instantiate=True)[0]
     n_k = len(consts) + len(jax.tree_util.tree_leaves(specs[0]))
     unknowns = [False] * n_k + [True] * (len(jaxpr.invars) - n_k)
     source = [_nbytes(v.aval) for v in jaxpr.invars[:n_k]]

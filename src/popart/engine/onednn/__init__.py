@@ -36,12 +36,12 @@ import numpy as np
 from ...logging import getLogger
 
 TARGET = "popart_onednn_conv"
-MATMUL, PACK = "popart_onednn_matmul", "popart_onednn_pack"
-TARGETS = (TARGET, MATMUL, PACK)   # the custom calls an exported program may hold (engine/compiled.py)
+MATMUL, PACK, CONV_PACK = "popart_onednn_matmul", "popart_onednn_pack", "popart_onednn_conv_pack"
+TARGETS = (TARGET, MATMUL, PACK, CONV_PACK)   # the custom calls an exported program may hold (engine/compiled.py)
 SOURCES = [Path(__file__).with_name("conv.cc"), Path(__file__).with_name("matmul.cc")]
 _LIB: list = []   # the loaded library (ctypes), once available() has loaded it
 _logger = getLogger("devicex")
-FORWARD, BACKWARD_DATA, BACKWARD_WEIGHTS = 0, 1, 2
+FORWARD, BACKWARD_DATA, BACKWARD_WEIGHTS, PACKED_FORWARD = 0, 1, 2, 3
 
 
 def _onednn_prefix() -> Optional[Path]:
@@ -109,7 +109,7 @@ def available() -> bool:
         try:
             lib = ctypes.CDLL(str(_build(prefix, cxx)))
             for target, symbol in ((TARGET, lib.PopartOnednnConv), (MATMUL, lib.PopartOnednnMatmul),
-                                   (PACK, lib.PopartOnednnPack)):
+                                   (PACK, lib.PopartOnednnPack), (CONV_PACK, lib.PopartOnednnConvPack)):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
             _LIB.append(lib)
         except Exception as e:  # noqa: BLE001 - any failure means XLA's convolution
@@ -135,11 +135,18 @@ def _geom(strides, padding, dilation, groups) -> tuple:
     return (*strides, pt, pl, pb, pr, *dilation, groups)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def conv2d(x, w, strides: tuple, padding: tuple, dilation: tuple, nhwc: bool, groups: int = 1):
     """2D float32 convolution by oneDNN: x NHWC (``nhwc``) or NCHW, w OIHW (ONNX's: O x C/groups
     x KH x KW), y in x's layout; ``padding`` ((top, bottom), (left, right)), ``dilation`` 1 for
-    none, ``groups`` as ONNX's ``group`` (depthwise: the channels)."""
+    none, ``groups`` as ONNX's ``group`` (depthwise: the channels). Inside :func:`packing` (a
+    hoisted inference step) on weights packed by a separate call (:func:`_packed_forward`)."""
+    if _PACKING.get():
+        return _packed_forward(x, w, (), strides, padding, dilation, nhwc, groups, ())
+    return _conv2d(x, w, strides, padding, dilation, nhwc, groups)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _conv2d(x, w, strides: tuple, padding: tuple, dilation: tuple, nhwc: bool, groups: int = 1):
     return _fwd(x, w, strides, padding, dilation, nhwc, groups)[0]
 
 
@@ -165,7 +172,25 @@ def _bwd(strides, padding, dilation, nhwc, groups, res, dy):
     return dx, dw
 
 
-conv2d.defvjp(_fwd, _bwd)
+_conv2d.defvjp(_fwd, _bwd)
+
+
+def _packed_forward(x, w, operands, strides, padding, dilation, nhwc, groups, posts):
+    """The forward (post-ops too) on ``w`` packed by ``popart_onednn_conv_pack`` into the layout
+    of the forward primitive of this shape (no gradients: inference)."""
+    out = _out_shape(x, w, strides, padding, dilation, nhwc)
+    geom = _geom(strides, padding, dilation, groups)
+    n, c, h, wd = (x.shape[-4], x.shape[-1], *x.shape[-3:-1]) if nhwc else x.shape[-4:]
+    oh, ow = out[1:3] if nhwc else out[2:]
+    key = np.array([FORWARD, int(nhwc), n, c, h, wd, w.shape[0], *w.shape[2:], oh, ow, *geom, 0], np.int64)
+    f = _lib().popart_onednn_conv_packed_bytes
+    f.restype = ctypes.c_int64
+    size = f(key.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), ctypes.c_int64(key.size))
+    if size < 0:
+        raise RuntimeError(f"oneDNN has no forward convolution for the key {key.tolist()}")
+    packed = jax.ffi.ffi_call(CONV_PACK, jax.ShapeDtypeStruct((size // 4,), np.float32),
+                              vmap_method="sequential")(w, key=key)
+    return _call(PACKED_FORWARD, x, packed, out, geom, nhwc, operands, _post_geom(posts))
 
 def channels_last(x_shape: Sequence[int], w_shape: Sequence[int], training: bool = True) -> bool:
     """Whether oneDNN runs a convolution of NCHW x (no channels-last form) by OIHW w on NHWC
@@ -245,12 +270,20 @@ def apply_posts(y, operands: Sequence, posts: Sequence[Post], nhwc: bool):
     return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def conv2d_fused(x, w, operands: tuple, strides: tuple, padding: tuple, dilation: tuple,
                  nhwc: bool, groups: int, posts: tuple):
     """``apply_posts(conv2d(x, w, ...), operands, posts, nhwc)`` as one oneDNN forward call,
     the post-ops applied as the convolution writes its result (``posts``: (name, alpha, beta)
-    of ``POST_OPS``, the bias first if any). Its gradients are those of the reference."""
+    of ``POST_OPS``, the bias first if any). Its gradients are those of the reference. Inside
+    :func:`packing`, on packed weights (as :func:`conv2d`)."""
+    if _PACKING.get():
+        return _packed_forward(x, w, operands, strides, padding, dilation, nhwc, groups, posts)
+    return _conv2d_fused(x, w, operands, strides, padding, dilation, nhwc, groups, posts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _conv2d_fused(x, w, operands: tuple, strides: tuple, padding: tuple, dilation: tuple,
+                  nhwc: bool, groups: int, posts: tuple):
     out = _out_shape(x, w, strides, padding, dilation, nhwc)
     return _call(FORWARD, x, w, out, _geom(strides, padding, dilation, groups), nhwc,
                  operands, _post_geom(posts))
@@ -262,7 +295,7 @@ def _reference(x, w, operands, strides, padding, dilation, nhwc, groups, posts):
 
 
 def _fused_fwd(x, w, operands, *static):
-    return conv2d_fused(x, w, operands, *static), (x, w, operands)
+    return _conv2d_fused(x, w, operands, *static), (x, w, operands)
 
 
 def _fused_bwd(*args):
@@ -270,7 +303,7 @@ def _fused_bwd(*args):
     return jax.vjp(lambda x, w, o: _reference(x, w, o, *static), x, w, operands)[1](dy)
 
 
-conv2d_fused.defvjp(_fused_fwd, _fused_bwd)
+_conv2d_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 # ---- Matrix products (matmul.cc): y = a @ W, float32, W [K, N] (or W^T [N, K], ``trans``), on
@@ -296,10 +329,11 @@ def packed_bytes(k: int, n: int, trans: bool = False) -> int:
 
 
 def packs_run() -> int:
-    """How many packs the library has run in this process (tests count them)."""
-    f = _lib().popart_onednn_packs
-    f.restype = ctypes.c_int64
-    return int(f())
+    """How many packs (matmul weights and convolution weights) the library has run in this
+    process (tests count them)."""
+    lib = _lib()
+    lib.popart_onednn_packs.restype = lib.popart_onednn_conv_packs.restype = ctypes.c_int64
+    return int(lib.popart_onednn_packs()) + int(lib.popart_onednn_conv_packs())
 
 
 def matmul_impl(m: int, k: int, n: int, packed: bool) -> str:
