@@ -147,7 +147,6 @@ class HoistedStep(CompiledStep):
 
     def compile(self, specs: Sequence[Any], exported: Optional[bytes] = None) -> None:
         """As :meth:`CompiledStep.compile`, hoisted when compiled from the step function."""
-        self.plain._specs = tuple(specs)
         parts = split(self.plain.fn, specs) if exported is None else None
         if parts is None:
             self.fn, self.derive = self.plain.fn, None
