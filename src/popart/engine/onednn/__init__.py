@@ -39,6 +39,7 @@ TARGET = "popart_onednn_conv"
 MATMUL, PACK, CONV_PACK = "popart_onednn_matmul", "popart_onednn_pack", "popart_onednn_conv_pack"
 TARGETS = (TARGET, MATMUL, PACK, CONV_PACK)   # the custom calls an exported program may hold (engine/compiled.py)
 SOURCES = [Path(__file__).with_name("conv.cc"), Path(__file__).with_name("matmul.cc")]
+HEADERS = [Path(__file__).with_name("common.h")]   # in the build's hash
 _LIB: list = []   # the loaded library (ctypes), once available() has loaded it
 _logger = getLogger("devicex")
 FORWARD, BACKWARD_DATA, BACKWARD_WEIGHTS, PACKED_FORWARD = 0, 1, 2, 3
@@ -70,7 +71,7 @@ def _build(prefix: Path, cxx: str) -> Path:
     """The handler's shared library, built once per source / oneDNN / jax / compiler."""
     include = jax.ffi.include_dir()
     key = hashlib.sha256(b"\0".join(
-        [*(s.read_bytes() for s in SOURCES), str(prefix).encode(), include.encode(), jax.__version__.encode(),
+        [*(s.read_bytes() for s in SOURCES + HEADERS), str(prefix).encode(), include.encode(), jax.__version__.encode(),
          cxx.encode()])).hexdigest()[:16]
     out = _cache_dir(key)
     lib = out / "libpopart_onednn.so"

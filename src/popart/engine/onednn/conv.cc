@@ -28,6 +28,7 @@
 
 #include "dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
@@ -35,6 +36,10 @@ using tag = memory::format_tag;
 using alg = dnnl::algorithm;
 
 namespace {
+
+using popart_onednn::cpu;
+using popart_onednn::run_mutex;
+using popart_onednn::Scratch;
 
 // Post-op codes (onednn/__init__.py POST_OPS): the bias, binary add / multiply / max / min
 // with an operand,
@@ -53,11 +58,6 @@ float bits(int64_t v) {  // a float32 from the int32 bits geom carries
   float f;
   std::memcpy(&f, &i, sizeof f);
   return f;
-}
-
-dnnl::engine& cpu() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
 }
 
 struct Plan {  // one cached primitive and what running it needs
@@ -179,20 +179,6 @@ std::shared_ptr<Plan> get_plan(const Key& k) {
   return p;
 }
 
-struct Scratch {  // a per-thread, 64-byte aligned buffer that only grows
-  void* p = nullptr;
-  size_t n = 0;
-  void* get(size_t need) {
-    if (need > n) {
-      std::free(p);
-      n = (need + 63) / 64 * 64;
-      p = std::aligned_alloc(64, n);
-    }
-    return p;
-  }
-  ~Scratch() { std::free(p); }
-};
-
 int64_t lead(ffi::Span<const int64_t> d, size_t inner = 4) {  // product of the outer dims
   int64_t b = 1;
   for (size_t i = 0; i + inner < d.size(); ++i) b *= d[i];
@@ -286,8 +272,7 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
     auto plan = get_plan(key);
     // One convolution at a time: each uses every OpenMP thread, and XLA may run independent
     // ones (a step's two gradients) concurrently on its own threads.
-    static std::mutex run_mu;
-    std::lock_guard<std::mutex> running(run_mu);
+    std::lock_guard<std::mutex> running(run_mutex());
     dnnl::stream s(cpu());
     thread_local Scratch scratch, wbuf;
     memory pad(memory::desc({(int64_t)plan->scratch}, memory::data_type::u8, tag::a), cpu(),
@@ -369,6 +354,7 @@ ffi::Error ConvPack(ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
     header[2] = key[6], header[3] = key[7], header[4] = key[8];
     memory src(plan->w_user, cpu(), w.typed_data());
     memory dst(plan->w_prim, cpu(), out->typed_data() + kHeader);
+    std::lock_guard<std::mutex> running(run_mutex());
     dnnl::stream s(cpu());
     if (plan->reorder) plan->w_reorder.execute(s, src, dst);
     else std::memcpy(dst.get_data_handle(), src.get_data_handle(), plan->w_user.get_size());

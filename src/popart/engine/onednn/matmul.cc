@@ -21,6 +21,7 @@
 
 #include "dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
@@ -28,12 +29,11 @@ using tag = memory::format_tag;
 
 namespace {
 
-const auto f32 = memory::data_type::f32;
+using popart_onednn::cpu;
+using popart_onednn::run_mutex;
+using popart_onednn::Scratch;
 
-dnnl::engine& cpu() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
+const auto f32 = memory::data_type::f32;
 
 memory::desc user_w(int64_t K, int64_t N, int64_t trans) {
   return memory::desc({K, N}, f32, trans ? tag::ba : tag::ab);
@@ -94,22 +94,6 @@ std::shared_ptr<Plan> get_plan(const std::vector<int64_t>& k) {
   return p;
 }
 
-struct Scratch {  // a per-thread, 64-byte aligned buffer that only grows
-  void* p = nullptr;
-  size_t n = 0;
-  void* get(size_t need) {
-    if (need > n) {
-      std::free(p);
-      n = (need + 63) / 64 * 64;
-      p = std::aligned_alloc(64, n);
-    }
-    return p;
-  }
-  ~Scratch() { std::free(p); }
-};
-
-std::mutex run_mu;  // one oneDNN call at a time: each uses every OpenMP thread
-
 ffi::Error Matmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> w,
                   ffi::ResultBuffer<ffi::F32> out, ffi::Span<const int64_t> geom) {
   if (geom.size() != 5) return ffi::Error::InvalidArgument("geom needs 5 values");
@@ -127,7 +111,7 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> w,
   }
   try {
     auto plan = get_plan({kind == 1 ? 1 : 0, M, K, N, geom[3], geom[4]});
-    std::lock_guard<std::mutex> running(run_mu);
+    std::lock_guard<std::mutex> running(run_mutex());
     dnnl::stream s(cpu());
     thread_local Scratch scratch, wbuf;
     memory pad(memory::desc({(int64_t)plan->scratch}, memory::data_type::u8, tag::a), cpu(),
@@ -157,7 +141,7 @@ ffi::Error Pack(ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
     auto plan = get_plan({2, geom[4], geom[1], geom[2], geom[3], geom[4]});
     if (plan->w.get_size() > out->size_bytes())
       return ffi::Error::InvalidArgument("the packed buffer is too small");
-    std::lock_guard<std::mutex> running(run_mu);
+    std::lock_guard<std::mutex> running(run_mutex());
     dnnl::stream s(cpu());
     memory src(plan->w_user, cpu(), w.typed_data()), dst(plan->w, cpu(), out->typed_data());
     plan->w_reorder.execute(s, src, dst);
