@@ -25,6 +25,7 @@ effectful steps, ``POPART_HOIST=0``."""
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -129,6 +130,10 @@ def split(fn: Callable, specs: Sequence[Any], cap: Optional[int] = None) -> Opti
         outs = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(staged, []))(*res, *consts, *jax.tree_util.tree_leaves(args))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
+    # the plain step's argument names (the report names XLA's parameters by them), then the residuals'
+    sig = inspect.signature(fn)
+    step.__signature__ = sig.replace(parameters=[*sig.parameters.values(), inspect.Parameter(
+        "hoisted", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
     _logger.info(f"weight hoisting: {n_res} residuals, {res_bytes} bytes")
     return Split(jax.jit(derive), step, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in res_avals))
 
