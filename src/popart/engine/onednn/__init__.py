@@ -183,7 +183,15 @@ def _packed_forward(x, w, operands, strides, padding, dilation, nhwc, groups, po
     geom = _geom(strides, padding, dilation, groups)
     n, c, h, wd = (x.shape[-4], x.shape[-1], *x.shape[-3:-1]) if nhwc else x.shape[-4:]
     oh, ow = out[1:3] if nhwc else out[2:]
-    key = np.array([FORWARD, int(nhwc), n, c, h, wd, w.shape[0], *w.shape[2:], oh, ow, *geom, 0], np.int64)
+    # conv.cc's key of this forward's plan: shapes, geometry, the post-ops and each binary
+    # post-op operand's N, C, H, W (the layout the pack writes is that plan's)
+    rest, dims = iter(operands), []
+    for name, _, _ in posts:
+        if name == "bias" or name in BINARY_POSTS:
+            s = next(rest).shape[-4:]
+            dims += [] if name == "bias" else [s[0], s[3], s[1], s[2]] if nhwc else list(s)
+    key = np.array([FORWARD, int(nhwc), n, c, h, wd, w.shape[0], *w.shape[2:], oh, ow, *geom, len(posts),
+                    *_post_geom(posts), *dims], np.int64)
     f = _lib().popart_onednn_conv_packed_bytes
     f.restype = ctypes.c_int64
     size = f(key.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), ctypes.c_int64(key.size))

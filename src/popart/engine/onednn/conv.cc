@@ -179,6 +179,17 @@ std::shared_ptr<Plan> get_plan(const Key& k) {
   return p;
 }
 
+// The reorder from packed layout ``id`` to ``plan``'s weights layout, made once.
+dnnl::reorder repack(int64_t id, const std::shared_ptr<Plan>& plan) {
+  static std::mutex mu;
+  static std::map<std::pair<int64_t, const Plan*>, dnnl::reorder> made;
+  const memory::desc from = layout(id);
+  std::lock_guard<std::mutex> lock(mu);
+  auto& r = made[{id, plan.get()}];
+  if (!r) r = dnnl::reorder(dnnl::reorder::primitive_desc(cpu(), from, cpu(), plan->w_prim));
+  return r;
+}
+
 int64_t lead(ffi::Span<const int64_t> d, size_t inner = 4) {  // product of the outer dims
   int64_t b = 1;
   for (size_t i = 0; i + inner < d.size(); ++i) b *= d[i];
@@ -305,9 +316,9 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
       if (packed) {  // in the primitive's layout already, or (another plan's) reordered
         const memory::desc have = layout(header[1]);
         w = memory(have, cpu(), pb + kHeader);
-        if (have != plan->w_prim) {
+        if (have != plan->w_prim) {  // packed for another plan: reordered (primitive cached)
           memory to(plan->w_prim, cpu(), wbuf.get(plan->w_prim.get_size()));
-          if (i == 0) dnnl::reorder(w, to).execute(s, w, to);
+          if (i == 0) repack(header[1], plan).execute(s, w, to);
           w = to;
         }
       } else {
