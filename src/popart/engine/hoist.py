@@ -40,7 +40,8 @@ from . import onednn
 from .compiled import CompiledStep
 
 _logger = getLogger("devicex")
-GROWTH, SLACK = 1.25, 4096   # a residual's bytes may be this much over its largest input's
+# a residual's bytes may be this much over what it derives from (oneDNN's padded packed layouts)
+GROWTH, SLACK = onednn.PACK_GROWTH, onednn.PACK_SLACK
 
 
 def wanted(training: bool, replication_factor: int) -> bool:

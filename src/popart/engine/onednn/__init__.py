@@ -197,6 +197,9 @@ def _packed_forward(x, w, operands, strides, padding, dilation, nhwc, groups, po
     size = f(key.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), ctypes.c_int64(key.size))
     if size < 0:
         raise RuntimeError(f"oneDNN has no forward convolution for the key {key.tolist()}")
+    if size > PACK_GROWTH * 4 * int(np.prod(w.shape)) + PACK_SLACK:   # the hoisting would keep its pack
+        return (_conv2d_fused(x, w, operands, strides, padding, dilation, nhwc, groups, posts) if posts
+                else _conv2d(x, w, strides, padding, dilation, nhwc, groups))
     packed = jax.ffi.ffi_call(CONV_PACK, jax.ShapeDtypeStruct((size // 4,), np.float32),
                               vmap_method="sequential")(w, key=key)
     return _call(PACKED_FORWARD, x, packed, out, geom, nhwc, operands, _post_geom(posts))
@@ -377,6 +380,9 @@ def matmul(a, w, n: int, trans: bool = False, packed: bool = False):
 
 
 _PACKING = contextvars.ContextVar("popart_onednn_packing", default=False)
+# A packed layout this much larger than its weights (padding) is not packed: hoist.py's memory
+# guard (GROWTH, SLACK) would keep its pack in the step, run on every call.
+PACK_GROWTH, PACK_SLACK = 1.25, 4096
 
 
 @contextlib.contextmanager
@@ -399,4 +405,4 @@ def packs_weights(w) -> bool:
     if not (_PACKING.get() and jnp.ndim(w) == 2 and jnp.result_type(w) == jnp.float32
             and int(np.prod(jnp.shape(w))) >= 4096 and available()):
         return False
-    return packed_bytes(*w.shape) <= 1.25 * 4 * int(np.prod(w.shape))
+    return packed_bytes(*w.shape) <= PACK_GROWTH * 4 * int(np.prod(w.shape)) + PACK_SLACK
