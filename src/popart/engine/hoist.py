@@ -12,9 +12,10 @@ scan over batches too: JAX hoists loop-invariant residuals), with no lowering ch
 same policy decides for all of them.
 
 Memory guard: a value is kept as a residual only where it is no larger than its largest input
-(plus 25% and 4 KiB: a padded packed layout); anything that grows (a broadcast of a weight, a
-constant made from nothing) is recomputed in the step, and the whole split is dropped when the
-residuals exceed ``POPART_HOIST_BYTES`` (default 1.25x the weights + 64 MiB). The residuals are
+and than the weights it derives from (plus 25% and 4 KiB: oneDNN's padded packed layouts);
+anything that grows (a broadcast of a weight, a constant made from nothing) is recomputed in the
+step, and the whole split is dropped when the residuals exceed ``POPART_HOIST_BYTES`` (default
+1.25x the weights + 64 MiB). The residuals are
 cached by the identity of the weight arrays (immutable JAX arrays): a run whose weights are the
 arrays the step last returned reuses them; ``writeWeights``, ``resetHostWeights`` and a loaded
 executable give new arrays, and the next run derives again.
@@ -33,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import numpy as np
 from jax.extend import core as jcore
-from jax._src.interpreters import partial_eval as pe
+from jax._src.interpreters import partial_eval as pe   # partial_eval_jaxpr_custom: not public in jax 0.10
 
 from ..logging import getLogger
 from . import onednn
