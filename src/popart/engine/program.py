@@ -814,14 +814,14 @@ class StepProgram:
         Step = HoistedStep if hoist_wanted(self.cfg.training, self.cfg.replication_factor) else CompiledStep
         if not self.keyless:
             return Step(step, donate_argnums=(0, 1, 2), in_shardings=(w, s, state, feeds, state),
-                                out_shardings=(w, s, state, state))
+                        out_shardings=(w, s, state, state))
 
         def keyless(weights, opt_state, feeds, hyper):   # any key: the graph never reads it
             weights, opt_state, _, anchors = step(weights, opt_state, jnp.zeros(spec.shape, spec.dtype),
                                                   feeds, hyper)
             return weights, opt_state, anchors
         return Step(keyless, donate_argnums=(0, 1), in_shardings=(w, s, feeds, state),
-                            out_shardings=(w, s, state))
+                    out_shardings=(w, s, state))
 
     def _arg_specs(self, weights, opt_state, key, hyper) -> tuple:
         cfg = self.cfg
