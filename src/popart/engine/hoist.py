@@ -154,7 +154,11 @@ class HoistedStep(CompiledStep):
 
     def compile(self, specs: Sequence[Any], exported: Optional[bytes] = None) -> None:
         """As :meth:`CompiledStep.compile`, hoisted when compiled from the step function."""
-        parts = split(self.plain.fn, specs) if exported is None else None
+        try:
+            parts = split(self.plain.fn, specs) if exported is None else None
+        except Exception as e:  # noqa: BLE001 - an optimisation: the plain step (whose trace
+            parts = None        # raises a lowering's error again, as the plain step would)
+            _logger.info(f"weight hoisting skipped: {type(e).__name__}: {str(e)[:200]}")
         if parts is None:
             self.fn, self.derive = self.plain.fn, None
             return super().compile(specs, exported)
