@@ -208,3 +208,45 @@ def test_convolution_on_packed_weights_matches_onnxruntime():
     s.run(stepio)
     assert onednn.packs_run() == before + 2   # both convolutions' weights
     np.testing.assert_allclose(anchors["y"], expected(w2), rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("packed", [False, True], ids=["reorder", "packed"])
+def test_onednn_matmul_batched_weight(packed):
+    """Under vmap a weight with the batch (an activation in the step's vmap over batches) runs
+    one product per item; a shared lhs with a batched weight too."""
+    a = RNG.standard_normal((3, 5, 64), dtype=np.float32)
+    w = RNG.standard_normal((3, 64, 80), dtype=np.float32)
+
+    def f(a, w):
+        return onednn.matmul(a, onednn.pack(w) if packed else w, 80, packed=packed)
+    np.testing.assert_allclose(jax.jit(jax.vmap(f))(a, w), a @ w, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(jax.jit(jax.vmap(f, in_axes=(None, 0)))(a[0], w), a[0] @ w,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_product_of_two_activations_in_a_hoisted_step():
+    """A MatMul whose right operand comes from the feeds (batched in the step's vmap) beside one
+    by a weight: the step is hoisted, the activation's product (packed in the step where oneDNN
+    is built) is right."""
+    w = RNG.standard_normal((96, 128), dtype=np.float32)
+    nodes = [helper.make_node("Transpose", ["b"], ["bt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["a", "bt"], ["p"]),
+             helper.make_node("MatMul", ["a", "w"], ["q"]),
+             helper.make_node("Add", ["p", "q"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [64, 96]),
+                                       helper.make_tensor_value_info("b", TensorProto.FLOAT, [128, 96])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(w, "w")])
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    s = popart.InferenceSession(proto, popart.DataFlow(2, {"y": popart.AnchorReturnType("All")}),
+                                popart.DeviceManager().createCpuDevice())
+    s.prepareDevice()
+    assert s._program.step.derive is not None
+    if onednn.available():
+        assert s._program.step.compiled.as_text().count("custom_call_target=\"popart_onednn_pack\"") == 1   # b's
+    a = RNG.standard_normal((2, 64, 96), dtype=np.float32)
+    b = RNG.standard_normal((2, 128, 96), dtype=np.float32)
+    anchors = s.initAnchorArrays()
+    s.run(popart.PyStepIO({"a": a, "b": b}, anchors))
+    np.testing.assert_allclose(anchors["y"], a @ b.transpose(0, 2, 1) + a @ w, rtol=1e-4, atol=1e-4)

@@ -98,33 +98,41 @@ ffi::Error Matmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> w,
                   ffi::ResultBuffer<ffi::F32> out, ffi::Span<const int64_t> geom) {
   if (geom.size() != 5) return ffi::Error::InvalidArgument("geom needs 5 values");
   const int64_t kind = geom[0], K = geom[1], N = geom[2];
-  auto da = a.dimensions();
+  auto da = a.dimensions(), dw = w.dimensions(), dr = out->dimensions();
   if (da.size() == 0 || da[da.size() - 1] != K) return ffi::Error::InvalidArgument("a's last dim is not K");
-  int64_t M = 1, wl = 1;
-  for (size_t i = 0; i + 1 < da.size(); ++i) M *= da[i];
-  auto dw = w.dimensions();
+  // vmap (expand_dims): every operand has the batch dims in front, 1s where unbatched. A batched
+  // weight (its dims beyond its own rank) runs one product per item, a shared one folds into M.
+  int64_t Ma = 1, Mout = 1, wl = 1;
+  for (size_t i = 0; i + 1 < da.size(); ++i) Ma *= da[i];
+  for (size_t i = 0; i + 1 < dr.size(); ++i) Mout *= dr[i];
   for (size_t i = 0; i + (kind == 1 ? 1 : 2) < dw.size(); ++i) wl *= dw[i];
-  if (wl != 1) return ffi::Error::InvalidArgument("the weight has leading dims (batched)");
-  if (M * K * N == 0) {
+  const int64_t m = wl > 0 ? Mout / wl : 0;
+  if (wl == 0 || Mout % wl != 0 || (Ma != Mout && Ma != m))
+    return ffi::Error::InvalidArgument("the operands' batch dims do not match");
+  if (Mout * K * N == 0) {
     std::memset(out->typed_data(), 0, out->size_bytes());
     return ffi::Error::Success();
   }
   try {
-    auto plan = get_plan({kind == 1 ? 1 : 0, M, K, N, geom[3], geom[4]});
+    auto plan = get_plan({kind == 1 ? 1 : 0, m, K, N, geom[3], geom[4]});
     std::lock_guard<std::mutex> running(run_mutex());
     dnnl::stream s(cpu());
     thread_local Scratch scratch, wbuf;
     memory pad(memory::desc({(int64_t)plan->scratch}, memory::data_type::u8, tag::a), cpu(),
                scratch.get(plan->scratch + 1));
-    memory src(plan->src, cpu(), a.typed_data()), dst(plan->dst, cpu(), out->typed_data());
-    memory wm(plan->reorder ? plan->w_user : plan->w, cpu(), w.typed_data());
-    if (plan->reorder) {
-      memory packed(plan->w, cpu(), wbuf.get(plan->w.get_size()));
-      plan->w_reorder.execute(s, wm, packed);
-      wm = packed;
+    const int64_t a_step = Ma == Mout ? m * K : 0, w_step = (int64_t)w.element_count() / wl;
+    for (int64_t i = 0; i < wl; ++i) {
+      memory src(plan->src, cpu(), a.typed_data() + i * a_step);
+      memory dst(plan->dst, cpu(), out->typed_data() + i * m * N);
+      memory wm(plan->reorder ? plan->w_user : plan->w, cpu(), w.typed_data() + i * w_step);
+      if (plan->reorder) {
+        memory packed(plan->w, cpu(), wbuf.get(plan->w.get_size()));
+        plan->w_reorder.execute(s, wm, packed);
+        wm = packed;
+      }
+      plan->prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, dst},
+                             {DNNL_ARG_SCRATCHPAD, pad}});
     }
-    plan->prim.execute(s, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, dst},
-                           {DNNL_ARG_SCRATCHPAD, pad}});
     s.wait();
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
