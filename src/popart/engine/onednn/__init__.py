@@ -1,9 +1,11 @@
 """2D float32 convolutions through oneDNN on the CPU, as an XLA FFI custom call (``conv.cc``),
-behind the Conv lowering.
+behind the Conv lowering; and matrix products on weights packed once (``matmul.cc``), behind the
+CPU's MatMul / Gemm in a hoisted inference step (``engine/hoist.py``, ``ops/matmul_cpu.py``).
 
 ``conv2d(x, w, ...)`` is a ``custom_vjp`` function: its forward, input gradient and weight
 gradient are each one call of the same handler (oneDNN's forward, backward-data and
-backward-weights primitives). The handler is compiled at first use with the C++ compiler
+backward-weights primitives); inside :func:`packing` its forward reads weights a separate call
+packed (the pack hoisted out of the step). The handlers are compiled at first use with the C++ compiler
 against the oneDNN PyPI wheels (``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``, linux
 x86-64), into ``~/.cache/popart-xla/onednn-<hash>/`` (``$XDG_CACHE_HOME`` honoured; built under
 a file lock and renamed into place), then loaded and registered with ``jax.ffi``.
