@@ -7,7 +7,9 @@ onnxruntime's (MLAS) one-node models, and PyTorch.
 
 Columns: ``xla`` a @ W; ``xla-t`` a @ W^T (W [N, K]); ``ort`` MatMul with W an initializer;
 ``ort-t`` Transpose(W) -> MatMul (onnxruntime folds the Transpose once); ``torch`` a @ W
-(``torch.matmul``). Batched rows (attention: ``b``) are [B, M, K] x [B, K, N] with both
+(``torch.matmul``); ``dnnl`` oneDNN's matmul as popart's custom call (``engine/onednn``
+``matmul``: W reordered into its blocked layout on each call), ``dnnl-p`` the same call reading W
+packed once (``onednn.pack``, as a hoisted step runs it: the pack outside the timing). Batched rows (attention: ``b``) are [B, M, K] x [B, K, N] with both
 operands inputs. Each row's columns take turns within each repeat; the median of the repeats.
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from popart.engine import onednn  # noqa: E402
+
 # (label, B, M, K, N): B = 0 for a weight product, else a batched product of two activations.
 SHAPES = {
     "gpt2": [("lm head", 0, 256, 768, 50257), ("qkv", 0, 256, 768, 2304), ("proj", 0, 256, 768, 768),
@@ -45,7 +49,7 @@ SHAPES = {
     "swin": [("qkv s1", 0, 6272, 96, 288), ("fc s1", 0, 6272, 96, 384), ("fc2 s1", 0, 6272, 384, 96),
              ("qkv s3", 0, 392, 384, 1152), ("qk s1", 768, 49, 32, 49), ("pv s1", 768, 49, 49, 32)],
 }
-COLS = ["xla", "xla-t", "ort", "ort-t", "torch"]
+COLS = ["xla", "xla-t", "ort", "ort-t", "torch", "dnnl", "dnnl-p"]
 
 
 def _ort(k: int, n: int, w: np.ndarray, transposed: bool) -> ort.InferenceSession:
@@ -89,7 +93,14 @@ def runners(b: int, m: int, k: int, n: int) -> dict:
     nn, nt = jax.jit(jnp.matmul), jax.jit(lambda a, wt: a @ wt.T)
     s, st = _ort(k, n, w, False), _ort(k, n, w, True)
     tx, tw = torch.from_numpy(x), torch.from_numpy(w)
-    return {"xla": lambda: nn(jx, jw).block_until_ready(),
+    dnnl = {}
+    if onednn.available():
+        d = jax.jit(lambda a, w: onednn.matmul(a, w, n))
+        dp = jax.jit(lambda a, p: onednn.matmul(a, p, n, packed=True))
+        jp = jax.jit(onednn.pack)(jw).block_until_ready()
+        dnnl = {"dnnl": lambda: d(jx, jw).block_until_ready(),
+                "dnnl-p": lambda: dp(jx, jp).block_until_ready()}
+    return {**dnnl,"xla": lambda: nn(jx, jw).block_until_ready(),
             "xla-t": lambda: nt(jx, jwt).block_until_ready(),
             "ort": lambda: s.run(None, {"x": x}), "ort-t": lambda: st.run(None, {"x": x}),
             "torch": lambda: torch.matmul(tx, tw)}

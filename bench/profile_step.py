@@ -69,6 +69,10 @@ def _convs(hlo: str) -> dict[str, tuple[str, str, float]]:
             [int(v) for v in g.split(",") if v] for g in m.group(2, 3, 4))
         geom = [int(v) for v in m.group(6).split(",")]
         groups = geom[10]
+        if len(w) < 4:   # weights packed by popart_onednn_conv_pack (a hoisted inference step)
+            post = f" post {geom[11:]}" if len(geom) > 11 else ""
+            out[name] = ("packed", f"{x[-4:]} -> {y[-4:]} s{geom[2]} g{groups}{post}", 0.0)
+            continue
         o, cg, kh, kw = w[-4:]
         kind = ("depthwise" if groups > 1 and cg == 1 else "grouped" if groups > 1
                 else "1x1" if (kh, kw) == (1, 1) else f"{kh}x{kw}")

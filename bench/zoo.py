@@ -3,7 +3,7 @@ TrainingSession against PyTorch eager, on public architectures with random weigh
 
     python bench/zoo.py [--threads N] [--models mobilenetv3,efficientnet_b0] [--reps 3]
                         [--infer-batches 10] [--train-batches 4] [--no-train] [--grouped-on-xla]
-                        [--cpu-time]
+                        [--cpu-time] [--no-hoist]
 
 The models (``bench/zoo_models.py``): ResNet-50, MobileNetV3-Small, EfficientNet-B0, ConvNeXt-T,
 RegNetY-400MF, ShuffleNetV2 x1.0, SegFormer-B0 (segmentation; its map's mean over pixels as
@@ -25,7 +25,8 @@ median of ``--reps`` repeats (``--cpu-time``: of the process's CPU time, every t
 instead of the wall clock: on a machine shared with other jobs it counts the work, not the
 waits for a core). ``--threads N`` pins the process to N cores and gives every
 runtime N threads (oneDNN's OpenMP ones too). ``--grouped-on-xla`` keeps grouped and depthwise
-convolutions on XLA (``onednn._XLA_SHAPES``), as before issue 36.
+convolutions on XLA (``onednn._XLA_SHAPES``), as before issue 36; ``--no-hoist`` runs inference
+without weight hoisting (``engine/hoist.py``: ``POPART_HOIST=0``), as before it.
 """
 from __future__ import annotations
 
@@ -177,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="time by the process's CPU time, not the wall clock (a busy machine)")
     ap.add_argument("--grouped-on-xla", action="store_true",
                     help="grouped / depthwise convolutions on XLA, as before issue 36")
+    ap.add_argument("--no-hoist", action="store_true",
+                    help="inference steps not hoisted (POPART_HOIST=0: weights repacked every run)")
     args = ap.parse_args(argv)
+    if args.no_hoist:
+        os.environ["POPART_HOIST"] = "0"
     if args.grouped_on_xla:
         onednn._XLA_SHAPES.append(lambda x, w, strides, dilation, groups: groups > 1)
     torch.set_num_threads(args.threads)

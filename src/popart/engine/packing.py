@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .compiled import CompiledStep, Placement
+from .hoist import HoistedStep, wanted as hoist_wanted
 from .step import ScanSchedule, StepParts, infer_step, train_step, vectorised_inference
 
 FEED_REPLICA_DIM = 2   # a step's inputs are [batches_per_step, accumulation, replicas, ...]
@@ -92,13 +93,14 @@ class GlobalArrays:
             step = train_step(parts, ScanSchedule(parts, placement))
         else:
             step = infer_step(parts, vectorised_inference(parts, placement))
+        Step = HoistedStep if hoist_wanted(parts.cfg.training, parts.cfg.replication_factor) else CompiledStep
         if parts.keyed:
-            return CompiledStep(step, donate_argnums=(0, 1, 2), in_shardings=(w, s, state, feeds, state),
+            return Step(step, donate_argnums=(0, 1, 2), in_shardings=(w, s, state, feeds, state),
                                 out_shardings=(w, s, state, state))
 
         def keyless(weights, opt_state, feeds, hyper):   # any key: the graph never reads it
             weights, opt_state, _, anchors = step(weights, opt_state,
                                                   jnp.zeros(key_spec.shape, key_spec.dtype), feeds, hyper)
             return weights, opt_state, anchors
-        return CompiledStep(keyless, donate_argnums=(0, 1), in_shardings=(w, s, feeds, state),
+        return Step(keyless, donate_argnums=(0, 1), in_shardings=(w, s, feeds, state),
                             out_shardings=(w, s, state))

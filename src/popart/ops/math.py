@@ -20,9 +20,10 @@ def _static_int(ctx: LowerCtx, x, what):
     return int(ctx.static(x, what).reshape(-1)[0])
 
 @register("MatMul")
-def matmul(ctx: LowerCtx, a, b, **_):
+def matmul(ctx: LowerCtx, a, b, product=None, **_):
     """MatMulOp::npMatMulOut's checks (matmul.cpp): no scalar operand, equal contracting
-    dimensions (shown with a 1-D lhs promoted to [1, n], a 1-D rhs to [n, 1])."""
+    dimensions (shown with a 1-D lhs promoted to [1, n], a 1-D rhs to [n, 1]); ``product``:
+    a platform override's (``ops/matmul_cpu.py``), else :func:`_product`."""
     for side, x, tid in (("lhs", a, ctx.input_ids[0]), ("rhs", b, ctx.input_ids[1])):
         if jnp.ndim(x) == 0:
             raise popart_error(ctx, f"{debug_name(ctx)} doesn't support scalar tensor {tid} as "
@@ -34,7 +35,7 @@ def matmul(ctx: LowerCtx, a, b, **_):
                            f"'{ctx.input_ids[0]}' {shape_text(ls)}, rhs '{ctx.input_ids[1]}' "
                            f"{shape_text(rs)}", "the lhs's last dimension must equal the rhs's "
                            "second to last")
-    return _product(a, b).astype(_dt(a))   # MatMulOp::setup: the lhs's type
+    return (product or _product)(a, b).astype(_dt(a))   # MatMulOp::setup: the lhs's type
 
 
 def _product(a, b):
@@ -82,11 +83,11 @@ def matmul_integer(ctx: LowerCtx, a, b, a_zero_point=None, b_zero_point=None, **
     return jnp.matmul(a, b, preferred_element_type=jnp.int32)
 
 @register("Gemm")
-def gemm(ctx: LowerCtx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
+def gemm(ctx: LowerCtx, a, b, cc=None, alpha=1.0, beta=1.0, transA=0, transB=0, product=None, **_):
     if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
         raise ctx.error(f"A and B must be matrices, got shapes {list(jnp.shape(a))} and {list(jnp.shape(b))}")
     a, b = (a.T if transA else a), (b.T if transB else b)
-    y = _product(a, b)
+    y = (product or _product)(a, b)
     y = y if alpha == 1.0 else c(y, alpha) * y
     if cc is not None:
         y = y + (cc if beta == 1.0 else c(y, beta) * cc)

@@ -1,9 +1,11 @@
 """2D float32 convolutions through oneDNN on the CPU, as an XLA FFI custom call (``conv.cc``),
-behind the Conv lowering.
+behind the Conv lowering; and matrix products on weights packed once (``matmul.cc``), behind the
+CPU's MatMul / Gemm in a hoisted inference step (``engine/hoist.py``, ``ops/matmul_cpu.py``).
 
 ``conv2d(x, w, ...)`` is a ``custom_vjp`` function: its forward, input gradient and weight
 gradient are each one call of the same handler (oneDNN's forward, backward-data and
-backward-weights primitives). The handler is compiled at first use with the C++ compiler
+backward-weights primitives); inside :func:`packing` its forward reads weights a separate call
+packed (the pack hoisted out of the step). The handlers are compiled at first use with the C++ compiler
 against the oneDNN PyPI wheels (``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp``, linux
 x86-64), into ``~/.cache/popart-xla/onednn-<hash>/`` (``$XDG_CACHE_HOME`` honoured; built under
 a file lock and renamed into place), then loaded and registered with ``jax.ffi``.
@@ -14,6 +16,8 @@ XLA's. oneDNN runs on GNU OpenMP's threads (``OMP_NUM_THREADS``), not XLA's pool
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import fcntl
 import functools
@@ -34,10 +38,13 @@ import numpy as np
 from ...logging import getLogger
 
 TARGET = "popart_onednn_conv"
-TARGETS = (TARGET,)   # the custom calls an exported program may hold (engine/compiled.py)
-SOURCES = [Path(__file__).with_name("conv.cc")]
+MATMUL, PACK, CONV_PACK = "popart_onednn_matmul", "popart_onednn_pack", "popart_onednn_conv_pack"
+TARGETS = (TARGET, MATMUL, PACK, CONV_PACK)   # the custom calls an exported program may hold (engine/compiled.py)
+SOURCES = [Path(__file__).with_name("conv.cc"), Path(__file__).with_name("matmul.cc")]
+HEADERS = [Path(__file__).with_name("common.h")]   # in the build's hash
+_LIB: list = []   # the loaded library (ctypes), once available() has loaded it
 _logger = getLogger("devicex")
-FORWARD, BACKWARD_DATA, BACKWARD_WEIGHTS = 0, 1, 2
+FORWARD, BACKWARD_DATA, BACKWARD_WEIGHTS, PACKED_FORWARD = 0, 1, 2, 3
 
 
 def _onednn_prefix() -> Optional[Path]:
@@ -66,7 +73,7 @@ def _build(prefix: Path, cxx: str) -> Path:
     """The handler's shared library, built once per source / oneDNN / jax / compiler."""
     include = jax.ffi.include_dir()
     key = hashlib.sha256(b"\0".join(
-        [*(s.read_bytes() for s in SOURCES), str(prefix).encode(), include.encode(), jax.__version__.encode(),
+        [*(s.read_bytes() for s in SOURCES + HEADERS), str(prefix).encode(), include.encode(), jax.__version__.encode(),
          cxx.encode()])).hexdigest()[:16]
     out = _cache_dir(key)
     lib = out / "libpopart_onednn.so"
@@ -104,14 +111,16 @@ def available() -> bool:
     if why is None:
         try:
             lib = ctypes.CDLL(str(_build(prefix, cxx)))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PopartOnednnConv),
-                                        platform="cpu")
+            for target, symbol in ((TARGET, lib.PopartOnednnConv), (MATMUL, lib.PopartOnednnMatmul),
+                                   (PACK, lib.PopartOnednnPack), (CONV_PACK, lib.PopartOnednnConvPack)):
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+            _LIB.append(lib)
         except Exception as e:  # noqa: BLE001 - any failure means XLA's convolution
             why = f"could not be built or loaded: {e}"
     if why is not None:
         _logger.warn(f"oneDNN convolutions unavailable, using XLA's: {why}")
         return False
-    _logger.info(f"oneDNN convolutions: {TARGET} registered")
+    _logger.info(f"oneDNN convolutions and matmuls: {', '.join(TARGETS)} registered")
     return True
 
 
@@ -129,11 +138,18 @@ def _geom(strides, padding, dilation, groups) -> tuple:
     return (*strides, pt, pl, pb, pr, *dilation, groups)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def conv2d(x, w, strides: tuple, padding: tuple, dilation: tuple, nhwc: bool, groups: int = 1):
     """2D float32 convolution by oneDNN: x NHWC (``nhwc``) or NCHW, w OIHW (ONNX's: O x C/groups
     x KH x KW), y in x's layout; ``padding`` ((top, bottom), (left, right)), ``dilation`` 1 for
-    none, ``groups`` as ONNX's ``group`` (depthwise: the channels)."""
+    none, ``groups`` as ONNX's ``group`` (depthwise: the channels). Inside :func:`packing` (a
+    hoisted inference step) on weights packed by a separate call (:func:`_packed_forward`)."""
+    if _PACKING.get():
+        return _packed_forward(x, w, (), strides, padding, dilation, nhwc, groups, ())
+    return _conv2d(x, w, strides, padding, dilation, nhwc, groups)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _conv2d(x, w, strides: tuple, padding: tuple, dilation: tuple, nhwc: bool, groups: int = 1):
     return _fwd(x, w, strides, padding, dilation, nhwc, groups)[0]
 
 
@@ -159,7 +175,36 @@ def _bwd(strides, padding, dilation, nhwc, groups, res, dy):
     return dx, dw
 
 
-conv2d.defvjp(_fwd, _bwd)
+_conv2d.defvjp(_fwd, _bwd)
+
+
+def _packed_forward(x, w, operands, strides, padding, dilation, nhwc, groups, posts):
+    """The forward (post-ops too) on ``w`` packed by ``popart_onednn_conv_pack`` into the layout
+    of the forward primitive of this shape (no gradients: inference)."""
+    out = _out_shape(x, w, strides, padding, dilation, nhwc)
+    geom = _geom(strides, padding, dilation, groups)
+    n, c, h, wd = (x.shape[-4], x.shape[-1], *x.shape[-3:-1]) if nhwc else x.shape[-4:]
+    oh, ow = out[1:3] if nhwc else out[2:]
+    # conv.cc's key of this forward's plan: shapes, geometry, the post-ops and each binary
+    # post-op operand's N, C, H, W (the layout the pack writes is that plan's)
+    rest, dims = iter(operands), []
+    for name, _, _ in posts:
+        if name == "bias" or name in BINARY_POSTS:
+            s = next(rest).shape[-4:]
+            dims += [] if name == "bias" else [s[0], s[3], s[1], s[2]] if nhwc else list(s)
+    key = np.array([FORWARD, int(nhwc), n, c, h, wd, w.shape[0], *w.shape[2:], oh, ow, *geom, len(posts),
+                    *_post_geom(posts), *dims], np.int64)
+    f = _lib().popart_onednn_conv_packed_bytes
+    f.restype = ctypes.c_int64
+    size = f(key.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), ctypes.c_int64(key.size))
+    if size < 0:
+        raise RuntimeError(f"oneDNN has no forward convolution for the key {key.tolist()}")
+    if size > PACK_GROWTH * 4 * int(np.prod(w.shape)) + PACK_SLACK:   # the hoisting would keep its pack
+        return (_conv2d_fused(x, w, operands, strides, padding, dilation, nhwc, groups, posts) if posts
+                else _conv2d(x, w, strides, padding, dilation, nhwc, groups))
+    packed = jax.ffi.ffi_call(CONV_PACK, jax.ShapeDtypeStruct((size // 4,), np.float32),
+                              vmap_method="sequential")(w, key=key)
+    return _call(PACKED_FORWARD, x, packed, out, geom, nhwc, operands, _post_geom(posts))
 
 def channels_last(x_shape: Sequence[int], w_shape: Sequence[int], training: bool = True) -> bool:
     """Whether oneDNN runs a convolution of NCHW x (no channels-last form) by OIHW w on NHWC
@@ -239,12 +284,20 @@ def apply_posts(y, operands: Sequence, posts: Sequence[Post], nhwc: bool):
     return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def conv2d_fused(x, w, operands: tuple, strides: tuple, padding: tuple, dilation: tuple,
                  nhwc: bool, groups: int, posts: tuple):
     """``apply_posts(conv2d(x, w, ...), operands, posts, nhwc)`` as one oneDNN forward call,
     the post-ops applied as the convolution writes its result (``posts``: (name, alpha, beta)
-    of ``POST_OPS``, the bias first if any). Its gradients are those of the reference."""
+    of ``POST_OPS``, the bias first if any). Its gradients are those of the reference. Inside
+    :func:`packing`, on packed weights (as :func:`conv2d`)."""
+    if _PACKING.get():
+        return _packed_forward(x, w, operands, strides, padding, dilation, nhwc, groups, posts)
+    return _conv2d_fused(x, w, operands, strides, padding, dilation, nhwc, groups, posts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _conv2d_fused(x, w, operands: tuple, strides: tuple, padding: tuple, dilation: tuple,
+                  nhwc: bool, groups: int, posts: tuple):
     out = _out_shape(x, w, strides, padding, dilation, nhwc)
     return _call(FORWARD, x, w, out, _geom(strides, padding, dilation, groups), nhwc,
                  operands, _post_geom(posts))
@@ -256,7 +309,7 @@ def _reference(x, w, operands, strides, padding, dilation, nhwc, groups, posts):
 
 
 def _fused_fwd(x, w, operands, *static):
-    return conv2d_fused(x, w, operands, *static), (x, w, operands)
+    return _conv2d_fused(x, w, operands, *static), (x, w, operands)
 
 
 def _fused_bwd(*args):
@@ -264,4 +317,94 @@ def _fused_bwd(*args):
     return jax.vjp(lambda x, w, o: _reference(x, w, o, *static), x, w, operands)[1](dy)
 
 
-conv2d_fused.defvjp(_fused_fwd, _fused_bwd)
+_conv2d_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ---- Matrix products (matmul.cc): y = a @ W, float32, W [K, N] (or W^T [N, K], ``trans``), on
+# oneDNN's matmul; ``pack`` reorders W once into the blocked layout the primitive reads, so a
+# step whose packs are hoisted out of it (engine/hoist.py) reads packed weights on every run.
+PACK_M = 256   # the rows the packed layout is chosen for (a product of any M reads it)
+
+
+def _lib() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError("oneDNN is unavailable (see popart's devicex log)")
+    return _LIB[0]
+
+
+def packed_bytes(k: int, n: int, trans: bool = False) -> int:
+    """Bytes of W [K, N] in oneDNN's packed layout (a multiple of 4)."""
+    f = _lib().popart_onednn_packed_bytes
+    f.restype = ctypes.c_int64
+    size = f(ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(int(trans)), ctypes.c_int64(PACK_M))
+    if size < 0:
+        raise RuntimeError(f"oneDNN has no packed layout for a {k} x {n} weight")
+    return int(size)
+
+
+def packs_run() -> int:
+    """How many packs (matmul weights and convolution weights) the library has run in this
+    process (tests count them)."""
+    lib = _lib()
+    lib.popart_onednn_packs.restype = lib.popart_onednn_conv_packs.restype = ctypes.c_int64
+    return int(lib.popart_onednn_packs()) + int(lib.popart_onednn_conv_packs())
+
+
+def matmul_impl(m: int, k: int, n: int, packed: bool) -> str:
+    """oneDNN's implementation name for an (m, k) x (k, n) product (benches print it)."""
+    f = _lib().popart_onednn_matmul_impl
+    f.restype = ctypes.c_char_p
+    return f(*(ctypes.c_int64(v) for v in (m, k, n, int(packed)))).decode()
+
+
+def _mm_geom(kind: int, k: int, n: int, trans: bool) -> np.ndarray:
+    return np.array([kind, k, n, int(trans), PACK_M], np.int64)
+
+
+def pack(w, trans: bool = False):
+    """W (``[K, N]``, or ``[N, K]`` with ``trans``) in oneDNN's packed layout: a flat float32
+    array that only :func:`matmul` reads."""
+    k, n = (w.shape[1], w.shape[0]) if trans else w.shape
+    out = jax.ShapeDtypeStruct((packed_bytes(k, n, trans) // 4,), np.float32)
+    _lib()
+    return jax.ffi.ffi_call(PACK, out, vmap_method="sequential")(w, geom=_mm_geom(2, k, n, trans))
+
+
+def matmul(a, w, n: int, trans: bool = False, packed: bool = False):
+    """``a @ W`` (a ``[..., K]``) by oneDNN: ``w`` is W ``[K, N]`` (``[N, K]`` with ``trans``),
+    or with ``packed`` what :func:`pack` made of it (``n``: W's columns)."""
+    _lib()
+    k = a.shape[-1]
+    out = jax.ShapeDtypeStruct((*a.shape[:-1], n), np.float32)
+    # vmap folds into the rows (a's leading dims); a batched weight runs one call per item.
+    return jax.ffi.ffi_call(MATMUL, out, vmap_method="expand_dims")(
+        a, w, geom=_mm_geom(int(packed), k, n, trans))
+
+
+_PACKING = contextvars.ContextVar("popart_onednn_packing", default=False)
+# A packed layout this much larger than its weights (padding) is not packed: hoist.py's memory
+# guard (GROWTH, SLACK) would keep its pack in the step, run on every call.
+PACK_GROWTH, PACK_SLACK = 1.25, 4096
+
+
+@contextlib.contextmanager
+def packing():
+    """While a step whose weight-only work is hoisted (engine/hoist.py) is traced: matmul
+    lowerings read their weights packed (:func:`packs_weights`), the packs hoisted with the rest."""
+    token = _PACKING.set(True)
+    try:
+        yield
+    finally:
+        _PACKING.reset(token)
+
+
+def packs_weights(w) -> bool:
+    """Whether a matmul by the 2-D float32 operand ``w`` runs on oneDNN with ``w`` packed:
+    inside :func:`packing` only (elsewhere the pack would run on every call), where oneDNN is
+    built, for weights of 4096 elements or more (smaller products stay XLA's dots) whose packed
+    layout is at most a quarter larger (padding; hoist.py's guard would keep a larger one's pack
+    in the step, run on every call)."""
+    if not (_PACKING.get() and jnp.ndim(w) == 2 and jnp.result_type(w) == jnp.float32
+            and int(np.prod(jnp.shape(w))) >= 4096 and available()):
+        return False
+    return packed_bytes(*w.shape) <= PACK_GROWTH * 4 * int(np.prod(w.shape)) + PACK_SLACK

@@ -11,7 +11,11 @@
 // in the activations' layout with each of its 4 dims the result's or 1 (broadcast).
 // Operands may carry extra leading (vmap) dims: each has either the result's leading dims or
 // all of them 1 (shared). Primitives are made once per shape and post-op chain and cached;
-// weights are reordered to the primitive's blocked format on each call.
+// weights are reordered to the primitive's blocked format on each call, except for kind 3: a
+// forward whose weights come packed by PopartOnednnConvPack (hoisted out of an inference step:
+// reordered once per weights version). A packed buffer is a 64-byte header (kPackMagic, the
+// layout's index in this process's registry, O, KH, KW) and the weights in that layout.
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +28,7 @@
 
 #include "dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 using dnnl::memory;
@@ -31,6 +36,10 @@ using tag = memory::format_tag;
 using alg = dnnl::algorithm;
 
 namespace {
+
+using popart_onednn::cpu;
+using popart_onednn::run_mutex;
+using popart_onednn::Scratch;
 
 // Post-op codes (onednn/__init__.py POST_OPS): the bias, binary add / multiply / max / min
 // with an operand,
@@ -51,11 +60,6 @@ float bits(int64_t v) {  // a float32 from the int32 bits geom carries
   return f;
 }
 
-dnnl::engine& cpu() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
-
 struct Plan {  // one cached primitive and what running it needs
   dnnl::primitive prim;
   memory::desc act_in, act_out, w_prim, w_user, bias;
@@ -67,6 +71,25 @@ struct Plan {  // one cached primitive and what running it needs
 };
 
 using Key = std::vector<int64_t>;
+constexpr int64_t kPackMagic = 0x706f7061636b;   // the packed buffer's header
+constexpr size_t kHeader = 16;                     // floats (64 bytes)
+std::mutex layouts_mu;
+std::vector<memory::desc> layouts;   // the packed layouts: a header holds an index
+
+int64_t layout_id(const memory::desc& d) {
+  std::lock_guard<std::mutex> lock(layouts_mu);
+  for (size_t i = 0; i < layouts.size(); ++i)
+    if (layouts[i] == d) return (int64_t)i;
+  layouts.push_back(d);
+  return (int64_t)layouts.size() - 1;
+}
+
+memory::desc layout(int64_t id) {
+  std::lock_guard<std::mutex> lock(layouts_mu);
+  return layouts.at(id);
+}
+
+std::atomic<int64_t> conv_packs{0};   // how many packs ran (tests count them)
 std::mutex plans_mu;
 std::map<Key, std::shared_ptr<Plan>> plans;
 
@@ -156,19 +179,16 @@ std::shared_ptr<Plan> get_plan(const Key& k) {
   return p;
 }
 
-struct Scratch {  // a per-thread, 64-byte aligned buffer that only grows
-  void* p = nullptr;
-  size_t n = 0;
-  void* get(size_t need) {
-    if (need > n) {
-      std::free(p);
-      n = (need + 63) / 64 * 64;
-      p = std::aligned_alloc(64, n);
-    }
-    return p;
-  }
-  ~Scratch() { std::free(p); }
-};
+// The reorder from packed layout ``id`` to ``plan``'s weights layout, made once.
+dnnl::reorder repack(int64_t id, const std::shared_ptr<Plan>& plan) {
+  static std::mutex mu;
+  static std::map<std::pair<int64_t, const Plan*>, dnnl::reorder> made;
+  const memory::desc from = layout(id);
+  std::lock_guard<std::mutex> lock(mu);
+  auto& r = made[{id, plan.get()}];
+  if (!r) r = dnnl::reorder(dnnl::reorder::primitive_desc(cpu(), from, cpu(), plan->w_prim));
+  return r;
+}
 
 int64_t lead(ffi::Span<const int64_t> d, size_t inner = 4) {  // product of the outer dims
   int64_t b = 1;
@@ -186,11 +206,15 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
                 ffi::ResultBuffer<ffi::F32> out, ffi::Span<const int64_t> geom) {
   if (geom.size() < 11 || (geom.size() - 11) % 3 != 0)
     return ffi::Error::InvalidArgument("geom needs 11 values and 3 per post-op");
-  const int64_t kind = geom[0], nhwc = geom[1], G = geom[10];
+  const bool packed = geom[0] == 3;   // a forward on weights PopartOnednnConvPack packed
+  const int64_t kind = packed ? 0 : geom[0], nhwc = geom[1], G = geom[10];
   // The operands' roles: activations x / dy, weights w (OIHW), by direction.
   auto da = a.dimensions(), db = b.dimensions(), dr = out->dimensions();
-  if (da.size() < 4 || db.size() < 4 || dr.size() < 4)
+  if (da.size() < 4 || db.size() < (packed ? 1 : 4) || dr.size() < 4)
     return ffi::Error::InvalidArgument("operands need 4 dims at least");
+  const int64_t* header = reinterpret_cast<const int64_t*>(b.typed_data());
+  if (packed && (lead(db, 1) != 1 || header[0] != kPackMagic))
+    return ffi::Error::InvalidArgument("the packed weights are not one PopartOnednnConvPack result");
   const int64_t batches = lead(dr);
   // The post-ops' operands: the bias (1 inner dim) and binary inputs (4), in order.
   std::vector<Extra> extras;
@@ -221,7 +245,8 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
     size_t r = d.size() - 4;
     O = d[r], C = d[r + 1] * G, KH = d[r + 2], KW = d[r + 3];
   };
-  if (kind == 0) sp(da, N, C, H, W), weights(db), sp(dr, t, t, OH, OW);
+  if (packed) sp(da, N, C, H, W), O = header[2], KH = header[3], KW = header[4], sp(dr, t, t, OH, OW);
+  else if (kind == 0) sp(da, N, C, H, W), weights(db), sp(dr, t, t, OH, OW);
   else if (kind == 1) sp(da, N, t, OH, OW), weights(db), sp(dr, t, t, H, W);
   else sp(da, N, C, H, W), sp(db, t, O, OH, OW), weights(dr);
   if (N * C * H * W * O * KH * KW * OH * OW == 0) {  // an empty operand: sums over nothing
@@ -230,7 +255,7 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
   }
   // Folding shared weights' vmap dims into the batch: one call over B*N images, where every
   // post-op operand folds too (a bias shared; a binary input per image or the same for all).
-  bool fold = kind != 2 && lead(db) == 1 && lead(da) == batches;
+  bool fold = kind != 2 && lead(db, packed ? 1 : 4) == 1 && lead(da) == batches;
   std::vector<int64_t> bin_dims;  // each binary input's N, C, H, W
   for (size_t i = 11, j = 0; i < geom.size(); i += 3) {
     if (geom[i] == kBias) {
@@ -258,8 +283,7 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
     auto plan = get_plan(key);
     // One convolution at a time: each uses every OpenMP thread, and XLA may run independent
     // ones (a step's two gradients) concurrently on its own threads.
-    static std::mutex run_mu;
-    std::lock_guard<std::mutex> running(run_mu);
+    std::lock_guard<std::mutex> running(run_mutex());
     dnnl::stream s(cpu());
     thread_local Scratch scratch, wbuf;
     memory pad(memory::desc({(int64_t)plan->scratch}, memory::data_type::u8, tag::a), cpu(),
@@ -268,7 +292,7 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
     const size_t so = (kind == 2 ? sw : plan->act_out.get_size() / 4);
     const size_t sb = kind == 2 ? plan->act_out.get_size() / 4 : sw;
     const size_t step_a = lead(da) == 1 || loops == 1 ? 0 : sa;
-    const size_t step_b = lead(db) == 1 || loops == 1 ? 0 : sb;
+    const size_t step_b = packed || lead(db) == 1 || loops == 1 ? 0 : sb;
     float* pa = a.typed_data();
     float* pb = b.typed_data();
     float* po = out->typed_data();
@@ -288,9 +312,20 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
         continue;
       }
       memory in(plan->act_in, cpu(), pa), res(plan->act_out, cpu(), po);
-      memory w_user(plan->w_user, cpu(), pb);
-      memory w = plan->reorder ? memory(plan->w_prim, cpu(), wp) : w_user;
-      if (plan->reorder && (i == 0 || step_b)) plan->w_reorder.execute(s, w_user, w);
+      memory w;
+      if (packed) {  // in the primitive's layout already, or (another plan's) reordered
+        const memory::desc have = layout(header[1]);
+        w = memory(have, cpu(), pb + kHeader);
+        if (have != plan->w_prim) {  // packed for another plan: reordered (primitive cached)
+          memory to(plan->w_prim, cpu(), wbuf.get(plan->w_prim.get_size()));
+          if (i == 0) repack(header[1], plan).execute(s, w, to);
+          w = to;
+        }
+      } else {
+        memory w_user(plan->w_user, cpu(), pb);
+        w = plan->reorder ? memory(plan->w_prim, cpu(), wp) : w_user;
+        if (plan->reorder && (i == 0 || step_b)) plan->w_reorder.execute(s, w_user, w);
+      }
       if (kind == 1) {
         plan->prim.execute(s, {{DNNL_ARG_DIFF_DST, in}, {DNNL_ARG_WEIGHTS, w},
                                {DNNL_ARG_DIFF_SRC, res}, {DNNL_ARG_SCRATCHPAD, pad}});
@@ -316,7 +351,49 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
   return ffi::Error::Success();
 }
 
+// The forward's weights (OIHW) in the layout of the forward plan of ``key`` (Conv's key, no
+// post-ops), after the header.
+ffi::Error ConvPack(ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
+                    ffi::Span<const int64_t> key) {
+  try {
+    auto plan = get_plan(Key(key.begin(), key.end()));
+    if (plan->w_prim.get_size() + kHeader * 4 > out->size_bytes())
+      return ffi::Error::InvalidArgument("the packed buffer is too small");
+    int64_t* header = reinterpret_cast<int64_t*>(out->typed_data());
+    std::memset(header, 0, kHeader * 4);
+    header[0] = kPackMagic, header[1] = layout_id(plan->w_prim);
+    header[2] = key[6], header[3] = key[7], header[4] = key[8];
+    memory src(plan->w_user, cpu(), w.typed_data());
+    memory dst(plan->w_prim, cpu(), out->typed_data() + kHeader);
+    std::lock_guard<std::mutex> running(run_mutex());
+    dnnl::stream s(cpu());
+    if (plan->reorder) plan->w_reorder.execute(s, src, dst);
+    else std::memcpy(dst.get_data_handle(), src.get_data_handle(), plan->w_user.get_size());
+    s.wait();
+    conv_packs++;
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("oneDNN convolution pack: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+extern "C" int64_t popart_onednn_conv_packed_bytes(const int64_t* key, int64_t n) {
+  try {
+    return (int64_t)(get_plan(Key(key, key + n))->w_prim.get_size() + kHeader * 4);
+  } catch (...) {
+    return -1;
+  }
+}
+
+extern "C" int64_t popart_onednn_conv_packs() { return conv_packs.load(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PopartOnednnConvPack, ConvPack,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("key"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PopartOnednnConv, Conv,
                               ffi::Ffi::Bind()
