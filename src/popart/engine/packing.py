@@ -96,11 +96,11 @@ class GlobalArrays:
         Step = HoistedStep if hoist_wanted(parts.cfg.training, parts.cfg.replication_factor) else CompiledStep
         if parts.keyed:
             return Step(step, donate_argnums=(0, 1, 2), in_shardings=(w, s, state, feeds, state),
-                                out_shardings=(w, s, state, state))
+                        out_shardings=(w, s, state, state))
 
         def keyless(weights, opt_state, feeds, hyper):   # any key: the graph never reads it
             weights, opt_state, _, anchors = step(weights, opt_state,
                                                   jnp.zeros(key_spec.shape, key_spec.dtype), feeds, hyper)
             return weights, opt_state, anchors
         return Step(keyless, donate_argnums=(0, 1), in_shardings=(w, s, feeds, state),
-                            out_shardings=(w, s, state))
+                    out_shardings=(w, s, state))
