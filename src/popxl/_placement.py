@@ -14,9 +14,8 @@ import jax.numpy as jnp
 
 from popart.engine.compiled import REPLICA_AXIS, Facts
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable,
-                                  device_grid, in_order_copies, per_ipu, placed_mesh,
-                                  placed_or_none, plan_stages)
+from popart.engine.placed import (Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable, copied,
+                                  device_grid, per_ipu, placed_mesh, placed_or_none, plan_stages)
 from popart.engine.graph_api import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
@@ -307,8 +306,7 @@ def plan_main(p: "Program", devices: list, ipus: int, main: IRGraph, graph_versi
             raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
     exports = [{t for n in nodes for t in n.outputs if t in used} | (set(from_block[s]) & used)
                for s, nodes in enumerate(stage_nodes)]
-    executor = Executor(st, placed_mesh(devices, p.r, ipus),
-                        in_order_copies(st, exports), layout)
+    executor = Executor(st, placed_mesh(devices, p.r, ipus), copied(st, exports), layout)
     return MainPlan(executor, main, graphs, stage_nodes, loops, home, var_of, from_block,
                     to_block, exports, finals, d2h)
 
@@ -362,9 +360,12 @@ def _stage_fn(p: MainPlan, r: int, platform: str, s: int, checks: list, planning
     first failed check). ``checks``: the program's registry so far (the plan's, when it is
     the step that is compiled); ``planning``: the registry with the checks it adds follows,
     as ``Facts``."""
-    main, gs, layout = p.main, p.graphs, p.layout
+    main, gs, layout, names = p.main, p.graphs, p.layout, p.executor.graph.names[s]
     ipu, exports = p.stages.stage_ipu[s], sorted(p.exports[s])
-    sub = IRGraph(name=f"{main.name}/stage{s}", nodes=p.nodes[s],
+    # its ops read the tensors of other IPUs' stages by their IpuCopy's output ids; the
+    # graphs they call by the tensors' ids
+    outer = {t: names[t] for n in p.nodes[s] for t in outer_reads(n) if t in names}
+    sub = IRGraph(name=f"{main.name}/stage{s}", nodes=p.executor.graph.rewired(s, p.nodes[s]),
                   tensor_info={k: v for g in gs for k, v in g.tensor_info.items()},
                   initializers={k: v for g in gs for k, v in g.initializers.items()
                                 if k not in p.home},
@@ -372,6 +373,7 @@ def _stage_fn(p: MainPlan, r: int, platform: str, s: int, checks: list, planning
 
     def run(blocks: dict, received: dict, feeds: dict) -> tuple:
         mine = layout.read(blocks, ipu)
+        received = {**received, **{t: received[x] for t, x in outer.items() if x in received}}
         weights = {t: mine[v] for t, v in p.from_block[s].items()}
         tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
                    platform=platform, replication_factor=r,

@@ -15,15 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import IrError, noted
-from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
+from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, outer_reads, reads
 from ..logging import getLogger
 from .compiled import CompiledStep, Placement, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
 from .config import EngineConfig
 from .norms import GradientNorms, local_sum_squares
-from .placed import (IPU_AXIS, Executor, ExecutorPlan, IpuSlots, StagePlan, Unplaceable, per_ipu,
-                     placed_mesh, placed_or_none, plan_stages, this_ipu)
+from .placed import (IPU_AXIS, Executor, ExecutorPlan, IpuSlots, StagePlan, Unplaceable, copied,
+                     per_ipu, placed_mesh, placed_or_none, plan_stages, this_ipu)
 from .state import Home
 from . import als as _als
 from .program import StepConfig, StepProgram
@@ -260,7 +260,7 @@ def plan_placed(parts: StepParts, device: Any) -> Optional[PlacedPlan]:
         return None
     mesh = placed_mesh(device.jax_devices, R, ipus)
     layouts = _plan_layouts(parts, stages, ipus)
-    executor = Executor(stages, mesh)
+    executor = Executor(stages, mesh, copied(stages))
     plan = PlacedPlan(executor=executor, variables=frozenset(parts.variables), rts=plan.rts,
                       accumulation=cfg.accumulation_factor, has_checks=bool(plan.run_checks),
                       **layouts)
@@ -332,12 +332,16 @@ def _row_weights(parts: StepParts, weight_layout: IpuSlots) -> dict[str, str]:
 # ---------------------------------------------------------------------------- the step
 def _stage_fn(pp: PlacedPlan, prog: StepParts, s: int):
     """Stage s on one micro-batch: (weights, feeds, received tensors, key) -> (the
-    tensors it sends on, its anchor values, its loss or 0)."""
-    st, cfg = pp.stages, prog.cfg
-    sub = Graph(name=f"{prog.graph.name}/stage{s}", nodes=st.nodes[s],
+    tensors it sends on, its anchor values, its loss or 0). Its ops read what earlier stages
+    sent by the ids of the graph's IpuCopy outputs (``Executor.graph``); it sends by its own
+    ids; the graphs its ops call read by the tensors' ids."""
+    st, cfg, graph = pp.stages, prog.cfg, pp.executor.graph
+    sub = Graph(name=f"{prog.graph.name}/stage{s}", nodes=list(graph.ops[s]),
                 initializers=prog.graph.initializers, tensor_info=prog.graph.tensor_info,
                 opsets=prog.graph.opsets, constants=prog.graph.constants)
-    sends = st.boundary[s] if s < st.num_stages - 1 else []
+    sends = [graph.local(s, t) for t in st.boundary[s]] if s < st.num_stages - 1 else []
+    outer = {t: graph.local(s, t) for nd in st.nodes[s] for t in outer_reads(nd)
+             if graph.local(s, t) != t}
     anchors = [a for a in prog.plan.fwd_anchor_ids if _anchor_stage(pp, a) == s]
     check = f"{CHECKS}/{s}"   # the stage's run-time checks: a record, like an anchor
     if pp.has_checks:
@@ -353,6 +357,7 @@ def _stage_fn(pp: PlacedPlan, prog: StepParts, s: int):
         taps = {k[len(TAP) + 1:]: functools.partial(prog.plan.als.tap, stat=v)
                 for k, v in feeds.items() if k.startswith(TAP + "/")}
         feeds = {k: v for k, v in feeds.items() if not k.startswith((PROBE + "/", TAP + "/"))}
+        received = {**received, **{t: received[x] for t, x in outer.items()}}
         t = prog.trace_graph(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
                         training=cfg.training, graph=sub, taps=taps)
         env = t.env
@@ -398,13 +403,14 @@ def _probe_stages(pp: PlacedPlan, x: str) -> list[int]:
     return [s for s in range(st.num_stages) if any(x in reads(nd) for nd in st.nodes[s])]
 
 
-def _zeros(prog: StepParts, ids) -> dict:
+def _zeros(prog: StepParts, ids, source: Mapping[str, str] = {}) -> dict:
+    """Zeros shaped as the tensors ``ids`` (a copy's as the tensor it copies, ``source``)."""
     def spec(k: str) -> Any:
         if k.startswith(CHECKS + "/"):
             return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
         if k.startswith(ASSIGN + "/"):
             return arg_specs(prog.variables[k.split("/", 1)[1]])
-        return prog.plan.tensor_specs[unstash(k)]
+        return prog.plan.tensor_specs[unstash(source.get(k, k))]
     return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
 
@@ -419,6 +425,7 @@ def _pipeline(pp: PlacedPlan, prog: StepParts, wlayout: IpuSlots):
     st = pp.stages
     S = st.num_stages
     stage_fns = [_stage_fn(pp, prog, s) for s in range(S)]
+    source = pp.executor.graph.source   # a copy's id -> the tensor it copies
     feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in prog.input_infos} |
                           {a for a in stage_fns[s][2] if a in prog.input_infos} |
                           {f"{PROBE}/{x}" for x in _probes(prog) if s in _probe_stages(pp, x)} |
@@ -439,7 +446,7 @@ def _pipeline(pp: PlacedPlan, prog: StepParts, wlayout: IpuSlots):
 
         def zeros(s):
             _, sends, anc_ids = stage_fns[s]
-            return _zeros(prog, sends), _zeros(prog, anc_ids), jnp.zeros((), jnp.float32)
+            return _zeros(prog, sends, source), _zeros(prog, anc_ids), jnp.zeros((), jnp.float32)
 
         loss, anchors = pp.executor.pipeline(
             M, stage, zeros, lambda d, bufs: wlayout.read(bufs, d),
