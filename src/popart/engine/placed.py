@@ -154,18 +154,22 @@ def pipeline_ticks(plan: "StagePlan", graph: CopiedStages, ipus: int, M: int, st
     # tick's stages again (RecomputationType.Pipeline): residuals saved inside the switch
     # would hold a copy of the device's weights per tick.
     tick = jax.checkpoint(tick, policy=jax.checkpoint_policies.nothing_saveable)
-    bufs0 = [zeros(s)[0] for s in range(S - 1)]
+    bufs0 = [_received(graph.copies[s + 1], zeros(s)[0]) for s in range(S - 1)]
     (_, loss), anchors = jax.lax.scan(tick, (bufs0, jnp.zeros((), jnp.float32)), jnp.arange(M + S - 1))
     return loss, anchors
 
 
+def _received(copies: Sequence[Node], sent: dict) -> dict:
+    """What the stage after a pipeline boundary receives, by its ids: the outputs of the
+    boundary's IpuCopy nodes (what crosses on one IPU: as it was sent)."""
+    return {c.outputs[0]: sent[c.inputs[0]] for c in copies} if copies else sent
+
+
 def _run_copies(copies: Sequence[Node], sent: dict) -> dict:
-    """A pipeline boundary's IpuCopy nodes run at once (one IPU pair): their outputs from
-    what the stage before sent; what crosses without copies (one IPU) as it is."""
+    """A pipeline boundary's IpuCopy nodes run at once (one IPU pair, :func:`_received`)."""
     if not copies:
         return sent
-    src, dst = copies[0].attrs["sourceIpu"], copies[0].attrs["destIpu"]
-    return ipu_copy({c.outputs[0]: sent[c.inputs[0]] for c in copies}, src, dst)
+    return ipu_copy(_received(copies, sent), copies[0].attrs["sourceIpu"], copies[0].attrs["destIpu"])
 
 
 def zeros_like_specs(specs: Any) -> Any:
