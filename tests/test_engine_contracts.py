@@ -786,3 +786,46 @@ def test_the_schedules_read_the_graphs_ipu_copy_nodes_not_stage_plan_data(tmp_pa
         return st, {"b": -received["moved"]}
     run.run(1, stage1, None, {})
     assert got == {"moved": np.float32(3)} and run.where("moved") == {1}
+
+
+def test_one_placed_packing_serves_both_front_ends():
+    """popart's ``PlacedPlan`` and popxl's ``MainPlan`` pack, unpack, spec and shard their IPU
+    slots with ``placed.ExecutorPlan``'s methods (none overridden; the executor packs
+    nothing): popxl's per-replica packing is the shared one stacked over the replicas."""
+    import dataclasses
+
+    import jax
+
+    from popart.engine import pipeline, placed
+    from popart.engine.state import Home
+    from popxl._placement import MainPlan
+    shared = ("pack", "unpack", "slot_specs", "slot_shardings", "host_slots")
+    for cls in (pipeline.PlacedPlan, MainPlan):
+        assert issubclass(cls, placed.ExecutorPlan)
+        assert not set(shared) & set(vars(cls)), cls
+    assert not {"pack", "unpack", "state_specs", "state_shardings", "layout"} & \
+        {*vars(placed.Executor), *(f.name for f in dataclasses.fields(placed.Executor))}
+
+    specs = {"a": np.zeros((2, 3), np.float32), "b": np.zeros((3,), np.float32)}
+    layout = placed.IpuSlots("variables", specs, {"a": Home(0), "b": Home(1)}, 2)
+    st = placed.plan_stages([], lambda n: 0)
+    ex = placed.Executor(st, placed.placed_mesh(jax.devices(), 1, 2), placed.copied(st))
+
+    class One(placed.ExecutorPlan):
+        def layout_for(self, names):
+            return layout
+
+    class PerReplica(One):
+        per_replica = True
+    rs = np.random.RandomState(0)
+    named = [{k: rs.randn(*v.shape).astype(np.float32) for k, v in specs.items()} for _ in range(2)]
+    one, per = One(ex), PerReplica(ex)
+    packed = one.pack(named[0])
+    assert set(packed) == set(one.slot_specs(layout)) and packed[layout.slots["a"][1]].shape[0] == 2
+    np.testing.assert_array_equal(packed[layout.slots["b"][1]][1, :3], named[0]["b"])   # IPU 1's block
+    stacked = per.pack(named)
+    for k, v in packed.items():
+        np.testing.assert_array_equal(stacked[k][0], v)
+        assert per.slot_specs(layout)[k].shape == (1,) + one.slot_specs(layout)[k].shape
+    assert {k: v.tolist() for k, v in one.unpack(packed).items()} == \
+        {k: v.tolist() for k, v in named[0].items()}

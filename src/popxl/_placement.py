@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from popart.engine.compiled import REPLICA_AXIS, Facts
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable, copied,
+from popart.engine.placed import (IPU_AXIS, Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable, copied,
                                   device_grid, per_ipu, placed_mesh, placed_or_none, plan_stages)
 from popart.engine.graph_api import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
@@ -306,9 +306,9 @@ def plan_main(p: "Program", devices: list, ipus: int, main: IRGraph, graph_versi
             raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
     exports = [{t for n in nodes for t in n.outputs if t in used} | (set(from_block[s]) & used)
                for s, nodes in enumerate(stage_nodes)]
-    executor = Executor(st, placed_mesh(devices, p.r, ipus), copied(st, exports), layout)
+    executor = Executor(st, placed_mesh(devices, p.r, ipus), copied(st, exports))
     return MainPlan(executor, main, graphs, stage_nodes, loops, home, var_of, from_block,
-                    to_block, exports, finals, d2h)
+                    to_block, exports, finals, d2h, layout)
 
 
 
@@ -328,26 +328,28 @@ class MainPlan(ExecutorPlan):
     exports: list                 # per stage: the tensors it sends on
     finals: dict                  # variable -> its last version, written back at the end
     d2h: dict                     # device-to-host stream -> the tensor it gives
+    layout: IpuSlots              # the variables' slots, [replicas, ipus, *block] (per replica)
+    per_replica: ClassVar[bool] = True
 
-    @property
-    def layout(self) -> IpuSlots:
-        return self.executor.layout
+    # the step's state packing (as popxl._step.ReplicaSlots): ExecutorPlan's, of its slots
+    def layout_for(self, names: Any) -> IpuSlots:
+        return self.layout
 
-    # the step's state packing (as popxl._step.ReplicaSlots): the executor's slots
     def state_specs(self) -> dict:
-        return self.executor.state_specs()
+        return self.slot_specs(self.layout)
 
     def state_shardings(self) -> dict:
-        return self.executor.state_shardings()
+        return self.slot_shardings(self.layout, lambda k: (REPLICA_AXIS, IPU_AXIS))
 
     @property
     def feed_sharding(self) -> Any:
-        return self.executor.feed_sharding
+        """[replicas, ...] arrays: each replica's slice on all of its IPUs' devices."""
+        return self.executor.sharding(REPLICA_AXIS)
 
     @property
     def host_keys(self) -> list:
         """The slots kept in host memory between runs."""
-        return list(self.layout.memory_kinds)
+        return sorted(self.host_slots(self.layout))
 
     def step_fn(self, program: "Program", facts: dict, platform: str, planning: bool = False) -> Callable:
         """The step: :func:`main_step`."""

@@ -141,7 +141,7 @@ class PlacedPlan(ExecutorPlan):
     @property
     def off_chip(self) -> frozenset:
         """The slots kept in host memory."""
-        return frozenset(self.weight_layout.memory_kinds) | frozenset(self.state_layout.memory_kinds)
+        return self.host_slots(self.weight_layout) | self.host_slots(self.state_layout)
 
     @property
     def schedule(self) -> list[list[tuple[int, int]]]:
@@ -172,19 +172,16 @@ class PlacedPlan(ExecutorPlan):
         return dataclasses.replace(plan, weight_layout=self.weight_layout)
 
     # -------------------------------------------------------------- state layout
-    def _layout(self, names: Any) -> IpuSlots:
-        """The layout of the weights or the optimizer state, told apart by their ids."""
+    def layout_for(self, names: Any) -> IpuSlots:
+        """The layout of the weights or the optimizer state, told apart by their ids or
+        their slots' keys."""
         ids = set(names)
-        if ids == set(self.variables):
+        if ids == set(self.variables) or {k.split("/")[0] for k in ids} == {"weights"}:
             return self.weight_layout
-        if ids == self.state_layout.ids:
+        if ids == self.state_layout.ids or ids == set(self.state_layout.specs()):
             return self.state_layout
         raise IrError(f"Internal error: {sorted(ids)[:5]} are neither the weights nor the "
                       f"optimizer state of the placed program")
-
-    def _buffers_layout(self, bufs: Mapping[str, Any]) -> IpuSlots:
-        kinds = {k.split("/")[0] for k in bufs}
-        return self.weight_layout if kinds == {"weights"} else self.state_layout
 
     def state_sharding(self, layout: Optional[IpuSlots] = None) -> Any:
         """Slots split over the IPU axis; with a layout, per slot, off-chip ones in host
@@ -194,7 +191,7 @@ class PlacedPlan(ExecutorPlan):
         if layout is None or not (self.off_chip or self.rts_slots or layout.globals):
             return sharding
 
-        return self.executor.slot_shardings(layout, self.slot_spec)
+        return self.slot_shardings(layout, self.slot_spec)
 
     def slot_spec(self, key: str, sharded: Optional[frozenset] = None) -> Any:
         """A slot's partition: over the IPUs, and over the replicas for the slots in
@@ -212,15 +209,15 @@ class PlacedPlan(ExecutorPlan):
                 for k, v in blocks.items()}
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
-        layout = self._layout(named)
-        return jax.device_put(layout.pack(named), self.state_sharding(layout))
+        layout = self.layout_for(named)
+        return jax.device_put(self.pack(named, layout), self.state_sharding(layout))
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
         bufs = {k: Placement.to_host(v) for k, v in state.items()}
-        return {k: np.array(v) for k, v in self._buffers_layout(state).unpack(bufs).items()}
+        return {k: np.array(v) for k, v in self.unpack(bufs).items()}
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
-        return self._layout(named).specs()
+        return self.slot_specs(self.layout_for(named))
 
     def put(self, tree: Any) -> Any:
         return jax.device_put(tree, self.executor.sharding())

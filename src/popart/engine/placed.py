@@ -14,7 +14,7 @@ in-order program's state and compiled step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -358,12 +358,11 @@ class Executor:
     """A stage plan on its (replica, ipu) mesh: what runs a placed program, for popart
     sessions (:meth:`pipeline`: PopART's schedules) and popxl (:meth:`in_order_program`:
     the stages in program order, repeat loops around some). The front-ends give data: the
-    plan, its stages with their IpuCopy nodes, the state layout, and their stage functions /
-    schedule."""
+    plan, its stages with their IpuCopy nodes, and their stage functions / schedule (the
+    state's packing: :class:`ExecutorPlan`)."""
     plan: StagePlan
     mesh: jax.sharding.Mesh
     graph: CopiedStages                   # the plan's stages after InterIpuCopy (copied)
-    layout: Optional["IpuSlots"] = None   # in-order runs: the state, [replicas, ipus, *block]
 
     @property
     def ipus(self) -> int:
@@ -377,14 +376,6 @@ class Executor:
         """``fn`` on every device of the mesh (:func:`run_on_mesh`)."""
         return run_on_mesh(fn, self.mesh, in_specs, out_specs)
 
-    def slot_shardings(self, layout: "IpuSlots", spec: Callable[[str], Any]) -> dict:
-        """Per slot of ``layout`` (popart's weights or optimizer state, or an in-order
-        program's variables), its sharding: partitioned as ``spec(key)``, in the slot's
-        memory kind (host for off-chip slots); the layout's global tensors replicated."""
-        kinds = layout.memory_kinds
-        return {k: self.sharding() if k in layout.global_specs else
-                self.sharding(*spec(k), memory_kind=kinds.get(k)) for k in layout.specs()}
-
     def pipeline(self, M: int, stage: Callable, zeros: Callable, own: Callable,
                  per_tick: Callable) -> tuple[Any, dict]:
         """PopART's pipeline schedule of the plan's stages (:func:`pipeline_ticks`)."""
@@ -396,32 +387,11 @@ class Executor:
         return InOrder(self.plan, self.ipus, self.graph, source)
 
     # ------------------------------------------------------------------ in-order programs
-    # Their state: ``layout``'s slots per replica, [replicas, ipus, *block] arrays, each
-    # device holding its (replica, IPU) block; their feeds and outputs [replicas, ...].
+    # Their state: slots per replica, [replicas, ipus, *block] arrays, each device holding
+    # its (replica, IPU) block; their feeds and outputs [replicas, ...].
     @property
     def replicas(self) -> int:
         return int(self.mesh.devices.shape[0])
-
-    def state_specs(self) -> dict:
-        return {k: jax.ShapeDtypeStruct((self.replicas,) + s.shape, s.dtype)
-                for k, s in self.layout.specs().items()}
-
-    def state_shardings(self) -> dict:
-        return self.slot_shardings(self.layout, lambda k: (REPLICA_AXIS, IPU_AXIS))
-
-    @property
-    def feed_sharding(self) -> jax.sharding.NamedSharding:
-        """[replicas, ...] arrays: each replica's slice on all of its IPUs' devices."""
-        return self.sharding(REPLICA_AXIS)
-
-    def pack(self, per_replica: Sequence[Mapping[str, Any]]) -> dict:
-        """The slots [replicas, ipus, *block] of each replica's tensors (host arrays)."""
-        per = [self.layout.pack(named) for named in per_replica]
-        return {k: np.stack([p[k] for p in per]) for k in per[0]}
-
-    def unpack(self, bufs: Mapping[str, Any]) -> list[dict]:
-        """Each replica's tensors from the slots [replicas, ipus, *block] (host arrays)."""
-        return [self.layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.replicas)]
 
     def in_order_program(self, schedule: Callable, outputs: Sequence[str],
                          planning: bool = False) -> Callable:
@@ -451,8 +421,51 @@ class Executor:
 @dataclass
 class ExecutorPlan:
     """A front-end's placed plan: its own data around the one :class:`Executor` (popart's
-    ``pipeline.PlacedPlan``, popxl's ``_placement.MainPlan``)."""
+    ``pipeline.PlacedPlan``, popxl's ``_placement.MainPlan``), and the one packing of a
+    placed program's state in IPU slots (:class:`IpuSlots`): specs, shardings, pack /
+    unpack and the host-memory slots of a layout, for both front-ends. popart's state is
+    ``[ipus, *block]`` (one value for all replicas, or RTS shards in the blocks); popxl's
+    (``per_replica``) ``[replicas, ipus, *block]``, each replica's own values."""
     executor: Executor
+    per_replica: ClassVar[bool] = False
+
+    def layout_for(self, names: Any) -> "IpuSlots":
+        """The layout whose tensors (ids) or slots (keys) ``names`` are."""
+        raise NotImplementedError
+
+    def slot_specs(self, layout: "IpuSlots") -> dict:
+        """ShapeDtypeStruct of each stored slot (``[replicas, ...]`` per replica)."""
+        lead = (self.executor.replicas,) if self.per_replica else ()
+        return {k: jax.ShapeDtypeStruct(lead + s.shape, s.dtype) for k, s in layout.specs().items()}
+
+    def slot_shardings(self, layout: "IpuSlots", spec: Callable[[str], Any]) -> dict:
+        """Per slot of ``layout`` (popart's weights or optimizer state, or an in-order
+        program's variables), its sharding: partitioned as ``spec(key)``, in the slot's
+        memory kind (host for off-chip slots); the layout's global tensors replicated."""
+        kinds = layout.memory_kinds
+        return {k: self.executor.sharding() if k in layout.global_specs else
+                self.executor.sharding(*spec(k), memory_kind=kinds.get(k)) for k in layout.specs()}
+
+    @staticmethod
+    def host_slots(layout: "IpuSlots") -> frozenset:
+        """The slots kept in host memory between runs."""
+        return frozenset(layout.memory_kinds)
+
+    def pack(self, named: Any, layout: Optional["IpuSlots"] = None) -> dict:
+        """The stored slots (host arrays) of host tensors: by id, or (``per_replica``) a
+        list of each replica's, stacked."""
+        if not self.per_replica:
+            return (layout or self.layout_for(named)).pack(named)
+        layout = layout or self.layout_for(named[0])
+        per = [layout.pack(one) for one in named]
+        return {k: np.stack([p[k] for p in per]) for k in per[0]}
+
+    def unpack(self, bufs: Mapping[str, Any], layout: Optional["IpuSlots"] = None) -> Any:
+        """The tensors (host arrays) of stored slots, the inverse of :meth:`pack`."""
+        layout = layout or self.layout_for(bufs)
+        if not self.per_replica:
+            return layout.unpack(bufs)
+        return [layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.executor.replicas)]
 
     @property
     def stages(self) -> StagePlan:
