@@ -102,9 +102,8 @@ class ReplicaSlots:
     """The unplaced packing of a popxl step's state (the placed one is ``_placement.MainPlan``:
     ``[replicas, ipus, *block]`` slots packed by ``placed.ExecutorPlan``, as popart's are;
     both answer the same questions, as popart's ``engine/packing.py``): one array per state
-    slot, ``[replicas, *shape]``, a
-    slice on each replica's device, in the slot's memory kind; the step is one replica's
-    :func:`replica_fn`, replicated (``Placement.replicate``)."""
+    slot, ``[replicas, *shape]``, a slice on each replica's device, in the slot's memory
+    kind; the step is one replica's :func:`replica_fn`, replicated (``Placement.replicate``)."""
 
     ipus = 1   # IPUs per replica
 
