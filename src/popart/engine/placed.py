@@ -8,8 +8,9 @@ the pipeline, straight for an in-order run), where each IPU's variables live
 (:class:`IpuSlots`), the mesh (:func:`placed_mesh`), the one decision "placed or not" with its
 log line (:func:`placed_or_none`), and :class:`Executor`: the one ``shard_map``
 (:func:`run_on_mesh`), the schedules, PopART's (:func:`pipeline_ticks`) and popxl's
-(:class:`InOrder`), the state slots' shardings and memory kinds (both front-ends), and an
-in-order program's state and compiled step.
+(:class:`InOrder`) and an in-order program's compiled step; and :class:`ExecutorPlan`, the
+one packing of IPU-slot state (specs, shardings, pack / unpack, host-memory slots) that both
+front-ends' placed plans are.
 """
 from __future__ import annotations
 
