@@ -735,3 +735,97 @@ def test_the_state_packing_is_chosen_once_with_the_placement(tmp_path):
     probe.write_text("def put(self, x):\n    if self.placed is not None:\n        return 1\n"
                      "    return 2 if placed else 3\n")
     assert _placement_switches(probe, {"placed"}) == ["put:2", "put:4"]
+
+
+# ---------------------------------------------------------------------------------------
+# IpuCopy ops are nodes of the graph (issue 35, item 2): PopART's InterIpuCopy inserts them
+# (``_ir/interipucopy.py``); both placed schedules and the IR JSON read them there, and no
+# stage plan holds copy data.
+
+def _copies_reads(path: Path) -> list:
+    """``file:line`` of each ``<x>.copies`` in ``path`` whose ``<x>`` is not a graph after
+    InterIpuCopy (a name or attribute ``graph``)."""
+    def graph(e: ast.AST) -> bool:
+        return (isinstance(e, ast.Name) and e.id == "graph") or \
+            (isinstance(e, ast.Attribute) and e.attr == "graph")
+    return [f"{path.name}:{n.lineno}" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr == "copies" and not graph(n.value)]
+
+
+def test_the_schedules_read_the_graphs_ipu_copy_nodes_not_stage_plan_data(tmp_path):
+    """The stage plan and the executor hold no copy lists; popart's pipeline ticks, popxl's
+    in-order run and ir_json read ``.copies`` only of the graph after InterIpuCopy; the
+    in-order run gives a stage its tensor by the id of the graph's IpuCopy node (a node
+    named here, not PopART's: whatever the graph says)."""
+    import dataclasses
+
+    from popart._ir.graph import Node
+    from popart._ir.interipucopy import CopiedStages
+    from popart.engine import placed
+    assert not hasattr(placed.StagePlan, "copies")
+    assert "copies" not in {f.name for f in dataclasses.fields(placed.Executor)}
+    assert not {"in_order_copies", "inter_ipu_copies", "ipu_copy_node"} & set(vars(placed))
+    src = Path(popart.__file__).parent.parent
+    for f in ("popart/engine/placed.py", "popart/engine/pipeline.py", "popxl/_placement.py",
+              "popart/ir_json.py"):
+        assert _copies_reads(src / f) == [], f
+    probe = tmp_path / "probe.py"
+    probe.write_text("a = plan.copies\nb = self.graph.copies\nc = graph.copies\n")
+    assert _copies_reads(probe) == ["probe.py:1"]
+
+    plan = placed.plan_stages([Node("Relu", ["x"], ["a"]), Node("Neg", ["a"], ["b"])],
+                              lambda n: 0 if n.outputs == ["a"] else 1)
+    node = Node("IpuCopy", ["a"], ["moved"], {"sourceIpu": 0, "destIpu": 1}, "ai.graphcore")
+    graph = CopiedStages(((), (node,)), ((), ()), ({}, {"a": "moved"}))
+    run, got = placed.InOrder(plan, 2, graph, lambda t: None), {}
+    run.run(0, lambda st, received: (st, {"a": np.float32(3)}), None, {})
+    run.at["a"].add(1)   # already on IPU 1 (as a repeat's input moves it): no device copy
+
+    def stage1(st, received):
+        got.update(received)
+        return st, {"b": -received["moved"]}
+    run.run(1, stage1, None, {})
+    assert got == {"moved": np.float32(3)} and run.where("moved") == {1}
+
+
+def test_one_placed_packing_serves_both_front_ends():
+    """popart's ``PlacedPlan`` and popxl's ``MainPlan`` pack, unpack, spec and shard their IPU
+    slots with ``placed.ExecutorPlan``'s methods (none overridden; the executor packs
+    nothing): popxl's per-replica packing is the shared one stacked over the replicas."""
+    import dataclasses
+
+    import jax
+
+    from popart.engine import pipeline, placed
+    from popart.engine.state import Home
+    from popxl._placement import MainPlan
+    shared = ("pack", "unpack", "slot_specs", "slot_shardings", "host_slots")
+    for cls in (pipeline.PlacedPlan, MainPlan):
+        assert issubclass(cls, placed.ExecutorPlan)
+        assert not set(shared) & set(vars(cls)), cls
+    assert not {"pack", "unpack", "state_specs", "state_shardings", "layout"} & \
+        {*vars(placed.Executor), *(f.name for f in dataclasses.fields(placed.Executor))}
+
+    specs = {"a": np.zeros((2, 3), np.float32), "b": np.zeros((3,), np.float32)}
+    layout = placed.IpuSlots("variables", specs, {"a": Home(0), "b": Home(1)}, 2)
+    st = placed.plan_stages([], lambda n: 0)
+    ex = placed.Executor(st, placed.placed_mesh(jax.devices(), 1, 2), placed.copied(st))
+
+    class One(placed.ExecutorPlan):
+        def layout_for(self, names):
+            return layout
+
+    class PerReplica(One):
+        per_replica = True
+    rs = np.random.RandomState(0)
+    named = [{k: rs.randn(*v.shape).astype(np.float32) for k, v in specs.items()} for _ in range(2)]
+    one, per = One(ex), PerReplica(ex)
+    packed = one.pack(named[0])
+    assert set(packed) == set(one.slot_specs(layout)) and packed[layout.slots["a"][1]].shape[0] == 2
+    np.testing.assert_array_equal(packed[layout.slots["b"][1]][1, :3], named[0]["b"])   # IPU 1's block
+    stacked = per.pack(named)
+    for k, v in packed.items():
+        np.testing.assert_array_equal(stacked[k][0], v)
+        assert per.slot_specs(layout)[k].shape == (1,) + one.slot_specs(layout)[k].shape
+    assert {k: v.tolist() for k, v in one.unpack(packed).items()} == \
+        {k: v.tolist() for k, v in named[0].items()}

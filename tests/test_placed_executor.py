@@ -69,18 +69,17 @@ def test_two_stages_placed_give_the_numbers_of_one_device(front_end):
     assert isinstance(executor, Executor) and executor.mesh.shape == {"replica": 1, "ipu": 2}
     plan = executor.plan   # ... runs a stage plan, data
     assert isinstance(plan, StagePlan) and plan.num_stages == 2 and plan.stage_ipu == [0, 1]
-    (copy,), = plan.copies   # the IpuCopy, explicit (PopART's interipucopy transform)
+    [], (copy,) = executor.graph.copies   # the IpuCopy, a node (PopART's InterIpuCopy)
     assert copy.op_type == "IpuCopy" and copy.attrs == {"sourceIpu": 0, "destIpu": 1}
-    assert copy.inputs == copy.outputs == plan.boundary[0]
+    (h,) = plan.boundary[0]
+    assert copy.inputs == [h] and copy.outputs == [f"{h}_c1"]
+    assert any(f"{h}_c1" in n.inputs for n in executor.graph.ops[1])   # its reader reads it
     if front_end is popart_run:   # the step program composes its placed plan: no subclass
         from popart.engine import pipeline
         from popart.engine.program import StepProgram
         assert type(testing.step_program(s2)) is StepProgram and not hasattr(pipeline, "PlacedProgram")
         assert isinstance(testing.placed_plan(s2), pipeline.PlacedPlan)
         assert testing.placed_plan(s1) is None
-    if front_end is popxl_run:   # the in-order run moves tensors by the plan's copies
-        assert [[(c.op_type, c.inputs, c.attrs) for c in cs] for cs in executor.copies] == \
-            [[], [("IpuCopy", plan.boundary[0], {"sourceIpu": 0, "destIpu": 1})]]
 
 
 def test_in_order_copies_go_straight_to_the_ipus_reading_once():
@@ -88,7 +87,7 @@ def test_in_order_copies_go_straight_to_the_ipus_reading_once():
     each IPU that reads it, once, before the first stage there that reads it; the pipeline's
     copies relay it stage to stage."""
     from popart.engine.graph_api import Node
-    from popart.engine.placed import in_order_copies, plan_stages
+    from popart.engine.placed import copied, plan_stages
     nodes = [Node("Relu", ["x"], ["a"]), Node("Relu", ["a"], ["b"]),
              Node("Add", ["a", "b"], ["c"]), Node("Add", ["a", "c"], ["d"])]
     ipu = {"a": 0, "b": 1, "c": 0, "d": 1}
@@ -96,11 +95,13 @@ def test_in_order_copies_go_straight_to_the_ipus_reading_once():
     assert plan.stage_ipu == [0, 1, 0, 1]
     gives = [{"a"}, {"b"}, {"c"}, {"d"}]
     got = [[(c.inputs[0], c.attrs["sourceIpu"], c.attrs["destIpu"]) for c in cs]
-           for cs in in_order_copies(plan, gives)]
+           for cs in copied(plan, gives).copies]
     assert got == [[], [("a", 0, 1)], [("b", 1, 0)], [("c", 0, 1)]]   # 'a' to IPU 1 once
+    assert copied(plan, gives).ops[3][0].inputs == ["a_c1", "c_c1"]   # 'd' reads the first copy
     chained = [[(c.inputs[0], c.attrs["sourceIpu"], c.attrs["destIpu"]) for c in cs]
-               for cs in plan.copies]
-    assert chained == [[("a", 0, 1)], [("a", 1, 0), ("b", 1, 0)], [("a", 0, 1), ("c", 0, 1)]]
+               for cs in copied(plan).copies]
+    assert chained == [[], [("a", 0, 1)], [("a_c1", 1, 0), ("b", 1, 0)],
+                       [("a_c1_c0", 0, 1), ("c", 0, 1)]]
 
 
 def test_shard_map_only_in_the_compiled_step_layer_and_the_executor():
@@ -120,12 +121,12 @@ def test_in_order_run_refuses_a_stage_tensor_no_ipu_copy_brought():
     tensor of an earlier stage on another IPU that no IpuCopy brought is an internal error
     (planning: the stages run directly, so no mesh is needed to reach the check)."""
     from popart.engine.graph_api import Node
-    from popart.engine.placed import InOrder, in_order_copies, plan_stages
+    from popart.engine.placed import InOrder, copied, plan_stages
     plan = plan_stages([Node("Relu", ["x"], ["a"]), Node("Neg", ["a"], ["b"])],
                        lambda n: 0 if n.outputs == ["a"] else 1)
     fn = lambda state, received: (state, {"a": np.float32(1)})   # noqa: E731
-    run = InOrder(plan, 2, [[], []], lambda t: None)
+    run = InOrder(plan, 2, copied(plan, [set(), set()]), lambda t: None)   # no copies
     run.run(0, fn, None, {})
     with pytest.raises(RuntimeError, match=r"no IpuCopy of \['a'\] to IPU 1 before stage 1"):
         run.run(1, fn, None, {})
-    assert [len(c) for c in in_order_copies(plan, [{"a"}, {"b"}])] == [0, 1]   # the plan has it
+    assert [len(c) for c in copied(plan, [{"a"}, {"b"}]).copies] == [0, 1]   # the graph has it

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -22,7 +22,8 @@ from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
 from ._ir import recompute as _recompute
 from ._ir.recompute import RECOMPUTE, RECOMPUTE_OUTPUT
 from ._ir.transforms import gradient_flow
-from .engine.placed import ipu_copy_node
+from ._ir.interipucopy import ipu_copy_node
+from .engine.placed import copied
 from .ops.registry import shape_text
 from .options import IrSerializationFormat
 from .tensornames import PREFIXES
@@ -280,7 +281,8 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
     ops: list = []
     alias: dict = {}                 # tensor -> what PostNRepl has its readers read
     moved: dict = {}                 # (tensor, IPU) -> its copy there (IpuCopy)
-    copies = plan.copies if stages else []
+    graph = copied(plan) if stages else None   # the stages after InterIpuCopy
+    origin = graph.source if graph is not None else {}
     explicit = training is not None and getattr(training.get("options"),
                                                 "explicitRecomputation", False)
 
@@ -293,14 +295,14 @@ def _forward(g: Graph, infos: dict, stages: dict, plan: Any, marks: dict,
     for n in g.nodes:
         s, ipu, _ = stages.get(id(n), (None, None, False))
         while s is not None and done < s:    # the copies of the boundaries before stage s
-            ops += _ipu_copies(copies[done], done, infos, moved, read)
+            ops += _ipu_copies(graph.copies[done + 1], done, infos, moved, origin)
             done += 1
         if shard is not None:
             ipu = shard[id(n)]
             sent = [t for t in dict.fromkeys(n.inputs)
                     if t in sources and sources[t] != ipu and (read(t), ipu) not in moved]
             ops += _ipu_copies([ipu_copy_node(read(t), sources[t], ipu) for t in sent], None,
-                               infos, moved, read)
+                               infos, moved, {})
         identity = _opt_to_identity(n, infos, patterns)
         if (identity and training is None and patterns.isPatternEnabled("PostNRepl")
                 and not keep.intersection(n.outputs)):
@@ -353,18 +355,20 @@ def _shard_sources(g: Graph, vgs: dict) -> dict:
     return {**out, **made}
 
 
-def _ipu_copies(nodes: list, stage: Optional[int], infos: dict, moved: dict, read: Any) -> list:
-    """IpuCopy nodes (a pipeline boundary's ``StagePlan.copies``; ``stage`` None: a sharded
-    program's) as PopART's InterIpuCopy writes them: no name, the copy of ``t`` is
-    ``<t>_c<destIpu>`` (``generateCopiedTensorId``), in the pipeline stage of its producer,
-    with ``__sourceIpus`` / ``__destIpu`` (``IpuCopyOp::appendOutlineAttributes``)."""
+def _ipu_copies(nodes: list, stage: Optional[int], infos: dict, moved: dict,
+                origin: Mapping[str, str]) -> list:
+    """IpuCopy nodes of the graph (the ones before a pipeline stage, ``placed.copied``;
+    ``stage`` None: a sharded program's) as PopART's InterIpuCopy writes them: no name, the
+    node's ids (the copy of ``t`` is ``<t>_c<destIpu>``, ``generateCopiedTensorId``), in
+    the pipeline stage of its producer, with ``__sourceIpus`` / ``__destIpu``
+    (``IpuCopyOp::appendOutlineAttributes``). ``moved``: (tensor, IPU) -> its copy there
+    (``origin``: a copy's id -> its tensor), updated."""
     out = []
     for node in nodes:
-        t, src, dst = node.inputs[0], node.attrs["sourceIpu"], node.attrs["destIpu"]
-        source = read(t, src)
-        copied = f"{source}_c{dst}"
-        infos[copied], moved[(t, dst)] = infos.get(t), copied
-        out.append(_ipu_copy_op(source, copied, src, dst, stage, infos))
+        (source,), (copy,), src, dst = node.inputs, node.outputs, node.attrs["sourceIpu"], node.attrs["destIpu"]
+        t = origin.get(source, source)
+        infos[copy], moved[(t, dst)] = infos.get(t), copy
+        out.append(_ipu_copy_op(source, copy, src, dst, stage, infos))
     return out
 
 

@@ -7,16 +7,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from popart.engine.compiled import REPLICA_AXIS, Facts
 from popart.engine.lower import CHECKS, RECORD, first_failure, trace
-from popart.engine.placed import (Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable,
-                                  device_grid, in_order_copies, per_ipu, placed_mesh,
-                                  placed_or_none, plan_stages)
+from popart.engine.placed import (IPU_AXIS, Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable, copied,
+                                  device_grid, per_ipu, placed_mesh, placed_or_none, plan_stages)
 from popart.engine.graph_api import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
 from popart.logging import getLogger
 
@@ -307,10 +306,9 @@ def plan_main(p: "Program", devices: list, ipus: int, main: IRGraph, graph_versi
             raise Unplaceable("a variable a repeat updates read off its IPU after the repeat")
     exports = [{t for n in nodes for t in n.outputs if t in used} | (set(from_block[s]) & used)
                for s, nodes in enumerate(stage_nodes)]
-    executor = Executor(st, placed_mesh(devices, p.r, ipus),
-                        in_order_copies(st, exports), layout)
+    executor = Executor(st, placed_mesh(devices, p.r, ipus), copied(st, exports))
     return MainPlan(executor, main, graphs, stage_nodes, loops, home, var_of, from_block,
-                    to_block, exports, finals, d2h)
+                    to_block, exports, finals, d2h, layout)
 
 
 
@@ -330,26 +328,28 @@ class MainPlan(ExecutorPlan):
     exports: list                 # per stage: the tensors it sends on
     finals: dict                  # variable -> its last version, written back at the end
     d2h: dict                     # device-to-host stream -> the tensor it gives
+    layout: IpuSlots              # the variables' slots, [replicas, ipus, *block] (per replica)
+    per_replica: ClassVar[bool] = True
 
-    @property
-    def layout(self) -> IpuSlots:
-        return self.executor.layout
+    # the step's state packing (as popxl._step.ReplicaSlots): ExecutorPlan's, of its slots
+    def layout_for(self, names: Any) -> IpuSlots:
+        return self.layout
 
-    # the step's state packing (as popxl._step.ReplicaSlots): the executor's slots
     def state_specs(self) -> dict:
-        return self.executor.state_specs()
+        return self.slot_specs(self.layout)
 
     def state_shardings(self) -> dict:
-        return self.executor.state_shardings()
+        return self.slot_shardings(self.layout, lambda k: (REPLICA_AXIS, IPU_AXIS))
 
     @property
     def feed_sharding(self) -> Any:
-        return self.executor.feed_sharding
+        """[replicas, ...] arrays: each replica's slice on all of its IPUs' devices."""
+        return self.executor.sharding(REPLICA_AXIS)
 
     @property
     def host_keys(self) -> list:
         """The slots kept in host memory between runs."""
-        return list(self.layout.memory_kinds)
+        return sorted(self.host_slots(self.layout))
 
     def step_fn(self, program: "Program", facts: dict, platform: str, planning: bool = False) -> Callable:
         """The step: :func:`main_step`."""
@@ -362,9 +362,12 @@ def _stage_fn(p: MainPlan, r: int, platform: str, s: int, checks: list, planning
     first failed check). ``checks``: the program's registry so far (the plan's, when it is
     the step that is compiled); ``planning``: the registry with the checks it adds follows,
     as ``Facts``."""
-    main, gs, layout = p.main, p.graphs, p.layout
+    main, gs, layout, names = p.main, p.graphs, p.layout, p.executor.graph.names[s]
     ipu, exports = p.stages.stage_ipu[s], sorted(p.exports[s])
-    sub = IRGraph(name=f"{main.name}/stage{s}", nodes=p.nodes[s],
+    # its ops read the tensors of other IPUs' stages by their IpuCopy's output ids; the
+    # graphs they call by the tensors' ids
+    outer = {t: names[t] for n in p.nodes[s] for t in outer_reads(n) if t in names}
+    sub = IRGraph(name=f"{main.name}/stage{s}", nodes=p.executor.graph.rewired(s, p.nodes[s]),
                   tensor_info={k: v for g in gs for k, v in g.tensor_info.items()},
                   initializers={k: v for g in gs for k, v in g.initializers.items()
                                 if k not in p.home},
@@ -372,6 +375,7 @@ def _stage_fn(p: MainPlan, r: int, platform: str, s: int, checks: list, planning
 
     def run(blocks: dict, received: dict, feeds: dict) -> tuple:
         mine = layout.read(blocks, ipu)
+        received = {**received, **{t: received[x] for t, x in outer.items() if x in received}}
         weights = {t: mine[v] for t, v in p.from_block[s].items()}
         tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
                    platform=platform, replication_factor=r,

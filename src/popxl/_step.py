@@ -99,11 +99,11 @@ def replica_fn(p: Program, platform: str, checks: list, planning: bool = False) 
 
 
 class ReplicaSlots:
-    """The unplaced packing of a popxl step's state (the placed one is ``_placement.MainPlan``,
-    its executor's ``[replicas, ipus, *block]`` slots; both answer the same questions, as
-    popart's ``engine/packing.py``): one array per state slot, ``[replicas, *shape]``, a
-    slice on each replica's device, in the slot's memory kind; the step is one replica's
-    :func:`replica_fn`, replicated (``Placement.replicate``)."""
+    """The unplaced packing of a popxl step's state (the placed one is ``_placement.MainPlan``:
+    ``[replicas, ipus, *block]`` slots packed by ``placed.ExecutorPlan``, as popart's are;
+    both answer the same questions, as popart's ``engine/packing.py``): one array per state
+    slot, ``[replicas, *shape]``, a slice on each replica's device, in the slot's memory
+    kind; the step is one replica's :func:`replica_fn`, replicated (``Placement.replicate``)."""
 
     ipus = 1   # IPUs per replica
 

@@ -193,8 +193,9 @@ class Session:
         return self._state.buffer_host
 
     def _executor(self) -> Any:
-        """The placed program's executor (it packs the state), or None."""
-        return self._placed.executor if self._placed else None
+        """The placed program's plan (it packs the state: ``ExecutorPlan.pack`` / ``unpack``),
+        or None."""
+        return self._placed if self._placed else None
 
     def _put(self, values: dict) -> dict:
         """The state on the replicas' devices from its global host values ([replicas, ...])."""
@@ -468,7 +469,7 @@ class Session:
             outputs = dict(outputs)
             self._validate_run_outputs(outputs)
         if plan is None:   # across processes: each process puts its own replicas' rows
-            feeds = jax.device_put(feeds, self._placed.executor.feed_sharding) if self._placed \
+            feeds = jax.device_put(feeds, self._placed.feed_sharding) if self._placed \
                 else self._placement.put(feeds, 0)
         state.dev, outs = self._step(state.dev, feeds)   # host feeds are moved by the call
         state.in_sync = not state.slots   # PopXL: every variable (in_sync_with_ipu)

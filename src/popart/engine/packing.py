@@ -1,8 +1,10 @@
 """How a popart step's device state is packed, chosen with the placement: :class:`GlobalArrays`
 (unplaced: one global array per tensor with its NamedSharding, or its shards by the RTS rule,
 ``rts.StateSharding``) or ``pipeline.PlacedPlan`` (placed: the weights' and the optimizer
-state's ``IpuSlots`` blocks). Both are built on each tensor's ``state.Home`` and answer the
-same questions (:class:`Packing`); ``StepProgram`` asks the one it was planned with."""
+state's ``IpuSlots`` blocks, packed, unpacked, specified and sharded by
+``placed.ExecutorPlan``, the placed packing popxl's ``_placement.MainPlan`` shares). Both are
+built on each tensor's ``state.Home`` and answer the same questions (:class:`Packing`);
+``StepProgram`` asks the one it was planned with."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Protocol

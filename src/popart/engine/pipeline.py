@@ -15,15 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import IrError, noted
-from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, reads
+from .._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph, outer_reads, reads
 from ..logging import getLogger
 from .compiled import CompiledStep, Placement, arg_specs
 from .lower import CHECKS, RECORD
 from .compiled import REPLICA_AXIS
 from .config import EngineConfig
 from .norms import GradientNorms, local_sum_squares
-from .placed import (IPU_AXIS, Executor, ExecutorPlan, IpuSlots, StagePlan, Unplaceable, per_ipu,
-                     placed_mesh, placed_or_none, plan_stages, this_ipu)
+from .placed import (IPU_AXIS, Executor, ExecutorPlan, IpuSlots, StagePlan, Unplaceable, copied,
+                     per_ipu, placed_mesh, placed_or_none, plan_stages, this_ipu)
 from .state import Home
 from . import als as _als
 from .program import StepConfig, StepProgram
@@ -141,7 +141,7 @@ class PlacedPlan(ExecutorPlan):
     @property
     def off_chip(self) -> frozenset:
         """The slots kept in host memory."""
-        return frozenset(self.weight_layout.memory_kinds) | frozenset(self.state_layout.memory_kinds)
+        return self.host_slots(self.weight_layout) | self.host_slots(self.state_layout)
 
     @property
     def schedule(self) -> list[list[tuple[int, int]]]:
@@ -172,19 +172,16 @@ class PlacedPlan(ExecutorPlan):
         return dataclasses.replace(plan, weight_layout=self.weight_layout)
 
     # -------------------------------------------------------------- state layout
-    def _layout(self, names: Any) -> IpuSlots:
-        """The layout of the weights or the optimizer state, told apart by their ids."""
+    def layout_for(self, names: Any) -> IpuSlots:
+        """The layout of the weights or the optimizer state, told apart by their ids or
+        their slots' keys."""
         ids = set(names)
-        if ids == set(self.variables):
+        if ids == set(self.variables) or {k.split("/")[0] for k in ids} == {"weights"}:
             return self.weight_layout
-        if ids == self.state_layout.ids:
+        if ids == self.state_layout.ids or ids == set(self.state_layout.specs()):
             return self.state_layout
         raise IrError(f"Internal error: {sorted(ids)[:5]} are neither the weights nor the "
                       f"optimizer state of the placed program")
-
-    def _buffers_layout(self, bufs: Mapping[str, Any]) -> IpuSlots:
-        kinds = {k.split("/")[0] for k in bufs}
-        return self.weight_layout if kinds == {"weights"} else self.state_layout
 
     def state_sharding(self, layout: Optional[IpuSlots] = None) -> Any:
         """Slots split over the IPU axis; with a layout, per slot, off-chip ones in host
@@ -194,7 +191,7 @@ class PlacedPlan(ExecutorPlan):
         if layout is None or not (self.off_chip or self.rts_slots or layout.globals):
             return sharding
 
-        return self.executor.slot_shardings(layout, self.slot_spec)
+        return self.slot_shardings(layout, self.slot_spec)
 
     def slot_spec(self, key: str, sharded: Optional[frozenset] = None) -> Any:
         """A slot's partition: over the IPUs, and over the replicas for the slots in
@@ -212,15 +209,15 @@ class PlacedPlan(ExecutorPlan):
                 for k, v in blocks.items()}
 
     def put_state(self, named: Mapping[str, np.ndarray]) -> Any:
-        layout = self._layout(named)
-        return jax.device_put(layout.pack(named), self.state_sharding(layout))
+        layout = self.layout_for(named)
+        return jax.device_put(self.pack(named, layout), self.state_sharding(layout))
 
     def state_to_host(self, state: Any) -> dict[str, np.ndarray]:
         bufs = {k: Placement.to_host(v) for k, v in state.items()}
-        return {k: np.array(v) for k, v in self._buffers_layout(state).unpack(bufs).items()}
+        return {k: np.array(v) for k, v in self.unpack(bufs).items()}
 
     def state_specs(self, named: Mapping[str, Any]) -> Any:
-        return self._layout(named).specs()
+        return self.slot_specs(self.layout_for(named))
 
     def put(self, tree: Any) -> Any:
         return jax.device_put(tree, self.executor.sharding())
@@ -260,7 +257,7 @@ def plan_placed(parts: StepParts, device: Any) -> Optional[PlacedPlan]:
         return None
     mesh = placed_mesh(device.jax_devices, R, ipus)
     layouts = _plan_layouts(parts, stages, ipus)
-    executor = Executor(stages, mesh)
+    executor = Executor(stages, mesh, copied(stages))
     plan = PlacedPlan(executor=executor, variables=frozenset(parts.variables), rts=plan.rts,
                       accumulation=cfg.accumulation_factor, has_checks=bool(plan.run_checks),
                       **layouts)
@@ -332,12 +329,16 @@ def _row_weights(parts: StepParts, weight_layout: IpuSlots) -> dict[str, str]:
 # ---------------------------------------------------------------------------- the step
 def _stage_fn(pp: PlacedPlan, prog: StepParts, s: int):
     """Stage s on one micro-batch: (weights, feeds, received tensors, key) -> (the
-    tensors it sends on, its anchor values, its loss or 0)."""
-    st, cfg = pp.stages, prog.cfg
-    sub = Graph(name=f"{prog.graph.name}/stage{s}", nodes=st.nodes[s],
+    tensors it sends on, its anchor values, its loss or 0). Its ops read what earlier stages
+    sent by the ids of the graph's IpuCopy outputs (``Executor.graph``); it sends by its own
+    ids; the graphs its ops call read by the tensors' ids."""
+    st, cfg, graph = pp.stages, prog.cfg, pp.executor.graph
+    sub = Graph(name=f"{prog.graph.name}/stage{s}", nodes=list(graph.ops[s]),
                 initializers=prog.graph.initializers, tensor_info=prog.graph.tensor_info,
                 opsets=prog.graph.opsets, constants=prog.graph.constants)
-    sends = st.boundary[s] if s < st.num_stages - 1 else []
+    sends = [graph.local(s, t) for t in st.boundary[s]] if s < st.num_stages - 1 else []
+    outer = {t: graph.local(s, t) for nd in st.nodes[s] for t in outer_reads(nd)
+             if graph.local(s, t) != t}
     anchors = [a for a in prog.plan.fwd_anchor_ids if _anchor_stage(pp, a) == s]
     check = f"{CHECKS}/{s}"   # the stage's run-time checks: a record, like an anchor
     if pp.has_checks:
@@ -353,6 +354,7 @@ def _stage_fn(pp: PlacedPlan, prog: StepParts, s: int):
         taps = {k[len(TAP) + 1:]: functools.partial(prog.plan.als.tap, stat=v)
                 for k, v in feeds.items() if k.startswith(TAP + "/")}
         feeds = {k: v for k, v in feeds.items() if not k.startswith((PROBE + "/", TAP + "/"))}
+        received = {**received, **{t: received[x] for t, x in outer.items()}}
         t = prog.trace_graph(weights, {**feeds, **received}, jax.random.fold_in(key, s), probes,
                         training=cfg.training, graph=sub, taps=taps)
         env = t.env
@@ -398,13 +400,14 @@ def _probe_stages(pp: PlacedPlan, x: str) -> list[int]:
     return [s for s in range(st.num_stages) if any(x in reads(nd) for nd in st.nodes[s])]
 
 
-def _zeros(prog: StepParts, ids) -> dict:
+def _zeros(prog: StepParts, ids, source: Mapping[str, str] = {}) -> dict:
+    """Zeros shaped as the tensors ``ids`` (a copy's as the tensor it copies, ``source``)."""
     def spec(k: str) -> Any:
         if k.startswith(CHECKS + "/"):
             return jax.ShapeDtypeStruct((RECORD,), jnp.int64)
         if k.startswith(ASSIGN + "/"):
             return arg_specs(prog.variables[k.split("/", 1)[1]])
-        return prog.plan.tensor_specs[unstash(k)]
+        return prog.plan.tensor_specs[unstash(source.get(k, k))]
     return {k: jnp.zeros(spec(k).shape, spec(k).dtype) for k in ids}
 
 
@@ -419,6 +422,7 @@ def _pipeline(pp: PlacedPlan, prog: StepParts, wlayout: IpuSlots):
     st = pp.stages
     S = st.num_stages
     stage_fns = [_stage_fn(pp, prog, s) for s in range(S)]
+    source = pp.executor.graph.source   # a copy's id -> the tensor it copies
     feed_ids = {s: sorted({t for nd in st.nodes[s] for t in reads(nd) if t in prog.input_infos} |
                           {a for a in stage_fns[s][2] if a in prog.input_infos} |
                           {f"{PROBE}/{x}" for x in _probes(prog) if s in _probe_stages(pp, x)} |
@@ -439,7 +443,7 @@ def _pipeline(pp: PlacedPlan, prog: StepParts, wlayout: IpuSlots):
 
         def zeros(s):
             _, sends, anc_ids = stage_fns[s]
-            return _zeros(prog, sends), _zeros(prog, anc_ids), jnp.zeros((), jnp.float32)
+            return _zeros(prog, sends, source), _zeros(prog, anc_ids), jnp.zeros((), jnp.float32)
 
         loss, anchors = pp.executor.pipeline(
             M, stage, zeros, lambda d, bufs: wlayout.read(bufs, d),

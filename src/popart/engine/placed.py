@@ -3,31 +3,32 @@
 Both front-ends run placed programs with it (docs/model_parallelism.md): popart sessions
 (``pipeline.PlacedPlan``, data) and ``popxl.Session`` (``popxl._placement``: a ``MainPlan``,
 data). Here: the cut of a graph's ops into stages (:func:`plan_stages`, a :class:`StagePlan`),
-PopART's IpuCopy nodes (:func:`inter_ipu_copies`, chained for the pipeline;
-:func:`in_order_copies`, straight for an in-order run), where each IPU's variables live
+the stages with PopART's IpuCopy nodes (:func:`copied`: ``_ir/interipucopy.py``, chained for
+the pipeline, straight for an in-order run), where each IPU's variables live
 (:class:`IpuSlots`), the mesh (:func:`placed_mesh`), the one decision "placed or not" with its
 log line (:func:`placed_or_none`), and :class:`Executor`: the one ``shard_map``
 (:func:`run_on_mesh`), the schedules, PopART's (:func:`pipeline_ticks`) and popxl's
-(:class:`InOrder`), the state slots' shardings and memory kinds (both front-ends), and an
-in-order program's state and compiled step.
+(:class:`InOrder`) and an in-order program's compiled step; and :class:`ExecutorPlan`, the
+one packing of IPU-slot state (specs, shardings, pack / unpack, host-memory slots) that both
+front-ends' placed plans are.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..errors import IrError
-from .._ir.graph import VIRTUAL_GRAPH, Node, reads
+from .._ir.graph import Node, reads
+from .._ir.interipucopy import CopiedStages, inter_ipu_copy
 from ..logging import getLogger
 from .compiled import REPLICA_AXIS, Facts
 from .state import ReplicaShards
 
 IPU_AXIS = "ipu"
-IPU_COPY = "IpuCopy"   # PopART's op moving tensors between IPUs (inter_ipu_copies)
 P = jax.sharding.PartitionSpec
 T = TypeVar("T")
 _logger = getLogger("session")
@@ -103,21 +104,24 @@ def ipu_copy(x: Any, src: int, dst: int) -> Any:
     return x if src == dst else jax.lax.ppermute(x, IPU_AXIS, [(src, dst)])
 
 
-def pipeline_ticks(plan: "StagePlan", ipus: int, M: int, stage: Callable, zeros: Callable[[int], tuple],
-                   own: Callable[[int, Any], Any], per_tick: Callable[[], Any]) -> tuple[Any, dict]:
+def pipeline_ticks(plan: "StagePlan", graph: CopiedStages, ipus: int, M: int, stage: Callable,
+                   zeros: Callable[[int], tuple], own: Callable[[int, Any], Any],
+                   per_tick: Callable[[], Any]) -> tuple[Any, dict]:
     """PopART's pipeline schedule (and its sharding schedule: a plan of one micro-batch per
     call) for ``M`` micro-batches of one replica, inside :func:`run_on_mesh`: in tick t stage s
     runs micro-batch t - s on its IPU's devices (:func:`per_ipu`: each device traces only its
-    own stages), then the plan's IpuCopies move each boundary to the next stage's devices. So
+    own stages), then the graph's IpuCopy nodes (``graph``: the stages after InterIpuCopy,
+    chained) move each boundary to the next stage's devices, as their outputs. So
     the pipeline fills (ramp-up), runs every stage at once, and drains (ramp-down) in
     M + S - 1 ticks.
 
     ``stage(s, mine, received, m)`` returns the thunk running stage s on micro-batch ``m``
-    (a traced index) -> (tensors it sends on, its anchors, its loss); ``zeros(s)`` those
+    (a traced index; ``received``: by the ids stage s reads them, the copies') -> (tensors it
+    sends on, by its ids, its anchors, its loss); ``zeros(s)`` those
     outputs' zeros (devices and ticks where s does not run); ``own(d, shared)`` device d's
     part of what ``per_tick()`` gives each tick (its weights), taken in its branch. Returns
     (the loss summed over ticks, anchors {id: [T, ...]})."""
-    S, copies = plan.num_stages, plan.copies
+    S = plan.num_stages
 
     def device_branch(d: int) -> Callable:
         def branch(bufs: list, t: Any, shared: Any) -> tuple:
@@ -144,17 +148,29 @@ def pipeline_ticks(plan: "StagePlan", ipus: int, M: int, stage: Callable, zeros:
     def tick(carry: tuple, t: Any) -> tuple:
         bufs, loss_acc = carry
         sent, anchors, loss = per_ipu(branches, bufs, t, per_tick())
-        moved = [ipu_copy(sent[s], copies[s][0].attrs["sourceIpu"], copies[s][0].attrs["destIpu"])
-                 if copies[s] else sent[s] for s in range(S - 1)]   # a boundary's copies at once
+        moved = [_run_copies(graph.copies[s + 1], sent[s]) for s in range(S - 1)]
         return (moved, loss_acc + loss), anchors
 
     # The backward pass keeps each tick's received tensors (PopART's stash) and runs the
     # tick's stages again (RecomputationType.Pipeline): residuals saved inside the switch
     # would hold a copy of the device's weights per tick.
     tick = jax.checkpoint(tick, policy=jax.checkpoint_policies.nothing_saveable)
-    bufs0 = [zeros(s)[0] for s in range(S - 1)]
+    bufs0 = [_received(graph.copies[s + 1], zeros(s)[0]) for s in range(S - 1)]
     (_, loss), anchors = jax.lax.scan(tick, (bufs0, jnp.zeros((), jnp.float32)), jnp.arange(M + S - 1))
     return loss, anchors
+
+
+def _received(copies: Sequence[Node], sent: dict) -> dict:
+    """What the stage after a pipeline boundary receives, by its ids: the outputs of the
+    boundary's IpuCopy nodes (what crosses on one IPU: as it was sent)."""
+    return {c.outputs[0]: sent[c.inputs[0]] for c in copies} if copies else sent
+
+
+def _run_copies(copies: Sequence[Node], sent: dict) -> dict:
+    """A pipeline boundary's IpuCopy nodes run at once (one IPU pair, :func:`_received`)."""
+    if not copies:
+        return sent
+    return ipu_copy(_received(copies, sent), copies[0].attrs["sourceIpu"], copies[0].attrs["destIpu"])
 
 
 def zeros_like_specs(specs: Any) -> Any:
@@ -167,34 +183,35 @@ class InOrder:
     """popxl's schedule inside :func:`run_on_mesh`: the plan's stages one after the other in
     program order, each on its IPU's devices (:func:`on_ipu`, zeros elsewhere). A tensor is
     held by the devices of the IPUs it was computed on or copied to. Before a stage, the
-    plan's IpuCopies for it (``copies[s]``, :func:`in_order_copies`) move the tensors it reads
-    from earlier stages to its IPU. :meth:`read` moves the tensors that no stage computes (a
-    repeat's inputs, carried values and outputs; variables written back at the end of the run)
-    to the IPUs that need them. ``source(t)`` gives a tensor nothing computes (a feed, a
-    constant: on every device)."""
+    graph's IpuCopy nodes for it (``graph``: the stages after InterIpuCopy, straight) move
+    the tensors it reads from earlier stages to its IPU, as their outputs, which the stage
+    reads. :meth:`read` moves the tensors that no stage computes (a repeat's inputs, carried
+    values and outputs; variables written back at the end of the run) to the IPUs that need
+    them. ``source(t)`` gives a tensor nothing computes (a feed, a constant: on every
+    device)."""
 
-    def __init__(self, plan: "StagePlan", ipus: int, copies: Sequence[list],
+    def __init__(self, plan: "StagePlan", ipus: int, graph: CopiedStages,
                  source: Callable[[str], Any]) -> None:
-        self.plan, self.copies, self.everywhere, self.source = plan, copies, set(range(ipus)), source
+        self.plan, self.graph, self.everywhere, self.source = plan, graph, set(range(ipus)), source
         self.env: dict = {}                  # tensor -> its value (on the devices in at)
         self.at: dict[str, set[int]] = {}    # tensor -> the IPUs whose devices hold it
         self.staged: set[str] = set()        # the tensors stages computed (moved by copies)
 
     def fork(self) -> "InOrder":
         """A view for a loop's body: the same values, its own copies."""
-        other = InOrder(self.plan, len(self.everywhere), self.copies, self.source)
+        other = InOrder(self.plan, len(self.everywhere), self.graph, self.source)
         other.env, other.at = dict(self.env), {k: set(v) for k, v in self.at.items()}
         other.staged = set(self.staged)
         return other
 
     def copy(self, node: Node) -> None:
-        """Run an IpuCopy node: its tensor on the devices of ``destIpu`` too (nothing to do
+        """Run an IpuCopy node: its output, its input on the devices of ``destIpu`` (as it is
         where a repeat's inputs moved it there already)."""
-        t, src, dst = node.inputs[0], node.attrs["sourceIpu"], node.attrs["destIpu"]
-        if dst not in self.at[t]:
-            v = jnp.asarray(self.env[t])
-            self.env[t] = jnp.where(this_ipu() == dst, ipu_copy(v, src, dst), v)
-            self.at[t].add(dst)
+        (t,), (out,), src, dst = node.inputs, node.outputs, node.attrs["sourceIpu"], node.attrs["destIpu"]
+        v = jnp.asarray(self.env[t])
+        self.env[out] = v if dst in self.at[t] else ipu_copy(v, src, dst)
+        self.at[out] = {dst}
+        self.staged.add(out)
 
     def holds(self, t: str) -> bool:
         return t in self.env
@@ -216,20 +233,22 @@ class InOrder:
         return v
 
     def run(self, s: int, fn: Callable, shapes: Any, state: Any, *args: Any) -> tuple:
-        """Stage ``s``: its IpuCopies, then ``fn(state, received, *args) -> (state, {tensor:
-        value}, *rest)`` on the devices of its IPU (``received``: the tensors its nodes read
-        that the run holds, on its IPU); the other devices keep their state and give zeros
-        shaped as ``shapes``, the plan's shapes of the outputs after the state. Planning
-        (``shapes`` None: the program is only traced abstractly, for its facts), ``fn`` runs
-        on every device, once. Its tensors are then held on its IPU. Returns (state, *rest,
-        the shapes)."""
+        """Stage ``s``: its IpuCopy nodes, then ``fn(state, received, *args) -> (state,
+        {tensor: value}, *rest)`` on the devices of its IPU (``received``: the tensors its
+        nodes read that the run holds, on its IPU, by the ids its ops read them: a copy's
+        output, ``graph.local``); the other devices
+        keep their state and give zeros shaped as ``shapes``, the plan's shapes of the
+        outputs after the state. Planning (``shapes`` None: the program is only traced
+        abstractly, for its facts), ``fn`` runs on every device, once. Its tensors are then
+        held on its IPU. Returns (state, *rest, the shapes)."""
         ipu = self.plan.stage_ipu[s]
-        for node in self.copies[s]:
+        for node in self.graph.copies[s]:
             self.copy(node)
-        missed = sorted(t for t in self.plan.reads(s) if t in self.staged and ipu not in self.at[t])
+        local = {t: self.graph.local(s, t) for t in self.plan.reads(s)}
+        missed = sorted(t for t, x in local.items() if t in self.staged and ipu not in self.at.get(x, ()))
         if missed:
             raise RuntimeError(f"Internal error: no IpuCopy of {missed} to IPU {ipu} before stage {s}")
-        received = {t: self.read(t, [ipu]) for t in self.plan.reads(s) if t in self.env}
+        received = {x: self.read(x, [ipu]) for x in local.values() if x in self.env}
         if shapes is None:   # planning: facts (a trailing compiled.Facts) are not outputs
             state, out, *rest = fn(state, received, *args)
             shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -266,44 +285,14 @@ class StagePlan:
         """The tensors stage s's nodes read."""
         return {t for nd in self.nodes[s] for t in reads(nd) if t}
 
-    @property
-    def copies(self) -> list:
-        """The IpuCopy nodes of each boundary s (:func:`inter_ipu_copies`)."""
-        return inter_ipu_copies(self)
 
-
-def ipu_copy_node(t: str, src: int, dst: int) -> Node:
-    """PopART's IpuCopy op (ai.graphcore; attributes ``sourceIpu``, ``destIpu``) of ``t``."""
-    return Node(IPU_COPY, [t], [t], {"sourceIpu": src, "destIpu": dst}, "ai.graphcore",
-                name=f"IpuCopy/{t}", annotations={VIRTUAL_GRAPH: dst})
-
-
-def inter_ipu_copies(plan: StagePlan) -> list[list[Node]]:
-    """PopART's interipucopy transform on a stage plan, the copies chained stage to stage as
-    its pipelining does (the pipeline schedule): per boundary s, an ``IpuCopy`` for each
-    tensor that crosses from stage s to stage s + 1 on another IPU; none where both stages
-    share an IPU."""
-    out = []
-    for s, tensors in enumerate(plan.boundary):
-        src, dst = plan.stage_ipu[s], plan.stage_ipu[s + 1]
-        out.append([] if src == dst else [ipu_copy_node(t, src, dst) for t in tensors])
-    return out
-
-
-def in_order_copies(plan: StagePlan, gives: Sequence[Iterable[str]]) -> list[list[Node]]:
-    """PopART's interipucopy transform for stages run one after the other (popxl, no
-    pipelining): per stage s, the ``IpuCopy`` nodes that run before it, one for each tensor
-    its nodes read that an earlier stage computed and sent on (``gives[p]``: stage p's) and
-    that is not on its IPU yet: straight from the lowest IPU holding it, once per IPU."""
-    held: dict[str, set[int]] = {}
-    out = []
-    for s, ipu in enumerate(plan.stage_ipu):
-        out.append([ipu_copy_node(t, min(held[t]), ipu) for t in sorted(plan.reads(s))
-                    if t in held and ipu not in held[t]])
-        for nd in out[-1]:
-            held[nd.inputs[0]].add(ipu)
-        held.update({t: {ipu} for t in gives[s]})
-    return out
+def copied(plan: StagePlan, gives: Optional[Sequence[Iterable[str]]] = None) -> CopiedStages:
+    """``plan``'s stages after PopART's InterIpuCopy (``_ir/interipucopy.py``): chained
+    stage to stage over its boundaries (the pipeline schedule), or (``gives[s]``: the
+    tensors stage s makes for later stages) straight to each IPU reading them (in order)."""
+    if gives is None:
+        return inter_ipu_copy(plan.nodes, plan.stage_ipu, plan.boundary, chained=True)
+    return inter_ipu_copy(plan.nodes, plan.stage_ipu, gives, chained=False)
 
 
 def plan_stages(nodes: Sequence[Node], ipu_of: Callable[[Node], int], variables: Iterable[str] = (),
@@ -370,11 +359,11 @@ class Executor:
     """A stage plan on its (replica, ipu) mesh: what runs a placed program, for popart
     sessions (:meth:`pipeline`: PopART's schedules) and popxl (:meth:`in_order_program`:
     the stages in program order, repeat loops around some). The front-ends give data: the
-    plan, the copies, the state layout, and their stage functions / schedule."""
+    plan, its stages with their IpuCopy nodes, and their stage functions / schedule (the
+    state's packing: :class:`ExecutorPlan`)."""
     plan: StagePlan
     mesh: jax.sharding.Mesh
-    copies: list = field(default_factory=list)   # in-order runs: per stage, its IpuCopies
-    layout: Optional["IpuSlots"] = None   # in-order runs: the state, [replicas, ipus, *block]
+    graph: CopiedStages                   # the plan's stages after InterIpuCopy (copied)
 
     @property
     def ipus(self) -> int:
@@ -388,51 +377,22 @@ class Executor:
         """``fn`` on every device of the mesh (:func:`run_on_mesh`)."""
         return run_on_mesh(fn, self.mesh, in_specs, out_specs)
 
-    def slot_shardings(self, layout: "IpuSlots", spec: Callable[[str], Any]) -> dict:
-        """Per slot of ``layout`` (popart's weights or optimizer state, or an in-order
-        program's variables), its sharding: partitioned as ``spec(key)``, in the slot's
-        memory kind (host for off-chip slots); the layout's global tensors replicated."""
-        kinds = layout.memory_kinds
-        return {k: self.sharding() if k in layout.global_specs else
-                self.sharding(*spec(k), memory_kind=kinds.get(k)) for k in layout.specs()}
-
     def pipeline(self, M: int, stage: Callable, zeros: Callable, own: Callable,
                  per_tick: Callable) -> tuple[Any, dict]:
         """PopART's pipeline schedule of the plan's stages (:func:`pipeline_ticks`)."""
-        return pipeline_ticks(self.plan, self.ipus, M, stage, zeros, own, per_tick)
+        return pipeline_ticks(self.plan, self.graph, self.ipus, M, stage, zeros, own, per_tick)
 
     def in_order(self, source: Callable[[str], Any]) -> "InOrder":
-        """popxl's in-order run of the plan's stages, moving tensors by ``copies``
-        (:class:`InOrder`)."""
-        return InOrder(self.plan, self.ipus, self.copies, source)
+        """popxl's in-order run of the plan's stages, moving tensors by the graph's IpuCopy
+        nodes (:class:`InOrder`)."""
+        return InOrder(self.plan, self.ipus, self.graph, source)
 
     # ------------------------------------------------------------------ in-order programs
-    # Their state: ``layout``'s slots per replica, [replicas, ipus, *block] arrays, each
-    # device holding its (replica, IPU) block; their feeds and outputs [replicas, ...].
+    # Their state: slots per replica, [replicas, ipus, *block] arrays, each device holding
+    # its (replica, IPU) block; their feeds and outputs [replicas, ...].
     @property
     def replicas(self) -> int:
         return int(self.mesh.devices.shape[0])
-
-    def state_specs(self) -> dict:
-        return {k: jax.ShapeDtypeStruct((self.replicas,) + s.shape, s.dtype)
-                for k, s in self.layout.specs().items()}
-
-    def state_shardings(self) -> dict:
-        return self.slot_shardings(self.layout, lambda k: (REPLICA_AXIS, IPU_AXIS))
-
-    @property
-    def feed_sharding(self) -> jax.sharding.NamedSharding:
-        """[replicas, ...] arrays: each replica's slice on all of its IPUs' devices."""
-        return self.sharding(REPLICA_AXIS)
-
-    def pack(self, per_replica: Sequence[Mapping[str, Any]]) -> dict:
-        """The slots [replicas, ipus, *block] of each replica's tensors (host arrays)."""
-        per = [self.layout.pack(named) for named in per_replica]
-        return {k: np.stack([p[k] for p in per]) for k in per[0]}
-
-    def unpack(self, bufs: Mapping[str, Any]) -> list[dict]:
-        """Each replica's tensors from the slots [replicas, ipus, *block] (host arrays)."""
-        return [self.layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.replicas)]
 
     def in_order_program(self, schedule: Callable, outputs: Sequence[str],
                          planning: bool = False) -> Callable:
@@ -462,8 +422,51 @@ class Executor:
 @dataclass
 class ExecutorPlan:
     """A front-end's placed plan: its own data around the one :class:`Executor` (popart's
-    ``pipeline.PlacedPlan``, popxl's ``_placement.MainPlan``)."""
+    ``pipeline.PlacedPlan``, popxl's ``_placement.MainPlan``), and the one packing of a
+    placed program's state in IPU slots (:class:`IpuSlots`): specs, shardings, pack /
+    unpack and the host-memory slots of a layout, for both front-ends. popart's state is
+    ``[ipus, *block]`` (one value for all replicas, or RTS shards in the blocks); popxl's
+    (``per_replica``) ``[replicas, ipus, *block]``, each replica's own values."""
     executor: Executor
+    per_replica: ClassVar[bool] = False
+
+    def layout_for(self, names: Any) -> "IpuSlots":
+        """The layout whose tensors (ids) or slots (keys) ``names`` are."""
+        raise NotImplementedError
+
+    def slot_specs(self, layout: "IpuSlots") -> dict:
+        """ShapeDtypeStruct of each stored slot (``[replicas, ...]`` per replica)."""
+        lead = (self.executor.replicas,) if self.per_replica else ()
+        return {k: jax.ShapeDtypeStruct(lead + s.shape, s.dtype) for k, s in layout.specs().items()}
+
+    def slot_shardings(self, layout: "IpuSlots", spec: Callable[[str], Any]) -> dict:
+        """Per slot of ``layout`` (popart's weights or optimizer state, or an in-order
+        program's variables), its sharding: partitioned as ``spec(key)``, in the slot's
+        memory kind (host for off-chip slots); the layout's global tensors replicated."""
+        kinds = layout.memory_kinds
+        return {k: self.executor.sharding() if k in layout.global_specs else
+                self.executor.sharding(*spec(k), memory_kind=kinds.get(k)) for k in layout.specs()}
+
+    @staticmethod
+    def host_slots(layout: "IpuSlots") -> frozenset:
+        """The slots kept in host memory between runs."""
+        return frozenset(layout.memory_kinds)
+
+    def pack(self, named: Any, layout: Optional["IpuSlots"] = None) -> dict:
+        """The stored slots (host arrays) of host tensors: by id, or (``per_replica``) a
+        list of each replica's, stacked."""
+        if not self.per_replica:
+            return (layout or self.layout_for(named)).pack(named)
+        layout = layout or self.layout_for(named[0])
+        per = [layout.pack(one) for one in named]
+        return {k: np.stack([p[k] for p in per]) for k in per[0]}
+
+    def unpack(self, bufs: Mapping[str, Any], layout: Optional["IpuSlots"] = None) -> Any:
+        """The tensors (host arrays) of stored slots, the inverse of :meth:`pack`."""
+        layout = layout or self.layout_for(bufs)
+        if not self.per_replica:
+            return layout.unpack(bufs)
+        return [layout.unpack({k: b[r] for k, b in bufs.items()}) for r in range(self.executor.replicas)]
 
     @property
     def stages(self) -> StagePlan:
