@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from popart.engine.compiled import REPLICA_AXIS, Facts
-from popart.engine.lower import CHECKS, RECORD, first_failure, trace
+from popart.engine.lower import CHECKS, RECORD, first_failure
+from popart.engine.step import GraphRun
 from popart.engine.placed import (IPU_AXIS, Executor, ExecutorPlan, InOrder, IpuSlots, Unplaceable, copied,
                                   device_grid, per_ipu, placed_mesh, placed_or_none, plan_stages)
 from popart.engine.graph_api import VIRTUAL_GRAPH, Graph as IRGraph, Node, outer_reads, reads
@@ -351,17 +352,17 @@ class MainPlan(ExecutorPlan):
         """The slots kept in host memory between runs."""
         return sorted(self.host_slots(self.layout))
 
-    def step_fn(self, program: "Program", facts: dict, platform: str, planning: bool = False) -> Callable:
-        """The step: :func:`main_step`."""
-        return main_step(self, program, facts, platform, planning)
+    def schedule(self, program: "Program") -> Callable:
+        """The schedule (``step.state_step``): :func:`main_step`."""
+        return lambda run, planned: main_step(self, program, planned, run)
 
 
-def _stage_fn(p: MainPlan, r: int, platform: str, s: int, checks: list, planning: bool) -> Callable:
-    """Stage s on its IPU's devices (``r`` replicas on ``platform``): (the device's blocks, received tensors, feeds) -> (the
-    blocks with its variables' new versions, the tensors it sends on, the record of its
-    first failed check). ``checks``: the program's registry so far (the plan's, when it is
-    the step that is compiled); ``planning``: the registry with the checks it adds follows,
-    as ``Facts``."""
+def _stage_fn(p: MainPlan, s: int, run: GraphRun) -> Callable:
+    """Stage s on its IPU's devices, run by ``run`` (``step.GraphRun``: its checks the
+    program's registry so far, the plan's when it is the step that is compiled): (the
+    device's blocks, received tensors, feeds) -> (the blocks with its variables' new
+    versions, the tensors it sends on, the record of its first failed check; planning: the
+    registry with the checks it adds, as ``Facts``)."""
     main, gs, layout, names = p.main, p.graphs, p.layout, p.executor.graph.names[s]
     ipu, exports = p.stages.stage_ipu[s], sorted(p.exports[s])
     # its ops read the tensors of other IPUs' stages by their IpuCopy's output ids; the
@@ -373,29 +374,24 @@ def _stage_fn(p: MainPlan, r: int, platform: str, s: int, checks: list, planning
                                 if k not in p.home},
                   opsets=main.opsets, constants=set().union(*(g.constants for g in gs)))
 
-    def run(blocks: dict, received: dict, feeds: dict) -> tuple:
+    def stage(blocks: dict, received: dict, feeds: dict) -> tuple:
         mine = layout.read(blocks, ipu)
         received = {**received, **{t: received[x] for t, x in outer.items() if x in received}}
         weights = {t: mine[v] for t, v in p.from_block[s].items()}
-        tr = trace(sub, {**feeds, **received}, key=jax.random.key(0), weights=weights,
-                   platform=platform, replication_factor=r,
-                   replica_axis=REPLICA_AXIS if r > 1 else None, checks=checks)
-        record = tr.check_flags()
-        record = jnp.zeros(RECORD, jnp.int64) if record is None else record
+        tr = run(sub, {**feeds, **received}, weights)
         blocks = layout.repack(blocks, ipu, {v: tr.env[t] for v, t in p.to_block[s].items()})
-        out = (blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, record)
-        return (*out, Facts(checks=list(tr.checks))) if planning else out
-    return run
+        return run.result(tr, blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, run.record(tr))
+    return stage
 
 
-def main_step(p: MainPlan, program: "Program", planned: dict, platform: str,
-              planning: bool = False) -> Callable:
+def main_step(p: MainPlan, program: "Program", planned: dict, graph_run: GraphRun) -> Callable:
     """The program (``Executor.in_order_program``): (slots [replicas, ipus, *block], stream
     inputs [replicas, N, ...]) -> (new slots, device-to-host values [replicas, N, ...] and
     run-time checks), from the facts of its plan (``planned``: its run-time checks,
-    numbered; each stage's output shapes); ``planning``: those facts follow, as ``Facts``.
+    numbered; each stage's output shapes); each stage run by ``graph_run`` (planning: those
+    facts follow, as ``Facts``).
     The schedule: the stages in program order, a repeat's in a fori_loop."""
-    known = planned.get("shapes", {})
+    known, planning = planned.get("shapes", {}), graph_run.planning
     st, ex, n = p.stages, p.executor, program.n
     d2h_specs = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_device_numpy()) for s, t in program.d2h}
 
@@ -409,7 +405,8 @@ def main_step(p: MainPlan, program: "Program", planned: dict, platform: str,
             nonlocal checks   # planning: each stage's trace gives the registry with its checks
             # the other IPUs' devices: zeros (stream buffers hold N elements, not popxl's 1)
             planned_shapes = None if planning else known[s]   # None: planning
-            blocks, record, *found, shapes[s] = run.run(s, _stage_fn(p, program.r, platform, s, checks, planning),
+            stage_run = dataclasses.replace(graph_run, checks=tuple(checks))
+            blocks, record, *found, shapes[s] = run.run(s, _stage_fn(p, s, stage_run),
                                                         planned_shapes, blocks, feeds)
             if found:
                 checks = found[0]["checks"]

@@ -2,8 +2,10 @@
 (new state, device-to-host values and run-time checks), replicated (``Placement``) or
 placed on the devices of its IPUs (``_placement.main_step``): the state packing, chosen
 with the placement (:func:`packing`: :class:`ReplicaSlots` or ``_placement.MainPlan``), gives
-the step, its arguments and their shardings; its facts from one abstract trace
-(``compiled.plan_trace``), compiled through the engine cache when there is one."""
+its schedule, its arguments and their shardings; the step is ``step.state_step`` of that
+schedule (one replica's graph run by ``step.GraphRun``, popart's part too); its facts from
+one abstract trace (``compiled.plan_trace``), compiled through the engine cache when there
+is one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,11 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from popart import report
-from popart.engine.compiled import REPLICA_AXIS, CompiledStep, Facts, Placement, plan_trace
+from popart.engine.compiled import CompiledStep, Placement, plan_trace
 from popart.engine.config import EngineConfig
 from popart.engine.executable import EngineCache, compile_step, runtime_signature
 from popart.engine.graph_api import Graph as IRGraph, fingerprint
-from popart.engine.lower import CHECKS, trace
+from popart.engine.step import GraphRun, state_step
 from popart.ir_json import serialize_ir
 
 from ._placement import MainPlan
@@ -70,31 +72,20 @@ def _in_device_memory(fn: Any, keys: list) -> Any:
     return step
 
 
-def replica_fn(p: Program, platform: str, checks: list, planning: bool = False) -> Callable:
-    """One replica's main graph: (its state: variables and remote buffers, its streams'
-    [N, ...] inputs) -> (the new state, device-to-host values, run-time checks). Its checks
-    keep the plan's ids (``checks``); ``planning``: its run-time checks follow, as ``Facts``."""
-    n, r = p.n, p.r
-    slots = [(s.key, s.graph_in, s.graph_out._ir_id if s.graph_out is not None else s.graph_in)
-             for s in p.slots]
-    d2h = [(s, t.id, p.d2h_final[s]._ir_id) for s, t in p.d2h]
-    main_ir, checks = p.main_ir, list(checks)
+def replica_fn(p: Program, run: GraphRun) -> Callable:
+    """One replica's main graph, run by ``run`` (``step.GraphRun``): (its state: variables
+    and remote buffers, its streams' [N, ...] inputs) -> (the new state, device-to-host
+    values and run-time checks; planning: their ``Facts``)."""
+    n = p.n
+    weights = {s.key: s.graph_in for s in p.slots}
+    new = {s.key: s.graph_out._ir_id if s.graph_out is not None else s.graph_in for s in p.slots}
+    d2h = {t.id: p.d2h_final[s]._ir_id for s, t in p.d2h}
+    zeros = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_device_numpy()) for s, t in p.d2h}
 
     def replica(state: dict, feeds: dict) -> tuple:
-        feeds = dict(feeds)
-        for s, tid, _ in d2h:
-            feeds[tid] = jnp.zeros((n,) + s.shape, s.dtype.as_device_numpy())
-        weights = {gin: state[key] for key, gin, _ in slots}
-        t = trace(main_ir, feeds, key=jax.random.key(0), weights=weights, platform=platform,
-                  replica_axis=REPLICA_AXIS if r > 1 else None, replication_factor=r,
-                  checks=checks)
-        new = {key: jnp.asarray(t.env[out]).astype(state[key].dtype) for key, _, out in slots}
-        outs = {tid: jnp.asarray(t.env[fid]) for _, tid, fid in d2h}
-        if t.check_flags() is not None:
-            outs[CHECKS] = t.check_flags()
-        if planning:   # run-time checks (indices in range, ...)
-            return new, outs, Facts(checks=list(t.checks))
-        return new, outs
+        feeds = {**feeds, **{k: jnp.zeros(z.shape, z.dtype) for k, z in zeros.items()}}
+        t = run(p.main_ir, feeds, {gin: state[key] for key, gin in weights.items()})
+        return run.result(t, run.written(t, new, state), run.outputs(t, d2h))
     return replica
 
 
@@ -128,9 +119,9 @@ class ReplicaSlots:
         """The state arrays kept in host memory between runs."""
         return [s.key for s in self.p.slots if s.memory_kind]
 
-    def step_fn(self, p: Program, facts: dict, platform: str, planning: bool = False) -> Callable:
-        fn = replica_fn(p, platform, facts.get("checks", ()), planning)
-        return self.placement.replicate(fn, in_axes=(0, 0))
+    def schedule(self, p: Program) -> Callable:
+        """The schedule (``step.state_step``): one replica's :func:`replica_fn`, replicated."""
+        return lambda run, planned: self.placement.replicate(replica_fn(p, run), in_axes=(0, 0))
 
 
 def packing(p: Program, placement: Placement, placed: Optional[MainPlan]) -> Any:
@@ -179,8 +170,8 @@ def compile_program(p: Program, placement: Placement, placed: Optional[MainPlan]
     packed = packing(p, placement, placed)
     split, state = packed.feed_sharding, packed.state_shardings()
     args = specs(p, packed)
-    facts = plan_trace(packed.step_fn(p, {}, placement.platform, planning=True), *args)[1]
-    fn = packed.step_fn(p, facts, placement.platform)
+    facts = plan_trace(state_step(packed.schedule(p), placement.platform, p.r), *args)[1]
+    fn = state_step(packed.schedule(p), placement.platform, p.r, facts)
     host = packed.host_keys
     if host:
         fn = _in_device_memory(fn, host)

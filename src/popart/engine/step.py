@@ -8,14 +8,21 @@ reduction) and into the step itself, around a schedule:
   is here, the placed one (PopART's pipeline ticks over the IPUs' devices) is
   ``pipeline.PipelineSchedule``;
 - :func:`train_step` / :func:`infer_step`: the step ``(weights, opt_state, key, feeds,
-  hyper) -> (weights, opt_state, key, anchors)`` over ``batchesPerStep``, the same for both.
+  hyper) -> (weights, opt_state, key, anchors)`` over ``batchesPerStep``, the same for both;
+- :func:`state_step`: popxl's step ``(state, feeds) -> (new state, outputs)`` (its IR holds
+  its gradients and updates as ops: no accumulation or optimizer here) around its schedule
+  (replicated over the replicas, or placed over IPUs in program order with repeat loops).
+
+Every step runs one replica's graph with one part, :class:`GraphRun` (popart's micro-batch,
+its pipeline stages, popxl's replica and its placed stages): no other module traces a graph
+for a step.
 """
 from __future__ import annotations
 
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +30,9 @@ import jax.numpy as jnp
 from .._ir.graph import Graph
 from . import als as _als
 from .backends import backend
-from .compiled import REPLICA_AXIS, Placement
-from .config import AnchorReturn
-from .lower import CHECKS, Remat, Trace, first_failure, trace
+from .compiled import REPLICA_AXIS, Facts, Placement
+from .config import AnchorReturn, EngineConfig
+from .lower import CHECKS, RECORD, Remat, Trace, first_failure, trace
 from .step_plan import GRAD_PREFIX, StepConfig, StepPlan, unstash
 
 # Recomputation's run-time true (engine/lower.py: run_segment), a step argument among the
@@ -64,6 +71,57 @@ def reduce_anchor(ret: AnchorReturn, v: Any) -> Any:
     return v.sum(axis=(0, 1))
 
 
+def with_checks(vals: dict, t: Trace) -> dict:
+    """``vals`` (a replica's outputs) and, under ``CHECKS``, the record of the trace's first
+    failed run-time check (of the checks the plan found)."""
+    flags = t.check_flags()
+    return vals if flags is None else {**vals, CHECKS: flags}
+
+
+@dataclass(frozen=True)
+class GraphRun:
+    """One replica's graph run on its state and feeds, the part every step builds from:
+    the trace with the replica axis (with replicas) and the plan's run-time checks (a step's
+    keep their ids: ``lower.trace``), the values of the state it writes, its outputs with
+    their checks' record; ``planning``: the step is the plan's abstract trace, its stages'
+    run-time checks follow as ``Facts`` (:meth:`result`)."""
+    platform: str
+    replication_factor: int
+    checks: Sequence = ()
+    config: Optional[EngineConfig] = None
+    planning: bool = False
+
+    def __call__(self, graph: Graph, feeds: Mapping[str, Any], weights: Mapping[str, Any],
+                 key: Any = None, **kw: Any) -> Trace:
+        """The trace of ``graph`` (``kw``: ``lower.trace``'s training options); ``key``: the
+        base PRNG key (None: key(0), made when a random op reads it)."""
+        R = self.replication_factor
+        return trace(graph, feeds, key=key, weights=weights,
+                     replica_axis=REPLICA_AXIS if R > 1 else None, replication_factor=R,
+                     config=self.config, platform=self.platform, checks=self.checks, **kw)
+
+    @staticmethod
+    def written(t: Trace, slots: Mapping[str, str], like: Mapping[str, Any]) -> dict:
+        """The state it wrote: per key, the value of tensor ``slots[key]`` in ``like[key]``'s
+        dtype."""
+        return {k: jnp.asarray(t.env[out]).astype(like[k].dtype) for k, out in slots.items()}
+
+    @staticmethod
+    def outputs(t: Trace, ids: Mapping[str, str]) -> dict:
+        """Per name, the value of tensor ``ids[name]``, with the checks' record (:func:`with_checks`)."""
+        return with_checks({k: jnp.asarray(t.env[tid]) for k, tid in ids.items()}, t)
+
+    @staticmethod
+    def record(t: Trace) -> Any:
+        """The record of the trace's first failed check (zeros: none failed, or no checks)."""
+        flags = t.check_flags()
+        return jnp.zeros(RECORD, jnp.int64) if flags is None else flags
+
+    def result(self, t: Trace, *out: Any) -> tuple:
+        """``out``, and when planning the trace's run-time checks as ``Facts``."""
+        return (*out, Facts(checks=list(t.checks))) if self.planning else out
+
+
 @dataclass(frozen=True)
 class StepParts:
     """A planned step's parts, for every schedule: the plan, the config, the graph (its
@@ -82,27 +140,23 @@ class StepParts:
     def trace_graph(self, weights, feeds, key, probes=None, training=False, remat=None,
                     graph: Optional[Graph] = None, effects: Optional[set] = None,
                     taps: Optional[Mapping[str, Any]] = None) -> Trace:
-        """One trace of the session's graph (or of ``graph``, a part of it) as the step runs it."""
-        cfg, plan = self.cfg, self.plan
-        axis = REPLICA_AXIS if cfg.replication_factor > 1 else None
-        return trace(self.graph if graph is None else graph, feeds, key=key, training=training,
-                     weights=weights, replica_axis=axis, replication_factor=cfg.replication_factor,
-                     config=cfg.config, probes=probes, platform=self.platform,
-                     remat=remat, effects=effects, taps=taps,
-                     float32_loss=plan.float32_loss if training else None,
-                     float32_region=plan.float32_region if training else frozenset(),
-                     checks=plan.run_checks)   # the plan's: the step's checks keep their ids
+        """One trace of the session's graph (or of ``graph``, a part of it) as the step runs it
+        (:attr:`run`)."""
+        plan = self.plan
+        return self.run(self.graph if graph is None else graph, feeds, weights, key,
+                        training=training, probes=probes, remat=remat, effects=effects, taps=taps,
+                        float32_loss=plan.float32_loss if training else None,
+                        float32_region=plan.float32_region if training else frozenset())
+
+    @property
+    def run(self) -> GraphRun:
+        """The step's graph run: its replicas, platform, config and the plan's checks."""
+        cfg = self.cfg
+        return GraphRun(self.platform, cfg.replication_factor, self.plan.run_checks, cfg.config)
 
     @staticmethod
     def anchor_value(env, tid):
         return jnp.asarray(env[unstash(tid)])   # the plan checked every anchor names a tensor
-
-    @staticmethod
-    def with_checks(vals: dict, t: Trace) -> dict:
-        """The anchor values of a micro-batch and, under ``CHECKS``, the record of its
-        first failed run-time check (of the checks the plan found)."""
-        flags = t.check_flags()
-        return vals if flags is None else {**vals, CHECKS: flags}
 
     def hyper_value(self, hyper, name):
         if name in hyper:
@@ -128,11 +182,11 @@ class StepParts:
         trainable weights' gradients, assignments); with ALS, the tracked gradients'
         statistics [tracked, *STAT_SHAPE] under ``als.STATS`` (:meth:`als_batch` reads them)."""
         cfg, plan = self.cfg, self.plan
-        fwd_ids = plan.fwd_anchor_ids
+        fwd_ids = {a: unstash(a) for a in plan.fwd_anchor_ids}   # the plan checked each names a tensor
         if not cfg.training:
             def micro(weights, feeds, key, hyper):
                 t = self.trace_graph(weights, feeds, key)
-                return self.with_checks({a: self.anchor_value(t.env, a) for a in fwd_ids}, t), {}, {}
+                return GraphRun.outputs(t, fwd_ids), {}, {}
             return micro
 
         grad_ids, trainable, tracked = plan.grad_ids, plan.trainable, plan.tracked
@@ -150,7 +204,7 @@ class StepParts:
                 taps = {t: functools.partial(plan.als.tap, stat=stats[t]) for t in tracked}
                 t = self.trace_graph({**other_w, **tw}, feeds, key, probes, training=True,
                                      remat=remat, taps=taps)
-                vals = self.with_checks({a: self.anchor_value(t.env, a) for a in fwd_ids}, t)
+                vals = GraphRun.outputs(t, fwd_ids)
                 return self.scaled_loss(t, hyper), (vals, dict(t.assignments))
 
             (_, (vals, assigns)), (gw, gp, gs) = jax.value_and_grad(
@@ -383,6 +437,20 @@ def infer_step(parts: StepParts, run: Callable) -> Callable:
         vals = run(weights, feeds, sub, hyper)
         return weights, opt_state, jax.random.key_data(key), parts.reduce_anchors(vals)
     return step
+
+
+def state_step(schedule: Callable[[GraphRun, Mapping], Callable], platform: str,
+               replication_factor: int, planned: Optional[Mapping[str, Any]] = None) -> Callable:
+    """A step over a state the graph updates itself (popxl's): ``schedule(run, planned)``,
+    the step ``(state, feeds) -> (new state, outputs)`` the schedule builds around the graph
+    run ``run`` (popxl's ``ReplicaSlots.schedule``: replicated over the replicas;
+    ``MainPlan.schedule``: placed over IPUs in program order, with repeat loops), as
+    :func:`train_step` / :func:`infer_step` take theirs. ``planned``: the facts of its plan
+    (``checks``: the run-time checks, numbered; the schedule's own); None: the step is the
+    plan's abstract trace, its facts follow as ``Facts``."""
+    checks = tuple(planned.get("checks", ())) if planned else ()
+    run = GraphRun(platform, replication_factor, checks, planning=planned is None)
+    return schedule(run, planned or {})
 
 
 def vectorised_inference(parts: StepParts, placement: Placement) -> Callable:
