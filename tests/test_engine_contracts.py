@@ -829,3 +829,90 @@ def test_one_placed_packing_serves_both_front_ends():
         assert per.slot_specs(layout)[k].shape == (1,) + one.slot_specs(layout)[k].shape
     assert {k: v.tolist() for k, v in one.unpack(packed).items()} == \
         {k: v.tolist() for k, v in named[0].items()}
+
+
+# ---------------------------------------------------------------------------------------
+# popxl's step from the same builder (issue 35, item 1): one replica's graph run
+# (``step.GraphRun``) serves popart's micro-batch and popxl's replica and placed stages;
+# popxl's schedules (replicated, in order over IPUs) are arguments of ``step.state_step``.
+
+def _lower_trace_uses(path: Path) -> list:
+    """``file:line`` of each import of ``trace`` from ``engine.lower`` and each ``lower.trace``
+    in ``path``."""
+    hits = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom) and (n.module or "").endswith("lower") and \
+                any(a.name == "trace" for a in n.names):
+            hits.append(f"{path.name}:{n.lineno}")
+        elif isinstance(n, ast.Attribute) and n.attr == "trace" and \
+                isinstance(n.value, ast.Name) and n.value.id == "lower":
+            hits.append(f"{path.name}:{n.lineno}")
+    return hits
+
+
+def test_popxl_traces_its_step_only_through_the_step_builders_part(tmp_path):
+    """No popxl module imports or calls ``engine.lower.trace``: its replica and its placed
+    stages run their graphs with ``step.GraphRun``, whose module is the one step module that
+    traces."""
+    src = Path(popart.__file__).parent.parent
+    assert [h for p in sorted((src / "popxl").rglob("*.py")) for h in _lower_trace_uses(p)] == []
+    assert _lower_trace_uses(src / "popart/engine/step.py") != []
+    probe = tmp_path / "probe.py"
+    probe.write_text("from popart.engine.lower import CHECKS, trace\nfrom popart.engine import lower\n"
+                     "t = lower.trace(g, {})\nu = self.trace\n")
+    assert _lower_trace_uses(probe) == ["probe.py:1", "probe.py:3"]
+
+
+def test_popart_and_popxl_steps_build_from_the_same_graph_run(monkeypatch):
+    """Compiling a popart InferenceSession, a replicated popxl.Session and a placed one (a
+    Gather on IPU 1) each runs its graph through ``step.GraphRun`` (popxl's schedules passed
+    to ``step.state_step``); the programs give NumPy's numbers."""
+    import popxl
+    import popxl.ops as ops
+    from helpers.popxl_case import gather_on_ipu1
+    from popart.engine import step as _step
+
+    calls: dict = {"run": 0, "state_step": 0}
+    real_call, real_state_step = _step.GraphRun.__call__, _step.state_step
+
+    def counting_call(self, *a, **k):
+        calls["run"] += 1
+        return real_call(self, *a, **k)
+
+    def counting_state_step(*a, **k):
+        calls["state_step"] += 1
+        return real_state_step(*a, **k)
+    monkeypatch.setattr(_step.GraphRun, "__call__", counting_call)
+    monkeypatch.setattr(_step, "state_step", counting_state_step)
+    monkeypatch.setattr("popxl._step.state_step", counting_state_step)
+
+    b = popart.Builder()
+    x = b.addInputTensor(popart.TensorInfo("FLOAT", [2, 3]))
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    y = b.aiOnnx.tanh([b.aiOnnx.matmul([x, b.addInitializedInputTensor(w)])])
+    s = popart.InferenceSession(b.getModelProto(), popart.DataFlow(1, {y: popart.AnchorReturnType("All")}),
+                                popart.DeviceManager().createCpuDevice())
+    s.prepareDevice()
+    assert calls["run"] > 0 and calls["state_step"] == 0
+    anchors, xv = s.initAnchorArrays(), np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    s.run(popart.PyStepIO({x: xv}, anchors))
+    np.testing.assert_allclose(anchors[y], np.tanh(xv @ w), rtol=1e-6)
+
+    ir = popxl.Ir(replication=2)
+    with ir.main_graph:
+        xs = popxl.h2d_stream((3,), popxl.float32, "x")
+        ys = popxl.d2h_stream((3,), popxl.float32, "y")
+        v = popxl.variable(np.ones(3, np.float32), name="v")
+        ops.host_store(ys, ops.collectives.replicated_all_reduce(ops.host_load(xs) * v))
+    calls.update(run=0, state_step=0)
+    xr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with popxl.Session(ir, "ipu_model") as sx:
+        assert calls["run"] > 0 and calls["state_step"] == 2   # the plan's and the compiled step
+        np.testing.assert_allclose(sx.run({xs: xr})[ys], np.broadcast_to(xr.sum(0), (2, 3)))
+
+    ir, idx_s, out_s = gather_on_ipu1(placed=True)
+    calls.update(run=0, state_step=0)
+    with popxl.Session(ir, "ipu_model") as sx:
+        from popart import testing
+        assert testing.is_placed(sx) and calls["run"] > 0 and calls["state_step"] == 2
+        assert sx.run({idx_s: np.array([3], np.int32)})[out_s] == 3.0
