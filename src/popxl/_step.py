@@ -77,14 +77,14 @@ def replica_fn(p: Program, run: GraphRun) -> Callable:
     and remote buffers, its streams' [N, ...] inputs) -> (the new state, device-to-host
     values and run-time checks; planning: their ``Facts``)."""
     n = p.n
-    weights = {s.key: s.graph_in for s in p.slots}
+    inputs = {s.key: s.graph_in for s in p.slots}
     new = {s.key: s.graph_out._ir_id if s.graph_out is not None else s.graph_in for s in p.slots}
     d2h = {t.id: p.d2h_final[s]._ir_id for s, t in p.d2h}
     zeros = {t.id: jax.ShapeDtypeStruct((n,) + s.shape, s.dtype.as_device_numpy()) for s, t in p.d2h}
 
     def replica(state: dict, feeds: dict) -> tuple:
         feeds = {**feeds, **{k: jnp.zeros(z.shape, z.dtype) for k, z in zeros.items()}}
-        t = run(p.main_ir, feeds, {gin: state[key] for key, gin in weights.items()})
+        t = run(p.main_ir, feeds, {gin: state[key] for key, gin in inputs.items()})
         return run.result(t, run.written(t, new, state), run.outputs(t, d2h))
     return replica
 
