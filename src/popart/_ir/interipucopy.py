@@ -19,6 +19,9 @@ from typing import Iterable, Mapping, Sequence
 from .graph import VIRTUAL_GRAPH, Node, reads
 
 IPU_COPY = "IpuCopy"
+# A rewired node's copies -> the tensors they copy (NodeCtx.check names the tensors the user
+# knows, so a run-time check of a placed stage is the plan's, with the plan's text)
+COPIED_FROM = "__copiedFrom"
 
 
 def copied_id(t: str, dst: int) -> str:
@@ -68,7 +71,9 @@ def rewire(nodes: Iterable[Node], names: Mapping[str, str]) -> list[Node]:
     """``nodes`` reading each input ``t`` as ``names[t]`` (its copy); the graphs they call
     read the outer ids unchanged."""
     return [n if not names.keys() & set(n.inputs) else
-            dataclasses.replace(n, inputs=[names.get(t, t) if t else t for t in n.inputs])
+            dataclasses.replace(n, inputs=[names.get(t, t) if t else t for t in n.inputs],
+                                annotations={**n.annotations, COPIED_FROM: {
+                                    names[t]: t for t in n.inputs if t in names}})
             for n in nodes]
 
 

@@ -24,6 +24,7 @@ import onnx
 from ..errors import (ModelError, OutOfMemoryException, UnsupportedOperatorError, noted,
                       popart_exception, popart_runtime_error)
 from .._ir.graph import Graph, Node, reads
+from .._ir.interipucopy import COPIED_FROM
 from .._ir.recompute import Segment
 from ..logging import getLogger
 from ..ops import registry
@@ -273,6 +274,8 @@ class NodeCtx:
         of the program (or of the control-flow body, see ``run_body``) and the session raises
         popart_runtime_error (or ``error_class``, which also defers a failure known at compile
         time to the run) after the run."""
+        for copy, source in self.node.annotations.get(COPIED_FROM, {}).items():
+            message = message.replace(f"'{copy}'", f"'{source}'")   # the plan's text
         check = RunCheck(f"{self.node.describe()}: {message}", tuple(values),
                          error_class or popart_runtime_error)
         if not isinstance(failed, jax.core.Tracer) and error_class is None:

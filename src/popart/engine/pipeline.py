@@ -27,7 +27,7 @@ from .placed import (IPU_AXIS, Executor, ExecutorPlan, IpuSlots, StagePlan, Unpl
 from .state import Home
 from . import als as _als
 from .program import StepConfig, StepProgram
-from .step import Schedule, StepParts, infer_step, scan, train_step
+from .step import GraphRun, Schedule, StepParts, infer_step, scan, train_step
 from .step_plan import GRAD_PREFIX, unstash
 
 EXECUTION_PHASE = "__execution_phase"
@@ -364,8 +364,7 @@ def _stage_fn(pp: PlacedPlan, prog: StepParts, s: int):
             v = a.split("/", 1)[1]
             anc[a] = jnp.asarray(t.assignments.get(v, env[v]), prog.variables[v].dtype)
         if pp.has_checks:
-            flags = t.check_flags()
-            anc[check] = _zeros(prog, [check])[check] if flags is None else flags
+            anc[check] = GraphRun.record(t)
         loss = jnp.zeros((), jnp.float32)
         if has_loss:
             loss = prog.scaled_loss(t, hyper).astype(jnp.float32)
