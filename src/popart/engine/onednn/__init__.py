@@ -128,9 +128,33 @@ def _call(kind: int, a, b, out_shape: Sequence[int], geom: Sequence[int], nhwc: 
           operands: Sequence = (), posts: Sequence[int] = ()):
     if not available():
         raise RuntimeError("the oneDNN convolution is unavailable (see popart's devicex log)")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(tuple(out_shape), np.float32),
-                            vmap_method="expand_dims")
-    return call(a, b, *operands, geom=np.array([kind, int(nhwc), *geom, *posts], np.int64))
+    geom = np.array([kind, int(nhwc), *geom, *posts], np.int64)
+    codes = list(posts[::3])
+    if POST_OPS["sum"][0] not in codes:
+        return _ffi(tuple(out_shape), geom)(a, b, *operands)
+    return _summed(tuple(out_shape), geom, 2 + int(codes[0] == POST_OPS["bias"][0]))(
+        a, b, *operands)
+
+
+def _ffi(out_shape: tuple, geom: np.ndarray, alias: Optional[int] = None):
+    out = jax.ShapeDtypeStruct(out_shape, np.float32)
+    return functools.partial(jax.ffi.ffi_call(
+        TARGET, out, vmap_method="expand_dims",
+        input_output_aliases=None if alias is None else {alias: 0}), geom=geom)
+
+
+def _summed(out_shape: tuple, geom: np.ndarray, i: int):
+    """The call with a sum post-op, its operand (argument ``i``) the result's buffer (XLA
+    copies it only where something else reads it) while batched like the result: under vmap
+    an operand shared by the batch is passed without the alias (conv.cc copies it in)."""
+    call = jax.custom_batching.custom_vmap(_ffi(out_shape, geom, i))
+
+    @call.def_vmap
+    def _batched(axis_size, in_batched, *args):   # as vmap_method="expand_dims" does
+        args = [v if batched else v[None] for v, batched in zip(args, in_batched)]
+        shape = (axis_size, *out_shape)
+        return (_summed(shape, geom, i) if in_batched[i] else _ffi(shape, geom))(*args), True
+    return call
 
 
 def _geom(strides, padding, dilation, groups) -> tuple:
@@ -302,6 +326,8 @@ def _sum_post(operands: Sequence, posts: tuple, out_shape: Sequence[int]) -> tup
     shape (a residual) as "sum": oneDNN accumulates into the operand's values instead of reading
     it as a second tensor (ResNet-50's 64 -> 256 1x1 at 56 x 56, batch 4, one thread: 3.1 ->
     1.7-2.2 ms; docs/performance.md)."""
+    if os.environ.get("POPART_ONEDNN_SUM", "1") == "0":   # TEMP: measurement toggle
+        return posts
     first = 1 if posts and posts[0][0] == "bias" else 0
     if len(posts) > first and posts[first][0] == "add" and \
             tuple(operands[first].shape) == tuple(out_shape):
