@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--fastest", action="store_true", help="each kernel's fastest run")
     ap.add_argument("--convs", type=int, default=15, help="oneDNN convolution calls listed")
+    ap.add_argument("--kernels", type=int, default=0, help="slowest XLA kernels listed")
     args = ap.parse_args()
     import jax
     import popart.testing
@@ -75,7 +76,8 @@ def main() -> None:
     hlo = popart.testing.compiled(runner.session).as_text()
     if args.hlo:
         Path(args.hlo).write_text(hlo)
-    profile_step.report(prof, args.steps, hlo, top=25, fastest=args.fastest, convs=args.convs)
+    profile_step.report(prof, args.steps, hlo, top=25, fastest=args.fastest, convs=args.convs,
+                         kernels=args.kernels)
 
 
 if __name__ == "__main__":

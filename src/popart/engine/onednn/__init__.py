@@ -239,7 +239,11 @@ def channels_last(x_shape: Sequence[int], w_shape: Sequence[int], training: bool
     they run NHWC too, their result feeding NHWC consumers (ShuffleNetV2, whose channel shuffle
     drops the channels-last form before each 1x1: 27.3 -> 18.4 ms of CPU per batch;
     docs/performance.md). An input already channels-last always runs NHWC."""
-    return not training or tuple(w_shape[2:]) != (1, 1)
+    if os.environ.get("POPART_ONEDNN_NCHW1", "1") == "0":   # TEMP
+        return not training or tuple(w_shape[2:]) != (1, 1)
+    if tuple(w_shape[2:]) != (1, 1):
+        return True
+    return not training and 2 * w_shape[0] > x_shape[1]
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
