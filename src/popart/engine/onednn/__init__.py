@@ -238,12 +238,13 @@ def channels_last(x_shape: Sequence[int], w_shape: Sequence[int], training: bool
     (forward and gradients in isolation, transposes on both sides: 0.83-0.94x); in inference
     they run NHWC too, their result feeding NHWC consumers (ShuffleNetV2, whose channel shuffle
     drops the channels-last form before each 1x1: 27.3 -> 18.4 ms of CPU per batch;
-    docs/performance.md). An input already channels-last always runs NHWC."""
-    if os.environ.get("POPART_ONEDNN_NCHW1", "1") == "0":   # TEMP
-        return not training or tuple(w_shape[2:]) != (1, 1)
+    docs/performance.md), except a 1x1 over more than one pixel that at least halves the
+    channels: transposing its input costs more than the NCHW kernel loses (SegFormer-B0's head,
+    a concatenation of four NCHW maps, 2 x 1024 x 64 x 64 -> 256: 62.5 -> 53.3 ms of CPU per
+    batch). An input already channels-last always runs NHWC."""
     if tuple(w_shape[2:]) != (1, 1):
         return True
-    return not training and 2 * w_shape[0] > x_shape[1]
+    return not training and (2 * w_shape[0] > x_shape[1] or int(np.prod(x_shape[2:])) == 1)
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
@@ -330,8 +331,6 @@ def _sum_post(operands: Sequence, posts: tuple, out_shape: Sequence[int]) -> tup
     shape (a residual) as "sum": oneDNN accumulates into the operand's values instead of reading
     it as a second tensor (ResNet-50's 64 -> 256 1x1 at 56 x 56, batch 4, one thread: 3.1 ->
     1.7-2.2 ms; docs/performance.md)."""
-    if os.environ.get("POPART_ONEDNN_SUM", "1") == "0":   # TEMP: measurement toggle
-        return posts
     first = 1 if posts and posts[0][0] == "bias" else 0
     if len(posts) > first and posts[first][0] == "add" and \
             tuple(operands[first].shape) == tuple(out_shape):
