@@ -185,8 +185,9 @@ def report(prof, steps: float, hlo: str, flops_per_step: float = 1.0, top: int =
         xla = [(us, n) for n, us in per_kernel.items()
                if not n.startswith(_NOT_KERNELS) and not n.startswith("ffi_call")]
         for us, name in sorted(xla, reverse=True)[:kernels]:
-            m = re.search(rf"^\s*(?:ROOT )?\S+ = (\S+) [^\n]*calls=%?{re.escape(name)}\b", hlo, re.M) or \
-                re.search(rf"^%?{re.escape(name)} .*?ROOT ([^\n]*)", hlo, re.M | re.S)
+            call = re.search(rf"%{re.escape(name)} = [^\n]*?calls=%?([\w.]+)", hlo)
+            m = call and re.search(rf"^%?{re.escape(call.group(1))} .*?ROOT ([^\n]*)", hlo,
+                                   re.M | re.S)
             print(f"{us:10.0f}  {name:28s} {m.group(1)[:150] if m else ''}")
     dots = {n: (lhs, rhs, f * flops_per_step) for n, (lhs, rhs, f) in _matmuls(hlo).items()}
     print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")

@@ -2,11 +2,12 @@
 (or, with ``--train``, its TrainingSession) on one exported model.
 
     python bench/profile_zoo.py gpt2 [--threads 1] [--train] [--onnx saved.onnx] [--hlo out.txt]
-    python bench/profile_zoo.py efficientnet_b0 --fastest [--convs 20]
+    python bench/profile_zoo.py efficientnet_b0 --fastest [--convs 20] [--kernels 12]
 
 Prints the step time beside onnxruntime's (inference), the thread time of each kind of XLA
 kernel per step, each matmul with its shapes and GFLOP/s, and each oneDNN convolution call
-with its shape, post-ops and GFLOP/s (``profile_step.py``'s tables); ``--fastest`` takes each
+with its shape, post-ops and GFLOP/s, with ``--kernels`` the slowest XLA kernels and their
+fusion's root (``profile_step.py``'s tables); ``--fastest`` takes each
 kernel's fastest run (a busy machine's preemptions left out), ``--hlo`` writes the compiled
 (optimized) HLO, ``--onnx`` reuses an export (or saves one).
 """
