@@ -173,12 +173,22 @@ def main() -> None:
 
 
 def report(prof, steps: float, hlo: str, flops_per_step: float = 1.0, top: int = 12,
-           fastest: bool = False, convs: int = 15) -> None:
+           fastest: bool = False, convs: int = 15, kernels: int = 0) -> None:
     """Print the thread time per step of each kind of kernel in ``prof`` (a ProfileData of
     ``steps`` steps of the program whose compiled HLO is ``hlo``; ``fastest``: see
-    ``_kernel_times``), then each matmul's, then the ``convs`` slowest oneDNN convolutions."""
+    ``_kernel_times``), then the ``kernels`` slowest XLA kernels with their fusion's root
+    instruction, then each matmul's, then the ``convs`` slowest oneDNN convolutions."""
     per_kernel = _kernel_times(prof, steps, fastest)
     _print_kinds(per_kernel, top)
+    if kernels:
+        print(f"\nthe {kernels} slowest XLA kernels (us per step, the fusion's root):")
+        xla = [(us, n) for n, us in per_kernel.items()
+               if not n.startswith(_NOT_KERNELS) and not n.startswith("ffi_call")]
+        for us, name in sorted(xla, reverse=True)[:kernels]:
+            call = re.search(rf"%{re.escape(name)} = [^\n]*?calls=%?([\w.]+)", hlo)
+            m = call and re.search(rf"^%?{re.escape(call.group(1))} .*?ROOT ([^\n]*)", hlo,
+                                   re.M | re.S)
+            print(f"{us:10.0f}  {name:28s} {m.group(1)[:150] if m else ''}")
     dots = {n: (lhs, rhs, f * flops_per_step) for n, (lhs, rhs, f) in _matmuls(hlo).items()}
     print("\nmatmuls (us per step, GFLOP/s, lhs x rhs):")
     rows = sorted(((per_kernel[n], n, *d) for n, d in dots.items() if n in per_kernel),

@@ -2,11 +2,12 @@
 (or, with ``--train``, its TrainingSession) on one exported model.
 
     python bench/profile_zoo.py gpt2 [--threads 1] [--train] [--onnx saved.onnx] [--hlo out.txt]
-    python bench/profile_zoo.py efficientnet_b0 --fastest [--convs 20]
+    python bench/profile_zoo.py efficientnet_b0 --fastest [--convs 20] [--kernels 12]
 
 Prints the step time beside onnxruntime's (inference), the thread time of each kind of XLA
 kernel per step, each matmul with its shapes and GFLOP/s, and each oneDNN convolution call
-with its shape, post-ops and GFLOP/s (``profile_step.py``'s tables); ``--fastest`` takes each
+with its shape, post-ops and GFLOP/s, with ``--kernels`` the slowest XLA kernels and their
+fusion's root (``profile_step.py``'s tables); ``--fastest`` takes each
 kernel's fastest run (a busy machine's preemptions left out), ``--hlo`` writes the compiled
 (optimized) HLO, ``--onnx`` reuses an export (or saves one).
 """
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--fastest", action="store_true", help="each kernel's fastest run")
     ap.add_argument("--convs", type=int, default=15, help="oneDNN convolution calls listed")
+    ap.add_argument("--kernels", type=int, default=0, help="slowest XLA kernels listed")
     args = ap.parse_args()
     import jax
     import popart.testing
@@ -75,7 +77,8 @@ def main() -> None:
     hlo = popart.testing.compiled(runner.session).as_text()
     if args.hlo:
         Path(args.hlo).write_text(hlo)
-    profile_step.report(prof, args.steps, hlo, top=25, fastest=args.fastest, convs=args.convs)
+    profile_step.report(prof, args.steps, hlo, top=25, fastest=args.fastest, convs=args.convs,
+                         kernels=args.kernels)
 
 
 if __name__ == "__main__":

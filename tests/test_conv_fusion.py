@@ -189,7 +189,7 @@ def test_inference_fuses_every_pattern_and_matches_onnxruntime(reference, bps):
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4, err_msg=name)
     # One call per Conv (the calls each post-op extended are dropped); the anchored
     # pre-activation of the last one is not fused.
-    assert _posts(s) == [["bias", "relu"], ["swish"], ["bias", "add", "relu"], ["max", "min"],
+    assert _posts(s) == [["bias", "relu"], ["swish"], ["bias", "sum", "relu"], ["max", "min"],
                          ["clip"], ["hardswish"], ["bias", "gelu"], ["relu"], ["hardsigmoid"], []]
 
 

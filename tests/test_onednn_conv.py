@@ -191,3 +191,107 @@ def test_session_conv_runs_on_onednn_and_through_the_engine_cache(tmp_path):
     assert sources == ["compiled (cached)", "engine cache"]
     entry = next(tmp_path.glob("[0-9]*.popef"))
     assert onednn.TARGET.encode() in entry.read_bytes()
+
+
+# ---- Inference layouts and the residual sum (sessions against onnxruntime) ----
+
+def _session_vs_onnxruntime(nodes, inputs: dict, weights: dict, outputs: list, bps: int):
+    """An opset-20 model of ``nodes`` run by an InferenceSession (batchesPerStep ``bps``: the
+    second batch the first's negation) and by onnxruntime; asserts they agree and returns the
+    session."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    import popart
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape))
+                     for k, v in inputs.items()],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]).SerializeToString()
+    s = popart.InferenceSession(model, popart.DataFlow(bps, outputs),
+                                popart.DeviceManager().createCpuDevice())
+    s.prepareDevice()
+    anchors = s.initAnchorArrays()
+    feeds = [inputs, {k: -v for k, v in inputs.items()}][:bps]
+    s.run(popart.PyStepIO({k: np.stack([f[k] for f in feeds]) if bps > 1 else v
+                           for k, v in inputs.items()}, anchors))
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for i, feed in enumerate(feeds):
+        for name, want in zip(outputs, ref.run(outputs, feed)):
+            got = anchors[name][i] if bps > 1 else anchors[name]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
+    return s
+
+
+def _calls(session) -> list[str]:
+    """Each oneDNN convolution call of the compiled program (its HLO line)."""
+    import popart.testing
+    return [line for line in popart.testing.compiled(session).as_text().splitlines()
+            if 'custom_call_target="popart_onednn_conv"' in line]
+
+
+def _geom(call: str) -> list[int]:
+    import re
+    return [int(v) for v in re.search(r"geom = dense<\[([\d, -]*)\]>", call).group(1).split(",")]
+
+
+@needs_onednn
+@pytest.mark.parametrize("bps", [1, 2])
+def test_residual_add_is_a_sum_into_the_residual(bps):
+    """a = Relu(Conv(x)); y = Relu(Conv(a) + a), a anchored too: the Add is oneDNN's sum
+    post-op (code 6), its operand aliased to the call's result (XLA copies a, which is read
+    elsewhere); under batchesPerStep's vmap too. Values: onnxruntime's."""
+    from onnx import helper
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 8, 6, 6), dtype=np.float32)
+    w = {k: rng.standard_normal((8, 8, 3, 3), dtype=np.float32) * 0.3 for k in ("w1", "w2")}
+    mk = helper.make_node
+    nodes = [mk("Conv", ["x", "w1"], ["c1"], pads=[1] * 4), mk("Relu", ["c1"], ["a"]),
+             mk("Conv", ["a", "w2"], ["c2"], pads=[1] * 4), mk("Add", ["c2", "a"], ["r"]),
+             mk("Relu", ["r"], ["y"])]
+    s = _session_vs_onnxruntime(nodes, {"x": x}, w, ["y", "a"], bps)
+    calls = _calls(s)
+    summed = [c for c in calls if _geom(c)[11::3] == [onednn.POST_OPS["sum"][0], 10]]
+    assert len(calls) == 2 and len(summed) == 1
+    assert "output_to_operand_aliasing" in summed[0]
+
+
+@needs_onednn
+def test_sum_under_vmap_with_a_shared_residual_matches_torch():
+    """vmap of a sum call whose residual is not batched: called without the alias (conv.cc
+    copies the residual into each result); a batched residual keeps it."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 2, 4, 5, 5), dtype=np.float32)
+    w = rng.standard_normal((4, 4, 1, 1), dtype=np.float32)
+    res = rng.standard_normal((2, 5, 5, 4), dtype=np.float32)
+    static = ((1, 1), ((0, 0), (0, 0)), (1, 1), True, 1, (("add", 0.0, 0.0),))
+    f = lambda x, r: onednn.conv2d_fused(x.transpose(0, 2, 3, 1), w, (r,), *static)  # noqa: E731
+    shared = jax.jit(jax.vmap(f, in_axes=(0, None)))(x, res)
+    batched = jax.jit(jax.vmap(f))(x, np.stack([res, 2 * res, 3 * res]))
+    for i in range(3):
+        conv = torch.nn.functional.conv2d(torch.from_numpy(x[i]), torch.from_numpy(w)).numpy()
+        conv = conv.transpose(0, 2, 3, 1)
+        np.testing.assert_allclose(np.asarray(shared[i]), conv + res, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(batched[i]), conv + (i + 1) * res, rtol=1e-4,
+                                   atol=1e-4)
+
+
+@needs_onednn
+def test_twin_less_channel_reducing_1x1_runs_nchw_in_inference():
+    """SegFormer's head: Concat of NCHW maps (no channels-last form) -> 1x1 Conv halving the
+    channels or more -> Relu -> 1x1 Conv: both run on NCHW activations (no transpose of the
+    concatenation), matching onnxruntime; a 1x1 that keeps its channels runs NHWC."""
+    from onnx import helper
+    rng = np.random.default_rng(13)
+    maps = {f"p{i}": rng.standard_normal((2, 8, 6, 6), dtype=np.float32) for i in range(4)}
+    w = {"w1": rng.standard_normal((8, 32, 1, 1), dtype=np.float32) * 0.2,
+         "w2": rng.standard_normal((2, 8, 1, 1), dtype=np.float32),
+         "w3": rng.standard_normal((32, 32, 1, 1), dtype=np.float32) * 0.2}
+    mk = helper.make_node
+    nodes = [mk("Concat", list(maps), ["cat"], axis=1), mk("Conv", ["cat", "w1"], ["c1"]),
+             mk("Relu", ["c1"], ["r"]), mk("Conv", ["r", "w2"], ["y"]),
+             mk("Conv", ["cat", "w3"], ["z"])]
+    s = _session_vs_onnxruntime(nodes, maps, w, ["y", "z"], 1)
+    assert sorted(_geom(c)[1] for c in _calls(s)) == [0, 0, 1]   # the NHWC flag
+    assert onednn.channels_last((2, 32, 6, 6), (8, 32, 1, 1), training=True) is False
+    assert onednn.channels_last((2, 32, 1, 1), (8, 32, 1, 1), training=False) is True

@@ -128,9 +128,33 @@ def _call(kind: int, a, b, out_shape: Sequence[int], geom: Sequence[int], nhwc: 
           operands: Sequence = (), posts: Sequence[int] = ()):
     if not available():
         raise RuntimeError("the oneDNN convolution is unavailable (see popart's devicex log)")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(tuple(out_shape), np.float32),
-                            vmap_method="expand_dims")
-    return call(a, b, *operands, geom=np.array([kind, int(nhwc), *geom, *posts], np.int64))
+    geom = np.array([kind, int(nhwc), *geom, *posts], np.int64)
+    codes = list(posts[::3])
+    if POST_OPS["sum"][0] not in codes:
+        return _ffi(tuple(out_shape), geom)(a, b, *operands)
+    return _summed(tuple(out_shape), geom, 2 + int(codes[0] == POST_OPS["bias"][0]))(
+        a, b, *operands)
+
+
+def _ffi(out_shape: tuple, geom: np.ndarray, alias: Optional[int] = None):
+    out = jax.ShapeDtypeStruct(out_shape, np.float32)
+    return functools.partial(jax.ffi.ffi_call(
+        TARGET, out, vmap_method="expand_dims",
+        input_output_aliases=None if alias is None else {alias: 0}), geom=geom)
+
+
+def _summed(out_shape: tuple, geom: np.ndarray, i: int):
+    """The call with a sum post-op, its operand (argument ``i``) the result's buffer (XLA
+    copies it only where something else reads it) while batched like the result: under vmap
+    an operand shared by the batch is passed without the alias (conv.cc copies it in)."""
+    call = jax.custom_batching.custom_vmap(_ffi(out_shape, geom, i))
+
+    @call.def_vmap
+    def _batched(axis_size, in_batched, *args):   # as vmap_method="expand_dims" does
+        args = [v if batched else v[None] for v, batched in zip(args, in_batched)]
+        shape = (axis_size, *out_shape)
+        return (_summed(shape, geom, i) if in_batched[i] else _ffi(shape, geom))(*args), True
+    return call
 
 
 def _geom(strides, padding, dilation, groups) -> tuple:
@@ -214,8 +238,13 @@ def channels_last(x_shape: Sequence[int], w_shape: Sequence[int], training: bool
     (forward and gradients in isolation, transposes on both sides: 0.83-0.94x); in inference
     they run NHWC too, their result feeding NHWC consumers (ShuffleNetV2, whose channel shuffle
     drops the channels-last form before each 1x1: 27.3 -> 18.4 ms of CPU per batch;
-    docs/performance.md). An input already channels-last always runs NHWC."""
-    return not training or tuple(w_shape[2:]) != (1, 1)
+    docs/performance.md), except a 1x1 over more than one pixel that at least halves the
+    channels: transposing its input costs more than the NCHW kernel loses (SegFormer-B0's head,
+    a concatenation of four NCHW maps, 2 x 1024 x 64 x 64 -> 256: 62.5 -> 53.3 ms of CPU per
+    batch). An input already channels-last always runs NHWC."""
+    if tuple(w_shape[2:]) != (1, 1):
+        return True
+    return not training and (2 * w_shape[0] > x_shape[1] or int(np.prod(x_shape[2:])) == 1)
 
 
 def prefers(x_shape: Sequence[int], w_shape: Sequence[int], strides: Sequence[int],
@@ -246,6 +275,7 @@ POST_OPS = {
     "mul": (3, lambda y, a, b, v: y * v),
     "max": (4, lambda y, a, b, v: jnp.maximum(y, v)),
     "min": (5, lambda y, a, b, v: jnp.minimum(y, v)),
+    "sum": (6, lambda y, a, b, v: y + v),   # add of the result's shape, accumulated in place
     "relu": (10, lambda y, a, b: jnp.where(y > 0, y, y * a)),
     "clip": (11, lambda y, a, b: jnp.clip(y, a, b)),
     "hardswish": (12, lambda y, a, b: y * jnp.clip(y * a + b, 0, 1)),
@@ -258,7 +288,7 @@ POST_OPS = {
     "elu": (19, lambda y, a, b: jnp.where(y > 0, y, a * jnp.expm1(y))),
     "linear": (20, lambda y, a, b: y * a + b),
 }
-BINARY_POSTS = ("add", "mul", "max", "min")
+BINARY_POSTS = ("add", "mul", "max", "min", "sum")
 Post = tuple   # (name, alpha, beta)
 
 
@@ -290,9 +320,22 @@ def conv2d_fused(x, w, operands: tuple, strides: tuple, padding: tuple, dilation
     the post-ops applied as the convolution writes its result (``posts``: (name, alpha, beta)
     of ``POST_OPS``, the bias first if any). Its gradients are those of the reference. Inside
     :func:`packing`, on packed weights (as :func:`conv2d`)."""
+    posts = _sum_post(operands, posts, _out_shape(x, w, strides, padding, dilation, nhwc))
     if _PACKING.get():
         return _packed_forward(x, w, operands, strides, padding, dilation, nhwc, groups, posts)
     return _conv2d_fused(x, w, operands, strides, padding, dilation, nhwc, groups, posts)
+
+
+def _sum_post(operands: Sequence, posts: tuple, out_shape: Sequence[int]) -> tuple:
+    """``posts`` with a first post-op (after the bias) "add" of an operand of the result's own
+    shape (a residual) as "sum": oneDNN accumulates into the operand's values instead of reading
+    it as a second tensor (ResNet-50's 64 -> 256 1x1 at 56 x 56, batch 4, one thread: 3.1 ->
+    1.7-2.2 ms; docs/performance.md)."""
+    first = 1 if posts and posts[0][0] == "bias" else 0
+    if len(posts) > first and posts[first][0] == "add" and \
+            tuple(operands[first].shape) == tuple(out_shape):
+        return (*posts[:first], ("sum", *posts[first][1:]), *posts[first + 1:])
+    return posts
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))

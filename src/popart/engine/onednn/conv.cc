@@ -8,7 +8,11 @@
 // The forward may carry post-ops after geom[10], three values each: a code (Post below) and
 // the float32 bits of its alpha and beta. The bias (code kBias, first) and the second input
 // of each binary post-op follow x and w as operands, in order: the bias [O], a binary input
-// in the activations' layout with each of its 4 dims the result's or 1 (broadcast).
+// in the activations' layout with each of its 4 dims the result's or 1 (broadcast). A residual
+// add of the result's own shape is oneDNN's sum post-op (code kSum): its operand is copied into
+// the result (nothing to copy when XLA aliased the two) and the convolution accumulates into
+// it, where the binary add reads it as a second tensor (1.5 ms more per call on ResNet-50's
+// 56 x 56 1x1 expansion at batch 4, docs/performance.md).
 // Operands may carry extra leading (vmap) dims: each has either the result's leading dims or
 // all of them 1 (shared). Primitives are made once per shape and post-op chain and cached;
 // weights are reordered to the primitive's blocked format on each call, except for kind 3: a
@@ -44,9 +48,10 @@ using popart_onednn::Scratch;
 // Post-op codes (onednn/__init__.py POST_OPS): the bias, binary add / multiply / max / min
 // with an operand,
 // and oneDNN's eltwise algorithms (alpha, beta as oneDNN defines them).
-enum Post : int64_t { kBias = 1, kAdd = 2, kMul = 3, kMax = 4, kMin = 5, kEltwise = 10 };
+enum Post : int64_t { kBias = 1, kAdd = 2, kMul = 3, kMax = 4, kMin = 5, kSum = 6, kEltwise = 10 };
 const alg kBinaryAlgs[] = {alg::binary_add, alg::binary_mul, alg::binary_max, alg::binary_min};
 bool binary(int64_t code) { return code >= kAdd && code <= kMin; }
+bool operand(int64_t code) { return binary(code) || code == kSum; }   // 4-D operand post-ops
 const alg kEltwiseAlgs[] = {
     alg::eltwise_relu,      alg::eltwise_clip,     alg::eltwise_hardswish, alg::eltwise_hardsigmoid,
     alg::eltwise_logistic,  alg::eltwise_swish,    alg::eltwise_gelu_erf,  alg::eltwise_gelu_tanh,
@@ -126,6 +131,9 @@ std::shared_ptr<Plan> make_plan(const Key& k) {
       plan->binary_post.push_back(ops.len());
       plan->binary.push_back(b);
       ops.append_binary(kBinaryAlgs[code - kAdd], b);
+    } else if (code == kSum) {
+      dims += 4;   // the result's own dims
+      ops.append_sum(1.f);
     } else {
       ops.append_eltwise(kEltwiseAlgs[code - kEltwise], bits(k[p + 1]), bits(k[p + 2]));
     }
@@ -196,7 +204,8 @@ int64_t lead(ffi::Span<const int64_t> d, size_t inner = 4) {  // product of the 
   return b;
 }
 
-struct Extra {  // a post-op operand: its data, dims and outer (vmap) size
+struct Extra {  // a post-op operand: its code, data, dims and outer (vmap) size
+  int64_t code;
   float* data;
   ffi::Span<const int64_t> dims;
   int64_t lead;
@@ -223,7 +232,7 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
   for (size_t i = 11, j = 0; i < geom.size(); i += 3) {
     const int64_t code = geom[i];
     if (code >= kEltwise && code < kEltwise + kNumEltwise) continue;
-    if (code != kBias && !binary(code))
+    if (code != kBias && !operand(code))
       return ffi::Error::InvalidArgument("unknown post-op code " + std::to_string(code));
     if (code == kBias && i != 11) return ffi::Error::InvalidArgument("the bias comes first");
     auto e = rest.get<ffi::Buffer<ffi::F32>>(j++);
@@ -231,7 +240,7 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
     auto d = e->dimensions();
     const size_t inner = geom[i] == kBias ? 1 : 4;
     if (d.size() < inner) return ffi::Error::InvalidArgument("a post-op operand has too few dims");
-    extras.push_back({e->typed_data(), d, lead(d, inner)});
+    extras.push_back({code, e->typed_data(), d, lead(d, inner)});
   }
   auto sp = [&](ffi::Span<const int64_t> d, int64_t& n, int64_t& c, int64_t& h, int64_t& w) {
     size_t r = d.size() - 4;
@@ -260,11 +269,14 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
   for (size_t i = 11, j = 0; i < geom.size(); i += 3) {
     if (geom[i] == kBias) {
       fold = fold && extras[j++].lead == 1;
-    } else if (binary(geom[i])) {
+    } else if (operand(geom[i])) {
       const Extra& e = extras[j++];
       int64_t n, c, h, w;
       sp(e.dims, n, c, h, w);
-      fold = fold && ((e.lead == batches && n == N) || (e.lead == 1 && n == 1));
+      if (geom[i] == kSum && ((e.lead != batches && e.lead != 1) || n != N || c != O ||
+                              h != OH || w != OW))
+        return ffi::Error::InvalidArgument("a sum post-op's operand has the result's shape");
+      fold = fold && ((e.lead == batches && n == N) || (e.lead == 1 && n == 1 && geom[i] != kSum));
       bin_dims.insert(bin_dims.end(), {n, c, h, w});
     }
   }
@@ -297,10 +309,6 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
     float* pb = b.typed_data();
     float* po = out->typed_data();
     void* wp = plan->reorder ? wbuf.get(plan->w_prim.get_size()) : nullptr;
-    // Each post-op operand's memory descriptor and step per loop.
-    std::vector<memory::desc> ext_desc;
-    if (!plan->bias.is_zero()) ext_desc.push_back(plan->bias);
-    ext_desc.insert(ext_desc.end(), plan->binary.begin(), plan->binary.end());
     for (int64_t i = 0; i < loops; ++i, pa += step_a, pb += step_b, po += so) {
       if (kind == 2) {
         memory x(plan->act_in, cpu(), pa), dy(plan->act_out, cpu(), pb);
@@ -333,14 +341,18 @@ ffi::Error Conv(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Remaining
       }
       std::unordered_map<int, memory> args{{DNNL_ARG_SRC, in}, {DNNL_ARG_WEIGHTS, w},
                                            {DNNL_ARG_DST, res}, {DNNL_ARG_SCRATCHPAD, pad}};
-      for (size_t j = 0; j < extras.size(); ++j) {
-        const size_t size = ext_desc[j].get_size() / 4;
-        float* p = extras[j].data + (extras[j].lead == 1 || loops == 1 ? 0 : i * size);
-        const bool is_bias = j == 0 && !plan->bias.is_zero();
-        const int arg = is_bias ? DNNL_ARG_BIAS
-            : DNNL_ARG_ATTR_MULTIPLE_POST_OP(plan->binary_post[j - !plan->bias.is_zero()]) |
-                DNNL_ARG_SRC_1;
-        args.emplace(arg, memory(ext_desc[j], cpu(), p));
+      for (size_t j = 0, d = 0; j < extras.size(); ++j) {
+        const Extra& e = extras[j];
+        if (e.code == kSum) {   // accumulated into the result: the operand copied there first
+          const float* p = e.data + (e.lead == 1 || loops == 1 ? 0 : i * so);
+          if (p != po) std::memcpy(po, p, so * 4);
+          continue;
+        }
+        const memory::desc& desc = e.code == kBias ? plan->bias : plan->binary[d];
+        float* p = e.data + (e.lead == 1 || loops == 1 ? 0 : i * (desc.get_size() / 4));
+        const int arg = e.code == kBias ? DNNL_ARG_BIAS
+            : DNNL_ARG_ATTR_MULTIPLE_POST_OP(plan->binary_post[d++]) | DNNL_ARG_SRC_1;
+        args.emplace(arg, memory(desc, cpu(), p));
       }
       plan->prim.execute(s, args);
     }
