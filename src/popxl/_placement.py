@@ -378,7 +378,7 @@ def _stage_fn(p: MainPlan, s: int, run: GraphRun) -> Callable:
         mine = layout.read(blocks, ipu)
         received = {**received, **{t: received[x] for t, x in outer.items() if x in received}}
         weights = {t: mine[v] for t, v in p.from_block[s].items()}
-        tr = run(sub, {**feeds, **received}, weights, key=jax.random.key(0))
+        tr = run(sub, {**feeds, **received}, weights)
         blocks = layout.repack(blocks, ipu, {v: tr.env[t] for v, t in p.to_block[s].items()})
         return run.result(tr, blocks, {t: jnp.asarray(tr.env[t]) for t in exports}, run.record(tr))
     return stage

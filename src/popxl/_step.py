@@ -84,8 +84,7 @@ def replica_fn(p: Program, run: GraphRun) -> Callable:
 
     def replica(state: dict, feeds: dict) -> tuple:
         feeds = {**feeds, **{k: jnp.zeros(z.shape, z.dtype) for k, z in zeros.items()}}
-        t = run(p.main_ir, feeds, {gin: state[key] for key, gin in inputs.items()},
-              key=jax.random.key(0))   # popxl's random ops take their seeds as inputs
+        t = run(p.main_ir, feeds, {gin: state[key] for key, gin in inputs.items()})
         return run.result(t, run.written(t, new, state), run.outputs(t, d2h))
     return replica
 

@@ -94,8 +94,11 @@ class GraphRun:
     def __call__(self, graph: Graph, feeds: Mapping[str, Any], weights: Mapping[str, Any],
                  key: Any = None, **kw: Any) -> Trace:
         """The trace of ``graph`` (``kw``: ``lower.trace``'s training options); ``key``: the
-        base PRNG key (None: key(0), made when a random op reads it)."""
+        base PRNG key (None: key(0), popxl's, whose random ops take their seeds as inputs).
+        The key is made here, before the graph runs: one made lazily by the first random op
+        inside a repeat or conditional body became a constant argument of the compiled step."""
         R = self.replication_factor
+        key = jax.random.key(0) if key is None else key
         return trace(graph, feeds, key=key, weights=weights,
                      replica_axis=REPLICA_AXIS if R > 1 else None, replication_factor=R,
                      config=self.config, platform=self.platform, checks=self.checks, **kw)
