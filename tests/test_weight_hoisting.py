@@ -97,7 +97,7 @@ def test_broadcast_of_a_weight_is_not_hoisted(hoisted):
     assert specs, "nothing hoisted"
     sizes = sorted(int(np.prod(s.shape)) for s in specs)
     assert ROWS * N not in sizes
-    assert sum(sizes) * 4 <= 1.25 * (W1.nbytes + W2.nbytes + BIAS.nbytes) + 3 * hoist.SLACK
+    assert sum(sizes) * 4 <= 1.25 * (W1.nbytes + W2.nbytes + BIAS.nbytes) + 3 * onednn.PACK_SLACK
 
 
 def test_split_guards_growth_and_cap():

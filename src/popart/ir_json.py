@@ -22,7 +22,7 @@ from ._ir.graph import PIPELINE_STAGE, VIRTUAL_GRAPH, Graph
 from ._ir import recompute as _recompute
 from ._ir.recompute import RECOMPUTE, RECOMPUTE_OUTPUT
 from ._ir.transforms import gradient_flow
-from ._ir.interipucopy import ipu_copy_node
+from ._ir.interipucopy import copied_id, ipu_copy_node
 from .engine.placed import copied
 from .ops.registry import shape_text
 from .options import IrSerializationFormat
@@ -606,7 +606,7 @@ def _grad_copy(grad: str, at: Optional[tuple], source: Optional[tuple], copied: 
     if at is None or source is None or source[1] == at[1] or (grad, at[1]) in copied:
         return []
     (s, src), ipu = source, at[1]
-    copy = copied[(grad, ipu)] = f"{grad}_c{ipu}"
+    copy = copied[(grad, ipu)] = copied_id(grad, ipu)
     infos[copy] = info
     return [_ipu_copy_op(grad, copy, src, ipu, s, infos)]
 

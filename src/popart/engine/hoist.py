@@ -41,8 +41,9 @@ from . import onednn
 from .compiled import CompiledStep
 
 _logger = getLogger("devicex")
-# a residual's bytes may be this much over what it derives from (oneDNN's padded packed layouts)
-GROWTH, SLACK = onednn.PACK_GROWTH, onednn.PACK_SLACK
+# the default cap on all residuals is this many times the weights (+ 64 MiB); each residual
+# obeys onednn.fits (at most a pack's padding over what it derives from)
+GROWTH = onednn.PACK_GROWTH
 
 
 def wanted(training: bool, replication_factor: int) -> bool:
@@ -70,7 +71,7 @@ def _saveable(forbidden: set, prim: Any, *avals: Any, **params: Any) -> bool:
     if any((getattr(a, "shape", None), getattr(a, "dtype", None)) in forbidden for a in outs):
         return False
     largest = max((_nbytes(a) for a in avals), default=0)
-    return largest > 0 and sum(map(_nbytes, outs)) <= GROWTH * largest + SLACK
+    return largest > 0 and onednn.fits(sum(map(_nbytes, outs)), largest)
 
 
 @dataclass
@@ -105,8 +106,8 @@ def split(fn: Callable, specs: Sequence[Any], cap: Optional[int] = None) -> Opti
         known, staged, _, _, n_res = pe.partial_eval_jaxpr_custom(
             jaxpr, unknowns, True, False, True, functools.partial(_saveable, frozenset(forbidden)))
         res = known.outvars[len(known.outvars) - n_res:]
-        big = {(v.aval.shape, v.aval.dtype) for v in res if _nbytes(v.aval) > GROWTH * sum(
-            b for b, used in zip(source, pe.dce_jaxpr(known.replace(outvars=[v]), [True])[1]) if used) + SLACK}
+        big = {(v.aval.shape, v.aval.dtype) for v in res if not onednn.fits(_nbytes(v.aval), sum(
+            b for b, used in zip(source, pe.dce_jaxpr(known.replace(outvars=[v]), [True])[1]) if used))}
         if not big:
             break
         forbidden |= big

@@ -223,7 +223,7 @@ def _packed_forward(x, w, operands, strides, padding, dilation, nhwc, groups, po
     size = f(key.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), ctypes.c_int64(key.size))
     if size < 0:
         raise RuntimeError(f"oneDNN has no forward convolution for the key {key.tolist()}")
-    if size > PACK_GROWTH * 4 * int(np.prod(w.shape)) + PACK_SLACK:   # the hoisting would keep its pack
+    if not fits(size, 4 * int(np.prod(w.shape))):   # the hoisting would keep its pack
         return (_conv2d_fused(x, w, operands, strides, padding, dilation, nhwc, groups, posts) if posts
                 else _conv2d(x, w, strides, padding, dilation, nhwc, groups))
     packed = jax.ffi.ffi_call(CONV_PACK, jax.ShapeDtypeStruct((size // 4,), np.float32),
@@ -409,7 +409,6 @@ def pack(w, trans: bool = False):
     array that only :func:`matmul` reads."""
     k, n = (w.shape[1], w.shape[0]) if trans else w.shape
     out = jax.ShapeDtypeStruct((packed_bytes(k, n, trans) // 4,), np.float32)
-    _lib()
     return jax.ffi.ffi_call(PACK, out, vmap_method="sequential")(w, geom=_mm_geom(2, k, n, trans))
 
 
@@ -428,6 +427,12 @@ _PACKING = contextvars.ContextVar("popart_onednn_packing", default=False)
 # A packed layout this much larger than its weights (padding) is not packed: hoist.py's memory
 # guard (GROWTH, SLACK) would keep its pack in the step, run on every call.
 PACK_GROWTH, PACK_SLACK = 1.25, 4096
+
+
+def fits(nbytes: int, source_bytes: int) -> bool:
+    """Whether a value of ``nbytes`` derived from ``source_bytes`` of weights stays within the
+    growth a pack may add (padding): the one rule of hoist.py's guard and of what is packed."""
+    return nbytes <= PACK_GROWTH * source_bytes + PACK_SLACK
 
 
 @contextlib.contextmanager
@@ -450,4 +455,4 @@ def packs_weights(w) -> bool:
     if not (_PACKING.get() and jnp.ndim(w) == 2 and jnp.result_type(w) == jnp.float32
             and int(np.prod(jnp.shape(w))) >= 4096 and available()):
         return False
-    return packed_bytes(*w.shape) <= PACK_GROWTH * 4 * int(np.prod(w.shape)) + PACK_SLACK
+    return fits(packed_bytes(*w.shape), 4 * int(np.prod(w.shape)))
